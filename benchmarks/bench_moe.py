@@ -1,0 +1,191 @@
+"""MoE + multi-adapter expert-LoRA benchmark (kernels only, not a test).
+
+For each model shape, token count T and number of distinct adapters (rank 16, tokens assigned
+round-robin) it reports, all measured in one run on one device:
+  base      time of fused_moe without LoRA, and % of its floor: bytes of the expert weights it must
+            read (distinct experts touched) / measured copy bandwidth
+  lora      extra time with LoRA on, and % of its floor: bytes of A and B of every touched
+            (adapter, expert) pair / measured copy bandwidth
+  block     (router GEMM + top-k + fused_moe) with LoRA over without, both under a CUDA graph
+  TFLOP/s   of the base MoE at T >= 512 against the measured bf16 matmul rate
+Timings are CUDA-graph replays over several layer copies, so weights come from HBM, not L2.
+
+    python3 benchmarks/bench_moe.py                       # all shapes, markdown table to stdout
+    python3 benchmarks/bench_moe.py --shapes tiny         # CPU-sized demo (torch path on CPU)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+
+import torch
+
+from moelora.kernels.fused_moe import MoEKernelConfig, fused_moe
+from moelora.layers.moe.topk import TopKConfig, select_experts
+from moelora.testing import assert_rows_close, random_expert_lora, random_moe_weights, rel_tolerance
+
+SHAPES = {  # hidden, intermediate, experts, top_k
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "mixtral-8x7b": (4096, 14336, 8, 2),
+    "deepseek-v2-lite": (2048, 1408, 64, 6),
+    "tiny": (256, 128, 16, 4),
+}
+RANK, SLOTS = 16, 8
+
+
+def measure(fn, reps: int = 20) -> float:
+    """Median seconds per call: CUDA-graph replays timed with events, or wall clock on CPU."""
+    fn()
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(max(3, reps // 5)):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del graph
+    return statistics.median(times)
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes/s of a large device copy, counting bytes read plus bytes written."""
+    n = (1 << 30) if device == "cuda" else (1 << 26)
+    src, dst = torch.randn(n // 4, device=device), torch.empty(n // 4, device=device)
+    return 2 * n / measure(lambda: dst.copy_(src))
+
+
+def matmul_rate(device, dtype) -> float:
+    n = 8192 if device == "cuda" else 512
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n**3 / measure(lambda: a @ b, reps=10)
+
+
+class Layers:
+    """Several copies of one MoE layer (router, experts, LoRA slots) so that timed loops stream
+    weights from memory as a real model does."""
+
+    def __init__(self, shape, copies, dtype, device):
+        hidden, inter, experts, top_k = shape
+        self.hidden, self.inter, self.experts, self.top_k = shape
+        self.router = [torch.randn(experts, hidden, device=device, dtype=dtype) / hidden**0.5 for _ in range(copies)]
+        self.w = [random_moe_weights(experts, hidden, inter, dtype, device) for _ in range(copies)]
+        self.lora = [random_expert_lora(SLOTS, experts, hidden, inter, [RANK] * SLOTS, dtype, device) for _ in range(copies)]
+        self.topk_config = TopKConfig(top_k=top_k, renormalize=True)
+
+    def moe(self, x, topk, slots, with_lora, config=None):
+        for (w13, w2), lora in zip(self.w, self.lora):
+            fused_moe(x, w13, w2, topk, lora if with_lora else None, slots, config=config)
+
+    def block(self, x, slots, with_lora):
+        for router, (w13, w2), lora in zip(self.router, self.w, self.lora):
+            topk = select_experts(x @ router.T, self.topk_config)
+            fused_moe(x, w13, w2, topk, lora if with_lora else None, slots)
+
+
+def bench_point(layers: Layers, tokens, n_adapters, device, dtype, bw, config=None):
+    x = torch.randn(tokens, layers.hidden, device=device, dtype=dtype)
+    topk = select_experts(x @ layers.router[0].T, layers.topk_config)
+    slots = (torch.arange(tokens, device=device) % n_adapters).to(torch.int32)
+    copies = len(layers.w)
+    t_base = measure(lambda: layers.moe(x, topk, slots, False, config)) / copies
+    t_lora = measure(lambda: layers.moe(x, topk, slots, True, config)) / copies
+    h, i = layers.hidden, layers.inter
+    experts_touched = topk.ids.unique().numel()
+    pairs = torch.unique(slots.long().repeat_interleave(layers.top_k) * layers.experts + topk.ids.flatten().long()).numel()
+    base_floor = experts_touched * 3 * h * i * dtype.itemsize / bw
+    lora_floor = pairs * 3 * RANK * (h + i) * dtype.itemsize / bw
+    return dict(x=x, topk=topk, slots=slots, t_base=t_base, t_lora=t_lora, base_floor=base_floor,
+                lora_floor=lora_floor, pairs=pairs)
+
+
+def check_once(layers: Layers, device, dtype):
+    """The benchmarked path must agree with the torch reference before its time means anything."""
+    x = torch.randn(33, layers.hidden, device=device, dtype=dtype)
+    topk = select_experts(x @ layers.router[0].T, layers.topk_config)
+    slots = (torch.arange(33, device=device) % (SLOTS + 1) - 1).to(torch.int32)
+    (w13, w2), lora = layers.w[0], layers.lora[0]
+    got = fused_moe(x, w13, w2, topk, lora, slots)
+    ref = fused_moe(x, w13, w2, topk, lora, slots, impl="torch")
+    assert_rows_close(got, ref, rel_tolerance(dtype, device), "benchmark check")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="qwen3-30b-a3b,mixtral-8x7b,deepseek-v2-lite")
+    p.add_argument("--tokens", default="1,8,32,128,512,4096")
+    p.add_argument("--adapters", default="1,4,8")
+    p.add_argument("--sweep", action="store_true", help="also time alternative tile configs (tuning aid)")
+    args = p.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU (torch path)"
+    bw, mm = copy_bandwidth(device), matmul_rate(device, dtype)
+    print(f"# moelora MoE kernel benchmark, {name}, {datetime.date.today()}, torch {torch.__version__}, {dtype}")
+    print(f"measured copy bandwidth {bw / 1e12:.2f} TB/s (read+write), {dtype} matmul {mm / 1e12:.0f} TFLOP/s, "
+          f"rank {RANK}, tokens assigned to adapters round-robin\n")
+    print("| shape | T | adapters | base us | base % of BW floor | LoRA delta us | LoRA floor us | LoRA % of floor "
+          "| block LoRA/base | base TFLOP/s (% matmul) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for shape_name in args.shapes.split(","):
+        shape = SHAPES[shape_name]
+        per_layer = 3 * shape[0] * shape[1] * shape[2] * dtype.itemsize
+        copies = 1 if device == "cpu" else max(2, min(4, int(4e9 // per_layer)))
+        layers = Layers(shape, copies, dtype, device)
+        check_once(layers, device, dtype)
+        for tokens in map(int, args.tokens.split(",")):
+            for n in map(int, args.adapters.split(",")):
+                r = bench_point(layers, tokens, n, device, dtype, bw)
+                t_block_base = measure(lambda: layers.block(r["x"], r["slots"], False))
+                t_block_lora = measure(lambda: layers.block(r["x"], r["slots"], True))
+                delta = r["t_lora"] - r["t_base"]
+                flops = 2 * 3 * shape[0] * shape[1] * int(((r["topk"].ids >= 0)).sum())
+                tf = f"{flops / r['t_base'] / 1e12:.0f} ({100 * flops / r['t_base'] / mm:.0f}%)" if tokens >= 512 else ""
+                print(f"| {shape_name} | {tokens} | {n} | {r['t_base'] * 1e6:.1f} | {100 * r['base_floor'] / r['t_base']:.0f}% "
+                      f"| {delta * 1e6:.1f} | {r['lora_floor'] * 1e6:.1f} | {100 * r['lora_floor'] / max(delta, 1e-9):.0f}% "
+                      f"| {t_block_lora / t_block_base:.3f} | {tf} |", flush=True)
+                if args.sweep and n == max(map(int, args.adapters.split(","))):
+                    sweep(layers, tokens, n, device, dtype, bw)
+        del layers
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def sweep(layers, tokens, n, device, dtype, bw):
+    k = 64
+    for cfg in [MoEKernelConfig(bm, bn1, bn2, k, g, w, s)
+                for bm in (16, 32, 64, 128) for bn1, bn2 in ((32, 64), (64, 64), (64, 128), (128, 128))
+                for g, w, s in ((1, 4, 3), (8, 4, 4), (8, 8, 3))
+                if bm <= max(16, 4 * tokens * layers.top_k // layers.experts)]:
+        try:
+            r = bench_point(layers, tokens, n, device, dtype, bw, cfg)
+        except Exception as exc:  # out of shared memory etc.
+            print(f"  sweep T={tokens} {cfg}: failed {type(exc).__name__}")
+            continue
+        print(f"  sweep T={tokens} n={n} {cfg}: base {r['t_base'] * 1e6:.1f} us ({100 * r['base_floor'] / r['t_base']:.0f}%), "
+              f"lora {r['t_lora'] * 1e6:.1f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,416 @@
+"""Fused MoE with per-expert LoRA of many adapters in one batch.
+
+    y[t] = sum_j w[t,j] * down_e( silu(gate_e(x[t])) * up_e(x[t]) ),  e = ids[t, j]
+    gate_e(x) = x Wg_e^T + (x Ag_se^T) Bg_se^T,  s = slot of token t (likewise up, down)
+
+Two grouped GEMMs over blocks from `moe_align`; each adds the LoRA delta of the rows that have an
+adapter into its fp32 accumulator (before SiLU for gate/up, before the routing weight for down):
+
+    _gate_up_kernel: h[p]   = silu(x Wg^T + dg) * (x Wu^T + du)      rows p = pairs of one expert
+    _down_kernel:    o[p]   = w[p] * (h Wd^T + dd)
+    _moe_sum_kernel: y[t]   = sum_j o[t*k+j]  over valid experts, in a fixed order (deterministic)
+
+The LoRA delta is computed inside the GEMM program for each slot present in its block: shrink
+(x A^T over the real rank, in chunks of 16) then expand into the output tile. (slot, expert)
+pairs with rank 0 (adapter does not cover the expert) read nothing. Rows without an adapter never
+enter the LoRA loop, so their result is bit-identical to the base computation.
+
+`fused_moe_reference` is the plain-torch version of the whole thing and the CPU backend.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moelora.kernels.moe_align import moe_align
+from moelora.layers.moe.topk import TopKOutput
+
+LORA_RANK_CHUNK = 16  # tl.dot needs >= 16; ranks are processed in chunks of this size
+
+
+@dataclass
+class ExpertLoRA:
+    """Per-expert LoRA weights of every GPU slot for one MoE layer; scaling is folded into B.
+
+    a_gate/a_up [S, E, R, H], b_gate/b_up [S, E, I, R], a_down [S, E, R, I], b_down [S, E, H, R],
+    ranks [3, S, E] int32: real rank of (gate, up, down) for each (slot, expert); 0 = not covered.
+    """
+
+    a_gate: torch.Tensor
+    b_gate: torch.Tensor
+    a_up: torch.Tensor
+    b_up: torch.Tensor
+    a_down: torch.Tensor
+    b_down: torch.Tensor
+    ranks: torch.Tensor
+
+    @property
+    def num_slots(self) -> int:
+        return self.a_gate.shape[0]
+
+    def projections(self):
+        """(name, A, B, ranks) for gate, up, down."""
+        return (
+            ("gate", self.a_gate, self.b_gate, self.ranks[0]),
+            ("up", self.a_up, self.b_up, self.ranks[1]),
+            ("down", self.a_down, self.b_down, self.ranks[2]),
+        )
+
+    def validate(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> None:
+        slots, max_rank = self.a_gate.shape[0], self.a_gate.shape[2]
+        expected = {
+            "a_gate": (slots, num_experts, max_rank, hidden), "b_gate": (slots, num_experts, inter, max_rank),
+            "a_up": (slots, num_experts, max_rank, hidden), "b_up": (slots, num_experts, inter, max_rank),
+            "a_down": (slots, num_experts, max_rank, inter), "b_down": (slots, num_experts, hidden, max_rank),
+        }
+        for name, shape in expected.items():
+            t = getattr(self, name)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"ExpertLoRA.{name} has shape {tuple(t.shape)}, expected {shape}")
+            if t.dtype != dtype:
+                raise ValueError(f"ExpertLoRA.{name} has dtype {t.dtype}, expected {dtype} (the activations' dtype)")
+            if not t.is_contiguous():
+                raise ValueError(f"ExpertLoRA.{name} must be contiguous")
+        if tuple(self.ranks.shape) != (3, slots, num_experts) or self.ranks.dtype != torch.int32:
+            raise ValueError(
+                f"ExpertLoRA.ranks must be int32 of shape (3, {slots}, {num_experts}), "
+                f"got {self.ranks.dtype} {tuple(self.ranks.shape)}"
+            )
+
+
+@dataclass(frozen=True)
+class MoEKernelConfig:
+    block_m: int
+    block_n_gate_up: int
+    block_n_down: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoEKernelConfig:
+    """Tile sizes by rows per expert. block_k never changes with the batch, so a row's
+    accumulation order, and hence its result, does not depend on what it is batched with."""
+    block_k = 32 if dtype == torch.float32 else 64
+    rows_per_expert = num_pairs / num_experts
+    if rows_per_expert <= 16:
+        return MoEKernelConfig(16, 32, 64, block_k, 1, 4, 4)
+    if rows_per_expert <= 96:
+        return MoEKernelConfig(32, 64, 64, block_k, 4, 4, 4)
+    return MoEKernelConfig(64, 128, 128, block_k, 8, 8, 3)
+
+
+# ----------------------------------------------------------------------------------- Triton
+
+
+@triton.jit
+def _block_rows(sorted_ids_ptr, block_expert_ptr, num_rows_ptr, num_pairs, num_n, pid,
+                BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+    """Map a program id to (block, n-tile) with GROUP_M blocks sharing weight tiles in L2."""
+    num_m = tl.num_programs(0) // num_n
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % group_size
+    pid_n = (pid % (GROUP_M * num_n)) // group_size
+    in_use = pid_m * BLOCK_M < tl.load(num_rows_ptr)
+    expert = tl.load(block_expert_ptr + pid_m)
+    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return in_use, expert, pair, pair < num_pairs, pid_n
+
+
+@triton.jit
+def _lora_delta(acc, in_ptr, row_off, rows, K, a_ptr, stride_ar, b_ptr, stride_bn, offs_n, n_mask, rank,
+                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, RC: tl.constexpr):
+    """acc[rows] += (in[rows] @ A[:rank]^T) @ B[offs_n, :rank]^T, rank in chunks of RC."""
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, RC)
+    for r0 in range(0, rank, RC):
+        r_mask = r0 + offs_r < rank
+        xa = tl.zeros((BLOCK_M, RC), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = k0 + offs_k < K
+            xt = tl.load(in_ptr + row_off[:, None] + (k0 + offs_k)[None, :], mask=rows[:, None] & k_mask[None, :], other=0.0)
+            at = tl.load(a_ptr + (r0 + offs_r)[None, :] * stride_ar + (k0 + offs_k)[:, None],
+                         mask=r_mask[None, :] & k_mask[:, None], other=0.0)
+            xa += tl.dot(xt, at)
+        bt = tl.load(b_ptr + offs_n[None, :] * stride_bn + (r0 + offs_r)[:, None],
+                     mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += tl.dot(xa.to(bt.dtype), bt)
+    return acc
+
+
+@triton.jit
+def _slot_range(token_slots_ptr, token, row_ok, num_slots):
+    """Slots of the rows (-1 for none or out of range) and the [lo, hi] range they span."""
+    slot = tl.load(token_slots_ptr + token, mask=row_ok, other=-1)
+    slot = tl.where((slot >= 0) & (slot < num_slots), slot, -1)
+    lo = tl.min(tl.where(slot >= 0, slot, num_slots), axis=0)
+    hi = tl.max(slot, axis=0)
+    return slot, lo, hi
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr,
+    token_slots_ptr, ranks_ptr, ag_ptr, bg_ptr, au_ptr, bu_ptr,
+    num_pairs, top_k, H, I, num_slots, num_experts,
+    stride_xt, stride_we, stride_wn, stride_ht,
+    stride_ae, stride_ar, stride_be, stride_bn,
+    HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, RC: tl.constexpr,
+):
+    num_n = tl.cdiv(I, BLOCK_N)
+    in_use, e, pair, row_ok, pid_n = _block_rows(sorted_ids_ptr, block_expert_ptr, num_rows_ptr, num_pairs, num_n,
+                                                 tl.program_id(0), BLOCK_M, GROUP_M)
+    if in_use:
+        token = pair // top_k
+        x_rows = token.to(tl.int64) * stride_xt
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < I
+        offs_k = tl.arange(0, BLOCK_K)
+        wg_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+        wu_ptrs = wg_ptrs + I * stride_wn
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k_mask = k0 + offs_k < H
+            xt = tl.load(x_ptr + x_rows[:, None] + (k0 + offs_k)[None, :], mask=row_ok[:, None] & k_mask[None, :], other=0.0)
+            w_mask = k_mask[:, None] & n_mask[None, :]
+            acc_g += tl.dot(xt, tl.load(wg_ptrs + k0, mask=w_mask, other=0.0))
+            acc_u += tl.dot(xt, tl.load(wu_ptrs + k0, mask=w_mask, other=0.0))
+        if HAS_LORA:
+            slot, lo, hi = _slot_range(token_slots_ptr, token, row_ok, num_slots)
+            for s in range(lo, hi + 1):
+                rows = slot == s
+                present = tl.max(rows.to(tl.int32), axis=0)
+                rank_g = present * tl.load(ranks_ptr + s * num_experts + e)
+                rank_u = present * tl.load(ranks_ptr + (num_slots + s) * num_experts + e)
+                se = (s * num_experts + e).to(tl.int64)  # buffers are contiguous [S, E, ...]
+                a_off = se * stride_ae
+                b_off = se * stride_be
+                acc_g = _lora_delta(acc_g, x_ptr, x_rows, rows, H, ag_ptr + a_off, stride_ar, bg_ptr + b_off, stride_bn,
+                                    offs_n, n_mask, rank_g, BLOCK_M, BLOCK_K, RC)
+                acc_u = _lora_delta(acc_u, x_ptr, x_rows, rows, H, au_ptr + a_off, stride_ar, bu_ptr + b_off, stride_bn,
+                                    offs_n, n_mask, rank_u, BLOCK_M, BLOCK_K, RC)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_ht + offs_n[None, :]
+        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr,
+    token_slots_ptr, ranks_ptr, a_ptr, b_ptr,
+    num_pairs, top_k, H, I, num_slots, num_experts,
+    stride_ht, stride_we, stride_wn, stride_ot,
+    stride_ae, stride_ar, stride_be, stride_bn,
+    HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, RC: tl.constexpr,
+):
+    num_n = tl.cdiv(H, BLOCK_N)
+    in_use, e, pair, row_ok, pid_n = _block_rows(sorted_ids_ptr, block_expert_ptr, num_rows_ptr, num_pairs, num_n,
+                                                 tl.program_id(0), BLOCK_M, GROUP_M)
+    if in_use:
+        h_rows = pair.to(tl.int64) * stride_ht
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < H
+        offs_k = tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            k_mask = k0 + offs_k < I
+            ht = tl.load(h_ptr + h_rows[:, None] + (k0 + offs_k)[None, :], mask=row_ok[:, None] & k_mask[None, :], other=0.0)
+            acc += tl.dot(ht, tl.load(w_ptrs + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0))
+        if HAS_LORA:
+            token = pair // top_k
+            slot, lo, hi = _slot_range(token_slots_ptr, token, row_ok, num_slots)
+            for s in range(lo, hi + 1):
+                rows = slot == s
+                present = tl.max(rows.to(tl.int32), axis=0)
+                rank = present * tl.load(ranks_ptr + (2 * num_slots + s) * num_experts + e)
+                se = (s * num_experts + e).to(tl.int64)  # buffers are contiguous [S, E, ...]
+                acc = _lora_delta(acc, h_ptr, h_rows, rows, I, a_ptr + se * stride_ae, stride_ar, b_ptr + se * stride_be, stride_bn,
+                                  offs_n, n_mask, rank, BLOCK_M, BLOCK_K, RC)
+        weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)
+        acc = acc * weight[:, None]
+        out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _moe_sum_kernel(out_ptr, topk_ids_ptr, y_ptr, H, num_experts, stride_ot, stride_yt,
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        e = tl.load(topk_ids_ptr + t * TOP_K + j)
+        if (e >= 0) & (e < num_experts):
+            row = out_ptr + (t * TOP_K + j).to(tl.int64) * stride_ot
+            acc += tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t.to(tl.int64) * stride_yt + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def fused_moe_triton(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk: TopKOutput,
+    lora: ExpertLoRA | None = None,
+    token_slots: torch.Tensor | None = None,
+    config: MoEKernelConfig | None = None,
+) -> torch.Tensor:
+    num_tokens, hidden = x.shape
+    num_experts, inter = w2.shape[0], w2.shape[2]
+    top_k = topk.ids.shape[1]
+    num_pairs = num_tokens * top_k
+    cfg = config or default_config(num_pairs, num_experts, x.dtype)
+    num_slots = lora.num_slots if lora is not None else 0
+    blocks = moe_align(topk.ids, token_slots if lora is not None else None, num_experts, num_slots, cfg.block_m)
+    num_m = blocks.block_expert.numel()
+
+    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    y = torch.empty_like(x)
+    if lora is None:  # HAS_LORA=False never reads these
+        ag = bg = au = bu = ad = bd = ranks = slots = blocks.num_rows
+        gate_up_strides = down_strides = (0,) * 4
+    else:
+        ag, bg, au, bu, ad, bd = lora.a_gate, lora.b_gate, lora.a_up, lora.b_up, lora.a_down, lora.b_down
+        ranks, slots = lora.ranks, token_slots
+        gate_up_strides = (ag.stride(1), ag.stride(2), bg.stride(1), bg.stride(2))
+        down_strides = (ad.stride(1), ad.stride(2), bd.stride(1), bd.stride(2))
+    common = dict(HAS_LORA=lora is not None, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                  RC=LORA_RANK_CHUNK, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _gate_up_kernel[(num_m * triton.cdiv(inter, cfg.block_n_gate_up),)](
+        x, w13, h, blocks.sorted_ids, blocks.block_expert, blocks.num_rows,
+        slots, ranks, ag, bg, au, bu,
+        num_pairs, top_k, hidden, inter, num_slots, num_experts,
+        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *gate_up_strides,
+        BLOCK_N=cfg.block_n_gate_up, **common,
+    )
+    _down_kernel[(num_m * triton.cdiv(hidden, cfg.block_n_down),)](
+        h, w2, out, topk.weights, blocks.sorted_ids, blocks.block_expert, blocks.num_rows,
+        slots, ranks, ad, bd,
+        num_pairs, top_k, hidden, inter, num_slots, num_experts,
+        h.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *down_strides,
+        BLOCK_N=cfg.block_n_down, **common,
+    )
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+        out, topk.ids, y, hidden, num_experts, out.stride(0), y.stride(0), TOP_K=top_k, BLOCK_H=block_h,
+    )
+    return y
+
+
+# ------------------------------------------------------------------------------------ torch
+
+
+def _lora_delta_reference(inp: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(inp A^T) B^T in fp32, rounding the shrink to the weights' dtype as the kernel does."""
+    return (inp @ a.float().T).to(a.dtype).float() @ b.float().T
+
+
+def fused_moe_reference(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk: TopKOutput,
+    lora: ExpertLoRA | None = None,
+    token_slots: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain torch: loop over the experts (and slots) present; fp32 math, dtype at the same points
+    as the kernels (h, the shrink result, and each weighted expert output)."""
+    num_tokens, hidden = x.shape
+    num_experts, inter = w2.shape[0], w2.shape[2]
+    top_k = topk.ids.shape[1]
+    experts = topk.ids.flatten().long()
+    weights = topk.weights.flatten().float()
+    tokens = torch.arange(num_tokens, device=x.device).repeat_interleave(top_k)
+    valid = (experts >= 0) & (experts < num_experts)
+    slots = None
+    if lora is not None:
+        slots = token_slots.long()[tokens]
+        slots = torch.where((slots >= 0) & (slots < lora.num_slots), slots, -1)
+
+    pair_out = torch.zeros(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device)
+    for e in experts[valid].unique().tolist():
+        pairs = torch.nonzero(valid & (experts == e)).flatten()
+        xe = x[tokens[pairs]].float()
+        gate = xe @ w13[e, :inter].float().T
+        up = xe @ w13[e, inter:].float().T
+        lora_rows = []
+        if lora is not None:
+            for s in slots[pairs].unique().tolist():
+                if s >= 0:
+                    lora_rows.append((s, torch.nonzero(slots[pairs] == s).flatten()))
+        for s, rows in lora_rows:
+            rg, ru = int(lora.ranks[0, s, e]), int(lora.ranks[1, s, e])
+            gate[rows] += _lora_delta_reference(xe[rows], lora.a_gate[s, e, :rg], lora.b_gate[s, e, :, :rg])
+            up[rows] += _lora_delta_reference(xe[rows], lora.a_up[s, e, :ru], lora.b_up[s, e, :, :ru])
+        h = (torch.nn.functional.silu(gate) * up).to(x.dtype).float()
+        out = h @ w2[e].float().T
+        for s, rows in lora_rows:
+            rd = int(lora.ranks[2, s, e])
+            out[rows] += _lora_delta_reference(h[rows], lora.a_down[s, e, :rd], lora.b_down[s, e, :, :rd])
+        pair_out[pairs] = (out * weights[pairs, None]).to(x.dtype).float()
+    return pair_out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+
+
+# ------------------------------------------------------------------------------ entry point
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk: TopKOutput,
+    lora: ExpertLoRA | None = None,
+    token_slots: torch.Tensor | None = None,
+    *,
+    impl: str = "auto",
+    config: MoEKernelConfig | None = None,
+) -> torch.Tensor:
+    """MoE block output y [T, H] for x [T, H], w13 [E, 2I, H] (gate rows then up rows),
+    w2 [E, H, I], routing `topk`, and optionally the per-expert LoRA of the slots named by
+    token_slots [T] int32 (-1: no adapter). impl: "triton", "torch" or "auto" (triton on CUDA)."""
+    _check_inputs(x, w13, w2, topk, lora, token_slots)
+    if impl == "auto":
+        impl = "triton" if x.is_cuda else "torch"
+    if impl == "torch":
+        return fused_moe_reference(x, w13, w2, topk, lora, token_slots)
+    if impl == "triton":
+        return fused_moe_triton(x, w13, w2, topk, lora, token_slots, config)
+    raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+
+
+def _check_inputs(x, w13, w2, topk, lora, token_slots) -> None:
+    """Shape and dtype checks only: nothing here reads device memory (CUDA-graph safe)."""
+    if x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous [tokens, hidden] tensor, got shape {tuple(x.shape)}")
+    num_tokens, hidden = x.shape
+    if w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"w13 must be [E, 2I, H] and w2 [E, H, I], got {tuple(w13.shape)} and {tuple(w2.shape)}")
+    num_experts, hidden2, inter = w2.shape
+    if tuple(w13.shape) != (num_experts, 2 * inter, hidden) or hidden2 != hidden:
+        raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit x {tuple(x.shape)}: "
+                         f"expected w13 ({num_experts}, {2 * inter}, {hidden}) and w2 ({num_experts}, {hidden}, {inter})")
+    for name, w in (("w13", w13), ("w2", w2)):
+        if w.dtype != x.dtype or w.stride(-1) != 1:
+            raise ValueError(f"{name} must have x's dtype {x.dtype} and be contiguous in its last dimension")
+    weights, ids = topk
+    if ids.dim() != 2 or ids.shape[0] != num_tokens or ids.dtype != torch.int32 or not ids.is_contiguous():
+        raise ValueError(f"topk ids must be contiguous int32 [{num_tokens}, k], got {ids.dtype} {tuple(ids.shape)}")
+    if weights.shape != ids.shape or weights.dtype != torch.float32 or not weights.is_contiguous():
+        raise ValueError(f"topk weights must be contiguous float32 {tuple(ids.shape)}, got {weights.dtype} {tuple(weights.shape)}")
+    if lora is not None:
+        lora.validate(num_experts, hidden, inter, x.dtype)
+        if token_slots is None or token_slots.shape != (num_tokens,) or token_slots.dtype != torch.int32:
+            got = None if token_slots is None else (token_slots.dtype, tuple(token_slots.shape))
+            raise ValueError(f"with lora, token_slots must be int32 of shape ({num_tokens},), got {got}")

@@ -1,0 +1,83 @@
+"""Router scoring and top-k expert selection for every MoE family we serve.
+
+Plain torch ops on fixed shapes: no host synchronisation, so it runs inside CUDA graphs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import torch
+
+
+class TopKOutput(NamedTuple):
+    weights: torch.Tensor  # [T, k] float32, routing weight of each chosen expert
+    ids: torch.Tensor  # [T, k] int32, chosen expert ids
+
+
+@dataclass(frozen=True)
+class TopKConfig:
+    """How a family turns router logits into (weights, expert ids).
+
+    scoring: "softmax" (Mixtral, Qwen, OLMoE, DeepSeek-V2) or "sigmoid" (DeepSeek-V3,
+        whose e_score_correction_bias shifts only the choice, not the weights).
+    renormalize: make the k chosen weights sum to one (norm_topk_prob).
+    num_expert_group / topk_group: DeepSeek's grouped routing; experts are chosen only from the
+        topk_group best of num_expert_group groups. A group scores as its best expert, or as the
+        sum of its two best when a correction bias is used (DeepSeek-V3 "noaux_tc").
+    routed_scaling_factor: multiplies the final weights.
+    """
+
+    top_k: int
+    renormalize: bool = True
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    num_expert_group: int | None = None
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+
+
+def select_experts(
+    router_logits: torch.Tensor,
+    config: TopKConfig,
+    correction_bias: torch.Tensor | None = None,
+) -> TopKOutput:
+    """router_logits [T, E] -> TopKOutput (weights float32 [T, k], ids int32 [T, k])."""
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits must be [tokens, experts], got shape {tuple(router_logits.shape)}")
+    num_experts = router_logits.shape[1]
+    if not 0 < config.top_k <= num_experts:
+        raise ValueError(f"top_k={config.top_k} must be in [1, num_experts={num_experts}]")
+    if correction_bias is not None and correction_bias.shape != (num_experts,):
+        raise ValueError(f"correction_bias must have shape ({num_experts},), got {tuple(correction_bias.shape)}")
+
+    logits = router_logits.float()
+    scores = logits.softmax(dim=-1) if config.scoring == "softmax" else logits.sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+
+    if config.num_expert_group is not None and config.num_expert_group > 1:
+        choice = _mask_to_best_groups(choice, config, use_top2=correction_bias is not None)
+
+    _, ids = torch.topk(choice, config.top_k, dim=-1, sorted=True)
+    weights = scores.gather(1, ids)
+    if config.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if config.routed_scaling_factor != 1.0:
+        weights = weights * config.routed_scaling_factor
+    return TopKOutput(weights, ids.to(torch.int32))
+
+
+def _mask_to_best_groups(choice: torch.Tensor, config: TopKConfig, use_top2: bool) -> torch.Tensor:
+    num_tokens, num_experts = choice.shape
+    n_group, topk_group = config.num_expert_group, config.topk_group
+    if topk_group is None or not 0 < topk_group <= n_group:
+        raise ValueError(f"topk_group={topk_group} must be in [1, num_expert_group={n_group}]")
+    if num_experts % n_group:
+        raise ValueError(f"num_experts={num_experts} is not divisible by num_expert_group={n_group}")
+    grouped = choice.view(num_tokens, n_group, num_experts // n_group)
+    if use_top2:
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    else:
+        group_scores = grouped.amax(dim=-1)
+    best_groups = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+    return choice.masked_fill(~keep.unsqueeze(-1).expand_as(grouped).reshape_as(choice), float("-inf"))

@@ -1,0 +1,129 @@
+import pytest
+import torch
+
+from moelora.kernels.fused_moe import ExpertLoRA, MoEKernelConfig, fused_moe
+from moelora.layers.moe.topk import TopKOutput
+from moelora.testing import assert_rows_close, random_expert_lora, random_moe_weights, random_topk, rel_tolerance
+
+DTYPES = [torch.bfloat16, torch.float16] if torch.cuda.is_available() else [torch.float16, torch.float32]
+SHAPES = [  # tokens, hidden, inter, experts, top_k
+    (1, 64, 32, 4, 2),
+    (37, 80, 56, 6, 3),  # non-powers of two; T*k > BLOCK_M
+    (20, 48, 40, 9, 4),
+]
+SLOT_RANKS = [4, 8, 16, 64]
+
+
+def _case(tokens, hidden, inter, experts, top_k, dtype, device, coverage=0.7):
+    gen = torch.Generator(device).manual_seed(torch.seed())
+    x = torch.randn(tokens, hidden, generator=gen, device=device).to(dtype)
+    w13, w2 = random_moe_weights(experts, hidden, inter, dtype, device, gen)
+    weights, ids = random_topk(tokens, experts, top_k, device, gen)
+    drop = torch.rand(tokens, top_k, generator=gen, device=device) < 0.15
+    ids = torch.where(drop, -1, ids)  # expert on another rank
+    far = torch.rand(tokens, top_k, generator=gen, device=device) < 0.05
+    ids = torch.where(far, experts + 7, ids)  # out of range: must never be indexed
+    ids[0, 0] = random_topk(1, experts, 1, device, gen).ids[0, 0]  # token 0 always routed (T = 1 case)
+    ids = ids.contiguous()
+    lora = random_expert_lora(len(SLOT_RANKS), experts, hidden, inter, SLOT_RANKS, dtype, device,
+                              coverage=coverage, poison_unused=True, generator=gen)
+    # a mixed batch: every slot, base tokens (-1) and an out-of-range slot (treated as base)
+    slots = torch.randint(-1, len(SLOT_RANKS), (tokens,), generator=gen, device=device, dtype=torch.int32)
+    slots[0] = len(SLOT_RANKS) - 1  # token 0 has the rank-64 adapter
+    if tokens > 3:
+        slots[1], slots[2] = -1, len(SLOT_RANKS) + 2
+    return x, w13, w2, TopKOutput(weights, ids), lora, slots
+
+
+def _naive(x, w13, w2, topk, lora: ExpertLoRA | None, slots):
+    """Independent float64 formula, one (token, expert) pair at a time."""
+    inter = w2.shape[2]
+    y = torch.zeros(x.shape, dtype=torch.float64)
+    x, w13, w2 = x.cpu().double(), w13.cpu().double(), w2.cpu().double()
+    for t in range(x.shape[0]):
+        for j in range(topk.ids.shape[1]):
+            e = int(topk.ids[t, j])
+            if not 0 <= e < w2.shape[0]:
+                continue
+            gate, up = w13[e, :inter] @ x[t], w13[e, inter:] @ x[t]
+            s = -1 if lora is None else int(slots[t])
+            use_lora = lora is not None and 0 <= s < lora.num_slots
+            if use_lora:
+                rg, ru, rd = (int(r) for r in lora.ranks[:, s, e])
+                gate = gate + lora.b_gate[s, e, :, :rg].cpu().double() @ (lora.a_gate[s, e, :rg].cpu().double() @ x[t])
+                up = up + lora.b_up[s, e, :, :ru].cpu().double() @ (lora.a_up[s, e, :ru].cpu().double() @ x[t])
+            h = torch.nn.functional.silu(gate) * up
+            out = w2[e] @ h
+            if use_lora:
+                out = out + lora.b_down[s, e, :, :rd].cpu().double() @ (lora.a_down[s, e, :rd].cpu().double() @ h)
+            y[t] += float(topk.weights[t, j]) * out
+    return y
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reference_matches_naive_formula(shape, dtype, device):
+    x, w13, w2, topk, lora, slots = _case(*shape, dtype, device)
+    got = fused_moe(x, w13, w2, topk, lora, slots, impl="torch")
+    assert_rows_close(got, _naive(x, w13, w2, topk, lora, slots), 2 * rel_tolerance(dtype, "cpu"), "reference")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_matches_reference_mixed_adapters(shape, dtype, device, poison):
+    x, w13, w2, topk, lora, slots = _case(*shape, dtype, device)
+    got = fused_moe(x, w13, w2, topk, lora, slots, impl="triton")
+    ref = fused_moe(x, w13, w2, topk, lora, slots, impl="torch")
+    assert_rows_close(got, ref, rel_tolerance(dtype, device), "triton vs torch, with LoRA")
+
+    base = fused_moe(x, w13, w2, topk, impl="triton")
+    assert_rows_close(base, fused_moe(x, w13, w2, topk, impl="torch"), rel_tolerance(dtype, device), "base")
+    no_adapter = (slots < 0) | (slots >= lora.num_slots)
+    assert torch.equal(got[no_adapter], base[no_adapter]), "tokens without an adapter must get the base result bit for bit"
+    routed = ((topk.ids >= 0) & (topk.ids < w2.shape[0])).any(-1)
+    changed = (got != base).any(-1)
+    assert changed[~no_adapter & routed].float().mean() > 0.5, "LoRA was not applied"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_block_sizes_agree(dtype, device, poison):
+    """A row's result must not depend on the block size or tile shape the batch picks."""
+    x, w13, w2, topk, lora, slots = _case(45, 72, 40, 5, 2, dtype, device)
+    k = 32 if dtype == torch.float32 else 64
+    outs = [fused_moe(x, w13, w2, topk, lora, slots, impl="triton", config=MoEKernelConfig(bm, bn, bn, k, g, 4, 2))
+            for bm, bn, g in ((16, 32, 1), (32, 64, 4), (64, 16, 8))]
+    assert_rows_close(outs[0], fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(dtype, device))
+    for other in outs[1:]:
+        assert torch.equal(outs[0], other)
+
+
+def test_all_pairs_dropped_gives_zero(device, poison):
+    dtype = DTYPES[0]
+    x, w13, w2, topk, lora, slots = _case(5, 64, 32, 4, 2, dtype, device)
+    ids = torch.full_like(topk.ids, -1)
+    y = fused_moe(x, w13, w2, TopKOutput(topk.weights, ids), lora, slots, impl="triton")
+    assert torch.equal(y, torch.zeros_like(y))
+
+
+def test_uncovered_and_empty_slots_cost_nothing_and_give_base(device, poison):
+    """Slots whose adapter covers no expert (rank 0 everywhere, weights NaN) give the base result."""
+    dtype = DTYPES[0]
+    x, w13, w2, topk, lora, slots = _case(9, 64, 32, 4, 2, dtype, device, coverage=0.0)
+    got = fused_moe(x, w13, w2, topk, lora, slots, impl="triton")
+    assert torch.equal(got, fused_moe(x, w13, w2, topk, impl="triton"))
+
+
+def test_rejects_bad_inputs(device):
+    dtype = DTYPES[0]
+    x, w13, w2, topk, lora, slots = _case(4, 64, 32, 4, 2, dtype, device)
+    with pytest.raises(ValueError, match="w13 .* do not fit"):
+        fused_moe(x, w13[:, :10], w2, topk)
+    with pytest.raises(ValueError, match="topk ids must be contiguous int32"):
+        fused_moe(x, w13, w2, TopKOutput(topk.weights, topk.ids.long()))
+    with pytest.raises(ValueError, match="token_slots must be int32 of shape"):
+        fused_moe(x, w13, w2, topk, lora, slots[:2])
+    bad = ExpertLoRA(**{**lora.__dict__, "b_down": lora.b_down[:, :, :5]})
+    with pytest.raises(ValueError, match=r"ExpertLoRA.b_down has shape"):
+        fused_moe(x, w13, w2, topk, bad, slots)
+    with pytest.raises(ValueError, match="impl must be"):
+        fused_moe(x, w13, w2, topk, impl="cuda")

@@ -1,0 +1,53 @@
+"""Real model shapes in bf16 on a GPU (scripts/gpu_check.sh); skipped on CPU machines."""
+import pytest
+import torch
+
+from moelora.kernels.fused_moe import fused_moe
+from moelora.testing import assert_rows_close, random_expert_lora, random_moe_weights, random_topk, rel_tolerance
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+SHAPES = {  # hidden, intermediate, experts, top_k
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "mixtral-8x7b": (4096, 14336, 8, 2),
+    "deepseek-v2-lite": (2048, 1408, 64, 6),
+}
+SLOT_RANKS = [4, 8, 16, 64]
+
+
+def _layer(shape, tokens, gen):
+    hidden, inter, experts, top_k = SHAPES[shape]
+    dtype, device = torch.bfloat16, "cuda"
+    x = torch.randn(tokens, hidden, generator=gen, device=device).to(dtype)
+    w13, w2 = random_moe_weights(experts, hidden, inter, dtype, device, gen)
+    topk = random_topk(tokens, experts, top_k, device, gen)
+    ids = torch.where(torch.rand(topk.ids.shape, generator=gen, device=device) < 0.1, -1, topk.ids).contiguous()
+    lora = random_expert_lora(len(SLOT_RANKS), experts, hidden, inter, SLOT_RANKS, dtype, device,
+                              coverage=0.7, poison_unused=True, generator=gen)
+    slots = torch.randint(-1, len(SLOT_RANKS), (tokens,), generator=gen, device=device, dtype=torch.int32)
+    return x, w13, w2, topk._replace(ids=ids), lora, slots
+
+
+@pytest.mark.parametrize("tokens", [1, 32, 300])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_real_shape_matches_reference(shape, tokens, poison):
+    gen = torch.Generator("cuda").manual_seed(torch.seed())
+    x, w13, w2, topk, lora, slots = _layer(shape, tokens, gen)
+    got = fused_moe(x, w13, w2, topk, lora, slots)
+    ref = fused_moe(x, w13, w2, topk, lora, slots, impl="torch")
+    assert_rows_close(got, ref, rel_tolerance(torch.bfloat16, "cuda"), f"{shape} T={tokens}")
+    base = fused_moe(x, w13, w2, topk)
+    no_adapter = slots < 0
+    assert torch.equal(got[no_adapter], base[no_adapter])
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_row_does_not_depend_on_batch(shape, poison):
+    """A token's output is the same alone (decode tiles) and inside a large batch (prefill tiles)."""
+    gen = torch.Generator("cuda").manual_seed(torch.seed())
+    x, w13, w2, topk, lora, slots = _layer(shape, 1024, gen)
+    batch = fused_moe(x, w13, w2, topk, lora, slots)
+    for t in (0, 1, 2, 517, 1023):
+        alone = fused_moe(x[t:t + 1], w13, w2, topk._replace(weights=topk.weights[t:t + 1], ids=topk.ids[t:t + 1]),
+                          lora, slots[t:t + 1])
+        assert torch.equal(alone[0], batch[t]), f"token {t} (slot {int(slots[t])}) differs alone vs in the batch"

@@ -1,0 +1,82 @@
+import pytest
+import torch
+
+from moelora.kernels.moe_align import max_aligned_rows, moe_align, moe_align_reference
+
+CASES = [  # tokens, top_k, experts, slots, block_m
+    (1, 1, 4, 0, 16),
+    (1, 8, 128, 8, 16),
+    (7, 2, 5, 3, 16),
+    (37, 4, 6, 4, 16),  # more pairs per expert than one block
+    (64, 6, 64, 8, 32),
+    (300, 2, 8, 33, 64),  # many slots, several blocks per expert
+]
+
+
+def _random_routing(tokens, top_k, experts, slots, device, gen):
+    ids = torch.randint(0, experts, (tokens, top_k), generator=gen, dtype=torch.int32).to(device)
+    # EP-style -1 and garbage ids must be dropped
+    drop = torch.rand(tokens, top_k, generator=gen).to(device) < 0.15
+    ids = torch.where(drop, torch.randint(-3, 0, ids.shape, generator=gen, dtype=torch.int32).to(device), ids)
+    far = torch.rand(tokens, top_k, generator=gen).to(device) < 0.1
+    ids = torch.where(far, experts + torch.randint(0, 5, ids.shape, generator=gen, dtype=torch.int32).to(device), ids)
+    token_slots = torch.randint(-1, slots + 2, (tokens,), generator=gen, dtype=torch.int32).to(device)
+    return ids.contiguous(), token_slots
+
+
+def _check_layout(blocks, ids, token_slots, experts, slots):
+    """Invariants any correct alignment satisfies."""
+    num_pairs = ids.numel()
+    sorted_ids, block_expert = blocks.sorted_ids.cpu().long(), blocks.block_expert.cpu().long()
+    num_rows, bm = int(blocks.num_rows), blocks.block_m
+    flat = ids.flatten().cpu().long()
+    valid = (flat >= 0) & (flat < experts)
+    pair_slot = token_slots.cpu().long().repeat_interleave(ids.shape[1])
+    pair_slot = torch.where((pair_slot >= 0) & (pair_slot < slots), pair_slot, -1)
+
+    assert num_rows % bm == 0 and num_rows <= sorted_ids.numel() == max_aligned_rows(num_pairs, experts, bm)
+    used = sorted_ids[:num_rows]
+    assert (sorted_ids[num_rows:] == num_pairs).all(), "rows past num_rows must be padding"
+    assert ((used >= 0) & (used <= num_pairs)).all(), "row holds neither a pair nor padding"
+    real = used[used < num_pairs]
+    assert sorted(real.tolist()) == torch.nonzero(valid).flatten().tolist(), "each valid pair exactly once"
+    assert (block_expert[num_rows // bm:] == -1).all()
+    row_expert = block_expert[: num_rows // bm].repeat_interleave(bm)
+    assert ((row_expert >= 0) & (row_expert < experts)).all()
+    is_pair = used < num_pairs
+    assert (flat[used[is_pair]] == row_expert[is_pair]).all(), "pair placed in a block of another expert"
+    for e in row_expert.unique().tolist():  # within an expert: slots ascending, padding at the end
+        seg = used[row_expert == e]
+        n = int((seg < num_pairs).sum())
+        assert (seg[n:] == num_pairs).all() and n > 0
+        seg_slots = pair_slot[seg[:n]]
+        assert (seg_slots[1:] >= seg_slots[:-1]).all()
+        assert len(seg) == -(-n // bm) * bm, "padding beyond the expert's last block"
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,slots,block_m", CASES)
+@pytest.mark.parametrize("with_slots", [True, False])
+def test_moe_align_matches_reference(tokens, top_k, experts, slots, block_m, with_slots, device, poison):
+    gen = torch.Generator().manual_seed(torch.seed())
+    ids, token_slots = _random_routing(tokens, top_k, experts, slots, device, gen)
+    token_slots = token_slots if with_slots else None
+    got = moe_align(ids, token_slots, experts, slots, block_m)
+    ref = moe_align_reference(ids, token_slots, experts, slots, block_m)
+    none = torch.full((tokens,), -1, dtype=torch.int32, device=device)
+    _check_layout(ref, ids, none if token_slots is None else token_slots, experts, slots)
+    _check_layout(got, ids, none if token_slots is None else token_slots, experts, slots)
+    assert torch.equal(got.num_rows.cpu(), ref.num_rows.cpu())
+    assert torch.equal(got.block_expert.cpu(), ref.block_expert.cpu())
+    # order inside one (expert, slot) group may differ (atomics); the groups' contents may not
+    bm = block_m
+    for b in range(int(ref.num_rows) // bm):
+        g, r = got.sorted_ids[b * bm:(b + 1) * bm].cpu(), ref.sorted_ids[b * bm:(b + 1) * bm].cpu()
+        assert (g == ids.numel()).sum() == (r == ids.numel()).sum()
+
+
+def test_moe_align_rejects_bad_dtypes(device):
+    ids = torch.zeros(3, 2, dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="topk_ids must be contiguous int32"):
+        moe_align(ids, None, 4, 0, 16)
+    with pytest.raises(ValueError, match="token_slots must be int32 of shape"):
+        moe_align(ids.int(), torch.zeros(2, dtype=torch.int32, device=device), 4, 1, 16)
