@@ -32,7 +32,7 @@ SHAPES = {  # hidden, intermediate, experts, top_k
     "deepseek-v2-lite": (2048, 1408, 64, 6),
     "tiny": (256, 128, 16, 4),
 }
-RANK, SLOTS = 16, 8
+RANK, MAX_RANK, SLOTS = 16, 64, 8  # adapters of rank 16 in slot buffers sized for rank 64
 
 
 def measure(fn, reps: int = 20) -> float:
@@ -70,9 +70,9 @@ def measure(fn, reps: int = 20) -> float:
 
 def copy_bandwidth(device) -> float:
     """Bytes/s of a large device copy, counting bytes read plus bytes written."""
-    n = (1 << 30) if device == "cuda" else (1 << 26)
+    n = (1 << 31) if device == "cuda" else (1 << 26)
     src, dst = torch.randn(n // 4, device=device), torch.empty(n // 4, device=device)
-    return 2 * n / measure(lambda: dst.copy_(src))
+    return 2 * n / measure(lambda: dst.copy_(src), reps=50)
 
 
 def matmul_rate(device, dtype) -> float:
@@ -90,7 +90,8 @@ class Layers:
         self.hidden, self.inter, self.experts, self.top_k = shape
         self.router = [torch.randn(experts, hidden, device=device, dtype=dtype) / hidden**0.5 for _ in range(copies)]
         self.w = [random_moe_weights(experts, hidden, inter, dtype, device) for _ in range(copies)]
-        self.lora = [random_expert_lora(SLOTS, experts, hidden, inter, [RANK] * SLOTS, dtype, device) for _ in range(copies)]
+        self.lora = [random_expert_lora(SLOTS, experts, hidden, inter, [RANK] * SLOTS, dtype, device, max_rank=MAX_RANK)
+                     for _ in range(copies)]
         self.topk_config = TopKConfig(top_k=top_k, renormalize=True)
 
     def moe(self, x, topk, slots, with_lora, config=None):
@@ -114,7 +115,7 @@ def bench_point(layers: Layers, tokens, n_adapters, device, dtype, bw, config=No
     experts_touched = topk.ids.unique().numel()
     pairs = torch.unique(slots.long().repeat_interleave(layers.top_k) * layers.experts + topk.ids.flatten().long()).numel()
     base_floor = experts_touched * 3 * h * i * dtype.itemsize / bw
-    lora_floor = pairs * 3 * RANK * (h + i) * dtype.itemsize / bw
+    lora_floor = pairs * 3 * RANK * (h + i) * dtype.itemsize / bw  # A and B of gate, up, down at the real rank
     return dict(x=x, topk=topk, slots=slots, t_base=t_base, t_lora=t_lora, base_floor=base_floor,
                 lora_floor=lora_floor, pairs=pairs)
 
@@ -135,13 +136,14 @@ def main():
     p.add_argument("--shapes", default="qwen3-30b-a3b,mixtral-8x7b,deepseek-v2-lite")
     p.add_argument("--tokens", default="1,8,32,128,512,4096")
     p.add_argument("--adapters", default="1,4,8")
-    p.add_argument("--sweep", action="store_true", help="also time alternative tile configs (tuning aid)")
+    p.add_argument("--sweep-tokens", default="", help="T values at which to also time other tile configs (tuning aid)")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (torch path)"
-    bw, mm = copy_bandwidth(device), matmul_rate(device, dtype)
+    mm = matmul_rate(device, dtype)  # first: it also brings the clocks up before the copy is timed
+    bw = copy_bandwidth(device)
     print(f"# moelora MoE kernel benchmark, {name}, {datetime.date.today()}, torch {torch.__version__}, {dtype}")
     print(f"measured copy bandwidth {bw / 1e12:.2f} TB/s (read+write), {dtype} matmul {mm / 1e12:.0f} TFLOP/s, "
           f"rank {RANK}, tokens assigned to adapters round-robin\n")
@@ -165,7 +167,7 @@ def main():
                 print(f"| {shape_name} | {tokens} | {n} | {r['t_base'] * 1e6:.1f} | {100 * r['base_floor'] / r['t_base']:.0f}% "
                       f"| {delta * 1e6:.1f} | {r['lora_floor'] * 1e6:.1f} | {100 * r['lora_floor'] / max(delta, 1e-9):.0f}% "
                       f"| {t_block_lora / t_block_base:.3f} | {tf} |", flush=True)
-                if args.sweep and n == max(map(int, args.adapters.split(","))):
+                if str(tokens) in args.sweep_tokens.split(",") and n == max(map(int, args.adapters.split(","))):
                     sweep(layers, tokens, n, device, dtype, bw)
         del layers
         if device == "cuda":
@@ -176,8 +178,8 @@ def sweep(layers, tokens, n, device, dtype, bw):
     k = 64
     for cfg in [MoEKernelConfig(bm, bn1, bn2, k, g, w, s)
                 for bm in (16, 32, 64, 128) for bn1, bn2 in ((32, 64), (64, 64), (64, 128), (128, 128))
-                for g, w, s in ((1, 4, 3), (8, 4, 4), (8, 8, 3))
-                if bm <= max(16, 4 * tokens * layers.top_k // layers.experts)]:
+                for g, w, s in ((1, 4, 3), (1, 4, 5), (8, 4, 4), (8, 8, 3))
+                if bm <= max(16, 4 * tokens * layers.top_k // layers.experts) and (bm >= 64 or bn1 <= 64)]:
         try:
             r = bench_point(layers, tokens, n, device, dtype, bw, cfg)
         except Exception as exc:  # out of shared memory etc.

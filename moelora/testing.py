@@ -27,14 +27,15 @@ def random_topk(num_tokens: int, num_experts: int, top_k: int, device="cpu",
 def random_expert_lora(
     num_slots: int, num_experts: int, hidden: int, inter: int, slot_ranks: list[int], dtype: torch.dtype,
     device="cpu", coverage: float = 1.0, poison_unused: bool = False, generator: torch.Generator | None = None,
+    max_rank: int | None = None,
 ) -> ExpertLoRA:
-    """Slot buffers with max_rank = max(slot_ranks); slot s has rank slot_ranks[s] (0: empty slot).
+    """Slot buffers of rank max_rank (default max(slot_ranks)); slot s has rank slot_ranks[s] (0: empty).
 
     coverage < 1 leaves a random subset of experts uncovered (rank 0) per slot and projection.
     poison_unused fills everything a correct kernel must not read (rows past the rank, uncovered
     experts) with NaN, so any stray read shows up in the output.
     """
-    max_rank = max(max(slot_ranks), 1)
+    max_rank = max_rank or max(max(slot_ranks), 1)
     ranks = torch.tensor(slot_ranks, dtype=torch.int32).view(1, num_slots, 1).repeat(3, 1, num_experts)
     if coverage < 1.0:
         covered = torch.rand(3, num_slots, num_experts, generator=generator, device=device).cpu() < coverage
@@ -51,7 +52,7 @@ def random_expert_lora(
             a = a.masked_fill(unused.unsqueeze(-1), float("nan"))
             b = b.masked_fill(unused.unsqueeze(-2), float("nan"))
         tensors[f"a_{name}"], tensors[f"b_{name}"] = a.to(dtype), b.to(dtype)
-    return ExpertLoRA(**tensors, ranks=ranks.to(device))
+    return ExpertLoRA(**tensors, ranks=ranks.to(device), max_rank_in_use=max(slot_ranks))
 
 
 def rel_tolerance(dtype: torch.dtype, device: torch.device | str = "cpu") -> float:

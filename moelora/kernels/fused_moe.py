@@ -28,7 +28,7 @@ import triton.language as tl
 from moelora.kernels.moe_align import moe_align
 from moelora.layers.moe.topk import TopKOutput
 
-LORA_RANK_CHUNK = 16  # tl.dot needs >= 16; ranks are processed in chunks of this size
+LORA_RANK_CHUNK = 16  # tl.dot needs >= 16: the smallest rank tile
 
 
 @dataclass
@@ -46,6 +46,8 @@ class ExpertLoRA:
     a_down: torch.Tensor
     b_down: torch.Tensor
     ranks: torch.Tensor
+    max_rank_in_use: int | None = None  # host-side bound on `ranks` (largest loaded adapter); sizes the
+    #                                     kernels' rank tile, which defaults to the buffers' max_rank
 
     @property
     def num_slots(self) -> int:
@@ -108,95 +110,101 @@ def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoEK
 
 
 @triton.jit
-def _block_rows(sorted_ids_ptr, block_expert_ptr, num_rows_ptr, num_pairs, num_n, pid,
+def _block_info(sorted_ids_ptr, block_expert_ptr, block_slot_ptr, num_rows_ptr, num_pairs, num_n,
                 BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
-    """Map a program id to (block, n-tile) with GROUP_M blocks sharing weight tiles in L2."""
+    """Map this program to (block, n-tile); GROUP_M consecutive blocks (usually one expert's
+    slots) walk the n-tiles together so they share weight tiles through L2."""
+    pid = tl.program_id(0)
     num_m = tl.num_programs(0) // num_n
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
+    first_m = pid // (GROUP_M * num_n) * GROUP_M
     group_size = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * num_n)) % group_size
     pid_n = (pid % (GROUP_M * num_n)) // group_size
     in_use = pid_m * BLOCK_M < tl.load(num_rows_ptr)
-    expert = tl.load(block_expert_ptr + pid_m)
     pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    return in_use, expert, pair, pair < num_pairs, pid_n
+    expert = tl.load(block_expert_ptr + pid_m)
+    slot = tl.load(block_slot_ptr + pid_m)
+    return in_use, expert, slot, pair, pair < num_pairs, pid_n
 
 
 @triton.jit
-def _lora_delta(acc, in_ptr, row_off, rows, K, a_ptr, stride_ar, b_ptr, stride_bn, offs_n, n_mask, rank,
-                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, RC: tl.constexpr):
-    """acc[rows] += (in[rows] @ A[:rank]^T) @ B[offs_n, :rank]^T, rank in chunks of RC."""
+def _lora_rank(ranks_ptr, proj, slot, expert, num_slots, num_experts):
+    """Real rank of projection `proj` for (slot, expert); 0 for a block without an adapter."""
+    rank = tl.load(ranks_ptr + (proj * num_slots + tl.maximum(slot, 0)) * num_experts + expert)
+    return tl.where(slot >= 0, rank, 0)
+
+
+@triton.jit
+def _gemm_loop(in_ptrs, row_ok, K, w1_ptrs, w2_ptrs, n_mask, a1_ptrs, a2_ptrs, a1_mask, a2_mask,
+               DUAL: tl.constexpr, SHRINK: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    """acc_i = in @ W_i^T over K, and with SHRINK the LoRA shrink xa_i = in @ A_i^T in the same
+    pass over `in` (one stream; two when DUAL: gate and up)."""
     offs_k = tl.arange(0, BLOCK_K)
-    offs_r = tl.arange(0, RC)
-    for r0 in range(0, rank, RC):
-        r_mask = r0 + offs_r < rank
-        xa = tl.zeros((BLOCK_M, RC), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_mask = k0 + offs_k < K
-            xt = tl.load(in_ptr + row_off[:, None] + (k0 + offs_k)[None, :], mask=rows[:, None] & k_mask[None, :], other=0.0)
-            at = tl.load(a_ptr + (r0 + offs_r)[None, :] * stride_ar + (k0 + offs_k)[:, None],
-                         mask=r_mask[None, :] & k_mask[:, None], other=0.0)
-            xa += tl.dot(xt, at)
-        bt = tl.load(b_ptr + offs_n[None, :] * stride_bn + (r0 + offs_r)[:, None],
-                     mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        acc += tl.dot(xa.to(bt.dtype), bt)
-    return acc
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    xa1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    xa2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + offs_k < K)[:, None]
+        xt = tl.load(in_ptrs + k0, mask=row_ok[:, None] & k_mask.T, other=0.0)
+        acc1 += tl.dot(xt, tl.load(w1_ptrs + k0, mask=k_mask & n_mask[None, :], other=0.0))
+        if DUAL:
+            acc2 += tl.dot(xt, tl.load(w2_ptrs + k0, mask=k_mask & n_mask[None, :], other=0.0))
+        if SHRINK:
+            xa1 += tl.dot(xt, tl.load(a1_ptrs + k0, mask=k_mask & a1_mask, other=0.0))
+            if DUAL:
+                xa2 += tl.dot(xt, tl.load(a2_ptrs + k0, mask=k_mask & a2_mask, other=0.0))
+    return acc1, acc2, xa1, xa2
 
 
 @triton.jit
-def _slot_range(token_slots_ptr, token, row_ok, num_slots):
-    """Slots of the rows (-1 for none or out of range) and the [lo, hi] range they span."""
-    slot = tl.load(token_slots_ptr + token, mask=row_ok, other=-1)
-    slot = tl.where((slot >= 0) & (slot < num_slots), slot, -1)
-    lo = tl.min(tl.where(slot >= 0, slot, num_slots), axis=0)
-    hi = tl.max(slot, axis=0)
-    return slot, lo, hi
+def _lora_expand(acc, xa, b_ptr, stride_bn, offs_n, n_mask, rank, BLOCK_R: tl.constexpr):
+    """acc += xa[:, :rank] @ B[offs_n, :rank]^T (xa rounded to the weights' dtype, as PEFT does)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    bt = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None],
+                 mask=(offs_r[:, None] < rank) & n_mask[None, :], other=0.0)
+    return acc + tl.dot(xa.to(bt.dtype), bt)
 
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr,
-    token_slots_ptr, ranks_ptr, ag_ptr, bg_ptr, au_ptr, bu_ptr,
+    x_ptr, w_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr, block_slot_ptr, num_rows_ptr,
+    ranks_ptr, ag_ptr, bg_ptr, au_ptr, bu_ptr,
     num_pairs, top_k, H, I, num_slots, num_experts,
-    stride_xt, stride_we, stride_wn, stride_ht,
-    stride_ae, stride_ar, stride_be, stride_bn,
+    stride_xt, stride_we, stride_wn, stride_ht, stride_ae, stride_ar, stride_be, stride_bn,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, RC: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    num_n = tl.cdiv(I, BLOCK_N)
-    in_use, e, pair, row_ok, pid_n = _block_rows(sorted_ids_ptr, block_expert_ptr, num_rows_ptr, num_pairs, num_n,
-                                                 tl.program_id(0), BLOCK_M, GROUP_M)
+    """h[p] = silu(x Wg^T + LoRA_g) * (x Wu^T + LoRA_u) for the pairs p of one block."""
+    in_use, e, s, pair, row_ok, pid_n = _block_info(sorted_ids_ptr, block_expert_ptr, block_slot_ptr, num_rows_ptr,
+                                                    num_pairs, tl.cdiv(I, BLOCK_N), BLOCK_M, GROUP_M)
     if in_use:
-        token = pair // top_k
-        x_rows = token.to(tl.int64) * stride_xt
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < I
         offs_k = tl.arange(0, BLOCK_K)
+        offs_r = tl.arange(0, BLOCK_R)
+        x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
         wg_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
         wu_ptrs = wg_ptrs + I * stride_wn
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            k_mask = k0 + offs_k < H
-            xt = tl.load(x_ptr + x_rows[:, None] + (k0 + offs_k)[None, :], mask=row_ok[:, None] & k_mask[None, :], other=0.0)
-            w_mask = k_mask[:, None] & n_mask[None, :]
-            acc_g += tl.dot(xt, tl.load(wg_ptrs + k0, mask=w_mask, other=0.0))
-            acc_u += tl.dot(xt, tl.load(wu_ptrs + k0, mask=w_mask, other=0.0))
+        se = (tl.maximum(s, 0) * num_experts + e).to(tl.int64)  # LoRA buffers are contiguous [S, E, ...]
+        ag_ptrs = ag_ptr + se * stride_ae + offs_r[None, :] * stride_ar + offs_k[:, None]
+        au_ptrs = au_ptr + se * stride_ae + offs_r[None, :] * stride_ar + offs_k[:, None]
+        rank_g = 0
+        rank_u = 0
         if HAS_LORA:
-            slot, lo, hi = _slot_range(token_slots_ptr, token, row_ok, num_slots)
-            for s in range(lo, hi + 1):
-                rows = slot == s
-                present = tl.max(rows.to(tl.int32), axis=0)
-                rank_g = present * tl.load(ranks_ptr + s * num_experts + e)
-                rank_u = present * tl.load(ranks_ptr + (num_slots + s) * num_experts + e)
-                se = (s * num_experts + e).to(tl.int64)  # buffers are contiguous [S, E, ...]
-                a_off = se * stride_ae
-                b_off = se * stride_be
-                acc_g = _lora_delta(acc_g, x_ptr, x_rows, rows, H, ag_ptr + a_off, stride_ar, bg_ptr + b_off, stride_bn,
-                                    offs_n, n_mask, rank_g, BLOCK_M, BLOCK_K, RC)
-                acc_u = _lora_delta(acc_u, x_ptr, x_rows, rows, H, au_ptr + a_off, stride_ar, bu_ptr + b_off, stride_bn,
-                                    offs_n, n_mask, rank_u, BLOCK_M, BLOCK_K, RC)
+            rank_g = _lora_rank(ranks_ptr, 0, s, e, num_slots, num_experts)
+            rank_u = _lora_rank(ranks_ptr, 1, s, e, num_slots, num_experts)
+        if rank_g + rank_u > 0:
+            acc_g, acc_u, xa_g, xa_u = _gemm_loop(x_ptrs, row_ok, H, wg_ptrs, wu_ptrs, n_mask, ag_ptrs, au_ptrs,
+                                                  offs_r[None, :] < rank_g, offs_r[None, :] < rank_u,
+                                                  True, True, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+            acc_g = _lora_expand(acc_g, xa_g, bg_ptr + se * stride_be, stride_bn, offs_n, n_mask, rank_g, BLOCK_R)
+            acc_u = _lora_expand(acc_u, xa_u, bu_ptr + se * stride_be, stride_bn, offs_n, n_mask, rank_u, BLOCK_R)
+        else:
+            acc_g, acc_u, _, _ = _gemm_loop(x_ptrs, row_ok, H, wg_ptrs, wu_ptrs, n_mask, ag_ptrs, au_ptrs,
+                                            n_mask[None, :], n_mask[None, :],
+                                            True, False, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_ht + offs_n[None, :]
         tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_mask[None, :])
@@ -204,40 +212,38 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr,
-    token_slots_ptr, ranks_ptr, a_ptr, b_ptr,
-    num_pairs, top_k, H, I, num_slots, num_experts,
-    stride_ht, stride_we, stride_wn, stride_ot,
-    stride_ae, stride_ar, stride_be, stride_bn,
+    h_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_ids_ptr, block_expert_ptr, block_slot_ptr, num_rows_ptr,
+    ranks_ptr, a_ptr, b_ptr,
+    num_pairs, H, I, num_slots, num_experts,
+    stride_ht, stride_we, stride_wn, stride_ot, stride_ae, stride_ar, stride_be, stride_bn,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, RC: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    num_n = tl.cdiv(H, BLOCK_N)
-    in_use, e, pair, row_ok, pid_n = _block_rows(sorted_ids_ptr, block_expert_ptr, num_rows_ptr, num_pairs, num_n,
-                                                 tl.program_id(0), BLOCK_M, GROUP_M)
+    """out[p] = w[p] * (h[p] Wd^T + LoRA_d) for the pairs p of one block."""
+    in_use, e, s, pair, row_ok, pid_n = _block_info(sorted_ids_ptr, block_expert_ptr, block_slot_ptr, num_rows_ptr,
+                                                    num_pairs, tl.cdiv(H, BLOCK_N), BLOCK_M, GROUP_M)
     if in_use:
-        h_rows = pair.to(tl.int64) * stride_ht
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < H
         offs_k = tl.arange(0, BLOCK_K)
+        offs_r = tl.arange(0, BLOCK_R)
+        h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_ht + offs_k[None, :]
         w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k_mask = k0 + offs_k < I
-            ht = tl.load(h_ptr + h_rows[:, None] + (k0 + offs_k)[None, :], mask=row_ok[:, None] & k_mask[None, :], other=0.0)
-            acc += tl.dot(ht, tl.load(w_ptrs + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0))
+        se = (tl.maximum(s, 0) * num_experts + e).to(tl.int64)
+        a_ptrs = a_ptr + se * stride_ae + offs_r[None, :] * stride_ar + offs_k[:, None]
+        rank = 0
         if HAS_LORA:
-            token = pair // top_k
-            slot, lo, hi = _slot_range(token_slots_ptr, token, row_ok, num_slots)
-            for s in range(lo, hi + 1):
-                rows = slot == s
-                present = tl.max(rows.to(tl.int32), axis=0)
-                rank = present * tl.load(ranks_ptr + (2 * num_slots + s) * num_experts + e)
-                se = (s * num_experts + e).to(tl.int64)  # buffers are contiguous [S, E, ...]
-                acc = _lora_delta(acc, h_ptr, h_rows, rows, I, a_ptr + se * stride_ae, stride_ar, b_ptr + se * stride_be, stride_bn,
-                                  offs_n, n_mask, rank, BLOCK_M, BLOCK_K, RC)
-        weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)
-        acc = acc * weight[:, None]
+            rank = _lora_rank(ranks_ptr, 2, s, e, num_slots, num_experts)
+        if rank > 0:
+            acc, _, xa, _ = _gemm_loop(h_ptrs, row_ok, I, w_ptrs, w_ptrs, n_mask, a_ptrs, a_ptrs,
+                                       offs_r[None, :] < rank, offs_r[None, :] < rank,
+                                       False, True, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+            acc = _lora_expand(acc, xa, b_ptr + se * stride_be, stride_bn, offs_n, n_mask, rank, BLOCK_R)
+        else:
+            acc, _, _, _ = _gemm_loop(h_ptrs, row_ok, I, w_ptrs, w_ptrs, n_mask, a_ptrs, a_ptrs,
+                                      n_mask[None, :], n_mask[None, :],
+                                      False, False, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+        acc = acc * tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
         out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_mask[None, :])
 
@@ -279,26 +285,28 @@ def fused_moe_triton(
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     y = torch.empty_like(x)
     if lora is None:  # HAS_LORA=False never reads these
-        ag = bg = au = bu = ad = bd = ranks = slots = blocks.num_rows
+        ag = bg = au = bu = ad = bd = ranks = blocks.num_rows
         gate_up_strides = down_strides = (0,) * 4
+        block_r = LORA_RANK_CHUNK
     else:
         ag, bg, au, bu, ad, bd = lora.a_gate, lora.b_gate, lora.a_up, lora.b_up, lora.a_down, lora.b_down
-        ranks, slots = lora.ranks, token_slots
+        ranks = lora.ranks
         gate_up_strides = (ag.stride(1), ag.stride(2), bg.stride(1), bg.stride(2))
         down_strides = (ad.stride(1), ad.stride(2), bd.stride(1), bd.stride(2))
+        block_r = max(LORA_RANK_CHUNK, triton.next_power_of_2(lora.max_rank_in_use or ag.shape[2]))
     common = dict(HAS_LORA=lora is not None, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                  RC=LORA_RANK_CHUNK, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  BLOCK_R=block_r, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _gate_up_kernel[(num_m * triton.cdiv(inter, cfg.block_n_gate_up),)](
-        x, w13, h, blocks.sorted_ids, blocks.block_expert, blocks.num_rows,
-        slots, ranks, ag, bg, au, bu,
+        x, w13, h, blocks.sorted_ids, blocks.block_expert, blocks.block_slot, blocks.num_rows,
+        ranks, ag, bg, au, bu,
         num_pairs, top_k, hidden, inter, num_slots, num_experts,
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *gate_up_strides,
         BLOCK_N=cfg.block_n_gate_up, **common,
     )
     _down_kernel[(num_m * triton.cdiv(hidden, cfg.block_n_down),)](
-        h, w2, out, topk.weights, blocks.sorted_ids, blocks.block_expert, blocks.num_rows,
-        slots, ranks, ad, bd,
-        num_pairs, top_k, hidden, inter, num_slots, num_experts,
+        h, w2, out, topk.weights, blocks.sorted_ids, blocks.block_expert, blocks.block_slot, blocks.num_rows,
+        ranks, ad, bd,
+        num_pairs, hidden, inter, num_slots, num_experts,
         h.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *down_strides,
         BLOCK_N=cfg.block_n_down, **common,
     )

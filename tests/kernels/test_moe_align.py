@@ -27,31 +27,33 @@ def _random_routing(tokens, top_k, experts, slots, device, gen):
 def _check_layout(blocks, ids, token_slots, experts, slots):
     """Invariants any correct alignment satisfies."""
     num_pairs = ids.numel()
-    sorted_ids, block_expert = blocks.sorted_ids.cpu().long(), blocks.block_expert.cpu().long()
-    num_rows, bm = int(blocks.num_rows), blocks.block_m
+    sorted_ids, bm = blocks.sorted_ids.cpu().long(), blocks.block_m
+    block_expert, block_slot = blocks.block_expert.cpu().long(), blocks.block_slot.cpu().long()
+    num_rows = int(blocks.num_rows)
     flat = ids.flatten().cpu().long()
     valid = (flat >= 0) & (flat < experts)
     pair_slot = token_slots.cpu().long().repeat_interleave(ids.shape[1])
     pair_slot = torch.where((pair_slot >= 0) & (pair_slot < slots), pair_slot, -1)
 
-    assert num_rows % bm == 0 and num_rows <= sorted_ids.numel() == max_aligned_rows(num_pairs, experts, bm)
+    assert num_rows % bm == 0 and num_rows <= sorted_ids.numel() == max_aligned_rows(num_pairs, experts, slots, bm)
     used = sorted_ids[:num_rows]
     assert (sorted_ids[num_rows:] == num_pairs).all(), "rows past num_rows must be padding"
     assert ((used >= 0) & (used <= num_pairs)).all(), "row holds neither a pair nor padding"
-    real = used[used < num_pairs]
-    assert sorted(real.tolist()) == torch.nonzero(valid).flatten().tolist(), "each valid pair exactly once"
-    assert (block_expert[num_rows // bm:] == -1).all()
-    row_expert = block_expert[: num_rows // bm].repeat_interleave(bm)
-    assert ((row_expert >= 0) & (row_expert < experts)).all()
+    assert sorted(used[used < num_pairs].tolist()) == torch.nonzero(valid).flatten().tolist(), "each valid pair once"
+    n_used = num_rows // bm
+    assert (block_expert[n_used:] == -1).all() and (block_slot[n_used:] == -1).all()
+    assert ((block_expert[:n_used] >= 0) & (block_expert[:n_used] < experts)).all()
+    assert ((block_slot[:n_used] >= -1) & (block_slot[:n_used] < slots)).all()
+    group = block_expert[:n_used] * (slots + 1) + block_slot[:n_used] + 1
+    assert (group[1:] > group[:-1]).logical_or(group[1:] == group[:-1]).all(), "groups ordered by (expert, slot)"
+    row_group = group.repeat_interleave(bm)
     is_pair = used < num_pairs
-    assert (flat[used[is_pair]] == row_expert[is_pair]).all(), "pair placed in a block of another expert"
-    for e in row_expert.unique().tolist():  # within an expert: slots ascending, padding at the end
-        seg = used[row_expert == e]
+    pair_group = flat[used[is_pair]] * (slots + 1) + pair_slot[used[is_pair]] + 1
+    assert (pair_group == row_group[is_pair]).all(), "pair placed in a block of another (expert, slot)"
+    for g in row_group.unique().tolist():  # padding only after a group's pairs, less than a block of it
+        seg = used[row_group == g]
         n = int((seg < num_pairs).sum())
-        assert (seg[n:] == num_pairs).all() and n > 0
-        seg_slots = pair_slot[seg[:n]]
-        assert (seg_slots[1:] >= seg_slots[:-1]).all()
-        assert len(seg) == -(-n // bm) * bm, "padding beyond the expert's last block"
+        assert n > 0 and (seg[n:] == num_pairs).all() and len(seg) == -(-n // bm) * bm
 
 
 @pytest.mark.parametrize("tokens,top_k,experts,slots,block_m", CASES)
@@ -67,6 +69,7 @@ def test_moe_align_matches_reference(tokens, top_k, experts, slots, block_m, wit
     _check_layout(got, ids, none if token_slots is None else token_slots, experts, slots)
     assert torch.equal(got.num_rows.cpu(), ref.num_rows.cpu())
     assert torch.equal(got.block_expert.cpu(), ref.block_expert.cpu())
+    assert torch.equal(got.block_slot.cpu(), ref.block_slot.cpu())
     # order inside one (expert, slot) group may differ (atomics); the groups' contents may not
     bm = block_m
     for b in range(int(ref.num_rows) // bm):
