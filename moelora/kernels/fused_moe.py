@@ -168,6 +168,26 @@ def _lora_expand(acc, xa, b_ptr, stride_bn, offs_n, n_mask, rank, BLOCK_R: tl.co
 
 
 @triton.jit
+def _gemm_with_lora(in_ptrs, row_ok, K, w1_ptrs, w2_ptrs, n_mask, offs_n, a1_ptrs, a2_ptrs, b1_ptr, b2_ptr, stride_bn,
+                    rank1, rank2, DUAL: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    """`_gemm_loop` plus the LoRA delta of this block's (slot, expert); the plain loop when the
+    block has no adapter or the adapter does not cover the expert (rank 0: nothing is read)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    if rank1 + rank2 > 0:
+        acc1, acc2, xa1, xa2 = _gemm_loop(in_ptrs, row_ok, K, w1_ptrs, w2_ptrs, n_mask, a1_ptrs, a2_ptrs,
+                                          offs_r[None, :] < rank1, offs_r[None, :] < rank2, DUAL, True,
+                                          BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+        acc1 = _lora_expand(acc1, xa1, b1_ptr, stride_bn, offs_n, n_mask, rank1, BLOCK_R)
+        if DUAL:
+            acc2 = _lora_expand(acc2, xa2, b2_ptr, stride_bn, offs_n, n_mask, rank2, BLOCK_R)
+    else:
+        acc1, acc2, _, _ = _gemm_loop(in_ptrs, row_ok, K, w1_ptrs, w2_ptrs, n_mask, a1_ptrs, a2_ptrs,
+                                      n_mask[None, :], n_mask[None, :], DUAL, False, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+    return acc1, acc2
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr, block_slot_ptr, num_rows_ptr,
     ranks_ptr, ag_ptr, bg_ptr, au_ptr, bu_ptr,
@@ -179,35 +199,31 @@ def _gate_up_kernel(
     """h[p] = silu(x Wg^T + LoRA_g) * (x Wu^T + LoRA_u) for the pairs p of one block."""
     in_use, e, s, pair, row_ok, pid_n = _block_info(sorted_ids_ptr, block_expert_ptr, block_slot_ptr, num_rows_ptr,
                                                     num_pairs, tl.cdiv(I, BLOCK_N), BLOCK_M, GROUP_M)
-    if in_use:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < I
-        offs_k = tl.arange(0, BLOCK_K)
-        offs_r = tl.arange(0, BLOCK_R)
-        x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
-        wg_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
-        wu_ptrs = wg_ptrs + I * stride_wn
-        se = (tl.maximum(s, 0) * num_experts + e).to(tl.int64)  # LoRA buffers are contiguous [S, E, ...]
-        ag_ptrs = ag_ptr + se * stride_ae + offs_r[None, :] * stride_ar + offs_k[:, None]
-        au_ptrs = au_ptr + se * stride_ae + offs_r[None, :] * stride_ar + offs_k[:, None]
-        rank_g = 0
-        rank_u = 0
-        if HAS_LORA:
-            rank_g = _lora_rank(ranks_ptr, 0, s, e, num_slots, num_experts)
-            rank_u = _lora_rank(ranks_ptr, 1, s, e, num_slots, num_experts)
-        if rank_g + rank_u > 0:
-            acc_g, acc_u, xa_g, xa_u = _gemm_loop(x_ptrs, row_ok, H, wg_ptrs, wu_ptrs, n_mask, ag_ptrs, au_ptrs,
-                                                  offs_r[None, :] < rank_g, offs_r[None, :] < rank_u,
-                                                  True, True, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
-            acc_g = _lora_expand(acc_g, xa_g, bg_ptr + se * stride_be, stride_bn, offs_n, n_mask, rank_g, BLOCK_R)
-            acc_u = _lora_expand(acc_u, xa_u, bu_ptr + se * stride_be, stride_bn, offs_n, n_mask, rank_u, BLOCK_R)
-        else:
-            acc_g, acc_u, _, _ = _gemm_loop(x_ptrs, row_ok, H, wg_ptrs, wu_ptrs, n_mask, ag_ptrs, au_ptrs,
-                                            n_mask[None, :], n_mask[None, :],
-                                            True, False, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_ht + offs_n[None, :]
-        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_mask[None, :])
+    if not in_use:
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, BLOCK_R)
+    x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
+    wg_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    wu_ptrs = wg_ptrs + I * stride_wn
+    se = (tl.maximum(s, 0) * num_experts + e).to(tl.int64)  # LoRA buffers are contiguous [S, E, ...]
+    ag_ptrs = ag_ptr + se * stride_ae + offs_r[None, :] * stride_ar + offs_k[:, None]
+    au_ptrs = au_ptr + se * stride_ae + offs_r[None, :] * stride_ar + offs_k[:, None]
+    if HAS_LORA:  # constexpr: without it the LoRA path is not compiled at all
+        acc_g, acc_u = _gemm_with_lora(x_ptrs, row_ok, H, wg_ptrs, wu_ptrs, n_mask, offs_n, ag_ptrs, au_ptrs,
+                                       bg_ptr + se * stride_be, bu_ptr + se * stride_be, stride_bn,
+                                       _lora_rank(ranks_ptr, 0, s, e, num_slots, num_experts),
+                                       _lora_rank(ranks_ptr, 1, s, e, num_slots, num_experts),
+                                       True, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+    else:
+        acc_g, acc_u, _, _ = _gemm_loop(x_ptrs, row_ok, H, wg_ptrs, wu_ptrs, n_mask, ag_ptrs, au_ptrs,
+                                        n_mask[None, :], n_mask[None, :], True, False,
+                                        BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_ht + offs_n[None, :]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -222,30 +238,28 @@ def _down_kernel(
     """out[p] = w[p] * (h[p] Wd^T + LoRA_d) for the pairs p of one block."""
     in_use, e, s, pair, row_ok, pid_n = _block_info(sorted_ids_ptr, block_expert_ptr, block_slot_ptr, num_rows_ptr,
                                                     num_pairs, tl.cdiv(H, BLOCK_N), BLOCK_M, GROUP_M)
-    if in_use:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < H
-        offs_k = tl.arange(0, BLOCK_K)
-        offs_r = tl.arange(0, BLOCK_R)
-        h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_ht + offs_k[None, :]
-        w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
-        se = (tl.maximum(s, 0) * num_experts + e).to(tl.int64)
-        a_ptrs = a_ptr + se * stride_ae + offs_r[None, :] * stride_ar + offs_k[:, None]
-        rank = 0
-        if HAS_LORA:
-            rank = _lora_rank(ranks_ptr, 2, s, e, num_slots, num_experts)
-        if rank > 0:
-            acc, _, xa, _ = _gemm_loop(h_ptrs, row_ok, I, w_ptrs, w_ptrs, n_mask, a_ptrs, a_ptrs,
-                                       offs_r[None, :] < rank, offs_r[None, :] < rank,
-                                       False, True, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
-            acc = _lora_expand(acc, xa, b_ptr + se * stride_be, stride_bn, offs_n, n_mask, rank, BLOCK_R)
-        else:
-            acc, _, _, _ = _gemm_loop(h_ptrs, row_ok, I, w_ptrs, w_ptrs, n_mask, a_ptrs, a_ptrs,
-                                      n_mask[None, :], n_mask[None, :],
-                                      False, False, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
-        acc = acc * tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
-        out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_mask[None, :])
+    if not in_use:
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, BLOCK_R)
+    h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_ht + offs_k[None, :]
+    w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    se = (tl.maximum(s, 0) * num_experts + e).to(tl.int64)
+    a_ptrs = a_ptr + se * stride_ae + offs_r[None, :] * stride_ar + offs_k[:, None]
+    if HAS_LORA:
+        acc, _ = _gemm_with_lora(h_ptrs, row_ok, I, w_ptrs, w_ptrs, n_mask, offs_n, a_ptrs, a_ptrs,
+                                 b_ptr + se * stride_be, b_ptr + se * stride_be, stride_bn,
+                                 _lora_rank(ranks_ptr, 2, s, e, num_slots, num_experts), 0,
+                                 False, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+    else:
+        acc, _, _, _ = _gemm_loop(h_ptrs, row_ok, I, w_ptrs, w_ptrs, n_mask, a_ptrs, a_ptrs,
+                                  n_mask[None, :], n_mask[None, :], False, False,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+    acc = acc * tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
+    out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -285,7 +299,8 @@ def fused_moe_triton(
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     y = torch.empty_like(x)
     if lora is None:  # HAS_LORA=False never reads these
-        ag = bg = au = bu = ad = bd = ranks = blocks.num_rows
+        ag = bg = au = bu = ad = bd = w13
+        ranks = blocks.num_rows
         gate_up_strides = down_strides = (0,) * 4
         block_r = LORA_RANK_CHUNK
     else:
