@@ -31,9 +31,6 @@ class ModelShapes:
         h, i = self.hidden_size, self.moe_intermediate_size
         return (i, h) if projection == "down" else (h, i)
 
-    def module_names(self, layer: int) -> list[str]:
-        return sorted(self.modules[layer])
-
 
 def load_model_shapes(model: str | Path | PretrainedConfig) -> ModelShapes:
     """Shapes from a transformers config object or a local model directory (config.json)."""

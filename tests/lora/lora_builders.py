@@ -160,6 +160,6 @@ def per_expert_deltas_as_v5(deltas: dict[str, torch.Tensor], mixtral_names: bool
 def write_adapter(out_dir: Path, tensors: dict[str, torch.Tensor], **config) -> Path:
     """An adapter written by hand: safetensors + adapter_config.json with PEFT's defaults and `config`."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, out_dir / "adapter_model.safetensors")
+    save_file({k: v.clone().contiguous() for k, v in tensors.items()}, out_dir / "adapter_model.safetensors")
     (out_dir / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16, **config}))
     return out_dir
