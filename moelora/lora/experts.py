@@ -134,4 +134,4 @@ def _ranges(layers: frozenset[int]) -> str:
     if not layers:
         return "none"
     lo, hi = min(layers), max(layers)
-    return f"{lo}-{hi}" if len(layers) == hi - lo + 1 else ", ".join(map(str, sorted(layers)))
+    return f"{lo}-{hi}" if len(layers) == hi - lo + 1 > 1 else ", ".join(map(str, sorted(layers)))
