@@ -49,8 +49,12 @@ def load_adapter(path: str | Path, model: str | Path | PretrainedConfig | ModelS
     """The canonical adapter of the directory `path` (adapter_config.json + adapter_model.safetensors
     or .bin) for the base model `model` (local dir, transformers config, or ModelShapes).
     `max_lora_rank` is the engine's limit; a higher rank is an error."""
-    file = read_adapter(path)
     shapes = model if isinstance(model, ModelShapes) else load_model_shapes(model)
+    return canonicalize(read_adapter(path), shapes, max_lora_rank)
+
+
+def canonicalize(file: AdapterFile, shapes: ModelShapes, max_lora_rank: int | None = None) -> Adapter:
+    """The canonical adapter of an adapter file read by `read_adapter`; raises AdapterError listing every problem."""
     problems = list(file.problems)
     layers: dict[int, LayerLoRA] = defaultdict(LayerLoRA)
     pieces: dict[tuple[int, str], list[ExpertPiece]] = defaultdict(list)

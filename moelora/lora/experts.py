@@ -15,7 +15,7 @@ import torch
 from moelora.lora.config import AdapterConfig
 from moelora.lora.errors import AdapterError
 from moelora.lora.formats import Kind, LoRAPair
-from moelora.lora.model_shapes import ModelShapes
+from moelora.lora.model_shapes import ModelShapes, format_ranges
 
 PARAM_NAMES = {"gate_up": "gate_up_proj", "down": "down_proj"}  # transformers v5 fused expert parameters
 
@@ -40,7 +40,7 @@ def expert_pieces(pair: LoRAPair, layer_names: set[str], shapes: ModelShapes, co
     """Pieces of one expert pair; `layer_names` are the names of all pairs of its kind in the layer."""
     if pair.layer not in shapes.moe_layers:
         raise AdapterError(f"{pair.a_key}: layer {pair.layer} of this {shapes.model_type} model has no routed experts "
-                           f"(MoE layers: {_ranges(shapes.moe_layers)})")
+                           f"(MoE layers: {format_ranges(shapes.moe_layers)})")
     if pair.kind is Kind.EXPERT_MODULE:
         return [_expert_module(pair, shapes)]
     if pair.kind is Kind.STACKED:
@@ -78,12 +78,7 @@ def _param_wrapper(pair: LoRAPair, layer_names: set[str], shapes: ModelShapes,
     if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1] or a.shape[0] % e:
         raise AdapterError(f"{pair.a_key}: A {tuple(a.shape)} / B {tuple(b.shape)} are not a target_parameters "
                            f"LoRA of {e} experts (expected A [{e}*r, in], B [out, {e}*r])")
-    # PEFT wraps parameters in definition order: the inner wrapper (base_layer) is gate_up_proj.
-    if pair.name == "inner" or "inner" in layer_names:
-        params = ["gate_up" if pair.name == "inner" else "down"]
-    else:
-        named = [p for p, n in PARAM_NAMES.items() if config.targets_parameter(f"{pair.peft_path}.{n}")]
-        params = named if len(named) == 1 else list(PARAM_NAMES)
+    params = wrapped_params(pair, layer_names, config)
     candidates = []
     for param in params:
         in_f, out_f = _projection_shape(param, shapes)
@@ -113,6 +108,16 @@ def _param_wrapper(pair: LoRAPair, layer_names: set[str], shapes: ModelShapes,
     return param, b3.transpose(1, 2), a3.transpose(1, 2)
 
 
+def wrapped_params(pair: LoRAPair, layer_names: set[str], config: AdapterConfig) -> list[str]:
+    """The fused parameter(s), 'gate_up' and/or 'down', a ParamWrapper pair can belong to; the shapes
+    decide between two. PEFT wraps parameters in definition order: the inner wrapper (base_layer)
+    is gate_up_proj, the outer one down_proj; a lone wrapper is what target_parameters names."""
+    if pair.name == "inner" or "inner" in layer_names:
+        return ["gate_up" if pair.name == "inner" else "down"]
+    named = [p for p, n in PARAM_NAMES.items() if config.targets_parameter(f"{pair.peft_path}.{n}")]
+    return named if len(named) == 1 else list(PARAM_NAMES)
+
+
 def _split_gate_up(name: str, a: torch.Tensor, b: torch.Tensor, pair: LoRAPair, peft_path: str,
                    shapes: ModelShapes) -> list[ExpertPiece]:
     """gate_up splits into gate and up by halves of the output (transformers' chunk(2)); each keeps A."""
@@ -129,9 +134,3 @@ def _projection_shape(name: str, shapes: ModelShapes) -> tuple[int, int]:
         return shapes.hidden_size, 2 * shapes.moe_intermediate_size
     return shapes.expert_shape(name)
 
-
-def _ranges(layers: frozenset[int]) -> str:
-    if not layers:
-        return "none"
-    lo, hi = min(layers), max(layers)
-    return f"{lo}-{hi}" if len(layers) == hi - lo + 1 > 1 else ", ".join(map(str, sorted(layers)))

@@ -41,6 +41,17 @@ def load_model_shapes(model: str | Path | PretrainedConfig) -> ModelShapes:
     return family(config)
 
 
+def format_ranges(indices) -> str:
+    """'0-3, 5, 7-9' for a set of layer or expert indices."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{lo}-{hi}" if hi > lo else str(lo) for lo, hi in runs) or "none"
+
+
 def _read_config(model_dir: Path) -> PretrainedConfig:
     if not (model_dir / "config.json").is_file():
         raise AdapterError(f"{model_dir}: no config.json (--model takes a local model directory)")
