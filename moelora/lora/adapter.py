@@ -69,7 +69,8 @@ def canonicalize(file: AdapterFile, shapes: ModelShapes, max_lora_rank: int | No
                 raise AdapterError(f"{pair.a_key}: layer {pair.layer} out of range (the model has {shapes.num_layers} layers)")
             if pair.kind is Kind.MODULE:
                 for name, a, b in _module_parts(pair, shapes):
-                    scaling = _scaling(pair.a_key, a.shape[0], pair.peft_path, file.config, max_lora_rank)
+                    path = file.config.pattern_path(pair.peft_path)
+                    scaling = _scaling(pair.a_key, a.shape[0], path, file.config, max_lora_rank)
                     _add_module(layers[pair.layer], name, LinearLoRA(a, _scaled(b, scaling), scaling, (pair.a_key, pair.b_key)))
                 continue
             for piece in expert_pieces(pair, wrapper_names[pair.layer], shapes, file.config):

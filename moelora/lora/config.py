@@ -70,6 +70,12 @@ class AdapterConfig:
         alpha = self.alpha_pattern.get(_pattern_key(self.alpha_pattern, peft_path), self.lora_alpha)
         return r, alpha
 
+    def pattern_path(self, module_path: str) -> str:
+        """The path PEFT matched the patterns against for a 2D LoRA: the parameter path
+        ('model.layers.0.mlp.gate.weight') if target_parameters put it there, else the module path."""
+        weight = f"{module_path}.weight"
+        return weight if self.targets_parameter(weight) else module_path
+
     def scaling(self, r: int, alpha: float) -> float:
         return alpha / math.sqrt(r) if self.use_rslora else alpha / r
 

@@ -57,7 +57,8 @@ def _file_rows(file: AdapterFile):
             param = name.removeprefix("experts.")
             r, alpha = file.config.rank_and_alpha(f"{p.peft_path}.{PARAM_NAMES.get(param, param)}")
         else:
-            r, alpha = p.a.shape[1] if p.kind is Kind.STACKED else p.a.shape[0], file.config.rank_and_alpha(p.peft_path)[1]
+            r = p.a.shape[1] if p.kind is Kind.STACKED else p.a.shape[0]
+            alpha = file.config.rank_and_alpha(file.config.pattern_path(p.peft_path))[1]
         yield name, r, file.config.scaling(r, alpha), p.layer
 
 

@@ -45,6 +45,18 @@ def test_rank_alpha_patterns_and_rslora(tmp_path):
     assert layer1.modules["self_attn.o_proj"].scaling == pytest.approx(5 / 2)
 
 
+def test_router_patterns_match_the_parameter_path(tmp_path):
+    """A router LoRA from target_parameters=['mlp.gate.weight']: PEFT matches patterns against
+    'model.layers.L.mlp.gate.weight', not the module path."""
+    config = tiny_config("olmoe")
+    lora = LoraConfig(r=4, lora_alpha=8, target_parameters=["mlp.gate.weight"], rank_pattern={"gate.weight": 2},
+                      alpha_pattern={r"layers\.1\.mlp\.gate\.weight": 3})
+    expected = peft_adapter(tiny_model(config), lora, tmp_path)
+    adapter = load_adapter(tmp_path, config)
+    assert_deltas_equal(canonical_deltas(adapter), expected)
+    assert [adapter.layers[i].modules["mlp.gate"].scaling for i in (0, 1)] == [4.0, 1.5]
+
+
 @pytest.mark.parametrize("target", EXPERT_PARAMS)
 def test_lone_target_parameter(target, tmp_path):
     """With one expert parameter targeted, `experts.lora_*` is that parameter (gate_up or down)."""
