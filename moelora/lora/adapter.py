@@ -68,9 +68,10 @@ def canonicalize(file: AdapterFile, shapes: ModelShapes, max_lora_rank: int | No
             if pair.layer >= shapes.num_layers:
                 raise AdapterError(f"{pair.a_key}: layer {pair.layer} out of range (the model has {shapes.num_layers} layers)")
             if pair.kind is Kind.MODULE:
-                for name, a, b in _module_parts(pair, shapes):
-                    path = file.config.pattern_path(pair.peft_path)
-                    scaling = _scaling(pair.a_key, a.shape[0], path, file.config, max_lora_rank)
+                parts = _module_parts(pair, shapes)
+                path = file.config.pattern_path(pair.peft_path)
+                scaling = _scaling(pair.a_key, pair.a.shape[0], path, file.config, max_lora_rank)
+                for name, a, b in parts:
                     _add_module(layers[pair.layer], name, LinearLoRA(a, _scaled(b, scaling), scaling, (pair.a_key, pair.b_key)))
                 continue
             for piece in expert_pieces(pair, wrapper_names[pair.layer], shapes, file.config):
@@ -107,13 +108,14 @@ def _scaling(key: str, rank: int, peft_path: str, config: AdapterConfig, max_lor
     return config.scaling(r, alpha)
 
 
-def _scaled(b: torch.Tensor, scaling: float | torch.Tensor) -> torch.Tensor:
+def _scaled(b: torch.Tensor, scaling: float) -> torch.Tensor:
     """B * scaling in float32, rounded once to B's dtype."""
     return (b.float() * scaling).to(b.dtype).contiguous()
 
 
 def _module_parts(pair: LoRAPair, shapes: ModelShapes) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(module name, A [r, in], B [out, r]) of a non-expert pair; a fused qkv/gate_up splits B over its parts."""
+    """(module name, A [r, in], B [out, r]) of a non-expert pair; a fused qkv/gate_up splits B over
+    its parts, which share A."""
     modules = shapes.modules[pair.layer]
     prefix, _, last = pair.name.rpartition(".")
     parts = [pair.name] if pair.name in modules else [f"{prefix}.{p}" for p in FUSED_MODULES.get(last, ())]

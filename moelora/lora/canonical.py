@@ -54,6 +54,7 @@ class ExpertsLoRA:
 
 @dataclass
 class LayerLoRA:
+    # Names are relative to the decoder layer, as in transformers v5; what is absent is not adapted.
     experts: dict[str, ExpertsLoRA] = field(default_factory=dict)   # 'gate' | 'up' | 'down'
     modules: dict[str, LinearLoRA] = field(default_factory=dict)    # 'self_attn.q_proj', 'mlp.gate', ...
 

@@ -68,7 +68,10 @@ def read_tensors(adapter_dir: Path) -> tuple[dict[str, torch.Tensor], str]:
     """All tensors of adapter_model.safetensors (or .bin) on CPU, and the file name."""
     st, pt = adapter_dir / "adapter_model.safetensors", adapter_dir / "adapter_model.bin"
     if st.is_file():
-        return load_file(st, device="cpu"), st.name
+        try:
+            return load_file(st, device="cpu"), st.name
+        except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
+            raise AdapterError(f"{st}: cannot be read as safetensors: {e}") from None
     if pt.is_file():
         try:
             tensors = torch.load(pt, map_location="cpu", weights_only=True)

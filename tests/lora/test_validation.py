@@ -165,3 +165,23 @@ def test_all_problems_reported_together(tmp_path):
     message = refused(tmp_path, tensors, max_lora_rank=4)
     assert "3 problem(s)" in message  # q_proj shapes, the norm key, expert 2's rank
     assert Q_A in message and "model.norm.weight" in message and "experts.2.gate_proj" in message
+
+
+def test_corrupt_safetensors(tmp_path):
+    write_adapter(tmp_path, good())
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(AdapterError, match="adapter_model.safetensors: cannot be read as safetensors"):
+        load_adapter(tmp_path, tiny_config("qwen3_moe"))
+
+
+class NotATensor:
+    pass
+
+
+def test_bin_with_code_is_refused(tmp_path):
+    """adapter_model.bin is loaded with weights_only=True: a pickle that carries objects is refused."""
+    write_adapter(tmp_path, good())
+    (tmp_path / "adapter_model.safetensors").unlink()
+    torch.save({Q_A: torch.randn(R, HIDDEN), "payload": NotATensor()}, tmp_path / "adapter_model.bin")
+    with pytest.raises(AdapterError, match=r"adapter_model.bin: cannot be read with torch.load\(weights_only=True\)"):
+        load_adapter(tmp_path, tiny_config("qwen3_moe"))
