@@ -36,8 +36,8 @@ class ExpertPiece:
         return self.a.shape[1]
 
 
-def expert_pieces(pair: LoRAPair, layer_names: set[str], shapes: ModelShapes, config: AdapterConfig) -> list[ExpertPiece]:
-    """Pieces of one expert pair; `layer_names` are the names of all pairs of its kind in the layer."""
+def expert_pieces(pair: LoRAPair, wrappers: set[str], shapes: ModelShapes, config: AdapterConfig) -> list[ExpertPiece]:
+    """Pieces of one expert pair; `wrappers`: the ParamWrapper pairs (inner/outer) present in its layer."""
     if pair.layer not in shapes.moe_layers:
         raise AdapterError(f"{pair.a_key}: layer {pair.layer} of this {shapes.model_type} model has no routed experts "
                            f"(MoE layers: {format_ranges(shapes.moe_layers)})")
@@ -45,7 +45,7 @@ def expert_pieces(pair: LoRAPair, layer_names: set[str], shapes: ModelShapes, co
         return [_expert_module(pair, shapes)]
     if pair.kind is Kind.STACKED:
         return _split_gate_up(pair.name, *_stacked(pair, shapes), pair, pair.peft_path, shapes)
-    param, a, b = _param_wrapper(pair, layer_names, shapes, config)
+    param, a, b = _param_wrapper(pair, wrappers, shapes, config)
     return _split_gate_up(param, a, b, pair, f"{pair.peft_path}.{PARAM_NAMES[param]}", shapes)
 
 
@@ -71,14 +71,14 @@ def _stacked(pair: LoRAPair, shapes: ModelShapes) -> tuple[torch.Tensor, torch.T
     return a.expand(e, -1, -1), b.expand(e, -1, -1)
 
 
-def _param_wrapper(pair: LoRAPair, layer_names: set[str], shapes: ModelShapes,
+def _param_wrapper(pair: LoRAPair, wrappers: set[str], shapes: ModelShapes,
                    config: AdapterConfig) -> tuple[str, torch.Tensor, torch.Tensor]:
     """(parameter 'gate_up' | 'down', A [E, r, in], B [E, out, r]) of a ParamWrapper pair."""
     a, b, e = pair.a, pair.b, shapes.num_experts
     if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1] or a.shape[0] % e:
         raise AdapterError(f"{pair.a_key}: A {tuple(a.shape)} / B {tuple(b.shape)} are not a target_parameters "
                            f"LoRA of {e} experts (expected A [{e}*r, in], B [out, {e}*r])")
-    params = wrapped_params(pair, layer_names, config)
+    params = wrapped_params(pair, wrappers, config)
     candidates = []
     for param in params:
         in_f, out_f = _projection_shape(param, shapes)
@@ -108,11 +108,11 @@ def _param_wrapper(pair: LoRAPair, layer_names: set[str], shapes: ModelShapes,
     return param, b3.transpose(1, 2), a3.transpose(1, 2)
 
 
-def wrapped_params(pair: LoRAPair, layer_names: set[str], config: AdapterConfig) -> list[str]:
+def wrapped_params(pair: LoRAPair, wrappers: set[str], config: AdapterConfig) -> list[str]:
     """The fused parameter(s), 'gate_up' and/or 'down', a ParamWrapper pair can belong to; the shapes
     decide between two. PEFT wraps parameters in definition order: the inner wrapper (base_layer)
     is gate_up_proj, the outer one down_proj; a lone wrapper is what target_parameters names."""
-    if pair.name == "inner" or "inner" in layer_names:
+    if pair.name == "inner" or "inner" in wrappers:
         return ["gate_up" if pair.name == "inner" else "down"]
     named = [p for p, n in PARAM_NAMES.items() if config.targets_parameter(f"{pair.peft_path}.{n}")]
     return named if len(named) == 1 else list(PARAM_NAMES)
