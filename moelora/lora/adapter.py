@@ -1,0 +1,160 @@
+"""Load an adapter directory against a base model into the canonical adapter, validating everything.
+
+Every tensor of the file either lands in the canonical adapter or is reported as a problem; all
+problems are collected and raised together as one AdapterError.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PretrainedConfig
+
+from moelora.lora.canonical import Adapter, ExpertsLoRA, LayerLoRA, LinearLoRA
+from moelora.lora.config import AdapterConfig
+from moelora.lora.errors import AdapterError
+from moelora.lora.experts import ExpertPiece, expert_pieces
+from moelora.lora.formats import Kind, LoRAPair, pair_tensors, read_tensors
+from moelora.lora.model_shapes import FUSED_MODULES, ModelShapes, load_model_shapes
+
+
+@dataclass
+class AdapterFile:
+    """What the adapter directory says on its own, before it is checked against a model."""
+    path: Path
+    file_name: str
+    config: AdapterConfig
+    pairs: list[LoRAPair]
+    problems: list[str]
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        return tuple(sorted({p.kind.value for p in self.pairs if p.kind is not Kind.MODULE}))
+
+
+def read_adapter(path: str | Path) -> AdapterFile:
+    path = Path(path)
+    config = AdapterConfig.read(path)
+    tensors, file_name = read_tensors(path)
+    problems = _added_tokens(path)
+    pairs = pair_tensors(tensors, problems)
+    return AdapterFile(path, file_name, config, pairs, problems)
+
+
+def load_adapter(path: str | Path, model: str | Path | PretrainedConfig | ModelShapes,
+                 max_lora_rank: int | None = None) -> Adapter:
+    """The canonical adapter of the directory `path` (adapter_config.json + adapter_model.safetensors
+    or .bin) for the base model `model` (local dir, transformers config, or ModelShapes).
+    `max_lora_rank` is the engine's limit; a higher rank is an error."""
+    shapes = model if isinstance(model, ModelShapes) else load_model_shapes(model)
+    return canonicalize(read_adapter(path), shapes, max_lora_rank)
+
+
+def canonicalize(file: AdapterFile, shapes: ModelShapes, max_lora_rank: int | None = None) -> Adapter:
+    """The canonical adapter of an adapter file read by `read_adapter`; raises AdapterError listing every problem."""
+    problems = list(file.problems)
+    layers: dict[int, LayerLoRA] = defaultdict(LayerLoRA)
+    pieces: dict[tuple[int, str], list[ExpertPiece]] = defaultdict(list)
+    wrapper_names = defaultdict(set)  # layer -> 'inner'/'outer' ParamWrapper pairs present
+    for pair in file.pairs:
+        if pair.kind is Kind.PARAM_WRAPPER:
+            wrapper_names[pair.layer].add(pair.name)
+
+    for pair in file.pairs:
+        try:
+            if pair.layer >= shapes.num_layers:
+                raise AdapterError(f"{pair.a_key}: layer {pair.layer} out of range (the model has {shapes.num_layers} layers)")
+            if pair.kind is Kind.MODULE:
+                parts = _module_parts(pair, shapes)
+                path = file.config.pattern_path(pair.peft_path)
+                scaling = _scaling(pair.a_key, pair.a.shape[0], path, file.config, max_lora_rank)
+                for name, a, b in parts:
+                    _add_module(layers[pair.layer], name, LinearLoRA(a, _scaled(b, scaling), scaling, (pair.a_key, pair.b_key)))
+                continue
+            for piece in expert_pieces(pair, wrapper_names[pair.layer], shapes, file.config):
+                piece.scaling = _scaling(pair.a_key, piece.rank, piece.peft_path, file.config, max_lora_rank)
+                pieces[(pair.layer, piece.projection)].append(piece)
+        except AdapterError as e:
+            problems.append(str(e))
+
+    for (layer, projection), found in sorted(pieces.items()):
+        try:
+            layers[layer].experts[projection] = _assemble(found, projection, shapes)
+        except AdapterError as e:
+            problems.append(str(e))
+    if problems:
+        raise AdapterError(f"adapter {file.path}: {len(problems)} problem(s):\n  - " + "\n  - ".join(problems), problems)
+    return Adapter(file.path, file.config, file.formats, dict(sorted(layers.items())))
+
+
+def _added_tokens(path: Path) -> list[str]:
+    added = path / "added_tokens.json"
+    if added.is_file() and json.loads(added.read_text() or "{}"):
+        return [f"{added}: added tokens are not served (they change the base model's vocabulary and embeddings)"]
+    return []
+
+
+def _scaling(key: str, rank: int, peft_path: str, config: AdapterConfig, max_lora_rank: int | None) -> float:
+    """The scaling PEFT applies at `peft_path`, after checking the tensor's rank against the config."""
+    r, alpha = config.rank_and_alpha(peft_path)
+    if rank != r:
+        raise AdapterError(f"{key}: rank {rank}, but adapter_config.json gives r={r} for {peft_path} "
+                           "(r/rank_pattern decide the scaling, so they must match the tensors)")
+    if max_lora_rank is not None and rank > max_lora_rank:
+        raise AdapterError(f"{key}: rank {rank} is above the engine's max_lora_rank={max_lora_rank}")
+    return config.scaling(r, alpha)
+
+
+def _scaled(b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """B * scaling in float32, rounded once to B's dtype."""
+    return (b.float() * scaling).to(b.dtype).contiguous()
+
+
+def _module_parts(pair: LoRAPair, shapes: ModelShapes) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(module name, A [r, in], B [out, r]) of a non-expert pair; a fused qkv/gate_up splits B over
+    its parts, which share A."""
+    modules = shapes.modules[pair.layer]
+    prefix, _, last = pair.name.rpartition(".")
+    parts = [pair.name] if pair.name in modules else [f"{prefix}.{p}" for p in FUSED_MODULES.get(last, ())]
+    if not parts or not all(p in modules for p in parts):
+        raise AdapterError(f"{pair.a_key}: layer {pair.layer} of this {shapes.model_type} model has no module "
+                           f"{pair.name!r} (it has {', '.join(sorted(modules))})")
+    in_f, outs = modules[parts[0]][0], [modules[p][1] for p in parts]
+    a, b = pair.a, pair.b
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != in_f or b.shape[0] != sum(outs) or a.shape[0] != b.shape[1]:
+        raise AdapterError(f"{pair.a_key}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit {pair.name} "
+                           f"(expected A [r, {in_f}], B [{sum(outs)}, r])")
+    return [(name, a.contiguous(), part) for name, part in zip(parts, b.split(outs))]
+
+
+def _add_module(layer: LayerLoRA, name: str, lora: LinearLoRA) -> None:
+    if name in layer.modules:
+        raise AdapterError(f"{lora.keys[0]}: {name} is already given by {layer.modules[name].keys[0]}")
+    layer.modules[name] = lora
+
+
+def _assemble(found: list[ExpertPiece], projection: str, shapes: ModelShapes) -> ExpertsLoRA:
+    """One ExpertsLoRA from the pieces of a (layer, projection): zero-padded to the largest rank."""
+    num_experts, (in_f, out_f) = shapes.num_experts, shapes.expert_shape(projection)
+    rank = max(p.rank for p in found)
+    dtype = found[0].a.dtype
+    for p in found:
+        dtype = torch.promote_types(dtype, torch.promote_types(p.a.dtype, p.b.dtype))
+    a = torch.zeros(num_experts, rank, in_f, dtype=dtype)
+    b = torch.zeros(num_experts, out_f, rank, dtype=dtype)
+    ranks = torch.zeros(num_experts, dtype=torch.int32)
+    scaling = torch.zeros(num_experts, dtype=torch.float32)
+    owner: dict[int, str] = {}
+    for p in found:
+        twice = [e for e in p.experts if e in owner]
+        if twice:
+            raise AdapterError(f"{p.keys[0]}: expert {twice[0]} {projection} is already given by {owner[twice[0]]}")
+        owner.update((e, p.keys[0]) for e in p.experts)
+        a[p.experts, : p.rank] = p.a.to(dtype)
+        b[p.experts, :, : p.rank] = _scaled(p.b.to(dtype), p.scaling)
+        ranks[p.experts], scaling[p.experts] = p.rank, p.scaling
+    keys = tuple(dict.fromkeys(k for p in found for k in p.keys))
+    return ExpertsLoRA(a, b, ranks, scaling, keys)

@@ -1,0 +1,125 @@
+"""adapter_config.json: rank and alpha per module or parameter path (PEFT's rank_pattern /
+alpha_pattern semantics), scaling, and the features moelora refuses to serve."""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moelora.lora.errors import AdapterError
+
+# PEFT >= this writes target_parameters LoRA on 3D experts as A [E*r, in], B [out, E*r] with in/out
+# the projection's real input/output; older versions took them from the parameter's dims 1 and 2.
+PEFT_PARAM_ORIENTATION_FIXED = (0, 19, 1)
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    r: int
+    lora_alpha: float
+    use_rslora: bool = False
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    target_modules: tuple[str, ...] | str | None = None
+    target_parameters: tuple[str, ...] = ()
+    peft_version: str | None = None
+    lora_b_layout: str | None = None  # "grouped_by_expert": older Unsloth, B columns are (E, r)
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def read(cls, adapter_dir: Path) -> AdapterConfig:
+        path = adapter_dir / "adapter_config.json"
+        if not path.is_file():
+            raise AdapterError(f"{adapter_dir}: no adapter_config.json")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise AdapterError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(raw, where=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict, where: str = "adapter_config.json") -> AdapterConfig:
+        refusals = unsupported_features(raw)
+        if refusals:
+            raise AdapterError(f"{where}: not served: " + "; ".join(refusals))
+        if not isinstance(raw.get("r"), int) or raw["r"] <= 0:
+            raise AdapterError(f"{where}: 'r' must be a positive integer, got {raw.get('r')!r}")
+        layout = raw.get("lora_B_layout") or raw.get("lora_b_layout")
+        if layout not in (None, "grouped_by_expert"):
+            raise AdapterError(f"{where}: unknown lora_B_layout {layout!r} (expected 'grouped_by_expert')")
+        target_modules = raw.get("target_modules")
+        return cls(
+            r=raw["r"],
+            lora_alpha=raw.get("lora_alpha", 8),  # PEFT's default
+            use_rslora=bool(raw.get("use_rslora", False)),
+            rank_pattern=dict(raw.get("rank_pattern") or {}),
+            alpha_pattern=dict(raw.get("alpha_pattern") or {}),
+            target_modules=tuple(target_modules) if isinstance(target_modules, list) else target_modules,
+            target_parameters=tuple(raw.get("target_parameters") or ()),
+            peft_version=raw.get("peft_version"),
+            lora_b_layout=layout,
+            raw=raw,
+        )
+
+    def rank_and_alpha(self, peft_path: str) -> tuple[int, float]:
+        """(r, alpha) PEFT used for the module or parameter at `peft_path` (e.g.
+        'model.layers.0.mlp.experts.gate_up_proj')."""
+        r = self.rank_pattern.get(_pattern_key(self.rank_pattern, peft_path), self.r)
+        alpha = self.alpha_pattern.get(_pattern_key(self.alpha_pattern, peft_path), self.lora_alpha)
+        return r, alpha
+
+    def pattern_path(self, module_path: str) -> str:
+        """The path PEFT matched the patterns against for a 2D LoRA: the parameter path
+        ('model.layers.0.mlp.gate.weight') if target_parameters put it there, else the module path."""
+        weight = f"{module_path}.weight"
+        return weight if self.targets_parameter(weight) else module_path
+
+    def scaling(self, r: int, alpha: float) -> float:
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+    def targets_parameter(self, peft_path: str) -> bool:
+        """Whether target_parameters names the parameter at `peft_path` (PEFT's suffix match)."""
+        return any(peft_path == t or peft_path.endswith("." + t) for t in self.target_parameters)
+
+    def param_orientation_fixed(self) -> bool | None:
+        """True if PEFT wrote 3D-parameter LoRA in the >= 0.19.1 orientation, None if unknown."""
+        if not self.peft_version:
+            return None
+        numbers = re.findall(r"\d+", self.peft_version)[:3]
+        return tuple(int(n) for n in numbers) >= PEFT_PARAM_ORIENTATION_FIXED
+
+
+def _pattern_key(patterns: dict, path: str) -> str | None:
+    """PEFT's get_pattern_key: the first pattern that matches the whole path or a dotted suffix of it."""
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", path):
+            return key
+    return None
+
+
+def unsupported_features(raw: dict) -> list[str]:
+    """Reasons this config cannot be served faithfully (empty if it can)."""
+    reasons = []
+    if raw.get("peft_type", "LORA") != "LORA":
+        reasons.append(f"peft_type {raw['peft_type']!r} (only LORA is served)")
+    if raw.get("use_dora"):
+        reasons.append("use_dora=true (DoRA rescales each output column by a magnitude vector; only plain LoRA is served)")
+    if raw.get("lora_bias"):
+        reasons.append("lora_bias=true (a trained bias on lora_B; only bias-free LoRA is served)")
+    if raw.get("modules_to_save"):
+        reasons.append(f"modules_to_save={raw['modules_to_save']} (fully trained copies of base modules such as "
+                       "embed_tokens/lm_head cannot be swapped per request)")
+    if raw.get("trainable_token_indices"):
+        reasons.append("trainable_token_indices (added or retrained tokens change the embeddings of the base model)")
+    if raw.get("alora_invocation_tokens"):
+        reasons.append("alora_invocation_tokens (activated LoRA applies only after an invocation sequence)")
+    if raw.get("layer_replication"):
+        reasons.append("layer_replication (the adapter expects a model with duplicated layers)")
+    if raw.get("fan_in_fan_out"):
+        reasons.append("fan_in_fan_out=true (Conv1D-style transposed weights; the served models use nn.Linear layout)")
+    targets = raw.get("target_modules") or []
+    if isinstance(targets, list) and {"embed_tokens", "lm_head"} & set(targets):
+        reasons.append("LoRA on embed_tokens/lm_head (only decoder-layer projections are served)")
+    return reasons

@@ -1,0 +1,135 @@
+"""Adapter files -> A/B pairs with where they apply. Knows key names, nothing about shapes.
+
+Key layouts (prefix `base_model.model.` optional, `block_sparse_moe` read as `mlp`, suffix
+`.lora_A.weight` or bare `.lora_A`):
+
+    layers.L.mlp.experts.E.{gate_proj,up_proj,down_proj,w1,w3,w2}  per-expert modules (PEFT, transformers v4)
+    layers.L.mlp.experts.base_layer / layers.L.mlp.experts          PEFT target_parameters on fused 3D experts
+                                                                     (inner / outer ParamWrapper)
+    layers.L.mlp.experts.{gate_up_proj,gate_proj,up_proj,down_proj,w1,w3,w2}   stacked 3D, A [E, r, in]
+    layers.L.<anything else>                                          a linear module of the layer
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from moelora.lora.errors import AdapterError
+
+
+class Kind(str, Enum):
+    MODULE = "module"                  # non-expert linear: A [r, in], B [out, r]
+    EXPERT_MODULE = "expert-modules"   # one expert's projection: A [r, in], B [out, r]
+    PARAM_WRAPPER = "target-parameters"  # PEFT ParamWrapper: A [E*r, in], B [out, E*r]
+    STACKED = "stacked-3d"             # A [E or 1, r, in], B [E or 1, out, r]
+
+
+EXPERT_NAMES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down",
+                "gate_up_proj": "gate_up"}
+
+
+@dataclass
+class LoRAPair:
+    """One lora_A / lora_B pair of the file and where it applies."""
+    kind: Kind
+    layer: int
+    name: str          # MODULE: module name in the layer ('self_attn.q_proj'); experts: 'gate'/'up'/'down'/'gate_up';
+                       # PARAM_WRAPPER: 'inner' (base_layer) or 'outer'
+    expert: int | None  # EXPERT_MODULE only
+    peft_path: str     # module (or, for PARAM_WRAPPER, module without base_layer) path PEFT matched patterns against
+    a_key: str
+    b_key: str
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+_SUFFIX = re.compile(r"^(?P<module>.+)\.lora_(?P<side>[AB])(?:\.weight)?$")
+_LAYER = re.compile(r"^(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<rel>.+)$")
+_EXPERT_MODULE = re.compile(r"^mlp\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)$")
+_STACKED = re.compile(r"^mlp\.experts\.(?P<proj>gate_up_proj|gate_proj|up_proj|down_proj|w1|w3|w2)$")
+
+# Keys of features that are refused rather than unknown, with the reason.
+_REFUSED = (
+    (re.compile(r"\.lora_magnitude_vector\b"), "DoRA magnitude vector (only plain LoRA is served)"),
+    (re.compile(r"\.lora_B(\.[^.]+)?\.bias$"), "lora_bias (a trained bias on lora_B is not served)"),
+    (re.compile(r"\.lora_embedding_[AB]\b"), "LoRA on an embedding (only decoder-layer projections are served)"),
+    (re.compile(r"trainable_tokens"), "trainable/added tokens (they change the base model's embeddings)"),
+    (re.compile(r"modules_to_save|(^|\.)(embed_tokens|lm_head)\.weight$"),
+     "a full copy of a base module (modules_to_save, e.g. embed_tokens/lm_head) cannot be swapped per request"),
+)
+
+
+def read_tensors(adapter_dir: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """All tensors of adapter_model.safetensors (or .bin) on CPU, and the file name."""
+    st, pt = adapter_dir / "adapter_model.safetensors", adapter_dir / "adapter_model.bin"
+    if st.is_file():
+        try:
+            return load_file(st, device="cpu"), st.name
+        except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
+            raise AdapterError(f"{st}: cannot be read as safetensors: {e}") from None
+    if pt.is_file():
+        try:
+            tensors = torch.load(pt, map_location="cpu", weights_only=True)
+        except Exception as e:  # pickles with code in them are refused by weights_only
+            raise AdapterError(f"{pt}: cannot be read with torch.load(weights_only=True): {e}") from None
+        if not isinstance(tensors, dict) or not all(isinstance(v, torch.Tensor) for v in tensors.values()):
+            raise AdapterError(f"{pt}: expected a dict of tensors")
+        return tensors, pt.name
+    raise AdapterError(f"{adapter_dir}: no adapter_model.safetensors or adapter_model.bin")
+
+
+def pair_tensors(tensors: dict[str, torch.Tensor], problems: list[str]) -> list[LoRAPair]:
+    """Group the file's tensors into A/B pairs. Every key ends up in a pair or in `problems`."""
+    halves: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
+    for key in sorted(tensors):
+        reason = next((why for pattern, why in _REFUSED if pattern.search(key)), None)
+        match = _SUFFIX.match(key)
+        if reason is None and match is None:
+            reason = "unknown key (expected <module>.lora_A.weight or <module>.lora_B.weight)"
+        if reason is not None:
+            problems.append(f"{key}: {reason}")
+            continue
+        t = tensors[key]
+        if not t.is_floating_point():
+            problems.append(f"{key}: dtype {t.dtype}, expected a floating point tensor")
+        elif not torch.isfinite(t).all():
+            problems.append(f"{key}: contains {int((~torch.isfinite(t)).sum())} NaN/Inf values")
+        else:
+            halves.setdefault(match["module"], {})[match["side"]] = (key, t)
+
+    pairs = []
+    for module, sides in halves.items():
+        if len(sides) == 1:
+            (side, (key, _)), = sides.items()
+            other = "lora_B" if side == "A" else "lora_A"
+            problems.append(f"{key}: has no matching {other} (expected {module}.{other}.weight)")
+            continue
+        try:
+            pairs.append(_locate(module, sides["A"], sides["B"]))
+        except AdapterError as e:
+            problems.append(str(e))
+    return pairs
+
+
+def _locate(module: str, a: tuple[str, torch.Tensor], b: tuple[str, torch.Tensor]) -> LoRAPair:
+    peft_path = module.removeprefix("base_model.model.")
+    layer_match = _LAYER.match(peft_path)
+    if layer_match is None:
+        raise AdapterError(f"{a[0]}: not inside a decoder layer (only decoder-layer projections are served)")
+    layer, rel = int(layer_match["layer"]), layer_match["rel"].replace("block_sparse_moe.", "mlp.", 1)
+    expert = None
+    if m := _EXPERT_MODULE.match(rel):
+        kind, name, expert = Kind.EXPERT_MODULE, EXPERT_NAMES[m["proj"]], int(m["expert"])
+    elif rel in ("mlp.experts.base_layer", "mlp.experts"):
+        kind, name = Kind.PARAM_WRAPPER, "inner" if rel.endswith("base_layer") else "outer"
+        peft_path = peft_path.removesuffix(".base_layer")
+    elif m := _STACKED.match(rel):
+        kind, name = Kind.STACKED, EXPERT_NAMES[m["proj"]]
+    else:
+        kind, name = Kind.MODULE, rel
+    return LoRAPair(kind, layer, name, expert, peft_path, a[0], b[0], a[1], b[1])

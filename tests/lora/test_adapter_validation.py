@@ -1,0 +1,187 @@
+"""Every broken or unsupported adapter is refused with a message naming the offending tensor (or
+config field) and what was expected; nothing is dropped silently."""
+import json
+import re
+
+import pytest
+import torch
+
+from lora_builders import EXPERTS, HIDDEN, MOE_INTER, tiny_config, write_adapter
+from moelora.lora import AdapterError, load_adapter
+
+LAYER1 = "base_model.model.model.layers.1"
+Q_A, Q_B = f"{LAYER1}.self_attn.q_proj.lora_A.weight", f"{LAYER1}.self_attn.q_proj.lora_B.weight"
+R = 8  # write_adapter's default r
+
+
+def good() -> dict[str, torch.Tensor]:
+    """A valid adapter: q_proj of layer 1 and expert 2's gate of layer 1 (qwen3_moe tiny: q is 16 -> 16)."""
+    return {Q_A: torch.randn(R, HIDDEN), Q_B: torch.randn(16, R),
+            f"{LAYER1}.mlp.experts.2.gate_proj.lora_A.weight": torch.randn(R, HIDDEN),
+            f"{LAYER1}.mlp.experts.2.gate_proj.lora_B.weight": torch.randn(MOE_INTER, R)}
+
+
+def refused(tmp_path, tensors, max_lora_rank=None, **config) -> str:
+    write_adapter(tmp_path, tensors, **config)
+    with pytest.raises(AdapterError) as e:
+        load_adapter(tmp_path, tiny_config("qwen3_moe"), max_lora_rank=max_lora_rank)
+    return str(e.value)
+
+
+def test_good_adapter_loads(tmp_path):
+    adapter = load_adapter(write_adapter(tmp_path, good()), tiny_config("qwen3_moe"), max_lora_rank=R)
+    assert adapter.layers[1].experts["gate"].ranks.tolist() == [0, 0, R, 0]
+
+
+@pytest.mark.parametrize("key, shape, expected", [
+    (Q_B, (17, R), r"A \(8, 16\) / B \(17, 8\) do not fit self_attn.q_proj \(expected A \[r, 16\], B \[16, r\]\)"),
+    (Q_A, (R, 15), r"do not fit self_attn.q_proj"),
+    (f"{LAYER1}.mlp.experts.2.gate_proj.lora_B.weight", (2 * MOE_INTER, R), r"do not fit expert gate \(expected A \[r, 16\], B \[6, r\]\)"),
+])
+def test_shape_mismatch(tmp_path, key, shape, expected):
+    tensors = good() | {key: torch.randn(*shape)}
+    a_key = key.replace("lora_B", "lora_A")
+    assert re.search(re.escape(a_key) + ": .*" + expected, refused(tmp_path, tensors))
+
+
+def test_target_parameters_shape_mismatch(tmp_path):
+    key = f"{LAYER1}.mlp.experts.lora_A.weight"
+    message = refused(tmp_path, {key: torch.randn(EXPERTS * 2, HIDDEN + 1), key.replace("lora_A", "lora_B"): torch.randn(HIDDEN, EXPERTS * 2)},
+                      r=2, target_parameters=["mlp.experts.down_proj"])
+    assert f"{key}: A (8, 17) / B (16, 8) fit no target_parameters layout (expected down_proj: A [4*r, 6], B [16, 4*r]" in message
+
+
+def test_stacked_shape_mismatch(tmp_path):
+    key = f"{LAYER1}.mlp.experts.w2.lora_A"
+    message = refused(tmp_path, {key: torch.randn(3, R, MOE_INTER), key.replace("lora_A", "lora_B"): torch.randn(EXPERTS, HIDDEN, R)})
+    assert f"{key}: A (3, 8, 6) / B (4, 16, 8) do not fit stacked experts down (expected A [4 or 1, r, 6], B [4 or 1, 16, r])" in message
+
+
+@pytest.mark.parametrize("drop", [Q_A, Q_B])
+def test_a_without_b(tmp_path, drop):
+    tensors = good()
+    del tensors[drop]
+    kept = Q_B if drop == Q_A else Q_A
+    assert f"{kept}: has no matching {'lora_A' if drop == Q_A else 'lora_B'}" in refused(tmp_path, tensors)
+
+
+def test_layer_out_of_range(tmp_path):
+    key = Q_A.replace("layers.1", "layers.2")
+    tensors = good() | {key: torch.randn(R, HIDDEN), key.replace("lora_A", "lora_B"): torch.randn(16, R)}
+    assert f"{key}: layer 2 out of range (the model has 2 layers)" in refused(tmp_path, tensors)
+
+
+def test_expert_out_of_range(tmp_path):
+    key = f"{LAYER1}.mlp.experts.{EXPERTS}.down_proj.lora_A.weight"
+    tensors = good() | {key: torch.randn(R, MOE_INTER), key.replace("lora_A", "lora_B"): torch.randn(HIDDEN, R)}
+    assert f"{key}: expert {EXPERTS} out of range (the model has {EXPERTS} experts)" in refused(tmp_path, tensors)
+
+
+def test_experts_on_a_dense_layer(tmp_path):
+    key = "base_model.model.model.layers.0.mlp.experts.0.up_proj.lora_A.weight"
+    tensors = good() | {key: torch.randn(R, HIDDEN), key.replace("lora_A", "lora_B"): torch.randn(MOE_INTER, R)}
+    assert f"{key}: layer 0 of this qwen3_moe model has no routed experts (MoE layers: 1)" in refused(tmp_path, tensors)
+
+
+def test_module_the_layer_does_not_have(tmp_path):
+    key = f"{LAYER1}.mlp.gate_proj.lora_A.weight"  # layer 1 is MoE: no dense MLP
+    tensors = good() | {key: torch.randn(R, HIDDEN), key.replace("lora_A", "lora_B"): torch.randn(20, R)}
+    assert f"{key}: layer 1 of this qwen3_moe model has no module 'mlp.gate_proj'" in refused(tmp_path, tensors)
+
+
+def test_rank_above_max_lora_rank(tmp_path):
+    message = refused(tmp_path, good(), max_lora_rank=4)
+    assert f"{Q_A}: rank 8 is above the engine's max_lora_rank=4" in message
+    assert "experts.2.gate_proj.lora_A.weight: rank 8 is above" in message
+
+
+def test_rank_differs_from_config(tmp_path):
+    message = refused(tmp_path, good(), rank_pattern={"q_proj": 4})
+    assert f"{Q_A}: rank 8, but adapter_config.json gives r=4 for model.layers.1.self_attn.q_proj" in message
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_inf(tmp_path, bad):
+    tensors = good()
+    tensors[Q_B][3, 1] = bad
+    assert f"{Q_B}: contains 1 NaN/Inf values" in refused(tmp_path, tensors)
+
+
+def test_integer_tensor(tmp_path):
+    assert f"{Q_A}: dtype torch.int64, expected a floating point tensor" in refused(tmp_path, good() | {Q_A: torch.ones(R, HIDDEN, dtype=torch.long)})
+
+
+@pytest.mark.parametrize("key, reason", [
+    (f"{LAYER1}.self_attn.q_proj.weight", "unknown key"),
+    (f"{LAYER1}.self_attn.q_proj.lora_A.default.weight", "unknown key"),
+    (f"{LAYER1}.self_attn.q_proj.lora_magnitude_vector", "DoRA magnitude vector"),
+    (f"{LAYER1}.self_attn.q_proj.lora_B.bias", "lora_bias"),
+    ("base_model.model.model.embed_tokens.weight", "modules_to_save"),
+    ("base_model.model.lm_head.weight", "modules_to_save"),
+    ("base_model.model.model.embed_tokens.lora_embedding_A", "LoRA on an embedding"),
+    ("base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta", "trainable/added tokens"),
+])
+def test_unknown_and_refused_keys(tmp_path, key, reason):
+    message = refused(tmp_path, good() | {key: torch.randn(16)})
+    assert f"{key}: " in message and reason in message
+
+
+def test_module_outside_decoder_layers(tmp_path):
+    key = "base_model.model.lm_head.lora_A.weight"
+    tensors = good() | {key: torch.randn(R, HIDDEN), key.replace("lora_A", "lora_B"): torch.randn(32, R)}
+    assert f"{key}: not inside a decoder layer" in refused(tmp_path, tensors)
+
+
+@pytest.mark.parametrize("field, value, reason", [
+    ("use_dora", True, "DoRA"),
+    ("lora_bias", True, "lora_bias"),
+    ("modules_to_save", ["embed_tokens", "lm_head"], "modules_to_save"),
+    ("target_modules", ["q_proj", "lm_head"], "embed_tokens/lm_head"),
+    ("trainable_token_indices", [5, 7], "added or retrained tokens"),
+    ("peft_type", "LOHA", "only LORA"),
+    ("lora_B_layout", "interleaved", "unknown lora_B_layout"),
+])
+def test_refused_config(tmp_path, field, value, reason):
+    message = refused(tmp_path, good(), **{field: value})
+    assert "adapter_config.json" in message and reason in message
+
+
+def test_added_tokens_file(tmp_path):
+    (tmp_path / "added_tokens.json").write_text(json.dumps({"<sql>": 32}))
+    assert "added_tokens.json: added tokens are not served" in refused(tmp_path, good())
+
+
+def test_defined_twice(tmp_path):
+    """Expert 2's gate by a per-expert module and by a stacked tensor of all experts."""
+    stacked = f"{LAYER1}.mlp.experts.gate_proj.lora_A"
+    tensors = good() | {stacked: torch.randn(EXPERTS, R, HIDDEN), stacked.replace("lora_A", "lora_B"): torch.randn(EXPERTS, MOE_INTER, R)}
+    assert re.search(r"experts\.(2\.)?gate_proj\.lora_A(\.weight)?: expert 2 gate is already given by", refused(tmp_path, tensors))
+
+
+def test_all_problems_reported_together(tmp_path):
+    tensors = good()
+    tensors[Q_B] = torch.randn(16, 4)
+    tensors["base_model.model.model.norm.weight"] = torch.randn(HIDDEN)
+    message = refused(tmp_path, tensors, max_lora_rank=4)
+    assert "3 problem(s)" in message  # q_proj shapes, the norm key, expert 2's rank
+    assert Q_A in message and "model.norm.weight" in message and "experts.2.gate_proj" in message
+
+
+def test_corrupt_safetensors(tmp_path):
+    write_adapter(tmp_path, good())
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(AdapterError, match="adapter_model.safetensors: cannot be read as safetensors"):
+        load_adapter(tmp_path, tiny_config("qwen3_moe"))
+
+
+class NotATensor:
+    pass
+
+
+def test_bin_with_code_is_refused(tmp_path):
+    """adapter_model.bin is loaded with weights_only=True: a pickle that carries objects is refused."""
+    write_adapter(tmp_path, good())
+    (tmp_path / "adapter_model.safetensors").unlink()
+    torch.save({Q_A: torch.randn(R, HIDDEN), "payload": NotATensor()}, tmp_path / "adapter_model.bin")
+    with pytest.raises(AdapterError, match=r"adapter_model.bin: cannot be read with torch.load\(weights_only=True\)"):
+        load_adapter(tmp_path, tiny_config("qwen3_moe"))

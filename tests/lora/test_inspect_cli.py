@@ -1,0 +1,60 @@
+"""`moelora inspect`: text and JSON reports, with and without the base model, exit status 1 on problems."""
+import json
+
+import torch
+
+from lora_builders import EXPERTS, HIDDEN, MOE_INTER, tiny_config, write_adapter
+from moelora.cli import main
+
+LAYER1 = "base_model.model.model.layers.1"
+
+
+def partial_per_expert(tmp_path, r=4):
+    """Experts 1 and 3 of layer 1 (gate and down) and layer 0's q_proj with rank 2 via rank_pattern."""
+    tensors = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(2, HIDDEN),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(16, 2)}
+    for e in (1, 3):
+        tensors[f"{LAYER1}.mlp.experts.{e}.gate_proj.lora_A.weight"] = torch.randn(r, HIDDEN)
+        tensors[f"{LAYER1}.mlp.experts.{e}.gate_proj.lora_B.weight"] = torch.randn(MOE_INTER, r)
+        tensors[f"{LAYER1}.mlp.experts.{e}.down_proj.lora_A.weight"] = torch.randn(r, MOE_INTER)
+        tensors[f"{LAYER1}.mlp.experts.{e}.down_proj.lora_B.weight"] = torch.randn(HIDDEN, r)
+    return write_adapter(tmp_path / "adapter", tensors, r=r, lora_alpha=8, rank_pattern={"q_proj": 2}, peft_version="0.15.0")
+
+
+def model_dir(tmp_path):
+    tiny_config("qwen3_moe").save_pretrained(tmp_path / "model")
+    return str(tmp_path / "model")
+
+
+def test_inspect_file_only(tmp_path, capsys):
+    assert main(["inspect", str(partial_per_expert(tmp_path))]) == 0
+    out = capsys.readouterr().out
+    assert "format    expert-modules; peft 0.15.0" in out
+    assert "layers 1: experts.down 1, 3, experts.gate 1, 3" in out
+    assert "self_attn.q_proj  r=2    scaling=4" in out and "memory    needs --model" in out
+
+
+def test_inspect_with_model_json(tmp_path, capsys):
+    assert main(["inspect", str(partial_per_expert(tmp_path)), "--model", model_dir(tmp_path), "--json", "--max-lora-rank", "8"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["formats"] == ["expert-modules"] and report["model"]["model_type"] == "qwen3_moe"
+    assert {"name": "experts.gate", "rank": 4, "scaling": 2.0, "layers": "1"} in report["modules"]
+    assert {"name": "self_attn.q_proj", "rank": 2, "scaling": 4.0, "layers": "0"} in report["modules"]
+    assert report["experts_covered"] == [{"layers": "1", "experts.down": f"2/{EXPERTS} (1, 3)", "experts.gate": f"2/{EXPERTS} (1, 3)"}]
+    memory = report["memory"]  # one MoE layer, slots at rank 8, 2 bytes per element
+    assert memory["expert_slot_bytes"] == 1 * 3 * EXPERTS * 8 * (HIDDEN + MOE_INTER) * 2
+    assert memory["module_slot_bytes"] == 8 * (HIDDEN + 16) * 2
+    assert report["problems"] == []
+
+
+def test_inspect_reports_problems(tmp_path, capsys):
+    adapter = partial_per_expert(tmp_path)
+    assert main(["inspect", str(adapter), "--model", model_dir(tmp_path), "--max-lora-rank", "2"]) == 1
+    out = capsys.readouterr().out
+    assert f"{LAYER1}.mlp.experts.1.gate_proj.lora_A.weight: rank 4 is above the engine's max_lora_rank=2" in out
+    assert "problems  4" in out and "experts.gate" in out  # the file's modules are still listed
+
+
+def test_inspect_missing_adapter(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "nope"), "--json"]) == 1
+    assert "no adapter_config.json" in json.loads(capsys.readouterr().out)["problems"][0]
