@@ -92,6 +92,7 @@ class MoEKernelConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    shrink_splits: int = 1  # K-splits of the gate/up LoRA shrink: parallelism when blocks are few
 
 
 def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoEKernelConfig:
@@ -100,10 +101,10 @@ def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoEK
     block_k = 32 if dtype == torch.float32 else 64
     rows_per_expert = num_pairs / num_experts
     if rows_per_expert <= 16:
-        return MoEKernelConfig(16, 32, 64, block_k, 1, 4, 4)
+        return MoEKernelConfig(16, 64, 128, block_k, 8, 4, 4, shrink_splits=8)
     if rows_per_expert <= 96:
-        return MoEKernelConfig(32, 64, 64, block_k, 4, 4, 4)
-    return MoEKernelConfig(64, 128, 128, block_k, 8, 8, 3)
+        return MoEKernelConfig(32, 64, 128, block_k, 8, 4, 4, shrink_splits=4)
+    return MoEKernelConfig(64, 128, 128, block_k, 8, 4, 4)
 
 
 # ----------------------------------------------------------------------------------- Triton
@@ -168,33 +169,78 @@ def _lora_expand(acc, xa, b_ptr, stride_bn, offs_n, n_mask, rank, BLOCK_R: tl.co
 
 
 @triton.jit
-def _gemm_with_lora(in_ptrs, row_ok, K, w1_ptrs, w2_ptrs, n_mask, offs_n, a1_ptrs, a2_ptrs, b1_ptr, b2_ptr, stride_bn,
-                    rank1, rank2, DUAL: tl.constexpr,
+def _gemm_with_lora(in_ptrs, row_ok, K, w_ptrs, n_mask, offs_n, a_ptrs, b_ptr, stride_bn, rank,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
-    """`_gemm_loop` plus the LoRA delta of this block's (slot, expert); the plain loop when the
-    block has no adapter or the adapter does not cover the expert (rank 0: nothing is read)."""
+    """One-stream `_gemm_loop` plus the LoRA delta of this block's (slot, expert), its shrink in the
+    same pass; the plain loop when the block has no adapter or it does not cover the expert."""
     offs_r = tl.arange(0, BLOCK_R)
-    if rank1 + rank2 > 0:
-        acc1, acc2, xa1, xa2 = _gemm_loop(in_ptrs, row_ok, K, w1_ptrs, w2_ptrs, n_mask, a1_ptrs, a2_ptrs,
-                                          offs_r[None, :] < rank1, offs_r[None, :] < rank2, DUAL, True,
-                                          BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
-        acc1 = _lora_expand(acc1, xa1, b1_ptr, stride_bn, offs_n, n_mask, rank1, BLOCK_R)
-        if DUAL:
-            acc2 = _lora_expand(acc2, xa2, b2_ptr, stride_bn, offs_n, n_mask, rank2, BLOCK_R)
+    if rank > 0:
+        acc, _, xa, _ = _gemm_loop(in_ptrs, row_ok, K, w_ptrs, w_ptrs, n_mask, a_ptrs, a_ptrs, offs_r[None, :] < rank,
+                                   offs_r[None, :] < rank, False, True, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+        acc = _lora_expand(acc, xa, b_ptr, stride_bn, offs_n, n_mask, rank, BLOCK_R)
     else:
-        acc1, acc2, _, _ = _gemm_loop(in_ptrs, row_ok, K, w1_ptrs, w2_ptrs, n_mask, a1_ptrs, a2_ptrs,
-                                      n_mask[None, :], n_mask[None, :], DUAL, False, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
-    return acc1, acc2
+        acc, _, _, _ = _gemm_loop(in_ptrs, row_ok, K, w_ptrs, w_ptrs, n_mask, a_ptrs, a_ptrs, n_mask[None, :],
+                                  n_mask[None, :], False, False, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+    return acc
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, xa_ptr, sorted_ids_ptr, block_expert_ptr, block_slot_ptr, num_rows_ptr, ranks_ptr, ag_ptr, au_ptr,
+    num_pairs, top_k, H, num_slots, num_experts, stride_xt, stride_ae, stride_ar,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS: tl.constexpr,
+):
+    """xa[p, proj, split] = x[p] @ A_proj[:, split's K range]^T for the rows of one block, for gate
+    (proj 0) or up (proj 1). The gate_up GEMM sums the splits in a fixed order (deterministic)."""
+    pid_m, proj, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_m)
+    s = tl.load(block_slot_ptr + pid_m)
+    rank = _lora_rank(ranks_ptr, proj, s, e, num_slots, num_experts)
+    if rank == 0:
+        return
+    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pair < num_pairs
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, BLOCK_R)
+    a_ptr = ag_ptr
+    if proj == 1:
+        a_ptr = au_ptr
+    a_ptrs = a_ptr + (s * num_experts + e).to(tl.int64) * stride_ae + offs_r[None, :] * stride_ar + offs_k[:, None]
+    x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
+    k_per_split = tl.cdiv(tl.cdiv(H, SPLITS), BLOCK_K) * BLOCK_K
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(H, k_lo + k_per_split)
+    xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_mask = k0 + offs_k < k_hi
+        xt = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_mask[None, :], other=0.0)
+        at = tl.load(a_ptrs + k0, mask=k_mask[:, None] & (offs_r[None, :] < rank), other=0.0)
+        xa += tl.dot(xt, at)
+    xa_ptrs = xa_ptr + ((pair.to(tl.int64) * 2 + proj) * SPLITS + split)[:, None] * BLOCK_R + offs_r[None, :]
+    tl.store(xa_ptrs, xa, mask=row_ok[:, None])
+
+
+@triton.jit
+def _sum_splits(xa_ptr, pair, row_ok, proj, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The gate (proj 0) or up (proj 1) shrink of each row: its K-split partials summed in order."""
+    offs_r = tl.arange(0, BLOCK_R)
+    base = xa_ptr + ((pair.to(tl.int64) * 2 + proj) * SPLITS)[:, None] * BLOCK_R + offs_r[None, :]
+    xa = tl.load(base, mask=row_ok[:, None], other=0.0)
+    for split in tl.static_range(1, SPLITS):
+        xa += tl.load(base + split * BLOCK_R, mask=row_ok[:, None], other=0.0)
+    return xa
 
 
 @triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr, block_slot_ptr, num_rows_ptr,
-    ranks_ptr, ag_ptr, bg_ptr, au_ptr, bu_ptr,
+    ranks_ptr, xa_ptr, bg_ptr, bu_ptr,
     num_pairs, top_k, H, I, num_slots, num_experts,
-    stride_xt, stride_we, stride_wn, stride_ht, stride_ae, stride_ar, stride_be, stride_bn,
+    stride_xt, stride_we, stride_wn, stride_ht, stride_be, stride_bn,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS: tl.constexpr,
 ):
     """h[p] = silu(x Wg^T + LoRA_g) * (x Wu^T + LoRA_u) for the pairs p of one block."""
     in_use, e, s, pair, row_ok, pid_n = _block_info(sorted_ids_ptr, block_expert_ptr, block_slot_ptr, num_rows_ptr,
@@ -204,23 +250,21 @@ def _gate_up_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
-    offs_r = tl.arange(0, BLOCK_R)
     x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
     wg_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
     wu_ptrs = wg_ptrs + I * stride_wn
-    se = (tl.maximum(s, 0) * num_experts + e).to(tl.int64)  # LoRA buffers are contiguous [S, E, ...]
-    ag_ptrs = ag_ptr + se * stride_ae + offs_r[None, :] * stride_ar + offs_k[:, None]
-    au_ptrs = au_ptr + se * stride_ae + offs_r[None, :] * stride_ar + offs_k[:, None]
+    acc_g, acc_u, _, _ = _gemm_loop(x_ptrs, row_ok, H, wg_ptrs, wu_ptrs, n_mask, wg_ptrs, wu_ptrs, n_mask[None, :],
+                                    n_mask[None, :], True, False, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
     if HAS_LORA:  # constexpr: without it the LoRA path is not compiled at all
-        acc_g, acc_u = _gemm_with_lora(x_ptrs, row_ok, H, wg_ptrs, wu_ptrs, n_mask, offs_n, ag_ptrs, au_ptrs,
-                                       bg_ptr + se * stride_be, bu_ptr + se * stride_be, stride_bn,
-                                       _lora_rank(ranks_ptr, 0, s, e, num_slots, num_experts),
-                                       _lora_rank(ranks_ptr, 1, s, e, num_slots, num_experts),
-                                       True, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
-    else:
-        acc_g, acc_u, _, _ = _gemm_loop(x_ptrs, row_ok, H, wg_ptrs, wu_ptrs, n_mask, ag_ptrs, au_ptrs,
-                                        n_mask[None, :], n_mask[None, :], True, False,
-                                        BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+        rank_g = _lora_rank(ranks_ptr, 0, s, e, num_slots, num_experts)
+        rank_u = _lora_rank(ranks_ptr, 1, s, e, num_slots, num_experts)
+        if rank_g + rank_u > 0:  # the shrink x @ A^T came from _shrink_kernel (only where rank > 0)
+            se = (s * num_experts + e).to(tl.int64)  # LoRA buffers are contiguous [S, E, ...]
+            zeros = tl.zeros((BLOCK_M,), dtype=tl.int32)  # vector form of the rank test, for the masks
+            acc_g = _lora_expand(acc_g, _sum_splits(xa_ptr, pair, row_ok & (zeros < rank_g), 0, SPLITS, BLOCK_R),
+                                 bg_ptr + se * stride_be, stride_bn, offs_n, n_mask, rank_g, BLOCK_R)
+            acc_u = _lora_expand(acc_u, _sum_splits(xa_ptr, pair, row_ok & (zeros < rank_u), 1, SPLITS, BLOCK_R),
+                                 bu_ptr + se * stride_be, stride_bn, offs_n, n_mask, rank_u, BLOCK_R)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_ht + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_mask[None, :])
@@ -235,7 +279,8 @@ def _down_kernel(
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """out[p] = w[p] * (h[p] Wd^T + LoRA_d) for the pairs p of one block."""
+    """out[p] = w[p] * (h[p] Wd^T + LoRA_d) for the pairs p of one block; the down shrink runs in the
+    main loop (its extra cost is BLOCK_R / BLOCK_N of the tile)."""
     in_use, e, s, pair, row_ok, pid_n = _block_info(sorted_ids_ptr, block_expert_ptr, block_slot_ptr, num_rows_ptr,
                                                     num_pairs, tl.cdiv(H, BLOCK_N), BLOCK_M, GROUP_M)
     if not in_use:
@@ -246,17 +291,15 @@ def _down_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_ht + offs_k[None, :]
     w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
-    se = (tl.maximum(s, 0) * num_experts + e).to(tl.int64)
-    a_ptrs = a_ptr + se * stride_ae + offs_r[None, :] * stride_ar + offs_k[:, None]
     if HAS_LORA:
-        acc, _ = _gemm_with_lora(h_ptrs, row_ok, I, w_ptrs, w_ptrs, n_mask, offs_n, a_ptrs, a_ptrs,
-                                 b_ptr + se * stride_be, b_ptr + se * stride_be, stride_bn,
-                                 _lora_rank(ranks_ptr, 2, s, e, num_slots, num_experts), 0,
-                                 False, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+        se = (tl.maximum(s, 0) * num_experts + e).to(tl.int64)
+        a_ptrs = a_ptr + se * stride_ae + offs_r[None, :] * stride_ar + offs_k[:, None]
+        acc = _gemm_with_lora(h_ptrs, row_ok, I, w_ptrs, n_mask, offs_n, a_ptrs, b_ptr + se * stride_be, stride_bn,
+                              _lora_rank(ranks_ptr, 2, s, e, num_slots, num_experts),
+                              BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
     else:
-        acc, _, _, _ = _gemm_loop(h_ptrs, row_ok, I, w_ptrs, w_ptrs, n_mask, a_ptrs, a_ptrs,
-                                  n_mask[None, :], n_mask[None, :], False, False,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+        acc, _, _, _ = _gemm_loop(h_ptrs, row_ok, I, w_ptrs, w_ptrs, n_mask, w_ptrs, w_ptrs, n_mask[None, :],
+                                  n_mask[None, :], False, False, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
     acc = acc * tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_mask[None, :])
@@ -298,32 +341,36 @@ def fused_moe_triton(
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     y = torch.empty_like(x)
-    if lora is None:  # HAS_LORA=False never reads these
-        ag = bg = au = bu = ad = bd = w13
-        ranks = blocks.num_rows
-        gate_up_strides = down_strides = (0,) * 4
-        block_r = LORA_RANK_CHUNK
-    else:
-        ag, bg, au, bu, ad, bd = lora.a_gate, lora.b_gate, lora.a_up, lora.b_up, lora.a_down, lora.b_down
-        ranks = lora.ranks
-        gate_up_strides = (ag.stride(1), ag.stride(2), bg.stride(1), bg.stride(2))
-        down_strides = (ad.stride(1), ad.stride(2), bd.stride(1), bd.stride(2))
-        block_r = max(LORA_RANK_CHUNK, triton.next_power_of_2(lora.max_rank_in_use or ag.shape[2]))
     common = dict(HAS_LORA=lora is not None, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                  BLOCK_R=block_r, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if lora is None:  # HAS_LORA=False never reads these
+        xa = bg = bu = ad = bd = w13
+        ranks = blocks.num_rows
+        block_r, b_strides, ad_strides, bd_strides = LORA_RANK_CHUNK, (0, 0), (0, 0), (0, 0)
+    else:
+        bg, bu, ad, bd, ranks = lora.b_gate, lora.b_up, lora.a_down, lora.b_down, lora.ranks
+        block_r = max(LORA_RANK_CHUNK, triton.next_power_of_2(lora.max_rank_in_use or lora.a_gate.shape[2]))
+        b_strides, ad_strides, bd_strides = bg.stride()[1:3], ad.stride()[1:3], bd.stride()[1:3]
+        xa = torch.empty(num_pairs, 2, cfg.shrink_splits, block_r, dtype=torch.float32, device=x.device)
+        _shrink_kernel[(num_m, 2, cfg.shrink_splits)](
+            x, xa, blocks.sorted_ids, blocks.block_expert, blocks.block_slot, blocks.num_rows, ranks,
+            lora.a_gate, lora.a_up, num_pairs, top_k, hidden, num_slots, num_experts,
+            x.stride(0), lora.a_gate.stride(1), lora.a_gate.stride(2),
+            BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=block_r, SPLITS=cfg.shrink_splits, num_warps=4,
+        )
     _gate_up_kernel[(num_m * triton.cdiv(inter, cfg.block_n_gate_up),)](
         x, w13, h, blocks.sorted_ids, blocks.block_expert, blocks.block_slot, blocks.num_rows,
-        ranks, ag, bg, au, bu,
+        ranks, xa, bg, bu,
         num_pairs, top_k, hidden, inter, num_slots, num_experts,
-        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *gate_up_strides,
-        BLOCK_N=cfg.block_n_gate_up, **common,
+        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *b_strides,
+        BLOCK_N=cfg.block_n_gate_up, BLOCK_R=block_r, SPLITS=cfg.shrink_splits, **common,
     )
     _down_kernel[(num_m * triton.cdiv(hidden, cfg.block_n_down),)](
         h, w2, out, topk.weights, blocks.sorted_ids, blocks.block_expert, blocks.block_slot, blocks.num_rows,
         ranks, ad, bd,
         num_pairs, hidden, inter, num_slots, num_experts,
-        h.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *down_strides,
-        BLOCK_N=cfg.block_n_down, **common,
+        h.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *ad_strides, *bd_strides,
+        BLOCK_N=cfg.block_n_down, BLOCK_R=block_r, **common,
     )
     block_h = min(1024, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
