@@ -3,17 +3,17 @@
     y[t] = sum_j w[t,j] * down_e( silu(gate_e(x[t])) * up_e(x[t]) ),  e = ids[t, j]
     gate_e(x) = x Wg_e^T + (x Ag_se^T) Bg_se^T,  s = slot of token t (likewise up, down)
 
-Two grouped GEMMs over blocks from `moe_align`; each adds the LoRA delta of the rows that have an
-adapter into its fp32 accumulator (before SiLU for gate/up, before the routing weight for down):
+Grouped GEMMs over blocks from `moe_align` (one expert and one adapter slot per block):
 
-    _gate_up_kernel: h[p]   = silu(x Wg^T + dg) * (x Wu^T + du)      rows p = pairs of one expert
-    _down_kernel:    o[p]   = w[p] * (h Wd^T + dd)
+    _shrink_kernel:  xa[p]  = x A_g^T, x A_u^T            K-split partials, LoRA blocks only
+    _gate_up_kernel: h[p]   = silu(x Wg^T + xa_g Bg^T) * (x Wu^T + xa_u Bu^T)
+    _down_kernel:    o[p]   = w[p] * (h Wd^T + (h Ad^T) Bd^T)  the shrink h Ad^T in the main loop
     _moe_sum_kernel: y[t]   = sum_j o[t*k+j]  over valid experts, in a fixed order (deterministic)
 
-The LoRA delta is computed inside the GEMM program for each slot present in its block: shrink
-(x A^T over the real rank, in chunks of 16) then expand into the output tile. (slot, expert)
-pairs with rank 0 (adapter does not cover the expert) read nothing. Rows without an adapter never
-enter the LoRA loop, so their result is bit-identical to the base computation.
+LoRA deltas are added to the fp32 accumulators (before SiLU for gate/up, before the routing weight
+for down). (slot, expert) pairs of rank 0 (adapter does not cover the expert) read nothing, and the
+rank tile follows the largest rank in use. Blocks without an adapter run the plain GEMM, so their
+rows are bit-identical to a run without LoRA.
 
 `fused_moe_reference` is the plain-torch version of the whole thing and the CPU backend.
 """

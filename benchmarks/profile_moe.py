@@ -1,0 +1,60 @@
+"""Per-kernel GPU time of one fused_moe call (torch profiler), with and without LoRA: where the
+time goes, to guide kernel work. Not a test.
+
+    python3 benchmarks/profile_moe.py --shape qwen3-30b-a3b --tokens 1,32 --adapters 1,8
+"""
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench_moe import MAX_RANK, RANK, SHAPES, SLOTS
+from moelora.kernels.fused_moe import fused_moe
+from moelora.layers.moe.topk import TopKConfig, select_experts
+from moelora.testing import random_expert_lora, random_moe_weights
+
+
+def kernel_times(fn, reps: int = 20) -> dict[str, float]:
+    """Mean microseconds per call of each GPU kernel that fn launches."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = defaultdict(float)
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            times[evt.name[:60]] += evt.device_time / reps
+    return dict(times)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="qwen3-30b-a3b")
+    p.add_argument("--tokens", default="1,32,4096")
+    p.add_argument("--adapters", default="1,8")
+    args = p.parse_args()
+    hidden, inter, experts, top_k = SHAPES[args.shape]
+    dtype, device = torch.bfloat16, "cuda"
+    w13, w2 = random_moe_weights(experts, hidden, inter, dtype, device)
+    lora = random_expert_lora(SLOTS, experts, hidden, inter, [RANK] * SLOTS, dtype, device, max_rank=MAX_RANK)
+    router = torch.randn(experts, hidden, device=device, dtype=dtype) / hidden**0.5
+    for tokens in map(int, args.tokens.split(",")):
+        x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+        topk = select_experts(x @ router.T, TopKConfig(top_k=top_k))
+        print(f"\n## {args.shape} T={tokens}")
+        base = kernel_times(lambda: fused_moe(x, w13, w2, topk))
+        print(f"base: " + ", ".join(f"{k} {v:.1f}us" for k, v in base.items()) + f" | total {sum(base.values()):.1f}us")
+        for n in map(int, args.adapters.split(",")):
+            slots = (torch.arange(tokens, device=device) % n).to(torch.int32)
+            t = kernel_times(lambda: fused_moe(x, w13, w2, topk, lora, slots))
+            print(f"lora x{n}: " + ", ".join(f"{k} {v:.1f}us" for k, v in t.items()) + f" | total {sum(t.values()):.1f}us")
+
+
+if __name__ == "__main__":
+    main()
