@@ -53,14 +53,6 @@ class ExpertLoRA:
     def num_slots(self) -> int:
         return self.a_gate.shape[0]
 
-    def projections(self):
-        """(name, A, B, ranks) for gate, up, down."""
-        return (
-            ("gate", self.a_gate, self.b_gate, self.ranks[0]),
-            ("up", self.a_up, self.b_up, self.ranks[1]),
-            ("down", self.a_down, self.b_down, self.ranks[2]),
-        )
-
     def validate(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> None:
         slots, max_rank = self.a_gate.shape[0], self.a_gate.shape[2]
         expected = {
@@ -111,11 +103,12 @@ def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoEK
 
 
 @triton.jit
-def _block_info(sorted_ids_ptr, block_expert_ptr, block_slot_ptr, num_rows_ptr, num_pairs, num_n,
-                BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+def _block_info(sorted_ids_ptr, block_expert_ptr, block_slot_ptr, num_rows_ptr, num_pairs, N,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """Map this program to (block, n-tile); GROUP_M consecutive blocks (usually one expert's
     slots) walk the n-tiles together so they share weight tiles through L2."""
     pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
     num_m = tl.num_programs(0) // num_n
     first_m = pid // (GROUP_M * num_n) * GROUP_M
     group_size = tl.minimum(num_m - first_m, GROUP_M)
@@ -125,7 +118,8 @@ def _block_info(sorted_ids_ptr, block_expert_ptr, block_slot_ptr, num_rows_ptr, 
     pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     expert = tl.load(block_expert_ptr + pid_m)
     slot = tl.load(block_slot_ptr + pid_m)
-    return in_use, expert, slot, pair, pair < num_pairs, pid_n
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return in_use, expert, slot, pair, pair < num_pairs, offs_n, offs_n < N
 
 
 @triton.jit
@@ -243,12 +237,10 @@ def _gate_up_kernel(
     GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS: tl.constexpr,
 ):
     """h[p] = silu(x Wg^T + LoRA_g) * (x Wu^T + LoRA_u) for the pairs p of one block."""
-    in_use, e, s, pair, row_ok, pid_n = _block_info(sorted_ids_ptr, block_expert_ptr, block_slot_ptr, num_rows_ptr,
-                                                    num_pairs, tl.cdiv(I, BLOCK_N), BLOCK_M, GROUP_M)
+    in_use, e, s, pair, row_ok, offs_n, n_mask = _block_info(sorted_ids_ptr, block_expert_ptr, block_slot_ptr,
+                                                            num_rows_ptr, num_pairs, I, BLOCK_M, BLOCK_N, GROUP_M)
     if not in_use:
         return
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
     wg_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
@@ -281,12 +273,10 @@ def _down_kernel(
 ):
     """out[p] = w[p] * (h[p] Wd^T + LoRA_d) for the pairs p of one block; the down shrink runs in the
     main loop (its extra cost is BLOCK_R / BLOCK_N of the tile)."""
-    in_use, e, s, pair, row_ok, pid_n = _block_info(sorted_ids_ptr, block_expert_ptr, block_slot_ptr, num_rows_ptr,
-                                                    num_pairs, tl.cdiv(H, BLOCK_N), BLOCK_M, GROUP_M)
+    in_use, e, s, pair, row_ok, offs_n, n_mask = _block_info(sorted_ids_ptr, block_expert_ptr, block_slot_ptr,
+                                                            num_rows_ptr, num_pairs, H, BLOCK_M, BLOCK_N, GROUP_M)
     if not in_use:
         return
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
     h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_ht + offs_k[None, :]
