@@ -1,0 +1,35 @@
+"""Linear layer with the LoRA deltas of every token's adapter slot.
+
+The output may be made of parts (fused q/k/v: three), each named as the canonical adapter names
+modules relative to the decoder layer ("self_attn.q_proj", ...), so the LoRA manager can fill
+the layer's slot buffers from any adapter. `lora` stays None until the manager sets it.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from moelora.engine.forward_batch import LoRABatch
+from moelora.kernels.lora_linear import LinearLoRASlots, lora_linear
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_sizes: int | Sequence[int], bias: bool = False,
+                 lora_names: Sequence[str] = (), layer_id: int | None = None):
+        super().__init__()
+        self.out_sizes = (out_sizes,) if isinstance(out_sizes, int) else tuple(out_sizes)
+        if lora_names and len(lora_names) != len(self.out_sizes):
+            raise ValueError(f"{len(lora_names)} LoRA names for {len(self.out_sizes)} output parts")
+        self.in_features, self.out_features = in_features, sum(self.out_sizes)
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
+        self.lora_names, self.layer_id = tuple(lora_names), layer_id
+        self.lora: LinearLoRASlots | None = None
+
+    def forward(self, x: torch.Tensor, lora_batch: LoRABatch | None = None) -> torch.Tensor:
+        y = nn.functional.linear(x, self.weight, self.bias)
+        if self.lora is not None and lora_batch is not None:
+            y = (y.float() + lora_linear(x, self.lora, self.out_sizes, lora_batch.token_slots)).to(y.dtype)
+        return y
