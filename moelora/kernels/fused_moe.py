@@ -3,17 +3,21 @@
     y[t] = sum_j w[t,j] * down_e( silu(gate_e(x[t])) * up_e(x[t]) ),  e = ids[t, j]
     gate_e(x) = x Wg_e^T + (x Ag_se^T) Bg_se^T,  s = slot of token t (likewise up, down)
 
-Grouped GEMMs over blocks from `moe_align` (one expert and one adapter slot per block):
+Grouped GEMMs over blocks from `moe_align` (one expert per block, rows ordered by adapter slot):
 
-    _shrink_kernel:  xa[p]  = x A_g^T, x A_u^T            K-split partials, LoRA blocks only
-    _gate_up_kernel: h[p]   = silu(x Wg^T + xa_g Bg^T) * (x Wu^T + xa_u Bu^T)
-    _down_kernel:    o[p]   = w[p] * (h Wd^T + (h Ad^T) Bd^T)  the shrink h Ad^T in the main loop
-    _moe_sum_kernel: y[t]   = sum_j o[t*k+j]  over valid experts, in a fixed order (deterministic)
+    _shrink_kernel:  xa[p]    = x A_g^T, x A_u^T          K-split partials, rows with an adapter only
+    _gate_up_kernel: h[p]     = silu(x Wg^T + xa_g Bg^T) * (x Wu^T + xa_u Bu^T)
+                     hd[p, n] = h[p, n-tile] Ad[:, n-tile]^T   down shrink, one part per n-tile
+    _down_kernel:    o[p]     = w[p] * (h Wd^T + (sum_n hd[p, n]) Bd^T)
+    _moe_sum_kernel: y[t]     = sum_j o[t*k+j]  over valid experts, in a fixed order (deterministic)
 
-LoRA deltas are added to the fp32 accumulators (before SiLU for gate/up, before the routing weight
-for down). (slot, expert) pairs of rank 0 (adapter does not cover the expert) read nothing, and the
-rank tile follows the largest rank in use. Blocks without an adapter run the plain GEMM, so their
-rows are bit-identical to a run without LoRA.
+An expert's weights are read once per block whatever adapters its rows use; the LoRA epilogues
+loop over the few slots present in the block. LoRA deltas are added to the fp32 accumulators
+(before SiLU for gate/up, before the routing weight for down). (slot, expert) pairs of rank 0
+(adapter does not cover the expert) read nothing, and the rank tile follows the largest rank in
+use. Rows without an adapter get the plain GEMM plus exactly zero, so they are bit-identical to a
+run without LoRA, and every partial sum is in a fixed order, so a row's result does not depend on
+what it is batched with.
 
 `fused_moe_reference` is the plain-torch version of the whole thing and the CPU backend.
 """
@@ -84,29 +88,34 @@ class MoEKernelConfig:
     group_m: int
     num_warps: int
     num_stages: int
-    shrink_splits: int = 1  # K-splits of the gate/up LoRA shrink: parallelism when blocks are few
+
+
+# A row's result must not depend on what it is batched with, so everything that sets the order of
+# its fp32 sums is fixed: BLOCK_K of the GEMMs, the gate/up shrink's K split, and the gate_up N tile
+# (the down shrink is summed over those tiles). Only block_m and block_n_down follow the batch.
+BLOCK_N_GATE_UP = 64
+SHRINK_SPLIT_K = 256
 
 
 def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoEKernelConfig:
-    """Tile sizes by rows per expert. block_k never changes with the batch, so a row's
-    accumulation order, and hence its result, does not depend on what it is batched with."""
+    """Tile sizes by rows per expert."""
     block_k = 32 if dtype == torch.float32 else 64
     rows_per_expert = num_pairs / num_experts
     if rows_per_expert <= 16:
-        return MoEKernelConfig(16, 64, 128, block_k, 8, 4, 4, shrink_splits=8)
+        return MoEKernelConfig(16, BLOCK_N_GATE_UP, 128, block_k, 8, 4, 4)
     if rows_per_expert <= 96:
-        return MoEKernelConfig(32, 64, 128, block_k, 8, 4, 4, shrink_splits=4)
-    return MoEKernelConfig(64, 128, 128, block_k, 8, 4, 4)
+        return MoEKernelConfig(32, BLOCK_N_GATE_UP, 128, block_k, 8, 4, 4)
+    return MoEKernelConfig(64, BLOCK_N_GATE_UP, 128, block_k, 8, 4, 4)
 
 
 # ----------------------------------------------------------------------------------- Triton
 
 
 @triton.jit
-def _block_info(sorted_ids_ptr, block_expert_ptr, block_slot_ptr, num_rows_ptr, num_pairs, N,
+def _block_info(sorted_ids_ptr, block_expert_ptr, num_rows_ptr, num_pairs, N,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Map this program to (block, n-tile); GROUP_M consecutive blocks (usually one expert's
-    slots) walk the n-tiles together so they share weight tiles through L2."""
+    """Map this program to (block, n-tile); GROUP_M consecutive blocks walk the n-tiles together
+    so blocks of one expert share its weight tiles through L2."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     num_m = tl.num_programs(0) // num_n
@@ -116,46 +125,46 @@ def _block_info(sorted_ids_ptr, block_expert_ptr, block_slot_ptr, num_rows_ptr, 
     pid_n = (pid % (GROUP_M * num_n)) // group_size
     in_use = pid_m * BLOCK_M < tl.load(num_rows_ptr)
     pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    expert = tl.load(block_expert_ptr + pid_m)
-    slot = tl.load(block_slot_ptr + pid_m)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    return in_use, expert, slot, pair, pair < num_pairs, offs_n, offs_n < N
+    return in_use, tl.load(block_expert_ptr + pid_m), pair, pair < num_pairs, pid_n, offs_n, offs_n < N
+
+
+@triton.jit
+def _row_slots(token_slots_ptr, pair, row_ok, top_k, num_slots):
+    """Adapter slot of each row (-1: none) and the range [lo, hi] of the slots in the block.
+    Rows are slot-ordered, so the LoRA loops over that range meet each slot's run once."""
+    slot = tl.load(token_slots_ptr + pair // top_k, mask=row_ok, other=-1)
+    slot = tl.where((slot >= 0) & (slot < num_slots), slot, -1)
+    lo = tl.min(tl.where(slot >= 0, slot, num_slots), axis=0)
+    return slot, lo, tl.max(slot, axis=0)
 
 
 @triton.jit
 def _lora_rank(ranks_ptr, proj, slot, expert, num_slots, num_experts):
-    """Real rank of projection `proj` for (slot, expert); 0 for a block without an adapter."""
-    rank = tl.load(ranks_ptr + (proj * num_slots + tl.maximum(slot, 0)) * num_experts + expert)
-    return tl.where(slot >= 0, rank, 0)
+    """Real rank of projection `proj` (0 gate, 1 up, 2 down) for (slot, expert); 0 = not covered."""
+    return tl.load(ranks_ptr + (proj * num_slots + slot) * num_experts + expert)
 
 
 @triton.jit
-def _gemm_loop(in_ptrs, row_ok, K, w1_ptrs, w2_ptrs, n_mask, a1_ptrs, a2_ptrs, a1_mask, a2_mask,
-               DUAL: tl.constexpr, SHRINK: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
-    """acc_i = in @ W_i^T over K, and with SHRINK the LoRA shrink xa_i = in @ A_i^T in the same
-    pass over `in` (one stream; two when DUAL: gate and up)."""
+def _gemm_loop(in_ptrs, row_ok, K, w1_ptrs, w2_ptrs, n_mask, DUAL: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc_i = in @ W_i^T over K (two weight streams sharing the input when DUAL: gate and up)."""
     offs_k = tl.arange(0, BLOCK_K)
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    xa1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    xa2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + offs_k < K)[:, None]
         xt = tl.load(in_ptrs + k0, mask=row_ok[:, None] & k_mask.T, other=0.0)
         acc1 += tl.dot(xt, tl.load(w1_ptrs + k0, mask=k_mask & n_mask[None, :], other=0.0))
         if DUAL:
             acc2 += tl.dot(xt, tl.load(w2_ptrs + k0, mask=k_mask & n_mask[None, :], other=0.0))
-        if SHRINK:
-            xa1 += tl.dot(xt, tl.load(a1_ptrs + k0, mask=k_mask & a1_mask, other=0.0))
-            if DUAL:
-                xa2 += tl.dot(xt, tl.load(a2_ptrs + k0, mask=k_mask & a2_mask, other=0.0))
-    return acc1, acc2, xa1, xa2
+    return acc1, acc2
 
 
 @triton.jit
 def _lora_expand(acc, xa, b_ptr, stride_bn, offs_n, n_mask, rank, BLOCK_R: tl.constexpr):
-    """acc += xa[:, :rank] @ B[offs_n, :rank]^T (xa rounded to the weights' dtype, as PEFT does)."""
+    """acc += xa[:, :rank] @ B[offs_n, :rank]^T (xa rounded to the weights' dtype, as PEFT does).
+    Rows of other slots have xa = 0 and get exactly +0."""
     offs_r = tl.arange(0, BLOCK_R)
     bt = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None],
                  mask=(offs_r[:, None] < rank) & n_mask[None, :], other=0.0)
@@ -163,133 +172,138 @@ def _lora_expand(acc, xa, b_ptr, stride_bn, offs_n, n_mask, rank, BLOCK_R: tl.co
 
 
 @triton.jit
-def _gemm_with_lora(in_ptrs, row_ok, K, w_ptrs, n_mask, offs_n, a_ptrs, b_ptr, stride_bn, rank,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
-    """One-stream `_gemm_loop` plus the LoRA delta of this block's (slot, expert), its shrink in the
-    same pass; the plain loop when the block has no adapter or it does not cover the expert."""
+def _sum_partials(part_ptr, pair, rows, row_stride, num_parts, BLOCK_R: tl.constexpr):
+    """sum over parts of part[pair, part, :] for the rows in `rows`, in a fixed order (deterministic)."""
     offs_r = tl.arange(0, BLOCK_R)
-    if rank > 0:
-        acc, _, xa, _ = _gemm_loop(in_ptrs, row_ok, K, w_ptrs, w_ptrs, n_mask, a_ptrs, a_ptrs, offs_r[None, :] < rank,
-                                   offs_r[None, :] < rank, False, True, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
-        acc = _lora_expand(acc, xa, b_ptr, stride_bn, offs_n, n_mask, rank, BLOCK_R)
-    else:
-        acc, _, _, _ = _gemm_loop(in_ptrs, row_ok, K, w_ptrs, w_ptrs, n_mask, a_ptrs, a_ptrs, n_mask[None, :],
-                                  n_mask[None, :], False, False, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+    base = part_ptr + (pair.to(tl.int64) * row_stride)[:, None] + offs_r[None, :]
+    acc = tl.load(base, mask=rows[:, None], other=0.0)
+    for i in range(1, num_parts):
+        acc += tl.load(base + i * BLOCK_R, mask=rows[:, None], other=0.0)
     return acc
 
 
 @triton.jit
 def _shrink_kernel(
-    x_ptr, xa_ptr, sorted_ids_ptr, block_expert_ptr, block_slot_ptr, num_rows_ptr, ranks_ptr, ag_ptr, au_ptr,
-    num_pairs, top_k, H, num_slots, num_experts, stride_xt, stride_ae, stride_ar,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS: tl.constexpr,
+    x_ptr, xa_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, token_slots_ptr, ranks_ptr, ag_ptr, au_ptr,
+    num_pairs, top_k, H, num_slots, num_experts, num_splits, stride_xt, stride_ae, stride_ar,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    """xa[p, proj, split] = x[p] @ A_proj[:, split's K range]^T for the rows of one block, for gate
-    (proj 0) or up (proj 1). The gate_up GEMM sums the splits in a fixed order (deterministic)."""
-    pid_m, proj, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """xa[p, proj, split] = x[p] @ A_proj[slot(p), e][:, split's K range]^T for gate (proj 0) and up
+    (proj 1), one program per (block, K split), looping over the slots in the block. The gate_up GEMM
+    sums the splits in a fixed order."""
+    pid_m, split = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return
     e = tl.load(block_expert_ptr + pid_m)
-    s = tl.load(block_slot_ptr + pid_m)
-    rank = _lora_rank(ranks_ptr, proj, s, e, num_slots, num_experts)
-    if rank == 0:
-        return
     pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = pair < num_pairs
+    slot, lo, hi = _row_slots(token_slots_ptr, pair, row_ok, top_k, num_slots)
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
-    a_ptr = ag_ptr
-    if proj == 1:
-        a_ptr = au_ptr
-    a_ptrs = a_ptr + (s * num_experts + e).to(tl.int64) * stride_ae + offs_r[None, :] * stride_ar + offs_k[:, None]
     x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
-    k_per_split = tl.cdiv(tl.cdiv(H, SPLITS), BLOCK_K) * BLOCK_K
-    k_lo = split * k_per_split
-    k_hi = tl.minimum(H, k_lo + k_per_split)
-    xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k_mask = k0 + offs_k < k_hi
-        xt = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_mask[None, :], other=0.0)
-        at = tl.load(a_ptrs + k0, mask=k_mask[:, None] & (offs_r[None, :] < rank), other=0.0)
-        xa += tl.dot(xt, at)
-    xa_ptrs = xa_ptr + ((pair.to(tl.int64) * 2 + proj) * SPLITS + split)[:, None] * BLOCK_R + offs_r[None, :]
-    tl.store(xa_ptrs, xa, mask=row_ok[:, None])
-
-
-@triton.jit
-def _sum_splits(xa_ptr, pair, row_ok, proj, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr):
-    """The gate (proj 0) or up (proj 1) shrink of each row: its K-split partials summed in order."""
-    offs_r = tl.arange(0, BLOCK_R)
-    base = xa_ptr + ((pair.to(tl.int64) * 2 + proj) * SPLITS)[:, None] * BLOCK_R + offs_r[None, :]
-    xa = tl.load(base, mask=row_ok[:, None], other=0.0)
-    for split in tl.static_range(1, SPLITS):
-        xa += tl.load(base + split * BLOCK_R, mask=row_ok[:, None], other=0.0)
-    return xa
+    k_lo = split * SPLIT_K
+    k_hi = tl.minimum(H, k_lo + SPLIT_K)
+    xa_ptrs = xa_ptr + ((pair.to(tl.int64) * 2) * num_splits + split)[:, None] * BLOCK_R + offs_r[None, :]
+    for s in range(lo, hi + 1):
+        rows = slot == s
+        rank_g = _lora_rank(ranks_ptr, 0, s, e, num_slots, num_experts)
+        rank_u = _lora_rank(ranks_ptr, 1, s, e, num_slots, num_experts)
+        if (rank_g + rank_u > 0) & (tl.max(rows.to(tl.int32), axis=0) > 0):
+            se = (s * num_experts + e).to(tl.int64)  # LoRA buffers are contiguous [S, E, ...]
+            ag_ptrs = ag_ptr + se * stride_ae + offs_r[None, :] * stride_ar + offs_k[:, None]
+            au_ptrs = au_ptr + se * stride_ae + offs_r[None, :] * stride_ar + offs_k[:, None]
+            xa_g = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            xa_u = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                k_mask = k0 + offs_k < k_hi
+                xt = tl.load(x_ptrs + k0, mask=rows[:, None] & k_mask[None, :], other=0.0)
+                xa_g += tl.dot(xt, tl.load(ag_ptrs + k0, mask=k_mask[:, None] & (offs_r[None, :] < rank_g), other=0.0))
+                xa_u += tl.dot(xt, tl.load(au_ptrs + k0, mask=k_mask[:, None] & (offs_r[None, :] < rank_u), other=0.0))
+            tl.store(xa_ptrs, xa_g, mask=rows[:, None])
+            tl.store(xa_ptrs + num_splits * BLOCK_R, xa_u, mask=rows[:, None])
 
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr, block_slot_ptr, num_rows_ptr,
-    ranks_ptr, xa_ptr, bg_ptr, bu_ptr,
-    num_pairs, top_k, H, I, num_slots, num_experts,
-    stride_xt, stride_we, stride_wn, stride_ht, stride_be, stride_bn,
+    x_ptr, w_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, token_slots_ptr,
+    ranks_ptr, xa_ptr, bg_ptr, bu_ptr, ad_ptr, hd_ptr,
+    num_pairs, top_k, H, I, num_slots, num_experts, num_splits,
+    stride_xt, stride_we, stride_wn, stride_ht, stride_be, stride_bn, stride_ade, stride_adr,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """h[p] = silu(x Wg^T + LoRA_g) * (x Wu^T + LoRA_u) for the pairs p of one block."""
-    in_use, e, s, pair, row_ok, offs_n, n_mask = _block_info(sorted_ids_ptr, block_expert_ptr, block_slot_ptr,
-                                                            num_rows_ptr, num_pairs, I, BLOCK_M, BLOCK_N, GROUP_M)
+    """h[p] = silu(x Wg^T + LoRA_g) * (x Wu^T + LoRA_u) for the pairs p of one block; with LoRA also
+    this n-tile's part of the down shrink, hd[p, tile] = h[p, tile] @ A_d[:, tile]^T."""
+    in_use, e, pair, row_ok, pid_n, offs_n, n_mask = _block_info(sorted_ids_ptr, block_expert_ptr, num_rows_ptr,
+                                                                 num_pairs, I, BLOCK_M, BLOCK_N, GROUP_M)
     if not in_use:
         return
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
     wg_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
-    wu_ptrs = wg_ptrs + I * stride_wn
-    acc_g, acc_u, _, _ = _gemm_loop(x_ptrs, row_ok, H, wg_ptrs, wu_ptrs, n_mask, wg_ptrs, wu_ptrs, n_mask[None, :],
-                                    n_mask[None, :], True, False, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+    acc_g, acc_u = _gemm_loop(x_ptrs, row_ok, H, wg_ptrs, wg_ptrs + I * stride_wn, n_mask, True,
+                              BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_LORA:  # constexpr: without it the LoRA path is not compiled at all
-        rank_g = _lora_rank(ranks_ptr, 0, s, e, num_slots, num_experts)
-        rank_u = _lora_rank(ranks_ptr, 1, s, e, num_slots, num_experts)
-        if rank_g + rank_u > 0:  # the shrink x @ A^T came from _shrink_kernel (only where rank > 0)
-            se = (s * num_experts + e).to(tl.int64)  # LoRA buffers are contiguous [S, E, ...]
-            zeros = tl.zeros((BLOCK_M,), dtype=tl.int32)  # vector form of the rank test, for the masks
-            acc_g = _lora_expand(acc_g, _sum_splits(xa_ptr, pair, row_ok & (zeros < rank_g), 0, SPLITS, BLOCK_R),
-                                 bg_ptr + se * stride_be, stride_bn, offs_n, n_mask, rank_g, BLOCK_R)
-            acc_u = _lora_expand(acc_u, _sum_splits(xa_ptr, pair, row_ok & (zeros < rank_u), 1, SPLITS, BLOCK_R),
-                                 bu_ptr + se * stride_be, stride_bn, offs_n, n_mask, rank_u, BLOCK_R)
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        slot, lo, hi = _row_slots(token_slots_ptr, pair, row_ok, top_k, num_slots)
+        zeros = tl.zeros((BLOCK_M,), dtype=tl.int32)  # vector form of the rank tests, for the masks
+        for s in range(lo, hi + 1):  # the shrink x @ A^T came from _shrink_kernel (only where rank > 0)
+            rows = slot == s
+            rank_g = _lora_rank(ranks_ptr, 0, s, e, num_slots, num_experts)
+            rank_u = _lora_rank(ranks_ptr, 1, s, e, num_slots, num_experts)
+            if (rank_g + rank_u > 0) & (tl.max(rows.to(tl.int32), axis=0) > 0):
+                se = (s * num_experts + e).to(tl.int64)
+                xa = _sum_partials(xa_ptr + 0, pair, rows & (zeros < rank_g), 2 * num_splits * BLOCK_R, num_splits, BLOCK_R)
+                acc_g = _lora_expand(acc_g, xa, bg_ptr + se * stride_be, stride_bn, offs_n, n_mask, rank_g, BLOCK_R)
+                xa = _sum_partials(xa_ptr + num_splits * BLOCK_R, pair, rows & (zeros < rank_u), 2 * num_splits * BLOCK_R,
+                                   num_splits, BLOCK_R)
+                acc_u = _lora_expand(acc_u, xa, bu_ptr + se * stride_be, stride_bn, offs_n, n_mask, rank_u, BLOCK_R)
+    h = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(h_ptr.dtype.element_ty)
     h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_ht + offs_n[None, :]
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_mask[None, :])
+    tl.store(h_ptrs, h, mask=row_ok[:, None] & n_mask[None, :])
+    if HAS_LORA:
+        offs_r = tl.arange(0, BLOCK_R)
+        hd = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for s in range(lo, hi + 1):
+            rows = slot == s
+            rank_d = _lora_rank(ranks_ptr, 2, s, e, num_slots, num_experts)
+            if (rank_d > 0) & (tl.max(rows.to(tl.int32), axis=0) > 0):
+                se = (s * num_experts + e).to(tl.int64)
+                ad = tl.load(ad_ptr + se * stride_ade + offs_r[None, :] * stride_adr + offs_n[:, None],
+                             mask=n_mask[:, None] & (offs_r[None, :] < rank_d), other=0.0)
+                hd += tl.dot(tl.where(rows[:, None], h, 0.0), ad)
+        num_n = tl.cdiv(I, BLOCK_N)
+        hd_ptrs = hd_ptr + (pair.to(tl.int64) * num_n + pid_n)[:, None] * BLOCK_R + offs_r[None, :]
+        tl.store(hd_ptrs, hd, mask=(slot >= 0)[:, None])
 
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_ids_ptr, block_expert_ptr, block_slot_ptr, num_rows_ptr,
-    ranks_ptr, a_ptr, b_ptr,
-    num_pairs, H, I, num_slots, num_experts,
-    stride_ht, stride_we, stride_wn, stride_ot, stride_ae, stride_ar, stride_be, stride_bn,
+    h_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, token_slots_ptr,
+    ranks_ptr, hd_ptr, b_ptr,
+    num_pairs, top_k, H, I, num_slots, num_experts, num_hd_parts,
+    stride_ht, stride_we, stride_wn, stride_ot, stride_be, stride_bn,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """out[p] = w[p] * (h[p] Wd^T + LoRA_d) for the pairs p of one block; the down shrink runs in the
-    main loop (its extra cost is BLOCK_R / BLOCK_N of the tile)."""
-    in_use, e, s, pair, row_ok, offs_n, n_mask = _block_info(sorted_ids_ptr, block_expert_ptr, block_slot_ptr,
-                                                            num_rows_ptr, num_pairs, H, BLOCK_M, BLOCK_N, GROUP_M)
+    """out[p] = w[p] * (h[p] Wd^T + LoRA_d) for the pairs p of one block; the down shrink is the sum
+    of the gate_up kernel's per-tile parts."""
+    in_use, e, pair, row_ok, _, offs_n, n_mask = _block_info(sorted_ids_ptr, block_expert_ptr, num_rows_ptr,
+                                                             num_pairs, H, BLOCK_M, BLOCK_N, GROUP_M)
     if not in_use:
         return
     offs_k = tl.arange(0, BLOCK_K)
-    offs_r = tl.arange(0, BLOCK_R)
     h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_ht + offs_k[None, :]
     w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    acc, _ = _gemm_loop(h_ptrs, row_ok, I, w_ptrs, w_ptrs, n_mask, False, BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_LORA:
-        se = (tl.maximum(s, 0) * num_experts + e).to(tl.int64)
-        a_ptrs = a_ptr + se * stride_ae + offs_r[None, :] * stride_ar + offs_k[:, None]
-        acc = _gemm_with_lora(h_ptrs, row_ok, I, w_ptrs, n_mask, offs_n, a_ptrs, b_ptr + se * stride_be, stride_bn,
-                              _lora_rank(ranks_ptr, 2, s, e, num_slots, num_experts),
-                              BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
-    else:
-        acc, _, _, _ = _gemm_loop(h_ptrs, row_ok, I, w_ptrs, w_ptrs, n_mask, w_ptrs, w_ptrs, n_mask[None, :],
-                                  n_mask[None, :], False, False, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+        slot, lo, hi = _row_slots(token_slots_ptr, pair, row_ok, top_k, num_slots)
+        for s in range(lo, hi + 1):
+            rows = slot == s
+            rank_d = _lora_rank(ranks_ptr, 2, s, e, num_slots, num_experts)
+            if (rank_d > 0) & (tl.max(rows.to(tl.int32), axis=0) > 0):
+                se = (s * num_experts + e).to(tl.int64)
+                hd = _sum_partials(hd_ptr, pair, rows, num_hd_parts * BLOCK_R, num_hd_parts, BLOCK_R)
+                acc = _lora_expand(acc, hd, b_ptr + se * stride_be, stride_bn, offs_n, n_mask, rank_d, BLOCK_R)
     acc = acc * tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_mask[None, :])
@@ -327,6 +341,7 @@ def fused_moe_triton(
     num_slots = lora.num_slots if lora is not None else 0
     blocks = moe_align(topk.ids, token_slots if lora is not None else None, num_experts, num_slots, cfg.block_m)
     num_m = blocks.block_expert.numel()
+    num_n_gate_up = triton.cdiv(inter, cfg.block_n_gate_up)
 
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
@@ -334,32 +349,35 @@ def fused_moe_triton(
     common = dict(HAS_LORA=lora is not None, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if lora is None:  # HAS_LORA=False never reads these
-        xa = bg = bu = ad = bd = w13
-        ranks = blocks.num_rows
-        block_r, b_strides, ad_strides, bd_strides = LORA_RANK_CHUNK, (0, 0), (0, 0), (0, 0)
+        slots = ranks = blocks.num_rows
+        xa = hd = bg = bu = ad = bd = w13
+        num_splits, block_r, b_strides, ad_strides, bd_strides = 1, LORA_RANK_CHUNK, (0, 0), (0, 0), (0, 0)
     else:
-        bg, bu, ad, bd, ranks = lora.b_gate, lora.b_up, lora.a_down, lora.b_down, lora.ranks
+        slots, ranks = token_slots, lora.ranks
+        bg, bu, ad, bd = lora.b_gate, lora.b_up, lora.a_down, lora.b_down
         block_r = max(LORA_RANK_CHUNK, triton.next_power_of_2(lora.max_rank_in_use or lora.a_gate.shape[2]))
         b_strides, ad_strides, bd_strides = bg.stride()[1:3], ad.stride()[1:3], bd.stride()[1:3]
-        xa = torch.empty(num_pairs, 2, cfg.shrink_splits, block_r, dtype=torch.float32, device=x.device)
-        _shrink_kernel[(num_m, 2, cfg.shrink_splits)](
-            x, xa, blocks.sorted_ids, blocks.block_expert, blocks.block_slot, blocks.num_rows, ranks,
-            lora.a_gate, lora.a_up, num_pairs, top_k, hidden, num_slots, num_experts,
+        num_splits = triton.cdiv(hidden, SHRINK_SPLIT_K)
+        xa = torch.empty(num_pairs, 2, num_splits, block_r, dtype=torch.float32, device=x.device)
+        hd = torch.empty(num_pairs, num_n_gate_up, block_r, dtype=torch.float32, device=x.device)
+        _shrink_kernel[(num_m, num_splits)](
+            x, xa, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, slots, ranks,
+            lora.a_gate, lora.a_up, num_pairs, top_k, hidden, num_slots, num_experts, num_splits,
             x.stride(0), lora.a_gate.stride(1), lora.a_gate.stride(2),
-            BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=block_r, SPLITS=cfg.shrink_splits, num_warps=4,
+            BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, num_warps=4,
         )
-    _gate_up_kernel[(num_m * triton.cdiv(inter, cfg.block_n_gate_up),)](
-        x, w13, h, blocks.sorted_ids, blocks.block_expert, blocks.block_slot, blocks.num_rows,
-        ranks, xa, bg, bu,
-        num_pairs, top_k, hidden, inter, num_slots, num_experts,
-        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *b_strides,
-        BLOCK_N=cfg.block_n_gate_up, BLOCK_R=block_r, SPLITS=cfg.shrink_splits, **common,
+    _gate_up_kernel[(num_m * num_n_gate_up,)](
+        x, w13, h, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, slots,
+        ranks, xa, bg, bu, ad, hd,
+        num_pairs, top_k, hidden, inter, num_slots, num_experts, num_splits,
+        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *b_strides, *ad_strides,
+        BLOCK_N=cfg.block_n_gate_up, BLOCK_R=block_r, **common,
     )
     _down_kernel[(num_m * triton.cdiv(hidden, cfg.block_n_down),)](
-        h, w2, out, topk.weights, blocks.sorted_ids, blocks.block_expert, blocks.block_slot, blocks.num_rows,
-        ranks, ad, bd,
-        num_pairs, hidden, inter, num_slots, num_experts,
-        h.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *ad_strides, *bd_strides,
+        h, w2, out, topk.weights, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, slots,
+        ranks, hd, bd,
+        num_pairs, top_k, hidden, inter, num_slots, num_experts, num_n_gate_up,
+        h.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *bd_strides,
         BLOCK_N=cfg.block_n_down, BLOCK_R=block_r, **common,
     )
     block_h = min(1024, triton.next_power_of_2(hidden))

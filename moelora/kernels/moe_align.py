@@ -1,10 +1,10 @@
-"""moe_align: group the T*k (token, expert) pairs into BLOCK_M-row blocks of one (expert, adapter slot).
+"""moe_align: group the T*k (token, expert) pairs into BLOCK_M-row blocks of one expert.
 
-Blocks are padded per (expert, slot), so every block has a single expert and a single slot (or
-none): the grouped GEMM can then fold that slot's LoRA shrink into its main loop. Blocks of one
-expert are adjacent (slot-ordered, base tokens first), so the programs that read the same expert
-weight tiles run together and share them through L2. Expert ids outside [0, E) (-1 marks an expert
-owned by another rank) are dropped, never indexed; slots outside [0, S) count as "no adapter".
+Blocks are padded per expert, so an expert's weights are read once per block whatever mix of
+adapters its tokens use. Inside an expert the pairs are ordered by adapter slot (base tokens
+first), so a block's rows hold few distinct slots, each a contiguous run: the LoRA epilogues loop
+over the slots present. Expert ids outside [0, E) (-1 marks an expert owned by another rank) are
+dropped, never indexed; slots outside [0, S) count as "no adapter".
 
 Output sizes depend only on (T*k, E, S, BLOCK_M), never on the routing, so the kernel needs no
 host synchronisation and can be captured in a CUDA graph; the GEMMs skip blocks past `num_rows`.
@@ -21,14 +21,13 @@ import triton.language as tl
 class AlignedBlocks(NamedTuple):
     sorted_ids: torch.Tensor  # [max_rows] int32: pair index t*k+j, or T*k for a padding row
     block_expert: torch.Tensor  # [max_rows // block_m] int32: expert of each block; -1 past num_rows
-    block_slot: torch.Tensor  # [max_rows // block_m] int32: adapter slot of each block; -1 for none
     num_rows: torch.Tensor  # [1] int32: rows in use, a multiple of block_m
     block_m: int
 
 
-def max_aligned_rows(num_pairs: int, num_experts: int, num_slots: int, block_m: int) -> int:
-    """Upper bound on padded rows: each non-empty (expert, slot) group wastes at most block_m - 1."""
-    nonempty = min(num_experts * (num_slots + 1), num_pairs)
+def max_aligned_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on padded rows: each expert with pairs wastes at most block_m - 1."""
+    nonempty = min(num_experts, num_pairs)
     return triton.cdiv(num_pairs + nonempty * (block_m - 1), block_m) * block_m
 
 
@@ -50,33 +49,31 @@ def moe_align_reference(
     """Torch version of `moe_align`; orders pairs stably by (expert, slot, pair index)."""
     num_pairs = topk_ids.numel()
     device = topk_ids.device
-    max_rows = max_aligned_rows(num_pairs, num_experts, num_slots, block_m)
-    num_keys = num_experts * (num_slots + 1)
+    max_rows = max_aligned_rows(num_pairs, num_experts, block_m)
     experts = topk_ids.flatten().long()
     valid = (experts >= 0) & (experts < num_experts)
-    key = torch.where(valid, experts * (num_slots + 1) + _pair_slots(topk_ids, token_slots, num_slots) + 1, num_keys)
+    key = torch.where(valid, experts * (num_slots + 1) + _pair_slots(topk_ids, token_slots, num_slots) + 1,
+                      num_experts * (num_slots + 1))
     order = torch.sort(key, stable=True).indices
-    counts = torch.zeros(num_keys + 1, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    counts = counts[:num_keys]
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, torch.where(valid, experts, num_experts), torch.ones_like(experts))
+    counts = counts[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     start = torch.cumsum(padded, 0) - padded
     unpadded_start = torch.cumsum(counts, 0) - counts
 
-    sorted_key = key[order]
-    is_valid = sorted_key < num_keys
-    k = sorted_key.clamp(max=num_keys - 1)
-    pos = start[k] + torch.arange(num_pairs, device=device) - unpadded_start[k]
+    sorted_expert = experts[order]
+    is_valid = valid[order]
+    e = sorted_expert.clamp(0, num_experts - 1)
+    pos = start[e] + torch.arange(num_pairs, device=device) - unpadded_start[e]
     sorted_ids = torch.full((max_rows,), num_pairs, dtype=torch.int32, device=device)
     sorted_ids[pos[is_valid]] = order[is_valid].to(torch.int32)
 
     num_rows = padded.sum()
     block_rows = torch.arange(max_rows // block_m, device=device) * block_m
-    block_key = torch.searchsorted(torch.cumsum(padded, 0), block_rows, right=True)
-    in_use = block_rows < num_rows
-    block_expert = torch.where(in_use, block_key // (num_slots + 1), -1).to(torch.int32)
-    block_slot = torch.where(in_use, block_key % (num_slots + 1) - 1, -1).to(torch.int32)
-    return AlignedBlocks(sorted_ids, block_expert, block_slot, num_rows.reshape(1).to(torch.int32), block_m)
+    block_expert = torch.searchsorted(torch.cumsum(padded, 0), block_rows, right=True)
+    block_expert = torch.where(block_rows < num_rows, block_expert, -1).to(torch.int32)
+    return AlignedBlocks(sorted_ids, block_expert, num_rows.reshape(1).to(torch.int32), block_m)
 
 
 @triton.jit
@@ -96,7 +93,7 @@ def _pair_keys(topk_ids_ptr, token_slots_ptr, start, num_pairs, top_k, num_exper
 
 @triton.jit
 def _moe_align_kernel(
-    topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, block_slot_ptr, num_rows_ptr, cursor_ptr,
+    topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr,
     num_pairs, top_k, num_experts, num_slots, max_rows,
     HAS_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -116,29 +113,24 @@ def _moe_align_kernel(
     tl.debug_barrier()
 
     counts = tl.load(cursor_ptr + keys_2d)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    per_expert = tl.sum(padded, axis=1)
-    expert_start = tl.cumsum(per_expert, axis=0) - per_expert
-    key_start = expert_start[:, None] + tl.cumsum(padded, axis=1) - padded
+    per_expert = tl.sum(counts, axis=1)
+    padded = (per_expert + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    expert_start = tl.cumsum(padded, axis=0) - padded
+    key_start = expert_start[:, None] + tl.cumsum(counts, axis=1) - counts  # slots unpadded inside an expert
     tl.store(cursor_ptr + keys_2d, key_start)
-    total = tl.sum(per_expert, axis=0)
-    tl.store(num_rows_ptr, total)
+    tl.store(num_rows_ptr, tl.sum(padded, axis=0))
     offs = tl.arange(0, CHUNK)
     for row0 in range(0, max_rows, CHUNK):
         tl.store(sorted_ids_ptr + row0 + offs, num_pairs, mask=row0 + offs < max_rows)
     for block0 in range(0, max_rows // BLOCK_M, CHUNK):
         blocks = block0 + offs
         tl.store(block_expert_ptr + blocks, -1, mask=blocks < max_rows // BLOCK_M)
-        tl.store(block_slot_ptr + blocks, -1, mask=blocks < max_rows // BLOCK_M)
     tl.debug_barrier()
 
-    first_block = key_start // BLOCK_M
+    first_block = expert_start // BLOCK_M
     num_blocks = padded // BLOCK_M
-    expert_2d = offs_e[:, None] + tl.zeros((E_P, S1_P), tl.int32)
-    slot_2d = offs_s[None, :] - 1 + tl.zeros((E_P, S1_P), tl.int32)
-    for j in range(0, tl.max(tl.max(num_blocks, axis=1), axis=0)):
-        tl.store(block_expert_ptr + first_block + j, expert_2d, mask=j < num_blocks)
-        tl.store(block_slot_ptr + first_block + j, slot_2d, mask=j < num_blocks)
+    for j in range(0, tl.max(num_blocks, axis=0)):
+        tl.store(block_expert_ptr + first_block + j, offs_e, mask=j < num_blocks)
 
     for start in range(0, num_pairs, CHUNK):
         pair, key, valid = _pair_keys(topk_ids_ptr, token_slots_ptr, start, num_pairs, top_k, num_experts, num_slots,
@@ -163,18 +155,17 @@ def moe_align(
         )
     num_pairs = topk_ids.numel()
     device = topk_ids.device
-    max_rows = max_aligned_rows(num_pairs, num_experts, num_slots, block_m)
+    max_rows = max_aligned_rows(num_pairs, num_experts, block_m)
     e_p = triton.next_power_of_2(num_experts)
     s1_p = triton.next_power_of_2(num_slots + 1)
     sorted_ids = torch.empty(max_rows, dtype=torch.int32, device=device)
     block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=device)
-    block_slot = torch.empty(max_rows // block_m, dtype=torch.int32, device=device)
     num_rows = torch.empty(1, dtype=torch.int32, device=device)
     cursor = torch.empty(e_p * s1_p, dtype=torch.int32, device=device)
     _moe_align_kernel[(1,)](
-        topk_ids, token_slots if token_slots is not None else topk_ids, sorted_ids, block_expert, block_slot, num_rows, cursor,
+        topk_ids, token_slots if token_slots is not None else topk_ids, sorted_ids, block_expert, num_rows, cursor,
         num_pairs, topk_ids.shape[1], num_experts, num_slots, max_rows,
         HAS_SLOTS=token_slots is not None, BLOCK_M=block_m, E_P=e_p, S1_P=s1_p, CHUNK=256,
         num_warps=8 if e_p * s1_p >= 4096 else 4,
     )
-    return AlignedBlocks(sorted_ids, block_expert, block_slot, num_rows, block_m)
+    return AlignedBlocks(sorted_ids, block_expert, num_rows, block_m)

@@ -22,9 +22,9 @@ from moelora.kernels import moe_align as ma
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 227 * 1024
-INT_PTRS = {"sorted_ids_ptr", "block_expert_ptr", "block_slot_ptr", "num_rows_ptr", "ranks_ptr", "topk_ids_ptr",
+INT_PTRS = {"sorted_ids_ptr", "block_expert_ptr", "num_rows_ptr", "ranks_ptr", "topk_ids_ptr",
             "token_slots_ptr", "cursor_ptr"}
-NOT_DIVISIBLE = {"num_pairs", "top_k", "num_slots", "num_experts", "max_rows"}
+NOT_DIVISIBLE = {"num_pairs", "top_k", "num_slots", "num_experts", "max_rows", "num_splits", "num_hd_parts"}
 
 
 def compile_sm90(kernel, constexprs: dict, dtype: str, num_warps: int, num_stages: int):
@@ -53,13 +53,11 @@ def compile_all() -> list[dict]:
                 for kernel, block_n in ((fm._gate_up_kernel, cfg.block_n_gate_up), (fm._down_kernel, cfg.block_n_down)):
                     constexprs = dict(HAS_LORA=has_lora, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
                                       GROUP_M=cfg.group_m, BLOCK_R=64)
-                    if kernel is fm._gate_up_kernel:
-                        constexprs["SPLITS"] = cfg.shrink_splits
                     compiled = compile_sm90(kernel, constexprs, dtype, cfg.num_warps, cfg.num_stages)
                     results.append(dict(kernel=kernel.fn.__name__, dtype=dtype, lora=has_lora, block_m=cfg.block_m,
                                         shared=compiled.metadata.shared, ttgir=compiled.asm["ttgir"]))
     for kernel, constexprs in ((ma._moe_align_kernel, dict(HAS_SLOTS=True, BLOCK_M=16, E_P=256, S1_P=64, CHUNK=256)),
-                               (fm._shrink_kernel, dict(BLOCK_M=16, BLOCK_K=64, BLOCK_R=16, SPLITS=8)),
+                               (fm._shrink_kernel, dict(BLOCK_M=16, BLOCK_K=64, BLOCK_R=16, SPLIT_K=fm.SHRINK_SPLIT_K)),
                                (fm._moe_sum_kernel, dict(TOP_K=8, BLOCK_H=1024))):
         compiled = compile_sm90(kernel, constexprs, "bf16", 8, 1)
         results.append(dict(kernel=kernel.fn.__name__, shared=compiled.metadata.shared, ttgir=""))
