@@ -95,6 +95,7 @@ class MoEKernelConfig:
 # (the down shrink is summed over those tiles). Only block_m and block_n_down follow the batch.
 BLOCK_N_GATE_UP = 64
 SHRINK_SPLIT_K = 256
+SUM_PARTS = 8  # partial sums (shrink splits, down-shrink tiles) read per load in the LoRA epilogues
 
 
 def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoEKernelConfig:
@@ -172,13 +173,17 @@ def _lora_expand(acc, xa, b_ptr, stride_bn, offs_n, n_mask, rank, BLOCK_R: tl.co
 
 
 @triton.jit
-def _sum_partials(part_ptr, pair, rows, row_stride, num_parts, BLOCK_R: tl.constexpr):
-    """sum over parts of part[pair, part, :] for the rows in `rows`, in a fixed order (deterministic)."""
+def _sum_partials(part_ptr, pair, rows, row_stride, num_parts, BLOCK_R: tl.constexpr, PARTS: tl.constexpr):
+    """sum over i < num_parts of part[pair, i, :] for the rows in `rows`: PARTS at a time in one
+    load (a chain of dependent small loads would be latency-bound), in a fixed order."""
     offs_r = tl.arange(0, BLOCK_R)
-    base = part_ptr + (pair.to(tl.int64) * row_stride)[:, None] + offs_r[None, :]
-    acc = tl.load(base, mask=rows[:, None], other=0.0)
-    for i in range(1, num_parts):
-        acc += tl.load(base + i * BLOCK_R, mask=rows[:, None], other=0.0)
+    offs_i = tl.arange(0, PARTS)
+    base = part_ptr + (pair.to(tl.int64) * row_stride)[:, None, None] + offs_i[None, :, None] * BLOCK_R \
+        + offs_r[None, None, :]
+    acc = tl.zeros((pair.shape[0], BLOCK_R), dtype=tl.float32)
+    for i0 in range(0, num_parts, PARTS):
+        mask = rows[:, None, None] & (i0 + offs_i < num_parts)[None, :, None]
+        acc += tl.sum(tl.load(base + i0 * BLOCK_R, mask=mask, other=0.0), axis=1)
     return acc
 
 
@@ -230,7 +235,7 @@ def _gate_up_kernel(
     num_pairs, top_k, H, I, num_slots, num_experts, num_splits,
     stride_xt, stride_we, stride_wn, stride_ht, stride_be, stride_bn, stride_ade, stride_adr,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr,
 ):
     """h[p] = silu(x Wg^T + LoRA_g) * (x Wu^T + LoRA_u) for the pairs p of one block; with LoRA also
     this n-tile's part of the down shrink, hd[p, tile] = h[p, tile] @ A_d[:, tile]^T."""
@@ -246,17 +251,20 @@ def _gate_up_kernel(
     if HAS_LORA:  # constexpr: without it the LoRA path is not compiled at all
         slot, lo, hi = _row_slots(token_slots_ptr, pair, row_ok, top_k, num_slots)
         zeros = tl.zeros((BLOCK_M,), dtype=tl.int32)  # vector form of the rank tests, for the masks
-        for s in range(lo, hi + 1):  # the shrink x @ A^T came from _shrink_kernel (only where rank > 0)
-            rows = slot == s
+        # the shrink x @ A^T from _shrink_kernel, summed once for all rows; each slot's loop picks its rows
+        stride = 2 * num_splits * BLOCK_R
+        xa_g = _sum_partials(xa_ptr, pair, slot >= 0, stride, num_splits, BLOCK_R, PARTS)
+        xa_u = _sum_partials(xa_ptr + num_splits * BLOCK_R, pair, slot >= 0, stride, num_splits, BLOCK_R, PARTS)
+        for s in range(lo, hi + 1):
+            rows = (slot == s)[:, None]
             rank_g = _lora_rank(ranks_ptr, 0, s, e, num_slots, num_experts)
             rank_u = _lora_rank(ranks_ptr, 1, s, e, num_slots, num_experts)
-            if (rank_g + rank_u > 0) & (tl.max(rows.to(tl.int32), axis=0) > 0):
+            if (rank_g + rank_u > 0) & (tl.max(rows.to(tl.int32)) > 0):  # else xa was never written
                 se = (s * num_experts + e).to(tl.int64)
-                xa = _sum_partials(xa_ptr + 0, pair, rows & (zeros < rank_g), 2 * num_splits * BLOCK_R, num_splits, BLOCK_R)
-                acc_g = _lora_expand(acc_g, xa, bg_ptr + se * stride_be, stride_bn, offs_n, n_mask, rank_g, BLOCK_R)
-                xa = _sum_partials(xa_ptr + num_splits * BLOCK_R, pair, rows & (zeros < rank_u), 2 * num_splits * BLOCK_R,
-                                   num_splits, BLOCK_R)
-                acc_u = _lora_expand(acc_u, xa, bu_ptr + se * stride_be, stride_bn, offs_n, n_mask, rank_u, BLOCK_R)
+                acc_g = _lora_expand(acc_g, tl.where(rows & (zeros < rank_g)[:, None], xa_g, 0.0),
+                                     bg_ptr + se * stride_be, stride_bn, offs_n, n_mask, rank_g, BLOCK_R)
+                acc_u = _lora_expand(acc_u, tl.where(rows & (zeros < rank_u)[:, None], xa_u, 0.0),
+                                     bu_ptr + se * stride_be, stride_bn, offs_n, n_mask, rank_u, BLOCK_R)
     h = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(h_ptr.dtype.element_ty)
     h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_ht + offs_n[None, :]
     tl.store(h_ptrs, h, mask=row_ok[:, None] & n_mask[None, :])
@@ -283,7 +291,7 @@ def _down_kernel(
     num_pairs, top_k, H, I, num_slots, num_experts, num_hd_parts,
     stride_ht, stride_we, stride_wn, stride_ot, stride_be, stride_bn,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr,
 ):
     """out[p] = w[p] * (h[p] Wd^T + LoRA_d) for the pairs p of one block; the down shrink is the sum
     of the gate_up kernel's per-tile parts."""
@@ -297,13 +305,14 @@ def _down_kernel(
     acc, _ = _gemm_loop(h_ptrs, row_ok, I, w_ptrs, w_ptrs, n_mask, False, BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_LORA:
         slot, lo, hi = _row_slots(token_slots_ptr, pair, row_ok, top_k, num_slots)
+        hd = _sum_partials(hd_ptr, pair, slot >= 0, num_hd_parts * BLOCK_R, num_hd_parts, BLOCK_R, PARTS)
         for s in range(lo, hi + 1):
-            rows = slot == s
+            rows = (slot == s)[:, None]
             rank_d = _lora_rank(ranks_ptr, 2, s, e, num_slots, num_experts)
-            if (rank_d > 0) & (tl.max(rows.to(tl.int32), axis=0) > 0):
+            if (rank_d > 0) & (tl.max(rows.to(tl.int32)) > 0):
                 se = (s * num_experts + e).to(tl.int64)
-                hd = _sum_partials(hd_ptr, pair, rows, num_hd_parts * BLOCK_R, num_hd_parts, BLOCK_R)
-                acc = _lora_expand(acc, hd, b_ptr + se * stride_be, stride_bn, offs_n, n_mask, rank_d, BLOCK_R)
+                acc = _lora_expand(acc, tl.where(rows, hd, 0.0), b_ptr + se * stride_be, stride_bn, offs_n, n_mask,
+                                   rank_d, BLOCK_R)
     acc = acc * tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_mask[None, :])
@@ -347,7 +356,7 @@ def fused_moe_triton(
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     y = torch.empty_like(x)
     common = dict(HAS_LORA=lora is not None, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  PARTS=SUM_PARTS, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if lora is None:  # HAS_LORA=False never reads these
         slots = ranks = blocks.num_rows
         xa = hd = bg = bu = ad = bd = w13

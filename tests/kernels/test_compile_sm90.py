@@ -52,7 +52,7 @@ def compile_all() -> list[dict]:
             for has_lora in (False, True):
                 for kernel, block_n in ((fm._gate_up_kernel, cfg.block_n_gate_up), (fm._down_kernel, cfg.block_n_down)):
                     constexprs = dict(HAS_LORA=has_lora, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
-                                      GROUP_M=cfg.group_m, BLOCK_R=64)
+                                      GROUP_M=cfg.group_m, BLOCK_R=64, PARTS=fm.SUM_PARTS)
                     compiled = compile_sm90(kernel, constexprs, dtype, cfg.num_warps, cfg.num_stages)
                     results.append(dict(kernel=kernel.fn.__name__, dtype=dtype, lora=has_lora, block_m=cfg.block_m,
                                         shared=compiled.metadata.shared, ttgir=compiled.asm["ttgir"]))
