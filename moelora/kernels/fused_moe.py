@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.moe_align import moe_align
+from moelora.kernels.moe_align import (CHUNK, SINGLE_PROGRAM_MAX_PAIRS, align_num_warps, alloc_aligned, key_tile,
+                                       moe_align, moe_align_program)
 from moelora.layers.moe.topk import TopKOutput
 
 LORA_RANK_CHUNK = 16  # tl.dot needs >= 16: the smallest rank tile
@@ -95,6 +96,7 @@ class MoEKernelConfig:
 # (the down shrink is summed over those tiles). Only block_m and block_n_down follow the batch.
 BLOCK_N_GATE_UP = 64
 SHRINK_SPLIT_K = 256
+PAIR_SHRINK_MAX_PAIRS = 256  # up to here the gate/up shrink runs per pair, in the alignment's launch
 SUM_PARTS = 8  # partial sums (shrink splits, down-shrink tiles) read per load in the LoRA epilogues
 
 
@@ -188,6 +190,30 @@ def _sum_partials(part_ptr, pair, rows, row_stride, num_parts, BLOCK_R: tl.const
 
 
 @triton.jit
+def _shrink_rows(x_ptrs, rows, xa_ptrs, ag_ptr, au_ptr, ranks_ptr, s, e, k_lo, k_hi, num_slots, num_experts,
+                 num_splits, stride_ae, stride_ar, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_R: tl.constexpr):
+    """xa_g, xa_u = x[rows] @ A[s, e][:, k_lo:k_hi]^T for gate and up, stored at xa_ptrs for `rows`."""
+    rank_g = _lora_rank(ranks_ptr, 0, s, e, num_slots, num_experts)
+    rank_u = _lora_rank(ranks_ptr, 1, s, e, num_slots, num_experts)
+    if rank_g + rank_u > 0:
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_r = tl.arange(0, BLOCK_R)
+        se = (s * num_experts + e).to(tl.int64)  # LoRA buffers are contiguous [S, E, ...]
+        ag_ptrs = ag_ptr + se * stride_ae + offs_r[None, :] * stride_ar + offs_k[:, None]
+        au_ptrs = au_ptr + se * stride_ae + offs_r[None, :] * stride_ar + offs_k[:, None]
+        xa_g = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        xa_u = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k_mask = k0 + offs_k < k_hi
+            xt = tl.load(x_ptrs + k0, mask=rows[:, None] & k_mask[None, :], other=0.0)
+            xa_g += tl.dot(xt, tl.load(ag_ptrs + k0, mask=k_mask[:, None] & (offs_r[None, :] < rank_g), other=0.0))
+            xa_u += tl.dot(xt, tl.load(au_ptrs + k0, mask=k_mask[:, None] & (offs_r[None, :] < rank_u), other=0.0))
+        tl.store(xa_ptrs, xa_g, mask=rows[:, None])
+        tl.store(xa_ptrs + num_splits * BLOCK_R, xa_u, mask=rows[:, None])
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr, xa_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, token_slots_ptr, ranks_ptr, ag_ptr, au_ptr,
     num_pairs, top_k, H, num_slots, num_experts, num_splits, stride_xt, stride_ae, stride_ar,
@@ -201,31 +227,47 @@ def _shrink_kernel(
         return
     e = tl.load(block_expert_ptr + pid_m)
     pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pair < num_pairs
-    slot, lo, hi = _row_slots(token_slots_ptr, pair, row_ok, top_k, num_slots)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_r = tl.arange(0, BLOCK_R)
-    x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
-    k_lo = split * SPLIT_K
-    k_hi = tl.minimum(H, k_lo + SPLIT_K)
-    xa_ptrs = xa_ptr + ((pair.to(tl.int64) * 2) * num_splits + split)[:, None] * BLOCK_R + offs_r[None, :]
+    slot, lo, hi = _row_slots(token_slots_ptr, pair, pair < num_pairs, top_k, num_slots)
+    x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + tl.arange(0, BLOCK_K)[None, :]
+    xa_ptrs = xa_ptr + ((pair.to(tl.int64) * 2) * num_splits + split)[:, None] * BLOCK_R + tl.arange(0, BLOCK_R)[None, :]
     for s in range(lo, hi + 1):
         rows = slot == s
-        rank_g = _lora_rank(ranks_ptr, 0, s, e, num_slots, num_experts)
-        rank_u = _lora_rank(ranks_ptr, 1, s, e, num_slots, num_experts)
-        if (rank_g + rank_u > 0) & (tl.max(rows.to(tl.int32), axis=0) > 0):
-            se = (s * num_experts + e).to(tl.int64)  # LoRA buffers are contiguous [S, E, ...]
-            ag_ptrs = ag_ptr + se * stride_ae + offs_r[None, :] * stride_ar + offs_k[:, None]
-            au_ptrs = au_ptr + se * stride_ae + offs_r[None, :] * stride_ar + offs_k[:, None]
-            xa_g = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            xa_u = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                k_mask = k0 + offs_k < k_hi
-                xt = tl.load(x_ptrs + k0, mask=rows[:, None] & k_mask[None, :], other=0.0)
-                xa_g += tl.dot(xt, tl.load(ag_ptrs + k0, mask=k_mask[:, None] & (offs_r[None, :] < rank_g), other=0.0))
-                xa_u += tl.dot(xt, tl.load(au_ptrs + k0, mask=k_mask[:, None] & (offs_r[None, :] < rank_u), other=0.0))
-            tl.store(xa_ptrs, xa_g, mask=rows[:, None])
-            tl.store(xa_ptrs + num_splits * BLOCK_R, xa_u, mask=rows[:, None])
+        if tl.max(rows.to(tl.int32), axis=0) > 0:
+            _shrink_rows(x_ptrs, rows, xa_ptrs, ag_ptr, au_ptr, ranks_ptr, s, e, split * SPLIT_K,
+                         tl.minimum(H, (split + 1) * SPLIT_K), num_slots, num_experts, num_splits, stride_ae,
+                         stride_ar, BLOCK_M, BLOCK_K, BLOCK_R)
+
+
+@triton.jit
+def _align_and_shrink_kernel(
+    topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr,
+    x_ptr, xa_ptr, ranks_ptr, ag_ptr, au_ptr,
+    num_pairs, top_k, H, num_slots, num_experts, max_rows, num_splits, stride_xt, stride_ae, stride_ar,
+    BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    """Small batches, one launch: program 0 is `moe_align`; program 1 + p * num_splits + split is the
+    gate/up shrink of pair p for one K split (the shrink needs only the pair's expert and slot, not
+    the blocks). The pair sits in row 0 of a BLOCK_M tile so the arithmetic, hence the bits, equal
+    _shrink_kernel's for that row."""
+    pid = tl.program_id(0)
+    if pid == 0:
+        moe_align_program(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr,
+                           num_pairs, top_k, num_experts, num_slots, max_rows, True, BLOCK_M, E_P, S1_P, CHUNK)
+    else:
+        p = (pid - 1) // num_splits
+        split = (pid - 1) % num_splits
+        e = tl.load(topk_ids_ptr + p)
+        s = tl.load(token_slots_ptr + p // top_k)
+        if (e >= 0) & (e < num_experts) & (s >= 0) & (s < num_slots):
+            row0 = tl.arange(0, BLOCK_M) == 0
+            pair = p + tl.zeros((BLOCK_M,), dtype=tl.int32)
+            x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + tl.arange(0, BLOCK_K)[None, :]
+            xa_ptrs = xa_ptr + ((pair.to(tl.int64) * 2) * num_splits + split)[:, None] * BLOCK_R \
+                + tl.arange(0, BLOCK_R)[None, :]
+            _shrink_rows(x_ptrs, row0, xa_ptrs, ag_ptr, au_ptr, ranks_ptr, s, e, split * SPLIT_K,
+                         tl.minimum(H, (split + 1) * SPLIT_K), num_slots, num_experts, num_splits, stride_ae,
+                         stride_ar, BLOCK_M, BLOCK_K, BLOCK_R)
 
 
 @triton.jit
@@ -348,16 +390,14 @@ def fused_moe_triton(
     num_pairs = num_tokens * top_k
     cfg = config or default_config(num_pairs, num_experts, x.dtype)
     num_slots = lora.num_slots if lora is not None else 0
-    blocks = moe_align(topk.ids, token_slots if lora is not None else None, num_experts, num_slots, cfg.block_m)
-    num_m = blocks.block_expert.numel()
     num_n_gate_up = triton.cdiv(inter, cfg.block_n_gate_up)
-
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     y = torch.empty_like(x)
     common = dict(HAS_LORA=lora is not None, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                   PARTS=SUM_PARTS, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if lora is None:  # HAS_LORA=False never reads these
+        blocks = moe_align(topk.ids, None, num_experts, 0, cfg.block_m)
         slots = ranks = blocks.num_rows
         xa = hd = bg = bu = ad = bd = w13
         num_splits, block_r, b_strides, ad_strides, bd_strides = 1, LORA_RANK_CHUNK, (0, 0), (0, 0), (0, 0)
@@ -369,12 +409,26 @@ def fused_moe_triton(
         num_splits = triton.cdiv(hidden, SHRINK_SPLIT_K)
         xa = torch.empty(num_pairs, 2, num_splits, block_r, dtype=torch.float32, device=x.device)
         hd = torch.empty(num_pairs, num_n_gate_up, block_r, dtype=torch.float32, device=x.device)
-        _shrink_kernel[(num_m, num_splits)](
-            x, xa, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, slots, ranks,
-            lora.a_gate, lora.a_up, num_pairs, top_k, hidden, num_slots, num_experts, num_splits,
-            x.stride(0), lora.a_gate.stride(1), lora.a_gate.stride(2),
-            BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, num_warps=4,
-        )
+        if num_pairs <= PAIR_SHRINK_MAX_PAIRS:  # one launch: the alignment and a shrink per pair
+            blocks, cursor = alloc_aligned(num_pairs, num_experts, num_slots, cfg.block_m, x.device)
+            e_p, s1_p = key_tile(num_experts, num_slots)
+            _align_and_shrink_kernel[(1 + num_pairs * num_splits,)](
+                topk.ids, slots, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, cursor,
+                x, xa, ranks, lora.a_gate, lora.a_up,
+                num_pairs, top_k, hidden, num_slots, num_experts, blocks.sorted_ids.numel(), num_splits,
+                x.stride(0), lora.a_gate.stride(1), lora.a_gate.stride(2),
+                BLOCK_M=cfg.block_m, E_P=e_p, S1_P=s1_p, CHUNK=CHUNK, BLOCK_K=cfg.block_k, BLOCK_R=block_r,
+                SPLIT_K=SHRINK_SPLIT_K, num_warps=align_num_warps(num_experts, num_slots),
+            )
+        else:
+            blocks = moe_align(topk.ids, token_slots, num_experts, num_slots, cfg.block_m)
+            _shrink_kernel[(blocks.block_expert.numel(), num_splits)](
+                x, xa, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, slots, ranks,
+                lora.a_gate, lora.a_up, num_pairs, top_k, hidden, num_slots, num_experts, num_splits,
+                x.stride(0), lora.a_gate.stride(1), lora.a_gate.stride(2),
+                BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, num_warps=4,
+            )
+    num_m = blocks.block_expert.numel()
     _gate_up_kernel[(num_m * num_n_gate_up,)](
         x, w13, h, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, slots,
         ranks, xa, bg, bu, ad, hd,

@@ -92,51 +92,126 @@ def _pair_keys(topk_ids_ptr, token_slots_ptr, start, num_pairs, top_k, num_exper
 
 
 @triton.jit
+def _count_pairs(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, first, step, num_pairs, top_k,
+                 num_experts, num_slots, max_rows, HAS_SLOTS: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr):
+    """Count the pairs of each (expert, slot) key into cursor, and mark every row as padding, over
+    the chunks first, first + step, ... (one program: all of them)."""
+    for start in range(first, num_pairs, step):
+        pair, key, valid = _pair_keys(topk_ids_ptr, token_slots_ptr, start, num_pairs, top_k, num_experts, num_slots,
+                                      HAS_SLOTS, S1_P, CHUNK)
+        tl.atomic_add(cursor_ptr + key, 1, mask=valid)
+    offs = tl.arange(0, CHUNK)
+    for row0 in range(first, max_rows, step):
+        tl.store(sorted_ids_ptr + row0 + offs, num_pairs, mask=row0 + offs < max_rows)
+
+
+@triton.jit
+def _lay_out_blocks(block_expert_ptr, num_rows_ptr, cursor_ptr, max_rows,
+                    BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr):
+    """From the counts: each expert's first row (padded to BLOCK_M), each key's first row (slots
+    unpadded inside an expert) into cursor, the blocks' experts and the rows in use."""
+    offs_e = tl.arange(0, E_P)
+    keys_2d = offs_e[:, None] * S1_P + tl.arange(0, S1_P)[None, :]
+    counts = tl.load(cursor_ptr + keys_2d)
+    per_expert = tl.sum(counts, axis=1)
+    padded = (per_expert + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    expert_start = tl.cumsum(padded, axis=0) - padded
+    tl.store(cursor_ptr + keys_2d, expert_start[:, None] + tl.cumsum(counts, axis=1) - counts)
+    tl.store(num_rows_ptr, tl.sum(padded, axis=0))
+    offs = tl.arange(0, CHUNK)
+    for block0 in range(0, max_rows // BLOCK_M, CHUNK):
+        tl.store(block_expert_ptr + block0 + offs, -1, mask=block0 + offs < max_rows // BLOCK_M)
+    tl.debug_barrier()
+    first_block = expert_start // BLOCK_M
+    num_blocks = padded // BLOCK_M
+    for j in range(0, tl.max(num_blocks, axis=0)):
+        tl.store(block_expert_ptr + first_block + j, offs_e, mask=j < num_blocks)
+
+
+@triton.jit
+def _place_pairs(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, first, step, num_pairs, top_k,
+                 num_experts, num_slots, HAS_SLOTS: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr):
+    """Write each pair's index at the next free row of its key."""
+    for start in range(first, num_pairs, step):
+        pair, key, valid = _pair_keys(topk_ids_ptr, token_slots_ptr, start, num_pairs, top_k, num_experts, num_slots,
+                                      HAS_SLOTS, S1_P, CHUNK)
+        row = tl.atomic_add(cursor_ptr + key, 1, mask=valid)
+        tl.store(sorted_ids_ptr + row, pair, mask=valid)
+
+
+@triton.jit
+def moe_align_program(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr,
+                      num_pairs, top_k, num_experts, num_slots, max_rows, HAS_SLOTS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr):
+    """Small batches: the three phases in one program, separated by barriers. `cursor` holds, per
+    (expert, slot) key, first the pair count, then the next free row. Also called by other kernels
+    that run the alignment as one program of a larger launch."""
+    keys = tl.arange(0, E_P)[:, None] * S1_P + tl.arange(0, S1_P)[None, :]
+    tl.store(cursor_ptr + keys, tl.zeros((E_P, S1_P), tl.int32))
+    tl.debug_barrier()
+    _count_pairs(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, 0, CHUNK, num_pairs, top_k, num_experts,
+                 num_slots, max_rows, HAS_SLOTS, S1_P, CHUNK)
+    tl.debug_barrier()
+    _lay_out_blocks(block_expert_ptr, num_rows_ptr, cursor_ptr, max_rows, BLOCK_M, E_P, S1_P, CHUNK)
+    tl.debug_barrier()
+    _place_pairs(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, 0, CHUNK, num_pairs, top_k, num_experts,
+                 num_slots, HAS_SLOTS, S1_P, CHUNK)
+
+
+@triton.jit
 def _moe_align_kernel(
     topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr,
     num_pairs, top_k, num_experts, num_slots, max_rows,
     HAS_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    # One program, phases separated by barriers; `cursor` holds, per (expert, slot) key, first
-    # the pair count, then the next free row.
-    offs_e = tl.arange(0, E_P)
-    offs_s = tl.arange(0, S1_P)
-    keys_2d = offs_e[:, None] * S1_P + offs_s[None, :]
-    tl.store(cursor_ptr + keys_2d, tl.zeros((E_P, S1_P), tl.int32))
-    tl.debug_barrier()
+    moe_align_program(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr,
+                      num_pairs, top_k, num_experts, num_slots, max_rows, HAS_SLOTS, BLOCK_M, E_P, S1_P, CHUNK)
 
-    for start in range(0, num_pairs, CHUNK):
-        pair, key, valid = _pair_keys(topk_ids_ptr, token_slots_ptr, start, num_pairs, top_k, num_experts, num_slots,
-                                      HAS_SLOTS, S1_P, CHUNK)
-        tl.atomic_add(cursor_ptr + key, 1, mask=valid)
-    tl.debug_barrier()
 
-    counts = tl.load(cursor_ptr + keys_2d)
-    per_expert = tl.sum(counts, axis=1)
-    padded = (per_expert + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    expert_start = tl.cumsum(padded, axis=0) - padded
-    key_start = expert_start[:, None] + tl.cumsum(counts, axis=1) - counts  # slots unpadded inside an expert
-    tl.store(cursor_ptr + keys_2d, key_start)
-    tl.store(num_rows_ptr, tl.sum(padded, axis=0))
-    offs = tl.arange(0, CHUNK)
-    for row0 in range(0, max_rows, CHUNK):
-        tl.store(sorted_ids_ptr + row0 + offs, num_pairs, mask=row0 + offs < max_rows)
-    for block0 in range(0, max_rows // BLOCK_M, CHUNK):
-        blocks = block0 + offs
-        tl.store(block_expert_ptr + blocks, -1, mask=blocks < max_rows // BLOCK_M)
-    tl.debug_barrier()
+@triton.jit
+def _count_kernel(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, num_pairs, top_k, num_experts,
+                  num_slots, max_rows, HAS_SLOTS: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr):
+    _count_pairs(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, tl.program_id(0) * CHUNK,
+                 tl.num_programs(0) * CHUNK, num_pairs, top_k, num_experts, num_slots, max_rows, HAS_SLOTS, S1_P, CHUNK)
 
-    first_block = expert_start // BLOCK_M
-    num_blocks = padded // BLOCK_M
-    for j in range(0, tl.max(num_blocks, axis=0)):
-        tl.store(block_expert_ptr + first_block + j, offs_e, mask=j < num_blocks)
 
-    for start in range(0, num_pairs, CHUNK):
-        pair, key, valid = _pair_keys(topk_ids_ptr, token_slots_ptr, start, num_pairs, top_k, num_experts, num_slots,
-                                      HAS_SLOTS, S1_P, CHUNK)
-        row = tl.atomic_add(cursor_ptr + key, 1, mask=valid)
-        tl.store(sorted_ids_ptr + row, pair, mask=valid)
+@triton.jit
+def _lay_out_kernel(block_expert_ptr, num_rows_ptr, cursor_ptr, max_rows,
+                    BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr):
+    _lay_out_blocks(block_expert_ptr, num_rows_ptr, cursor_ptr, max_rows, BLOCK_M, E_P, S1_P, CHUNK)
+
+
+@triton.jit
+def _place_kernel(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, num_pairs, top_k, num_experts, num_slots,
+                  HAS_SLOTS: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr):
+    _place_pairs(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, tl.program_id(0) * CHUNK,
+                 tl.num_programs(0) * CHUNK, num_pairs, top_k, num_experts, num_slots, HAS_SLOTS, S1_P, CHUNK)
+
+
+SINGLE_PROGRAM_MAX_PAIRS = 2048  # above this, count / lay out / place run as three grid-wide kernels
+CHUNK = 256  # pairs per vector in the align kernels
+
+
+def key_tile(num_experts: int, num_slots: int) -> tuple[int, int]:
+    """(E_P, S1_P): the power-of-two tile of (expert, slot + 1) keys the kernels count in."""
+    return triton.next_power_of_2(num_experts), triton.next_power_of_2(num_slots + 1)
+
+
+def align_num_warps(num_experts: int, num_slots: int) -> int:
+    e_p, s1_p = key_tile(num_experts, num_slots)
+    return 8 if e_p * s1_p >= 4096 else 4
+
+
+def alloc_aligned(num_pairs: int, num_experts: int, num_slots: int, block_m: int,
+                  device: torch.device) -> tuple[AlignedBlocks, torch.Tensor]:
+    """Uninitialised outputs of moe_align at their fixed sizes, and its per-key cursor scratch."""
+    max_rows = max_aligned_rows(num_pairs, num_experts, block_m)
+    e_p, s1_p = key_tile(num_experts, num_slots)
+    blocks = AlignedBlocks(torch.empty(max_rows, dtype=torch.int32, device=device),
+                           torch.empty(max_rows // block_m, dtype=torch.int32, device=device),
+                           torch.empty(1, dtype=torch.int32, device=device), block_m)
+    return blocks, torch.empty(e_p * s1_p, dtype=torch.int32, device=device)
 
 
 def moe_align(
@@ -154,18 +229,23 @@ def moe_align(
             f"token_slots must be int32 of shape ({topk_ids.shape[0]},), got {token_slots.dtype} {tuple(token_slots.shape)}"
         )
     num_pairs = topk_ids.numel()
-    device = topk_ids.device
-    max_rows = max_aligned_rows(num_pairs, num_experts, block_m)
-    e_p = triton.next_power_of_2(num_experts)
-    s1_p = triton.next_power_of_2(num_slots + 1)
-    sorted_ids = torch.empty(max_rows, dtype=torch.int32, device=device)
-    block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=device)
-    num_rows = torch.empty(1, dtype=torch.int32, device=device)
-    cursor = torch.empty(e_p * s1_p, dtype=torch.int32, device=device)
-    _moe_align_kernel[(1,)](
-        topk_ids, token_slots if token_slots is not None else topk_ids, sorted_ids, block_expert, num_rows, cursor,
-        num_pairs, topk_ids.shape[1], num_experts, num_slots, max_rows,
-        HAS_SLOTS=token_slots is not None, BLOCK_M=block_m, E_P=e_p, S1_P=s1_p, CHUNK=256,
-        num_warps=8 if e_p * s1_p >= 4096 else 4,
-    )
-    return AlignedBlocks(sorted_ids, block_expert, num_rows, block_m)
+    blocks, cursor = alloc_aligned(num_pairs, num_experts, num_slots, block_m, topk_ids.device)
+    sorted_ids, block_expert, num_rows, _ = blocks
+    max_rows, (e_p, s1_p) = sorted_ids.numel(), key_tile(num_experts, num_slots)
+    slots = token_slots if token_slots is not None else topk_ids
+    keys = dict(HAS_SLOTS=token_slots is not None, S1_P=s1_p, CHUNK=CHUNK)
+    warps = align_num_warps(num_experts, num_slots)
+    if num_pairs <= SINGLE_PROGRAM_MAX_PAIRS:
+        _moe_align_kernel[(1,)](topk_ids, slots, sorted_ids, block_expert, num_rows, cursor, num_pairs,
+                                topk_ids.shape[1], num_experts, num_slots, max_rows, BLOCK_M=block_m, E_P=e_p, **keys,
+                                num_warps=warps)
+    else:
+        cursor.zero_()
+        grid = (triton.cdiv(max_rows, CHUNK),)
+        _count_kernel[grid](topk_ids, slots, sorted_ids, cursor, num_pairs, topk_ids.shape[1], num_experts, num_slots,
+                            max_rows, **keys)
+        _lay_out_kernel[(1,)](block_expert, num_rows, cursor, max_rows, BLOCK_M=block_m, E_P=e_p, S1_P=s1_p,
+                              CHUNK=CHUNK, num_warps=warps)
+        _place_kernel[grid](topk_ids, slots, sorted_ids, cursor, num_pairs, topk_ids.shape[1], num_experts, num_slots,
+                            **keys)
+    return blocks

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from moelora.kernels import fused_moe as fused_moe_module
 from moelora.kernels.fused_moe import BLOCK_N_GATE_UP, ExpertLoRA, MoEKernelConfig, fused_moe
 from moelora.layers.moe.topk import TopKOutput
 from moelora.testing import assert_rows_close, random_expert_lora, random_moe_weights, random_topk, rel_tolerance
@@ -10,6 +11,7 @@ SHAPES = [  # tokens, hidden, inter, experts, top_k
     (1, 64, 32, 4, 2),
     (37, 80, 56, 6, 3),  # non-powers of two; T*k > BLOCK_M
     (20, 48, 40, 9, 4),
+    (70, 48, 40, 9, 4),  # T*k > PAIR_SHRINK_MAX_PAIRS: shrink per block, after the alignment
 ]
 SLOT_RANKS = [4, 8, 16, 64]
 
@@ -97,6 +99,19 @@ def test_triton_block_sizes_agree(dtype, device, poison):
     assert_rows_close(outs[0], fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(dtype, device))
     for other in outs[1:]:
         assert torch.equal(outs[0], other)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shrink_per_pair_equals_shrink_per_block(dtype, device, poison, monkeypatch):
+    """Small batches shrink per pair inside the alignment's launch, large ones per block: a row's
+    bits must not depend on which one its batch size picks."""
+    x, w13, w2, topk, lora, slots = _case(45, 72, 40, 5, 2, dtype, device)
+    monkeypatch.setattr(fused_moe_module, "PAIR_SHRINK_MAX_PAIRS", 0)
+    per_block = fused_moe(x, w13, w2, topk, lora, slots, impl="triton")
+    monkeypatch.setattr(fused_moe_module, "PAIR_SHRINK_MAX_PAIRS", 10**6)
+    per_pair = fused_moe(x, w13, w2, topk, lora, slots, impl="triton")
+    assert torch.equal(per_block, per_pair)
+    assert_rows_close(per_pair, fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(dtype, device))
 
 
 def test_all_pairs_dropped_gives_zero(device, poison):

@@ -10,6 +10,7 @@ CASES = [  # tokens, top_k, experts, slots, block_m
     (37, 4, 6, 4, 16),  # more pairs per expert than one block
     (64, 6, 64, 8, 32),
     (300, 2, 8, 33, 64),  # many slots, several blocks per expert
+    (700, 4, 16, 5, 64),  # past SINGLE_PROGRAM_MAX_PAIRS: the three grid-wide kernels
 ]
 
 
