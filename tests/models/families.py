@@ -18,6 +18,9 @@ _SHAPE = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_
 OVERRIDES = {
     "qwen3_moe": dict(num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24,
                       intermediate_size=40, mlp_only_layers=[1], norm_topk_prob=True),
+    "qwen2_moe": dict(num_hidden_layers=4, num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
+                      moe_intermediate_size=20, intermediate_size=36, shared_expert_intermediate_size=44,
+                      decoder_sparse_step=2),  # layers 1 and 3 sparse; norm_topk_prob off
 }
 FAMILIES = tuple(OVERRIDES)
 
