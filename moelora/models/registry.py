@@ -4,12 +4,14 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from moelora.models.base import CausalLM
+from moelora.models.mixtral import MixtralForCausalLM
 from moelora.models.qwen2_moe import Qwen2MoeForCausalLM
 from moelora.models.qwen3_moe import Qwen3MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 

@@ -21,6 +21,7 @@ OVERRIDES = {
     "qwen2_moe": dict(num_hidden_layers=4, num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
                       moe_intermediate_size=20, intermediate_size=36, shared_expert_intermediate_size=44,
                       decoder_sparse_step=2),  # layers 1 and 3 sparse; norm_topk_prob off
+    "mixtral": dict(num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, intermediate_size=40),
 }
 FAMILIES = tuple(OVERRIDES)
 
