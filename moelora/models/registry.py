@@ -5,6 +5,7 @@ from transformers import PretrainedConfig
 
 from moelora.models.base import CausalLM
 from moelora.models.mixtral import MixtralForCausalLM
+from moelora.models.olmoe import OlmoeForCausalLM
 from moelora.models.qwen2_moe import Qwen2MoeForCausalLM
 from moelora.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -12,6 +13,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
 }
 
 

@@ -22,6 +22,8 @@ OVERRIDES = {
                       moe_intermediate_size=20, intermediate_size=36, shared_expert_intermediate_size=44,
                       decoder_sparse_step=2),  # layers 1 and 3 sparse; norm_topk_prob off
     "mixtral": dict(num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, intermediate_size=40),
+    "olmoe": dict(num_key_value_heads=4, num_experts=8, num_experts_per_tok=3, intermediate_size=40,
+                  clip_qkv=1.5),  # clips a few q/k/v values
 }
 FAMILIES = tuple(OVERRIDES)
 
