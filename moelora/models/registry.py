@@ -4,6 +4,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from moelora.models.base import CausalLM
+from moelora.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from moelora.models.mixtral import MixtralForCausalLM
 from moelora.models.olmoe import OlmoeForCausalLM
 from moelora.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -14,6 +15,8 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 
