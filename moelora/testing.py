@@ -1,4 +1,5 @@
-"""Random MoE layers, LoRA slot buffers and paged-attention batches for tests and benchmarks, plus dtype-derived tolerances."""
+"""Random MoE layers, LoRA slot buffers (experts and dense layers) and paged-attention batches for tests
+and benchmarks, plus dtype-derived tolerances."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -6,6 +7,7 @@ from typing import NamedTuple
 import torch
 
 from moelora.kernels.fused_moe import ExpertLoRA
+from moelora.kernels.lora_linear import LinearLoRASlots
 from moelora.layers.moe.topk import TopKOutput
 
 
@@ -55,6 +57,25 @@ def random_expert_lora(
             b = b.masked_fill(unused.unsqueeze(-2), float("nan"))
         tensors[f"a_{name}"], tensors[f"b_{name}"] = a.to(dtype), b.to(dtype)
     return ExpertLoRA(**tensors, ranks=ranks.to(device), max_rank_in_use=max(slot_ranks))
+
+
+def random_linear_lora(in_features: int, out_sizes: tuple[int, ...], slot_ranks: list[list[int]], dtype: torch.dtype,
+                       device="cpu", poison_unused: bool = False, max_rank: int | None = None,
+                       generator: torch.Generator | None = None) -> LinearLoRASlots:
+    """Slot buffers of a dense layer with parts `out_sizes`; slot s adapts part p with rank slot_ranks[s][p]
+    (0: not adapted). poison_unused fills what a correct kernel must not read (past each rank, parts of
+    rank 0) with NaN; otherwise it is zero, as the slot buffers hold it."""
+    ranks = torch.tensor(slot_ranks, dtype=torch.int32)
+    max_rank = max_rank or max(int(ranks.max()), 1)
+    num_slots, n_out = len(slot_ranks), sum(out_sizes)
+    a = torch.randn(num_slots, len(out_sizes), max_rank, in_features, generator=generator) / in_features**0.5
+    b = torch.randn(num_slots, n_out, max_rank, generator=generator) / max_rank**0.5
+    part = torch.repeat_interleave(torch.arange(len(out_sizes)), torch.tensor(out_sizes))  # part of each out row
+    unused_a = torch.arange(max_rank).view(1, 1, -1) >= ranks.unsqueeze(-1)  # [S, P, R]
+    unused_b = torch.arange(max_rank).view(1, 1, -1) >= ranks[:, part].unsqueeze(-1)  # [S, out, R]
+    fill = float("nan") if poison_unused else 0.0
+    a, b = a.masked_fill(unused_a.unsqueeze(-1), fill), b.masked_fill(unused_b, fill)
+    return LinearLoRASlots(a.to(device, dtype), b.to(device, dtype), ranks.to(device), int(ranks.max()))
 
 
 def rel_tolerance(dtype: torch.dtype, device: torch.device | str = "cpu") -> float:
