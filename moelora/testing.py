@@ -1,9 +1,10 @@
-"""Random MoE layers and LoRA slot buffers for tests and benchmarks, dtype-derived tolerances, a tiny
-byte-level BPE tokenizer built offline, tiny transformers models of every family with PEFT adapters
-on them, and ForwardBatches over a KV cache."""
+"""Random MoE layers, LoRA slot buffers (experts and dense layers) and paged-attention batches for tests
+and benchmarks, dtype-derived tolerances, a tiny byte-level BPE tokenizer built offline, tiny
+transformers models of every family with PEFT adapters on them, and ForwardBatches over a KV cache."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -13,6 +14,7 @@ from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Conf
 from moelora.engine.forward_batch import ForwardBatch, LoRABatch
 from moelora.engine.kv_cache import KVCache
 from moelora.kernels.fused_moe import ExpertLoRA
+from moelora.kernels.lora_linear import LinearLoRASlots
 from moelora.layers.moe.topk import TopKOutput
 
 
@@ -62,6 +64,25 @@ def random_expert_lora(
             b = b.masked_fill(unused.unsqueeze(-2), float("nan"))
         tensors[f"a_{name}"], tensors[f"b_{name}"] = a.to(dtype), b.to(dtype)
     return ExpertLoRA(**tensors, ranks=ranks.to(device), max_rank_in_use=max(slot_ranks))
+
+
+def random_linear_lora(in_features: int, out_sizes: tuple[int, ...], slot_ranks: list[list[int]], dtype: torch.dtype,
+                       device="cpu", poison_unused: bool = False, max_rank: int | None = None,
+                       generator: torch.Generator | None = None) -> LinearLoRASlots:
+    """Slot buffers of a dense layer with parts `out_sizes`; slot s adapts part p with rank slot_ranks[s][p]
+    (0: not adapted). poison_unused fills what a correct kernel must not read (past each rank, parts of
+    rank 0) with NaN; otherwise it is zero, as the slot buffers hold it."""
+    ranks = torch.tensor(slot_ranks, dtype=torch.int32)
+    max_rank = max_rank or max(int(ranks.max()), 1)
+    num_slots, n_out = len(slot_ranks), sum(out_sizes)
+    a = torch.randn(num_slots, len(out_sizes), max_rank, in_features, generator=generator) / in_features**0.5
+    b = torch.randn(num_slots, n_out, max_rank, generator=generator) / max_rank**0.5
+    part = torch.repeat_interleave(torch.arange(len(out_sizes)), torch.tensor(out_sizes))  # part of each out row
+    unused_a = torch.arange(max_rank).view(1, 1, -1) >= ranks.unsqueeze(-1)  # [S, P, R]
+    unused_b = torch.arange(max_rank).view(1, 1, -1) >= ranks[:, part].unsqueeze(-1)  # [S, out, R]
+    fill = float("nan") if poison_unused else 0.0
+    a, b = a.masked_fill(unused_a.unsqueeze(-1), fill), b.masked_fill(unused_b, fill)
+    return LinearLoRASlots(a.to(device, dtype), b.to(device, dtype), ranks.to(device), int(ranks.max()))
 
 
 def rel_tolerance(dtype: torch.dtype, device: torch.device | str = "cpu") -> float:
@@ -210,3 +231,40 @@ def extend_batch(kv: KVCache, new_tokens: list[list[int]], prefix_lens: list[int
 def batch_logits(model, batch: ForwardBatch) -> torch.Tensor:
     """Logits [M, vocab] fp32 of the batch's logits_indices rows."""
     return model.compute_logits(model(batch)[batch.logits_indices])
+
+
+class PagedAttentionInputs(NamedTuple):
+    """The arguments of kernels.attention.attention, in order."""
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    req_to_token: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    extend_starts: torch.Tensor
+    scale: float
+
+
+def random_paged_attention(prefix_lens: list[int], extend_lens: list[int], num_q_heads: int, num_kv_heads: int,
+                           k_dim: int, v_dim: int, dtype: torch.dtype, device="cpu", spare_slots: int = 64,
+                           generator: torch.Generator | None = None) -> PagedAttentionInputs:
+    """Sequences with cached prefixes whose cache slots are scattered at random (a random permutation),
+    in random rows of req_to_token. Slot 0 (where req_to_token points past each length) and the spare
+    slots hold NaN, so a key read past a sequence's end shows up in the output."""
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    num_seqs, num_slots = len(seq_lens), sum(seq_lens) + spare_slots + 1
+    k_cache = torch.randn(num_slots, num_kv_heads, k_dim, generator=generator)
+    v_cache = torch.randn(num_slots, num_kv_heads, v_dim, generator=generator)
+    order = torch.randperm(num_slots - 1, generator=generator) + 1
+    for cache in (k_cache, v_cache):
+        cache[0] = cache[order[sum(seq_lens):]] = float("nan")
+    req_to_token = torch.zeros(num_seqs + 3, max(seq_lens) + 5, dtype=torch.int32)
+    rows = torch.randperm(num_seqs + 3, generator=generator)[:num_seqs].to(torch.int32)
+    for row, n, first in zip(rows.tolist(), seq_lens, [sum(seq_lens[:i]) for i in range(num_seqs)]):
+        req_to_token[row, :n] = order[first:first + n].to(torch.int32)
+    starts = [sum(extend_lens[:i]) for i in range(num_seqs)]
+    q = torch.randn(sum(extend_lens), num_q_heads, k_dim, generator=generator)
+    ints = [torch.tensor(v, dtype=torch.int32, device=device) for v in (seq_lens, extend_lens, starts)]
+    return PagedAttentionInputs(q.to(device, dtype), k_cache.to(device, dtype), v_cache.to(device, dtype),
+                                req_to_token.to(device), rows.to(device), *ints, k_dim**-0.5)

@@ -29,11 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.lora_tiles import LORA_RANK_CHUNK, rank_tile
 from moelora.kernels.moe_align import (CHUNK, SINGLE_PROGRAM_MAX_PAIRS, align_num_warps, alloc_aligned, key_tile,
                                        moe_align, moe_align_program)
 from moelora.layers.moe.topk import TopKOutput
-
-LORA_RANK_CHUNK = 16  # tl.dot needs >= 16: the smallest rank tile
 
 
 @dataclass
@@ -404,7 +403,7 @@ def fused_moe_triton(
     else:
         slots, ranks = token_slots, lora.ranks
         bg, bu, ad, bd = lora.b_gate, lora.b_up, lora.a_down, lora.b_down
-        block_r = max(LORA_RANK_CHUNK, triton.next_power_of_2(lora.max_rank_in_use or lora.a_gate.shape[2]))
+        block_r = rank_tile(lora.max_rank_in_use or lora.a_gate.shape[2])
         b_strides, ad_strides, bd_strides = bg.stride()[1:3], ad.stride()[1:3], bd.stride()[1:3]
         num_splits = triton.cdiv(hidden, SHRINK_SPLIT_K)
         xa = torch.empty(num_pairs, 2, num_splits, block_r, dtype=torch.float32, device=x.device)
