@@ -1,4 +1,5 @@
-"""Random MoE layers and LoRA slot buffers for tests and benchmarks, plus dtype-derived tolerances."""
+"""Random MoE layers and LoRA slot buffers for tests and benchmarks, dtype-derived tolerances, and a
+tiny byte-level BPE tokenizer built offline."""
 from __future__ import annotations
 
 import torch
@@ -74,3 +75,31 @@ def assert_rows_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: st
         f"{what}: rows {torch.nonzero(bad).flatten().tolist()[:10]} exceed relative error {tol:.2e} "
         f"(worst {(err / scale.clamp_min(1e-30)).max().item():.2e})"
     )
+
+
+# Accents, CJK and emoji: characters of 2, 3 and 4 UTF-8 bytes, which a small vocabulary splits
+# over several tokens.
+_TOKENIZER_CORPUS = [
+    "héllo wörld, naïve café, déjà vu",
+    "你好，世界。日本語のテキスト",
+    "🙂 🎉 emoji and text mixed 🙂🙂",
+    "the quick brown fox jumps over the lazy dog. Hello world!",
+]
+TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def tiny_tokenizer(vocab_size: int = 300):
+    """A byte-level BPE tokenizer (GPT-2/Qwen style) trained on a few lines, as a transformers
+    PreTrainedTokenizerFast with EOS <|endoftext|>; no hub access."""
+    # imported here: transformers takes seconds to load and the kernel tests do not need it
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=TINY_SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_TOKENIZER_CORPUS * 10, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=TINY_SPECIAL_TOKENS[0],
+                                   clean_up_tokenization_spaces=False)

@@ -1,0 +1,106 @@
+"""Incremental detokenization of one request for streaming, with stop tokens and stop strings."""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Literal
+
+from moelora.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# Prompt tokens decoded along with the output, as in vLLM/SGLang: tokenizers whose decode depends
+# on context (SentencePiece drops the leading space of the first token) then give the output the
+# text it has after the prompt.
+PROMPT_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Turns a request's generated tokens into text as they come.
+
+    add(token) returns the text that can be released now: bytes of a character split over several
+    tokens wait until it is complete (no U+FFFD while incomplete), and text that may be the start
+    of a stop string waits until that is decided. Stop strings and stop tokens are not part of the
+    text. Once finished, the text released is decode(generated tokens, skip_special_tokens) cut
+    where the stop string that completed first begins (exactly so for byte-level BPE tokenizers).
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int], params: SamplingParams,
+                 eos_token_ids: Iterable[int] | None = None) -> None:
+        """eos_token_ids: default the tokenizer's EOS; pass the model's (generation_config) if it has more."""
+        self.params = params
+        self._tokenizer = tokenizer
+        if eos_token_ids is None:
+            eos_token_ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self._ids = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
+        # _ids[_prefix:_read] was decoded already; decoding from _prefix gives the context it needs
+        self._prefix, self._read = 0, len(self._ids)
+        self._partial = 0  # chars of the text past _read handed to _append while a character is incomplete
+        self._text = ""  # decoded output, cut at the stop string once one is found
+        self._released = 0  # chars of _text handed out
+        self.num_tokens = 0
+        self.finish_reason: Literal["stop", "length"] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        """The text released so far."""
+        return self._text[:self._released]
+
+    def add(self, token_id: int) -> str:
+        """Take one generated token; return the new text that can be released."""
+        if self.finished:
+            raise RuntimeError(f"request already finished ({self.finish_reason}); got token {token_id}")
+        self.num_tokens += 1
+        if token_id in self._stop_ids:
+            self._finish("stop")
+        else:
+            self._ids.append(token_id)
+            self._append(self._decode_new(flush=False))
+            if not self.finished and self.num_tokens >= self.params.max_tokens:
+                self._finish("length")
+        return self._release()
+
+    def _decode_new(self, flush: bool) -> str:
+        """Text of the tokens past _read that is final: a character still missing bytes (a U+FFFD at
+        the end) waits for them, unless flushing; the text before it is released already."""
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        new_text = self._decode(self._ids[self._prefix:])[len(prefix_text):]
+        final = new_text if flush else new_text.rstrip("\ufffd")
+        piece = final[self._partial:]
+        if final == new_text:  # ends on a character boundary: later tokens decode after it
+            self._prefix, self._read, self._partial = self._read, len(self._ids), 0
+        else:
+            self._partial = len(final)
+        return piece
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+
+    def _append(self, piece: str) -> None:
+        """Add decoded text; finish at the earliest stop string, which only the new text can complete."""
+        start = len(self._text)
+        self._text += piece
+        hits = [i for s in self.params.stop if (i := self._text.find(s, max(0, start - len(s) + 1))) >= 0]
+        if hits:
+            self._text = self._text[:min(hits)]
+            self.finish_reason = "stop"
+
+    def _finish(self, reason: Literal["stop", "length"]) -> None:
+        self.finish_reason = reason
+        # the output ends here: bytes of an incomplete character decode as U+FFFD, as one-shot decode
+        # does; that text can still hold a stop string
+        self._append(self._decode_new(flush=True))
+
+    def _release(self) -> str:
+        end = len(self._text) if self.finished else len(self._text) - self._stop_prefix_len()
+        piece, self._released = self._text[self._released:end], end
+        return piece
+
+    def _stop_prefix_len(self) -> int:
+        """Length of the longest end of the text that is the start of a stop string."""
+        return max((k for s in self.params.stop for k in range(1, len(s)) if self._text.endswith(s[:k])), default=0)

@@ -1,0 +1,77 @@
+"""Per-request sampling options, with vLLM/SGLang semantics."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Temperatures below this sample greedily, as in vLLM: dividing logits by them overflows.
+GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20
+_INT64 = (-(2**63), 2**63)
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    temperature: 0 (or below GREEDY_TEMPERATURE) is greedy; then top_p/top_k/min_p do nothing.
+    top_k: -1 or 0 turns it off. top_p: keep the smallest set of tokens whose mass reaches it.
+    min_p: drop tokens less likely than min_p times the most likely one.
+    seed: makes the draws reproducible; without one the engine draws a seed at admission.
+    stop: strings that end generation; they are not part of the output text.
+    stop_token_ids: tokens that end generation (besides EOS unless ignore_eos); not in the text.
+    logprobs: how many top logprobs to return per generated token (0: only the chosen token's).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | tuple[str, ...] | None = None
+    stop_token_ids: list[int] | tuple[int, ...] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        self.stop_token_ids = tuple(self.stop_token_ids or ())
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field and its value."""
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an int >= 1")
+        _check(_is_real(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
+               "a finite number >= 0")
+        _check(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k, "an int >= -1 (-1 or 0: off)")
+        _check(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        _check(self.seed is None or _is_int(self.seed) and _INT64[0] <= self.seed < _INT64[1], "seed", self.seed,
+               "None or an int that fits in int64")
+        for s in self.stop:
+            _check(isinstance(s, str) and s != "", "stop", s, "a non-empty string")
+        for t in self.stop_token_ids:
+            _check(_is_int(t) and t >= 0, "stop_token_ids", t, "an int >= 0")
+        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an int >= 1")
+        _check(self.logprobs is None or _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
+               "logprobs", self.logprobs, f"None or an int in [0, {MAX_LOGPROBS}]")
+
+
+def _check(ok: bool, field: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{field} must be {rule}, got {value!r}")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: object) -> bool:
+    return _is_int(v) or isinstance(v, float) and math.isfinite(v)

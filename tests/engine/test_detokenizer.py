@@ -1,0 +1,120 @@
+import random
+
+import pytest
+
+from moelora.engine.detokenizer import IncrementalDetokenizer
+from moelora.engine.sampling_params import SamplingParams
+from moelora.testing import tiny_tokenizer
+
+TEXT = "héllo wörld 你好 🙂🎉 naïve café"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def _stream(tok, ids, prompt="Say: ", **params):
+    """Feed ids until the detokenizer finishes; returns (detokenizer, pieces, tokens taken)."""
+    det = IncrementalDetokenizer(tok, tok.encode(prompt), SamplingParams(**{"max_tokens": len(ids), **params}))
+    pieces = []
+    for t in ids:
+        pieces.append(det.add(t))
+        if det.finished:
+            break
+    return det, pieces, det.num_tokens
+
+
+def test_multibyte_characters_wait_until_complete(tok):
+    ids = tok.encode(TEXT)
+    assert len(ids) > len(TEXT.split()) * 3, "the tokenizer should split characters over several tokens"
+    det, pieces, _ = _stream(tok, ids)
+    assert "".join(pieces) == det.text == TEXT and det.finish_reason == "length"
+    assert not any("\ufffd" in p for p in pieces)
+    assert pieces.count("") >= 5  # tokens that ended inside a character released nothing
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_random_tokens_stream_to_the_one_shot_decode(tok, skip_special_tokens):
+    rng = random.Random(0)
+    for _ in range(50):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 40))]
+        det, pieces, taken = _stream(tok, ids, ignore_eos=True, skip_special_tokens=skip_special_tokens)
+        assert taken == len(ids) and det.finish_reason == "length"
+        assert "".join(pieces) == tok.decode(ids, skip_special_tokens=skip_special_tokens), ids
+
+
+@pytest.mark.parametrize("stop", ["lo wö", "你好", "ö", "🎉 na", "é"])
+def test_stop_string_across_tokens_is_found_and_excluded(tok, stop):
+    ids = tok.encode(TEXT)
+    det, pieces, taken = _stream(tok, ids, stop=["zzz", stop])
+    assert det.finish_reason == "stop" and "".join(pieces) == det.text == TEXT[:TEXT.index(stop)]
+    # it stops at the first token that completes the stop string, not later
+    assert taken == next(n for n in range(1, len(ids) + 1) if stop in tok.decode(ids[:n]))
+    if len(stop) > 1:
+        assert all(stop not in tok.decode([t]) for t in ids), "stop string should span tokens"
+
+
+@pytest.mark.parametrize("stop,text", [(["wörld", "llo"], "hé"), (["ld", "wörld"], "héllo ")])
+def test_earliest_stop_string_wins(tok, stop, text):
+    # the second case completes both stop strings with the same token
+    det, pieces, _ = _stream(tok, tok.encode(TEXT), stop=stop)
+    assert "".join(pieces) == text and det.finish_reason == "stop"
+
+
+def test_possible_stop_start_is_held_back_then_released(tok):
+    ids = tok.encode(TEXT)
+    det = IncrementalDetokenizer(tok, [], SamplingParams(max_tokens=len(ids), stop=["wörx"]))
+    out, held = "", 0
+    for n, t in enumerate(ids, 1):
+        out += det.add(t)
+        decoded = tok.decode(ids[:n]).rstrip("\ufffd")
+        if decoded.endswith(("w", "wö", "wör")):
+            assert out == decoded[:decoded.rindex("w")], "start of a stop string released too early"
+            held += 1
+        elif decoded:
+            assert out == decoded
+    assert held >= 2 and out == TEXT and det.finish_reason == "length"
+
+
+def test_held_back_text_is_released_at_the_length_limit(tok):
+    ids = tok.encode("abc wö")
+    det, pieces, _ = _stream(tok, ids, stop=["wörld"])
+    assert pieces[-1].endswith("wö") and "".join(pieces) == "abc wö" and det.finish_reason == "length"
+
+
+def test_eos_stops_and_is_not_in_the_text(tok):
+    ids = tok.encode("hello wörld")
+    det, pieces, taken = _stream(tok, ids + [tok.eos_token_id] + tok.encode(" more"), skip_special_tokens=False)
+    assert taken == len(ids) + 1 and det.finish_reason == "stop" and "".join(pieces) == "hello wörld"
+    with pytest.raises(RuntimeError, match="already finished"):
+        det.add(5)
+
+
+def test_ignore_eos_keeps_going(tok):
+    ids = tok.encode("hi") + [tok.eos_token_id] + tok.encode(" there")
+    det, pieces, taken = _stream(tok, ids, ignore_eos=True, skip_special_tokens=False)
+    assert taken == len(ids) and det.finish_reason == "length"
+    assert "".join(pieces) == "hi<|endoftext|> there"
+
+
+def test_stop_token_ids_stop_and_flush_an_incomplete_character(tok):
+    cut = tok.encode("ab 你好")[:-1]  # the last character lacks its last byte
+    stop_id = tok.encode("x")[0]
+    det, pieces, taken = _stream(tok, cut + [stop_id] + tok.encode("cd"), stop_token_ids=[stop_id])
+    assert taken == len(cut) + 1 and det.finish_reason == "stop"
+    assert "".join(pieces) == tok.decode(cut) and det.text.endswith("\ufffd")
+
+
+def test_model_eos_ids_replace_the_tokenizers(tok):
+    im_end, ids = tok.convert_tokens_to_ids("<|im_end|>"), tok.encode("ok")
+    det = IncrementalDetokenizer(tok, [], SamplingParams(max_tokens=10), eos_token_ids=[im_end])
+    assert "".join(det.add(t) for t in ids + [tok.eos_token_id]) == "ok" and not det.finished
+    det.add(im_end)
+    assert det.finish_reason == "stop" and det.text == "ok"
+
+
+def test_max_tokens_gives_length(tok):
+    ids = tok.encode(TEXT)
+    det, pieces, taken = _stream(tok, ids[:3], max_tokens=3)
+    assert taken == 3 and det.finish_reason == "length" and "".join(pieces) == tok.decode(ids[:3])

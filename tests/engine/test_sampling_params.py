@@ -1,0 +1,48 @@
+import pytest
+
+from moelora.engine.sampling_params import SamplingParams
+
+
+def test_defaults_are_valid_and_stop_is_normalised():
+    p = SamplingParams()
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.n) == (16, 1.0, 1.0, -1, 0.0, 1)
+    assert p.stop == () and p.stop_token_ids == () and not p.greedy
+    assert SamplingParams(stop="###").stop == ("###",)
+    assert SamplingParams(stop=["a", "bc"], stop_token_ids=[3, 0]).stop == ("a", "bc")
+    assert SamplingParams(temperature=0).greedy and SamplingParams(temperature=1e-6).greedy
+    SamplingParams(top_k=0, top_p=0.01, min_p=1, logprobs=20, seed=-(2**63), temperature=0)  # edges are fine
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", -1),
+    ("max_tokens", 0),
+    ("max_tokens", 2.0),
+    ("temperature", -0.5),
+    ("temperature", float("nan")),
+    ("temperature", float("inf")),
+    ("top_p", 0.0),
+    ("top_p", 1.5),
+    ("top_k", -2),
+    ("top_k", 1.5),
+    ("min_p", -0.1),
+    ("min_p", 1.01),
+    ("seed", 2**63),
+    ("seed", "7"),
+    ("stop", ""),
+    ("stop", ["ok", ""]),
+    ("stop", [3]),
+    ("stop_token_ids", [5, -1]),
+    ("n", 0),
+    ("logprobs", -1),
+    ("logprobs", 21),
+])
+def test_invalid_field_is_named(field, value):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be .*got "):
+        SamplingParams(**{field: value})
+
+
+def test_message_shows_the_bad_value():
+    with pytest.raises(ValueError, match=r"got 1\.5"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(ValueError, match=r"got -1\b"):
+        SamplingParams(stop_token_ids=[2, -1])
