@@ -42,7 +42,7 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.lora_paths = dict(self.lora_paths)
         self._check(isinstance(self.model_path, str) and self.model_path != "", "model_path", "a non-empty path")
-        self._check(torch.device(self.device).type in ("cuda", "cpu"), "device", "'cuda', 'cuda:N' or 'cpu'")
+        self._check(self.device.split(":")[0] in ("cuda", "cpu"), "device", "'cuda', 'cuda:N' or 'cpu'")
         self._check(self.dtype == "auto" or self.dtype in DTYPES, "dtype", f"'auto' or one of {sorted(DTYPES)}")
         self._check(self.load_format in ("auto", "dummy"), "load_format", "'auto' or 'dummy'")
         self._check(self.context_length is None or self.context_length > 1, "context_length", "> 1")

@@ -5,6 +5,7 @@ import torch
 from moelora.engine.config import EngineConfig
 from moelora.engine.kv_pool import KVPool
 from moelora.engine.request import Req
+from moelora.engine.sampling_params import SamplingParams
 from moelora.engine.scheduler import ScheduledBatch, Scheduler
 
 
@@ -13,7 +14,7 @@ def make(num_slots=64, rows=8, **kw) -> Scheduler:
 
 
 def req(rid, prompt_len, max_new, lora=None) -> Req:
-    return Req(rid, list(range(prompt_len)), max_new, lora)
+    return Req(rid, list(range(prompt_len)), SamplingParams(max_tokens=max_new), lora)
 
 
 def check_cache(s: Scheduler) -> None:
@@ -32,7 +33,7 @@ def step(s: Scheduler) -> ScheduledBatch:
         assert r.kv_len == batch.prefix_lens[i] + batch.extend_lens[i] <= r.num_tokens
         if batch.completes[i]:
             r.output_ids.append(r.num_tokens)  # a token that says where it was made
-            if len(r.output_ids) == r.max_new_tokens:
+            if len(r.output_ids) == r.params.max_tokens:
                 r.finish_reason = "length"
     s.update(batch)
     check_cache(s)
@@ -122,7 +123,7 @@ def test_adapter_that_does_not_fit_waits():
     assert first.reqs == [a]  # b waits for a slot and, FIFO, c waits behind it
     assert s.active_adapters() == {"x"}
     batches = run(s)
-    assert all(len(r.output_ids) == r.max_new_tokens for r in (a, b, c))
+    assert all(len(r.output_ids) == r.params.max_tokens for r in (a, b, c))
     for batch in batches:  # never two adapters at once among requests holding cache
         assert len({r.lora for r in batch.reqs} - {None}) <= 1
 
