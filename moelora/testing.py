@@ -1,9 +1,17 @@
-"""Random MoE layers and LoRA slot buffers for tests and benchmarks, dtype-derived tolerances, and a
+"""Random MoE layers and LoRA slot buffers for tests and benchmarks, dtype-derived tolerances, tiny
+transformers models of every family with PEFT adapters on them, ForwardBatches over a KV cache, and a
 tiny byte-level BPE tokenizer built offline."""
 from __future__ import annotations
 
-import torch
+from pathlib import Path
 
+import torch
+from torch import nn
+from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, MixtralConfig, OlmoeConfig,
+                          PretrainedConfig, Qwen2MoeConfig, Qwen3MoeConfig)
+
+from moelora.engine.forward_batch import ForwardBatch, LoRABatch
+from moelora.engine.kv_cache import KVCache
 from moelora.kernels.fused_moe import ExpertLoRA
 from moelora.layers.moe.topk import TopKOutput
 
@@ -75,6 +83,105 @@ def assert_rows_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: st
         f"{what}: rows {torch.nonzero(bad).flatten().tolist()[:10]} exceed relative error {tol:.2e} "
         f"(worst {(err / scale.clamp_min(1e-30)).max().item():.2e})"
     )
+
+
+# ------------------------------------------------------------------ tiny transformers models
+
+HIDDEN, MOE_INTER, DENSE_INTER, EXPERTS = 16, 6, 20, 4  # 2 * MOE_INTER != HIDDEN: layouts are told apart by shape
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3")
+_COMMON = dict(vocab_size=32, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2, num_experts_per_tok=2)
+_MLA = dict(num_key_value_heads=2, moe_intermediate_size=MOE_INTER, intermediate_size=DENSE_INTER,
+            n_routed_experts=EXPERTS, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=10,
+            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=6, n_group=1, topk_group=1)
+_FAMILY_CONFIGS = {
+    "qwen3_moe": (Qwen3MoeConfig, dict(num_key_value_heads=1, head_dim=8, num_experts=EXPERTS, moe_intermediate_size=MOE_INTER,
+                                       intermediate_size=DENSE_INTER, mlp_only_layers=[0])),
+    "qwen2_moe": (Qwen2MoeConfig, dict(num_key_value_heads=1, num_experts=EXPERTS, moe_intermediate_size=MOE_INTER,
+                                       intermediate_size=DENSE_INTER, shared_expert_intermediate_size=10)),
+    "mixtral": (MixtralConfig, dict(num_key_value_heads=1, num_local_experts=EXPERTS, intermediate_size=MOE_INTER)),
+    "olmoe": (OlmoeConfig, dict(num_key_value_heads=2, num_experts=EXPERTS, intermediate_size=MOE_INTER)),
+    "deepseek_v2": (DeepseekV2Config, dict(**_MLA, q_lora_rank=None)),
+    "deepseek_v3": (DeepseekV3Config, dict(**_MLA, q_lora_rank=12)),
+}
+
+
+def tiny_config(family: str, **overrides) -> PretrainedConfig:
+    """2 layers; families with dense layers get layer 0 dense (Qwen via mlp_only_layers, DeepSeek via
+    first_k_dense_replace). `overrides` are config fields of the family's config class."""
+    config_class, fields = _FAMILY_CONFIGS[family]
+    return config_class(**{**_COMMON, **fields, **overrides})
+
+
+def tiny_model(config: PretrainedConfig, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def linear_suffixes(model: nn.Module) -> list[str]:
+    """Last name of every nn.Linear in the decoder layers: PEFT target_modules for 'all of them'."""
+    return sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in n})
+
+
+def peft_adapter(model: nn.Module, lora_config, out_dir: Path, seed: int = 1,
+                 safe_serialization: bool = True) -> dict[str, torch.Tensor]:
+    """Save a PEFT adapter (lora_config: peft.LoraConfig) with random LoRA weights in the model's
+    dtype; return {base parameter name: merged - base} for every parameter the adapter changes.
+    `model` is wrapped and merged in place."""
+    from peft import get_peft_model  # importing peft takes seconds; only adapter-building tests need it
+
+    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    peft_model = get_peft_model(model, lora_config, autocast_adapter_dtype=False)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    peft_model.save_pretrained(out_dir, safe_serialization=safe_serialization)
+    merged = peft_model.merge_and_unload().state_dict()
+    return {k: merged[k] - base[k] for k in base if not torch.equal(merged[k], base[k])}
+
+
+# ------------------------------------------------------------------ batches over a KV cache
+
+
+def toy_kv_cache(model, max_requests: int, max_context: int, dtype: torch.dtype | None = None) -> KVCache:
+    """A KV cache for `model` (a moelora CausalLM) with a slot for every (request row, position), see `extend_batch`."""
+    shape, weight = model.kv_cache_shape, model.model.embed_tokens.weight
+    return KVCache(shape.num_layers, 1 + max_requests * max_context, shape.num_kv_heads, shape.k_head_dim,
+                   shape.v_head_dim, max_requests, max_context, dtype or weight.dtype, weight.device)
+
+
+def extend_batch(kv: KVCache, new_tokens: list[list[int]], prefix_lens: list[int] | None = None,
+                 lora_slots: list[int] | None = None) -> ForwardBatch:
+    """A step in which sequence i (request row i of `kv`) adds new_tokens[i] after prefix_lens[i]
+    tokens that earlier steps put in the cache; lora_slots[i] is its adapter slot (-1: none).
+    Position p of row r lives in cache slot 1 + r * max_context + p. Every new token gets logits."""
+    device = kv.req_to_token.device
+    prefix_lens = prefix_lens or [0] * len(new_tokens)
+    extend_lens = [len(t) for t in new_tokens]
+    seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
+    positions = torch.cat([torch.arange(p, s) for p, s in zip(prefix_lens, seq_lens)])
+    rows = torch.cat([torch.full((n,), r) for r, n in enumerate(extend_lens)])
+    out_cache_loc = 1 + rows * kv.max_context + positions
+    for r, seq_len in enumerate(seq_lens):
+        kv.req_to_token[r, :seq_len] = 1 + r * kv.max_context + torch.arange(seq_len, dtype=torch.int32)
+    lora = None
+    if lora_slots is not None:
+        lora = LoRABatch(torch.tensor([s for s, n in zip(lora_slots, extend_lens) for _ in range(n)],
+                                      dtype=torch.int32, device=device))
+    int32 = dict(dtype=torch.int32, device=device)
+    return ForwardBatch(
+        input_ids=torch.tensor([t for seq in new_tokens for t in seq], device=device),
+        positions=positions.to(device), req_pool_indices=torch.arange(len(new_tokens), **int32),
+        seq_lens=torch.tensor(seq_lens, **int32), extend_lens=torch.tensor(extend_lens, **int32),
+        extend_starts=torch.tensor([sum(extend_lens[:i]) for i in range(len(extend_lens))], **int32),
+        out_cache_loc=out_cache_loc.to(device), logits_indices=torch.arange(sum(extend_lens), device=device),
+        kv=kv, lora=lora, is_decode=all(n == 1 for n in extend_lens), max_extend_len=max(extend_lens))
+
+
+def batch_logits(model, batch: ForwardBatch) -> torch.Tensor:
+    """Logits [M, vocab] fp32 of the batch's logits_indices rows."""
+    return model.compute_logits(model(batch)[batch.logits_indices])
 
 
 # Accents, CJK and emoji: characters of 2, 3 and 4 UTF-8 bytes, which a small vocabulary splits

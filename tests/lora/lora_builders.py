@@ -1,10 +1,11 @@
 """Tiny base models and adapters for the adapter-loader tests.
 
-Ground truth comes from PEFT itself wherever PEFT can write the format: `peft_adapter` trains
-nothing, it fills every LoRA weight with random values, saves the adapter and returns what
-`merge_and_unload()` adds to each base weight. Per-expert-module adapters (transformers v4
-layout) come from the same PEFT code run on `PerExpertModel`, a module tree with one nn.Linear
-per expert projection, built from the real model so its weights and names match.
+Ground truth comes from PEFT itself wherever PEFT can write the format: `peft_adapter` (in
+moelora.testing, shared with the model tests) trains nothing, it fills every LoRA weight with
+random values, saves the adapter and returns what `merge_and_unload()` adds to each base weight.
+Per-expert-module adapters (transformers v4 layout) come from the same PEFT code run on
+`PerExpertModel`, a module tree with one nn.Linear per expert projection, built from the real
+model so its weights and names match.
 """
 from __future__ import annotations
 
@@ -12,65 +13,11 @@ import json
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, get_peft_model
 from safetensors.torch import save_file
 from torch import nn
-from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, MixtralConfig, OlmoeConfig,
-                          PretrainedConfig, Qwen2MoeConfig, Qwen3MoeConfig)
 
-HIDDEN, MOE_INTER, DENSE_INTER, EXPERTS = 16, 6, 20, 4  # 2 * MOE_INTER != HIDDEN: layouts are told apart by shape
-_COMMON = dict(vocab_size=32, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2, num_experts_per_tok=2)
-_MLA = dict(num_key_value_heads=2, moe_intermediate_size=MOE_INTER, intermediate_size=DENSE_INTER,
-            n_routed_experts=EXPERTS, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=10,
-            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=6, n_group=1, topk_group=1)
-
-
-def tiny_config(family: str) -> PretrainedConfig:
-    """2 layers; families with dense layers get layer 0 dense (Qwen via mlp_only_layers, DeepSeek via first_k_dense_replace)."""
-    if family == "qwen3_moe":
-        return Qwen3MoeConfig(**_COMMON, num_key_value_heads=1, head_dim=8, num_experts=EXPERTS,
-                              moe_intermediate_size=MOE_INTER, intermediate_size=DENSE_INTER, mlp_only_layers=[0])
-    if family == "qwen2_moe":
-        return Qwen2MoeConfig(**_COMMON, num_key_value_heads=1, num_experts=EXPERTS, moe_intermediate_size=MOE_INTER,
-                              intermediate_size=DENSE_INTER, shared_expert_intermediate_size=10)
-    if family == "mixtral":
-        return MixtralConfig(**_COMMON, num_key_value_heads=1, num_local_experts=EXPERTS, intermediate_size=MOE_INTER)
-    if family == "olmoe":
-        return OlmoeConfig(**_COMMON, num_key_value_heads=2, num_experts=EXPERTS, intermediate_size=MOE_INTER)
-    if family == "deepseek_v2":
-        return DeepseekV2Config(**_COMMON, **_MLA, q_lora_rank=None)
-    if family == "deepseek_v3":
-        return DeepseekV3Config(**_COMMON, **_MLA, q_lora_rank=12)
-    raise ValueError(family)
-
-
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3")
-
-
-def tiny_model(config: PretrainedConfig, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config).eval()
-
-
-def linear_suffixes(model: nn.Module) -> list[str]:
-    """Last name of every nn.Linear in the decoder layers: PEFT target_modules for 'all of them'."""
-    return sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in n})
-
-
-def peft_adapter(model: nn.Module, lora_config: LoraConfig, out_dir: Path, seed: int = 1,
-                 safe_serialization: bool = True) -> dict[str, torch.Tensor]:
-    """Save a PEFT adapter with random LoRA weights in the model's dtype; return {base parameter
-    name: merged - base} for every parameter the adapter changes."""
-    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    peft_model = get_peft_model(model, lora_config, autocast_adapter_dtype=False)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    peft_model.save_pretrained(out_dir, safe_serialization=safe_serialization)
-    merged = peft_model.merge_and_unload().state_dict()
-    return {k: merged[k] - base[k] for k in base if not torch.equal(merged[k], base[k])}
+from moelora.testing import (EXPERTS, FAMILIES, HIDDEN, MOE_INTER, linear_suffixes,  # noqa: F401 (re-exported)
+                             peft_adapter, tiny_config, tiny_model)
 
 
 def canonical_deltas(adapter) -> dict[str, torch.Tensor]:

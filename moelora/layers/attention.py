@@ -1,0 +1,25 @@
+"""Attention over the paged KV cache for one decoder layer: the new tokens' keys and values go into
+the cache first, then every new query attends to its sequence's cached tokens (itself included)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moelora.engine.forward_batch import ForwardBatch
+from moelora.kernels.attention import attention
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, k_head_dim: int, v_head_dim: int, scale: float, layer_id: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.k_head_dim, self.v_head_dim = k_head_dim, v_head_dim
+        self.scale, self.layer_id = scale, layer_id
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """q [N, Hq, Dk], k [N, Hkv, Dk], v [N, Hkv, Dv] -> [N, Hq * Dv]."""
+        kv = batch.kv
+        kv.store(self.layer_id, batch.out_cache_loc, k, v)
+        out = attention(q.contiguous(), kv.k[self.layer_id], kv.v[self.layer_id], kv.req_to_token, batch.req_pool_indices,
+                        batch.seq_lens, batch.extend_lens, batch.extend_starts, self.scale)
+        return out.flatten(1)

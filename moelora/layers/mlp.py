@@ -1,0 +1,22 @@
+"""The SiLU-gated MLP of dense decoder layers and of shared experts; gate and up run as one
+Linear of two parts, each with its own LoRA name."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moelora.engine.forward_batch import LoRABatch
+from moelora.layers.linear import Linear
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, prefix: str, layer_id: int):
+        """prefix: the module's name in the decoder layer ('mlp', 'mlp.shared_expert', 'mlp.shared_experts')."""
+        super().__init__()
+        self.gate_up_proj = Linear(hidden_size, (intermediate_size, intermediate_size),
+                                   lora_names=(f"{prefix}.gate_proj", f"{prefix}.up_proj"), layer_id=layer_id)
+        self.down_proj = Linear(intermediate_size, hidden_size, lora_names=(f"{prefix}.down_proj",), layer_id=layer_id)
+
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up, lora)

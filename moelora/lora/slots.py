@@ -1,0 +1,115 @@
+"""GPU slots of a model's LoRA layers: `allocate_lora_slots` gives every LoRA-able Linear and MoE
+layer zeroed buffers for `num_slots` adapters up to `max_rank`; `write_adapter_to_slot` puts one
+canonical adapter into one slot of all of them (the LoRA manager calls both)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moelora.kernels.fused_moe import ExpertLoRA
+from moelora.kernels.lora_linear import LinearLoRASlots
+from moelora.layers.linear import Linear
+from moelora.layers.moe.layer import MoE
+from moelora.lora.canonical import Adapter, LayerLoRA
+from moelora.lora.errors import AdapterError
+from moelora.lora.model_shapes import EXPERT_PROJECTIONS
+
+
+def _lora_layers(model: nn.Module) -> list[Linear | MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE) or (isinstance(m, Linear) and m.lora_names)]
+
+
+def allocate_lora_slots(model: nn.Module, num_slots: int, max_rank: int) -> None:
+    for m in _lora_layers(model):
+        weight = m.w13 if isinstance(m, MoE) else m.weight
+        zeros = dict(dtype=weight.dtype, device=weight.device)
+        s, r = num_slots, max_rank
+        if isinstance(m, MoE):
+            e, h, i = m.num_experts, m.hidden_size, m.intermediate_size
+            m.lora = ExpertLoRA(
+                a_gate=torch.zeros(s, e, r, h, **zeros), b_gate=torch.zeros(s, e, i, r, **zeros),
+                a_up=torch.zeros(s, e, r, h, **zeros), b_up=torch.zeros(s, e, i, r, **zeros),
+                a_down=torch.zeros(s, e, r, i, **zeros), b_down=torch.zeros(s, e, h, r, **zeros),
+                ranks=torch.zeros(3, s, e, dtype=torch.int32, device=weight.device))
+        else:
+            parts = len(m.out_sizes)
+            m.lora = LinearLoRASlots(a=torch.zeros(s, parts, r, m.in_features, **zeros),
+                                     b=torch.zeros(s, m.out_features, r, **zeros),
+                                     ranks=torch.zeros(s, parts, dtype=torch.int32, device=weight.device))
+
+
+def write_adapter_to_slot(model: nn.Module, adapter: Adapter, slot: int) -> None:
+    """Slot `slot` of every LoRA layer holds `adapter` afterwards and nothing of what was there before.
+    Raises AdapterError, before writing anything, if a module of the adapter is not in the model
+    or does not fit its slot buffers."""
+    layers = _lora_layers(model)
+    if any(m.lora is None for m in layers):
+        raise RuntimeError("allocate_lora_slots(model, ...) first")
+    num_slots = layers[0].lora.ranks.shape[-2] if layers else 0
+    if not 0 <= slot < num_slots:
+        raise AdapterError(f"slot {slot} out of range [0, {num_slots})")
+    problems, used = [], set()
+    for m in layers:
+        layer = adapter.layers.get(m.layer_id, LayerLoRA())
+        names = EXPERT_PROJECTIONS if isinstance(m, MoE) else m.lora_names
+        for name in names:
+            lora = (layer.experts if isinstance(m, MoE) else layer.modules).get(name)
+            if lora is not None:
+                used.add((m.layer_id, name))
+                problems += _fit_problems(m, name, lora)
+    for layer_id, layer in adapter.layers.items():
+        for name in [*layer.experts, *layer.modules]:
+            if (layer_id, name) not in used:
+                problems.append(f"layer {layer_id} {name}: the model has no such LoRA-able module")
+    if problems:
+        raise AdapterError(f"{adapter.path}: cannot be put in slot {slot}: {'; '.join(problems)}", problems)
+    for m in layers:
+        layer = adapter.layers.get(m.layer_id, LayerLoRA())
+        if isinstance(m, MoE):
+            _write_experts(m.lora, layer, slot)
+        else:
+            _write_linear(m, layer, slot)
+
+
+def _fit_problems(m: Linear | MoE, name: str, lora) -> list[str]:
+    max_rank = m.lora.a_gate.shape[2] if isinstance(m, MoE) else m.lora.a.shape[2]
+    where = f"layer {m.layer_id} {name}"
+    if lora.rank > max_rank:
+        return [f"{where}: rank {lora.rank} exceeds the slots' max rank {max_rank}"]
+    if isinstance(m, MoE):
+        d_in, d_out = (m.intermediate_size, m.hidden_size) if name == "down" else (m.hidden_size, m.intermediate_size)
+        expected = ((m.num_experts, lora.rank, d_in), (m.num_experts, d_out, lora.rank))
+    else:
+        expected = ((lora.rank, m.in_features), (m.out_sizes[m.lora_names.index(name)], lora.rank))
+    got = (tuple(lora.a.shape), tuple(lora.b.shape))
+    return [] if got == expected else [f"{where}: A, B shapes {got}, expected {expected}"]
+
+
+def _write_linear(m: Linear, layer: LayerLoRA, slot: int) -> None:
+    buffers = m.lora
+    buffers.a[slot].zero_()
+    buffers.b[slot].zero_()
+    buffers.ranks[slot] = 0
+    offset = 0
+    for part, (name, size) in enumerate(zip(m.lora_names, m.out_sizes)):
+        lora = layer.modules.get(name)
+        if lora is not None:
+            buffers.a[slot, part, :lora.rank].copy_(lora.a)
+            buffers.b[slot, offset:offset + size, :lora.rank].copy_(lora.b)
+            buffers.ranks[slot, part] = lora.rank
+        offset += size
+
+
+def _write_experts(buffers: ExpertLoRA, layer: LayerLoRA, slot: int) -> None:
+    buffers.ranks[:, slot] = 0
+    for p, name in enumerate(EXPERT_PROJECTIONS):
+        a, b = getattr(buffers, f"a_{name}"), getattr(buffers, f"b_{name}")
+        a[slot].zero_()
+        b[slot].zero_()
+        lora = layer.experts.get(name)
+        if lora is not None:
+            a[slot, :, :lora.rank].copy_(lora.a)
+            b[slot, :, :, :lora.rank].copy_(lora.b)
+            buffers.ranks[p, slot] = lora.ranks.to(buffers.ranks.device)
+            # A host-side upper bound on the ranks in use sizes the kernels' rank tile.
+            buffers.max_rank_in_use = max(buffers.max_rank_in_use or 0, lora.rank)

@@ -1,0 +1,130 @@
+"""What every served family shares: the pre-norm decoder layer, the embed -> layers -> norm stack,
+logits (lm_head or tied embedding), grouped-query attention, and the KV-cache geometry.
+
+Parameter names follow the checkpoints (`model.layers.3.self_attn.o_proj.weight`) except where
+we fuse: q/k/v into `qkv_proj`, gate/up into `gate_up_proj` and the routed experts into `mlp.w13` /
+`mlp.w2`; the loader finds the checkpoint names of fused parts through each Linear's LoRA names.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from moelora.engine.forward_batch import ForwardBatch
+from moelora.engine.kv_cache import KVCache
+from moelora.layers.attention import Attention
+from moelora.layers.linear import Linear
+from moelora.layers.norm import RMSNorm
+from moelora.layers.rotary import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class KVCacheShape:
+    num_layers: int
+    num_kv_heads: int
+    k_head_dim: int
+    v_head_dim: int
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return KVCache.bytes_per_token(self.num_layers, self.num_kv_heads, self.k_head_dim, self.v_head_dim, dtype)
+
+
+class GQAttention(nn.Module):
+    """Grouped-query self-attention: fused q/k/v projection, RoPE, paged attention, o_proj.
+    Families that normalise or clip q/k/v override `transform_qkv`."""
+
+    def __init__(self, config: PretrainedConfig, layer_id: int, qkv_bias: bool = False, o_bias: bool = False):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(config.hidden_size, (q_size, kv_size, kv_size), bias=qkv_bias, layer_id=layer_id,
+                               lora_names=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"))
+        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias, lora_names=("self_attn.o_proj",), layer_id=layer_id)
+        self.rotary = RotaryEmbedding(self.head_dim, config.rope_parameters, config.max_position_embeddings)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim, self.head_dim**-0.5, layer_id)
+
+    def transform_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [N, Hq * D], k and v [N, Hkv * D], between the projection and RoPE."""
+        return q, k, v
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.transform_qkv(*self.qkv_proj(x, batch.lora).split(self.qkv_proj.out_sizes, dim=-1))
+        n = x.shape[0]
+        q, k = self.rotary(positions, q.view(n, -1, self.head_dim), k.view(n, -1, self.head_dim))
+        out = self.attn(q, k, v.view(n, -1, self.head_dim), batch)
+        return self.o_proj(out, batch.lora)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.)). The residual stream is
+    carried separately so each norm adds it in (fused add + norm)."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float):
+        super().__init__()
+        self.self_attn, self.mlp = self_attn, mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden, batch.lora), residual
+
+
+class DecoderStack(nn.Module):
+    def __init__(self, config: PretrainedConfig, make_layer: Callable[[int], DecoderLayer]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(batch.input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(batch.positions, hidden, residual, batch)
+        return self.norm(hidden, residual)[0]
+
+
+class CausalLM(nn.Module):
+    """A family's model: `forward(batch)` -> final hidden states [N, H]; `compute_logits(hidden)` -> fp32 logits."""
+
+    def __init__(self, config: PretrainedConfig, make_layer: Callable[[int], DecoderLayer]):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (the MoE kernels compute SiLU)")
+        if getattr(config, "sliding_window", None):
+            raise ValueError(f"sliding-window attention (sliding_window={config.sliding_window}) is not supported")
+        self.config = config
+        self.model = DecoderStack(config, make_layer)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self.requires_grad_(False)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(hidden, weight).float()
+
+    @property
+    def kv_cache_shape(self) -> KVCacheShape:
+        attn = self.model.layers[0].self_attn.attn
+        return KVCacheShape(len(self.model.layers), attn.num_kv_heads, attn.k_head_dim, attn.v_head_dim)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name in this model's naming (fused parts aside), or None for a tensor
+        the model deliberately does not use. Families whose checkpoints name things differently override it."""
+        if name == "lm_head.weight" and self.lm_head is None:
+            return None  # some tied checkpoints store a copy of the embedding; transformers ignores it too
+        return name

@@ -1,0 +1,83 @@
+"""Tiny transformers checkpoints of every served family (a few layers, hidden 64, non-power-of-two
+intermediate sizes) and their reference logits, for comparing our models with transformers."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from moelora.testing import tiny_config, tiny_model
+
+_SHAPE = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+              initializer_range=0.1)  # weights large enough that routing and logits are far from uniform
+OVERRIDES = {
+    "qwen3_moe": dict(num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24,
+                      intermediate_size=40, mlp_only_layers=[1], norm_topk_prob=True),
+}
+FAMILIES = tuple(OVERRIDES)
+
+
+def family_config(family: str, **overrides) -> PretrainedConfig:
+    config = tiny_config(family, **{**_SHAPE, **OVERRIDES[family], **overrides})
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]  # as save_pretrained writes it
+    return config
+
+
+def hf_model(config: PretrainedConfig) -> nn.Module:
+    """The fp32 transformers model every test of `config` compares with (same weights each call)."""
+    return tiny_model(config, seed=0)
+
+
+def with_deltas(model: nn.Module, deltas: dict[str, torch.Tensor]) -> nn.Module:
+    """`model` with merged LoRA deltas (from moelora.testing.peft_adapter) added to its weights."""
+    state = model.state_dict()
+    model.load_state_dict({k: v + deltas[k] if k in deltas else v for k, v in state.items()})
+    return model
+
+
+@torch.no_grad()
+def hf_logits(model: nn.Module, sequences: list[list[int]]) -> list[torch.Tensor]:
+    return [model(torch.tensor([seq])).logits[0].float() for seq in sequences]
+
+
+def assert_logprobs_close(got: torch.Tensor, want: torch.Tensor, what: str, atol: float = 1e-4) -> None:
+    err = (got.log_softmax(-1) - want.log_softmax(-1)).abs().max().item()
+    assert err <= atol, f"{what}: log-probs differ by up to {err:.2e} (> {atol:.0e})"
+
+
+def per_expert_layout(state: dict[str, torch.Tensor], mixtral_names: bool = False) -> dict[str, torch.Tensor]:
+    """transformers v5 state dict (experts fused as gate_up_proj / down_proj) -> the hub's per-expert
+    tensors (`mlp.experts.<e>.gate_proj.weight`, Mixtral `block_sparse_moe.experts.<e>.w1.weight`)."""
+    gate, up, down = ("w1", "w3", "w2") if mixtral_names else ("gate_proj", "up_proj", "down_proj")
+    out = {}
+    for name, t in state.items():
+        moe = name.replace(".mlp.", ".block_sparse_moe.") if mixtral_names and ".mlp." in name else name
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix, inter = moe.removesuffix("gate_up_proj"), t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.{gate}.weight"], out[f"{prefix}{e}.{up}.weight"] = t[e, :inter], t[e, inter:]
+        elif name.endswith(".mlp.experts.down_proj"):
+            for e in range(t.shape[0]):
+                out[f"{moe.removesuffix('down_proj')}{e}.{down}.weight"] = t[e]
+        else:
+            out[moe] = t
+    return out
+
+
+def write_sharded(state: dict[str, torch.Tensor], config: PretrainedConfig, path: Path, num_shards: int = 3) -> Path:
+    """config.json + model-0000i-of-0000n.safetensors + model.safetensors.index.json, as the hub shards."""
+    config.save_pretrained(path)
+    names = sorted(state)
+    weight_map = {}
+    for i in range(num_shards):
+        file = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = names[i::num_shards]
+        save_file({k: state[k].contiguous() for k in part}, path / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path

@@ -1,0 +1,41 @@
+"""write_adapter_to_slot refuses, before writing anything, what does not fit the model's slots."""
+import pytest
+import torch
+
+from moelora.layers.moe.layer import MoE
+from moelora.lora import AdapterError, load_adapter
+from moelora.lora.slots import allocate_lora_slots, write_adapter_to_slot
+from moelora.models.loader import load_model
+from tests.models.families import family_config
+
+
+@pytest.fixture
+def model(checkpoint):
+    model = load_model(checkpoint("qwen3_moe"), dtype=torch.float32, device="cpu")
+    allocate_lora_slots(model, num_slots=2, max_rank=4)
+    return model
+
+
+def test_ranks_follow_the_adapter(model, adapters):
+    write_adapter_to_slot(model, load_adapter(adapters("qwen3_moe")["partial"].path, family_config("qwen3_moe")), 1)
+    attn = model.model.layers[0].self_attn.qkv_proj.lora
+    assert attn.ranks.tolist() == [[0, 0, 0], [2, 0, 2]]  # q and v adapted, k not
+    moe = next(m for m in model.modules() if isinstance(m, MoE)).lora
+    assert (moe.ranks[:, 0] == 0).all() and (moe.ranks[:2, 1] == 0).all() and (moe.ranks[2, 1] == 2).all()
+    assert moe.max_rank_in_use == 2
+
+
+def test_rank_above_the_slots_max_is_refused(model, adapters):
+    adapter = load_adapter(adapters("qwen3_moe")["full"].path, family_config("qwen3_moe"))  # gate/up rank 8
+    with pytest.raises(AdapterError, match="layer 0 gate: rank 8 exceeds the slots' max rank 4"):
+        write_adapter_to_slot(model, adapter, 0)
+    assert all((m.lora.ranks == 0).all() for m in model.modules() if getattr(m, "lora", None) is not None)
+
+
+def test_slot_out_of_range_and_unknown_module(model, adapters):
+    adapter = load_adapter(adapters("qwen3_moe")["partial"].path, family_config("qwen3_moe"))
+    with pytest.raises(AdapterError, match=r"slot 2 out of range \[0, 2\)"):
+        write_adapter_to_slot(model, adapter, 2)
+    adapter.layers[0].modules["self_attn.qkv_fused"] = adapter.layers[0].modules["self_attn.q_proj"]
+    with pytest.raises(AdapterError, match="layer 0 self_attn.qkv_fused: the model has no such LoRA-able module"):
+        write_adapter_to_slot(model, adapter, 0)
