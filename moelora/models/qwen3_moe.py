@@ -10,6 +10,7 @@ from moelora.layers.moe.layer import MoE
 from moelora.layers.moe.topk import TopKConfig
 from moelora.layers.norm import RMSNorm
 from moelora.models.base import CausalLM, DecoderLayer, GQAttention
+from moelora.models.qwen2_moe import is_moe_layer
 
 
 class Qwen3MoeAttention(GQAttention):
@@ -22,12 +23,6 @@ class Qwen3MoeAttention(GQAttention):
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = q.shape[0]
         return self.q_norm(q.view(n, -1, self.head_dim)), self.k_norm(k.view(n, -1, self.head_dim)), v
-
-
-def is_moe_layer(config: PretrainedConfig, layer_id: int) -> bool:
-    """Qwen2-MoE and Qwen3-MoE's rule for which layers are sparse."""
-    return (layer_id not in (config.mlp_only_layers or []) and config.num_experts > 0
-            and (layer_id + 1) % config.decoder_sparse_step == 0)
 
 
 class Qwen3MoeForCausalLM(CausalLM):

@@ -4,10 +4,19 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from moelora.models.base import CausalLM
+from moelora.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from moelora.models.mixtral import MixtralForCausalLM
+from moelora.models.olmoe import OlmoeForCausalLM
+from moelora.models.qwen2_moe import Qwen2MoeForCausalLM
 from moelora.models.qwen3_moe import Qwen3MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 

@@ -18,6 +18,24 @@ _SHAPE = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_
 OVERRIDES = {
     "qwen3_moe": dict(num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24,
                       intermediate_size=40, mlp_only_layers=[1], norm_topk_prob=True),
+    "qwen2_moe": dict(num_hidden_layers=4, num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
+                      moe_intermediate_size=20, intermediate_size=36, shared_expert_intermediate_size=44,
+                      decoder_sparse_step=2),  # layers 1 and 3 sparse; norm_topk_prob off
+    "mixtral": dict(num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, intermediate_size=40),
+    "olmoe": dict(num_key_value_heads=4, num_experts=8, num_experts_per_tok=3, intermediate_size=40,
+                  clip_qkv=1.5),  # clips a few q/k/v values
+    "deepseek_v2": dict(num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8,
+                        v_head_dim=12, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2, moe_intermediate_size=24,
+                        intermediate_size=40, first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4,
+                        topk_group=2, routed_scaling_factor=1.5, max_position_embeddings=128,
+                        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32,
+                                             mscale=0.707, mscale_all_dim=0.707, beta_fast=32, beta_slow=1)),
+    "deepseek_v3": dict(num_key_value_heads=4, q_lora_rank=20, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8,
+                        v_head_dim=12, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, moe_intermediate_size=24,
+                        intermediate_size=40, first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True,
+                        routed_scaling_factor=2.5, max_position_embeddings=128,
+                        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=32,
+                                             mscale=1.0, mscale_all_dim=0.8, beta_fast=32, beta_slow=1)),
 }
 FAMILIES = tuple(OVERRIDES)
 
@@ -30,7 +48,12 @@ def family_config(family: str, **overrides) -> PretrainedConfig:
 
 def hf_model(config: PretrainedConfig) -> nn.Module:
     """The fp32 transformers model every test of `config` compares with (same weights each call)."""
-    return tiny_model(config, seed=0)
+    model = tiny_model(config, seed=0)
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):  # zero at init: make it change the choice of experts
+                module.e_score_correction_bias.normal_(0.0, 0.1)
+    return model
 
 
 def with_deltas(model: nn.Module, deltas: dict[str, torch.Tensor]) -> nn.Module:

@@ -37,9 +37,9 @@ def test_fused_and_per_expert_layouts_sharded(family, checkpoint, tmp_path):
 
 @pytest.fixture
 def broken(checkpoint, tmp_path):
-    """A copy of the qwen3_moe checkpoint whose tensors a test edits: broken(edit) -> directory."""
-    def make(edit) -> str:
-        shutil.copytree(checkpoint("qwen3_moe"), tmp_path, dirs_exist_ok=True)
+    """A copy of a checkpoint (qwen3_moe unless named) whose tensors a test edits: broken(edit) -> directory."""
+    def make(edit, family: str = "qwen3_moe") -> str:
+        shutil.copytree(checkpoint(family), tmp_path, dirs_exist_ok=True)
         tensors = load_file(tmp_path / "model.safetensors")
         edit(tensors)
         save_file(tensors, tmp_path / "model.safetensors")
@@ -84,6 +84,14 @@ def test_both_layouts_at_once_is_an_error(broken):
         t["model.layers.0.mlp.experts.down_proj"] = torch.zeros(8, 64, 24)
     with pytest.raises(ModelLoadError, match="model.layers.0.mlp.experts.down_proj' fills a part of model.layers.0.mlp.w2"):
         _load(broken(add_fused))
+
+
+def test_deepseek_v3_multi_token_prediction_layers_are_skipped(broken):
+    """DeepSeek-V3 checkpoints carry MTP layers after the last decoder layer (here layer 3 of 3)."""
+    def add_mtp(t):
+        t["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+        t["model.layers.3.mlp.experts.0.up_proj.weight"] = torch.zeros(24, 64)
+    _load(broken(add_mtp, "deepseek_v3"))
 
 
 def test_tied_embeddings(tmp_path):
