@@ -1,9 +1,10 @@
-"""Random MoE layers and LoRA slot buffers for tests and benchmarks, dtype-derived tolerances, tiny
-transformers models of every family with PEFT adapters on them, ForwardBatches over a KV cache, and a
-tiny byte-level BPE tokenizer built offline."""
+"""Random MoE layers, LoRA slot buffers and paged-attention batches for tests and benchmarks,
+dtype-derived tolerances, tiny transformers models of every family with PEFT adapters on them,
+ForwardBatches over a KV cache, and a tiny byte-level BPE tokenizer built offline."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -83,6 +84,43 @@ def assert_rows_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: st
         f"{what}: rows {torch.nonzero(bad).flatten().tolist()[:10]} exceed relative error {tol:.2e} "
         f"(worst {(err / scale.clamp_min(1e-30)).max().item():.2e})"
     )
+
+
+class PagedAttentionInputs(NamedTuple):
+    """The arguments of kernels.attention.attention, in order."""
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    req_to_token: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    extend_starts: torch.Tensor
+    scale: float
+
+
+def random_paged_attention(prefix_lens: list[int], extend_lens: list[int], num_q_heads: int, num_kv_heads: int,
+                           k_dim: int, v_dim: int, dtype: torch.dtype, device="cpu", spare_slots: int = 64,
+                           generator: torch.Generator | None = None) -> PagedAttentionInputs:
+    """Sequences with cached prefixes whose cache slots are scattered at random (a random permutation),
+    in random rows of req_to_token. Slot 0 (where req_to_token points past each length) and the spare
+    slots hold NaN, so a key read past a sequence's end shows up in the output."""
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    num_seqs, num_slots = len(seq_lens), sum(seq_lens) + spare_slots + 1
+    k_cache = torch.randn(num_slots, num_kv_heads, k_dim, generator=generator)
+    v_cache = torch.randn(num_slots, num_kv_heads, v_dim, generator=generator)
+    order = torch.randperm(num_slots - 1, generator=generator) + 1
+    for cache in (k_cache, v_cache):
+        cache[0] = cache[order[sum(seq_lens):]] = float("nan")
+    req_to_token = torch.zeros(num_seqs + 3, max(seq_lens) + 5, dtype=torch.int32)
+    rows = torch.randperm(num_seqs + 3, generator=generator)[:num_seqs].to(torch.int32)
+    for row, n, first in zip(rows.tolist(), seq_lens, [sum(seq_lens[:i]) for i in range(num_seqs)]):
+        req_to_token[row, :n] = order[first:first + n].to(torch.int32)
+    starts = [sum(extend_lens[:i]) for i in range(num_seqs)]
+    q = torch.randn(sum(extend_lens), num_q_heads, k_dim, generator=generator)
+    ints = [torch.tensor(v, dtype=torch.int32, device=device) for v in (seq_lens, extend_lens, starts)]
+    return PagedAttentionInputs(q.to(device, dtype), k_cache.to(device, dtype), v_cache.to(device, dtype),
+                                req_to_token.to(device), rows.to(device), *ints, k_dim**-0.5)
 
 
 # ------------------------------------------------------------------ tiny transformers models

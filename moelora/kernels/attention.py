@@ -3,11 +3,256 @@ grouped-query (Hq a multiple of Hkv), key and value head sizes may differ (MLA s
 keys of qk_nope + qk_rope and values of v_head_dim). The new tokens' keys and values are already
 in the cache when it runs, so one function serves prefill, chunked prefill and decode.
 
+Triton kernels (fp32 accumulation, softmax in exp2 with log2(e) folded into the scale):
+
+    _extend_kernel:          prefill / chunked prefill, one program per (sequence, q head, BLOCK_M queries),
+                             streaming the sequence's keys up to the block's last query (causal)
+    _decode_partial_kernel:  decode (one new token per sequence), split-K (flash-decoding): one program per
+                             (sequence, kv head, split) for all q heads of the group; partial max/sum/output
+    _decode_reduce_kernel:   combines a sequence's splits in a fixed order
+
+Grids come from host-side bounds (batch size, `max_extend_len`, `max_kv_splits`), never from lengths
+read back from the device, so no step synchronises and decode can be captured in a CUDA graph. A
+sequence's split size depends only on its own length, so its decode result (bitwise) does not
+depend on the batch it is in.
+
 `attention_reference` is the plain-torch version and the CPU backend.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
+import triton
+import triton.language as tl
+
+DEFAULT_MAX_KV_SPLITS = 32  # decode: fixed per engine so CUDA graphs can be reused across lengths
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    block_m: int  # extend: queries per program
+    block_n: int  # extend: keys per tile
+    decode_block_n: int  # decode: keys per tile; a split is a whole number of tiles
+    num_warps: int
+    num_stages: int
+    decode_num_warps: int = 4
+
+
+def default_config(k_head_dim: int, dtype: torch.dtype) -> AttentionConfig:
+    """Tiles by head size and dtype only (never by the batch)."""
+    if dtype == torch.float32:
+        return AttentionConfig(32, 32, 32, 4, 1)
+    return AttentionConfig(128, 64, 64, 4 if k_head_dim <= 64 else 8, 2)
+
+
+def _head_blocks(dim: int) -> tuple[int, int]:
+    """Split a head size into a power-of-two part and a padded rest, e.g. 192 = 128 + 64, 24 = 16 + (8 -> 16),
+    so MLA's 192-wide keys take 192 and not 256 columns of the QK^T dot."""
+    main = max(16, 1 << (dim.bit_length() - 1))
+    rest = dim - main
+    return main, 0 if rest <= 0 else max(16, triton.next_power_of_2(rest))
+
+
+# ----------------------------------------------------------------------------------- Triton
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, q_pe, tok_ptr, n0, n_end, q_pos, k_ptr, v_ptr, stride_ks, stride_vs, qk_scale,
+                 DK: tl.constexpr, DV: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """One online-softmax step over the keys [n0, n0 + BLOCK_N) below n_end of one kv head (k_ptr,
+    v_ptr point at it); with CAUSAL, query row i sees keys at positions <= q_pos[i]."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < n_end
+    slot = tl.load(tok_ptr + offs_n, mask=n_ok, other=0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = tl.load(k_ptr + slot[None, :] * stride_ks + offs_d[:, None], mask=n_ok[None, :] & (offs_d < DK)[:, None],
+                other=0.0)
+    qk = tl.dot(q, k)
+    if BLOCK_DPE > 0:
+        offs_pe = BLOCK_D + tl.arange(0, BLOCK_DPE)
+        k_pe = tl.load(k_ptr + slot[None, :] * stride_ks + offs_pe[:, None],
+                       mask=n_ok[None, :] & (offs_pe < DK)[:, None], other=0.0)
+        qk += tl.dot(q_pe, k_pe)
+    visible = n_ok[None, :]
+    if CAUSAL:
+        visible = visible & (offs_n[None, :] <= q_pos[:, None])
+    qk = tl.where(visible, qk * qk_scale, float("-inf"))
+    # every row sees a key in the first tile it processes, so m_new is finite and no inf - inf occurs
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    offs_dv = tl.arange(0, BLOCK_DV)
+    v = tl.load(v_ptr + slot[:, None] * stride_vs + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :],
+                other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _load_q(q_ptr, rows_ok, DK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr):
+    """q_ptr [rows, 1] points at each row's head; returns the head split as _head_blocks says."""
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + offs_d[None, :], mask=rows_ok[:, None] & (offs_d < DK)[None, :], other=0.0)
+    q_pe = q  # unused without BLOCK_DPE
+    if BLOCK_DPE > 0:
+        offs_pe = BLOCK_D + tl.arange(0, BLOCK_DPE)
+        q_pe = tl.load(q_ptr + offs_pe[None, :], mask=rows_ok[:, None] & (offs_pe < DK)[None, :], other=0.0)
+    return q, q_pe
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, req_to_token_ptr, req_pool_ptr, seq_lens_ptr, extend_lens_ptr, extend_starts_ptr,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_req, qk_scale, group,
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Queries [m0, m0 + BLOCK_M) of one sequence's new tokens, one q head."""
+    seq, head, m0 = tl.program_id(0), tl.program_id(1), tl.program_id(2) * BLOCK_M
+    extend_len = tl.load(extend_lens_ptr + seq)
+    if m0 >= extend_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix = seq_len - extend_len
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < extend_len
+    tokens = (tl.load(extend_starts_ptr + seq) + offs_m).to(tl.int64)
+    q, q_pe = _load_q(q_ptr + tokens[:, None] * stride_qt + head * stride_qh, m_ok, DK, BLOCK_D, BLOCK_DPE)
+    kv_head = head // group
+    k_head, v_head = k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh
+    tok_ptr = req_to_token_ptr + tl.load(req_pool_ptr + seq).to(tl.int64) * stride_req
+    q_pos = prefix + offs_m
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    # keys before the block's first query are visible to all its rows: no causal mask there
+    full_end = (prefix + m0) // BLOCK_N * BLOCK_N
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pe, tok_ptr, n0, seq_len, q_pos, k_head, v_head,
+                                     stride_ks, stride_vs, qk_scale, DK, DV, False, BLOCK_N, BLOCK_D, BLOCK_DPE,
+                                     BLOCK_DV)
+    for n0 in range(full_end, tl.minimum(seq_len, prefix + m0 + BLOCK_M), BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pe, tok_ptr, n0, seq_len, q_pos, k_head, v_head,
+                                     stride_ks, stride_vs, qk_scale, DK, DV, True, BLOCK_N, BLOCK_D, BLOCK_DPE,
+                                     BLOCK_DV)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    out_ptrs = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + offs_dv[None, :]
+    tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & (offs_dv < DV)[None, :])
+
+
+@triton.jit
+def _split_len(seq_len, max_splits, BLOCK_N: tl.constexpr):
+    """Keys per decode split: whole tiles, at least one, from the sequence's own length only."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, max_splits), BLOCK_N), 1) * BLOCK_N
+
+
+@triton.jit
+def _decode_partial_kernel(
+    q_ptr, k_ptr, v_ptr, mid_o_ptr, mid_lse_ptr, req_to_token_ptr, req_pool_ptr, seq_lens_ptr, extend_starts_ptr,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_req, num_q_heads, max_splits, qk_scale, group,
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Split `split` of one sequence's keys for the q heads of one kv head: the split's softmax-normalised
+    output and its log2-sum-exp2 (mid_o [B, Hq, max_splits, DV], mid_lse [B, Hq, max_splits])."""
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = _split_len(seq_len, max_splits, BLOCK_N)
+    start = split * split_len
+    if start >= seq_len:
+        return
+    end = tl.minimum(start + split_len, seq_len)
+    offs_h = tl.arange(0, BLOCK_H)
+    h_ok = offs_h < group
+    heads = kv_head * group + offs_h
+    token = tl.load(extend_starts_ptr + seq).to(tl.int64)
+    q, q_pe = _load_q(q_ptr + token * stride_qt + heads[:, None] * stride_qh, h_ok, DK, BLOCK_D, BLOCK_DPE)
+    tok_ptr = req_to_token_ptr + tl.load(req_pool_ptr + seq).to(tl.int64) * stride_req
+    acc = tl.zeros((BLOCK_H, BLOCK_DV), dtype=tl.float32)
+    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pe, tok_ptr, n0, end, m_i, k_ptr + kv_head * stride_kh,
+                                     v_ptr + kv_head * stride_vh, stride_ks, stride_vs, qk_scale, DK, DV, False,
+                                     BLOCK_N, BLOCK_D, BLOCK_DPE, BLOCK_DV)
+    mid = (seq * num_q_heads + heads).to(tl.int64) * max_splits + split
+    offs_dv = tl.arange(0, BLOCK_DV)
+    tl.store(mid_o_ptr + mid[:, None] * DV + offs_dv[None, :], acc / l_i[:, None],
+             mask=h_ok[:, None] & (offs_dv < DV)[None, :])
+    tl.store(mid_lse_ptr + mid, m_i + tl.log2(l_i), mask=h_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr, seq_lens_ptr, extend_starts_ptr, num_q_heads, max_splits, stride_ot, stride_oh,
+    DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """out = the splits' outputs weighted by their share of the softmax sum, splits in order."""
+    seq, head = tl.program_id(0), tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_splits = tl.cdiv(seq_len, _split_len(seq_len, max_splits, BLOCK_N))
+    offs = tl.arange(0, BLOCK_DV)
+    mid = (seq * num_q_heads + head).to(tl.int64) * max_splits
+    acc = tl.zeros((BLOCK_DV,), dtype=tl.float32)
+    m = tl.full((1,), float("-inf"), dtype=tl.float32)
+    total = tl.zeros((1,), dtype=tl.float32)
+    for split in range(0, num_splits):
+        lse = tl.load(mid_lse_ptr + mid + split + tl.zeros((1,), dtype=tl.int32))
+        o = tl.load(mid_o_ptr + (mid + split) * DV + offs, mask=offs < DV, other=0.0)
+        m_new = tl.maximum(m, lse)
+        alpha, weight = tl.exp2(m - m_new), tl.exp2(lse - m_new)
+        acc = acc * alpha + weight * o
+        total = total * alpha + weight
+        m = m_new
+    out = acc / tl.maximum(total, 1e-30)  # an empty sequence (padding row of a CUDA graph) gives 0
+    token = tl.load(extend_starts_ptr + seq).to(tl.int64)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs, out.to(out_ptr.dtype.element_ty), mask=offs < DV)
+
+
+def _launch_common(q, k_cache, v_cache, scale: float) -> dict:
+    block_d, block_dpe = _head_blocks(k_cache.shape[-1])
+    return dict(qk_scale=scale * math.log2(math.e), group=q.shape[1] // k_cache.shape[1],
+                DK=k_cache.shape[-1], DV=v_cache.shape[-1], BLOCK_D=block_d, BLOCK_DPE=block_dpe,
+                BLOCK_DV=max(16, triton.next_power_of_2(v_cache.shape[-1])))
+
+
+def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
+                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
+                     extend_starts: torch.Tensor, scale: float, *, is_decode: bool, max_extend_len: int,
+                     max_kv_splits: int = DEFAULT_MAX_KV_SPLITS, config: AttentionConfig | None = None) -> torch.Tensor:
+    """Launches the kernels; every grid size comes from host-side shapes and bounds."""
+    num_seqs, (num_tokens, num_q_heads, _) = seq_lens.shape[0], q.shape
+    cfg = config or default_config(k_cache.shape[-1], q.dtype)
+    common = _launch_common(q, k_cache, v_cache, scale)
+    out = torch.empty(num_tokens, num_q_heads, v_cache.shape[-1], dtype=q.dtype, device=q.device)
+    strides = (*q.stride()[:2], *k_cache.stride()[:2], *v_cache.stride()[:2])
+    if not is_decode:
+        grid = (num_seqs, num_q_heads, triton.cdiv(max_extend_len, cfg.block_m))
+        _extend_kernel[grid](q, k_cache, v_cache, out, req_to_token, req_pool_indices, seq_lens, extend_lens,
+                             extend_starts, *strides, *out.stride()[:2], req_to_token.stride(0), **common,
+                             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                             num_stages=cfg.num_stages)
+        return out
+    mid_o = torch.empty(num_seqs, num_q_heads, max_kv_splits, v_cache.shape[-1], dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(num_seqs, num_q_heads, max_kv_splits, dtype=torch.float32, device=q.device)
+    _decode_partial_kernel[(num_seqs, k_cache.shape[1], max_kv_splits)](
+        q, k_cache, v_cache, mid_o, mid_lse, req_to_token, req_pool_indices, seq_lens, extend_starts,
+        *strides, req_to_token.stride(0), num_q_heads, max_kv_splits, **common,
+        BLOCK_N=cfg.decode_block_n, BLOCK_H=max(16, triton.next_power_of_2(common["group"])),
+        num_warps=cfg.decode_num_warps, num_stages=cfg.num_stages,
+    )
+    _decode_reduce_kernel[(num_seqs, num_q_heads)](
+        mid_o, mid_lse, out, seq_lens, extend_starts, num_q_heads, max_kv_splits, *out.stride()[:2],
+        DV=common["DV"], BLOCK_N=cfg.decode_block_n, BLOCK_DV=common["BLOCK_DV"], num_warps=1,
+    )
+    return out
+
+
+# ------------------------------------------------------------------------------------ torch
 
 
 def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
@@ -28,9 +273,49 @@ def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
+# ------------------------------------------------------------------------------ entry point
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
               req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
-              extend_starts: torch.Tensor, scale: float) -> torch.Tensor:
-    """Entry point; the Triton kernels take over on GPUs."""
-    return attention_reference(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_lens,
-                               extend_starts, scale)
+              extend_starts: torch.Tensor, scale: float, *, is_decode: bool = False, max_extend_len: int | None = None,
+              max_kv_splits: int = DEFAULT_MAX_KV_SPLITS, impl: str = "auto",
+              config: AttentionConfig | None = None) -> torch.Tensor:
+    """Entry point. is_decode (every extend_len is 1, from ForwardBatch) picks the split-K decode kernels;
+    max_extend_len bounds the extend grid (ForwardBatch.max_extend_len; None reads it from the device,
+    a synchronisation). impl: "triton", "torch" or "auto" (triton on CUDA)."""
+    _check_inputs(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_lens, extend_starts)
+    if impl == "auto":
+        impl = "triton" if q.is_cuda else "torch"
+    if impl == "torch":
+        return attention_reference(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_lens,
+                                   extend_starts, scale)
+    if impl != "triton":
+        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    if max_extend_len is None:
+        max_extend_len = 1 if is_decode else int(extend_lens.max()) if extend_lens.numel() else 0
+    return attention_triton(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_lens,
+                            extend_starts, scale, is_decode=is_decode, max_extend_len=max_extend_len,
+                            max_kv_splits=max_kv_splits, config=config)
+
+
+def _check_inputs(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_lens, extend_starts) -> None:
+    """Shape and dtype checks only: nothing here reads device memory (CUDA-graph safe)."""
+    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
+        raise ValueError(f"q [N, Hq, Dk], k_cache [slots, Hkv, Dk], v_cache [slots, Hkv, Dv] expected, got "
+                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    (_, num_q_heads, k_dim), (slots, num_kv_heads, _) = q.shape, k_cache.shape
+    if k_cache.shape[2] != k_dim or v_cache.shape[:2] != k_cache.shape[:2] or num_q_heads % num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} do "
+                         "not fit: same key head size, same slots and kv heads, Hq a multiple of Hkv")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype or t.stride(-1) != 1:
+            raise ValueError(f"{name} must have q's dtype {q.dtype} and be contiguous in its last dimension")
+    if req_to_token.dim() != 2 or req_to_token.dtype != torch.int32 or req_to_token.stride(1) != 1:
+        raise ValueError(f"req_to_token must be int32 [max_reqs, max_context], got {req_to_token.dtype} "
+                         f"{tuple(req_to_token.shape)}")
+    batch = seq_lens.shape
+    for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens), ("extend_lens", extend_lens),
+                    ("extend_starts", extend_starts)):
+        if t.dtype != torch.int32 or t.dim() != 1 or t.shape != batch or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous int32 of shape {tuple(batch)}, got {t.dtype} {tuple(t.shape)}")

@@ -17,14 +17,20 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from moelora.kernels import attention as at
 from moelora.kernels import fused_moe as fm
 from moelora.kernels import moe_align as ma
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 227 * 1024
 INT_PTRS = {"sorted_ids_ptr", "block_expert_ptr", "block_slot_ptr", "num_rows_ptr", "ranks_ptr", "topk_ids_ptr",
-            "token_slots_ptr", "cursor_ptr"}
-NOT_DIVISIBLE = {"num_pairs", "top_k", "num_slots", "num_experts", "max_rows"}
+            "token_slots_ptr", "cursor_ptr", "req_to_token_ptr", "req_pool_ptr", "seq_lens_ptr", "extend_lens_ptr",
+            "extend_starts_ptr"}
+FP32_PTRS = {"topk_weights_ptr", "xa_ptr", "mid_o_ptr", "mid_lse_ptr"}
+FP32_SCALARS = {"qk_scale"}
+NOT_DIVISIBLE = {"num_pairs", "top_k", "num_slots", "num_experts", "max_rows", "group", "num_q_heads", "max_splits",
+                 "qk_scale"}
+ATTENTION_HEADS = ((128, 128, 8), (192, 128, 1), (64, 64, 4))  # Dk, Dv, q heads per kv head: Qwen3, MLA, small
 
 
 def compile_sm90(kernel, constexprs: dict, dtype: str, num_warps: int, num_stages: int):
@@ -34,9 +40,9 @@ def compile_sm90(kernel, constexprs: dict, dtype: str, num_warps: int, num_stage
             signature[name] = "constexpr"
             continue
         if name.endswith("_ptr"):
-            signature[name] = "*i32" if name in INT_PTRS else "*fp32" if name == "topk_weights_ptr" else f"*{dtype}"
+            signature[name] = "*i32" if name in INT_PTRS else "*fp32" if name in FP32_PTRS else f"*{dtype}"
         else:
-            signature[name] = "i32"
+            signature[name] = "fp32" if name in FP32_SCALARS else "i32"
         if name not in NOT_DIVISIBLE:
             attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER,
@@ -63,6 +69,25 @@ def compile_all() -> list[dict]:
                                (fm._moe_sum_kernel, dict(TOP_K=8, BLOCK_H=1024))):
         compiled = compile_sm90(kernel, constexprs, "bf16", 8, 1)
         results.append(dict(kernel=kernel.fn.__name__, shared=compiled.metadata.shared, ttgir=""))
+    results += compile_attention()
+    return results
+
+
+def compile_attention() -> list[dict]:
+    results = []
+    for k_dim, v_dim, group in ATTENTION_HEADS:
+        cfg = at.default_config(k_dim, torch.bfloat16)
+        block_d, block_dpe = at._head_blocks(k_dim)
+        heads = dict(DK=k_dim, DV=v_dim, BLOCK_D=block_d, BLOCK_DPE=block_dpe, BLOCK_DV=v_dim)
+        for kernel, constexprs, warps in (
+            (at._extend_kernel, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n), cfg.num_warps),
+            (at._decode_partial_kernel, dict(BLOCK_N=cfg.decode_block_n, BLOCK_H=max(16, group)), cfg.decode_num_warps),
+        ):
+            compiled = compile_sm90(kernel, {**constexprs, **heads}, "bf16", warps, cfg.num_stages)
+            results.append(dict(kernel=kernel.fn.__name__, dtype="bf16", k_dim=k_dim, block_m=constexprs.get("BLOCK_M", 0),
+                                shared=compiled.metadata.shared, ttgir=compiled.asm["ttgir"]))
+    compiled = compile_sm90(at._decode_reduce_kernel, dict(DV=128, BLOCK_N=64, BLOCK_DV=128), "bf16", 1, 1)
+    results.append(dict(kernel="_decode_reduce_kernel", shared=compiled.metadata.shared, ttgir=""))
     return results
 
 
@@ -78,7 +103,7 @@ def compiled():
 
 
 def test_all_kernels_fit_shared_memory(compiled):
-    assert len(compiled) == 3 * 2 * 2 * 2 + 3
+    assert len(compiled) == 3 * 2 * 2 * 2 + 3 + 2 * len(ATTENTION_HEADS) + 1
     for r in compiled:
         assert r["shared"] <= SMEM_LIMIT, f"{r}: {r['shared']} B of shared memory"
 
@@ -89,4 +114,13 @@ def test_grouped_gemms_pipeline_on_wgmma(compiled):
             where = f"{r['kernel']} {r['dtype']} block_m={r['block_m']} lora={r['lora']}"
             assert "async_copy_global_to_local" in r["ttgir"], f"{where}: main loop is not software-pipelined"
             if r["block_m"] >= 64:  # wgmma works on 64-row tiles; smaller blocks use mma.sync
+                assert "warp_group_dot" in r["ttgir"], f"{where}: does not use wgmma"
+
+
+def test_attention_pipelines_key_loads(compiled):
+    for r in compiled:
+        if r["kernel"] in ("_extend_kernel", "_decode_partial_kernel"):
+            where = f"{r['kernel']} k_dim={r['k_dim']}"
+            assert "async_copy_global_to_local" in r["ttgir"], f"{where}: key/value loads are not software-pipelined"
+            if r["block_m"] >= 64:
                 assert "warp_group_dot" in r["ttgir"], f"{where}: does not use wgmma"

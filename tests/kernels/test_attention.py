@@ -1,0 +1,122 @@
+import pytest
+import torch
+
+from moelora.kernels.attention import AttentionConfig, attention, attention_reference
+from moelora.testing import assert_rows_close, random_paged_attention, rel_tolerance
+
+DTYPES = [torch.bfloat16, torch.float16] if torch.cuda.is_available() else [torch.float16, torch.float32]
+SMALL = AttentionConfig(block_m=16, block_n=16, decode_block_n=16, num_warps=4, num_stages=1)  # many tiles, cheap
+EXTEND_CASES = [  # prefix lengths, extend lengths, Hq, Hkv, Dk, Dv
+    ([0], [1], 2, 2, 16, 16),  # a single token
+    ([0, 7, 40], [37, 1, 20], 4, 2, 16, 16),  # extend > block, prefix 0, lengths off the tile grid
+    ([3, 0], [18, 33], 4, 1, 24, 16),  # group 4; Dk not a power of two, Dk != Dv
+    ([25], [17], 2, 2, 48, 32),  # group 1; Dk = 32 + 16 (the MLA-style split)
+]
+DECODE_CASES = [  # sequence lengths, Hq, Hkv, Dk, Dv
+    ([1], 2, 2, 16, 16),
+    ([1, 17, 64, 200], 8, 2, 16, 32),  # up to 7 splits of 2 tiles
+    ([5, 130], 4, 2, 24, 16),
+    ([90, 33], 2, 2, 48, 32),
+]
+
+
+def _run(case, impl, **kw):
+    return attention(*case, impl=impl, **kw)
+
+
+def _check(case, got, dtype, device):
+    ref = _run(case, "torch")
+    heads = got.shape[1]
+    assert_rows_close(got.flatten(0, 1), ref.flatten(0, 1), rel_tolerance(dtype, device), f"[token*{heads} + head]")
+
+
+def _sdpa(case):
+    """Independent formula: torch's scaled_dot_product_attention on each sequence's gathered keys."""
+    q, k_cache, v_cache, req_to_token, rows, seq_lens, ext, starts, scale = case
+    out = torch.zeros(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=torch.float64)
+    for row, total, new, start in zip(rows.tolist(), seq_lens.tolist(), ext.tolist(), starts.tolist()):
+        slots = req_to_token[row, :total].long()
+        k, v = k_cache[slots].double().transpose(0, 1), v_cache[slots].double().transpose(0, 1)  # [Hkv, L, D]
+        causal = torch.arange(total)[None, :] <= torch.arange(total - new, total)[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(q[start:start + new].double().cpu().transpose(0, 1),
+                                                             k.cpu(), v.cpu(), attn_mask=causal, scale=scale,
+                                                             enable_gqa=True)
+        out[start:start + new] = o.transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("case_args", EXTEND_CASES + [([0, 1, 60], [1, 1, 1], 4, 2, 16, 32)])
+def test_reference_matches_sdpa(case_args, device):
+    case = random_paged_attention(*case_args, torch.float32, device)
+    got = attention_reference(*case)
+    assert_rows_close(got.cpu().flatten(0, 1), _sdpa(case).flatten(0, 1), 1e-5, "reference vs sdpa")
+
+
+@pytest.mark.parametrize("case_args", EXTEND_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extend_matches_reference(case_args, dtype, device, poison):
+    case = random_paged_attention(*case_args, dtype, device)
+    got = _run(case, "triton", max_extend_len=max(case_args[1]) + 5, config=SMALL)  # a loose host bound is fine
+    _check(case, got, dtype, device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extend_default_tiles(dtype, device, poison):
+    """The shipped tile sizes: extends longer than a default query block, with a prefix."""
+    case = random_paged_attention([0, 70], [150, 40], 2, 1, 32, 16, dtype, device)
+    _check(case, _run(case, "triton"), dtype, device)
+
+
+@pytest.mark.parametrize("case_args", DECODE_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_matches_reference(case_args, dtype, device, poison):
+    seq_lens, *heads = case_args
+    case = random_paged_attention([n - 1 for n in seq_lens], [1] * len(seq_lens), *heads, dtype, device)
+    got = _run(case, "triton", is_decode=True, max_kv_splits=8, config=SMALL)
+    _check(case, got, dtype, device)
+
+
+def test_decode_with_default_tiles_and_splits(device, poison):
+    dtype = DTYPES[0]
+    case = random_paged_attention([0, 300, 47], [1, 1, 1], 8, 1, 16, 16, dtype, device)
+    _check(case, _run(case, "triton", is_decode=True), dtype, device)
+
+
+def test_decode_result_does_not_depend_on_batch(device, poison):
+    """A sequence's split size follows its own length only: alone or batched, the same bits."""
+    dtype = DTYPES[0]
+    batch = random_paged_attention([150, 3, 40, 99], [1] * 4, 4, 2, 16, 16, dtype, device)
+    full = _run(batch, "triton", is_decode=True, max_kv_splits=8, config=SMALL)
+    q, k, v, req_to_token, rows, seq_lens, ext, starts, scale = batch
+    for i in (0, 2):
+        alone = attention(q[i:i + 1], k, v, req_to_token, rows[i:i + 1], seq_lens[i:i + 1], ext[i:i + 1],
+                          torch.zeros_like(starts[:1]), scale, is_decode=True, max_kv_splits=8, config=SMALL,
+                          impl="triton")
+        assert torch.equal(alone[0], full[i]), f"sequence {i} differs alone vs in the batch"
+
+
+def test_decode_padding_rows_give_zero(device, poison):
+    """CUDA-graph padding rows (seq_len 0) write zeros, not NaN, and leave the real rows alone."""
+    dtype = DTYPES[0]
+    case = random_paged_attention([20, 0], [1, 1], 2, 2, 16, 16, dtype, device)
+    q, k, v, req_to_token, rows, seq_lens, ext, starts, scale = case
+    seq_lens = seq_lens.clone()
+    seq_lens[1] = 0
+    got = attention(q, k, v, req_to_token, rows, seq_lens, ext, starts, scale, is_decode=True, config=SMALL,
+                    impl="triton")
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    assert_rows_close(got[0], _run(case, "torch")[0], rel_tolerance(dtype, device))
+
+
+def test_rejects_bad_inputs(device):
+    case = random_paged_attention([2], [3], 4, 2, 16, 16, DTYPES[0], device)
+    q, k, v, req_to_token, rows, seq_lens, ext, starts, scale = case
+    with pytest.raises(ValueError, match="do not fit"):
+        attention(q[:, :3], k, v, req_to_token, rows, seq_lens, ext, starts, scale)
+    with pytest.raises(ValueError, match="v_cache must have q's dtype"):
+        attention(q, k, v.float() if v.dtype != torch.float32 else v.half(), req_to_token, rows, seq_lens, ext,
+                  starts, scale)
+    with pytest.raises(ValueError, match="seq_lens must be contiguous int32"):
+        attention(q, k, v, req_to_token, rows, seq_lens.long(), ext, starts, scale)
+    with pytest.raises(ValueError, match="impl must be"):
+        attention(*case, impl="cuda")
