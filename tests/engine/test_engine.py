@@ -20,9 +20,16 @@ def engine(make_engine):
 
 
 @pytest.fixture(scope="module")
-def alone(engine):
-    """Each of PROMPTS run by itself."""
-    return [engine.generate([p], sp, lora=[a])[0].token_ids for p, sp, a in zip(PROMPTS, PARAMS, LORAS)]
+def alone(make_engine):
+    """family -> the tokens of each of PROMPTS run by itself."""
+    cache = {}
+
+    def get(family: str) -> list[list[int]]:
+        if family not in cache:
+            engine = make_engine(family)
+            cache[family] = [engine.generate([p], sp, lora=[a])[0].token_ids for p, sp, a in zip(PROMPTS, PARAMS, LORAS)]
+        return cache[family]
+    return get
 
 
 def assert_idle(engine):
@@ -33,13 +40,14 @@ def assert_idle(engine):
 
 
 def test_output_does_not_depend_on_the_batch(engine, alone):
-    assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS, lora=LORAS)] == alone
+    assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS, lora=LORAS)] == alone(FAMILY)
     assert_idle(engine)
 
 
-def test_chunked_prefill_and_retraction_keep_outputs(make_engine, alone):
-    tight = make_engine(FAMILY, chunked_prefill_size=4, max_total_tokens=40)
-    assert [o.token_ids for o in tight.generate(PROMPTS, PARAMS, lora=LORAS)] == alone
+@pytest.mark.parametrize("family", [FAMILY, "deepseek_v3"])  # and MLA, whose cached keys and values differ in size
+def test_chunked_prefill_and_retraction_keep_outputs(family, make_engine, alone):
+    tight = make_engine(family, chunked_prefill_size=4, max_total_tokens=40)
+    assert [o.token_ids for o in tight.generate(PROMPTS, PARAMS, lora=LORAS)] == alone(family)
     assert tight.scheduler.num_retractions > 0
     assert_idle(tight)
 
@@ -54,7 +62,7 @@ def test_step_api_streams_what_generate_returns(engine, alone):
             texts[out.rid] += out.text
             if out.finished:
                 ends[out.rid] = out
-    assert [tokens[r] for r in rids] == alone[:3]
+    assert [tokens[r] for r in rids] == alone(FAMILY)[:3]
     for r in rids:
         assert ends[r].finish_reason == "length" and ends[r].completion_tokens == 16
         assert texts[r] == engine.tokenizer.decode(tokens[r])
@@ -63,17 +71,15 @@ def test_step_api_streams_what_generate_returns(engine, alone):
 def test_abort_frees_the_request_and_spares_the_others(engine, alone):
     keep = engine.add_request(PROMPTS[1], PARAMS[1], lora=LORAS[1])
     drop = engine.add_request(PROMPTS[2], PARAMS[2], lora=LORAS[2])
-    waiting = engine.add_request(PROMPTS[3], PARAMS[3])
-    outputs = engine.step() + engine.step()
-    assert engine.abort(drop) and engine.abort(waiting) and not engine.abort("no-such-id")
-    kept = []
+    outputs = engine.step() + engine.step()  # both prefilled and decoding
+    queued = engine.add_request(PROMPTS[3], PARAMS[3])  # not scheduled yet
+    assert engine.abort(drop) and engine.abort(queued) and not engine.abort("no-such-id")
     while engine.has_unfinished():
-        for out in engine.step():
-            outputs.append(out)
+        outputs += engine.step()
     ends = {o.rid: o.finish_reason for o in outputs if o.finished}
-    assert ends == {keep: "length", drop: "abort", waiting: "abort"}
+    assert ends == {keep: "length", drop: "abort", queued: "abort"}
     kept = [t for o in outputs if o.rid == keep for t in o.token_ids]
-    assert kept == alone[1]
+    assert kept == alone(FAMILY)[1]
     assert_idle(engine)
 
 
@@ -95,7 +101,7 @@ def test_bad_requests_fail_alone(engine, alone):
     outputs = []
     while engine.has_unfinished():
         outputs += engine.step()
-    assert [t for o in outputs if o.rid == good for t in o.token_ids] == alone[0][1:]
+    assert [t for o in outputs if o.rid == good for t in o.token_ids] == alone(FAMILY)[0][1:]
     assert_idle(engine)
 
 

@@ -24,6 +24,9 @@ def test_engine_matches_transformers_and_peft(family, make_engine, adapters):
         assert_logprobs_close(got, hf_logits(references[name], [prompt])[0], f"{name or 'base'} on {prompt}")
 
     outputs = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), lora=loras)
+    for model in references.values():
+        model.generation_config.eos_token_id = None  # as ignore_eos (min_new_tokens would ban EOS instead)
     for (prompt, name), out in zip(jobs, outputs):
-        want = references[name].generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        ids = torch.tensor([prompt])  # an explicit mask: some configs' pad_token_id is a prompt token here
+        want = references[name].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
         assert out.token_ids == want[0, len(prompt):].tolist(), f"{name or 'base'} on {prompt}"
