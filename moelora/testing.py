@@ -1,6 +1,6 @@
-"""Random MoE layers, LoRA slot buffers and paged-attention batches for tests and benchmarks,
-dtype-derived tolerances, tiny transformers models of every family with PEFT adapters on them,
-ForwardBatches over a KV cache, and a tiny byte-level BPE tokenizer built offline."""
+"""Random MoE layers, LoRA slot buffers (experts and dense layers) and paged-attention batches for tests
+and benchmarks, dtype-derived tolerances, tiny transformers models of every family with PEFT adapters on
+them, ForwardBatches over a KV cache, and a tiny byte-level BPE tokenizer built offline."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,6 +14,7 @@ from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Conf
 from moelora.engine.forward_batch import ForwardBatch, LoRABatch
 from moelora.engine.kv_cache import KVCache
 from moelora.kernels.fused_moe import ExpertLoRA
+from moelora.kernels.lora_linear import LinearLoRASlots
 from moelora.layers.moe.topk import TopKOutput
 
 
@@ -63,6 +64,25 @@ def random_expert_lora(
             b = b.masked_fill(unused.unsqueeze(-2), float("nan"))
         tensors[f"a_{name}"], tensors[f"b_{name}"] = a.to(dtype), b.to(dtype)
     return ExpertLoRA(**tensors, ranks=ranks.to(device), max_rank_in_use=max(slot_ranks))
+
+
+def random_linear_lora(in_features: int, out_sizes: tuple[int, ...], slot_ranks: list[list[int]], dtype: torch.dtype,
+                       device="cpu", poison_unused: bool = False, max_rank: int | None = None,
+                       generator: torch.Generator | None = None) -> LinearLoRASlots:
+    """Slot buffers of a dense layer with parts `out_sizes`; slot s adapts part p with rank slot_ranks[s][p]
+    (0: not adapted). poison_unused fills what a correct kernel must not read (past each rank, parts of
+    rank 0) with NaN; otherwise it is zero, as the slot buffers hold it."""
+    ranks = torch.tensor(slot_ranks, dtype=torch.int32)
+    max_rank = max_rank or max(int(ranks.max()), 1)
+    num_slots, n_out = len(slot_ranks), sum(out_sizes)
+    a = torch.randn(num_slots, len(out_sizes), max_rank, in_features, generator=generator) / in_features**0.5
+    b = torch.randn(num_slots, n_out, max_rank, generator=generator) / max_rank**0.5
+    part = torch.repeat_interleave(torch.arange(len(out_sizes)), torch.tensor(out_sizes))  # part of each out row
+    unused_a = torch.arange(max_rank).view(1, 1, -1) >= ranks.unsqueeze(-1)  # [S, P, R]
+    unused_b = torch.arange(max_rank).view(1, 1, -1) >= ranks[:, part].unsqueeze(-1)  # [S, out, R]
+    fill = float("nan") if poison_unused else 0.0
+    a, b = a.masked_fill(unused_a.unsqueeze(-1), fill), b.masked_fill(unused_b, fill)
+    return LinearLoRASlots(a.to(device, dtype), b.to(device, dtype), ranks.to(device), int(ranks.max()))
 
 
 def rel_tolerance(dtype: torch.dtype, device: torch.device | str = "cpu") -> float:

@@ -153,7 +153,8 @@ def _split_len(seq_len, max_splits, BLOCK_N: tl.constexpr):
 @triton.jit
 def _decode_partial_kernel(
     q_ptr, k_ptr, v_ptr, mid_o_ptr, mid_lse_ptr, req_to_token_ptr, req_pool_ptr, seq_lens_ptr, extend_starts_ptr,
-    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_req, num_q_heads, max_splits, qk_scale, group,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_req, num_q_heads, max_splits,
+    qk_scale, group,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):

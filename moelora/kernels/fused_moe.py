@@ -25,10 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.lora_tiles import LORA_RANK_CHUNK, rank_tile, shrink_k_range
 from moelora.kernels.moe_align import moe_align
 from moelora.layers.moe.topk import TopKOutput
-
-LORA_RANK_CHUNK = 16  # tl.dot needs >= 16: the smallest rank tile
 
 
 @dataclass
@@ -205,13 +204,8 @@ def _shrink_kernel(
     x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
     k_per_split = tl.cdiv(tl.cdiv(H, SPLITS), BLOCK_K) * BLOCK_K
     k_lo = split * k_per_split
-    k_hi = tl.minimum(H, k_lo + k_per_split)
-    xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k_mask = k0 + offs_k < k_hi
-        xt = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_mask[None, :], other=0.0)
-        at = tl.load(a_ptrs + k0, mask=k_mask[:, None] & (offs_r[None, :] < rank), other=0.0)
-        xa += tl.dot(xt, at)
+    xa = shrink_k_range(x_ptrs, a_ptrs, row_ok, rank, k_lo, tl.minimum(H, k_lo + k_per_split),
+                        BLOCK_M, BLOCK_K, BLOCK_R)
     xa_ptrs = xa_ptr + ((pair.to(tl.int64) * 2 + proj) * SPLITS + split)[:, None] * BLOCK_R + offs_r[None, :]
     tl.store(xa_ptrs, xa, mask=row_ok[:, None])
 
@@ -339,7 +333,7 @@ def fused_moe_triton(
         block_r, b_strides, ad_strides, bd_strides = LORA_RANK_CHUNK, (0, 0), (0, 0), (0, 0)
     else:
         bg, bu, ad, bd, ranks = lora.b_gate, lora.b_up, lora.a_down, lora.b_down, lora.ranks
-        block_r = max(LORA_RANK_CHUNK, triton.next_power_of_2(lora.max_rank_in_use or lora.a_gate.shape[2]))
+        block_r = rank_tile(lora.max_rank_in_use or lora.a_gate.shape[2])
         b_strides, ad_strides, bd_strides = bg.stride()[1:3], ad.stride()[1:3], bd.stride()[1:3]
         xa = torch.empty(num_pairs, 2, cfg.shrink_splits, block_r, dtype=torch.float32, device=x.device)
         _shrink_kernel[(num_m, 2, cfg.shrink_splits)](

@@ -31,5 +31,6 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, lora_batch: LoRABatch | None = None) -> torch.Tensor:
         y = nn.functional.linear(x, self.weight, self.bias)
         if self.lora is not None and lora_batch is not None:
-            y = (y.float() + lora_linear(x, self.lora, self.out_sizes, lora_batch.token_slots)).to(y.dtype)
+            # in place: adapter rows get y + delta summed in fp32; other rows keep the base bits
+            lora_linear(x, self.lora, self.out_sizes, lora_batch.token_slots, out=y)
         return y

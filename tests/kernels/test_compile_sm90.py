@@ -19,6 +19,7 @@ from triton.compiler import ASTSource
 
 from moelora.kernels import attention as at
 from moelora.kernels import fused_moe as fm
+from moelora.kernels import lora_linear as ll
 from moelora.kernels import moe_align as ma
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -29,17 +30,21 @@ INT_PTRS = {"sorted_ids_ptr", "block_expert_ptr", "block_slot_ptr", "num_rows_pt
 FP32_PTRS = {"topk_weights_ptr", "xa_ptr", "mid_o_ptr", "mid_lse_ptr"}
 FP32_SCALARS = {"qk_scale"}
 NOT_DIVISIBLE = {"num_pairs", "top_k", "num_slots", "num_experts", "max_rows", "group", "num_q_heads", "max_splits",
-                 "qk_scale"}
+                 "qk_scale", "num_tokens"}
 ATTENTION_HEADS = ((128, 128, 8), (192, 128, 1), (64, 64, 4))  # Dk, Dv, q heads per kv head: Qwen3, MLA, small
+LORA_LINEARS = ((2048, (4096, 512, 512)), (4096, (2048,)))  # Qwen3-30B-A3B qkv and o
 
 
-def compile_sm90(kernel, constexprs: dict, dtype: str, num_warps: int, num_stages: int):
+def compile_sm90(kernel, constexprs: dict, dtype: str, num_warps: int, num_stages: int, types: dict | None = None):
+    """types: argument types that differ from the defaults below (e.g. an fp32 output)."""
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
             continue
-        if name.endswith("_ptr"):
+        if types and name in types:
+            signature[name] = types[name]
+        elif name.endswith("_ptr"):
             signature[name] = "*i32" if name in INT_PTRS else "*fp32" if name in FP32_PTRS else f"*{dtype}"
         else:
             signature[name] = "fp32" if name in FP32_SCALARS else "i32"
@@ -69,7 +74,7 @@ def compile_all() -> list[dict]:
                                (fm._moe_sum_kernel, dict(TOP_K=8, BLOCK_H=1024))):
         compiled = compile_sm90(kernel, constexprs, "bf16", 8, 1)
         results.append(dict(kernel=kernel.fn.__name__, shared=compiled.metadata.shared, ttgir=""))
-    results += compile_attention()
+    results += compile_attention() + compile_lora_linear()
     return results
 
 
@@ -84,8 +89,9 @@ def compile_attention() -> list[dict]:
             (at._decode_partial_kernel, dict(BLOCK_N=cfg.decode_block_n, BLOCK_H=max(16, group)), cfg.decode_num_warps),
         ):
             compiled = compile_sm90(kernel, {**constexprs, **heads}, "bf16", warps, cfg.num_stages)
-            results.append(dict(kernel=kernel.fn.__name__, dtype="bf16", k_dim=k_dim, block_m=constexprs.get("BLOCK_M", 0),
-                                shared=compiled.metadata.shared, ttgir=compiled.asm["ttgir"]))
+            results.append(dict(kernel=kernel.fn.__name__, dtype="bf16", k_dim=k_dim,
+                                block_m=constexprs.get("BLOCK_M", 0), shared=compiled.metadata.shared,
+                                ttgir=compiled.asm["ttgir"]))
     compiled = compile_sm90(at._decode_reduce_kernel, dict(DV=128, BLOCK_N=64, BLOCK_DV=128), "bf16", 1, 1)
     results.append(dict(kernel="_decode_reduce_kernel", shared=compiled.metadata.shared, ttgir=""))
     return results
@@ -103,7 +109,7 @@ def compiled():
 
 
 def test_all_kernels_fit_shared_memory(compiled):
-    assert len(compiled) == 3 * 2 * 2 * 2 + 3 + 2 * len(ATTENTION_HEADS) + 1
+    assert len(compiled) == 3 * 2 * 2 * 2 + 3 + 2 * len(ATTENTION_HEADS) + 1 + 3 * len(LORA_LINEARS) * 2 * 2
     for r in compiled:
         assert r["shared"] <= SMEM_LIMIT, f"{r}: {r['shared']} B of shared memory"
 
@@ -117,6 +123,27 @@ def test_grouped_gemms_pipeline_on_wgmma(compiled):
                 assert "warp_group_dot" in r["ttgir"], f"{where}: does not use wgmma"
 
 
+def compile_lora_linear() -> list[dict]:
+    results, cfg = [], ll.LoRALinearConfig()
+    for in_features, out_sizes in LORA_LINEARS:
+        splits = -(-in_features // cfg.split_k)
+        bounds = tuple(sum(out_sizes[:p]) for p in range(len(out_sizes) + 1))
+        for dtype in ("bf16", "fp16"):
+            for block_r in (16, 64):
+                common = dict(SPLITS=splits, BLOCK_M=cfg.block_m, BLOCK_R=block_r)
+                shrink = dict(P=len(out_sizes), SPLIT_K=cfg.split_k, BLOCK_K=cfg.block_k, **common)
+                for kernel, constexprs, types in (
+                    (ll._shrink_kernel, shrink, None),
+                    (ll._expand_kernel, dict(PART_BOUNDS=bounds, ADD=True, BLOCK_N=cfg.block_n, **common), None),
+                    (ll._expand_kernel, dict(PART_BOUNDS=bounds, ADD=False, BLOCK_N=cfg.block_n, **common),
+                     {"out_ptr": "*fp32"}),
+                ):
+                    compiled = compile_sm90(kernel, constexprs, dtype, cfg.num_warps, cfg.num_stages, types)
+                    results.append(dict(kernel=kernel.fn.__name__, dtype=dtype, block_r=block_r,
+                                        shared=compiled.metadata.shared, ttgir=compiled.asm["ttgir"]))
+    return results
+
+
 def test_attention_pipelines_key_loads(compiled):
     for r in compiled:
         if r["kernel"] in ("_extend_kernel", "_decode_partial_kernel"):
@@ -124,3 +151,9 @@ def test_attention_pipelines_key_loads(compiled):
             assert "async_copy_global_to_local" in r["ttgir"], f"{where}: key/value loads are not software-pipelined"
             if r["block_m"] >= 64:
                 assert "warp_group_dot" in r["ttgir"], f"{where}: does not use wgmma"
+
+
+def test_lora_linear_main_loops_pipeline(compiled):
+    for r in compiled:
+        if r["kernel"] == "_shrink_kernel" and "block_r" in r:
+            assert "async_copy_global_to_local" in r["ttgir"], f"{r['kernel']} {r['dtype']}: loads not pipelined"

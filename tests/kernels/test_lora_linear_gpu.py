@@ -1,0 +1,68 @@
+"""Dense-layer LoRA at real model shapes in bf16 on a GPU (scripts/gpu_check.sh); skipped on CPU machines."""
+import pytest
+import torch
+
+from moelora.kernels.lora_linear import lora_linear
+from moelora.testing import assert_rows_close, random_linear_lora, rel_tolerance
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+LAYERS = {  # Qwen3-30B-A3B attention: in features, out sizes
+    "qkv": (2048, (4096, 512, 512)),
+    "o": (4096, (2048,)),
+}
+SLOT_RANKS = [[16, 16, 16]] * 6 + [[16, 0, 16], [0, 0, 0]]  # 8 slots of rank 16; one skips k, one adapts nothing
+
+
+def _layer(layer, tokens, gen):
+    in_features, out_sizes = LAYERS[layer]
+    lora = random_linear_lora(in_features, out_sizes, [r[:len(out_sizes)] for r in SLOT_RANKS], torch.bfloat16,
+                              "cuda", poison_unused=True, generator=gen)
+    x = torch.randn(tokens, in_features, generator=gen).to("cuda", torch.bfloat16)
+    slots = torch.randint(-1, len(SLOT_RANKS), (tokens,), generator=gen, dtype=torch.int32).cuda()
+    y = torch.randn(tokens, sum(out_sizes), generator=gen).to("cuda", torch.bfloat16)
+    return x, lora, out_sizes, slots, y
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64, 513, 4096])
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_real_shape_matches_reference(layer, tokens, poison):
+    gen = torch.Generator().manual_seed(torch.seed())
+    x, lora, out_sizes, slots, y = _layer(layer, tokens, gen)
+    tol = rel_tolerance(torch.bfloat16, "cuda")
+    delta = lora_linear(x, lora, out_sizes, slots)
+    assert_rows_close(delta, lora_linear(x, lora, out_sizes, slots, impl="torch"), tol, f"{layer} T={tokens} delta")
+    before = y.clone()
+    lora_linear(x, lora, out_sizes, slots, out=y)
+    base = slots < 0
+    assert torch.equal(y[base].view(torch.int16), before[base].view(torch.int16)), "base rows must keep their bits"
+    expected = lora_linear(x, lora, out_sizes, slots, out=before, impl="torch")
+    assert_rows_close(y[~base], expected[~base], tol, f"{layer} T={tokens} in place")
+
+
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_row_does_not_depend_on_batch(layer, poison):
+    gen = torch.Generator().manual_seed(torch.seed())
+    x, lora, out_sizes, slots, _ = _layer(layer, 4096, gen)
+    batch = lora_linear(x, lora, out_sizes, slots)
+    for t in (0, 1, 2, 2049, 4095):
+        alone = lora_linear(x[t:t + 1], lora, out_sizes, slots[t:t + 1])
+        assert torch.equal(alone[0], batch[t]), f"token {t} (slot {int(slots[t])}) differs alone vs in the batch"
+
+
+def test_in_place_replays_in_a_cuda_graph():
+    """Sorting by slot, shrink and expand are captured once and replayed with other slots: no host sync."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    x, lora, out_sizes, slots, y = _layer("qkv", 48, gen)
+    y0, slots_buf = y.clone(), slots.clone()
+    lora_linear(x, lora, out_sizes, slots_buf, out=y.clone())  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        lora_linear(x, lora, out_sizes, slots_buf, out=y)
+    for new_slots in (slots, torch.randint(-1, len(SLOT_RANKS), slots.shape, generator=gen, dtype=torch.int32).cuda()):
+        slots_buf.copy_(new_slots)
+        y.copy_(y0)
+        graph.replay()
+        expected = lora_linear(x, lora, out_sizes, new_slots, out=y0.clone(), impl="torch")
+        assert_rows_close(y, expected, rel_tolerance(torch.bfloat16, "cuda"), "graph replay")
