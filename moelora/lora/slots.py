@@ -10,7 +10,7 @@ from moelora.kernels.fused_moe import ExpertLoRA
 from moelora.kernels.lora_linear import LinearLoRASlots
 from moelora.layers.linear import Linear
 from moelora.layers.moe.layer import MoE
-from moelora.lora.canonical import Adapter, LayerLoRA
+from moelora.lora.canonical import Adapter, ExpertsLoRA, LayerLoRA, LinearLoRA
 from moelora.lora.errors import AdapterError
 from moelora.lora.model_shapes import EXPERT_PROJECTIONS
 
@@ -47,7 +47,7 @@ def write_adapter_to_slot(model: nn.Module, adapter: Adapter, slot: int) -> None
         raise RuntimeError("allocate_lora_slots(model, ...) first")
     num_slots = layers[0].lora.ranks.shape[-2] if layers else 0
     if not 0 <= slot < num_slots:
-        raise AdapterError(f"slot {slot} out of range [0, {num_slots})")
+        raise ValueError(f"slot {slot} out of range [0, {num_slots})")
     problems, used = [], set()
     for m in layers:
         layer = adapter.layers.get(m.layer_id, LayerLoRA())
@@ -71,7 +71,7 @@ def write_adapter_to_slot(model: nn.Module, adapter: Adapter, slot: int) -> None
             _write_linear(m, layer, slot)
 
 
-def _fit_problems(m: Linear | MoE, name: str, lora) -> list[str]:
+def _fit_problems(m: Linear | MoE, name: str, lora: LinearLoRA | ExpertsLoRA) -> list[str]:
     max_rank = m.lora.a_gate.shape[2] if isinstance(m, MoE) else m.lora.a.shape[2]
     where = f"layer {m.layer_id} {name}"
     if lora.rank > max_rank:
