@@ -136,3 +136,10 @@ def test_stop_token_and_text_prompt(engine):
     first = tokens.index(tokens[4])
     assert out.finish_reason == "stop" and out.token_ids == tokens[:first + 1]
     assert out.text == engine.tokenizer.decode(tokens[:first])
+
+
+def test_top_level_names():
+    import moelora
+    from moelora.engine.engine import Engine
+
+    assert moelora.Engine is Engine and moelora.SamplingParams is SamplingParams
