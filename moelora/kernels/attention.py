@@ -295,6 +295,11 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req
         raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
     if max_extend_len is None:
         max_extend_len = 1 if is_decode else int(extend_lens.max()) if extend_lens.numel() else 0
+    if q.shape[0] == 0:
+        return q.new_zeros(0, q.shape[1], v_cache.shape[-1])
+    if max_extend_len < 1:
+        raise ValueError(f"max_extend_len must bound the extend lengths of {q.shape[0]} new tokens, "
+                         f"got {max_extend_len}")
     return attention_triton(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_lens,
                             extend_starts, scale, is_decode=is_decode, max_extend_len=max_extend_len,
                             max_kv_splits=max_kv_splits, config=config)

@@ -118,5 +118,7 @@ def test_rejects_bad_inputs(device):
                   starts, scale)
     with pytest.raises(ValueError, match="seq_lens must be contiguous int32"):
         attention(q, k, v, req_to_token, rows, seq_lens.long(), ext, starts, scale)
+    with pytest.raises(ValueError, match="max_extend_len must bound"):
+        attention(*case, impl="triton", max_extend_len=0)  # ForwardBatch's default, never set
     with pytest.raises(ValueError, match="impl must be"):
         attention(*case, impl="cuda")
