@@ -21,5 +21,6 @@ class Attention(nn.Module):
         kv = batch.kv
         kv.store(self.layer_id, batch.out_cache_loc, k, v)
         out = attention(q.contiguous(), kv.k[self.layer_id], kv.v[self.layer_id], kv.req_to_token, batch.req_pool_indices,
-                        batch.seq_lens, batch.extend_lens, batch.extend_starts, self.scale)
+                        batch.seq_lens, batch.extend_lens, batch.extend_starts, self.scale,
+                        is_decode=batch.is_decode, max_extend_len=batch.max_extend_len)  # no device read: graph-safe
         return out.flatten(1)

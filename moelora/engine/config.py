@@ -1,0 +1,78 @@
+"""EngineConfig: every knob of the engine in one place, threaded through scheduler, LoRA manager and
+model runner. Names follow SGLang's server arguments where one exists."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model_path: str
+    tokenizer_path: str | None = None       # default: model_path
+    lora_paths: dict[str, str] = field(default_factory=dict)  # adapters loaded at start, name -> directory
+    device: str | None = None               # None: cuda when available, else cpu
+    dtype: str = "auto"                     # "auto" (the checkpoint's), "float32", "bfloat16", "float16"
+    load_format: str = "auto"               # "auto" (safetensors) or "dummy" (random weights, for benchmarks)
+    context_length: int | None = None       # default: the model's max_position_embeddings
+    random_seed: int = 0                    # seeds dummy weights and requests without their own seed
+
+    # LoRA
+    max_loras_per_batch: int = 8            # GPU adapter slots; distinct adapters in one running batch
+    max_lora_rank: int | None = None        # slot rank; default: the largest rank among lora_paths
+    max_cpu_loras: int | None = None        # canonical adapters kept in host memory; None: no limit
+
+    # Memory and scheduling
+    mem_fraction_static: float = 0.85       # share of GPU memory for weights, LoRA slots and KV cache
+    max_total_tokens: int | None = None     # KV cache token slots; default: what memory allows (GPU), 16384 (CPU)
+    max_running_requests: int = 256         # requests in the running batch (rows of req_to_token)
+    chunked_prefill_size: int = 8192        # longest piece of one prompt per step; -1 disables chunking
+    max_prefill_tokens: int = 16384         # new tokens in one prefill step (a single prompt may exceed it
+    #                                         only when chunking is disabled)
+
+    # CUDA graphs (decode)
+    cuda_graph_max_bs: int = 32
+    disable_cuda_graph: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.lora_paths = dict(self.lora_paths)
+        self._check(isinstance(self.model_path, str) and self.model_path != "", "model_path", "a non-empty path")
+        self._check(self.device.split(":")[0] in ("cuda", "cpu"), "device", "'cuda', 'cuda:N' or 'cpu'")
+        self._check(self.dtype == "auto" or self.dtype in DTYPES, "dtype", f"'auto' or one of {sorted(DTYPES)}")
+        self._check(self.load_format in ("auto", "dummy"), "load_format", "'auto' or 'dummy'")
+        self._check(self.context_length is None or self.context_length > 1, "context_length", "> 1")
+        self._check(self.max_loras_per_batch >= 1, "max_loras_per_batch", ">= 1")
+        self._check(self.max_lora_rank is None or self.max_lora_rank >= 1, "max_lora_rank", ">= 1")
+        self._check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras_per_batch, "max_cpu_loras",
+                    f">= max_loras_per_batch ({self.max_loras_per_batch}): every adapter in a slot is also in host memory")
+        self._check(0.0 < self.mem_fraction_static < 1.0, "mem_fraction_static", "in (0, 1)")
+        self._check(self.max_total_tokens is None or self.max_total_tokens >= 2, "max_total_tokens", ">= 2")
+        self._check(self.max_running_requests >= 1, "max_running_requests", ">= 1")
+        self._check(self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1, "chunked_prefill_size",
+                    ">= 1, or -1 to disable chunked prefill")
+        self._check(self.max_prefill_tokens >= 1, "max_prefill_tokens", ">= 1")
+        self._check(self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", ">= 1")
+        for name in self.lora_paths:
+            self._check(isinstance(name, str) and name != "", "lora_paths", "non-empty adapter names")
+
+    def _check(self, ok: bool, name: str, expected: str) -> None:
+        if not ok:
+            raise ValueError(f"EngineConfig.{name} must be {expected}, got {getattr(self, name)!r}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        """Tokens of one prompt per step, None when prompts are never split."""
+        return None if self.chunked_prefill_size == -1 else self.chunked_prefill_size
+
+    @property
+    def use_cuda_graph(self) -> bool:
+        return self.torch_device.type == "cuda" and not self.disable_cuda_graph

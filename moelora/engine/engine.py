@@ -1,0 +1,227 @@
+"""The offline engine: `generate` and `prompt_logprobs` on lists of prompts, adapters loaded and
+unloaded at runtime, and the step API an HTTP server drives from its own loop (`add_request`,
+`step`, `abort`, `has_unfinished`). Everything runs in the caller's thread, one step at a time.
+"""
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from moelora.engine.config import EngineConfig
+from moelora.engine.detokenizer import IncrementalDetokenizer
+from moelora.engine.kv_pool import KVPool
+from moelora.engine.model_runner import ModelRunner
+from moelora.engine.request import Req
+from moelora.engine.sampling_params import SamplingParams
+from moelora.engine.scheduler import Scheduler
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class StepOutput:
+    """What one request got in one step (or its end, when aborted)."""
+    rid: str
+    token_ids: list[int]                  # new tokens
+    text: str                             # new text (held back while it may be the start of a stop string)
+    finished: bool
+    finish_reason: str | None             # "stop", "length" or "abort" once finished
+    logprobs: list[dict[int, float]]      # per new token, if asked: the chosen and top tokens' log-probabilities
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class GenerateOutput:
+    text: str
+    token_ids: list[int]                  # every generated token, a stop token included
+    finish_reason: str
+    logprobs: list[dict[int, float]] | None
+
+
+class Engine:
+    def __init__(self, model_path: str, lora_paths: dict[str, str] | None = None, **kwargs):
+        self.config = EngineConfig(model_path, lora_paths=lora_paths or {}, **kwargs)
+        self.runner = ModelRunner(self.config)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer_path or model_path)
+        self.eos_token_ids = _eos_token_ids(model_path, self.tokenizer)
+        self.vocab_size = self.runner.model.config.vocab_size
+        self.scheduler = Scheduler(self.config, KVPool(self.runner.kv.num_slots, self.config.max_running_requests))
+        self._seeds = random.Random(self.config.random_seed)  # for requests without a seed
+        self._aborted: list[StepOutput] = []
+
+    # ------------------------------------------------------------------------------ adapters
+
+    def load_lora(self, name: str, path: str) -> None:
+        self.runner.lora.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Requests in flight with the adapter finish; new ones naming it are refused."""
+        self.runner.lora.unload_lora(name)
+
+    # ---------------------------------------------------------------------------- offline API
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
+                 | None = None, lora: str | None | Sequence[str | None] = None) -> list[GenerateOutput]:
+        """Completions of every prompt (a string or token ids), with one sampling_params for all or one
+        each, and an adapter name (None: base model) for all or one each. A prompt with n > 1 gives n
+        outputs in a row. Run alone: outputs of requests added through add_request are dropped."""
+        prompts = [prompts] if isinstance(prompts, str) or _is_token_ids(prompts) else list(prompts)
+        params = _per_prompt(sampling_params if sampling_params is not None else SamplingParams(), prompts, "sampling_params")
+        adapters = _per_prompt(lora, prompts, "lora")
+        reqs = self._make_all([(p, replace(sp, n=1, seed=None if sp.seed is None else sp.seed + k), a, False)
+                               for p, sp, a in zip(prompts, params, adapters) for k in range(sp.n)])
+        self._run(reqs)
+        return [GenerateOutput(r.detokenizer.text, list(r.output_ids), r.finish_reason,
+                               r.logprobs if r.params.logprobs is not None else None) for r in reqs]
+
+    def prompt_logprobs(self, token_id_lists: Sequence[Sequence[int]], lora: str | None | Sequence[str | None] = None
+                        ) -> list[torch.Tensor]:
+        """Float32 [len, vocab] per prompt: row i is the log-probability of every next token after
+        the prompt's first i + 1 tokens."""
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        adapters = _per_prompt(lora, token_id_lists, "lora")
+        reqs = self._make_all([(list(ids), params, a, True) for ids, a in zip(token_id_lists, adapters)])
+        self._run(reqs)
+        return [torch.cat(r.prompt_logprobs) for r in reqs]
+
+    # ------------------------------------------------------------------------------- step API
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, lora: str | None = None,
+                    rid: str | None = None) -> str:
+        """Queue one request (n must be 1); raises ValueError (AdapterError for the adapter) naming the problem."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"add_request takes one sequence per request (SamplingParams.n=1), got n={params.n}")
+        req = self._make(prompt, params, lora, False, rid)
+        self._add(req)
+        return req.rid
+
+    def step(self) -> list[StepOutput]:
+        """Run one step; the new tokens and text of every request in it, and the end of aborted ones."""
+        outputs, self._aborted = self._aborted, []
+        batch = self.scheduler.schedule()
+        if batch is None:
+            assert not self.scheduler.has_unfinished(), "the scheduler found nothing to run for its unfinished requests"
+            return outputs
+        lora = self.runner.lora
+        in_use = self.scheduler.active_adapters() | {r.lora for r in batch.reqs if r.lora is not None}
+        result = self.runner.run(batch, lora.prepare([r.lora for r in batch.reqs], in_use))
+        for i, logprobs in result.prompt_logprobs.items():
+            batch.reqs[i].prompt_logprobs.append(logprobs)
+        if result.tokens is not None:
+            outputs += self._append_tokens(result.sampled, result.tokens)
+        self.scheduler.update(batch)
+        for req in batch.reqs:
+            if req.finished and req.lora is not None:
+                lora.release(req.lora)
+        return outputs
+
+    def abort(self, rid: str) -> bool:
+        """Stop a request; the next step reports it finished with reason "abort". False if unknown or done."""
+        req = self.scheduler.find(rid)
+        if req is None:
+            return False
+        self.scheduler.remove(req)
+        if req.lora is not None:
+            self.runner.lora.release(req.lora)
+        req.finish_reason = "abort"
+        self._aborted.append(StepOutput(rid, [], "", True, "abort", [], len(req.prompt_ids), len(req.output_ids)))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    # ------------------------------------------------------------------------------ internals
+
+    def _make_all(self, specs: list[tuple]) -> list[Req]:
+        """Requests for (prompt, params, lora, return_prompt_logprobs) specs, added only once all are valid."""
+        reqs = []
+        for i, spec in enumerate(specs):
+            try:
+                reqs.append(self._make(*spec))
+            except ValueError as e:
+                raise type(e)(f"prompt {i}: {e}") from e
+        for req in reqs:
+            self._add(req)
+        return reqs
+
+    def _make(self, prompt: Prompt, params: SamplingParams, lora: str | None, return_prompt_logprobs: bool,
+              rid: str | None = None) -> Req:
+        """A valid request, or ValueError naming what is wrong; changes nothing."""
+        params.validate()
+        if lora is not None:
+            self.runner.lora.check(lora)
+        if rid is not None and self.scheduler.find(rid) is not None:
+            raise ValueError(f"request id {rid!r} is already in use")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size}), got {bad[0]!r}")
+        context = self.runner.context_len
+        if len(ids) >= context:
+            raise ValueError(f"the prompt has {len(ids)} tokens, the context holds {context} (prompt + at least 1 new token)")
+        params = replace(params, max_tokens=min(params.max_tokens, context - len(ids)))
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params, self.eos_token_ids)
+        return Req(rid or uuid.uuid4().hex, ids, params, lora, seed, detokenizer, return_prompt_logprobs)
+
+    def _add(self, req: Req) -> None:
+        if req.lora is not None:
+            self.runner.lora.acquire(req.lora)
+        self.scheduler.add(req)
+
+    def _run(self, reqs: list[Req]) -> None:
+        while not all(r.finished for r in reqs):
+            self.step()
+
+    def _append_tokens(self, reqs: list[Req], tokens) -> list[StepOutput]:
+        ids, logprobs = tokens.token_ids.tolist(), tokens.logprobs.tolist()
+        top_ids = tokens.top_ids.tolist() if tokens.top_ids is not None else None
+        top_logprobs = tokens.top_logprobs.tolist() if tokens.top_logprobs is not None else None
+        outputs = []
+        for i, req in enumerate(reqs):
+            token = ids[i]
+            req.output_ids.append(token)
+            new_logprobs = []
+            if req.params.logprobs is not None:
+                k = req.params.logprobs
+                new_logprobs = [{token: logprobs[i], **dict(zip(top_ids[i][:k], top_logprobs[i][:k]))} if k
+                                else {token: logprobs[i]}]
+                req.logprobs += new_logprobs
+            text = req.detokenizer.add(token)
+            req.finish_reason = req.detokenizer.finish_reason
+            outputs.append(StepOutput(req.rid, [token], text, req.finished, req.finish_reason, new_logprobs,
+                                      len(req.prompt_ids), len(req.output_ids)))
+        return outputs
+
+
+def _is_token_ids(prompt) -> bool:
+    return isinstance(prompt, Sequence) and len(prompt) > 0 and all(isinstance(t, int) for t in prompt)
+
+
+def _per_prompt(value, prompts: Sequence, name: str) -> list:
+    """One value per prompt from a single value or a list of them."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != len(prompts):
+            raise ValueError(f"{name} has {len(value)} entries for {len(prompts)} prompts")
+        return list(value)
+    return [value] * len(prompts)
+
+
+def _eos_token_ids(model_path: str, tokenizer) -> list[int]:
+    """The model's EOS tokens (generation_config.json, as transformers' generate uses), else the tokenizer's."""
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)

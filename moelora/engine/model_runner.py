@@ -1,0 +1,129 @@
+"""Runs scheduled batches through the model: loads it, sizes the KV cache, builds each step's
+ForwardBatch, runs the model (decode steps from CUDA graphs where captured) and samples."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from moelora.engine.config import DTYPES, EngineConfig
+from moelora.engine.cuda_graph import CudaGraphs
+from moelora.engine.forward_batch import ForwardBatch, LoRABatch
+from moelora.engine.kv_cache import KVCache
+from moelora.engine.request import Req
+from moelora.engine.sampler import SampleOutput, SamplingBatch, sample
+from moelora.engine.scheduler import ScheduledBatch
+from moelora.lora.manager import LoRAManager
+from moelora.models.loader import load_model
+
+CPU_KV_TOKENS = 16384  # KV cache size on CPU without max_total_tokens (no free-memory query there)
+
+
+@dataclass
+class StepResult:
+    sampled: list[Req]                      # requests that got a new token, in batch order
+    tokens: SampleOutput | None             # one row per sampled request
+    prompt_logprobs: dict[int, torch.Tensor]  # batch index -> [new prompt tokens, vocab] float32, on the host
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config, self.device = config, config.torch_device
+        hf_config = AutoConfig.from_pretrained(config.model_path)
+        self.dtype = model_dtype(config.dtype, hf_config)
+        self.model = load_model(config.model_path, self.dtype, self.device, config.load_format, config.random_seed)
+        self.lora = LoRAManager(config, self.model)  # slots first: the KV cache gets what memory is left
+        context = config.context_length or hf_config.max_position_embeddings
+        shape = self.model.kv_cache_shape
+        tokens = self._kv_tokens(shape.bytes_per_token(self.dtype), context)
+        # a request alone always fits, with a slot to spare for the scheduler's decode reserve
+        self.context_len = min(context, tokens - 1)
+        self.kv = KVCache(shape.num_layers, tokens + 1, shape.num_kv_heads, shape.k_head_dim, shape.v_head_dim,
+                          config.max_running_requests, self.context_len, self.dtype, self.device)
+        self.graphs = CudaGraphs(self) if config.use_cuda_graph else None
+
+    def logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Float32 logits of the rows batch.logits_indices; what CUDA graphs capture too."""
+        return self.model.compute_logits(self.model(batch)[batch.logits_indices])
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, lora_slots: list[int]) -> StepResult:
+        """One step: lora_slots[i] is request i's adapter slot (-1: none)."""
+        forward_batch, rows = self._forward_batch(batch, lora_slots)
+        if self.graphs is not None and self.graphs.can_run(forward_batch):
+            logits = self.graphs.replay(forward_batch)
+        else:
+            logits = self.logits(forward_batch)
+        prompt_logprobs, sample_rows, sampled = {}, [], []
+        cursor = 0
+        for i, (req, (num_prompt, num_rows)) in enumerate(zip(batch.reqs, rows)):
+            if num_prompt:
+                prompt_logprobs[i] = logits[cursor:cursor + num_prompt].log_softmax(-1).cpu()
+            if batch.completes[i]:
+                sample_rows.append(cursor + num_rows - 1)
+                sampled.append(req)
+            cursor += num_rows
+        tokens = None
+        if sampled:
+            sampling = SamplingBatch.build([r.params for r in sampled], [r.seed for r in sampled],
+                                           [len(r.output_ids) for r in sampled], self.device)
+            num_top = max(r.params.logprobs or 0 for r in sampled)
+            tokens = sample(logits[sample_rows], sampling, num_top)
+        return StepResult(sampled, tokens, prompt_logprobs)
+
+    def _forward_batch(self, batch: ScheduledBatch, lora_slots: list[int]) -> tuple[ForwardBatch, list[tuple[int, int]]]:
+        """The step's ForwardBatch, and per request (prompt tokens whose logits it returns, logits rows)."""
+        ids, positions, token_rows, token_slots, logits_indices, rows = [], [], [], [], [], []
+        start = 0
+        for req, prefix, n, done, slot in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.completes,
+                                              lora_slots):
+            ids += req.token_ids(prefix, prefix + n)
+            positions += range(prefix, prefix + n)
+            token_rows += [req.row] * n
+            token_slots += [slot] * n
+            num_prompt = min(n, max(len(req.prompt_ids) - prefix, 0)) if req.return_prompt_logprobs else 0
+            own = list(range(start, start + num_prompt)) + ([start + n - 1] if done and num_prompt < n else [])
+            logits_indices += own
+            rows.append((num_prompt, len(own)))
+            start += n
+
+        def tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(self.device)
+
+        out_cache_loc = batch.out_slots.to(self.device)
+        positions_t = tensor(positions, torch.int64)
+        self.kv.req_to_token[tensor(token_rows, torch.int64), positions_t] = out_cache_loc.to(torch.int32)
+        seq_lens = [p + n for p, n in zip(batch.prefix_lens, batch.extend_lens)]
+        starts = [0, *accumulate(batch.extend_lens)][:-1]
+        return ForwardBatch(
+            input_ids=tensor(ids, torch.int64), positions=positions_t,
+            req_pool_indices=tensor([r.row for r in batch.reqs], torch.int32), seq_lens=tensor(seq_lens, torch.int32),
+            extend_lens=tensor(batch.extend_lens, torch.int32), extend_starts=tensor(starts, torch.int32),
+            out_cache_loc=out_cache_loc, logits_indices=tensor(logits_indices, torch.int64), kv=self.kv,
+            lora=LoRABatch(tensor(token_slots, torch.int32)) if any(s >= 0 for s in lora_slots) else None,
+            is_decode=batch.is_decode, max_extend_len=max(batch.extend_lens),
+        ), rows
+
+    def _kv_tokens(self, bytes_per_token: int, context: int) -> int:
+        """KV token slots: max_total_tokens on CPU (default CPU_KV_TOKENS); on GPUs what is left of
+        mem_fraction_static of the memory after weights, LoRA slots and req_to_token, capped by it."""
+        if self.device.type == "cpu":
+            return self.config.max_total_tokens or CPU_KV_TOKENS
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * self.config.mem_fraction_static - (total - free) - self.config.max_running_requests * context * 4
+        tokens = int(budget // bytes_per_token)
+        if tokens < 2:
+            raise ValueError(f"no GPU memory left for the KV cache ({budget / 2**30:.2f} GiB of mem_fraction_static="
+                             f"{self.config.mem_fraction_static} after weights and LoRA slots): raise mem_fraction_static, "
+                             "or lower max_loras_per_batch, max_lora_rank or max_running_requests")
+        return min(tokens, self.config.max_total_tokens or tokens)
+
+
+def model_dtype(dtype: str, hf_config: PretrainedConfig) -> torch.dtype:
+    """"auto": the checkpoint's dtype (float32 when config.json names none)."""
+    if dtype != "auto":
+        return DTYPES[dtype]
+    saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+    return getattr(torch, saved) if isinstance(saved, str) else saved

@@ -1,0 +1,45 @@
+"""State of one request as the scheduler, model runner and engine see it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moelora.engine.detokenizer import IncrementalDetokenizer
+from moelora.engine.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    lora: str | None = None                  # adapter name, None: the base model
+    seed: int = 0                            # the sampler's: params.seed, else one the engine drew
+    detokenizer: IncrementalDetokenizer | None = None  # text, and the stop and length finishes
+    return_prompt_logprobs: bool = False     # keep log-probabilities of every prompt position
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, if params.logprobs is set
+    prompt_logprobs: list[torch.Tensor] = field(default_factory=list)  # [tokens, vocab] per prefill chunk
+    row: int | None = None                   # row of kv.req_to_token while the request holds cache
+    kv_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # host, one per cached token
+    finish_reason: str | None = None         # "stop", "length" or "abort"
+    num_retractions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens whose keys and values are (or, for the step being built, will be) in the cache."""
+        return self.kv_slots.numel()
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens start..end-1 of prompt + output."""
+        prompt = len(self.prompt_ids)
+        return self.prompt_ids[start:end] + self.output_ids[max(start - prompt, 0):max(end - prompt, 0)]

@@ -1,0 +1,191 @@
+"""Adapters by name, in three tiers: registered (name -> directory), canonical copies in host
+memory (LRU, at most max_cpu_loras; re-read from disk when needed again), and max_loras_per_batch
+GPU slots (LRU, never evicting an adapter of a request that holds KV cache).
+
+The scheduler admits a request only when its adapter fits among the running batch's adapters, so
+`prepare` always finds a slot. Unloading an adapter with requests in flight lets them finish;
+new requests naming it are refused from then on.
+"""
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from moelora.engine.config import EngineConfig
+from moelora.kernels.fused_moe import ExpertLoRA
+from moelora.lora.adapter import load_adapter
+from moelora.lora.canonical import Adapter
+from moelora.lora.errors import AdapterError
+from moelora.lora.model_shapes import load_model_shapes
+from moelora.lora.slots import allocate_lora_slots, write_adapter_to_slot
+
+
+class LoRASlotPool:
+    """Which adapter sits in which GPU slot: least recently used goes first, never one in use."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self._slots: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
+        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+
+    @property
+    def names(self) -> list[str]:
+        """Adapters in slots, least recently used first."""
+        return list(self._slots)
+
+    def lookup(self, name: str) -> int | None:
+        """The adapter's slot, marking it used; None if it has none."""
+        if name in self._slots:
+            self._slots.move_to_end(name)
+        return self._slots.get(name)
+
+    def assign(self, name: str, in_use: Collection[str]) -> tuple[int, str | None]:
+        """A slot for an adapter that has none: a free one, else the least recently used one among
+        adapters not in `in_use`. Returns (slot, evicted adapter or None)."""
+        evicted = None
+        if self._free:
+            slot = self._free.pop()
+        else:
+            evicted = next((n for n in self._slots if n not in in_use), None)
+            if evicted is None:
+                raise RuntimeError(f"all {self.num_slots} LoRA slots hold adapters in use: {sorted(self._slots)}")
+            slot = self._slots.pop(evicted)
+        self._slots[name] = slot
+        return slot, evicted
+
+    def release(self, name: str) -> None:
+        """Free the adapter's slot, if it has one."""
+        slot = self._slots.pop(name, None)
+        if slot is not None:
+            self._free.append(slot)
+
+
+@dataclass
+class LoRAStats:
+    slot_hits: int = 0       # an adapter of a step was in a GPU slot already
+    slot_loads: int = 0      # copied from host memory into a GPU slot
+    slot_evictions: int = 0  # another adapter's slot was taken over
+    disk_loads: int = 0      # read (and validated) from disk: at load_lora, or after leaving host memory
+
+
+class LoRAManager:
+    def __init__(self, config: EngineConfig, model: nn.Module):
+        self.config, self.model = config, model
+        self.shapes = load_model_shapes(model.config)
+        self.stats = LoRAStats()
+        self._paths: dict[str, Path] = {}
+        self._host: OrderedDict[str, Adapter] = OrderedDict()  # least recently used first
+        self._expert_rank: dict[str, int] = {}  # largest routed-expert rank of each adapter
+        self._in_flight: Counter[str] = Counter()
+        self._unloading: set[str] = set()
+        self.pool = LoRASlotPool(config.max_loras_per_batch)
+        # without max_lora_rank the slots take the largest rank among the adapters given at start
+        initial = {name: self._read(path, config.max_lora_rank) for name, path in config.lora_paths.items()}
+        self.max_rank = config.max_lora_rank or max((a.max_rank for a in initial.values()), default=0)
+        if self.max_rank:
+            allocate_lora_slots(model, config.max_loras_per_batch, self.max_rank)
+        self.expert_loras = [m.lora for m in model.modules() if isinstance(getattr(m, "lora", None), ExpertLoRA)]
+        for name, adapter in initial.items():
+            self._register(name, Path(config.lora_paths[name]), adapter)
+
+    @property
+    def names(self) -> list[str]:
+        """Adapters new requests may name."""
+        return sorted(n for n in self._paths if n not in self._unloading)
+
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Read and validate an adapter against the model; it serves requests from now on."""
+        if name in self._unloading:
+            raise AdapterError(f"adapter {name!r} is still being unloaded ({self._in_flight[name]} requests in flight)")
+        if name in self._paths:
+            raise AdapterError(f"adapter {name!r} is already loaded from {self._paths[name]}; unload it first")
+        if not self.max_rank:
+            raise AdapterError(f"cannot load adapter {name!r}: the engine has no LoRA slots "
+                               "(start it with max_lora_rank, or with lora_paths)")
+        self._register(name, Path(path), self._read(path, self.max_rank))
+
+    def unload_lora(self, name: str) -> None:
+        """New requests naming the adapter are refused from now on; it leaves memory once its
+        requests in flight have finished."""
+        self.check(name)
+        if self._in_flight[name]:
+            self._unloading.add(name)
+        else:
+            self._drop(name)
+
+    def check(self, name: str) -> None:
+        """Raise AdapterError unless new requests may name the adapter."""
+        if name in self._unloading:
+            raise AdapterError(f"adapter {name!r} is being unloaded and takes no new requests")
+        if name not in self._paths:
+            raise AdapterError(f"unknown adapter {name!r} (loaded: {', '.join(self.names) or 'none'})")
+
+    def acquire(self, name: str) -> None:
+        """A new request names the adapter."""
+        self.check(name)
+        self._in_flight[name] += 1
+
+    def release(self, name: str) -> None:
+        """A request naming the adapter finished or was aborted."""
+        self._in_flight[name] -= 1
+        if not self._in_flight[name]:
+            del self._in_flight[name]
+            if name in self._unloading:
+                self._drop(name)
+
+    def prepare(self, adapters: Sequence[str | None], in_use: Collection[str]) -> list[int]:
+        """GPU slot of each request's adapter (-1: base model), loading adapters into slots as
+        needed without evicting any in `in_use` (which must include `adapters`). Also bounds the
+        experts' rank tile by the largest rank among `adapters`."""
+        slots: dict[str, int] = {}
+        for name in dict.fromkeys(a for a in adapters if a is not None):
+            slot = self.pool.lookup(name)
+            if slot is None:
+                slot, evicted = self.pool.assign(name, in_use)
+                write_adapter_to_slot(self.model, self._host_copy(name), slot)
+                self.stats.slot_loads += 1
+                self.stats.slot_evictions += evicted is not None
+            else:
+                self.stats.slot_hits += 1
+            slots[name] = slot
+        if slots:
+            rank = max(self._expert_rank[n] for n in slots)
+            for lora in self.expert_loras:
+                lora.max_rank_in_use = max(rank, 1)  # 0 would mean "unknown": the buffers' full rank
+        return [-1 if a is None else slots[a] for a in adapters]
+
+    # --------------------------------------------------------------------------------- internals
+
+    def _read(self, path: str | Path, max_rank: int | None) -> Adapter:
+        adapter = load_adapter(path, self.shapes, max_rank)
+        self.stats.disk_loads += 1
+        return adapter
+
+    def _register(self, name: str, path: Path, adapter: Adapter) -> None:
+        self._paths[name] = path
+        self._expert_rank[name] = max((e.rank for layer in adapter.layers.values() for e in layer.experts.values()),
+                                      default=0)
+        self._cache(name, adapter)
+
+    def _cache(self, name: str, adapter: Adapter) -> None:
+        self._host[name] = adapter
+        while self.config.max_cpu_loras is not None and len(self._host) > self.config.max_cpu_loras:
+            self._host.popitem(last=False)
+
+    def _host_copy(self, name: str) -> Adapter:
+        if name in self._host:
+            self._host.move_to_end(name)
+            return self._host[name]
+        adapter = self._read(self._paths[name], self.max_rank)
+        self._cache(name, adapter)
+        return adapter
+
+    def _drop(self, name: str) -> None:
+        del self._paths[name], self._expert_rank[name]
+        self._unloading.discard(name)
+        self._host.pop(name, None)
+        self.pool.release(name)

@@ -1,0 +1,145 @@
+"""Engine behaviour on the tiny Qwen3-MoE: batch invariance (with chunked prefill and retraction),
+the step API, aborts, per-request errors, n > 1, logprobs and stop tokens."""
+import pytest
+import torch
+
+from moelora.engine.sampling_params import SamplingParams
+from moelora.lora import AdapterError
+
+FAMILY = "qwen3_moe"
+PROMPTS = [[(7 * i + 3 * j) % 90 + 3 for j in range(5 + i)] for i in range(6)]  # 5 to 10 tokens
+LORAS = [None, "full", "partial", None, "full", "partial"]
+# greedy and seeded random rows; ignore_eos: every request runs its max_tokens
+PARAMS = [SamplingParams(max_tokens=16, temperature=0.0 if i % 2 == 0 else 0.8, seed=i, ignore_eos=True)
+          for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def engine(make_engine):
+    return make_engine(FAMILY)
+
+
+@pytest.fixture(scope="module")
+def alone(make_engine):
+    """family -> the tokens of each of PROMPTS run by itself."""
+    cache = {}
+
+    def get(family: str) -> list[list[int]]:
+        if family not in cache:
+            engine = make_engine(family)
+            cache[family] = [engine.generate([p], sp, lora=[a])[0].token_ids for p, sp, a in zip(PROMPTS, PARAMS, LORAS)]
+        return cache[family]
+    return get
+
+
+def assert_idle(engine):
+    """Nothing left in flight, every KV slot and row free again."""
+    assert not engine.has_unfinished()
+    assert engine.scheduler.pool.free_slots == engine.runner.kv.num_slots - 1
+    assert engine.scheduler.pool.free_rows == engine.config.max_running_requests
+
+
+def test_output_does_not_depend_on_the_batch(engine, alone):
+    assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS, lora=LORAS)] == alone(FAMILY)
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("family", [FAMILY, "deepseek_v3"])  # and MLA, whose cached keys and values differ in size
+def test_chunked_prefill_and_retraction_keep_outputs(family, make_engine, alone):
+    tight = make_engine(family, chunked_prefill_size=4, max_total_tokens=40)
+    assert [o.token_ids for o in tight.generate(PROMPTS, PARAMS, lora=LORAS)] == alone(family)
+    assert tight.scheduler.num_retractions > 0
+    assert_idle(tight)
+
+
+def test_step_api_streams_what_generate_returns(engine, alone):
+    rids = [engine.add_request(p, sp, lora=a) for p, sp, a in zip(PROMPTS[:3], PARAMS, LORAS)]
+    tokens, texts, ends = {r: [] for r in rids}, {r: "" for r in rids}, {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.rid not in ends, "output after the request finished"
+            tokens[out.rid] += out.token_ids
+            texts[out.rid] += out.text
+            if out.finished:
+                ends[out.rid] = out
+    assert [tokens[r] for r in rids] == alone(FAMILY)[:3]
+    for r in rids:
+        assert ends[r].finish_reason == "length" and ends[r].completion_tokens == 16
+        assert texts[r] == engine.tokenizer.decode(tokens[r])
+
+
+def test_abort_frees_the_request_and_spares_the_others(engine, alone):
+    keep = engine.add_request(PROMPTS[1], PARAMS[1], lora=LORAS[1])
+    drop = engine.add_request(PROMPTS[2], PARAMS[2], lora=LORAS[2])
+    outputs = engine.step() + engine.step()  # both prefilled and decoding
+    queued = engine.add_request(PROMPTS[3], PARAMS[3])  # not scheduled yet
+    assert engine.abort(drop) and engine.abort(queued) and not engine.abort("no-such-id")
+    while engine.has_unfinished():
+        outputs += engine.step()
+    ends = {o.rid: o.finish_reason for o in outputs if o.finished}
+    assert ends == {keep: "length", drop: "abort", queued: "abort"}
+    kept = [t for o in outputs if o.rid == keep for t in o.token_ids]
+    assert kept == alone(FAMILY)[1]
+    assert_idle(engine)
+
+
+def test_bad_requests_fail_alone(engine, alone):
+    good = engine.add_request(PROMPTS[0], PARAMS[0])
+    engine.step()
+    with pytest.raises(AdapterError, match="unknown adapter 'nope'"):
+        engine.add_request([1, 2], lora="nope")
+    with pytest.raises(ValueError, match="prompt has 20000 tokens"):
+        engine.add_request([1] * 20000)
+    with pytest.raises(ValueError, match=r"token ids must be ints in \[0, 96\)"):
+        engine.add_request([1, 96])
+    bad = SamplingParams()
+    bad.temperature = -1.0
+    with pytest.raises(ValueError, match="SamplingParams.temperature"):
+        engine.add_request([1, 2], bad)
+    with pytest.raises(ValueError, match="prompt 1: unknown adapter"):  # generate checks all before running any
+        engine.generate([[1, 2], [3, 4]], lora=[None, "nope"])
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert [t for o in outputs if o.rid == good for t in o.token_ids] == alone(FAMILY)[0][1:]
+    assert_idle(engine)
+
+
+def test_n_completions_use_consecutive_seeds(engine):
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=7, n=3, ignore_eos=True)
+    outs = engine.generate(PROMPTS[0], params, lora="full")
+    assert len(outs) == 3 and len({tuple(o.token_ids) for o in outs}) == 3
+    for k, out in enumerate(outs):
+        one = SamplingParams(max_tokens=8, temperature=1.0, seed=7 + k, ignore_eos=True)
+        assert engine.generate(PROMPTS[0], one, lora="full")[0].token_ids == out.token_ids
+
+
+def test_logprobs_agree_with_prompt_logprobs(engine):
+    out = engine.generate(PROMPTS[1], SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True),
+                          lora="partial")[0]
+    full = engine.prompt_logprobs([PROMPTS[1] + out.token_ids], lora="partial")[0]
+    for i, (token, logprobs) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = full[len(PROMPTS[1]) - 1 + i]
+        assert token in logprobs and len(logprobs) <= 3
+        for t, lp in logprobs.items():
+            assert lp == pytest.approx(row[t].item(), abs=1e-4)
+        assert token == row.argmax().item()
+    assert engine.generate(PROMPTS[1], SamplingParams(max_tokens=2))[0].logprobs is None
+
+
+def test_stop_token_and_text_prompt(engine):
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tokens = engine.generate("abc", greedy)[0].token_ids
+    assert tokens == engine.generate([[67, 68, 69]], greedy)[0].token_ids  # "abc" in the tiny tokenizer
+    stop = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[tokens[4]])
+    out = engine.generate("abc", stop)[0]
+    first = tokens.index(tokens[4])
+    assert out.finish_reason == "stop" and out.token_ids == tokens[:first + 1]
+    assert out.text == engine.tokenizer.decode(tokens[:first])
+
+
+def test_top_level_names():
+    import moelora
+    from moelora.engine.engine import Engine
+
+    assert moelora.Engine is Engine and moelora.SamplingParams is SamplingParams

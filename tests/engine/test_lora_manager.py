@@ -1,0 +1,104 @@
+"""LoRA slots: LRU order, adapters in use never evicted, requests waiting for a slot, adapters
+loaded and unloaded at runtime, the host-memory cache, and the counters."""
+import shutil
+
+import pytest
+
+from moelora.engine.sampling_params import SamplingParams
+from moelora.lora import AdapterError, load_adapter
+from moelora.lora.manager import LoRASlotPool
+from tests.models.families import family_config
+
+FAMILY = "qwen3_moe"
+PROMPTS = [[5, 17, 2, 93, 41], [11, 4, 77, 30, 1, 9]]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(make_engine):
+    """Greedy tokens of each prompt on each adapter, from an engine with a slot for both."""
+    engine = make_engine(FAMILY)
+    return {(i, a): engine.generate([p], GREEDY, lora=a)[0].token_ids
+            for i, p in enumerate(PROMPTS) for a in ("full", "partial")}
+
+
+def test_slot_pool_evicts_least_recently_used_not_in_use():
+    pool = LoRASlotPool(2)
+    assert pool.assign("a", {"a"}) == (0, None) and pool.assign("b", {"b"}) == (1, None)
+    assert pool.lookup("a") == 0 and pool.names == ["b", "a"]  # a used last
+    assert pool.assign("c", {"c"}) == (1, "b")
+    assert pool.assign("d", {"c", "d"}) == (0, "a")  # c is in use although least recently used
+    with pytest.raises(RuntimeError, match="in use"):
+        pool.assign("e", {"c", "d", "e"})
+    pool.release("c")
+    assert pool.lookup("c") is None and pool.assign("e", {"e"}) == (1, None)
+
+
+def test_one_slot_two_adapters_both_complete(make_engine, reference):
+    engine = make_engine(FAMILY, max_loras_per_batch=1, max_cpu_loras=1)
+    jobs = [(i, a) for a in ("full", "partial") for i in range(len(PROMPTS))] * 2
+    outputs = engine.generate([PROMPTS[i] for i, _ in jobs], GREEDY, lora=[a for _, a in jobs])
+    assert [o.token_ids for o in outputs] == [reference[j] for j in jobs]
+    stats = engine.runner.lora.stats
+    # the two adapters took turns in the slot, and in host memory (re-read from disk)
+    assert stats.slot_evictions >= 1 and stats.slot_loads == stats.slot_evictions + 1
+    assert stats.disk_loads >= 3 and stats.slot_hits > 0
+
+
+def expert_rank(path) -> int:
+    adapter = load_adapter(path, family_config(FAMILY))
+    return max(e.rank for layer in adapter.layers.values() for e in layer.experts.values())
+
+
+def test_prepare_never_evicts_what_running_requests_use(make_engine, adapters):
+    engine = make_engine(FAMILY, max_loras_per_batch=1)
+    manager = engine.runner.lora
+    ranks = {name: expert_rank(a.path) for name, a in adapters(FAMILY).items()}
+    assert ranks["full"] != ranks["partial"]
+    assert manager.prepare(["full", None], in_use={"full"}) == [0, -1]
+    # the experts' rank tile follows the adapters of the step
+    assert {lora.max_rank_in_use for lora in manager.expert_loras} == {ranks["full"]}
+    with pytest.raises(RuntimeError, match="in use"):
+        manager.prepare(["partial"], in_use={"full", "partial"})
+    assert manager.prepare(["partial"], in_use={"partial"}) == [0]
+    assert {lora.max_rank_in_use for lora in manager.expert_loras} == {ranks["partial"]}
+    assert manager.pool.names == ["partial"]
+
+
+def test_load_and_unload_at_runtime(make_engine, adapters, reference, tmp_path):
+    engine = make_engine(FAMILY, lora_paths={})
+    path = str(adapters(FAMILY)["full"].path)
+    engine.load_lora("mine", path)
+    with pytest.raises(AdapterError, match="already loaded"):
+        engine.load_lora("mine", path)
+    assert engine.generate(PROMPTS[0], GREEDY, lora="mine")[0].token_ids == reference[0, "full"]
+
+    rid = engine.add_request(PROMPTS[1], GREEDY, lora="mine")
+    engine.step()
+    engine.unload_lora("mine")  # in flight: it finishes, new requests are refused
+    with pytest.raises(AdapterError, match="being unloaded"):
+        engine.add_request(PROMPTS[0], GREEDY, lora="mine")
+    with pytest.raises(AdapterError, match="still being unloaded"):
+        engine.load_lora("mine", path)
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [t for o in engine.step() if o.rid == rid for t in o.token_ids]
+    assert tokens == reference[1, "full"][1:]
+    with pytest.raises(AdapterError, match="unknown adapter 'mine'"):
+        engine.add_request(PROMPTS[0], GREEDY, lora="mine")
+    assert engine.runner.lora.pool.names == []
+    engine.load_lora("mine", path)  # the name is free again
+
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    (broken / "adapter_model.safetensors").unlink()
+    with pytest.raises(AdapterError, match="broken"):
+        engine.load_lora("broken", str(broken))
+    with pytest.raises(AdapterError, match="unknown adapter 'broken'"):
+        engine.unload_lora("broken")
+
+
+def test_no_slots_without_a_rank(make_engine, adapters):
+    engine = make_engine(FAMILY, lora_paths={}, max_lora_rank=None)
+    with pytest.raises(AdapterError, match="no LoRA slots"):
+        engine.load_lora("full", str(adapters(FAMILY)["full"].path))

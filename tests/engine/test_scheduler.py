@@ -1,0 +1,140 @@
+"""Scheduler and KV pool on their own: a fake model appends one token per completing request."""
+import pytest
+import torch
+
+from moelora.engine.config import EngineConfig
+from moelora.engine.kv_pool import KVPool
+from moelora.engine.request import Req
+from moelora.engine.sampling_params import SamplingParams
+from moelora.engine.scheduler import ScheduledBatch, Scheduler
+
+
+def make(num_slots=64, rows=8, **kw) -> Scheduler:
+    return Scheduler(EngineConfig("model", device="cpu", **kw), KVPool(num_slots, rows))
+
+
+def req(rid, prompt_len, max_new, lora=None) -> Req:
+    return Req(rid, list(range(prompt_len)), SamplingParams(max_tokens=max_new), lora)
+
+
+def check_cache(s: Scheduler) -> None:
+    """Every held slot is held once, slot 0 never, and held + free = all slots but 0."""
+    held = torch.cat([torch.empty(0, dtype=torch.int64)] + [r.kv_slots for r in s._holding()])
+    assert held.unique().numel() == held.numel() and (held > 0).all()
+    assert held.numel() + s.pool.free_slots == s.pool.num_slots - 1
+    assert all(r.kv_slots.numel() == 0 and r.row is None for r in s.waiting)
+
+
+def step(s: Scheduler) -> ScheduledBatch:
+    batch = s.schedule()
+    assert batch is not None
+    assert batch.out_slots.numel() == sum(batch.extend_lens)
+    for i, r in enumerate(batch.reqs):
+        assert r.kv_len == batch.prefix_lens[i] + batch.extend_lens[i] <= r.num_tokens
+        if batch.completes[i]:
+            r.output_ids.append(r.num_tokens)  # a token that says where it was made
+            if len(r.output_ids) == r.params.max_tokens:
+                r.finish_reason = "length"
+    s.update(batch)
+    check_cache(s)
+    return batch
+
+
+def run(s: Scheduler, max_steps=200) -> list[ScheduledBatch]:
+    batches = []
+    while s.has_unfinished():
+        batches.append(step(s))
+        assert len(batches) < max_steps
+    return batches
+
+
+def test_kv_pool_never_hands_out_slot_zero():
+    pool = KVPool(5, 2)
+    slots = pool.alloc_slots(4)
+    assert sorted(slots.tolist()) == [1, 2, 3, 4] and pool.free_slots == 0
+    with pytest.raises(RuntimeError, match="out of slots"):
+        pool.alloc_slots(1)
+    pool.free(slots[:2])
+    assert pool.free_slots == 2
+    assert {pool.alloc_row(), pool.alloc_row()} == {0, 1}
+    with pytest.raises(RuntimeError, match="rows"):
+        pool.alloc_row()
+
+
+def test_chunked_prefill_then_decode():
+    s = make(chunked_prefill_size=4)
+    r = req("a", 10, 3)
+    s.add(r)
+    batches = run(s)
+    assert [(b.is_decode, b.extend_lens) for b in batches] == [
+        (False, [4]), (False, [4]), (False, [2]), (True, [1]), (True, [1])]
+    assert r.output_ids == [10, 11, 12]  # each token sees every token before it
+    assert s.pool.free_slots == 63 and s.pool.free_rows == 8
+
+
+def test_requests_join_and_leave_every_step():
+    s = make()
+    a, b = req("a", 3, 4), req("b", 2, 2)
+    s.add(a)
+    assert step(s).reqs == [a]
+    s.add(b)
+    assert (lambda bt: (bt.is_decode, bt.reqs))(step(s)) == (False, [b])  # prefill first
+    assert step(s).reqs == [a, b]  # one decode batch of both
+    assert step(s).reqs == [a]  # b finished with 2 tokens
+    run(s)
+    assert a.output_ids == [3, 4, 5, 6] and b.output_ids == [2, 3]
+
+
+def test_prefill_token_budget_and_request_limit():
+    s = make(max_prefill_tokens=8, chunked_prefill_size=-1, max_running_requests=2)
+    reqs = [req("a", 5, 1), req("b", 5, 1), req("c", 12, 1), req("d", 1, 1)]
+    for r in reqs:
+        s.add(r)
+    # a alone (b over budget), b alone, c alone although over budget (unchunked), then d
+    assert [[r.rid for r in b.reqs] for b in run(s)] == [["a"], ["b"], ["c"], ["d"]]
+    s = make(max_running_requests=2)
+    reqs = [req(str(i), 2, 3) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    first = step(s)
+    assert [r.rid for r in first.reqs] == ["0", "1"]
+    run(s)
+    assert all(len(r.output_ids) == 3 for r in reqs)
+
+
+def test_decode_out_of_slots_retracts_newest_and_recomputes():
+    s = make(num_slots=16, chunked_prefill_size=4)
+    reqs = [req("a", 4, 8), req("b", 4, 8)]
+    for r in reqs:
+        s.add(r)
+    run(s)
+    assert s.num_retractions > 0 and reqs[1].num_retractions > 0 and reqs[0].num_retractions == 0
+    for r in reqs:  # recomputation continued where it left off
+        assert r.output_ids == list(range(4, 12))
+    assert s.pool.free_slots == 15
+
+
+def test_adapter_that_does_not_fit_waits():
+    s = make(max_loras_per_batch=1)
+    a, b, c = req("a", 2, 3, "x"), req("b", 2, 3, "y"), req("c", 2, 1, None)
+    for r in (a, b, c):
+        s.add(r)
+    first = step(s)
+    assert first.reqs == [a]  # b waits for a slot and, FIFO, c waits behind it
+    assert s.active_adapters() == {"x"}
+    batches = run(s)
+    assert all(len(r.output_ids) == r.params.max_tokens for r in (a, b, c))
+    for batch in batches:  # never two adapters at once among requests holding cache
+        assert len({r.lora for r in batch.reqs} - {None}) <= 1
+
+
+def test_remove_frees_cache_anywhere():
+    s = make(chunked_prefill_size=4)
+    a, b = req("a", 10, 5), req("b", 3, 5)
+    s.add(a)
+    s.add(b)
+    step(s)  # a's first chunk
+    assert s.chunked is a and s.find("b") is b and s.find("zzz") is None
+    s.remove(a)
+    s.remove(b)
+    assert not s.has_unfinished() and s.pool.free_slots == 63 and s.pool.free_rows == 8
