@@ -107,18 +107,26 @@ class ModelRunner:
         ), rows
 
     def _kv_tokens(self, bytes_per_token: int, context: int) -> int:
-        """KV token slots: max_total_tokens on CPU (default CPU_KV_TOKENS); on GPUs what is left of
-        mem_fraction_static of the memory after weights, LoRA slots and req_to_token, capped by it."""
+        """KV token slots: max_total_tokens when given (on GPUs it must fit in free memory), else on CPU
+        CPU_KV_TOKENS and on GPUs what is left of mem_fraction_static of the memory after weights, LoRA
+        slots and req_to_token."""
         if self.device.type == "cpu":
             return self.config.max_total_tokens or CPU_KV_TOKENS
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = total * self.config.mem_fraction_static - (total - free) - self.config.max_running_requests * context * 4
+        req_to_token = self.config.max_running_requests * context * 4
+        if self.config.max_total_tokens:
+            if self.config.max_total_tokens * bytes_per_token + req_to_token > free:
+                raise ValueError(f"max_total_tokens={self.config.max_total_tokens} needs "
+                                 f"{self.config.max_total_tokens * bytes_per_token / 2**30:.2f} GiB of KV cache; "
+                                 f"{free / 2**30:.2f} GiB of GPU memory is free")
+            return self.config.max_total_tokens
+        budget = total * self.config.mem_fraction_static - (total - free) - req_to_token
         tokens = int(budget // bytes_per_token)
         if tokens < 2:
             raise ValueError(f"no GPU memory left for the KV cache ({budget / 2**30:.2f} GiB of mem_fraction_static="
                              f"{self.config.mem_fraction_static} after weights and LoRA slots): raise mem_fraction_static, "
                              "or lower max_loras_per_batch, max_lora_rank or max_running_requests")
-        return min(tokens, self.config.max_total_tokens or tokens)
+        return tokens
 
 
 def model_dtype(dtype: str, hf_config: PretrainedConfig) -> torch.dtype:

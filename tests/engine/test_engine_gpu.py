@@ -18,7 +18,7 @@ def prompts(bs: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def engines(make_engine):
-    kwargs = dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8)
+    kwargs = dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8, max_total_tokens=4096)  # two engines share the GPU
     graphed, eager = make_engine(FAMILY, **kwargs), make_engine(FAMILY, disable_cuda_graph=True, **kwargs)
     assert graphed.runner.graphs is not None and eager.runner.graphs is None
     assert graphed.runner.graphs.sizes == [1, 2, 4, 8]
