@@ -107,7 +107,11 @@ def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoEK
         return MoEKernelConfig(16, BLOCK_N_GATE_UP, 128, block_k, 8, 4, 4)
     if rows_per_expert <= 96:
         return MoEKernelConfig(32, BLOCK_N_GATE_UP, 128, block_k, 8, 4, 4)
-    return MoEKernelConfig(64, BLOCK_N_GATE_UP, 128, block_k, 8, 4, 4)
+    if rows_per_expert < 256:
+        return MoEKernelConfig(64, BLOCK_N_GATE_UP, 128, block_k, 8, 4, 4)
+    # prefill: from `bench_moe.py --sweep-tokens 4096` (H200, 2026-11-22), the best tile for base and
+    # LoRA together on all three shapes (8 warps gave the base 4% more but the LoRA epilogue 15% less)
+    return MoEKernelConfig(128, BLOCK_N_GATE_UP, 128, block_k, 8, 4, 3)
 
 
 # ----------------------------------------------------------------------------------- Triton
