@@ -216,8 +216,10 @@ class OpenAIServing:
                      add_special_tokens: bool) -> list[Submission]:
         """n sequences per prompt; with a seed, the k-th of them draws with seed + k (as Engine.generate)."""
         lora = self._adapter(body.model)
-        if not isinstance(body.n, int) or body.n < 1:
-            raise APIError(400, f"n must be >= 1, got {body.n}", param="n")
+        limit = self.loop.engine.config.max_running_requests
+        if not 1 <= body.n * len(prompts) <= limit:
+            raise APIError(400, f"n must be >= 1 and n * prompts <= max_running_requests ({limit}), got n={body.n} "
+                           f"for {len(prompts)} prompts", param="n")
         try:
             params = body.sampling_params(self.loop.context_len if max_tokens is None else max_tokens, logprobs)
         except ValueError as e:
@@ -309,6 +311,8 @@ class OpenAIServing:
                 if not done:  # the client left, or the engine failed: free the cache now
                     self.loop.abort(rids)
             yield "data: [DONE]\n\n"
+        # Starlette starts the generator before it can notice a disconnect (the first suspension
+        # point is in here), so the finally runs even for a client that left before its first chunk
         return StreamingResponse(body(), media_type="text/event-stream")
 
 

@@ -48,7 +48,6 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    user: str | None = None
     # vLLM/SGLang extensions
     top_k: int | None = None
     min_p: float | None = None

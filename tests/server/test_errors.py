@@ -4,6 +4,7 @@ After each test the server answers a normal request and holds nothing."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -58,6 +59,8 @@ def test_malformed_json_and_bodies_that_are_not_objects(server):
     ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
     ("/v1/chat/completions", {**CHAT, "logprobs": "yes please"}, "logprobs"),
     ("/v1/load_lora_adapter", {"lora_name": "x"}, "lora_path"),
+    ("/v1/completions", {**OK, "n": 300}, "n"),
+    ("/v1/completions", {**OK, "prompt": ["a"] * 200, "n": 2}, "n"),
 ])
 def test_wrong_types_name_the_field(server, path, body, param):
     error(post(server, path, body), 400, param)
@@ -131,6 +134,17 @@ def test_client_leaving_before_a_whole_response_aborts_its_request(server):
     aborts = finished(server, "abort")
     with pytest.raises(httpx.ReadTimeout):
         post(server, "/v1/chat/completions", {**CHAT, "max_tokens": 400, "ignore_eos": True}, timeout=0.3)
+    assert server.idle()
+    assert finished(server, "abort") == aborts + 1
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_leaving_while_its_request_is_queued_aborts_it(server, stream):
+    aborts = finished(server, "abort")
+    busy = server.loop.call(lambda: time.sleep(1.0))  # the engine thread takes the request only after the client left
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, "/v1/completions", {**LONG, "stream": stream}, timeout=0.3)
+    busy.result()
     assert server.idle()
     assert finished(server, "abort") == aborts + 1
 
