@@ -11,7 +11,7 @@ import asyncio
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 
@@ -293,7 +293,9 @@ class OpenAIServing:
     def _json(body: BaseModel) -> JSONResponse:
         return JSONResponse(body.model_dump(mode="json"))
 
-    def _stream(self, rids: list[str], queue: asyncio.Queue, chunk, first: list[BaseModel], usage) -> StreamingResponse:
+    def _stream(self, rids: list[str], queue: asyncio.Queue, chunk: Callable[[Delta], BaseModel | None],
+                first: list[BaseModel], usage: Callable[[], BaseModel] | None) -> StreamingResponse:
+        """SSE: the `first` chunks, one chunk per step output that has something to say, the usage chunk."""
         async def body() -> AsyncIterator[str]:
             done = False
             try:
@@ -324,6 +326,8 @@ async def _disconnected(request: Request) -> None:
 
 def create_app(engine: Engine, served_model_name: str, max_queued_requests: int | None = None) -> FastAPI:
     """The app; its engine thread starts and stops with the app's lifespan."""
+    if served_model_name in engine.config.lora_paths:
+        raise ValueError(f"the served model name {served_model_name!r} is also an adapter's name")
     loop = EngineLoop(engine, Metrics(engine.runner.lora.stats), max_queued_requests)
 
     @asynccontextmanager

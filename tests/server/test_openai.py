@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from moelora.engine.sampling_params import SamplingParams
+from moelora.server.app import create_app
 from tests.server.conftest import MODEL_NAME
 
 PROMPTS = ["Hello world", "the quick brown fox", "naïve café", "déjà vu"]
@@ -231,3 +232,8 @@ def test_health_and_metrics(server, client, reference):
     for name, count in stats.items():
         assert value(after, f"moelora:lora_{name}_total") == count
     assert value(after, "moelora:num_running_reqs") == 0 and value(after, "moelora:num_queue_reqs") == 0
+
+
+def test_the_served_name_cannot_be_an_adapters(reference):
+    with pytest.raises(ValueError, match="'alpha' is also an adapter's name"):
+        create_app(reference, "alpha")
