@@ -51,12 +51,27 @@ def test_generate_prints_the_completion(demo_dir, reference, capsys):
     assert capsys.readouterr().out == want + "\n"
 
 
+def env() -> dict[str, str]:
+    """This process's import path for a child python (this worktree's moelora first)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+
+def test_the_engine_and_the_cli_need_no_server_packages():
+    """The GPU machine has none of them: only `moelora serve` may import them."""
+    code = ("import sys\n"
+            "for m in ('fastapi', 'uvicorn', 'pydantic', 'prometheus_client', 'starlette', 'openai', 'httpx'):\n"
+            "    sys.modules[m] = None\n"
+            "from moelora.cli import build_parser\n"
+            "build_parser().parse_args(['serve', '--model-path', 'm'])\n"
+            "import moelora.engine.engine, moelora.demo\n")
+    subprocess.run([sys.executable, "-c", code], env=env(), check=True)
+
+
 def test_serve_starts_a_server(demo_dir, reference):
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.Popen([sys.executable, "-m", "moelora.cli", "serve", "--model-path", str(demo_dir / "model"),
                              "--lora-paths", f"alpha={demo_dir / 'alpha'}", "--served-model-name", "base",
-                             "--port", str(port), "--log-level", "warning", *CPU], env=env)
+                             "--port", str(port), "--log-level", "warning", *CPU], env=env())
     try:
         deadline = time.monotonic() + 60
         while True:
