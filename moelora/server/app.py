@@ -128,14 +128,14 @@ class OpenAIServing:
         if body.lora_name == self.served_model_name:
             raise APIError(400, f"`{body.lora_name}` is the base model's name", param="lora_name")
         try:
-            await self.loop.run(lambda: self.loop.load_lora(body.lora_name, body.lora_path))
+            await self.loop.load_lora(body.lora_name, body.lora_path)
         except AdapterError as e:
             raise APIError(400, str(e), param="lora_path", problems=e.problems) from e
         return {"success": True, "message": f"Success: LoRA adapter '{body.lora_name}' added successfully."}
 
     async def unload_lora_adapter(self, body: UnloadLoRARequest) -> dict:
         try:
-            await self.loop.run(lambda: self.loop.unload_lora(body.lora_name))
+            await self.loop.unload_lora(body.lora_name)
         except AdapterError as e:
             raise APIError(404, str(e), param="lora_name", code="model_not_found") from e
         return {"success": True, "message": f"Success: LoRA adapter '{body.lora_name}' removed successfully."}

@@ -124,6 +124,14 @@ class EngineLoop:
             future.add_done_callback(lambda f: f.cancelled() or f.exception() or self.abort(f.result()))
             raise
 
+    async def load_lora(self, name: str, path: str) -> None:
+        """Read and validate the adapter (AdapterError lists its problems); it serves from now on."""
+        await self.run(lambda: self._load_lora(name, path))
+
+    async def unload_lora(self, name: str) -> None:
+        """Requests in flight with the adapter finish; new ones are refused (AdapterError if unknown)."""
+        await self.run(lambda: self._unload_lora(name))
+
     def abort(self, rids: list[str]) -> None:
         """Abort the requests (those still running): their KV cache is freed at the next step."""
         try:
@@ -178,13 +186,11 @@ class EngineLoop:
             raise
         return rids
 
-    def load_lora(self, name: str, path: str) -> None:
-        """Engine thread: load the adapter and publish the new list."""
+    def _load_lora(self, name: str, path: str) -> None:
         self.engine.load_lora(name, path)
         self.adapters = {**self.adapters, name: path}
 
-    def unload_lora(self, name: str) -> None:
-        """Engine thread: requests in flight with the adapter finish, new ones are refused."""
+    def _unload_lora(self, name: str) -> None:
         self.engine.unload_lora(name)
         self.adapters = {n: p for n, p in self.adapters.items() if n != name}
 
