@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+import types
+import typing
 from pathlib import Path
 
 
@@ -31,6 +34,67 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from moelora.engine.engine import Engine
+    from moelora.server.app import create_app
+
+    engine = Engine(**_fields_of(args, _engine_config()))
+    name = args.served_model_name or Path(args.model_path.rstrip("/")).name
+    uvicorn.run(create_app(engine, name, args.max_queued_requests), host=args.host, port=args.port,
+                log_level=args.log_level)
+    return 0
+
+
+def generate(args: argparse.Namespace) -> int:
+    from moelora.engine.engine import Engine
+    from moelora.engine.sampling_params import SamplingParams
+
+    lora_paths = dict([args.lora]) if args.lora else {}
+    engine = Engine(**{**_fields_of(args, _engine_config()), "lora_paths": lora_paths})
+    params = SamplingParams(**_fields_of(args, SamplingParams))
+    for out in engine.generate(args.prompt, params, lora=args.lora[0] if args.lora else None):
+        print(out.text)
+    return 0
+
+
+def _engine_config() -> type:
+    from moelora.engine.config import EngineConfig  # imports torch: only for the commands that run the engine
+    return EngineConfig
+
+
+def _name_path(value: str) -> tuple[str, str]:
+    """NAME=PATH, or PATH named after itself (as SGLang's --lora-paths)."""
+    name, sep, path = value.partition("=")
+    return (name, path) if sep else (value, value)
+
+
+def _add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """One --flag per field of the dataclass (SGLang's spelling: --max-lora-rank for max_lora_rank),
+    so the command line cannot drift from the config. Unset flags keep the dataclass's defaults."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag, kind = "--" + f.name.replace("_", "-"), hints[f.name]
+        options = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if kind is bool:
+            action = "store_true" if not default else argparse.BooleanOptionalAction
+            parser.add_argument(flag, action=action, default=argparse.SUPPRESS, help=f"default: {default}")
+        elif (seq := next((o for o in options if typing.get_origin(o) in (list, tuple)), None)) is not None:
+            parser.add_argument(flag, nargs="+", type=typing.get_args(seq)[0], default=argparse.SUPPRESS,
+                                help=f"default: {default}")
+        elif (scalar := next((o for o in options if o in (int, float, str)), None)) is not None:
+            parser.add_argument(flag, type=scalar, default=argparse.SUPPRESS, help=f"default: {default}")
+
+
+def _fields_of(args: argparse.Namespace, cls: type) -> dict:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moelora", description="Serving engine for MoE models with many LoRA adapters.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -48,7 +112,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default=str(DEFAULT_DIR), help=f"where the demo model and adapters live (default {DEFAULT_DIR})")
     p.add_argument("--max-tokens", type=int, default=12, help="tokens per completion")
     p.set_defaults(run=demo)
+
+    engine_config = _engine_config()
+    p = commands.add_parser("serve", help="OpenAI-compatible HTTP server with adapter management and metrics")
+    p.add_argument("--model-path", required=True, help="local Hugging Face model directory")
+    p.add_argument("--lora-paths", nargs="+", type=_name_path, default={}, action=_DictAction, metavar="NAME=PATH",
+                   help="adapters loaded at start")
+    _add_dataclass_args(p, engine_config, skip=("model_path", "lora_paths"))
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--served-model-name", help="the base model's name in the API (default: the model directory's name)")
+    p.add_argument("--max-queued-requests", type=int, help="refuse requests (503) while this many wait (default: no limit)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(run=serve)
+
+    from moelora.engine.sampling_params import SamplingParams
+
+    p = commands.add_parser("generate", help="one completion of a prompt, printed (n of them with --n)")
+    p.add_argument("--model-path", required=True, help="local Hugging Face model directory")
+    p.add_argument("--lora", type=_name_path, metavar="NAME=PATH", help="generate with this adapter")
+    p.add_argument("--prompt", required=True)
+    _add_dataclass_args(p, engine_config, skip=("model_path", "lora_paths"))
+    _add_dataclass_args(p, SamplingParams, skip=("logprobs",))
+    p.set_defaults(run=generate)
     return parser
+
+
+class _DictAction(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, dict(values))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,8 +14,8 @@ ADAPTERS = {"alpha": 1, "beta": 2}  # name -> seed of its random LoRA weights
 PROMPTS = ["Hello world", "the quick brown fox", "naïve café"]
 
 
-def build(root: Path) -> None:
-    """root/model (config, safetensors, tokenizer) and root/<adapter> for each of ADAPTERS."""
+def build(root: Path, adapters: dict[str, int] = ADAPTERS) -> None:
+    """root/model (config, safetensors, tokenizer) and root/<name> for each adapter (name -> seed)."""
     import torch
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
@@ -44,7 +44,7 @@ def build(root: Path) -> None:
     tokenizer.save_pretrained(root / "model")
     lora_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                              target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    for name, seed in ADAPTERS.items():
+    for name, seed in adapters.items():
         peft_adapter(model(), lora_config, root / name, seed=seed)
 
 

@@ -115,11 +115,15 @@ _TOKENIZER_CORPUS = [
     "the quick brown fox jumps over the lazy dog. Hello world!",
 ]
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML over the special tokens above, as Qwen's tokenizers have it
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def tiny_tokenizer(vocab_size: int = 300):
     """A byte-level BPE tokenizer (GPT-2/Qwen style) trained on a few lines, as a transformers
-    PreTrainedTokenizerFast with EOS <|endoftext|>; no hub access."""
+    PreTrainedTokenizerFast with EOS <|endoftext|> and a ChatML chat template; no hub access."""
     # imported here: transformers takes seconds to load and the kernel tests do not need it
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -131,7 +135,7 @@ def tiny_tokenizer(vocab_size: int = 300):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_TOKENIZER_CORPUS * 10, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=TINY_SPECIAL_TOKENS[0],
-                                   clean_up_tokenization_spaces=False)
+                                   clean_up_tokenization_spaces=False, chat_template=TINY_CHAT_TEMPLATE)
 
 
 # ------------------------------------------------------------------ tiny transformers models

@@ -41,6 +41,11 @@ class AdapterConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, where: str = "adapter_config.json") -> AdapterConfig:
+        if not isinstance(raw, dict):
+            raise AdapterError(f"{where}: must hold a JSON object, got {type(raw).__name__}")
+        for name, kinds, expected in _FIELD_TYPES:
+            if raw.get(name) is not None and (not isinstance(raw[name], kinds) or isinstance(raw[name], bool)):
+                raise AdapterError(f"{where}: {name!r} must be {expected}, got {raw[name]!r}")
         refusals = unsupported_features(raw)
         if refusals:
             raise AdapterError(f"{where}: not served: " + "; ".join(refusals))
@@ -89,6 +94,12 @@ class AdapterConfig:
             return None
         numbers = re.findall(r"\d+", self.peft_version)[:3]
         return tuple(int(n) for n in numbers) >= PEFT_PARAM_ORIENTATION_FIXED
+
+
+# fields read below whose type the file may get wrong (JSON allows anything)
+_FIELD_TYPES = [("lora_alpha", (int, float), "a number"), ("rank_pattern", dict, "an object"),
+                ("alpha_pattern", dict, "an object"), ("target_modules", (str, list), "a string or a list"),
+                ("target_parameters", list, "a list")]
 
 
 def _pattern_key(patterns: dict, path: str) -> str | None:

@@ -146,6 +146,19 @@ def test_refused_config(tmp_path, field, value, reason):
     assert "adapter_config.json" in message and reason in message
 
 
+@pytest.mark.parametrize("field, value", [("lora_alpha", "16"), ("lora_alpha", True), ("rank_pattern", [1]),
+                                          ("alpha_pattern", "x"), ("target_modules", 5), ("target_parameters", "x")])
+def test_config_field_of_the_wrong_type(tmp_path, field, value):
+    assert f"adapter_config.json: {field!r} must be" in refused(tmp_path, good(), **{field: value})
+
+
+def test_config_that_is_not_an_object(tmp_path):
+    write_adapter(tmp_path, good())
+    (tmp_path / "adapter_config.json").write_text("[1]")
+    with pytest.raises(AdapterError, match="adapter_config.json: must hold a JSON object, got list"):
+        load_adapter(tmp_path, tiny_config("qwen3_moe"))
+
+
 def test_added_tokens_file(tmp_path):
     (tmp_path / "added_tokens.json").write_text(json.dumps({"<sql>": 32}))
     assert "added_tokens.json: added tokens are not served" in refused(tmp_path, good())

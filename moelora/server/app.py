@@ -1,0 +1,373 @@
+"""FastAPI app over one Engine: the OpenAI API (models, completions, chat completions, streamed or
+not), adapter loading and unloading at runtime, health and Prometheus metrics. The engine runs in
+its own thread (EngineLoop); handlers only parse, queue and format.
+
+Errors take OpenAI's shape {"error": {"message", "type", "param", "code"}}: unknown model 404, bad
+request 400 (validation errors too, naming the field), queue full 503.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+
+from moelora.engine.engine import Engine
+from moelora.lora.errors import AdapterError
+from moelora.server.engine_loop import Delta, EngineError, EngineLoop, Overloaded, Submission
+from moelora.server.metrics import Metrics
+from moelora.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                     ChatCompletionResponse, ChatMessageOut, ChoiceLogprobs, CompletionChoice,
+                                     CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, ErrorInfo,
+                                     ErrorResponse, LoadLoRARequest, ModelCard, ModelList, SamplingRequest,
+                                     TokenLogprob, TopLogprob, UnloadLoRARequest, UsageInfo)
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, problems: list[str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code, problems=problems)
+
+
+def _error(status: int, info: ErrorInfo) -> JSONResponse:
+    return JSONResponse(ErrorResponse(error=info).model_dump(exclude_none=True), status_code=status)
+
+
+def _not_found(name: str) -> APIError:
+    return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+
+def _bad_value(e: ValueError) -> APIError:
+    """SamplingParams and the engine name the bad field as SamplingParams.<field>."""
+    m = re.search(r"SamplingParams\.(\w+)", str(e))
+    return APIError(400, str(e), param=m and m.group(1))
+
+
+@dataclass
+class _Choice:
+    """One sequence's output so far."""
+    text: str = ""
+    logprobs: list[tuple[str, float, list[tuple[str, float]]]] = field(default_factory=list)  # piece, lp, top (desc)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, d: Delta) -> list[tuple[str, float, list[tuple[str, float]]]]:
+        """Take a step's output; return its token log-probabilities."""
+        new = [(d.pieces[t], lp[t], sorted(((d.pieces[u], v) for u, v in lp.items()), key=lambda x: -x[1]))
+               for t, lp in zip(d.out.token_ids, d.out.logprobs)]
+        self.text += d.out.text
+        self.logprobs += new
+        self.finish_reason = d.out.finish_reason
+        self.prompt_tokens, self.completion_tokens = d.out.prompt_tokens, d.out.completion_tokens
+        return new
+
+
+def _usage(choices: list[_Choice], n: int) -> UsageInfo:
+    """Prompt tokens count once per prompt, not once per each of its n choices."""
+    prompt = sum(c.prompt_tokens for c in choices[::n])
+    completion = sum(c.completion_tokens for c in choices)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _completion_logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]], offset: int) -> CompletionLogprobs:
+    """Legacy format: top_logprobs holds the chosen token and the top ones, as vLLM's."""
+    out = CompletionLogprobs()
+    for piece, lp, top in entries:
+        out.tokens.append(piece)
+        out.token_logprobs.append(lp)
+        out.top_logprobs.append(dict(top))
+        out.text_offset.append(offset)
+        offset += len(piece)
+    return out
+
+
+def _chat_logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]], k: int) -> ChoiceLogprobs:
+    def one(piece: str, lp: float) -> TopLogprob:
+        return TopLogprob(token=piece, logprob=lp, bytes=list(piece.encode()))
+    return ChoiceLogprobs(content=[TokenLogprob(**one(p, lp).model_dump(), top_logprobs=[one(*t) for t in top[:k]])
+                                   for p, lp, top in entries])
+
+
+def _sse(chunk: BaseModel) -> str:
+    return f"data: {chunk.model_dump_json()}\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, loop: EngineLoop, served_model_name: str):
+        self.loop, self.served_model_name = loop, served_model_name
+
+    # ------------------------------------------------------------------------------- routes
+
+    async def health(self) -> Response:
+        return Response(status_code=200 if self.loop.alive else 503)
+
+    async def metrics(self) -> Response:
+        body, content_type = self.loop.metrics.render()
+        return Response(body, media_type=content_type)
+
+    async def models(self) -> ModelList:
+        base = ModelCard(id=self.served_model_name, root=self.loop.engine.config.model_path)
+        return ModelList(data=[base, *(ModelCard(id=name, root=path, parent=base.id)
+                                       for name, path in sorted(self.loop.adapters.items()))])
+
+    async def load_lora_adapter(self, body: LoadLoRARequest) -> dict:
+        if body.lora_name == self.served_model_name:
+            raise APIError(400, f"`{body.lora_name}` is the base model's name", param="lora_name")
+        try:
+            await self.loop.load_lora(body.lora_name, body.lora_path)
+        except AdapterError as e:
+            raise APIError(400, str(e), param="lora_path", problems=e.problems) from e
+        return {"success": True, "message": f"Success: LoRA adapter '{body.lora_name}' added successfully."}
+
+    async def unload_lora_adapter(self, body: UnloadLoRARequest) -> dict:
+        try:
+            await self.loop.unload_lora(body.lora_name)
+        except AdapterError as e:
+            raise APIError(404, str(e), param="lora_name", code="model_not_found") from e
+        return {"success": True, "message": f"Success: LoRA adapter '{body.lora_name}' removed successfully."}
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        prompts = body.prompts
+        if not prompts:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        subs = self._submissions(body, prompts, body.max_tokens, body.logprobs, add_special_tokens=True)
+        rids, queue = await self._submit(subs)
+        rid, model = f"cmpl-{uuid.uuid4().hex}", body.model or self.served_model_name
+        choices = [_Choice() for _ in subs]
+
+        def chunk(d: Delta) -> CompletionResponse | None:
+            choice = choices[d.index]
+            offset = len(choice.text)
+            entries = choice.add(d)
+            if not (d.out.text or d.out.finished or entries):
+                return None
+            logprobs = _completion_logprobs(entries, offset) if body.logprobs is not None else None
+            return CompletionResponse(id=rid, model=model, choices=[CompletionChoice(
+                index=d.index, text=d.out.text, logprobs=logprobs, finish_reason=d.out.finish_reason)])
+
+        def usage_chunk() -> CompletionResponse:
+            return CompletionResponse(id=rid, model=model, choices=[], usage=_usage(choices, body.n))
+
+        if body.stream:
+            return self._stream(rids, queue, chunk, [], usage_chunk if body.include_usage else None)
+        await self._collect(request, rids, queue, choices)
+        return self._json(CompletionResponse(id=rid, model=model, usage=_usage(choices, body.n), choices=[
+            CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
+                             logprobs=_completion_logprobs(c.logprobs, 0) if body.logprobs is not None else None)
+            for i, c in enumerate(choices)]))
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        k = body.top_logprobs or 0
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        subs = self._submissions(body, [self._chat_prompt(body)], max_tokens, k if body.logprobs else None,
+                                 add_special_tokens=False)
+        rids, queue = await self._submit(subs)
+        rid, model = f"chatcmpl-{uuid.uuid4().hex}", body.model or self.served_model_name
+        choices = [_Choice() for _ in subs]
+
+        def chunk(d: Delta) -> ChatCompletionChunk | None:
+            entries = choices[d.index].add(d)
+            if not (d.out.text or d.out.finished or entries):
+                return None
+            return ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(
+                index=d.index, delta=DeltaMessage(content=d.out.text),
+                logprobs=_chat_logprobs(entries, k) if body.logprobs else None, finish_reason=d.out.finish_reason)])
+
+        def usage_chunk() -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=rid, model=model, choices=[], usage=_usage(choices, body.n))
+
+        if body.stream:
+            roles = [ChatCompletionChunk(id=rid, model=model, choices=[
+                ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]) for i in range(len(subs))]
+            return self._stream(rids, queue, chunk, roles, usage_chunk if body.include_usage else None)
+        await self._collect(request, rids, queue, choices)
+        return self._json(ChatCompletionResponse(id=rid, model=model, usage=_usage(choices, body.n), choices=[
+            ChatChoice(index=i, message=ChatMessageOut(content=c.text), finish_reason=c.finish_reason,
+                       logprobs=_chat_logprobs(c.logprobs, k) if body.logprobs else None)
+            for i, c in enumerate(choices)]))
+
+    # ---------------------------------------------------------------------------- internals
+
+    def _adapter(self, model: str | None) -> str | None:
+        """The adapter a request's model field names; None for the base model."""
+        if model is None or model == self.served_model_name:
+            return None
+        if model not in self.loop.adapters:
+            raise _not_found(model)
+        return model
+
+    def _submissions(self, body: SamplingRequest, prompts: list, max_tokens: int | None, logprobs: int | None,
+                     add_special_tokens: bool) -> list[Submission]:
+        """n sequences per prompt; with a seed, the k-th of them draws with seed + k (as Engine.generate)."""
+        lora = self._adapter(body.model)
+        limit = self.loop.engine.config.max_running_requests
+        if not 1 <= body.n * len(prompts) <= limit:
+            raise APIError(400, f"n must be >= 1 and n * prompts <= max_running_requests ({limit}), got n={body.n} "
+                           f"for {len(prompts)} prompts", param="n")
+        try:
+            params = body.sampling_params(self.loop.context_len if max_tokens is None else max_tokens, logprobs)
+        except ValueError as e:
+            raise _bad_value(e) from e
+        return [Submission(p, replace(params, seed=None if params.seed is None else params.seed + k), lora,
+                           add_special_tokens) for p in prompts for k in range(body.n)]
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> str:
+        tokenizer = self.loop.engine.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, f"the model `{self.served_model_name}` has no chat template (tokenizer_config.json); "
+                           "use /v1/completions with a prompt", param="messages")
+        messages = []
+        for i, m in enumerate(body.messages):
+            msg = m.model_dump(exclude_none=True)
+            if isinstance(m.content, list):
+                if any(p.type != "text" or p.text is None for p in m.content):
+                    raise APIError(400, f"messages[{i}]: only text content parts are supported", param="messages")
+                msg["content"] = "".join(p.text for p in m.content)
+            messages.append(msg)
+        try:
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # the template's own errors (jinja raise_exception, missing fields)
+            raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from e
+
+    async def _submit(self, subs: list[Submission]) -> tuple[list[str], asyncio.Queue]:
+        queue: asyncio.Queue = asyncio.Queue()
+        try:
+            return await self.loop.submit(subs, queue), queue
+        except Overloaded as e:
+            raise APIError(503, f"the server is overloaded: {e}", type="server_error", code="overloaded") from e
+        except AdapterError as e:  # unloaded since _adapter looked
+            raise _not_found(subs[0].lora or "") from e
+        except ValueError as e:
+            raise _bad_value(e) from e
+        except EngineError as e:
+            raise APIError(503, str(e), type="server_error") from e
+
+    @staticmethod
+    async def _deltas(queue: asyncio.Queue, count: int) -> AsyncIterator[Delta]:
+        """Deltas of `count` sequences until every one has finished."""
+        while count:
+            item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            count -= item.out.finished
+            yield item
+
+    async def _collect(self, request: Request, rids: list[str], queue: asyncio.Queue, choices: list[_Choice]) -> None:
+        """Wait for every sequence, aborting them if the client leaves first."""
+        async def consume() -> None:
+            async for d in self._deltas(queue, len(rids)):
+                choices[d.index].add(d)
+
+        task, gone = asyncio.ensure_future(consume()), asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not task.done():  # the client left (or the server stops)
+                task.cancel()
+                self.loop.abort(rids)
+        if not task.done():
+            raise APIError(499, "the client disconnected", code="client_disconnected")
+        try:
+            task.result()
+        except EngineError as e:
+            raise APIError(500, str(e), type="server_error") from e
+
+    @staticmethod
+    def _json(body: BaseModel) -> JSONResponse:
+        return JSONResponse(body.model_dump(mode="json"))
+
+    def _stream(self, rids: list[str], queue: asyncio.Queue, chunk: Callable[[Delta], BaseModel | None],
+                first: list[BaseModel], usage: Callable[[], BaseModel] | None) -> StreamingResponse:
+        """SSE: the `first` chunks, one chunk per step output that has something to say, the usage chunk."""
+        async def body() -> AsyncIterator[str]:
+            done = False
+            try:
+                for c in first:
+                    yield _sse(c)
+                async for d in self._deltas(queue, len(rids)):
+                    if (c := chunk(d)) is not None:
+                        yield _sse(c)
+                if usage is not None:
+                    yield _sse(usage())
+                done = True
+            except EngineError as e:
+                yield _sse(ErrorResponse(error=ErrorInfo(message=str(e), type="server_error")))
+            finally:
+                if not done:  # the client left, or the engine failed: free the cache now
+                    self.loop.abort(rids)
+            yield "data: [DONE]\n\n"
+        # Starlette starts the generator before it can notice a disconnect (the first suspension
+        # point is in here), so the finally runs even for a client that left before its first chunk
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(engine: Engine, served_model_name: str, max_queued_requests: int | None = None) -> FastAPI:
+    """The app; its engine thread starts and stops with the app's lifespan."""
+    if served_model_name in engine.config.lora_paths:
+        raise ValueError(f"the served model name {served_model_name!r} is also an adapter's name")
+    loop = EngineLoop(engine, Metrics(engine.runner.lora.stats), max_queued_requests)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        loop.start()
+        yield
+        loop.stop()
+
+    app = FastAPI(title="moelora", lifespan=lifespan)
+    app.state.engine_loop = loop
+    serving = OpenAIServing(loop, served_model_name)
+    app.get("/health")(serving.health)
+    app.get("/metrics")(serving.metrics)
+    app.get("/v1/models")(serving.models)
+    app.post("/v1/completions")(serving.completions)
+    app.post("/v1/chat/completions")(serving.chat_completions)
+    for prefix in ("/v1", ""):
+        app.post(f"{prefix}/load_lora_adapter")(serving.load_lora_adapter)
+        app.post(f"{prefix}/unload_lora_adapter")(serving.unload_lora_adapter)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return _error(e.status, e.info)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        errors = e.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        loc = first["loc"]  # ("body", field, ...); ("body", position) for malformed JSON
+        param = str(loc[1]) if len(loc) > 1 and loc[0] == "body" and first.get("type") != "json_invalid" else None
+        message = "; ".join(f"{'.'.join(str(x) for x in err['loc'][1:]) or 'body'}: {err['msg']}" for err in errors)
+        return _error(400, ErrorInfo(message=message, type="invalid_request_error", param=param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, e: HTTPException) -> JSONResponse:
+        return _error(e.status_code, ErrorInfo(message=str(e.detail), type="invalid_request_error"))
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("request failed")
+        return _error(500, ErrorInfo(message=f"internal error: {type(e).__name__}: {e}", type="server_error"))
+
+    return app

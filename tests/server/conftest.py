@@ -1,0 +1,92 @@
+"""One real server per test module: uvicorn in a background thread on 127.0.0.1, over the demo's tiny
+Qwen3-MoE (fp32, CPU) with adapters alpha and beta; gamma is built too, for loading over HTTP."""
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+from moelora.demo import build
+from moelora.engine.engine import Engine
+from moelora.server.app import create_app
+from moelora.server.engine_loop import EngineLoop
+
+ADAPTERS = {"alpha": 1, "beta": 2, "gamma": 3}  # name -> seed
+SERVED = ["alpha", "beta"]  # loaded at start
+ENGINE_OPTIONS = dict(device="cpu", dtype="float32", max_loras_per_batch=2, max_lora_rank=8)
+MODEL_NAME = "tiny-moe"
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory) -> Path:
+    """model/, alpha/, beta/, gamma/, and broken/: gamma with a rank its tensors do not have."""
+    root = tmp_path_factory.mktemp("server-demo")
+    build(root, ADAPTERS)
+    shutil.copytree(root / "gamma", root / "broken")
+    config = json.loads((root / "broken" / "adapter_config.json").read_text())
+    (root / "broken" / "adapter_config.json").write_text(json.dumps({**config, "r": 4}))
+    return root
+
+
+def make_engine(root: Path, adapters: list[str]) -> Engine:
+    return Engine(str(root / "model"), lora_paths={n: str(root / n) for n in adapters}, **ENGINE_OPTIONS)
+
+
+@dataclass
+class Server:
+    url: str        # http://127.0.0.1:PORT
+    loop: EngineLoop
+
+    def on_engine(self, fn):
+        """fn() run in the engine thread (the engine is not thread-safe)."""
+        return self.loop.call(fn).result(timeout=30)
+
+    def idle(self, timeout: float = 10.0) -> bool:
+        """True once nothing is in flight and every KV slot and request row is free."""
+        engine = self.loop.engine
+
+        def check() -> bool:
+            pool = engine.scheduler.pool
+            return (not engine.has_unfinished() and pool.free_slots == engine.runner.kv.num_slots - 1
+                    and pool.free_rows == engine.config.max_running_requests)
+        deadline = time.monotonic() + timeout
+        while not self.on_engine(check):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(demo_dir):
+    app = create_app(make_engine(demo_dir, SERVED), MODEL_NAME)
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    yield Server(f"http://127.0.0.1:{port}", app.state.engine_loop)
+    uv.should_exit = True
+    thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def reference(demo_dir) -> Engine:
+    """An engine of its own with every adapter: what each request gives alone."""
+    return make_engine(demo_dir, list(ADAPTERS))

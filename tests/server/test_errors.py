@@ -1,0 +1,166 @@
+"""Bad input gets its error in OpenAI's shape with the right status; clients that leave have their
+requests aborted and their KV cache freed; a failing engine step fails only the requests in it.
+After each test the server answers a normal request and holds nothing."""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import MODEL_NAME
+
+OK = {"model": "alpha", "prompt": "Hello world", "max_tokens": 2}
+CHAT = {"model": "beta", "messages": [{"role": "user", "content": "Hello world"}], "max_tokens": 2}
+LONG = {"model": "alpha", "prompt": "Hello world", "max_tokens": 400, "ignore_eos": True}
+
+
+@pytest.fixture(autouse=True)
+def still_serving(server):
+    yield
+    r = httpx.post(f"{server.url}/v1/completions", json=OK)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert server.idle()
+
+
+def post(server, path: str, body=None, **kwargs) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, **kwargs)
+
+
+def error(r: httpx.Response, status: int, param: str | None = None, match: str = "") -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and isinstance(err["type"], str) and match in err["message"]
+    assert err.get("param") == param, err
+    return err
+
+
+def finished(server, reason: str) -> float:
+    line = f'moelora:requests_finished_total{{finish_reason="{reason}"}} '
+    text = httpx.get(f"{server.url}/metrics").text
+    return next((float(s.split()[-1]) for s in text.splitlines() if s.startswith(line)), 0.0)
+
+
+def test_malformed_json_and_bodies_that_are_not_objects(server):
+    r = httpx.post(f"{server.url}/v1/completions", content=b'{"model": "alpha", "prompt": ',
+                   headers={"content-type": "application/json"})
+    assert error(r, 400)["type"] == "invalid_request_error"
+    error(post(server, "/v1/chat/completions", [1, 2]), 400)
+    error(post(server, "/v1/load_lora_adapter", "alpha"), 400)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {**OK, "max_tokens": "many"}, "max_tokens"),
+    ("/v1/completions", {**OK, "prompt": None}, "prompt"),
+    ("/v1/completions", {"model": "alpha"}, "prompt"),
+    ("/v1/completions", {**OK, "stop": 5}, "stop"),
+    ("/v1/chat/completions", {**CHAT, "messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": "yes please"}, "logprobs"),
+    ("/v1/load_lora_adapter", {"lora_name": "x"}, "lora_path"),
+    ("/v1/completions", {**OK, "n": 300}, "n"),
+    ("/v1/completions", {**OK, "prompt": ["a"] * 200, "n": 2}, "n"),
+])
+def test_wrong_types_name_the_field(server, path, body, param):
+    error(post(server, path, body), 400, param)
+
+
+@pytest.mark.parametrize("field, value", [("max_tokens", -1), ("max_tokens", 0), ("temperature", -0.5), ("top_p", 2.0),
+                                          ("top_k", -3), ("seed", 2**70), ("logprobs", 21), ("n", 0),
+                                          ("presence_penalty", 0.5)])
+def test_out_of_range_parameters(server, field, value):
+    error(post(server, "/v1/completions", {**OK, field: value}), 400, field)
+
+
+def test_chat_parameters(server, monkeypatch):
+    error(post(server, "/v1/chat/completions", {**CHAT, "top_logprobs": 2}), 400, "top_logprobs")
+    error(post(server, "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 50}), 400, "logprobs")
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+    error(post(server, "/v1/chat/completions", {**CHAT, "messages": [image]}), 400, "messages", "only text")
+    monkeypatch.setattr(server.loop.engine.tokenizer, "chat_template", None)
+    error(post(server, "/v1/chat/completions", CHAT), 400, "messages", "has no chat template")
+
+
+def test_unknown_model_or_route(server):
+    err = error(post(server, "/v1/completions", {**OK, "model": "nope"}), 404, "model", "`nope` does not exist")
+    assert err["code"] == "model_not_found"
+    error(post(server, "/v1/chat/completions", {**CHAT, "model": "nope"}), 404, "model")
+    error(post(server, "/v1/unload_lora_adapter", {"lora_name": "nope"}), 404, "lora_name", "unknown adapter 'nope'")
+    error(post(server, "/v1/unload_lora_adapter", {"lora_name": MODEL_NAME}), 404, "lora_name")
+    error(httpx.get(f"{server.url}/v1/nothing-here"), 404)
+
+
+def test_adapters_that_cannot_load(server, demo_dir):
+    err = error(post(server, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(demo_dir / "missing")}),
+                400, "lora_path", "no adapter_config.json")
+    assert err["problems"] == [err["message"]]
+    err = error(post(server, "/load_lora_adapter", {"lora_name": "x", "lora_path": str(demo_dir / "broken")}),
+                400, "lora_path", "problem(s)")
+    assert len(err["problems"]) > 1 and all("adapter_config.json gives r=4" in p for p in err["problems"])
+    error(post(server, "/v1/load_lora_adapter", {"lora_name": "alpha", "lora_path": str(demo_dir / "gamma")}),
+          400, "lora_path", "already loaded")
+    error(post(server, "/v1/load_lora_adapter", {"lora_name": MODEL_NAME, "lora_path": str(demo_dir / "gamma")}),
+          400, "lora_name")
+    assert {m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]} == {MODEL_NAME, "alpha", "beta"}
+
+
+def test_prompts_the_context_cannot_hold(server):
+    error(post(server, "/v1/completions", {**OK, "prompt": "Hello " * 600}), 400, None, "the context holds 512")
+    error(post(server, "/v1/completions", {**OK, "prompt": [1, 10**6]}), 400, None, "token ids must be")
+    error(post(server, "/v1/completions", {**OK, "prompt": []}), 400, "prompt")
+    error(post(server, "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "Hello " * 600}]}), 400)
+
+
+def test_overload_is_503(server, monkeypatch):
+    monkeypatch.setattr(server.loop, "max_queued_requests", 0)
+    assert error(post(server, "/v1/completions", OK), 503)["code"] == "overloaded"
+
+
+def test_client_leaving_mid_stream_aborts_its_request(server):
+    aborts = finished(server, "abort")
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**LONG, "stream": True}) as r:
+        chunks = 0
+        for line in r.iter_lines():
+            chunks += line.startswith("data: ")
+            if chunks == 3:
+                break  # and close the connection
+    assert chunks == 3
+    assert server.idle()  # nothing in flight, every KV slot and row free
+    assert finished(server, "abort") == aborts + 1
+
+
+def test_client_leaving_before_a_whole_response_aborts_its_request(server):
+    aborts = finished(server, "abort")
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, "/v1/chat/completions", {**CHAT, "max_tokens": 400, "ignore_eos": True}, timeout=0.3)
+    assert server.idle()
+    assert finished(server, "abort") == aborts + 1
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_leaving_while_its_request_is_queued_aborts_it(server, stream):
+    aborts = finished(server, "abort")
+    busy = server.loop.call(lambda: time.sleep(1.0))  # the engine thread takes the request only after the client left
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, "/v1/completions", {**LONG, "stream": stream}, timeout=0.3)
+    busy.result()
+    assert server.idle()
+    assert finished(server, "abort") == aborts + 1
+
+
+def test_a_failing_step_fails_only_the_requests_in_it(server, monkeypatch):
+    step, calls = server.loop.engine.step, []
+
+    def failing():
+        calls.append(1)
+        if len(calls) == 2:  # the first decode step of the stream
+            raise RuntimeError("boom")
+        return step()
+    monkeypatch.setattr(server.loop.engine, "step", failing)
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**OK, "max_tokens": 5, "stream": True}) as r:
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line]
+    assert r.status_code == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["message"] == "the engine failed: boom"
+    r = post(server, "/v1/completions", OK)  # steps work again
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
