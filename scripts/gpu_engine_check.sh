@@ -5,12 +5,7 @@
 # usage: bash scripts/gpu_engine_check.sh [bench_serving args...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/gpu_engine_check}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
-} 2>&1 | tee "$OUT/device.txt"
+source scripts/gpu_common.sh /tmp/gpu_engine_check
 timeout -k 10 ${TEST_TIMEOUT:-230} python3 -m pytest -v --durations=10 --maxfail=20 -p no:cacheprovider \
   tests/engine/test_engine_gpu*.py 2>&1 | tee "$OUT/pytest.log" | tail -40
 timeout -k 10 ${BENCH_TIMEOUT:-280} python3 benchmarks/bench_serving.py "$@" 2>&1 | tee "$OUT/bench_serving.md"
