@@ -91,11 +91,12 @@ class HF:
 
     def add_adapters(self, adapters: dict[str, Path]) -> None:
         (first, path), *rest = adapters.items()
-        # autocast off: PEFT would keep bf16 adapters in fp32 for training's sake
-        self.model = peft.PeftModel.from_pretrained(self.model, str(path), adapter_name=first,
-                                                    autocast_adapter_dtype=False).eval()
+        # autocast off: PEFT would keep bf16 adapters in fp32 for training's sake; low_cpu_mem_usage: the
+        # file's tensors are used as they are, without initialising new ones first (~10 s per adapter at 30B)
+        options = dict(autocast_adapter_dtype=False, low_cpu_mem_usage=True)
+        self.model = peft.PeftModel.from_pretrained(self.model, str(path), adapter_name=first, **options).eval()
         for name, path in rest:
-            self.model.load_adapter(str(path), adapter_name=name, autocast_adapter_dtype=False)
+            self.model.load_adapter(str(path), adapter_name=name, **options)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], names: list[str | None], new_tokens: int) -> None:
