@@ -11,7 +11,7 @@ import torch
 
 from moelora.engine.engine import Engine
 from moelora.engine.sampling_params import SamplingParams
-from moelora.testing import qwen3_30b_a3b_config, write_dummy_checkpoint, write_random_peft_adapter
+from tests.engine.dummy_qwen3 import check_adapters_in_one_batch, dummy_qwen3_engine
 from tests.models.families import FAMILIES, family_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -93,33 +93,9 @@ def test_greedy_tokens_do_not_depend_on_the_batch(family, make_engine):
                         f"{one.logprobs[step]}, in the batch {mixed.logprobs[step]} (a near-tie shows a bit-level difference)")
 
 
-@pytest.fixture(scope="module")
-def qwen3_30b(tmp_path_factory):
-    """An engine over Qwen3-30B-A3B's sizes with dummy weights, in bf16, with 8 random rank-16 adapters
-    on attention and every routed expert (PEFT target_parameters format)."""
-    root = tmp_path_factory.mktemp("qwen3-30b-a3b")
-    config = qwen3_30b_a3b_config()
-    model_dir = write_dummy_checkpoint(config, root / "model")
-    adapters = {f"a{i}": str(write_random_peft_adapter(config, root / f"a{i}", rank=16, seed=i, device=DEVICE))
-                for i in range(8)}
-    engine = Engine(str(model_dir), lora_paths=adapters, load_format="dummy", device=DEVICE, dtype="bfloat16",
-                    max_loras_per_batch=8, max_lora_rank=16, max_total_tokens=8192, cuda_graph_max_bs=16)
-    yield engine
+def test_qwen3_30b_dummy_serves_8_adapters_in_one_batch(tmp_path):
+    engine = dummy_qwen3_engine(tmp_path, tiny=False, device=DEVICE, max_total_tokens=8192, cuda_graph_max_bs=16)
+    shutil.rmtree(tmp_path)  # 10 GB of adapters, read already
+    assert 30e9 < sum(p.numel() for p in engine.runner.model.parameters()) < 31e9 and engine.runner.dtype == torch.bfloat16
+    check_adapters_in_one_batch(engine)
     free(engine)
-    shutil.rmtree(root)  # 10 GB of adapters
-
-
-def test_qwen3_30b_dummy_serves_8_adapters_in_one_batch(qwen3_30b):
-    params = sum(p.numel() for p in qwen3_30b.runner.model.parameters())
-    assert 30e9 < params < 31e9 and qwen3_30b.runner.dtype == torch.bfloat16
-    names = [None] + [f"a{i}" for i in range(8)]
-    prompt = torch.randint(0, qwen3_30b.vocab_size, (16,), generator=torch.Generator().manual_seed(0)).tolist()
-    outs = qwen3_30b.generate([prompt] * len(names), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
-                                                                     logprobs=5), lora=names)
-    for name, out in zip(names, outs):
-        assert len(out.token_ids) == 8
-        assert all(math.isfinite(v) for step in out.logprobs for v in step.values()), f"{name}: non-finite log-probs"
-    tokens = {name: tuple(out.token_ids) for name, out in zip(names, outs)}
-    assert len(set(tokens.values())) == len(names), f"adapters with the same tokens: {tokens}"
-    logprobs = qwen3_30b.prompt_logprobs([prompt] * len(names), lora=names)
-    assert all(bool(torch.isfinite(lp).all()) for lp in logprobs)
