@@ -14,7 +14,8 @@ uniform routing, the LoRA A and B of every touched (adapter, expert) pair and of
 cache) / measured copy bandwidth; prefill, matmul FLOPs / measured matmul rate.
 
 transformers side: sdpa attention, experts "grouped_mm" (its default; generate() switches decode
-steps to "batched_mm", which it documents as faster there), DynamicCache, no torch.compile. PEFT
+steps to "batched_mm", which it documents as faster there; "deepgemm" and "sonicmoe" fetch kernels
+from the Hub, out of reach of the GPU machine), DynamicCache, no torch.compile. PEFT
 cannot mix adapters of target_parameters in one batch, so the requests of each adapter run as a
 sub-batch of their own, one after another. transformers runs after our engine is deleted.
 
@@ -148,7 +149,7 @@ def floor_seconds(config: PretrainedConfig, w: Workload, bandwidth: float, matmu
     lora_attention, lora_expert = RANK * (4 * h + 2 * q + 2 * kv), 3 * RANK * (h + i)
     if w.phase == "prefill":
         params = layers * (attention + router + k * expert + (lora_attention + k * lora_expert if w.adapters else 0))
-        causal = layers * 2 * w.prompt_len * q  # QK^T and PV over half the prompt on average, per token
+        causal = layers * w.prompt_len * q  # QK^T and PV: 4 * context * q FLOPs a token, context L / 2 on average
         flops = 2 * w.batch * w.prompt_len * (params + causal) + 2 * w.batch * config.vocab_size * h
         return flops / matmul
 
