@@ -9,7 +9,6 @@ import shutil
 import pytest
 import torch
 
-from moelora.engine.engine import Engine
 from moelora.engine.sampling_params import SamplingParams
 from tests.engine.dummy_qwen3 import check_adapters_in_one_batch, dummy_qwen3_engine
 from tests.models.families import FAMILIES, family_config
@@ -50,9 +49,11 @@ def share_off(got: list[torch.Tensor], want: list[torch.Tensor], tol: float) -> 
     return (torch.cat(errors) > tol).float().mean().item()
 
 
-def free(engine: Engine) -> None:
-    """Give the engine's GPU memory back before the next one starts."""
-    del engine
+@pytest.fixture(autouse=True)
+def release_gpu_memory():
+    """A test's engines are gone once it returns (reference cycles aside): their GPU memory goes back
+    before the next test builds its own."""
+    yield
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -64,7 +65,6 @@ def test_bf16_logprobs_match_fp32_cpu(family, make_engine):
     want = make_engine(family).prompt_logprobs(prompts, lora=loras)
     engine = make_engine(family, disable_cuda_graph=True, **GPU)  # prefill only: no decode graphs needed
     got = engine.prompt_logprobs(prompts, lora=loras)
-    free(engine)
     num_layers = family_config(family).num_hidden_layers
     rows = {a: [i for i, (_, b) in enumerate(jobs) if b == a] for a in LORAS}
     for a, mine in rows.items():
@@ -84,7 +84,6 @@ def test_greedy_tokens_do_not_depend_on_the_batch(family, make_engine):
     loras = [LORAS[i % 3] for i in range(len(PROMPTS))]
     alone = [engine.generate([p], params, lora=[a])[0] for p, a in zip(PROMPTS, loras)]
     together = engine.generate(PROMPTS, params, lora=loras)
-    free(engine)
     for i, (one, mixed) in enumerate(zip(alone, together)):
         if one.token_ids != mixed.token_ids:
             step = next(j for j, (x, y) in enumerate(zip(one.token_ids, mixed.token_ids)) if x != y)
@@ -98,4 +97,3 @@ def test_qwen3_30b_dummy_serves_8_adapters_in_one_batch(tmp_path):
     shutil.rmtree(tmp_path)  # 10 GB of adapters, read already
     assert 30e9 < sum(p.numel() for p in engine.runner.model.parameters()) < 31e9 and engine.runner.dtype == torch.bfloat16
     check_adapters_in_one_batch(engine)
-    free(engine)
