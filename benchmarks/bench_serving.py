@@ -207,7 +207,9 @@ def bench(args, workdir: Path) -> None:
           f"{triton.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, {dtype}")
     print(f"model: {'tiny Qwen3-MoE' if args.tiny else 'Qwen3-30B-A3B'} sizes, dummy weights; adapters rank {RANK} "
           f"on q/k/v/o and all routed experts (PEFT target_parameters), written in {time.perf_counter() - t0:.0f} s")
-    print(f"measured copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write), {dtype} matmul {matmul / 1e12:.0f} TFLOP/s\n")
+    print(f"measured copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write), {dtype} matmul {matmul / 1e12:.0f} TFLOP/s")
+    print("transformers: sdpa attention, experts grouped_mm (generate() decodes with batched_mm), DynamicCache, "
+          "eager; PEFT: one sub-batch per adapter\n")
     print("| impl | phase | batch | adapters | tokens | s | tokens/s | ms/step | floor ms | % of floor |")
     print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     jobs = workloads(args)
