@@ -223,17 +223,16 @@ def write_dummy_checkpoint(config: PretrainedConfig, path: Path) -> Path:
     return path
 
 
-def write_random_peft_adapter(config: PretrainedConfig, out_dir: Path, rank: int, seed: int,
-                              target_modules: list[str] = ATTENTION_MODULES,
-                              target_parameters: list[str] = EXPERT_PARAMETERS, device: str = "cpu") -> Path:
-    """A PEFT adapter of `config`'s model with random weights, written without building the model:
+def write_random_peft_adapter(config: PretrainedConfig, out_dir: Path, rank: int, seed: int, device: str = "cpu") -> Path:
+    """A PEFT adapter on q/k/v/o and every routed expert of `config`'s model with random weights, written
+    without building the model:
     PEFT wraps a copy on the meta device, so keys and shapes are exactly those its save_pretrained
     writes (target_parameters: fused 3D experts). A ~ N(0, 1/in), B ~ N(0, 1/rank), lora_alpha = rank:
     each delta is about as large as the projection of a dummy-weight model (std 0.02, in 768-2048)."""
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    lora_config = LoraConfig(r=rank, lora_alpha=rank, target_modules=target_modules, target_parameters=target_parameters)
+    lora_config = LoraConfig(r=rank, lora_alpha=rank, target_modules=ATTENTION_MODULES, target_parameters=EXPERT_PARAMETERS)
     with torch.device("meta"):
         model = get_peft_model(AutoModelForCausalLM.from_config(config), lora_config, low_cpu_mem_usage=True)
     gen = torch.Generator(device).manual_seed(seed)
