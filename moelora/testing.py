@@ -225,10 +225,10 @@ def write_dummy_checkpoint(config: PretrainedConfig, path: Path) -> Path:
 
 def write_random_peft_adapter(config: PretrainedConfig, out_dir: Path, rank: int, seed: int, device: str = "cpu") -> Path:
     """A PEFT adapter on q/k/v/o and every routed expert of `config`'s model with random weights, written
-    without building the model:
-    PEFT wraps a copy on the meta device, so keys and shapes are exactly those its save_pretrained
-    writes (target_parameters: fused 3D experts). A ~ N(0, 1/in), B ~ N(0, 1/rank), lora_alpha = rank:
-    each delta is about as large as the projection of a dummy-weight model (std 0.02, in 768-2048)."""
+    without building the model: PEFT wraps a copy on the meta device, so keys and shapes are exactly
+    those its save_pretrained writes (target_parameters: fused 3D experts). A ~ N(0, 1/in),
+    B ~ N(0, 1/rank), lora_alpha = rank: each delta is about as large as the projection of a
+    dummy-weight model (std 0.02, in 768-2048)."""
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from safetensors.torch import save_file
 
