@@ -96,6 +96,15 @@ def matmul_rate(device, dtype) -> float:
     return 2 * n**3 / measure(lambda: a @ b, reps=10)
 
 
+def machine() -> tuple[str, torch.dtype, str, float, float]:
+    """(device, dtype, device name, matmul FLOP/s, copy bytes/s): bf16 on a GPU, else fp32 on the CPU."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU (torch path)"
+    mm = matmul_rate(device, dtype)  # first: it also brings the clocks up before the copy is timed
+    return device, dtype, name, mm, copy_bandwidth(device)
+
+
 class Layers:
     """Several copies of one MoE layer (router, experts, LoRA slots) so that timed loops stream
     weights from memory as a real model does."""
@@ -153,12 +162,8 @@ def main():
     p.add_argument("--adapters", default="1,4,8")
     p.add_argument("--sweep-tokens", default="", help="T values at which to also time other tile configs (tuning aid)")
     args = p.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    device, dtype, name, mm, bw = machine()
     torch.manual_seed(0)
-    name = torch.cuda.get_device_name() if device == "cuda" else "CPU (torch path)"
-    mm = matmul_rate(device, dtype)  # first: it also brings the clocks up before the copy is timed
-    bw = copy_bandwidth(device)
     print(f"# moelora MoE kernel benchmark, {name}, {datetime.date.today()}, torch {torch.__version__}, {dtype}")
     print(f"measured copy bandwidth {bw / 1e12:.2f} TB/s (read+write), {dtype} matmul {mm / 1e12:.0f} TFLOP/s, "
           f"rank {RANK}, tokens assigned to adapters round-robin\n")

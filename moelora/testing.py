@@ -1,6 +1,7 @@
 """Random MoE layers, LoRA slot buffers (experts and dense layers) and paged-attention batches for tests
 and benchmarks, dtype-derived tolerances, a tiny byte-level BPE tokenizer built offline, tiny
-transformers models of every family with PEFT adapters on them, and ForwardBatches over a KV cache."""
+transformers models of every family with PEFT adapters on them, a Qwen3-30B-A3B-shaped dummy checkpoint
+with random PEFT adapters at its real shapes, and ForwardBatches over a KV cache."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -192,6 +193,61 @@ def peft_adapter(model: nn.Module, lora_config, out_dir: Path, seed: int = 1,
     peft_model.save_pretrained(out_dir, safe_serialization=safe_serialization)
     merged = peft_model.merge_and_unload().state_dict()
     return {k: merged[k] - base[k] for k in base if not torch.equal(merged[k], base[k])}
+
+
+# ------------------------------------------------------------------ real-size dummy checkpoints
+
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                     moe_intermediate_size=768, norm_topk_prob=True, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                     rope_parameters=dict(rope_type="default", rope_theta=1e6), tie_word_embeddings=False)
+ATTENTION_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+# the same kind of model in a few MB, for running the same code on a CPU
+TINY_QWEN3_MOE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      max_position_embeddings=4096)
+
+
+def qwen3_30b_a3b_config(tiny: bool = False) -> Qwen3MoeConfig:
+    """Qwen3-30B-A3B's config.json (tiny: TINY_QWEN3_MOE's sizes instead), as save_pretrained writes it."""
+    config = Qwen3MoeConfig(**{**QWEN3_30B_A3B, **(TINY_QWEN3_MOE if tiny else {})})
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    return config
+
+
+def write_dummy_checkpoint(config: PretrainedConfig, path: Path) -> Path:
+    """config.json and the tiny tokenizer: all that load_format="dummy" reads. Prompts are token ids;
+    ids past the tokenizer's vocabulary decode to no text."""
+    path.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def write_random_peft_adapter(config: PretrainedConfig, out_dir: Path, rank: int, seed: int, device: str = "cpu") -> Path:
+    """A PEFT adapter on q/k/v/o and every routed expert of `config`'s model with random weights, written
+    without building the model: PEFT wraps a copy on the meta device, so keys and shapes are exactly
+    those its save_pretrained writes (target_parameters: fused 3D experts). A ~ N(0, 1/in),
+    B ~ N(0, 1/rank), lora_alpha = rank: each delta is about as large as the projection of a
+    dummy-weight model (std 0.02, in 768-2048)."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    lora_config = LoraConfig(r=rank, lora_alpha=rank, target_modules=ATTENTION_MODULES, target_parameters=EXPERT_PARAMETERS)
+    with torch.device("meta"):
+        model = get_peft_model(AutoModelForCausalLM.from_config(config), lora_config, low_cpu_mem_usage=True)
+    gen = torch.Generator(device).manual_seed(seed)
+    tensors = {}
+    for name, meta in get_peft_model_state_dict(model).items():
+        std = meta.shape[-1] ** -0.5 if ".lora_A." in name else rank**-0.5
+        tensors[name] = (torch.randn(meta.shape, generator=gen, device=device) * std).to(torch.bfloat16).cpu()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out_dir / "adapter_model.safetensors")
+    model.peft_config["default"].save_pretrained(out_dir)
+    return out_dir
 
 
 # ------------------------------------------------------------------ batches over a KV cache

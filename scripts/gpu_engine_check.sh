@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# One device call: the engine's GPU tests, then the serving benchmark (dummy Qwen3-30B-A3B, ours against
+# transformers + PEFT). Results land in $OUT (device tool) or /tmp/gpu_engine_check. Each part has its own
+# time limit (210 + 310 s), so the whole stays under 9 minutes and a slow part still leaves its log.
+# usage: bash scripts/gpu_engine_check.sh [bench_serving args...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/gpu_common.sh /tmp/gpu_engine_check
+timeout -k 10 ${TEST_TIMEOUT:-210} python3 -m pytest -v --durations=10 --maxfail=20 -p no:cacheprovider \
+  tests/engine/test_engine_gpu*.py 2>&1 | tee "$OUT/pytest.log" | tail -40
+timeout -k 10 ${BENCH_TIMEOUT:-310} python3 benchmarks/bench_serving.py "$@" 2>&1 | tee "$OUT/bench_serving.md"
