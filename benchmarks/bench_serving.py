@@ -160,7 +160,7 @@ def floor_seconds(config: PretrainedConfig, w: Workload, bandwidth: float, matmu
     if w.adapters:
         weights += layers * w.adapters * (lora_attention + touched(w.batch / w.adapters) * lora_expert)
     cache = w.batch * (w.prompt_len + w.new_tokens / 2) * layers * 2 * kv  # keys and values read, mid-decode
-    return (weights + cache) * itemsize / bandwidth
+    return (w.new_tokens - 1) * (weights + cache) * itemsize / bandwidth  # the timed decode steps
 
 
 def workloads(args) -> list[Workload]:
@@ -257,7 +257,7 @@ def free_memory(device: str) -> None:
     if device == "cuda":
         torch.cuda.empty_cache()
         left = torch.cuda.memory_allocated()
-        if left > 2**30:
+        if left > 4 * 2**30:  # a few buffers (Triton's, the caching allocator's) may outlive the engine
             raise RuntimeError(f"{left / 2**30:.1f} GiB still allocated after the engine was deleted")
 
 
