@@ -1,0 +1,147 @@
+"""HTTP serving benchmark (not a test): `moelora serve` in its own process on a dummy-weight model of
+Qwen3-30B-A3B's sizes with 8 adapters of rank 16 (q/k/v/o and every routed expert), driven by C
+concurrent clients of the official `openai` client, streaming. Client i uses adapter i % 8; each sends
+--requests completions of --prompt-len token ids and gets --max-tokens greedy tokens (ignore_eos).
+
+Reported per concurrency: time to first token (p50, p90), inter-token latency (the median over
+requests of (last token - first token) / (tokens - 1)), and aggregate generated tokens/s over the
+wall time of the whole run.
+
+    python3 benchmarks/bench_server.py                    # on a GPU, concurrency 1 and 32
+    python3 benchmarks/bench_server.py --tiny             # a tiny model on the CPU in seconds (CPU test)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import torch
+
+from moelora.testing import qwen3_30b_a3b_config, write_dummy_checkpoint, write_random_peft_adapter
+
+ADAPTERS, RANK = 8, 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: Path, adapters: dict[str, Path], port: int, device: str, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "moelora.cli", "serve", "--model-path", str(model_dir), "--load-format", "dummy",
+           "--lora-paths", *[f"{n}={p}" for n, p in adapters.items()], "--max-loras-per-batch", str(ADAPTERS),
+           "--max-lora-rank", str(RANK), "--device", device, "--port", str(port), "--served-model-name", "base"]
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=os.environ.copy())
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server was not healthy after {timeout:.0f} s")
+
+
+async def one_request(client: openai.AsyncOpenAI, model: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
+    """(seconds to the first token, arrival time of every token). logprobs=0 makes the server send a
+    chunk for every token: dummy weights mostly pick ids past the tiny tokenizer's vocabulary, which
+    decode to no text, and text-less chunks are otherwise skipped."""
+    t0 = time.perf_counter()
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                                             stream=True, logprobs=0, extra_body={"ignore_eos": True})
+    arrivals = []
+    async for chunk in stream:
+        for choice in chunk.choices:
+            tokens = choice.logprobs.tokens if choice.logprobs and choice.logprobs.tokens else []
+            arrivals += [time.perf_counter()] * len(tokens)
+    return arrivals[0] - t0, arrivals
+
+
+async def run_clients(url: str, concurrency: int, requests: int, prompt_len: int, max_tokens: int, vocab: int) -> dict:
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
+
+    async def client_loop(i: int) -> list[tuple[float, list[float]]]:
+        out = []
+        for r in range(requests):
+            prompt = [(7 * i + 13 * r + j) % (vocab - 1) + 1 for j in range(prompt_len)]
+            out.append(await one_request(client, f"a{i % ADAPTERS}", prompt, max_tokens))
+        return out
+
+    t0 = time.perf_counter()
+    results = [r for rs in await asyncio.gather(*(client_loop(i) for i in range(concurrency))) for r in rs]
+    wall = time.perf_counter() - t0
+    await client.close()
+    ttft = sorted(t for t, _ in results)
+    itl = [(a[-1] - a[0]) / (len(a) - 1) for _, a in results if len(a) > 1]
+    tokens = sum(len(a) for _, a in results)
+    return dict(ttft_p50=statistics.median(ttft), ttft_p90=ttft[math.ceil(0.9 * len(ttft)) - 1],
+                itl=statistics.median(itl) if itl else float("nan"), tokens=tokens, wall=wall)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="a tiny model of the same kind, few tokens (CPU test)")
+    p.add_argument("--concurrency", default="1,32")
+    p.add_argument("--requests", type=int, default=None, help="requests per client (default 4; tiny 2)")
+    p.add_argument("--prompt-len", type=int, default=None, help="default 128; tiny 8")
+    p.add_argument("--max-tokens", type=int, default=None, help="default 64; tiny 4")
+    args = p.parse_args()
+    requests = args.requests or (2 if args.tiny else 4)
+    prompt_len, max_tokens = args.prompt_len or (8 if args.tiny else 128), args.max_tokens or (4 if args.tiny else 64)
+    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    config = qwen3_30b_a3b_config(tiny=args.tiny)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model_dir = write_dummy_checkpoint(config, work / "model")
+        adapters = {f"a{i}": write_random_peft_adapter(config, work / f"a{i}", RANK, seed=i, device=device)
+                    for i in range(ADAPTERS)}
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = start_server(model_dir, adapters, port, device, work / "server.log")
+        try:
+            t0 = time.perf_counter()
+            wait_healthy(url, proc, timeout=900)
+            name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+            print(f"# moelora HTTP serving benchmark, {name}, {datetime.date.today()}, torch {torch.__version__}, "
+                  f"openai {openai.__version__}")
+            print(f"model: {'tiny Qwen3-MoE' if args.tiny else 'Qwen3-30B-A3B'} sizes, dummy weights, {ADAPTERS} adapters "
+                  f"of rank {RANK} (client i uses adapter i % {ADAPTERS}); server up in {time.perf_counter() - t0:.0f} s; "
+                  f"prompts of {prompt_len} tokens, {max_tokens} greedy tokens each (ignore_eos), streamed\n")
+            asyncio.run(run_clients(url, 1, 1, prompt_len, max_tokens, config.vocab_size))  # warm-up
+            print("| concurrent clients | requests | TTFT p50 ms | TTFT p90 ms | inter-token ms (median) "
+                  "| aggregate tokens/s |")
+            print("|---|---|---|---|---|---|", flush=True)
+            for c in map(int, args.concurrency.split(",")):
+                r = asyncio.run(run_clients(url, c, requests, prompt_len, max_tokens, config.vocab_size))
+                assert r["tokens"] == c * requests * max_tokens, f"got {r['tokens']} tokens"
+                print(f"| {c} | {c * requests} | {1e3 * r['ttft_p50']:.1f} | {1e3 * r['ttft_p90']:.1f} "
+                      f"| {1e3 * r['itl']:.2f} | {r['tokens'] / r['wall']:.0f} |", flush=True)
+        except Exception:
+            print((work / "server.log").read_text()[-4000:], file=sys.stderr)
+            raise
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
+if __name__ == "__main__":
+    main()
