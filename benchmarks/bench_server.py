@@ -43,7 +43,7 @@ def free_port() -> int:
 def start_server(model_dir: Path, adapters: dict[str, Path], port: int, device: str, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "moelora.cli", "serve", "--model-path", str(model_dir), "--load-format", "dummy",
            "--lora-paths", *[f"{n}={p}" for n, p in adapters.items()], "--max-loras-per-batch", str(ADAPTERS),
-           "--max-lora-rank", str(RANK), "--device", device, "--port", str(port), "--served-model-name", "base"]
+           "--max-lora-rank", str(RANK), "--device", device, "--dtype", "bfloat16" if device == "cuda" else "float32", "--port", str(port), "--served-model-name", "base"]
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=os.environ.copy())
 
 
