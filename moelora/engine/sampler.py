@@ -42,17 +42,12 @@ class SamplingBatch:
         if not len(params) == len(seeds) == len(steps):
             raise ValueError(f"params, seeds and steps differ in length: {len(params)}, {len(seeds)}, {len(steps)}")
         random = [not p.greedy for p in params]
-
-        def col(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device)
-
+        # two host-to-device copies a step, not one per column
+        floats = torch.tensor([[p.temperature if r else 0.0 for p, r in zip(params, random)],
+                               [p.top_p for p in params], [p.min_p for p in params]], dtype=torch.float32).to(device)
+        ints = torch.tensor([[p.top_k for p in params], seeds, steps], dtype=torch.int64).to(device)
         return cls(
-            temperature=col([p.temperature if r else 0.0 for p, r in zip(params, random)], torch.float32),
-            top_p=col([p.top_p for p in params], torch.float32),
-            top_k=col([p.top_k for p in params], torch.int64),
-            min_p=col([p.min_p for p in params], torch.float32),
-            seed=col(seeds, torch.int64),
-            step=col(steps, torch.int64),
+            temperature=floats[0], top_p=floats[1], min_p=floats[2], top_k=ints[0], seed=ints[1], step=ints[2],
             all_greedy=not any(random),
             needs_filter=any(r and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p, r in zip(params, random)),
         )
