@@ -39,7 +39,7 @@ class CudaGraphs:
         with torch.inference_mode():
             for bs in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory
                 for with_lora in (False, True) if lora.max_rank else (False,):
-                    self.graphs[bs, with_lora] = self._capture(self._batch(bs, with_lora), pool)
+                    self.graphs[bs, with_lora] = self._capture(bs, with_lora, pool)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.is_decode and batch.batch_size <= self.max_bs
@@ -67,15 +67,16 @@ class CudaGraphs:
             out_cache_loc=self.out_cache_loc[:bs], logits_indices=self.arange64[:bs], kv=self.runner.kv,
             lora=LoRABatch(self.token_slots[:bs]) if with_lora else None, is_decode=True, max_extend_len=1)
 
-    def _capture(self, batch: ForwardBatch, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, bs: int, with_lora: bool, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # warm up on a side stream, as torch.cuda.graphs asks: Triton compiles outside the capture
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self.runner.logits(batch)
+                self.runner.logits(self._batch(bs, with_lora))
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            logits = self.runner.logits(batch)
+            # a batch of its own: what a step computes once (LoRABatch.slot_blocks) is then in the graph
+            logits = self.runner.logits(self._batch(bs, with_lora))
         return graph, logits

@@ -8,21 +8,31 @@ are the same thing to the model.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from moelora.engine.kv_cache import KVCache
+from moelora.kernels.lora_linear import align_tokens_by_slot
+from moelora.kernels.moe_align import AlignedBlocks
 
 
 @dataclass
 class LoRABatch:
     """Per-token adapter slots of a step (-1 = base model), shared by every LoRA layer of the model."""
     token_slots: torch.Tensor  # [N] int32
+    _slot_blocks: dict[int, AlignedBlocks] = field(default_factory=dict, repr=False)
 
     @property
     def any(self) -> bool:
         return self.token_slots.numel() > 0
+
+    def slot_blocks(self, num_slots: int) -> AlignedBlocks:
+        """The tokens grouped by slot for the dense-layer LoRA kernels: the same for every layer of the
+        step, so aligned once (token_slots must not change while this batch is in use)."""
+        if num_slots not in self._slot_blocks:
+            self._slot_blocks[num_slots] = align_tokens_by_slot(self.token_slots, num_slots)
+        return self._slot_blocks[num_slots]
 
 
 @dataclass

@@ -32,5 +32,6 @@ class Linear(nn.Module):
         y = nn.functional.linear(x, self.weight, self.bias)
         if self.lora is not None and lora_batch is not None:
             # in place: adapter rows get y + delta summed in fp32; other rows keep the base bits
-            lora_linear(x, self.lora, self.out_sizes, lora_batch.token_slots, out=y)
+            blocks = lora_batch.slot_blocks(self.lora.num_slots) if x.is_cuda else None  # the Triton path's
+            lora_linear(x, self.lora, self.out_sizes, lora_batch.token_slots, out=y, blocks=blocks)
         return y
