@@ -13,10 +13,11 @@ SHAPES = [  # tokens, hidden, inter, experts, top_k
     (20, 48, 40, 9, 4),
     (70, 48, 40, 9, 4),  # T*k > PAIR_SHRINK_MAX_PAIRS: shrink per block, after the alignment
 ]
-SLOT_RANKS = [4, 8, 16, 64]
+SLOT_RANKS = [4, 8, 16, 64]  # rank tile 64
+SMALL_RANKS = [16, 4, 16, 8, 12, 16]  # rank tile 16; six slots, so blocks hold runs of several slots
 
 
-def _case(tokens, hidden, inter, experts, top_k, dtype, device, coverage=0.7):
+def _case(tokens, hidden, inter, experts, top_k, dtype, device, coverage=0.7, slot_ranks=SLOT_RANKS):
     gen = torch.Generator(device).manual_seed(torch.seed())
     x = torch.randn(tokens, hidden, generator=gen, device=device).to(dtype)
     w13, w2 = random_moe_weights(experts, hidden, inter, dtype, device, gen)
@@ -25,17 +26,17 @@ def _case(tokens, hidden, inter, experts, top_k, dtype, device, coverage=0.7):
     ids = torch.where(drop, -1, ids)  # expert on another rank
     far = torch.rand(tokens, top_k, generator=gen, device=device) < 0.05
     ids = torch.where(far, experts + 7, ids)  # out of range: must never be indexed
-    lora = random_expert_lora(len(SLOT_RANKS), experts, hidden, inter, SLOT_RANKS, dtype, device,
+    lora = random_expert_lora(len(slot_ranks), experts, hidden, inter, slot_ranks, dtype, device,
                               coverage=coverage, poison_unused=True, generator=gen)
-    # token 0 (the T = 1 case) is routed, to an expert its adapter (slot 3) covers if there is one
-    covered = (lora.ranks[:, len(SLOT_RANKS) - 1].sum(0) > 0).nonzero().flatten()
+    # token 0 (the T = 1 case) is routed, to an expert its adapter (the last slot) covers if there is one
+    covered = (lora.ranks[:, len(slot_ranks) - 1].sum(0) > 0).nonzero().flatten()
     ids[0, 0] = covered[0] if covered.numel() else 0
     ids = ids.contiguous()
     # a mixed batch: every slot, base tokens (-1) and an out-of-range slot (treated as base)
-    slots = torch.randint(-1, len(SLOT_RANKS), (tokens,), generator=gen, device=device, dtype=torch.int32)
-    slots[0] = len(SLOT_RANKS) - 1  # token 0 has the rank-64 adapter
+    slots = torch.randint(-1, len(slot_ranks), (tokens,), generator=gen, device=device, dtype=torch.int32)
+    slots[0] = len(slot_ranks) - 1  # token 0 has the last slot's adapter (the largest rank)
     if tokens > 3:
-        slots[1], slots[2] = -1, len(SLOT_RANKS) + 2
+        slots[1], slots[2] = -1, len(slot_ranks) + 2
     return x, w13, w2, TopKOutput(weights, ids), lora, slots
 
 
@@ -72,10 +73,11 @@ def test_reference_matches_naive_formula(shape, dtype, device):
     assert_rows_close(got.cpu(), _naive(x, w13, w2, topk, lora, slots), 2 * rel_tolerance(dtype, "cpu"), "reference")
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape, slot_ranks", [(s, SLOT_RANKS) for s in SHAPES] + [(SHAPES[1], SMALL_RANKS),
+                                                                                  (SHAPES[3], SMALL_RANKS)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_triton_matches_reference_mixed_adapters(shape, dtype, device, poison):
-    x, w13, w2, topk, lora, slots = _case(*shape, dtype, device)
+def test_triton_matches_reference_mixed_adapters(shape, slot_ranks, dtype, device, poison):
+    x, w13, w2, topk, lora, slots = _case(*shape, dtype, device, slot_ranks=slot_ranks)
     got = fused_moe(x, w13, w2, topk, lora, slots, impl="triton")
     ref = fused_moe(x, w13, w2, topk, lora, slots, impl="torch")
     assert_rows_close(got, ref, rel_tolerance(dtype, device), "triton vs torch, with LoRA")
@@ -97,7 +99,7 @@ def test_triton_matches_reference_mixed_adapters(shape, dtype, device, poison):
 def test_triton_block_sizes_agree(dtype, device, poison):
     """A row's result must not depend on the tiles the batch size picks (block_m, block_n_down);
     block_k and the gate_up n tile are fixed because they set the order of a row's sums."""
-    x, w13, w2, topk, lora, slots = _case(45, 72, 40, 5, 2, dtype, device)
+    x, w13, w2, topk, lora, slots = _case(45, 72, 40, 5, 2, dtype, device, slot_ranks=SMALL_RANKS)
     k = 32 if dtype == torch.float32 else 64
     outs = [fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
                       config=MoEKernelConfig(bm, BLOCK_N_GATE_UP, bn, k, g, 4, 2))
@@ -111,7 +113,7 @@ def test_triton_block_sizes_agree(dtype, device, poison):
 def test_shrink_per_pair_equals_shrink_per_block(dtype, device, poison, monkeypatch):
     """Small batches shrink per pair inside the alignment's launch, large ones per block: a row's
     bits must not depend on which one its batch size picks."""
-    x, w13, w2, topk, lora, slots = _case(45, 72, 40, 5, 2, dtype, device)
+    x, w13, w2, topk, lora, slots = _case(45, 72, 40, 5, 2, dtype, device, slot_ranks=SMALL_RANKS)
     monkeypatch.setattr(fused_moe_module, "PAIR_SHRINK_MAX_PAIRS", 0)
     per_block = fused_moe(x, w13, w2, topk, lora, slots, impl="triton")
     monkeypatch.setattr(fused_moe_module, "PAIR_SHRINK_MAX_PAIRS", 10**6)
