@@ -1,7 +1,8 @@
-"""Random MoE layers, LoRA slot buffers (experts and dense layers) and paged-attention batches for tests
-and benchmarks, dtype-derived tolerances, a tiny byte-level BPE tokenizer built offline, tiny
-transformers models of every family with PEFT adapters on them, a Qwen3-30B-A3B-shaped dummy checkpoint
-with random PEFT adapters at its real shapes, and ForwardBatches over a KV cache."""
+"""Random MoE layers, tie-free router logits, LoRA slot buffers (experts and dense layers) and
+paged-attention batches for tests and benchmarks, dtype-derived tolerances, a tiny byte-level BPE
+tokenizer built offline, tiny transformers models of every family with PEFT adapters on them, a
+Qwen3-30B-A3B-shaped dummy checkpoint with random PEFT adapters at its real shapes, and
+ForwardBatches over a KV cache."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,7 +17,7 @@ from moelora.engine.forward_batch import ForwardBatch, LoRABatch
 from moelora.engine.kv_cache import KVCache
 from moelora.kernels.fused_moe import ExpertLoRA
 from moelora.kernels.lora_linear import LinearLoRASlots
-from moelora.layers.moe.topk import TopKOutput
+from moelora.layers.moe.topk import TopKConfig, TopKOutput
 
 
 def random_moe_weights(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device="cpu",
@@ -34,6 +35,42 @@ def random_topk(num_tokens: int, num_experts: int, top_k: int, device="cpu",
     ids = scores.topk(top_k, dim=-1).indices.to(torch.int32)
     weights = torch.rand(num_tokens, top_k, generator=generator, device=device) + 0.1
     return TopKOutput((weights / weights.sum(-1, keepdim=True)).contiguous(), ids.contiguous())
+
+
+def tie_free_router_logits(num_tokens: int, num_experts: int, config: TopKConfig,
+                           correction_bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+                           device="cpu", margin: float = 1e-5,
+                           generator: torch.Generator | None = None) -> torch.Tensor:
+    """Normal router logits [T, E] in `dtype` whose routing has no near-ties (rows are redrawn until none
+    has): in float64, the k+1 best choices and, for grouped routing, the group scores on either side of
+    the topk_group-th are `margin` apart. Implementations that round differently then choose the same
+    experts in the same order."""
+    logits = torch.randn(num_tokens, num_experts, generator=generator).to(dtype)
+    bias = None if correction_bias is None else correction_bias.double().cpu()
+    while (near := _routing_margins(logits, config, bias) < margin).any():
+        logits[near] = torch.randn(int(near.sum()), num_experts, generator=generator).to(dtype)
+    return logits.to(device)
+
+
+def _routing_margins(logits: torch.Tensor, config: TopKConfig, bias: torch.Tensor | None) -> torch.Tensor:
+    """Per row, the smallest gap between values whose order decides the routing."""
+    x = logits.double()
+    choice = x.softmax(-1) if config.scoring == "softmax" else x.sigmoid()
+    if bias is not None:
+        choice = choice + bias
+    margins = torch.full((x.shape[0],), float("inf"), dtype=torch.float64)
+    groups = config.num_expert_group or 1
+    if groups > 1:
+        grouped = choice.view(x.shape[0], groups, -1)
+        group_scores = grouped.topk(2, -1).values.sum(-1) if bias is not None else grouped.amax(-1)
+        ranked = group_scores.sort(-1, descending=True).values
+        if config.topk_group < groups:
+            margins = ranked[:, config.topk_group - 1] - ranked[:, config.topk_group]
+        kept = (group_scores >= ranked[:, config.topk_group - 1:config.topk_group]).repeat_interleave(
+            grouped.shape[2], -1)
+        choice = choice.masked_fill(~kept, float("-inf"))
+    best = choice.topk(min(config.top_k + 1, x.shape[1]), -1).values
+    return torch.minimum(margins, (best[:, :-1] - best[:, 1:]).amin(-1))
 
 
 def random_expert_lora(

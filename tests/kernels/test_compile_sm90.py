@@ -21,19 +21,28 @@ from moelora.kernels import attention as at
 from moelora.kernels import fused_moe as fm
 from moelora.kernels import lora_linear as ll
 from moelora.kernels import moe_align as ma
+from moelora.kernels import rotary as ro
+from moelora.kernels import topk as tk
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 227 * 1024
 INT_PTRS = {"sorted_ids_ptr", "block_expert_ptr", "block_slot_ptr", "num_rows_ptr", "ranks_ptr", "topk_ids_ptr",
             "token_slots_ptr", "cursor_ptr", "req_to_token_ptr", "req_pool_ptr", "seq_lens_ptr", "extend_lens_ptr",
-            "extend_starts_ptr"}
-FP32_PTRS = {"topk_weights_ptr", "xa_ptr", "hd_ptr", "mid_o_ptr", "mid_lse_ptr"}
-FP32_SCALARS = {"qk_scale"}
+            "extend_starts_ptr", "ids_ptr"}
+FP32_PTRS = {"topk_weights_ptr", "xa_ptr", "hd_ptr", "mid_o_ptr", "mid_lse_ptr", "inv_freq_ptr", "bias_ptr",
+             "weights_ptr"}
+FP32_SCALARS = {"qk_scale", "scale", "routed_scaling_factor"}
 NOT_DIVISIBLE = {"num_pairs", "top_k", "num_slots", "num_experts", "max_rows", "group", "num_q_heads", "max_splits",
-                 "qk_scale", "num_tokens", "num_splits", "num_hd_parts"}
+                 "qk_scale", "num_tokens", "num_splits", "num_hd_parts", "num_k_heads", "stride_lt", "scale",
+                 "routed_scaling_factor"}
 ATTENTION_HEADS = ((128, 128, 8), (192, 128, 1), (64, 64, 4))  # Dk, Dv, q heads per kv head: Qwen3, MLA, small
 LORA_LINEARS = ((2048, (4096, 512, 512), 16), (2048, (4096, 512, 512), 64), (4096, (2048,), 16))  # Qwen3-30B-A3B
 #                 qkv and o: in features, out sizes, rank tile
+# q heads, k heads, rotary dims, interleaved: Qwen3-30B-A3B, DeepSeek-V3
+ROTARY_HEADS = ((32, 4, 128, False), (128, 1, 64, True))
+# experts, k, sigmoid, correction bias, groups, topk_group: Qwen3-30B-A3B, DeepSeek-V2-Lite grouped, -V2, -V3
+ROUTERS = ((128, 8, False, False, 1, 1), (64, 6, False, False, 8, 3), (160, 6, False, False, 8, 3),
+           (256, 8, True, True, 8, 4))
 
 
 def compile_sm90(kernel, constexprs: dict, dtype: str, num_warps: int, num_stages: int, types: dict | None = None):
@@ -78,7 +87,7 @@ def compile_all() -> list[dict]:
                                (fm._moe_sum_kernel, dict(TOP_K=8, BLOCK_H=1024))):
         compiled = compile_sm90(kernel, constexprs, "bf16", 8, 1)
         results.append(dict(kernel=kernel.fn.__name__, shared=compiled.metadata.shared, ttgir=""))
-    results += compile_attention() + compile_lora_linear()
+    results += compile_attention() + compile_lora_linear() + compile_rotary() + compile_topk()
     return results
 
 
@@ -113,7 +122,8 @@ def compiled():
 
 
 def test_all_kernels_fit_shared_memory(compiled):
-    assert len(compiled) == 4 * 2 * 2 * 2 + 7 + 2 * len(ATTENTION_HEADS) + 1 + 3 * len(LORA_LINEARS)
+    assert len(compiled) == (4 * 2 * 2 * 2 + 7 + 2 * len(ATTENTION_HEADS) + 1 + 3 * len(LORA_LINEARS)
+                             + len(ROTARY_HEADS) + len(ROUTERS))
     for r in compiled:
         assert r["shared"] <= SMEM_LIMIT, f"{r}: {r['shared']} B of shared memory"
 
@@ -157,3 +167,31 @@ def test_lora_linear_main_loops_pipeline(compiled):
     for r in compiled:
         if r["kernel"] == "_shrink_kernel" and "block_r" in r:
             assert "async_copy_global_to_local" in r["ttgir"], f"{r['kernel']} {r['dtype']}: loads not pipelined"
+
+
+def compile_rotary() -> list[dict]:
+    results = []
+    for q_heads, k_heads, dim, interleaved in ROTARY_HEADS:
+        constexprs = dict(HALF=dim // 2, BLOCK_F=dim // 2, BLOCK_HQ=q_heads, BLOCK_HK=k_heads, INTERLEAVED=interleaved)
+        compiled = compile_sm90(ro._rotary_kernel, constexprs, "bf16", 4, 1, {"positions_ptr": "*i64"})
+        ptx = compiled.asm["ptx"]
+        results.append(dict(kernel="_rotary_kernel", shared=compiled.metadata.shared, ttgir="",
+                            approx_trig="sin.approx" in ptx or "cos.approx" in ptx))
+    return results
+
+
+def compile_topk() -> list[dict]:
+    results = []
+    for experts, top_k, sigmoid, bias, groups, topk_group in ROUTERS:
+        constexprs = dict(TOP_K=top_k, SIGMOID=sigmoid, HAS_BIAS=bias, RENORMALIZE=True, GROUP_SIZE=experts // groups,
+                          NUM_GROUPS=groups, TOPK_GROUP=topk_group, E_P=triton.next_power_of_2(experts),
+                          G_P=groups, K_P=triton.next_power_of_2(top_k), stride_le=1)
+        compiled = compile_sm90(tk._topk_kernel, constexprs, "bf16", 1, 1)
+        results.append(dict(kernel="_topk_kernel", shared=compiled.metadata.shared, ttgir=""))
+    return results
+
+
+def test_rotary_uses_accurate_sin_cos(compiled):
+    """Positions run to 10^5 radians and more, where sin.approx/cos.approx lose every digit; libdevice's
+    sinf/cosf reduce the argument exactly, as torch's CUDA kernels do."""
+    assert all(not r["approx_trig"] for r in compiled if r["kernel"] == "_rotary_kernel")
