@@ -21,6 +21,7 @@ from moelora.kernels import attention as at
 from moelora.kernels import fused_moe as fm
 from moelora.kernels import lora_linear as ll
 from moelora.kernels import moe_align as ma
+from moelora.kernels import rms_norm as rn
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 227 * 1024
@@ -28,12 +29,14 @@ INT_PTRS = {"sorted_ids_ptr", "block_expert_ptr", "block_slot_ptr", "num_rows_pt
             "token_slots_ptr", "cursor_ptr", "req_to_token_ptr", "req_pool_ptr", "seq_lens_ptr", "extend_lens_ptr",
             "extend_starts_ptr"}
 FP32_PTRS = {"topk_weights_ptr", "xa_ptr", "hd_ptr", "mid_o_ptr", "mid_lse_ptr"}
-FP32_SCALARS = {"qk_scale"}
+FP32_SCALARS = {"qk_scale", "eps"}
 NOT_DIVISIBLE = {"num_pairs", "top_k", "num_slots", "num_experts", "max_rows", "group", "num_q_heads", "max_splits",
-                 "qk_scale", "num_tokens", "num_splits", "num_hd_parts"}
+                 "qk_scale", "num_tokens", "num_splits", "num_hd_parts", "num_heads", "eps"}
 ATTENTION_HEADS = ((128, 128, 8), (192, 128, 1), (64, 64, 4))  # Dk, Dv, q heads per kv head: Qwen3, MLA, small
 LORA_LINEARS = ((2048, (4096, 512, 512), 16), (2048, (4096, 512, 512), 64), (4096, (2048,), 16))  # Qwen3-30B-A3B
 #                 qkv and o: in features, out sizes, rank tile
+RMS_NORMS = ((1, 2048), (1, 4096), (1, 7168), (32, 128), (4, 128), (1, 512))  # heads, D: hidden of Qwen3-30B-A3B,
+#           Mixtral, DeepSeek-V3 (the largest block); Qwen3's per-head q and k; the MLA kv latent
 
 
 def compile_sm90(kernel, constexprs: dict, dtype: str, num_warps: int, num_stages: int, types: dict | None = None):
@@ -78,7 +81,7 @@ def compile_all() -> list[dict]:
                                (fm._moe_sum_kernel, dict(TOP_K=8, BLOCK_H=1024))):
         compiled = compile_sm90(kernel, constexprs, "bf16", 8, 1)
         results.append(dict(kernel=kernel.fn.__name__, shared=compiled.metadata.shared, ttgir=""))
-    results += compile_attention() + compile_lora_linear()
+    results += compile_attention() + compile_lora_linear() + compile_rms_norm()
     return results
 
 
@@ -113,7 +116,8 @@ def compiled():
 
 
 def test_all_kernels_fit_shared_memory(compiled):
-    assert len(compiled) == 4 * 2 * 2 * 2 + 7 + 2 * len(ATTENTION_HEADS) + 1 + 3 * len(LORA_LINEARS)
+    assert len(compiled) == (4 * 2 * 2 * 2 + 7 + 2 * len(ATTENTION_HEADS) + 1 + 3 * len(LORA_LINEARS)
+                             + 2 * len(RMS_NORMS) + 1)
     for r in compiled:
         assert r["shared"] <= SMEM_LIMIT, f"{r}: {r['shared']} B of shared memory"
 
@@ -141,6 +145,20 @@ def compile_lora_linear() -> list[dict]:
             compiled = compile_sm90(kernel, constexprs, "bf16", cfg.num_warps, cfg.num_stages, types)
             results.append(dict(kernel=kernel.fn.__name__, dtype="bf16", block_r=block_r,
                                 shared=compiled.metadata.shared, ttgir=compiled.asm["ttgir"]))
+    return results
+
+
+def compile_rms_norm() -> list[dict]:
+    """bf16 with and without the residual add; and fp32 weight and output on bf16 activations."""
+    fp32 = {"w_ptr": "*fp32", "out_ptr": "*fp32"}
+    cases = [(shape, r, None) for shape in RMS_NORMS for r in (False, True)] + [((1, 2048), True, fp32)]
+    results = []
+    for (heads, dim), has_residual, types in cases:
+        block_h, block_d, num_warps = rn.launch_config(heads, dim)
+        constexprs = dict(HAS_RESIDUAL=has_residual, BLOCK_H=block_h, BLOCK_D=block_d)
+        compiled = compile_sm90(rn._rms_norm_kernel, constexprs, "bf16", num_warps, 1, types)
+        results.append(dict(kernel="_rms_norm_kernel", dtype="bf16", heads=heads, dim=dim, residual=has_residual,
+                            fp32_weight=types is not None, shared=compiled.metadata.shared, ttgir=""))
     return results
 
 
