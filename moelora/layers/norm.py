@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moelora.kernels.rms_norm import rms_norm
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float = 1e-6):
@@ -13,11 +15,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x); with `residual`, the decoder's add-then-norm: returns (norm(x + residual), x + residual)."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(x.dtype)
-        return out if residual is None else (out, residual)
+        """norm(x); with `residual`, the decoder's add-then-norm: returns (norm(x + residual), x + residual).
+        One Triton kernel on CUDA, the torch reference elsewhere."""
+        return rms_norm(x, self.weight, self.eps, residual)

@@ -21,6 +21,7 @@ from moelora.kernels import attention as at
 from moelora.kernels import fused_moe as fm
 from moelora.kernels import lora_linear as ll
 from moelora.kernels import moe_align as ma
+from moelora.kernels import rms_norm as rn
 from moelora.kernels import rotary as ro
 from moelora.kernels import topk as tk
 
@@ -31,10 +32,10 @@ INT_PTRS = {"sorted_ids_ptr", "block_expert_ptr", "block_slot_ptr", "num_rows_pt
             "extend_starts_ptr", "ids_ptr"}
 FP32_PTRS = {"topk_weights_ptr", "xa_ptr", "hd_ptr", "mid_o_ptr", "mid_lse_ptr", "inv_freq_ptr", "bias_ptr",
              "weights_ptr"}
-FP32_SCALARS = {"qk_scale", "scale", "routed_scaling_factor"}
+FP32_SCALARS = {"qk_scale", "scale", "routed_scaling_factor", "eps"}
 NOT_DIVISIBLE = {"num_pairs", "top_k", "num_slots", "num_experts", "max_rows", "group", "num_q_heads", "max_splits",
                  "qk_scale", "num_tokens", "num_splits", "num_hd_parts", "num_k_heads", "stride_lt", "scale",
-                 "routed_scaling_factor"}
+                 "routed_scaling_factor", "num_heads", "eps"}
 ATTENTION_HEADS = ((128, 128, 8), (192, 128, 1), (64, 64, 4))  # Dk, Dv, q heads per kv head: Qwen3, MLA, small
 LORA_LINEARS = ((2048, (4096, 512, 512), 16), (2048, (4096, 512, 512), 64), (4096, (2048,), 16))  # Qwen3-30B-A3B
 #                 qkv and o: in features, out sizes, rank tile
@@ -43,6 +44,8 @@ ROTARY_HEADS = ((32, 4, 128, False), (128, 1, 64, True))
 # experts, k, sigmoid, correction bias, groups, topk_group: Qwen3-30B-A3B, DeepSeek-V2-Lite grouped, -V2, -V3
 ROUTERS = ((128, 8, False, False, 1, 1), (64, 6, False, False, 8, 3), (160, 6, False, False, 8, 3),
            (256, 8, True, True, 8, 4))
+RMS_NORMS = ((1, 2048), (1, 4096), (1, 7168), (32, 128), (4, 128), (1, 512))  # heads, D: hidden of Qwen3-30B-A3B,
+#           Mixtral, DeepSeek-V3 (the largest block); Qwen3's per-head q and k; the MLA kv latent
 
 
 def compile_sm90(kernel, constexprs: dict, dtype: str, num_warps: int, num_stages: int, types: dict | None = None):
@@ -87,7 +90,7 @@ def compile_all() -> list[dict]:
                                (fm._moe_sum_kernel, dict(TOP_K=8, BLOCK_H=1024))):
         compiled = compile_sm90(kernel, constexprs, "bf16", 8, 1)
         results.append(dict(kernel=kernel.fn.__name__, shared=compiled.metadata.shared, ttgir=""))
-    results += compile_attention() + compile_lora_linear() + compile_rotary() + compile_topk()
+    results += compile_attention() + compile_lora_linear() + compile_rotary() + compile_topk() + compile_rms_norm()
     return results
 
 
@@ -123,7 +126,7 @@ def compiled():
 
 def test_all_kernels_fit_shared_memory(compiled):
     assert len(compiled) == (4 * 2 * 2 * 2 + 7 + 2 * len(ATTENTION_HEADS) + 1 + 3 * len(LORA_LINEARS)
-                             + len(ROTARY_HEADS) + len(ROUTERS))
+                             + len(ROTARY_HEADS) + len(ROUTERS) + 2 * len(RMS_NORMS) + 1)
     for r in compiled:
         assert r["shared"] <= SMEM_LIMIT, f"{r}: {r['shared']} B of shared memory"
 
@@ -151,6 +154,20 @@ def compile_lora_linear() -> list[dict]:
             compiled = compile_sm90(kernel, constexprs, "bf16", cfg.num_warps, cfg.num_stages, types)
             results.append(dict(kernel=kernel.fn.__name__, dtype="bf16", block_r=block_r,
                                 shared=compiled.metadata.shared, ttgir=compiled.asm["ttgir"]))
+    return results
+
+
+def compile_rms_norm() -> list[dict]:
+    """bf16 with and without the residual add; and fp32 weight and output on bf16 activations."""
+    fp32 = {"w_ptr": "*fp32", "out_ptr": "*fp32"}
+    cases = [(shape, r, None) for shape in RMS_NORMS for r in (False, True)] + [((1, 2048), True, fp32)]
+    results = []
+    for (heads, dim), has_residual, types in cases:
+        block_h, block_d, num_warps = rn.launch_config(heads, dim)
+        constexprs = dict(HAS_RESIDUAL=has_residual, BLOCK_H=block_h, BLOCK_D=block_d)
+        compiled = compile_sm90(rn._rms_norm_kernel, constexprs, "bf16", num_warps, 1, types)
+        results.append(dict(kernel="_rms_norm_kernel", dtype="bf16", heads=heads, dim=dim, residual=has_residual,
+                            fp32_weight=types is not None, shared=compiled.metadata.shared, ttgir=""))
     return results
 
 
