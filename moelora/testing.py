@@ -94,12 +94,12 @@ def random_expert_lora(
     for p, (name, (d_in, d_out)) in enumerate(shapes.items()):
         # A ~ 1/sqrt(in), B ~ 1/sqrt(rank): the delta is comparable to the base projection.
         a = torch.randn(num_slots, num_experts, max_rank, d_in, generator=generator, device=device) / d_in**0.5
-        b = torch.randn(num_slots, num_experts, d_out, max_rank, generator=generator, device=device) / max_rank**0.5
+        b = torch.randn(num_slots, num_experts, max_rank, d_out, generator=generator, device=device) / max_rank**0.5
         if poison_unused:
             r = torch.arange(max_rank, device=device)
             unused = r.view(1, 1, -1) >= ranks[p].to(device).unsqueeze(-1)  # [S, E, R]
             a = a.masked_fill(unused.unsqueeze(-1), float("nan"))
-            b = b.masked_fill(unused.unsqueeze(-2), float("nan"))
+            b = b.masked_fill(unused.unsqueeze(-1), float("nan"))
         tensors[f"a_{name}"], tensors[f"b_{name}"] = a.to(dtype), b.to(dtype)
     return ExpertLoRA(**tensors, ranks=ranks.to(device), max_rank_in_use=max(slot_ranks))
 
@@ -114,10 +114,10 @@ def random_linear_lora(in_features: int, out_sizes: tuple[int, ...], slot_ranks:
     max_rank = max_rank or max(int(ranks.max()), 1)
     num_slots, n_out = len(slot_ranks), sum(out_sizes)
     a = torch.randn(num_slots, len(out_sizes), max_rank, in_features, generator=generator) / in_features**0.5
-    b = torch.randn(num_slots, n_out, max_rank, generator=generator) / max_rank**0.5
+    b = torch.randn(num_slots, max_rank, n_out, generator=generator) / max_rank**0.5
     part = torch.repeat_interleave(torch.arange(len(out_sizes)), torch.tensor(out_sizes))  # part of each out row
     unused_a = torch.arange(max_rank).view(1, 1, -1) >= ranks.unsqueeze(-1)  # [S, P, R]
-    unused_b = torch.arange(max_rank).view(1, 1, -1) >= ranks[:, part].unsqueeze(-1)  # [S, out, R]
+    unused_b = torch.arange(max_rank).view(1, -1, 1) >= ranks[:, part].unsqueeze(1)  # [S, R, out]
     fill = float("nan") if poison_unused else 0.0
     a, b = a.masked_fill(unused_a.unsqueeze(-1), fill), b.masked_fill(unused_b, fill)
     return LinearLoRASlots(a.to(device, dtype), b.to(device, dtype), ranks.to(device), int(ranks.max()))

@@ -39,7 +39,8 @@ from moelora.layers.moe.topk import TopKOutput
 class ExpertLoRA:
     """Per-expert LoRA weights of every GPU slot for one MoE layer; scaling is folded into B.
 
-    a_gate/a_up [S, E, R, H], b_gate/b_up [S, E, I, R], a_down [S, E, R, I], b_down [S, E, H, R],
+    a_gate/a_up [S, E, R, H], b_gate/b_up [S, E, R, I], a_down [S, E, R, I], b_down [S, E, R, H]
+    (B stored transposed, so a rank-r slot reads r dense rows of B, not r columns of every row),
     ranks [3, S, E] int32: real rank of (gate, up, down) for each (slot, expert); 0 = not covered.
     """
 
@@ -60,9 +61,9 @@ class ExpertLoRA:
     def validate(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> None:
         slots, max_rank = self.a_gate.shape[0], self.a_gate.shape[2]
         expected = {
-            "a_gate": (slots, num_experts, max_rank, hidden), "b_gate": (slots, num_experts, inter, max_rank),
-            "a_up": (slots, num_experts, max_rank, hidden), "b_up": (slots, num_experts, inter, max_rank),
-            "a_down": (slots, num_experts, max_rank, inter), "b_down": (slots, num_experts, hidden, max_rank),
+            "a_gate": (slots, num_experts, max_rank, hidden), "b_gate": (slots, num_experts, max_rank, inter),
+            "a_up": (slots, num_experts, max_rank, hidden), "b_up": (slots, num_experts, max_rank, inter),
+            "a_down": (slots, num_experts, max_rank, inter), "b_down": (slots, num_experts, max_rank, hidden),
         }
         for name, shape in expected.items():
             t = getattr(self, name)
@@ -168,11 +169,11 @@ def _gemm_loop(in_ptrs, row_ok, K, w1_ptrs, w2_ptrs, n_mask, DUAL: tl.constexpr,
 
 
 @triton.jit
-def _lora_expand(acc, xa, b_ptr, stride_bn, offs_n, n_mask, rank, BLOCK_R: tl.constexpr):
-    """acc += xa[:, :rank] @ B[offs_n, :rank]^T (xa rounded to the weights' dtype, as PEFT does).
+def _lora_expand(acc, xa, b_ptr, stride_br, offs_n, n_mask, rank, BLOCK_R: tl.constexpr):
+    """acc += xa[:, :rank] @ B^T[:rank, offs_n] (xa rounded to the weights' dtype, as PEFT does).
     Rows of other slots have xa = 0 and get exactly +0."""
     offs_r = tl.arange(0, BLOCK_R)
-    bt = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None],
+    bt = tl.load(b_ptr + offs_r[:, None] * stride_br + offs_n[None, :],
                  mask=(offs_r[:, None] < rank) & n_mask[None, :], other=0.0)
     return acc + tl.dot(xa.to(bt.dtype), bt)
 
@@ -278,7 +279,7 @@ def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, token_slots_ptr,
     ranks_ptr, xa_ptr, bg_ptr, bu_ptr, ad_ptr, hd_ptr,
     num_pairs, top_k, H, I, num_slots, num_experts, num_splits,
-    stride_xt, stride_we, stride_wn, stride_ht, stride_be, stride_bn, stride_ade, stride_adr,
+    stride_xt, stride_we, stride_wn, stride_ht, stride_be, stride_br, stride_ade, stride_adr,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr,
 ):
@@ -307,9 +308,9 @@ def _gate_up_kernel(
             if (rank_g + rank_u > 0) & (tl.max(rows.to(tl.int32)) > 0):  # else xa was never written
                 se = (s * num_experts + e).to(tl.int64)
                 acc_g = _lora_expand(acc_g, tl.where(rows & (zeros < rank_g)[:, None], xa_g, 0.0),
-                                     bg_ptr + se * stride_be, stride_bn, offs_n, n_mask, rank_g, BLOCK_R)
+                                     bg_ptr + se * stride_be, stride_br, offs_n, n_mask, rank_g, BLOCK_R)
                 acc_u = _lora_expand(acc_u, tl.where(rows & (zeros < rank_u)[:, None], xa_u, 0.0),
-                                     bu_ptr + se * stride_be, stride_bn, offs_n, n_mask, rank_u, BLOCK_R)
+                                     bu_ptr + se * stride_be, stride_br, offs_n, n_mask, rank_u, BLOCK_R)
     h = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(h_ptr.dtype.element_ty)
     h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_ht + offs_n[None, :]
     tl.store(h_ptrs, h, mask=row_ok[:, None] & n_mask[None, :])
@@ -334,7 +335,7 @@ def _down_kernel(
     h_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, token_slots_ptr,
     ranks_ptr, hd_ptr, b_ptr,
     num_pairs, top_k, H, I, num_slots, num_experts, num_hd_parts,
-    stride_ht, stride_we, stride_wn, stride_ot, stride_be, stride_bn,
+    stride_ht, stride_we, stride_wn, stride_ot, stride_be, stride_br,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr,
 ):
@@ -356,7 +357,7 @@ def _down_kernel(
             rank_d = _lora_rank(ranks_ptr, 2, s, e, num_slots, num_experts)
             if (rank_d > 0) & (tl.max(rows.to(tl.int32)) > 0):
                 se = (s * num_experts + e).to(tl.int64)
-                acc = _lora_expand(acc, tl.where(rows, hd, 0.0), b_ptr + se * stride_be, stride_bn, offs_n, n_mask,
+                acc = _lora_expand(acc, tl.where(rows, hd, 0.0), b_ptr + se * stride_be, stride_br, offs_n, n_mask,
                                    rank_d, BLOCK_R)
     acc = acc * tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
@@ -456,9 +457,10 @@ def fused_moe_triton(
 # ------------------------------------------------------------------------------------ torch
 
 
-def _lora_delta_reference(inp: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """(inp A^T) B^T in fp32, rounding the shrink to the weights' dtype as the kernel does."""
-    return (inp @ a.float().T).to(a.dtype).float() @ b.float().T
+def _lora_delta_reference(inp: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """(inp A^T) B^T in fp32 for A [r, in] and B^T [r, out], rounding the shrink to the weights'
+    dtype as the kernel does."""
+    return (inp @ a.float().T).to(a.dtype).float() @ b_t.float()
 
 
 def fused_moe_reference(
@@ -496,13 +498,13 @@ def fused_moe_reference(
                     lora_rows.append((s, torch.nonzero(slots[pairs] == s).flatten()))
         for s, rows in lora_rows:
             rg, ru = int(lora.ranks[0, s, e]), int(lora.ranks[1, s, e])
-            gate[rows] += _lora_delta_reference(xe[rows], lora.a_gate[s, e, :rg], lora.b_gate[s, e, :, :rg])
-            up[rows] += _lora_delta_reference(xe[rows], lora.a_up[s, e, :ru], lora.b_up[s, e, :, :ru])
+            gate[rows] += _lora_delta_reference(xe[rows], lora.a_gate[s, e, :rg], lora.b_gate[s, e, :rg])
+            up[rows] += _lora_delta_reference(xe[rows], lora.a_up[s, e, :ru], lora.b_up[s, e, :ru])
         h = (torch.nn.functional.silu(gate) * up).to(x.dtype).float()
         out = h @ w2[e].float().T
         for s, rows in lora_rows:
             rd = int(lora.ranks[2, s, e])
-            out[rows] += _lora_delta_reference(h[rows], lora.a_down[s, e, :rd], lora.b_down[s, e, :, :rd])
+            out[rows] += _lora_delta_reference(h[rows], lora.a_down[s, e, :rd], lora.b_down[s, e, :rd])
         pair_out[pairs] = (out * weights[pairs, None]).to(x.dtype).float()
     return pair_out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
 

@@ -35,8 +35,8 @@ from moelora.kernels.moe_align import AlignedBlocks, moe_align
 class LinearLoRASlots:
     """LoRA weights of every GPU slot for one linear layer; scaling folded into B, zero beyond each rank.
 
-    a [S, P, R, in], b [S, out, R] (part p's rows at its output offset), ranks [S, P] int32 (0 = part
-    not adapted by that slot's adapter).
+    a [S, P, R, in], b [S, R, out] (B transposed, part p's columns at its output offset, so a rank-r
+    part reads r dense rows), ranks [S, P] int32 (0 = part not adapted by that slot's adapter).
     """
     a: torch.Tensor
     b: torch.Tensor
@@ -99,7 +99,7 @@ def _shrink_kernel(
 @triton.jit
 def _expand_kernel(
     xa_ptr, b_ptr, ranks_ptr, out_ptr, sorted_ids_ptr, block_slot_ptr,
-    num_tokens, N, stride_bs, stride_bn, stride_ot,
+    num_tokens, N, stride_bs, stride_br, stride_ot,
     PART_BOUNDS: tl.constexpr, SPLITS: tl.constexpr, ADD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
@@ -111,7 +111,7 @@ def _expand_kernel(
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
-    b_ptrs = b_ptr + slot.to(tl.int64) * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None]
+    b_ptrs = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br + offs_n[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     P: tl.constexpr = len(PART_BOUNDS) - 1
     for p in tl.static_range(P):
@@ -176,8 +176,8 @@ def lora_linear_triton(x: torch.Tensor, lora: LinearLoRASlots, out_sizes: tuple[
 def lora_linear_reference(x: torch.Tensor, lora: LinearLoRASlots, out_sizes: tuple[int, ...],
                           token_slots: torch.Tensor) -> torch.Tensor:
     """x [N, in] -> the LoRA delta [N, out] in fp32 (zero for tokens of slot -1 or outside the slots);
-    reads only the first ranks[s, p] rows of A and columns of B."""
-    delta = torch.zeros(x.shape[0], lora.b.shape[1], dtype=torch.float32, device=x.device)
+    reads only the first ranks[s, p] rows of A and of B^T."""
+    delta = torch.zeros(x.shape[0], lora.b.shape[2], dtype=torch.float32, device=x.device)
     offsets = [sum(out_sizes[:p]) for p in range(len(out_sizes))]
     for slot in token_slots.unique().tolist():
         if not 0 <= slot < lora.num_slots:
@@ -185,7 +185,7 @@ def lora_linear_reference(x: torch.Tensor, lora: LinearLoRASlots, out_sizes: tup
         rows = (token_slots == slot).nonzero().squeeze(1)
         for p, (offset, size, rank) in enumerate(zip(offsets, out_sizes, lora.ranks[slot].tolist())):
             xa = x[rows].float() @ lora.a[slot, p, :rank].float().T
-            delta[rows, offset:offset + size] = xa @ lora.b[slot, offset:offset + size, :rank].float().T
+            delta[rows, offset:offset + size] = xa @ lora.b[slot, :rank, offset:offset + size].float()
     return delta
 
 
@@ -224,7 +224,7 @@ def _check_inputs(x, lora, out_sizes, token_slots, out) -> None:
         raise ValueError(f"x must be [tokens, in] and contiguous in its last dimension, got {tuple(x.shape)}")
     (num_tokens, in_features), n_out = x.shape, sum(out_sizes)
     slots, parts, rank = lora.a.shape[:3]
-    expected = {"a": (slots, len(out_sizes), rank, in_features), "b": (slots, n_out, rank)}
+    expected = {"a": (slots, len(out_sizes), rank, in_features), "b": (slots, rank, n_out)}
     for name, shape in expected.items():
         t = getattr(lora, name)
         if tuple(t.shape) != shape or t.dtype != x.dtype or not t.is_contiguous():

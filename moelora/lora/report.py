@@ -126,7 +126,7 @@ def _group_layers(per_layer: dict[int, dict]) -> list[dict]:
 
 def _memory(adapter: Adapter, shapes: ModelShapes, rank: int) -> dict:
     """Bytes of one GPU slot at `rank`: the expert slot buffers of every MoE layer (a_gate/a_up [E, R, H],
-    b_gate/b_up [E, I, R], a_down [E, R, I], b_down [E, H, R]) and the adapter's other modules."""
+    b_gate/b_up [E, R, I], a_down [E, R, I], b_down [E, R, H]) and the adapter's other modules."""
     h, i, e = shapes.hidden_size, shapes.moe_intermediate_size, shapes.num_experts
     experts = len(shapes.moe_layers) * 3 * e * rank * (h + i) * SLOT_ELEMENT_BYTES
     modules = sum(rank * sum(shapes.modules[layer][name]) * SLOT_ELEMENT_BYTES

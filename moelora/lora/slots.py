@@ -27,14 +27,14 @@ def allocate_lora_slots(model: nn.Module, num_slots: int, max_rank: int) -> None
         if isinstance(m, MoE):
             e, h, i = m.num_experts, m.hidden_size, m.intermediate_size
             m.lora = ExpertLoRA(
-                a_gate=torch.zeros(s, e, r, h, **zeros), b_gate=torch.zeros(s, e, i, r, **zeros),
-                a_up=torch.zeros(s, e, r, h, **zeros), b_up=torch.zeros(s, e, i, r, **zeros),
-                a_down=torch.zeros(s, e, r, i, **zeros), b_down=torch.zeros(s, e, h, r, **zeros),
+                a_gate=torch.zeros(s, e, r, h, **zeros), b_gate=torch.zeros(s, e, r, i, **zeros),
+                a_up=torch.zeros(s, e, r, h, **zeros), b_up=torch.zeros(s, e, r, i, **zeros),
+                a_down=torch.zeros(s, e, r, i, **zeros), b_down=torch.zeros(s, e, r, h, **zeros),
                 ranks=torch.zeros(3, s, e, dtype=torch.int32, device=weight.device))
         else:
             parts = len(m.out_sizes)
             m.lora = LinearLoRASlots(a=torch.zeros(s, parts, r, m.in_features, **zeros),
-                                     b=torch.zeros(s, m.out_features, r, **zeros),
+                                     b=torch.zeros(s, r, m.out_features, **zeros),
                                      ranks=torch.zeros(s, parts, dtype=torch.int32, device=weight.device))
 
 
@@ -95,7 +95,7 @@ def _write_linear(m: Linear, layer: LayerLoRA, slot: int) -> None:
         lora = layer.modules.get(name)
         if lora is not None:
             buffers.a[slot, part, :lora.rank].copy_(lora.a)
-            buffers.b[slot, offset:offset + size, :lora.rank].copy_(lora.b)
+            buffers.b[slot, :lora.rank, offset:offset + size].copy_(lora.b.T)
             buffers.ranks[slot, part] = lora.rank
         offset += size
 
@@ -109,7 +109,7 @@ def _write_experts(buffers: ExpertLoRA, layer: LayerLoRA, slot: int) -> None:
         lora = layer.experts.get(name)
         if lora is not None:
             a[slot, :, :lora.rank].copy_(lora.a)
-            b[slot, :, :, :lora.rank].copy_(lora.b)
+            b[slot, :, :lora.rank].copy_(lora.b.transpose(1, 2))
             buffers.ranks[p, slot] = lora.ranks.to(buffers.ranks.device)
             # A host-side upper bound on the ranks in use sizes the kernels' rank tile.
             buffers.max_rank_in_use = max(buffers.max_rank_in_use or 0, lora.rank)

@@ -55,12 +55,12 @@ def _naive(x, w13, w2, topk, lora: ExpertLoRA | None, slots):
             use_lora = lora is not None and 0 <= s < lora.num_slots
             if use_lora:
                 rg, ru, rd = (int(r) for r in lora.ranks[:, s, e])
-                gate = gate + lora.b_gate[s, e, :, :rg].cpu().double() @ (lora.a_gate[s, e, :rg].cpu().double() @ x[t])
-                up = up + lora.b_up[s, e, :, :ru].cpu().double() @ (lora.a_up[s, e, :ru].cpu().double() @ x[t])
+                gate = gate + lora.b_gate[s, e, :rg].T.cpu().double() @ (lora.a_gate[s, e, :rg].cpu().double() @ x[t])
+                up = up + lora.b_up[s, e, :ru].T.cpu().double() @ (lora.a_up[s, e, :ru].cpu().double() @ x[t])
             h = torch.nn.functional.silu(gate) * up
             out = w2[e] @ h
             if use_lora:
-                out = out + lora.b_down[s, e, :, :rd].cpu().double() @ (lora.a_down[s, e, :rd].cpu().double() @ h)
+                out = out + lora.b_down[s, e, :rd].T.cpu().double() @ (lora.a_down[s, e, :rd].cpu().double() @ h)
             y[t] += float(topk.weights[t, j]) * out
     return y
 

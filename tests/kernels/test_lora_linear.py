@@ -37,7 +37,7 @@ def _naive(x, lora: LinearLoRASlots, out_sizes, slots):
         offset = 0
         for p, size in enumerate(out_sizes):
             r = int(lora.ranks[s, p])
-            a, b = lora.a[s, p, :r].cpu().double(), lora.b[s, offset:offset + size, :r].cpu().double()
+            a, b = lora.a[s, p, :r].cpu().double(), lora.b[s, :r, offset:offset + size].T.cpu().double()
             delta[n, offset:offset + size] = b @ (a @ x[n].cpu().double())
             offset += size
     return delta

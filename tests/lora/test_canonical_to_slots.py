@@ -18,11 +18,11 @@ def fill_slots(adapters, max_rank: int) -> ExpertLoRA:
     buffers, ranks = {}, torch.zeros(3, len(adapters), EXPERTS, dtype=torch.int32)
     for p, (name, (d_in, d_out)) in enumerate(shapes.items()):
         a = torch.zeros(len(adapters), EXPERTS, max_rank, d_in)
-        b = torch.zeros(len(adapters), EXPERTS, d_out, max_rank)
+        b = torch.zeros(len(adapters), EXPERTS, max_rank, d_out)
         for s, adapter in enumerate(adapters):
             experts = adapter.layers[LAYER].experts.get(name)
             if experts is not None:
-                a[s, :, : experts.rank], b[s, :, :, : experts.rank], ranks[p, s] = experts.a, experts.b, experts.ranks
+                a[s, :, : experts.rank], b[s, :, : experts.rank], ranks[p, s] = experts.a, experts.b.transpose(1, 2), experts.ranks
         buffers[f"a_{name}"], buffers[f"b_{name}"] = a, b
     return ExpertLoRA(**buffers, ranks=ranks)
 
