@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from moelora.kernels.kv_store import store_kv
+
 
 class KVCache:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, k_head_dim: int, v_head_dim: int,
@@ -19,6 +21,6 @@ class KVCache:
         return num_layers * num_kv_heads * (k_head_dim + v_head_dim) * dtype.itemsize
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write the new tokens' k [N, heads, k_dim] and v [N, heads, v_dim] to slots `loc` [N]."""
-        self.k[layer][loc] = k.to(self.k[layer].dtype)
-        self.v[layer][loc] = v.to(self.v[layer].dtype)
+        """Write the new tokens' k [N, heads, k_dim] and v [N, heads, v_dim] to slots `loc` [N] (one Triton
+        kernel on CUDA)."""
+        store_kv(self.k[layer], self.v[layer], loc, k, v)

@@ -19,6 +19,7 @@ from triton.compiler import ASTSource
 
 from moelora.kernels import attention as at
 from moelora.kernels import fused_moe as fm
+from moelora.kernels import kv_store as kv
 from moelora.kernels import lora_linear as ll
 from moelora.kernels import moe_align as ma
 from moelora.kernels import rms_norm as rn
@@ -43,6 +44,8 @@ ROUTERS = ((128, 8, False, False, 1, 1), (64, 6, False, False, 8, 3), (160, 6, F
            (256, 8, True, True, 8, 4))
 RMS_NORMS = ((1, 2048), (1, 4096), (1, 7168), (32, 128), (4, 128), (1, 512))  # heads, D: hidden of Qwen3-30B-A3B,
 #           Mixtral, DeepSeek-V3 (the largest block); Qwen3's per-head q and k; the MLA kv latent
+KV_STORES = ((4, 128, 128), (1, 192, 128), (16, 192, 128), (128, 192, 128), (2, 80, 80))  # kv heads, Dk, Dv: Qwen3,
+#           MLA as one head, DeepSeek-V2-Lite and -V3 (a kv head per query head), non-power-of-two dims
 
 
 def compile_sm90(kernel, constexprs: dict, dtype: str, num_warps: int, num_stages: int, types: dict | None = None):
@@ -87,7 +90,7 @@ def compile_all() -> list[dict]:
                                (fm._moe_sum_kernel, dict(TOP_K=8, BLOCK_H=1024))):
         compiled = compile_sm90(kernel, constexprs, "bf16", 8, 1)
         results.append(dict(kernel=kernel.fn.__name__, shared=compiled.metadata.shared, ttgir=""))
-    results += compile_attention() + compile_lora_linear() + compile_topk() + compile_rms_norm()
+    results += compile_attention() + compile_lora_linear() + compile_topk() + compile_rms_norm() + compile_kv_store()
     return results
 
 
@@ -123,7 +126,7 @@ def compiled():
 
 def test_all_kernels_fit_shared_memory(compiled):
     assert len(compiled) == (4 * 2 * 2 * 2 + 7 + 2 * len(ATTENTION_HEADS) + 1 + 3 * len(LORA_LINEARS)
-                             + len(ROUTERS) + 2 * len(RMS_NORMS) + 1)
+                             + len(ROUTERS) + 2 * len(RMS_NORMS) + 1 + len(KV_STORES) + 1)
     for r in compiled:
         assert r["shared"] <= SMEM_LIMIT, f"{r}: {r['shared']} B of shared memory"
 
@@ -191,4 +194,17 @@ def compile_topk() -> list[dict]:
                           G_P=groups, K_P=triton.next_power_of_2(top_k), stride_le=1)
         compiled = compile_sm90(tk._topk_kernel, constexprs, "bf16", 1, 1)
         results.append(dict(kernel="_topk_kernel", shared=compiled.metadata.shared, ttgir=""))
+    return results
+
+
+def compile_kv_store() -> list[dict]:
+    """bf16 into a bf16 cache at int64 slots (out_cache_loc); and fp32 keys and values into it."""
+    int64_loc, fp32_kv = {"loc_ptr": "*i64"}, {"loc_ptr": "*i64", "k_ptr": "*fp32", "v_ptr": "*fp32"}
+    results = []
+    for (heads, k_dim, v_dim), types in [(shape, int64_loc) for shape in KV_STORES] + [(KV_STORES[0], fp32_kv)]:
+        block_h, block_dk, block_dv, num_warps = kv.launch_config(heads, k_dim, v_dim)
+        constexprs = dict(DK=k_dim, DV=v_dim, BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv)
+        compiled = compile_sm90(kv._store_kv_kernel, constexprs, "bf16", num_warps, 1, types)
+        results.append(dict(kernel="_store_kv_kernel", heads=heads, k_dim=k_dim, v_dim=v_dim,
+                            shared=compiled.metadata.shared, ttgir=""))
     return results
