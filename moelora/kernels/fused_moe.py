@@ -9,6 +9,8 @@ Grouped GEMMs over blocks from `moe_align` (one expert per block, rows ordered b
     _gate_up_kernel: h[p]     = silu(x Wg^T + xa_g Bg^T) * (x Wu^T + xa_u Bu^T)
                      hd[p, n] = h[p, n-tile] Ad[:, n-tile]^T   down shrink, one part per n-tile
     _down_kernel:    o[p]     = w[p] * (h Wd^T + (sum_n hd[p, n]) Bd^T)
+    _reduce_partials_kernel: at large batches, the partials of xa and hd summed once per row before
+                     the GEMMs read them (same order as the GEMMs' own sum, so the same bits)
     _moe_sum_kernel: y[t]     = sum_j o[t*k+j]  over valid experts, in a fixed order (deterministic)
 
 An expert's weights are read once per block whatever adapters its rows use; the LoRA epilogues
@@ -98,6 +100,11 @@ BLOCK_N_GATE_UP = 64
 SHRINK_SPLIT_K = 256
 PAIR_SHRINK_MAX_PAIRS = 256  # up to here the gate/up shrink runs per pair, in the alignment's launch
 SUM_PARTS = 8  # partial sums (shrink splits, down-shrink tiles) read per load in the LoRA epilogues
+# Every (block, n-tile) program of gate_up (down) sums its rows' shrink K-split (down-shrink tile) partials
+# itself. From this many pairs on, one launch sums them first (same order, same bits) and the programs read
+# one part: H100 2026-11-22, LoRA delta per layer, per program -> once: Mixtral T=512 x1 252 -> 141 us,
+# Qwen3 T=4096 x8 534 -> 426 us; below it the extra launch costs more (Mixtral T=128 x8: 137 -> 174 us).
+REDUCE_PARTIALS_MIN_PAIRS = 1024
 
 
 def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoEKernelConfig:
@@ -180,17 +187,30 @@ def _lora_expand(acc, xa, b_ptr, stride_br, offs_n, n_mask, rank, BLOCK_R: tl.co
 
 @triton.jit
 def _sum_partials(part_ptr, pair, rows, row_stride, num_parts, BLOCK_R: tl.constexpr, PARTS: tl.constexpr):
-    """sum over i < num_parts of part[pair, i, :] for the rows in `rows`: PARTS at a time in one
-    load (a chain of dependent small loads would be latency-bound), in a fixed order."""
+    """sum over i < num_parts of part[pair, i, :] for the rows in `rows`, added one part after the other
+    (an order no layout can change, so every kernel that sums the same parts gets the same bits); the
+    loads go PARTS at a time, so their latencies overlap instead of forming a chain."""
     offs_r = tl.arange(0, BLOCK_R)
-    offs_i = tl.arange(0, PARTS)
-    base = part_ptr + (pair.to(tl.int64) * row_stride)[:, None, None] + offs_i[None, :, None] * BLOCK_R \
-        + offs_r[None, None, :]
+    base = part_ptr + (pair.to(tl.int64) * row_stride)[:, None] + offs_r[None, :]
     acc = tl.zeros((pair.shape[0], BLOCK_R), dtype=tl.float32)
     for i0 in range(0, num_parts, PARTS):
-        mask = rows[:, None, None] & (i0 + offs_i < num_parts)[None, :, None]
-        acc += tl.sum(tl.load(base + i0 * BLOCK_R, mask=mask, other=0.0), axis=1)
+        for i in tl.static_range(PARTS):
+            part_ok = rows & (tl.zeros_like(pair) + (i0 + i) < num_parts)
+            acc += tl.load(base + (i0 + i) * BLOCK_R, mask=part_ok[:, None], other=0.0)
     return acc
+
+
+@triton.jit
+def _reduce_partials_kernel(part_ptr, out_ptr, token_slots_ptr, num_rows, rows_per_token, num_parts, num_slots,
+                            BLOCK_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr):
+    """out[row] = _sum_partials of part[row, :num_parts] for the rows of tokens with an adapter: the
+    epilogues then read one part instead of every (block, n-tile) program summing them all again."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    slot = tl.load(token_slots_ptr + rows // rows_per_token, mask=rows < num_rows, other=-1)
+    has = (rows < num_rows) & (slot >= 0) & (slot < num_slots)
+    total = _sum_partials(part_ptr, rows, has, num_parts * BLOCK_R, num_parts, BLOCK_R, PARTS)
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * BLOCK_R + tl.arange(0, BLOCK_R)[None, :]
+    tl.store(out_ptrs, total, mask=has[:, None])
 
 
 @triton.jit
@@ -432,6 +452,9 @@ def fused_moe_triton(
                 x.stride(0), lora.a_gate.stride(1), lora.a_gate.stride(2),
                 BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, num_warps=4,
             )
+    if lora is not None:
+        xa, num_splits = _reduce_partials(xa.view(num_pairs * 2, num_splits, block_r), 2 * top_k, slots, num_slots,
+                                          num_pairs)
     num_m = blocks.block_expert.numel()
     _gate_up_kernel[(num_m * num_n_gate_up,)](
         x, w13, h, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, slots,
@@ -440,10 +463,14 @@ def fused_moe_triton(
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *b_strides, *ad_strides,
         BLOCK_N=cfg.block_n_gate_up, BLOCK_R=block_r, **common,
     )
-    _down_kernel[(num_m * triton.cdiv(hidden, cfg.block_n_down),)](
+    num_n_down = triton.cdiv(hidden, cfg.block_n_down)
+    num_hd_parts = num_n_gate_up
+    if lora is not None:
+        hd, num_hd_parts = _reduce_partials(hd, top_k, slots, num_slots, num_pairs)
+    _down_kernel[(num_m * num_n_down,)](
         h, w2, out, topk.weights, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, slots,
         ranks, hd, bd,
-        num_pairs, top_k, hidden, inter, num_slots, num_experts, num_n_gate_up,
+        num_pairs, top_k, hidden, inter, num_slots, num_experts, num_hd_parts,
         h.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *bd_strides,
         BLOCK_N=cfg.block_n_down, BLOCK_R=block_r, **common,
     )
@@ -452,6 +479,21 @@ def fused_moe_triton(
         out, topk.ids, y, hidden, num_experts, out.stride(0), y.stride(0), TOP_K=top_k, BLOCK_H=block_h,
     )
     return y
+
+
+def _reduce_partials(parts: torch.Tensor, rows_per_token: int, token_slots: torch.Tensor, num_slots: int,
+                     num_pairs: int) -> tuple[torch.Tensor, int]:
+    """parts [rows, P, R] (the rows of token t at t * rows_per_token ...) summed per row into [rows, 1, R]
+    for batches of REDUCE_PARTIALS_MIN_PAIRS pairs or more; returns the buffer to read and its parts."""
+    rows, num_parts, block_r = parts.shape
+    if num_parts == 1 or num_pairs < REDUCE_PARTIALS_MIN_PAIRS:
+        return parts, num_parts
+    out = torch.empty(rows, 1, block_r, dtype=torch.float32, device=parts.device)
+    block_rows = 64
+    _reduce_partials_kernel[(triton.cdiv(rows, block_rows),)](
+        parts, out, token_slots, rows, rows_per_token, num_parts, num_slots,
+        BLOCK_ROWS=block_rows, BLOCK_R=block_r, PARTS=SUM_PARTS, num_warps=4)
+    return out, 1
 
 
 # ------------------------------------------------------------------------------------ torch

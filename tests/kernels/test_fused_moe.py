@@ -110,6 +110,19 @@ def test_triton_block_sizes_agree(dtype, device, poison):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_partials_summed_once_equal_partials_summed_per_program(dtype, device, poison, monkeypatch):
+    """Large batches sum the shrink's K-split and down-shrink partials once per row before the GEMMs read
+    them; the bits must equal every program summing them itself (3 K splits, 4 down-shrink tiles here)."""
+    x, w13, w2, topk, lora, slots = _case(19, 600, 200, 5, 2, dtype, device, slot_ranks=SMALL_RANKS)
+    monkeypatch.setattr(fused_moe_module, "REDUCE_PARTIALS_MIN_PAIRS", 10**9)
+    per_program = fused_moe(x, w13, w2, topk, lora, slots, impl="triton")
+    monkeypatch.setattr(fused_moe_module, "REDUCE_PARTIALS_MIN_PAIRS", 0)
+    once = fused_moe(x, w13, w2, topk, lora, slots, impl="triton")
+    assert torch.equal(per_program, once)
+    assert_rows_close(once, fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(dtype, device))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_shrink_per_pair_equals_shrink_per_block(dtype, device, poison, monkeypatch):
     """Small batches shrink per pair inside the alignment's launch, large ones per block: a row's
     bits must not depend on which one its batch size picks."""
