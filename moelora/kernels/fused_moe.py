@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.gemm_tiles import gemm_block_k, gemm_loop, grouped_tile
 from moelora.kernels.lora_tiles import LORA_RANK_CHUNK, rank_tile
 from moelora.kernels.moe_align import (CHUNK, SINGLE_PROGRAM_MAX_PAIRS, align_num_warps, alloc_aligned, key_tile,
                                        moe_align, moe_align_program)
@@ -109,7 +110,7 @@ REDUCE_PARTIALS_MIN_PAIRS = 1024
 
 def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoEKernelConfig:
     """Tile sizes by rows per expert."""
-    block_k = 32 if dtype == torch.float32 else 64
+    block_k = gemm_block_k(dtype)
     rows_per_expert = num_pairs / num_experts
     if rows_per_expert <= 16:
         return MoEKernelConfig(16, BLOCK_N_GATE_UP, 128, block_k, 8, 4, 4)
@@ -130,13 +131,8 @@ def _block_info(sorted_ids_ptr, block_expert_ptr, num_rows_ptr, num_pairs, N,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """Map this program to (block, n-tile); GROUP_M consecutive blocks walk the n-tiles together
     so blocks of one expert share its weight tiles through L2."""
-    pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
-    num_m = tl.num_programs(0) // num_n
-    first_m = pid // (GROUP_M * num_n) * GROUP_M
-    group_size = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % group_size
-    pid_n = (pid % (GROUP_M * num_n)) // group_size
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.num_programs(0) // num_n, num_n, GROUP_M)
     in_use = pid_m * BLOCK_M < tl.load(num_rows_ptr)
     pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -157,22 +153,6 @@ def _row_slots(token_slots_ptr, pair, row_ok, top_k, num_slots):
 def _lora_rank(ranks_ptr, proj, slot, expert, num_slots, num_experts):
     """Real rank of projection `proj` (0 gate, 1 up, 2 down) for (slot, expert); 0 = not covered."""
     return tl.load(ranks_ptr + (proj * num_slots + slot) * num_experts + expert)
-
-
-@triton.jit
-def _gemm_loop(in_ptrs, row_ok, K, w1_ptrs, w2_ptrs, n_mask, DUAL: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc_i = in @ W_i^T over K (two weight streams sharing the input when DUAL: gate and up)."""
-    offs_k = tl.arange(0, BLOCK_K)
-    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = (k0 + offs_k < K)[:, None]
-        xt = tl.load(in_ptrs + k0, mask=row_ok[:, None] & k_mask.T, other=0.0)
-        acc1 += tl.dot(xt, tl.load(w1_ptrs + k0, mask=k_mask & n_mask[None, :], other=0.0))
-        if DUAL:
-            acc2 += tl.dot(xt, tl.load(w2_ptrs + k0, mask=k_mask & n_mask[None, :], other=0.0))
-    return acc1, acc2
 
 
 @triton.jit
@@ -312,8 +292,8 @@ def _gate_up_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
     wg_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
-    acc_g, acc_u = _gemm_loop(x_ptrs, row_ok, H, wg_ptrs, wg_ptrs + I * stride_wn, n_mask, True,
-                              BLOCK_M, BLOCK_N, BLOCK_K)
+    acc_g, acc_u = gemm_loop(x_ptrs, row_ok, H, wg_ptrs, wg_ptrs + I * stride_wn, n_mask, True,
+                             BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_LORA:  # constexpr: without it the LoRA path is not compiled at all
         slot, lo, hi = _row_slots(token_slots_ptr, pair, row_ok, top_k, num_slots)
         zeros = tl.zeros((BLOCK_M,), dtype=tl.int32)  # vector form of the rank tests, for the masks
@@ -368,7 +348,7 @@ def _down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_ht + offs_k[None, :]
     w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
-    acc, _ = _gemm_loop(h_ptrs, row_ok, I, w_ptrs, w_ptrs, n_mask, False, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc, _ = gemm_loop(h_ptrs, row_ok, I, w_ptrs, w_ptrs, n_mask, False, BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_LORA:
         slot, lo, hi = _row_slots(token_slots_ptr, pair, row_ok, top_k, num_slots)
         hd = _sum_partials(hd_ptr, pair, slot >= 0, num_hd_parts * BLOCK_R, num_hd_parts, BLOCK_R, PARTS)

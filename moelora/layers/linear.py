@@ -1,8 +1,9 @@
 """Linear layer with the LoRA deltas of every token's adapter slot.
 
-The output may be made of parts (fused q/k/v: three), each named as the canonical adapter names
-modules relative to the decoder layer ("self_attn.q_proj", ...), so the LoRA manager can fill
-the layer's slot buffers from any adapter. `lora` stays None until the manager sets it.
+The base projection is `moelora.kernels.linear`, whose rows do not depend on the batch on CUDA
+(cuBLAS's do). The output may be made of parts (fused q/k/v: three), each named as the canonical
+adapter names modules relative to the decoder layer ("self_attn.q_proj", ...), so the LoRA manager
+can fill the layer's slot buffers from any adapter. `lora` stays None until the manager sets it.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from moelora.engine.forward_batch import LoRABatch
+from moelora.kernels.linear import linear
 from moelora.kernels.lora_linear import LinearLoRASlots, lora_linear
 
 
@@ -29,7 +31,7 @@ class Linear(nn.Module):
         self.lora: LinearLoRASlots | None = None
 
     def forward(self, x: torch.Tensor, lora_batch: LoRABatch | None = None) -> torch.Tensor:
-        y = nn.functional.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         if self.lora is not None and lora_batch is not None:
             # in place: adapter rows get y + delta summed in fp32; other rows keep the base bits
             blocks = lora_batch.slot_blocks(self.lora.num_slots) if x.is_cuda else None  # the Triton path's

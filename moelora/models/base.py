@@ -16,6 +16,7 @@ from transformers import PretrainedConfig
 
 from moelora.engine.forward_batch import ForwardBatch
 from moelora.engine.kv_cache import KVCache
+from moelora.kernels.linear import linear
 from moelora.layers.attention import Attention
 from moelora.layers.linear import Linear
 from moelora.layers.norm import RMSNorm
@@ -115,7 +116,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()
+        return linear(hidden, weight).float()  # rounded to the model dtype first, as transformers does
 
     @property
     def kv_cache_shape(self) -> KVCacheShape:

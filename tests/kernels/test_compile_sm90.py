@@ -19,7 +19,9 @@ from triton.compiler import ASTSource
 
 from moelora.kernels import attention as at
 from moelora.kernels import fused_moe as fm
+from moelora.kernels.gemm_tiles import gemm_block_k
 from moelora.kernels import kv_store as kv
+from moelora.kernels import linear as li
 from moelora.kernels import lora_linear as ll
 from moelora.kernels import moe_align as ma
 from moelora.kernels import rms_norm as rn
@@ -35,7 +37,7 @@ FP32_PTRS = {"topk_weights_ptr", "xa_ptr", "hd_ptr", "mid_o_ptr", "mid_lse_ptr",
 FP32_SCALARS = {"qk_scale", "routed_scaling_factor", "eps"}
 NOT_DIVISIBLE = {"num_pairs", "top_k", "num_slots", "num_experts", "max_rows", "group", "num_q_heads", "max_splits",
                  "qk_scale", "num_tokens", "num_splits", "num_hd_parts", "stride_lt", "rows_per_token", "num_parts",
-                 "routed_scaling_factor", "num_heads", "eps"}
+                 "routed_scaling_factor", "num_heads", "eps", "M"}
 ATTENTION_HEADS = ((128, 128, 8), (192, 128, 1), (64, 64, 4))  # Dk, Dv, q heads per kv head: Qwen3, MLA, small
 LORA_LINEARS = ((2048, (4096, 512, 512), 16), (2048, (4096, 512, 512), 64), (4096, (2048,), 16))  # Qwen3-30B-A3B
 #                 qkv and o: in features, out sizes, rank tile
@@ -44,6 +46,9 @@ ROUTERS = ((128, 8, False, False, 1, 1), (64, 6, False, False, 8, 3), (160, 6, F
            (256, 8, True, True, 8, 4))
 RMS_NORMS = ((1, 2048), (1, 4096), (1, 7168), (32, 128), (4, 128), (1, 512))  # heads, D: hidden of Qwen3-30B-A3B,
 #           Mixtral, DeepSeek-V3 (the largest block); Qwen3's per-head q and k; the MLA kv latent
+# M, N: the dense GEMM's default tiles: decode (16 x 16, 16 x 32), medium (64 x 64), prefill on 4 warps
+# (64 x 128, o_proj's N = 2048) and on 8 (128 x 256); Qwen3-30B-A3B's o_proj and qkv
+LINEARS = ((1, 2048), (1, 5120), (100, 5120), (512, 2048), (4096, 5120))
 KV_STORES = ((4, 128, 128), (1, 192, 128), (16, 192, 128), (128, 192, 128), (2, 80, 80))  # kv heads, Dk, Dv: Qwen3,
 #           MLA as one head, DeepSeek-V2-Lite and -V3 (a kv head per query head), non-power-of-two dims
 
@@ -92,6 +97,7 @@ def compile_all() -> list[dict]:
         compiled = compile_sm90(kernel, constexprs, "bf16", 8, 1)
         results.append(dict(kernel=kernel.fn.__name__, shared=compiled.metadata.shared, ttgir=""))
     results += compile_attention() + compile_lora_linear() + compile_topk() + compile_rms_norm() + compile_kv_store()
+    results += compile_linear()
     return results
 
 
@@ -127,7 +133,7 @@ def compiled():
 
 def test_all_kernels_fit_shared_memory(compiled):
     assert len(compiled) == (4 * 2 * 2 * 2 + 8 + 2 * len(ATTENTION_HEADS) + 1 + 3 * len(LORA_LINEARS)
-                             + len(ROUTERS) + 2 * len(RMS_NORMS) + 1 + len(KV_STORES) + 1)
+                             + len(ROUTERS) + 2 * len(RMS_NORMS) + 1 + len(KV_STORES) + 1 + 2 * len(LINEARS) + 1)
     for r in compiled:
         assert r["shared"] <= SMEM_LIMIT, f"{r}: {r['shared']} B of shared memory"
 
@@ -209,3 +215,28 @@ def compile_kv_store() -> list[dict]:
         results.append(dict(kernel="_store_kv_kernel", heads=heads, k_dim=k_dim, v_dim=v_dim,
                             shared=compiled.metadata.shared, ttgir=""))
     return results
+
+
+def compile_linear() -> list[dict]:
+    """Each default config in bf16 and fp16 without bias; the largest tile in bf16 with one."""
+    cases = [(m, n, dtype, False) for m, n in LINEARS for dtype in ("bf16", "fp16")] + [(*LINEARS[-1], "bf16", True)]
+    results = []
+    for m, n, dtype, has_bias in cases:
+        cfg = li.default_config(m, n)
+        constexprs = dict(HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                          BLOCK_K=gemm_block_k(torch.bfloat16), GROUP_M=cfg.group_m)  # fp16's too
+        compiled = compile_sm90(li._linear_kernel, constexprs, dtype, cfg.num_warps, cfg.num_stages)
+        results.append(dict(kernel="_linear_kernel", dtype=dtype, m=m, n=n, block_m=cfg.block_m, bias=has_bias,
+                            shared=compiled.metadata.shared, ttgir=compiled.asm["ttgir"]))
+    return results
+
+
+def test_linear_pipelines_on_wgmma(compiled):
+    """Every tile's K loop is software-pipelined; from BLOCK_M 64 (medium and prefill tiles) tl.dot is wgmma."""
+    linears = [r for r in compiled if r["kernel"] == "_linear_kernel"]
+    assert {r["block_m"] for r in linears} == {16, 64, 128}
+    for r in linears:
+        where = f"_linear_kernel {r['dtype']} M={r['m']} N={r['n']} bias={r['bias']}"
+        assert "async_copy_global_to_local" in r["ttgir"], f"{where}: main loop is not software-pipelined"
+        if r["block_m"] >= 64:
+            assert "warp_group_dot" in r["ttgir"], f"{where}: does not use wgmma"

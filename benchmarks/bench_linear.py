@@ -1,0 +1,123 @@
+"""Dense GEMM benchmark (kernels only, not a test): moelora's batch-invariant `linear` against torch's
+nn.functional.linear (cuBLAS), at Qwen3-30B-A3B's dense shapes.
+
+For each shape and number of rows M it reports, all measured in one run on one device:
+  torch us, ours us   median time of one projection (CUDA-graph replays over several weight copies, so
+                      weights come from HBM, not L2), and ours / torch
+  % of BW floor       ours against bytes of W + x + y / measured copy bandwidth
+  TFLOP/s             ours at M >= 512, and % of the measured bf16 matmul rate
+
+    python3 benchmarks/bench_linear.py                        # all shapes, markdown table to stdout
+    python3 benchmarks/bench_linear.py --sweep 1,4096         # also time candidate tiles at M = 1 and 4096
+    python3 benchmarks/bench_linear.py --shapes tiny          # CPU-sized smoke run (torch path on CPU)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+
+import torch
+import triton
+from torch import nn
+
+from bench_moe import machine, measure
+from moelora.kernels.linear import LinearConfig, default_config, linear
+from moelora.testing import assert_rows_close, rel_tolerance
+
+SHAPES = {  # in features K, out features N
+    "qkv": (2048, 5120),
+    "o": (4096, 2048),
+    "router": (2048, 128),
+    "lm_head": (2048, 151936),
+    "tiny": (96, 80),
+}
+STREAMED_BYTES = 2e8  # weight copies per timed call: at least this much, 4x the L2 of an H100/H200
+
+
+def weight_copies(shape, dtype, device) -> list[torch.Tensor]:
+    k, n = shape
+    count = 1 if device == "cpu" else max(2, min(256, math.ceil(STREAMED_BYTES / (n * k * dtype.itemsize))))
+    return [(torch.randn(n, k, device=device) / k**0.5).to(dtype) for _ in range(count)]
+
+
+def time_per_copy(fn, x, weights) -> float:
+    return measure(lambda: [fn(x, w) for w in weights]) / len(weights)
+
+
+def check_once(weights, device, dtype):
+    """The benchmarked path must agree with torch before its time means anything."""
+    x = torch.randn(33, weights[0].shape[1], device=device, dtype=dtype)
+    assert_rows_close(linear(x, weights[0]), linear(x, weights[0], impl="torch"), rel_tolerance(dtype, device),
+                      "benchmark check")
+
+
+def floor_seconds(m, shape, dtype, bw) -> float:
+    k, n = shape
+    return (n * k + m * k + m * n) * dtype.itemsize / bw
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="qkv,o,router,lm_head")
+    p.add_argument("--rows", default="1,8,32,128,512,4096", help="values of M")
+    p.add_argument("--sweep", default="", help="M values at which to also time candidate tiles (tuning aid)")
+    args = p.parse_args()
+    device, dtype, name, mm, bw = machine()
+    torch.manual_seed(0)
+    print(f"# moelora dense GEMM benchmark, {name}, {datetime.date.today()}, torch {torch.__version__}, {dtype}")
+    print(f"measured copy bandwidth {bw / 1e12:.2f} TB/s (read+write), {dtype} matmul {mm / 1e12:.0f} TFLOP/s\n")
+    print("| shape | M | torch us | ours us | ours/torch | BW floor us | ours % of floor | ours TFLOP/s (% matmul) |")
+    print("|---|---|---|---|---|---|---|---|")
+    sweep_rows = [int(m) for m in args.sweep.split(",") if m]
+    for shape_name in args.shapes.split(","):
+        shape = SHAPES[shape_name]
+        weights = weight_copies(shape, dtype, device)
+        check_once(weights, device, dtype)
+        label = f"{shape_name} {shape[0]}->{shape[1]}"
+        for m in map(int, args.rows.split(",")):
+            x = torch.randn(m, shape[0], device=device, dtype=dtype)
+            t_torch = time_per_copy(nn.functional.linear, x, weights)
+            t_ours = time_per_copy(linear, x, weights)
+            floor = floor_seconds(m, shape, dtype, bw)
+            flops = 2 * m * shape[0] * shape[1]
+            tf = f"{flops / t_ours / 1e12:.0f} ({100 * flops / t_ours / mm:.0f}%)" if m >= 512 else ""
+            print(f"| {label} | {m} | {t_torch * 1e6:.1f} | {t_ours * 1e6:.1f} | {t_ours / t_torch:.2f} "
+                  f"| {floor * 1e6:.1f} | {100 * floor / t_ours:.0f}% | {tf} |", flush=True)
+        for m in sweep_rows:
+            sweep(weights, m, shape, device, dtype, bw)
+        del weights
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def candidates(m: int, n: int) -> list[LinearConfig]:
+    """Tiles worth trying for M rows and N columns; BLOCK_K is not among them (it sets the order of a
+    row's sums: changing it with M would make results depend on the batch)."""
+    m_p, n_p = max(16, triton.next_power_of_2(m)), max(16, triton.next_power_of_2(n))
+    out = []
+    for bm in (bm for bm in (16, 32, 64, 128) if min(64, m_p) // 2 <= bm <= m_p):
+        for bn in (bn for bn in (16, 32, 64, 128, 256) if bn <= n_p):
+            for warps in (4, 8) if bm * bn >= 128 * 128 else (4,):
+                out += [LinearConfig(bm, bn, 8, warps, stages) for stages in (3, 4, 5, 6)]
+    return out
+
+
+def sweep(weights, m, shape, device, dtype, bw):
+    x = torch.randn(m, shape[0], device=device, dtype=dtype)
+    floor, default, results = floor_seconds(m, shape, dtype, bw), default_config(m, shape[1]), []
+    for cfg in candidates(m, shape[1]):
+        try:
+            t = time_per_copy(lambda x, w: linear(x, w, config=cfg), x, weights)
+        except Exception as exc:  # out of shared memory etc.
+            print(f"  sweep M={m} {cfg}: failed {type(exc).__name__}")
+            continue
+        results.append((t, cfg))
+        print(f"  sweep M={m} {cfg}: {t * 1e6:.1f} us ({100 * floor / t:.0f}% of floor)"
+              f"{' (default)' if cfg == default else ''}", flush=True)
+    t, cfg = min(results, key=lambda r: r[0])
+    print(f"  best at M={m} N={shape[1]}: {cfg} {t * 1e6:.1f} us; default {default}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Pieces shared by the dense GEMM (linear) and the grouped expert GEMMs (fused_moe).
+
+Both keep a row's result independent of what it is batched with by fixing the order of its fp32
+sums: one BLOCK_K per dtype (`gemm_block_k`), a K loop from 0 to K in BLOCK_K steps into one
+accumulator (`gemm_loop`), no split-K. Tile sizes along M and N, the swizzle, warps and stages may
+follow the batch: they change which program computes a row, not the order of its sums.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def gemm_block_k(dtype: torch.dtype) -> int:
+    """The one BLOCK_K of every GEMM config for `dtype` (fp32 tiles are twice the bytes)."""
+    return 32 if dtype == torch.float32 else 64
+
+
+@triton.jit
+def grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of program `pid`: GROUP_M consecutive row blocks walk the n-tiles together,
+    so they share each weight tile through L2."""
+    first_m = pid // (GROUP_M * num_n) * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % group_size
+    pid_n = (pid % (GROUP_M * num_n)) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def gemm_loop(in_ptrs, row_ok, K, w1_ptrs, w2_ptrs, n_mask, DUAL: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc_i = in @ W_i^T over K (two weight streams sharing the input when DUAL: gate and up).
+    in_ptrs [BLOCK_M, BLOCK_K] and w_ptrs [BLOCK_K, BLOCK_N] point at column 0 of the input rows and
+    of the weight rows (K contiguous)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + offs_k < K)[:, None]
+        xt = tl.load(in_ptrs + k0, mask=row_ok[:, None] & k_mask.T, other=0.0)
+        acc1 += tl.dot(xt, tl.load(w1_ptrs + k0, mask=k_mask & n_mask[None, :], other=0.0))
+        if DUAL:
+            acc2 += tl.dot(xt, tl.load(w2_ptrs + k0, mask=k_mask & n_mask[None, :], other=0.0))
+    return acc1, acc2
