@@ -8,6 +8,8 @@ import math
 import torch
 from torch import nn
 
+from moelora.kernels.rotary import rotary_embedding
+
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
@@ -69,14 +71,5 @@ class RotaryEmbedding(nn.Module):
         self.interleaved = interleaved
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [N], q [N, Hq, D], k [N, Hk, D] -> rotated q, k."""
-        freqs = positions[:, None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        cos, sin = (emb.cos() * self.scale).to(q.dtype), (emb.sin() * self.scale).to(q.dtype)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.interleaved:
-            x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+        """positions [N], q [N, Hq, D], k [N, Hk, D] -> rotated q, k (new tensors; the Triton kernel on CUDA)."""
+        return rotary_embedding(positions, q, k, self.inv_freq, self.scale, self.interleaved)

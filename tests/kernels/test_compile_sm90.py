@@ -25,6 +25,7 @@ from moelora.kernels import linear as li
 from moelora.kernels import lora_linear as ll
 from moelora.kernels import moe_align as ma
 from moelora.kernels import rms_norm as rn
+from moelora.kernels import rotary as ro
 from moelora.kernels import topk as tk
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -32,15 +33,17 @@ SMEM_LIMIT = 227 * 1024
 INT_PTRS = {"sorted_ids_ptr", "block_expert_ptr", "block_slot_ptr", "num_rows_ptr", "ranks_ptr", "topk_ids_ptr",
             "token_slots_ptr", "cursor_ptr", "req_to_token_ptr", "req_pool_ptr", "seq_lens_ptr", "extend_lens_ptr",
             "extend_starts_ptr", "ids_ptr"}
-FP32_PTRS = {"topk_weights_ptr", "xa_ptr", "hd_ptr", "mid_o_ptr", "mid_lse_ptr", "bias_ptr",
+FP32_PTRS = {"topk_weights_ptr", "xa_ptr", "hd_ptr", "mid_o_ptr", "mid_lse_ptr", "inv_freq_ptr", "bias_ptr",
              "weights_ptr"}
-FP32_SCALARS = {"qk_scale", "routed_scaling_factor", "eps"}
+FP32_SCALARS = {"qk_scale", "scale", "routed_scaling_factor", "eps"}
 NOT_DIVISIBLE = {"num_pairs", "top_k", "num_slots", "num_experts", "max_rows", "group", "num_q_heads", "max_splits",
-                 "qk_scale", "num_tokens", "num_splits", "num_hd_parts", "stride_lt", "rows_per_token", "num_parts",
-                 "routed_scaling_factor", "num_heads", "eps", "M"}
+                 "qk_scale", "num_tokens", "num_splits", "num_hd_parts", "num_k_heads", "stride_lt", "scale",
+                 "rows_per_token", "num_parts", "routed_scaling_factor", "num_heads", "eps", "M"}
 ATTENTION_HEADS = ((128, 128, 8), (192, 128, 1), (64, 64, 4))  # Dk, Dv, q heads per kv head: Qwen3, MLA, small
 LORA_LINEARS = ((2048, (4096, 512, 512), 16), (2048, (4096, 512, 512), 64), (4096, (2048,), 16))  # Qwen3-30B-A3B
 #                 qkv and o: in features, out sizes, rank tile
+# q heads, k heads, rotary dims, interleaved: Qwen3-30B-A3B, DeepSeek-V3
+ROTARY_HEADS = ((32, 4, 128, False), (128, 1, 64, True))
 # experts, k, sigmoid, correction bias, groups, topk_group: Qwen3-30B-A3B, DeepSeek-V2-Lite grouped, -V2, -V3
 ROUTERS = ((128, 8, False, False, 1, 1), (64, 6, False, False, 8, 3), (160, 6, False, False, 8, 3),
            (256, 8, True, True, 8, 4))
@@ -96,8 +99,8 @@ def compile_all() -> list[dict]:
                                (fm._moe_sum_kernel, dict(TOP_K=8, BLOCK_H=1024))):
         compiled = compile_sm90(kernel, constexprs, "bf16", 8, 1)
         results.append(dict(kernel=kernel.fn.__name__, shared=compiled.metadata.shared, ttgir=""))
-    results += compile_attention() + compile_lora_linear() + compile_topk() + compile_rms_norm() + compile_kv_store()
-    results += compile_linear()
+    results += (compile_attention() + compile_lora_linear() + compile_rotary() + compile_topk() + compile_rms_norm()
+                + compile_kv_store() + compile_linear())
     return results
 
 
@@ -133,7 +136,8 @@ def compiled():
 
 def test_all_kernels_fit_shared_memory(compiled):
     assert len(compiled) == (4 * 2 * 2 * 2 + 8 + 2 * len(ATTENTION_HEADS) + 1 + 3 * len(LORA_LINEARS)
-                             + len(ROUTERS) + 2 * len(RMS_NORMS) + 1 + len(KV_STORES) + 1 + 2 * len(LINEARS) + 1)
+                             + len(ROTARY_HEADS) + len(ROUTERS) + 2 * len(RMS_NORMS) + 1 + len(KV_STORES) + 1
+                             + 2 * len(LINEARS) + 1)
     for r in compiled:
         assert r["shared"] <= SMEM_LIMIT, f"{r}: {r['shared']} B of shared memory"
 
@@ -193,6 +197,17 @@ def test_lora_linear_main_loops_pipeline(compiled):
             assert "async_copy_global_to_local" in r["ttgir"], f"{r['kernel']} {r['dtype']}: loads not pipelined"
 
 
+def compile_rotary() -> list[dict]:
+    results = []
+    for q_heads, k_heads, dim, interleaved in ROTARY_HEADS:
+        constexprs = dict(HALF=dim // 2, BLOCK_F=dim // 2, BLOCK_HQ=q_heads, BLOCK_HK=k_heads, INTERLEAVED=interleaved)
+        compiled = compile_sm90(ro._rotary_kernel, constexprs, "bf16", 4, 1, {"positions_ptr": "*i64"})
+        ptx = compiled.asm["ptx"]
+        results.append(dict(kernel="_rotary_kernel", shared=compiled.metadata.shared, ttgir="",
+                            approx_trig="sin.approx" in ptx or "cos.approx" in ptx))
+    return results
+
+
 def compile_topk() -> list[dict]:
     results = []
     for experts, top_k, sigmoid, bias, groups, topk_group in ROUTERS:
@@ -240,3 +255,9 @@ def test_linear_pipelines_on_wgmma(compiled):
         assert "async_copy_global_to_local" in r["ttgir"], f"{where}: main loop is not software-pipelined"
         if r["block_m"] >= 64:
             assert "warp_group_dot" in r["ttgir"], f"{where}: does not use wgmma"
+
+
+def test_rotary_uses_accurate_sin_cos(compiled):
+    """Positions run to 10^5 radians and more, where sin.approx/cos.approx lose every digit; libdevice's
+    sinf/cosf reduce the argument exactly, as torch's CUDA kernels do."""
+    assert all(not r["approx_trig"] for r in compiled if r["kernel"] == "_rotary_kernel")
