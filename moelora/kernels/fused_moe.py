@@ -33,8 +33,7 @@ import triton.language as tl
 
 from moelora.kernels.gemm_tiles import gemm_block_k, gemm_loop, grouped_tile
 from moelora.kernels.lora_tiles import LORA_RANK_CHUNK, rank_tile
-from moelora.kernels.moe_align import (CHUNK, SINGLE_PROGRAM_MAX_PAIRS, align_num_warps, alloc_aligned, key_tile,
-                                       moe_align, moe_align_program)
+from moelora.kernels.moe_align import CHUNK, align_num_warps, alloc_aligned, key_tile, moe_align, moe_align_program
 from moelora.layers.moe.topk import TopKOutput
 
 
