@@ -3,15 +3,16 @@
     y[t] = sum_j w[t,j] * down_e( silu(gate_e(x[t])) * up_e(x[t]) ),  e = ids[t, j]
     gate_e(x) = x Wg_e^T + (x Ag_se^T) Bg_se^T,  s = slot of token t (likewise up, down)
 
-Grouped GEMMs over blocks from `moe_align` (one expert per block, rows ordered by adapter slot):
+Grouped GEMMs over blocks from `moe_align` (one expert per block, rows ordered by adapter slot), or,
+for a few pairs, over one block per (token, expert) pair, which needs no alignment launch:
 
     _shrink_kernel:  xa[p]    = x A_g^T, x A_u^T          K-split partials, rows with an adapter only
     _gate_up_kernel: h[p]     = silu(x Wg^T + xa_g Bg^T) * (x Wu^T + xa_u Bu^T)
                      hd[p, n] = h[p, n-tile] Ad[:, n-tile]^T   down shrink, one part per n-tile
-    _down_kernel:    o[p]     = w[p] * (h Wd^T + (sum_n hd[p, n]) Bd^T)
+    _down_kernel:    o[p]     = w[p] * (h Wd^T + (sum_n hd[p, n]) Bd^T), and y[t] = sum_j o[t*k+j] over
+                     the valid experts in j order, added by the program that finishes t's last pair
     _reduce_partials_kernel: at large batches, the partials of xa and hd summed once per row before
                      the GEMMs read them (same order as the GEMMs' own sum, so the same bits)
-    _moe_sum_kernel: y[t]     = sum_j o[t*k+j]  over valid experts, in a fixed order (deterministic)
 
 An expert's weights are read once per block whatever adapters its rows use; the LoRA epilogues
 loop over the few slots present in the block. LoRA deltas are added to the fp32 accumulators
@@ -33,7 +34,8 @@ import triton.language as tl
 
 from moelora.kernels.gemm_tiles import gemm_block_k, gemm_loop, grouped_tile
 from moelora.kernels.lora_tiles import LORA_RANK_CHUNK, rank_tile
-from moelora.kernels.moe_align import CHUNK, align_num_warps, alloc_aligned, key_tile, moe_align, moe_align_program
+from moelora.kernels.moe_align import (CHUNK, AlignedBlocks, align_num_warps, alloc_aligned, key_tile, moe_align,
+                                       moe_align_program)
 from moelora.layers.moe.topk import TopKOutput
 
 
@@ -91,25 +93,36 @@ class MoEKernelConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    pair_blocks: bool = False  # each (token, expert) pair is its own block (row 0 of BLOCK_M): no alignment
 
 
 # A row's result must not depend on what it is batched with, so everything that sets the order of
 # its fp32 sums is fixed: BLOCK_K of the GEMMs, the gate/up shrink's K split, and the gate_up N tile
-# (the down shrink is summed over those tiles). Only block_m and block_n_down follow the batch.
+# (the down shrink is summed over those tiles). Only block_m and block_n_down follow the batch, and the
+# gate_up n tile without LoRA.
 BLOCK_N_GATE_UP = 64
 SHRINK_SPLIT_K = 256
+# Up to this many tokens every (token, expert) pair is its own block: no alignment launch, but an expert
+# picked by several tokens is read once per pair. H100 2026-11-22, base MoE, aligned -> pair blocks:
+# Qwen3 T=1 41.9 -> 38.0 us, T=2 65.5 -> 61.0, T=4 114 -> 113, T=8 197 -> 213; Mixtral T=8 874 -> 1305.
+PAIR_BLOCKS_MAX_TOKENS = 2
 PAIR_SHRINK_MAX_PAIRS = 256  # up to here the gate/up shrink runs per pair, in the alignment's launch
 SUM_PARTS = 8  # partial sums (shrink splits, down-shrink tiles) read per load in the LoRA epilogues
 # Every (block, n-tile) program of gate_up (down) sums its rows' shrink K-split (down-shrink tile) partials
-# itself. From this many pairs on, one launch sums them first (same order, same bits) and the programs read
-# one part: H100 2026-11-22, LoRA delta per layer, per program -> once: Mixtral T=512 x1 252 -> 141 us,
-# Qwen3 T=4096 x8 534 -> 426 us; below it the extra launch costs more (Mixtral T=128 x8: 137 -> 174 us).
-REDUCE_PARTIALS_MIN_PAIRS = 1024
+# itself. From this many pairs on, one launch (about REDUCE_PROGRAMS programs) sums them first (same order,
+# same bits) and the programs read one part. H100 2026-11-22, LoRA delta x8 per layer, per program -> once:
+# Mixtral T=256 137 -> 97 us, T=512 334 -> 154 us, DSV2-Lite T=512 158 -> 148 us; equal at 256 pairs and below.
+REDUCE_PARTIALS_MIN_PAIRS = 512
+REDUCE_PROGRAMS = 512
 
 
-def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoEKernelConfig:
-    """Tile sizes by rows per expert."""
+def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype,
+                   lora: bool = True) -> MoEKernelConfig:
+    """Tile sizes by rows per expert; `lora`: for a call with LoRA (its gate_up n tile is fixed)."""
     block_k = gemm_block_k(dtype)
+    if num_tokens <= PAIR_BLOCKS_MAX_TOKENS:
+        return MoEKernelConfig(16, BLOCK_N_GATE_UP, 64, block_k, 8, 4, 4, pair_blocks=True)
+    num_pairs = num_tokens * top_k
     rows_per_expert = num_pairs / num_experts
     if rows_per_expert <= 16:
         return MoEKernelConfig(16, BLOCK_N_GATE_UP, 128, block_k, 8, 4, 4)
@@ -117,25 +130,34 @@ def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoEK
         return MoEKernelConfig(32, BLOCK_N_GATE_UP, 128, block_k, 8, 4, 4)
     if rows_per_expert < 256:
         return MoEKernelConfig(64, BLOCK_N_GATE_UP, 128, block_k, 8, 4, 4)
-    # prefill: from `bench_moe.py --sweep-tokens 4096` (H200, 2026-11-22), the best tile for base and
-    # LoRA together on all three shapes (8 warps gave the base 4% more but the LoRA epilogue 15% less)
-    return MoEKernelConfig(128, BLOCK_N_GATE_UP, 128, block_k, 8, 4, 3)
+    # prefill, from `bench_moe.py --sweep-tokens 4096`: with LoRA (H200, 2026-11-22) the
+    # best tile for base and LoRA together (8 warps gave the LoRA epilogue 15% less); without LoRA (H100,
+    # 2026-11-22) wider n tiles and 8 warps: Qwen3 T=4096 876 -> 808 us, Mixtral 5865 -> 5503 us
+    if lora:
+        return MoEKernelConfig(128, BLOCK_N_GATE_UP, 128, block_k, 8, 4, 3)
+    return MoEKernelConfig(128, 128, 256, block_k, 8, 8, 4)
 
 
 # ----------------------------------------------------------------------------------- Triton
 
 
 @triton.jit
-def _block_info(sorted_ids_ptr, block_expert_ptr, num_rows_ptr, num_pairs, N,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+def _block_info(sorted_ids_ptr, block_expert_ptr, num_rows_ptr, num_pairs, num_experts, N,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
     """Map this program to (block, n-tile); GROUP_M consecutive blocks walk the n-tiles together
-    so blocks of one expert share its weight tiles through L2."""
+    so blocks of one expert share its weight tiles through L2. With PAIR_BLOCKS block p is pair p
+    alone, in row 0, and block_expert_ptr points at the flat topk ids."""
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.num_programs(0) // num_n, num_n, GROUP_M)
-    in_use = pid_m * BLOCK_M < tl.load(num_rows_ptr)
-    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    e = tl.load(block_expert_ptr + pid_m)
+    if PAIR_BLOCKS:
+        in_use = (e >= 0) & (e < num_experts)
+        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
+    else:
+        in_use = pid_m * BLOCK_M < tl.load(num_rows_ptr)
+        pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    return in_use, tl.load(block_expert_ptr + pid_m), pair, pair < num_pairs, pid_n, offs_n, offs_n < N
+    return in_use, e, pair, pair < num_pairs, pid_n, offs_n, offs_n < N
 
 
 @triton.jit
@@ -242,50 +264,126 @@ def _shrink_kernel(
 
 
 @triton.jit
-def _align_and_shrink_kernel(
+def _shrink_one_pair(q, topk_ids_ptr, token_slots_ptr, x_ptr, xa_ptr, ranks_ptr, ag_ptr, au_ptr,
+                     top_k, H, num_slots, num_experts, num_splits, stride_xt, stride_ae, stride_ar,
+                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Work item q = p * num_splits + split: the gate/up shrink of pair p for one K split. The pair sits in
+    row 0 of a BLOCK_M tile so the arithmetic, hence the bits, equal _shrink_kernel's for that row."""
+    p = q // num_splits
+    split = q % num_splits
+    e = tl.load(topk_ids_ptr + p)
+    s = tl.load(token_slots_ptr + p // top_k)
+    if (e >= 0) & (e < num_experts) & (s >= 0) & (s < num_slots):
+        row0 = tl.arange(0, BLOCK_M) == 0
+        pair = p + tl.zeros((BLOCK_M,), dtype=tl.int32)
+        x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + tl.arange(0, BLOCK_K)[None, :]
+        xa_ptrs = xa_ptr + ((pair.to(tl.int64) * 2) * num_splits + split)[:, None] * BLOCK_R \
+            + tl.arange(0, BLOCK_R)[None, :]
+        _shrink_rows(x_ptrs, row0, xa_ptrs, ag_ptr, au_ptr, ranks_ptr, s, e, split * SPLIT_K,
+                     tl.minimum(H, (split + 1) * SPLIT_K), num_slots, num_experts, num_splits, stride_ae,
+                     stride_ar, BLOCK_M, BLOCK_K, BLOCK_R)
+
+
+@triton.jit
+def _pair_shrink_kernel(
     topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr,
     x_ptr, xa_ptr, ranks_ptr, ag_ptr, au_ptr,
     num_pairs, top_k, H, num_slots, num_experts, max_rows, num_splits, stride_xt, stride_ae, stride_ar,
-    BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr,
+    ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    """Small batches, one launch: program 0 is `moe_align`; program 1 + p * num_splits + split is the
-    gate/up shrink of pair p for one K split (the shrink needs only the pair's expert and slot, not
-    the blocks). The pair sits in row 0 of a BLOCK_M tile so the arithmetic, hence the bits, equal
-    _shrink_kernel's for that row."""
+    """Small batches, one launch: a program per (pair, K split) of the gate/up shrink (it needs only the
+    pair's expert and slot, not the blocks), and with ALIGN one more first, program 0, that is `moe_align`."""
     pid = tl.program_id(0)
-    if pid == 0:
-        moe_align_program(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr,
-                           num_pairs, top_k, num_experts, num_slots, max_rows, True, BLOCK_M, E_P, S1_P, CHUNK)
+    if ALIGN:
+        if pid == 0:
+            moe_align_program(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr,
+                              cursor_ptr, num_pairs, top_k, num_experts, num_slots, max_rows, True, BLOCK_M, E_P,
+                              S1_P, CHUNK)
+        else:
+            _shrink_one_pair(pid - 1, topk_ids_ptr, token_slots_ptr, x_ptr, xa_ptr, ranks_ptr, ag_ptr, au_ptr, top_k,
+                             H, num_slots, num_experts, num_splits, stride_xt, stride_ae, stride_ar, BLOCK_M, BLOCK_K,
+                             BLOCK_R, SPLIT_K)
     else:
-        p = (pid - 1) // num_splits
-        split = (pid - 1) % num_splits
-        e = tl.load(topk_ids_ptr + p)
-        s = tl.load(token_slots_ptr + p // top_k)
-        if (e >= 0) & (e < num_experts) & (s >= 0) & (s < num_slots):
-            row0 = tl.arange(0, BLOCK_M) == 0
-            pair = p + tl.zeros((BLOCK_M,), dtype=tl.int32)
-            x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + tl.arange(0, BLOCK_K)[None, :]
-            xa_ptrs = xa_ptr + ((pair.to(tl.int64) * 2) * num_splits + split)[:, None] * BLOCK_R \
-                + tl.arange(0, BLOCK_R)[None, :]
-            _shrink_rows(x_ptrs, row0, xa_ptrs, ag_ptr, au_ptr, ranks_ptr, s, e, split * SPLIT_K,
-                         tl.minimum(H, (split + 1) * SPLIT_K), num_slots, num_experts, num_splits, stride_ae,
-                         stride_ar, BLOCK_M, BLOCK_K, BLOCK_R)
+        _shrink_one_pair(pid, topk_ids_ptr, token_slots_ptr, x_ptr, xa_ptr, ranks_ptr, ag_ptr, au_ptr, top_k, H,
+                         num_slots, num_experts, num_splits, stride_xt, stride_ae, stride_ar, BLOCK_M, BLOCK_K,
+                         BLOCK_R, SPLIT_K)
+
+
+@triton.jit
+def _num_valid_experts(topk_ids_ptr, tok, tok_ok, top_k, num_experts, TOP_K_P: tl.constexpr):
+    """How many of each token's top-k experts are in [0, E) (the others live on other ranks)."""
+    j = tl.arange(0, TOP_K_P)
+    ids = tl.load(topk_ids_ptr + tok[:, None] * top_k + j[None, :], mask=tok_ok[:, None] & (j < top_k)[None, :],
+                  other=-1)
+    return tl.sum(((ids >= 0) & (ids < num_experts)).to(tl.int32), axis=1)
+
+
+@triton.jit
+def _prepare_topk_sum(topk_ids_ptr, counter_ptr, y_ptr, num_tokens, top_k, num_experts, num_n_down, H, stride_yt,
+                      tokens_per_program, TOP_K_P: tl.constexpr):
+    """Run by every gate_up program for its share of the tokens, before the down kernel: zero the
+    tokens' arrival counters, and write y = 0 for tokens with no valid expert (no down program sees them)."""
+    BLOCK_T: tl.constexpr = 16
+    BLOCK: tl.constexpr = 128
+    t_lo = tl.program_id(0) * tokens_per_program
+    t_hi = tl.minimum(t_lo + tokens_per_program, num_tokens)
+    for t0 in range(t_lo, t_hi, BLOCK_T):
+        tok = t0 + tl.arange(0, BLOCK_T)
+        tok_ok = tok < t_hi
+        for n0 in range(0, num_n_down, BLOCK):
+            offs = n0 + tl.arange(0, BLOCK)
+            tl.store(counter_ptr + tok[:, None] * num_n_down + offs[None, :], tl.zeros((BLOCK_T, BLOCK), tl.int32),
+                     mask=tok_ok[:, None] & (offs < num_n_down)[None, :])
+        empty = tok_ok & (_num_valid_experts(topk_ids_ptr, tok, tok_ok, top_k, num_experts, TOP_K_P) == 0)
+        if tl.max(empty.to(tl.int32), axis=0) > 0:
+            for h0 in range(0, H, BLOCK):
+                offs = h0 + tl.arange(0, BLOCK)
+                tl.store(y_ptr + tok.to(tl.int64)[:, None] * stride_yt + offs[None, :],
+                         tl.zeros((BLOCK_T, BLOCK), y_ptr.dtype.element_ty), mask=empty[:, None] & (offs < H)[None, :])
+
+
+@triton.jit
+def _sum_topk_if_last(out_ptr, y_ptr, counter_ptr, topk_ids_ptr, pair, row_ok, pid_n, num_n, offs_n, n_mask,
+                      top_k, num_experts, stride_ot, stride_yt, TOP_K_P: tl.constexpr):
+    """After this program stored its rows of o: y[t, n-tile] = sum_j o[t*k+j, n-tile] over t's valid
+    experts in j order (fixed, so deterministic), for the tokens t whose last pair on this n-tile this
+    program finished. A counter per (token, n-tile) counts the pairs done: the barrier puts the whole
+    block's stores before its increment (release), and the sum's loads after it (acquire), bypassing L1."""
+    tok = pair // top_k
+    num_valid = _num_valid_experts(topk_ids_ptr, tok, row_ok, top_k, num_experts, TOP_K_P)
+    tl.debug_barrier()
+    done = tl.atomic_add(counter_ptr + tok * num_n + pid_n, 1, mask=row_ok, sem="acq_rel", scope="gpu")
+    last = row_ok & (done == num_valid - 1)
+    if tl.max(last.to(tl.int32), axis=0) > 0:
+        tl.debug_barrier()
+        total = tl.zeros((pair.shape[0], offs_n.shape[0]), dtype=tl.float32)
+        for j in range(0, top_k):
+            e = tl.load(topk_ids_ptr + tok * top_k + j, mask=last, other=-1)
+            ok = last & (e >= 0) & (e < num_experts)
+            o_ptrs = out_ptr + (tok * top_k + j).to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
+            total += tl.load(o_ptrs, mask=ok[:, None] & n_mask[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
+        y_ptrs = y_ptr + tok.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
+        tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=last[:, None] & n_mask[None, :])
 
 
 @triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, token_slots_ptr,
-    ranks_ptr, xa_ptr, bg_ptr, bu_ptr, ad_ptr, hd_ptr,
-    num_pairs, top_k, H, I, num_slots, num_experts, num_splits,
-    stride_xt, stride_we, stride_wn, stride_ht, stride_be, stride_br, stride_ade, stride_adr,
+    ranks_ptr, xa_ptr, bg_ptr, bu_ptr, ad_ptr, hd_ptr, topk_ids_ptr, counter_ptr, y_ptr,
+    num_pairs, num_tokens, top_k, H, I, num_slots, num_experts, num_splits, num_n_down, tokens_per_program,
+    stride_xt, stride_we, stride_wn, stride_ht, stride_be, stride_br, stride_ade, stride_adr, stride_yt,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
+    TOP_K_P: tl.constexpr,
 ):
     """h[p] = silu(x Wg^T + LoRA_g) * (x Wu^T + LoRA_u) for the pairs p of one block; with LoRA also
     this n-tile's part of the down shrink, hd[p, tile] = h[p, tile] @ A_d[:, tile]^T."""
+    _prepare_topk_sum(topk_ids_ptr, counter_ptr, y_ptr, num_tokens, top_k, num_experts, num_n_down, H, stride_yt,
+                      tokens_per_program, TOP_K_P)
     in_use, e, pair, row_ok, pid_n, offs_n, n_mask = _block_info(sorted_ids_ptr, block_expert_ptr, num_rows_ptr,
-                                                                 num_pairs, I, BLOCK_M, BLOCK_N, GROUP_M)
+                                                                 num_pairs, num_experts, I, BLOCK_M, BLOCK_N, GROUP_M,
+                                                                 PAIR_BLOCKS)
     if not in_use:
         return
     offs_k = tl.arange(0, BLOCK_K)
@@ -332,16 +430,18 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     h_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, token_slots_ptr,
-    ranks_ptr, hd_ptr, b_ptr,
+    ranks_ptr, hd_ptr, b_ptr, topk_ids_ptr, counter_ptr, y_ptr,
     num_pairs, top_k, H, I, num_slots, num_experts, num_hd_parts,
-    stride_ht, stride_we, stride_wn, stride_ot, stride_be, stride_br,
+    stride_ht, stride_we, stride_wn, stride_ot, stride_be, stride_br, stride_yt,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
+    TOP_K_P: tl.constexpr,
 ):
-    """out[p] = w[p] * (h[p] Wd^T + LoRA_d) for the pairs p of one block; the down shrink is the sum
-    of the gate_up kernel's per-tile parts."""
-    in_use, e, pair, row_ok, _, offs_n, n_mask = _block_info(sorted_ids_ptr, block_expert_ptr, num_rows_ptr,
-                                                             num_pairs, H, BLOCK_M, BLOCK_N, GROUP_M)
+    """out[p] = w[p] * (h[p] Wd^T + LoRA_d) for the pairs p of one block (the down shrink is the sum
+    of the gate_up kernel's per-tile parts), then y for the tokens whose last pair this was."""
+    in_use, e, pair, row_ok, pid_n, offs_n, n_mask = _block_info(sorted_ids_ptr, block_expert_ptr, num_rows_ptr,
+                                                                 num_pairs, num_experts, H, BLOCK_M, BLOCK_N, GROUP_M,
+                                                                 PAIR_BLOCKS)
     if not in_use:
         return
     offs_k = tl.arange(0, BLOCK_K)
@@ -361,21 +461,8 @@ def _down_kernel(
     acc = acc * tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _moe_sum_kernel(out_ptr, topk_ids_ptr, y_ptr, H, num_experts, stride_ot, stride_yt,
-                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
-    t = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = offs < H
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        e = tl.load(topk_ids_ptr + t * TOP_K + j)
-        if (e >= 0) & (e < num_experts):
-            row = out_ptr + (t * TOP_K + j).to(tl.int64) * stride_ot
-            acc += tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + t.to(tl.int64) * stride_yt + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    _sum_topk_if_last(out_ptr, y_ptr, counter_ptr, topk_ids_ptr, pair, row_ok, pid_n, tl.cdiv(H, BLOCK_N), offs_n,
+                      n_mask, top_k, num_experts, stride_ot, stride_yt, TOP_K_P)
 
 
 def fused_moe_triton(
@@ -391,17 +478,23 @@ def fused_moe_triton(
     num_experts, inter = w2.shape[0], w2.shape[2]
     top_k = topk.ids.shape[1]
     num_pairs = num_tokens * top_k
-    cfg = config or default_config(num_pairs, num_experts, x.dtype)
+    cfg = config or default_config(num_tokens, top_k, num_experts, x.dtype, lora is not None)
     num_slots = lora.num_slots if lora is not None else 0
     num_n_gate_up = triton.cdiv(inter, cfg.block_n_gate_up)
+    num_n_down = triton.cdiv(hidden, cfg.block_n_down)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     y = torch.empty_like(x)
+    counters = torch.empty(num_tokens * num_n_down, dtype=torch.int32, device=x.device)  # zeroed by gate_up
     common = dict(HAS_LORA=lora is not None, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                  PARTS=SUM_PARTS, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  PARTS=SUM_PARTS, PAIR_BLOCKS=cfg.pair_blocks, TOP_K_P=triton.next_power_of_2(top_k),
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.pair_blocks:  # block p = pair p: its expert is topk.ids[p]; no sorted ids or row count to read
+        blocks = AlignedBlocks(topk.ids, topk.ids.view(-1), topk.ids, cfg.block_m)
     if lora is None:  # HAS_LORA=False never reads these
-        blocks = moe_align(topk.ids, None, num_experts, 0, cfg.block_m)
-        slots = ranks = blocks.num_rows
+        if not cfg.pair_blocks:
+            blocks = moe_align(topk.ids, None, num_experts, 0, cfg.block_m)
+        slots = ranks = topk.ids
         xa = hd = bg = bu = ad = bd = w13
         num_splits, block_r, b_strides, ad_strides, bd_strides = 1, LORA_RANK_CHUNK, (0, 0), (0, 0), (0, 0)
     else:
@@ -412,16 +505,19 @@ def fused_moe_triton(
         num_splits = triton.cdiv(hidden, SHRINK_SPLIT_K)
         xa = torch.empty(num_pairs, 2, num_splits, block_r, dtype=torch.float32, device=x.device)
         hd = torch.empty(num_pairs, num_n_gate_up, block_r, dtype=torch.float32, device=x.device)
-        if num_pairs <= PAIR_SHRINK_MAX_PAIRS:  # one launch: the alignment and a shrink per pair
-            blocks, cursor = alloc_aligned(num_pairs, num_experts, num_slots, cfg.block_m, x.device)
+        if cfg.pair_blocks or num_pairs <= PAIR_SHRINK_MAX_PAIRS:  # one launch: a shrink per pair (+ the alignment)
+            align = not cfg.pair_blocks
+            cursor = topk.ids
+            if align:
+                blocks, cursor = alloc_aligned(num_pairs, num_experts, num_slots, cfg.block_m, x.device)
             e_p, s1_p = key_tile(num_experts, num_slots)
-            _align_and_shrink_kernel[(1 + num_pairs * num_splits,)](
+            _pair_shrink_kernel[(int(align) + num_pairs * num_splits,)](
                 topk.ids, slots, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, cursor,
                 x, xa, ranks, lora.a_gate, lora.a_up,
                 num_pairs, top_k, hidden, num_slots, num_experts, blocks.sorted_ids.numel(), num_splits,
                 x.stride(0), lora.a_gate.stride(1), lora.a_gate.stride(2),
-                BLOCK_M=cfg.block_m, E_P=e_p, S1_P=s1_p, CHUNK=CHUNK, BLOCK_K=cfg.block_k, BLOCK_R=block_r,
-                SPLIT_K=SHRINK_SPLIT_K, num_warps=align_num_warps(num_experts, num_slots),
+                ALIGN=align, BLOCK_M=cfg.block_m, E_P=e_p, S1_P=s1_p, CHUNK=CHUNK, BLOCK_K=cfg.block_k,
+                BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, num_warps=align_num_warps(num_experts, num_slots) if align else 4,
             )
         else:
             blocks = moe_align(topk.ids, token_slots, num_experts, num_slots, cfg.block_m)
@@ -431,31 +527,27 @@ def fused_moe_triton(
                 x.stride(0), lora.a_gate.stride(1), lora.a_gate.stride(2),
                 BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, num_warps=4,
             )
-    if lora is not None:
         xa, num_splits = _reduce_partials(xa.view(num_pairs * 2, num_splits, block_r), 2 * top_k, slots, num_slots,
                                           num_pairs)
     num_m = blocks.block_expert.numel()
-    _gate_up_kernel[(num_m * num_n_gate_up,)](
+    grid_gate_up = num_m * num_n_gate_up
+    _gate_up_kernel[(grid_gate_up,)](
         x, w13, h, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, slots,
-        ranks, xa, bg, bu, ad, hd,
-        num_pairs, top_k, hidden, inter, num_slots, num_experts, num_splits,
-        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *b_strides, *ad_strides,
+        ranks, xa, bg, bu, ad, hd, topk.ids, counters, y,
+        num_pairs, num_tokens, top_k, hidden, inter, num_slots, num_experts, num_splits, num_n_down,
+        triton.cdiv(num_tokens, grid_gate_up),
+        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *b_strides, *ad_strides, y.stride(0),
         BLOCK_N=cfg.block_n_gate_up, BLOCK_R=block_r, **common,
     )
-    num_n_down = triton.cdiv(hidden, cfg.block_n_down)
     num_hd_parts = num_n_gate_up
     if lora is not None:
         hd, num_hd_parts = _reduce_partials(hd, top_k, slots, num_slots, num_pairs)
     _down_kernel[(num_m * num_n_down,)](
         h, w2, out, topk.weights, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, slots,
-        ranks, hd, bd,
+        ranks, hd, bd, topk.ids, counters, y,
         num_pairs, top_k, hidden, inter, num_slots, num_experts, num_hd_parts,
-        h.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *bd_strides,
+        h.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *bd_strides, y.stride(0),
         BLOCK_N=cfg.block_n_down, BLOCK_R=block_r, **common,
-    )
-    block_h = min(1024, triton.next_power_of_2(hidden))
-    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
-        out, topk.ids, y, hidden, num_experts, out.stride(0), y.stride(0), TOP_K=top_k, BLOCK_H=block_h,
     )
     return y
 
@@ -468,10 +560,13 @@ def _reduce_partials(parts: torch.Tensor, rows_per_token: int, token_slots: torc
     if num_parts == 1 or num_pairs < REDUCE_PARTIALS_MIN_PAIRS:
         return parts, num_parts
     out = torch.empty(rows, 1, block_r, dtype=torch.float32, device=parts.device)
-    block_rows = 64
+    # each row's sum is a chain of dependent adds, so: many programs (about REDUCE_PROGRAMS), each with
+    # few rows and many loads in flight (the sum's order, hence its bits, does not depend on either)
+    block_rows = min(64, triton.next_power_of_2(triton.cdiv(rows, REDUCE_PROGRAMS)))
     _reduce_partials_kernel[(triton.cdiv(rows, block_rows),)](
         parts, out, token_slots, rows, rows_per_token, num_parts, num_slots,
-        BLOCK_ROWS=block_rows, BLOCK_R=block_r, PARTS=SUM_PARTS, num_warps=4)
+        BLOCK_ROWS=block_rows, BLOCK_R=block_r, PARTS=min(32, triton.next_power_of_2(num_parts)),
+        num_warps=max(1, min(4, block_rows * block_r // 128)))
     return out, 1
 
 

@@ -31,14 +31,14 @@ from moelora.kernels import topk as tk
 HOPPER = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 227 * 1024
 INT_PTRS = {"sorted_ids_ptr", "block_expert_ptr", "block_slot_ptr", "num_rows_ptr", "ranks_ptr", "topk_ids_ptr",
-            "token_slots_ptr", "cursor_ptr", "req_to_token_ptr", "req_pool_ptr", "seq_lens_ptr", "extend_lens_ptr",
+            "token_slots_ptr", "cursor_ptr", "counter_ptr", "req_to_token_ptr", "req_pool_ptr", "seq_lens_ptr", "extend_lens_ptr",
             "extend_starts_ptr", "ids_ptr"}
 FP32_PTRS = {"topk_weights_ptr", "xa_ptr", "hd_ptr", "mid_o_ptr", "mid_lse_ptr", "inv_freq_ptr", "bias_ptr",
              "weights_ptr"}
 FP32_SCALARS = {"qk_scale", "scale", "routed_scaling_factor", "eps"}
 NOT_DIVISIBLE = {"num_pairs", "top_k", "num_slots", "num_experts", "max_rows", "group", "num_q_heads", "max_splits",
                  "qk_scale", "num_tokens", "num_splits", "num_hd_parts", "num_k_heads", "stride_lt", "scale",
-                 "rows_per_token", "num_parts", "routed_scaling_factor", "num_heads", "eps", "M"}
+                 "rows_per_token", "num_parts", "num_n_down", "tokens_per_program", "routed_scaling_factor", "num_heads", "eps", "M"}
 ATTENTION_HEADS = ((128, 128, 8), (192, 128, 1), (64, 64, 4))  # Dk, Dv, q heads per kv head: Qwen3, MLA, small
 LORA_LINEARS = ((2048, (4096, 512, 512), 16), (2048, (4096, 512, 512), 64), (4096, (2048,), 16))  # Qwen3-30B-A3B
 #                 qkv and o: in features, out sizes, rank tile
@@ -78,25 +78,27 @@ def compile_sm90(kernel, constexprs: dict, dtype: str, num_warps: int, num_stage
 def compile_all() -> list[dict]:
     """Every kernel in every default config; one summary per compiled kernel."""
     results = []
-    configs = {fm.default_config(pairs, 128, torch.bfloat16) for pairs in (8, 8192, 16384, 32768)}
-    for cfg in sorted(configs, key=lambda c: c.block_m):
+    # pair blocks (T=1), blocks of 16, 32, 64 and 128 rows; with LoRA and without (prefill configs differ)
+    configs = {(fm.default_config(tokens, 8, 128, torch.bfloat16, lora), lora)
+               for tokens in (1, 32, 1024, 2048, 4096) for lora in (False, True)}
+    for cfg, has_lora in sorted(configs, key=lambda c: (c[0].block_m, c[1])):
         for dtype in ("bf16", "fp16"):
-            for has_lora in (False, True):
-                for kernel, block_n in ((fm._gate_up_kernel, cfg.block_n_gate_up), (fm._down_kernel, cfg.block_n_down)):
-                    constexprs = dict(HAS_LORA=has_lora, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
-                                      GROUP_M=cfg.group_m, BLOCK_R=64, PARTS=fm.SUM_PARTS)
-                    compiled = compile_sm90(kernel, constexprs, dtype, cfg.num_warps, cfg.num_stages)
-                    results.append(dict(kernel=kernel.fn.__name__, dtype=dtype, lora=has_lora, block_m=cfg.block_m,
-                                        shared=compiled.metadata.shared, ttgir=compiled.asm["ttgir"]))
+            for kernel, block_n in ((fm._gate_up_kernel, cfg.block_n_gate_up), (fm._down_kernel, cfg.block_n_down)):
+                constexprs = dict(HAS_LORA=has_lora, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
+                                  GROUP_M=cfg.group_m, BLOCK_R=64, PARTS=fm.SUM_PARTS, PAIR_BLOCKS=cfg.pair_blocks,
+                                  TOP_K_P=8)
+                compiled = compile_sm90(kernel, constexprs, dtype, cfg.num_warps, cfg.num_stages)
+                results.append(dict(kernel=kernel.fn.__name__, dtype=dtype, lora=has_lora, block_m=cfg.block_m,
+                                    shared=compiled.metadata.shared, ttgir=compiled.asm["ttgir"]))
     for kernel, constexprs in ((ma._moe_align_kernel, dict(HAS_SLOTS=True, BLOCK_M=16, E_P=256, S1_P=64, CHUNK=256)),
                                (ma._count_kernel, dict(HAS_SLOTS=True, S1_P=16, CHUNK=256)),
                                (ma._lay_out_kernel, dict(BLOCK_M=64, E_P=256, S1_P=16, CHUNK=256)),
                                (ma._place_kernel, dict(HAS_SLOTS=True, S1_P=16, CHUNK=256)),
                                (fm._shrink_kernel, dict(BLOCK_M=16, BLOCK_K=64, BLOCK_R=16, SPLIT_K=fm.SHRINK_SPLIT_K)),
-                               (fm._align_and_shrink_kernel, dict(BLOCK_M=16, E_P=128, S1_P=16, CHUNK=256, BLOCK_K=64,
-                                                                  BLOCK_R=16, SPLIT_K=fm.SHRINK_SPLIT_K)),
-                               (fm._reduce_partials_kernel, dict(BLOCK_ROWS=64, BLOCK_R=16, PARTS=fm.SUM_PARTS)),
-                               (fm._moe_sum_kernel, dict(TOP_K=8, BLOCK_H=1024))):
+                               *((fm._pair_shrink_kernel, dict(ALIGN=align, BLOCK_M=16, E_P=128, S1_P=16, CHUNK=256,
+                                                               BLOCK_K=64, BLOCK_R=16, SPLIT_K=fm.SHRINK_SPLIT_K))
+                                 for align in (False, True)),
+                               (fm._reduce_partials_kernel, dict(BLOCK_ROWS=64, BLOCK_R=16, PARTS=32))):
         compiled = compile_sm90(kernel, constexprs, "bf16", 8, 1)
         results.append(dict(kernel=kernel.fn.__name__, shared=compiled.metadata.shared, ttgir=""))
     results += (compile_attention() + compile_lora_linear() + compile_rotary() + compile_topk() + compile_rms_norm()
@@ -135,7 +137,7 @@ def compiled():
 
 
 def test_all_kernels_fit_shared_memory(compiled):
-    assert len(compiled) == (4 * 2 * 2 * 2 + 8 + 2 * len(ATTENTION_HEADS) + 1 + 3 * len(LORA_LINEARS)
+    assert len(compiled) == (10 * 2 * 2 + 8 + 2 * len(ATTENTION_HEADS) + 1 + 3 * len(LORA_LINEARS)
                              + len(ROTARY_HEADS) + len(ROUTERS) + 2 * len(RMS_NORMS) + 1 + len(KV_STORES) + 1
                              + 2 * len(LINEARS) + 1)
     for r in compiled:

@@ -31,12 +31,13 @@ def _case(tokens, hidden, inter, experts, top_k, dtype, device, coverage=0.7, sl
     # token 0 (the T = 1 case) is routed, to an expert its adapter (the last slot) covers if there is one
     covered = (lora.ranks[:, len(slot_ranks) - 1].sum(0) > 0).nonzero().flatten()
     ids[0, 0] = covered[0] if covered.numel() else 0
-    ids = ids.contiguous()
     # a mixed batch: every slot, base tokens (-1) and an out-of-range slot (treated as base)
     slots = torch.randint(-1, len(slot_ranks), (tokens,), generator=gen, device=device, dtype=torch.int32)
     slots[0] = len(slot_ranks) - 1  # token 0 has the last slot's adapter (the largest rank)
     if tokens > 3:
         slots[1], slots[2] = -1, len(slot_ranks) + 2
+        ids[3] = -1  # no expert on this rank: y must be 0
+    ids = ids.contiguous()
     return x, w13, w2, TopKOutput(weights, ids), lora, slots
 
 
@@ -104,7 +105,23 @@ def test_triton_block_sizes_agree(dtype, device, poison):
     outs = [fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
                       config=MoEKernelConfig(bm, BLOCK_N_GATE_UP, bn, k, g, 4, 2))
             for bm, bn, g in ((16, 32, 1), (32, 64, 4), (64, 16, 8))]
+    outs.append(fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
+                          config=MoEKernelConfig(16, BLOCK_N_GATE_UP, 32, k, 4, 4, 2, pair_blocks=True)))
     assert_rows_close(outs[0], fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(dtype, device))
+    assert torch.equal(outs[0][3], torch.zeros_like(outs[0][3])), "a token with no expert on this rank gets 0"
+    for other in outs[1:]:
+        assert torch.equal(outs[0], other)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_base_tiles_agree(dtype, device, poison):
+    """Without LoRA nothing sums over the gate_up n tile, so it may follow the batch too (as may the
+    blocking: aligned or a block per pair); the rows must not change."""
+    x, w13, w2, topk, _, _ = _case(45, 72, 40, 5, 2, dtype, device)
+    k = 32 if dtype == torch.float32 else 64
+    outs = [fused_moe(x, w13, w2, topk, impl="triton", config=MoEKernelConfig(bm, bn1, bn2, k, 8, w, 2, pair))
+            for bm, bn1, bn2, w, pair in ((16, 32, 32, 4, True), (16, 64, 64, 4, False), (32, 128, 64, 8, False))]
+    assert_rows_close(outs[0], fused_moe(x, w13, w2, topk, impl="torch"), rel_tolerance(dtype, device))
     for other in outs[1:]:
         assert torch.equal(outs[0], other)
 

@@ -46,8 +46,9 @@ def test_row_does_not_depend_on_batch(shape, poison):
     """A token's output is the same alone (decode tiles) and inside a large batch (prefill tiles)."""
     gen = torch.Generator("cuda").manual_seed(torch.seed())
     x, w13, w2, topk, lora, slots = _layer(shape, 1024, gen)
-    batch = fused_moe(x, w13, w2, topk, lora, slots)
+    batch, base_batch = fused_moe(x, w13, w2, topk, lora, slots), fused_moe(x, w13, w2, topk)
     for t in (0, 1, 2, 517, 1023):
-        alone = fused_moe(x[t:t + 1], w13, w2, topk._replace(weights=topk.weights[t:t + 1], ids=topk.ids[t:t + 1]),
-                          lora, slots[t:t + 1])
+        topk_t = topk._replace(weights=topk.weights[t:t + 1], ids=topk.ids[t:t + 1])
+        alone = fused_moe(x[t:t + 1], w13, w2, topk_t, lora, slots[t:t + 1])
         assert torch.equal(alone[0], batch[t]), f"token {t} (slot {int(slots[t])}) differs alone vs in the batch"
+        assert torch.equal(fused_moe(x[t:t + 1], w13, w2, topk_t)[0], base_batch[t]), f"token {t} base differs"
