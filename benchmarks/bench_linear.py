@@ -6,9 +6,11 @@ For each shape and number of rows M it reports, all measured in one run on one d
                       weights come from HBM, not L2), and ours / torch
   % of BW floor       ours against bytes of W + x + y / measured copy bandwidth
   TFLOP/s             ours at M >= 512, and % of the measured bf16 matmul rate
+  K splits            S of the shape (`k_splits`), in parallel programs (par) or one after the other
 
     python3 benchmarks/bench_linear.py                        # all shapes, markdown table to stdout
     python3 benchmarks/bench_linear.py --sweep 1,4096         # also time candidate tiles at M = 1 and 4096
+    python3 benchmarks/bench_linear.py --split-sweep 1,8      # also time other split counts at M = 1 and 8
     python3 benchmarks/bench_linear.py --shapes tiny          # CPU-sized smoke run (torch path on CPU)
 """
 from __future__ import annotations
@@ -22,7 +24,8 @@ import triton
 from torch import nn
 
 from bench_moe import machine, measure
-from moelora.kernels.linear import LinearConfig, default_config, linear
+from moelora.kernels import linear as linear_module
+from moelora.kernels.linear import LinearConfig, default_config, k_splits, linear
 from moelora.testing import assert_rows_close, rel_tolerance
 
 SHAPES = {  # in features K, out features N
@@ -30,9 +33,10 @@ SHAPES = {  # in features K, out features N
     "o": (4096, 2048),
     "router": (2048, 128),
     "lm_head": (2048, 151936),
-    "tiny": (96, 80),
+    "tiny": (256, 80),  # 4 K splits in fp32 (the CPU's dtype)
 }
 STREAMED_BYTES = 2e8  # weight copies per timed call: at least this much, 4x the L2 of an H100/H200
+SPLIT_PROGRAMS = (64, 128, 256, 512, 1024)  # --split-sweep: values of the rule's program target tried
 
 
 def weight_copies(shape, dtype, device) -> list[torch.Tensor]:
@@ -62,14 +66,18 @@ def main():
     p.add_argument("--shapes", default="qkv,o,router,lm_head")
     p.add_argument("--rows", default="1,8,32,128,512,4096", help="values of M")
     p.add_argument("--sweep", default="", help="M values at which to also time candidate tiles (tuning aid)")
+    p.add_argument("--split-sweep", default="", help="M values at which to also time the K-split rule with "
+                   f"its program target at {SPLIT_PROGRAMS} (tuning aid)")
     args = p.parse_args()
     device, dtype, name, mm, bw = machine()
     torch.manual_seed(0)
     print(f"# moelora dense GEMM benchmark, {name}, {datetime.date.today()}, torch {torch.__version__}, {dtype}")
     print(f"measured copy bandwidth {bw / 1e12:.2f} TB/s (read+write), {dtype} matmul {mm / 1e12:.0f} TFLOP/s\n")
-    print("| shape | M | torch us | ours us | ours/torch | BW floor us | ours % of floor | ours TFLOP/s (% matmul) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| shape | M | torch us | ours us | ours/torch | BW floor us | ours % of floor | ours TFLOP/s (% matmul) "
+          "| K splits |")
+    print("|---|---|---|---|---|---|---|---|---|")
     sweep_rows = [int(m) for m in args.sweep.split(",") if m]
+    split_rows = [int(m) for m in args.split_sweep.split(",") if m]
     for shape_name in args.shapes.split(","):
         shape = SHAPES[shape_name]
         weights = weight_copies(shape, dtype, device)
@@ -83,23 +91,27 @@ def main():
             flops = 2 * m * shape[0] * shape[1]
             tf = f"{flops / t_ours / 1e12:.0f} ({100 * flops / t_ours / mm:.0f}%)" if m >= 512 else ""
             print(f"| {label} | {m} | {t_torch * 1e6:.1f} | {t_ours * 1e6:.1f} | {t_ours / t_torch:.2f} "
-                  f"| {floor * 1e6:.1f} | {100 * floor / t_ours:.0f}% | {tf} |", flush=True)
+                  f"| {floor * 1e6:.1f} | {100 * floor / t_ours:.0f}% | {tf} | {splits_label(m, shape, dtype)} |",
+                  flush=True)
         for m in sweep_rows:
             sweep(weights, m, shape, device, dtype, bw)
+        for m in split_rows:
+            split_sweep(weights, m, shape, device, dtype, bw)
         del weights
         if device == "cuda":
             torch.cuda.empty_cache()
 
 
 def candidates(m: int, n: int) -> list[LinearConfig]:
-    """Tiles worth trying for M rows and N columns; BLOCK_K is not among them (it sets the order of a
-    row's sums: changing it with M would make results depend on the batch)."""
+    """Tiles worth trying for M rows and N columns, K splits run as the default runs them; BLOCK_K is not
+    among them (with the K splits it sets the order of a row's sums: changing it with M would make results
+    depend on the batch)."""
     m_p, n_p = max(16, triton.next_power_of_2(m)), max(16, triton.next_power_of_2(n))
-    out = []
+    parallel, out = default_config(m, n).parallel_splits, []
     for bm in (bm for bm in (16, 32, 64, 128) if min(64, m_p) // 2 <= bm <= m_p):
         for bn in (bn for bn in (16, 32, 64, 128, 256) if bn <= n_p):
             for warps in (4, 8) if bm * bn >= 128 * 128 else (4,):
-                out += [LinearConfig(bm, bn, 8, warps, stages) for stages in (3, 4, 5, 6)]
+                out += [LinearConfig(bm, bn, 8, warps, stages, parallel) for stages in (3, 4, 5, 6)]
     return out
 
 
@@ -117,6 +129,27 @@ def sweep(weights, m, shape, device, dtype, bw):
               f"{' (default)' if cfg == default else ''}", flush=True)
     t, cfg = min(results, key=lambda r: r[0])
     print(f"  best at M={m} N={shape[1]}: {cfg} {t * 1e6:.1f} us; default {default}")
+
+
+def splits_label(m, shape, dtype) -> str:
+    splits = k_splits(shape[1], shape[0], dtype)[0]
+    return f"{splits}{' par' if splits > 1 and default_config(m, shape[1]).parallel_splits else ''}"
+
+
+def split_sweep(weights, m, shape, device, dtype, bw):
+    """The default tiles with the split rule's program target at each of SPLIT_PROGRAMS (S changes the bits:
+    a new rule must stay a function of N, K and the dtype)."""
+    x, floor, rule = torch.randn(m, shape[0], device=device, dtype=dtype), floor_seconds(m, shape, dtype, bw), \
+        linear_module.SPLIT_PROGRAMS
+    try:
+        for target in SPLIT_PROGRAMS:
+            linear_module.SPLIT_PROGRAMS = target
+            t = time_per_copy(linear, x, weights)
+            print(f"  split sweep M={m} SPLIT_PROGRAMS={target}: K splits {splits_label(m, shape, dtype)}, "
+                  f"{t * 1e6:.1f} us ({100 * floor / t:.0f}% of floor){' (default)' if target == rule else ''}",
+                  flush=True)
+    finally:
+        linear_module.SPLIT_PROGRAMS = rule
 
 
 if __name__ == "__main__":

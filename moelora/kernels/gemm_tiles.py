@@ -2,8 +2,9 @@
 
 Both keep a row's result independent of what it is batched with by fixing the order of its fp32
 sums: one BLOCK_K per dtype (`gemm_block_k`), a K loop from 0 to K in BLOCK_K steps into one
-accumulator (`gemm_loop`), no split-K. Tile sizes along M and N, the swizzle, warps and stages may
-follow the batch: they change which program computes a row, not the order of its sums.
+accumulator (`gemm_loop`), no split-K that follows the batch (linear's K splits are fixed by N and
+K). Tile sizes along M and N, the swizzle, warps and stages may follow the batch: they change which
+program computes a row, not the order of its sums.
 """
 from __future__ import annotations
 

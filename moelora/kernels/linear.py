@@ -3,12 +3,24 @@
 cuBLAS picks its algorithm by the number of rows M (GEMV at M = 1, split-K, other tiles), so a
 row's bits change with what it is batched with: one bf16 ulp in a down_proj is enough to flip a
 near-tied greedy token between a request run alone and the same request in a batch. This GEMM is
-batch invariant by construction: every config has the one BLOCK_K of its dtype (64 for bf16/fp16,
-32 for fp32, `gemm_block_k`), there is no split-K, and the K loop always runs from 0 to K in
-BLOCK_K steps, accumulating into one fp32 accumulator with `acc += tl.dot(x_tile, w_tile)`. The
-configs vary BLOCK_M, BLOCK_N, GROUP_M, num_warps and num_stages with M; none of them changes the
-order of a row's sums. The bias is added to the fp32 accumulator before the one rounding to the
-output dtype, as cuBLAS's addmm does.
+batch invariant by construction: the order of a row's fp32 sums is a function of (N, K, dtype) only.
+
+- BLOCK_K is the dtype's (64 for bf16/fp16, 32 for fp32, `gemm_block_k`) in every config.
+- K is cut into S splits of `split_k` columns (a multiple of BLOCK_K; the last may be shorter),
+  `k_splits(N, K, dtype)`: S is the most that keeps cdiv(N, 16) * S <= SPLIT_PROGRAMS (256, about
+  two decode programs per SM on 16-column tiles) and every split SPLIT_MIN_BLOCKS (2) BLOCK_K steps
+  long or more; so S = 1 for N > 2048 (the tiles alone fill the SMs) and for short K. Qwen3-30B-A3B:
+  router (N 128, K 2048) 16 splits, o_proj (2048, 4096) 2, qkv and lm_head 1.
+- Each split sums its columns in BLOCK_K steps, `acc += tl.dot(x_tile, w_tile)`, into its own fp32
+  accumulator from zero; the result is (((0 + part_0) + part_1) + ...) in split order, plus the bias,
+  then the one rounding to the output dtype (as cuBLAS's addmm adds the bias).
+
+Only the tiles (BLOCK_M, BLOCK_N, GROUP_M, warps, stages) and where the splits run follow M, and
+neither changes that order. Up to 256 rows (`LinearConfig.parallel_splits`), where reading W bounds
+the GEMM, the splits of a tile run in programs of their own, which write fp32 partials; the last of
+them to finish (an arrival counter per tile) adds the partials up in split order. On prefill tiles
+one program runs its tile's splits one after the other, at no extra traffic (S x M x N fp32 partials
+would be). Both give the same bits.
 
 `linear_reference` (torch's nn.functional.linear, i.e. cuBLAS) is the CPU backend and what the
 kernel is checked against.
@@ -25,6 +37,10 @@ from torch import nn
 from moelora.kernels.gemm_tiles import gemm_block_k, gemm_loop, grouped_tile
 
 MIN_PROGRAMS = 120  # about one program per SM of an H100 / H200 (132): below it, a smaller tile is tried
+SPLIT_PROGRAMS = 256  # K splits aim at about two decode programs per SM: one loads while another waits
+SPLIT_MIN_BLOCKS = 2  # BLOCK_K steps per split at least: shorter, the partials cost more than they save
+PARALLEL_SPLITS_MAX_M = 256  # up to here the GEMM is bound by reading W: splits run in parallel programs
+SPLIT_COUNTERS = 4096  # arrival counters per device: tiles of a parallel-split launch (default tiles: <= 512)
 
 
 @dataclass(frozen=True)
@@ -34,6 +50,9 @@ class LinearConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    # the K splits of a tile (if (N, K) has more than one) in programs of their own, else one after the
+    # other in one program: the same bits either way
+    parallel_splits: bool = False
 
 
 # candidate tiles by M, largest first; `default_config` takes the first that gives MIN_PROGRAMS programs
@@ -48,37 +67,106 @@ def default_config(M: int, N: int) -> LinearConfig:
     the dtype's, not the config's).
 
     Up to 256 rows (decode: M <= 16, BLOCK_M 16) the GEMM is bound by reading W, so the tile is the
-    widest that still gives about one program per SM (o_proj's N = 2048 at decode: 16 columns);
-    from BLOCK_M 64 tl.dot is a Hopper wgmma. Prefill (M > 256) is bound by the tensor cores: 128 x 256 or
-    128 x 128 tiles with 8 warps and GROUP_M 8 for L2 reuse of W, as Triton's matmul tutorial has
-    them on Hopper, while they still fill the SMs."""
+    widest that still gives about one program per SM (o_proj's N = 2048 at decode: 16 columns) and
+    K splits, where N and K have them, run in parallel programs; from BLOCK_M 64 tl.dot is a Hopper
+    wgmma. Prefill (M > 256) is bound by the tensor cores: 128 x 256 or 128 x 128 tiles with 8 warps
+    and GROUP_M 8 for L2 reuse of W, as Triton's matmul tutorial has them on Hopper, while they still
+    fill the SMs."""
     candidates = _DECODE if M <= 16 else _SMALL if M <= 32 else _MEDIUM if M <= 256 else _LARGE
     narrow_n = max(16, triton.next_power_of_2(N))  # tl.dot needs 16; a tile wider than N only reads masks
-    tiles = [replace(c, block_n=min(c.block_n, narrow_n)) for c in candidates]
+    tiles = [replace(c, block_n=min(c.block_n, narrow_n), parallel_splits=M <= PARALLEL_SPLITS_MAX_M)
+             for c in candidates]
     return next((c for c in tiles if triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n) >= MIN_PROGRAMS), tiles[-1])
+
+
+def k_splits(N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(S, split_k): K in S splits of split_k columns (a multiple of BLOCK_K, the last split may be
+    shorter), the most splits that keep cdiv(N, 16) * S <= SPLIT_PROGRAMS with SPLIT_MIN_BLOCKS BLOCK_K
+    steps a split. A function of N, K and the dtype alone: the order of a row's sums must not follow M."""
+    block_k = gemm_block_k(dtype)
+    blocks = triton.cdiv(K, block_k)
+    splits = max(1, min(SPLIT_PROGRAMS // triton.cdiv(N, 16), blocks // SPLIT_MIN_BLOCKS))
+    split_k = max(1, triton.cdiv(blocks, splits)) * block_k
+    return max(1, triton.cdiv(K, split_k)), split_k
 
 
 # ----------------------------------------------------------------------------------- Triton
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm,
-                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr):
-    """y[m-tile, n-tile] = x[m-tile] @ W[n-tile]^T (+ b); W and y contiguous, offsets in int64
-    (prefill logits: M * N > 2^31)."""
-    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+def _split_sum(x_ptrs, m_mask, w_ptrs, n_mask, K, SPLIT_K, split,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x @ W^T over columns [split * SPLIT_K, min(K, (split + 1) * SPLIT_K)), from its own zero accumulator."""
+    k_lo = split * SPLIT_K
+    acc, _ = gemm_loop(x_ptrs + k_lo, m_mask, tl.minimum(K - k_lo, SPLIT_K), w_ptrs + k_lo, w_ptrs + k_lo, n_mask,
+                       False, BLOCK_M, BLOCK_N, BLOCK_K)
+    return acc
+
+
+@triton.jit
+def _store_rows(acc, b_ptr, y_ptr, offs_m, offs_n, out_mask, N, HAS_BIAS: tl.constexpr):
+    """y = acc (+ b), rounded once to y's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, SPLIT_K,
+                   HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, PARALLEL: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """y[m-tile, n-tile] = x[m-tile] @ W[n-tile]^T (+ b), the SPLITS K splits summed in order; W and y
+    contiguous, offsets in int64 (prefill logits: M * N > 2^31). PARALLEL: program (tile, split) writes
+    its split's fp32 partial to part [SPLITS, M, N] and the tile's last program to arrive adds them up;
+    else program (tile, 0) runs the splits one after the other."""
+    tile = tl.program_id(0)
+    pid_m, pid_n = grouped_tile(tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask, n_mask = offs_m < M, offs_n < N
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]
-    acc, _ = gemm_loop(x_ptrs, m_mask, K, w_ptrs, w_ptrs, n_mask, False, BLOCK_M, BLOCK_N, BLOCK_K)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    rows = offs_m.to(tl.int64)  # of split 0's partial; split s's are M further down
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    # both paths: (((0 + part_0) + part_1) + ...), each part summed from its own zero accumulator
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PARALLEL:
+        split = tl.program_id(1)
+        part = _split_sum(x_ptrs, m_mask, w_ptrs, n_mask, K, SPLIT_K, split, BLOCK_M, BLOCK_N, BLOCK_K)
+        tl.store(part_ptr + (rows + split * M)[:, None] * N + offs_n[None, :], part, mask=out_mask)
+        # the barriers order the whole CTA's partial stores before the release and its loads after the
+        # acquire (the atomic is one thread's); .cg reads the partials from L2, never a stale L1 line
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()
+        if arrived == SPLITS - 1:
+            tl.store(count_ptr + tile, 0)  # no other program touches it in this launch: zero for the next
+            for s in tl.static_range(SPLITS):
+                acc += tl.load(part_ptr + (rows + s * M)[:, None] * N + offs_n[None, :], mask=out_mask,
+                               cache_modifier=".cg")
+            _store_rows(acc, b_ptr, y_ptr, offs_m, offs_n, out_mask, N, HAS_BIAS)
+    else:
+        for s in range(SPLITS):
+            acc += _split_sum(x_ptrs, m_mask, w_ptrs, n_mask, K, SPLIT_K, s, BLOCK_M, BLOCK_N, BLOCK_K)
+        _store_rows(acc, b_ptr, y_ptr, offs_m, offs_n, out_mask, N, HAS_BIAS)
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device) -> torch.Tensor:
+    """The device's SPLIT_COUNTERS arrival counters, zeroed once when made: the last program of each tile
+    puts its counter back to 0, so every launch finds them zero with no memset of its own (CUDA graphs
+    too). Never replaced or freed, as captured graphs hold its address; launches that may overlap
+    (other streams) must not both split in parallel."""
+    if device not in _counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("linear: run a parallel-split call once before capturing a CUDA graph "
+                               "(its zeroed counters are made outside the capture)")
+        _counters[device] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+    return _counters[device]
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -88,11 +176,19 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if M == 0 or N == 0:
         return y
     cfg = config or default_config(M, N)
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
-    _linear_kernel[grid](
-        x, weight, weight if bias is None else bias, y, M, N, K, x.stride(0),  # HAS_BIAS=False never reads b
-        HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=gemm_block_k(x.dtype),
-        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    splits, split_k = k_splits(N, K, x.dtype)
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    parallel = cfg.parallel_splits and splits > 1
+    if parallel and tiles > SPLIT_COUNTERS:
+        raise ValueError(f"parallel K splits on {tiles} tiles of {cfg}: more than the {SPLIT_COUNTERS} counters")
+    # partials only where splits run in parallel; else y and W stand in, never touched
+    part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if parallel else y
+    counters = _split_counters(x.device) if parallel else weight
+    _linear_kernel[(tiles, splits if parallel else 1)](
+        x, weight, weight if bias is None else bias, y, part, counters, M, N, K, x.stride(0), split_k,
+        HAS_BIAS=bias is not None, SPLITS=splits, PARALLEL=parallel,  # HAS_BIAS=False never reads b
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=gemm_block_k(x.dtype), GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
 

@@ -49,9 +49,11 @@ ROUTERS = ((128, 8, False, False, 1, 1), (64, 6, False, False, 8, 3), (160, 6, F
            (256, 8, True, True, 8, 4))
 RMS_NORMS = ((1, 2048), (1, 4096), (1, 7168), (32, 128), (4, 128), (1, 512))  # heads, D: hidden of Qwen3-30B-A3B,
 #           Mixtral, DeepSeek-V3 (the largest block); Qwen3's per-head q and k; the MLA kv latent
-# M, N: the dense GEMM's default tiles: decode (16 x 16, 16 x 32), medium (64 x 64), prefill on 4 warps
-# (64 x 128, o_proj's N = 2048) and on 8 (128 x 256); Qwen3-30B-A3B's o_proj and qkv
-LINEARS = ((1, 2048), (1, 5120), (100, 5120), (512, 2048), (4096, 5120))
+# M, N, K: the dense GEMM's default tiles: decode (16 x 16, 16 x 32), medium (64 x 64), prefill on 4 warps
+# (64 x 128, o_proj's N = 2048) and on 8 (128 x 256); Qwen3-30B-A3B's o_proj (2 K splits: in parallel at
+# decode, one after the other at prefill), qkv (1) and router (16, in parallel at decode, serial at prefill)
+LINEARS = ((1, 2048, 4096), (1, 5120, 2048), (100, 5120, 2048), (512, 2048, 4096), (4096, 5120, 2048),
+           (1, 128, 2048), (4096, 128, 2048))
 KV_STORES = ((4, 128, 128), (1, 192, 128), (16, 192, 128), (128, 192, 128), (2, 80, 80))  # kv heads, Dk, Dv: Qwen3,
 #           MLA as one head, DeepSeek-V2-Lite and -V3 (a kv head per query head), non-power-of-two dims
 
@@ -235,28 +237,38 @@ def compile_kv_store() -> list[dict]:
 
 
 def compile_linear() -> list[dict]:
-    """Each default config in bf16 and fp16 without bias; the largest tile in bf16 with one."""
-    cases = [(m, n, dtype, False) for m, n in LINEARS for dtype in ("bf16", "fp16")] + [(*LINEARS[-1], "bf16", True)]
+    """Each default config in bf16 and fp16 without bias; o_proj at decode (bias after parallel K splits) in
+    bf16 with one."""
+    cases = [(*shape, dtype, False) for shape in LINEARS for dtype in ("bf16", "fp16")] + [(*LINEARS[0], "bf16", True)]
     results = []
-    for m, n, dtype, has_bias in cases:
+    for m, n, k, dtype, has_bias in cases:
         cfg = li.default_config(m, n)
-        constexprs = dict(HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                          BLOCK_K=gemm_block_k(torch.bfloat16), GROUP_M=cfg.group_m)  # fp16's too
-        compiled = compile_sm90(li._linear_kernel, constexprs, dtype, cfg.num_warps, cfg.num_stages)
+        splits, _ = li.k_splits(n, k, torch.bfloat16)  # fp16's too
+        parallel = cfg.parallel_splits and splits > 1
+        constexprs = dict(HAS_BIAS=has_bias, SPLITS=splits, PARALLEL=parallel, BLOCK_M=cfg.block_m,
+                          BLOCK_N=cfg.block_n, BLOCK_K=gemm_block_k(torch.bfloat16), GROUP_M=cfg.group_m)
+        compiled = compile_sm90(li._linear_kernel, constexprs, dtype, cfg.num_warps, cfg.num_stages,
+                                {"part_ptr": "*fp32", "count_ptr": "*i32"})
         results.append(dict(kernel="_linear_kernel", dtype=dtype, m=m, n=n, block_m=cfg.block_m, bias=has_bias,
-                            shared=compiled.metadata.shared, ttgir=compiled.asm["ttgir"]))
+                            splits=splits, parallel=parallel, shared=compiled.metadata.shared,
+                            ttgir=compiled.asm["ttgir"]))
     return results
 
 
 def test_linear_pipelines_on_wgmma(compiled):
-    """Every tile's K loop is software-pipelined; from BLOCK_M 64 (medium and prefill tiles) tl.dot is wgmma."""
+    """Every tile's K loop is software-pipelined, also inside the loop over K splits; from BLOCK_M 64 (medium
+    and prefill tiles) tl.dot is wgmma. Parallel splits count arrivals with a gpu-scope acq_rel atomic and
+    read the partials from L2."""
     linears = [r for r in compiled if r["kernel"] == "_linear_kernel"]
     assert {r["block_m"] for r in linears} == {16, 64, 128}
+    assert {(r["splits"] > 1, r["parallel"]) for r in linears} == {(False, False), (True, False), (True, True)}
     for r in linears:
-        where = f"_linear_kernel {r['dtype']} M={r['m']} N={r['n']} bias={r['bias']}"
+        where = f"_linear_kernel {r['dtype']} M={r['m']} N={r['n']} bias={r['bias']} splits={r['splits']}"
         assert "async_copy_global_to_local" in r["ttgir"], f"{where}: main loop is not software-pipelined"
         if r["block_m"] >= 64:
             assert "warp_group_dot" in r["ttgir"], f"{where}: does not use wgmma"
+        if r["parallel"]:
+            assert "atomic_rmw add, acq_rel, gpu" in r["ttgir"] and "cache_modifier = cg" in r["ttgir"], where
 
 
 def test_rotary_uses_accurate_sin_cos(compiled):

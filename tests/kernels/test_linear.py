@@ -1,9 +1,13 @@
 """The batch-invariant dense GEMM against torch's linear (Triton in the interpreter on CPU machines,
 fp16 and fp32: the interpreter's bf16 tl.dot is not usable)."""
+from dataclasses import replace
+
 import pytest
 import torch
 
-from moelora.kernels.linear import LinearConfig, default_config, linear
+from moelora.kernels import linear as linear_module
+from moelora.kernels.gemm_tiles import gemm_block_k
+from moelora.kernels.linear import LinearConfig, default_config, k_splits, linear
 from moelora.testing import assert_rows_close, rel_tolerance
 
 DTYPES = [torch.float16, torch.float32]
@@ -15,11 +19,17 @@ CASES = [  # M, N, K: non-powers of two, N = 1 (Qwen2-MoE's shared_expert_gate),
     (70, 20, 129),
     (130, 300, 96),  # M past BLOCK_M 128
 ]
-CONFIGS = [  # forced tiles: small and large, partial swizzle groups, one stage
-    LinearConfig(16, 16, 3, 4, 1),
+CONFIGS = [  # forced tiles: small and large, partial swizzle groups, one stage, K splits in parallel or not
+    LinearConfig(16, 16, 3, 4, 1, parallel_splits=True),
     LinearConfig(32, 64, 1, 4, 4),
-    LinearConfig(64, 32, 2, 4, 3),
+    LinearConfig(64, 32, 2, 4, 3, parallel_splits=True),
     LinearConfig(128, 256, 8, 8, 3),
+]
+SPLIT_CASES = [  # M, N, K with K splits (fp16 / fp32): the last one shorter, N < 16, M past the decode tile
+    (1, 48, 300),  # 2 / 5 splits
+    (3, 20, 1000),  # 8 / 16
+    (5, 3, 200),  # 2 / 3 (N = 1 would be a flaky fp32 comparison: a one-element row may cancel to ~0)
+    (40, 130, 517),  # 3 / 6
 ]
 
 
@@ -51,8 +61,69 @@ def test_forced_configs(config, dtype, device, poison):
     """Every tile size writes every output element (NaN-poisoned) and agrees with torch; 5 row blocks and
     3 n-tiles of the smallest tile make a partial GROUP_M group."""
     gen = torch.Generator().manual_seed(torch.seed())
-    for m, n, k in ((70, 40, 100), (1, 1, 64), (130, 300, 96)):
+    for m, n, k in ((70, 40, 300), (1, 1, 64), (130, 300, 96)):  # 2 K splits (fp16), 1, 1
         _check(*_inputs(m, n, k, dtype, device, gen), config)
+
+
+def _bits(t):
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("case", SPLIT_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_parallel_and_serial_splits_give_the_same_bits(case, dtype, with_bias, device, poison):
+    """The same tile with its K splits in parallel programs (partials added by the last to arrive) and one
+    after the other in one program: bit for bit, close to torch, and the arrival counters back at zero."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    x, w, b = _inputs(*case, dtype, device, gen, with_bias)
+    assert k_splits(case[1], case[2], dtype)[0] > 1
+    cfg = default_config(case[0], case[1])
+    parallel = _check(x, w, b, replace(cfg, parallel_splits=True))
+    serial = _check(x, w, b, replace(cfg, parallel_splits=False))
+    assert torch.equal(_bits(parallel), _bits(serial))
+    assert not linear_module._counters[torch.device(device)].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_rows_do_not_depend_on_the_batch(dtype, device, poison):
+    """Bit for bit: rows of a split shape alone, in batches on the decode, small and medium tiles (splits in
+    parallel) and in one on prefill tiles (splits one after the other), and moved within their batch."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    x, w, b = _inputs(300, 24, 520, dtype, device, gen)
+    assert k_splits(24, 520, dtype)[0] > 1
+    full = _check(x, w, b)
+    assert not default_config(len(x), 24).parallel_splits
+    for m in (1, 5, 17, 33, 257):
+        assert default_config(m, 24).parallel_splits == (m <= 256)
+        assert torch.equal(_bits(linear(x[:m], w, b, impl="triton")), _bits(full[:m])), f"a batch of {m}"
+        moved = linear(x[:m].roll(m // 2 + 1, 0), w, b, impl="triton")
+        assert torch.equal(_bits(moved), _bits(full[:m].roll(m // 2 + 1, 0))), f"rows moved in a batch of {m}"
+    for i in (0, 150, 299):
+        assert torch.equal(_bits(linear(x[i:i + 1], w, b, impl="triton")[0]), _bits(full[i])), f"row {i} alone"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_k_splits_rule(dtype):
+    """S of (N, K, dtype) alone: whole BLOCK_K steps, at least two a split, about 256 programs on 16-column
+    tiles; one split from N = 2049 or where K has fewer than 4 BLOCK_K steps. Qwen3-30B-A3B's router
+    (N 128, K 2048) has 16 (fp16/bf16), o_proj (2048, 4096) 2, qkv (5120, 2048) and lm_head 1."""
+    block_k = gemm_block_k(dtype)
+    for n in (1, 20, 128, 2048, 2049, 5120, 151936):
+        for k in (1, 100, 3 * block_k, 3 * block_k + 1, 2048, 4096, 10944):
+            splits, split_k = k_splits(n, k, dtype)
+            assert split_k % block_k == 0 and (splits - 1) * split_k < k <= splits * split_k, (n, k)
+            assert splits == 1 or (split_k >= 2 * block_k and -(-n // 16) * splits <= 256), (n, k)
+            assert (splits > 1) == (n <= 2048 and k > 3 * block_k), (n, k)
+    if dtype != torch.float32:
+        assert [k_splits(n, k, dtype)[0] for k, n in ((2048, 128), (4096, 2048), (2048, 5120))] == [16, 2, 1]
+
+
+def test_parallel_splits_past_the_counters(device):
+    x = torch.randn(1040, 256, dtype=torch.float16, device=device)
+    w = torch.randn(1024, 256, dtype=torch.float16, device=device)
+    with pytest.raises(ValueError, match=r"parallel K splits on 4160 tiles .*: more than the 4096 counters"):
+        linear(x, w, impl="triton", config=LinearConfig(16, 16, 8, 4, 1, parallel_splits=True))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,10 +1,14 @@
 """The dense GEMM in bf16 at real model shapes on a GPU (scripts/gpu_check.sh): torch's answer within a
-bf16 tolerance, and every row the same bits whatever the batch. Skipped on CPU machines, but for the
-check that the batch sizes below cover several tiles."""
+bf16 tolerance, and every row the same bits whatever the batch, with K splits in parallel programs or one
+after the other. Skipped on CPU machines, but for the checks that the batch sizes below cover several
+tiles and both ways of running K splits."""
+from dataclasses import replace
+
 import pytest
 import torch
 
-from moelora.kernels.linear import default_config, linear
+from moelora.kernels import linear as linear_module
+from moelora.kernels.linear import default_config, k_splits, linear
 from moelora.testing import assert_rows_close, rel_tolerance
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -19,6 +23,7 @@ SHAPES = {  # in features K, out features N
     "qwen2 shared_expert_gate": (2048, 1),
 }
 BATCH_SIZES = (1, 2, 3, 7, 16, 33, 100, 1000, 4097)
+SPLIT_SHAPES = ["qwen3 o", "qwen3 router", "dsv2-lite mlp down", "qwen2 shared_expert_gate"]  # more than one K split
 
 
 def _weights(shape, gen, bias=False):
@@ -83,18 +88,48 @@ def test_logits_past_int32_offsets(poison):
 
 
 @needs_cuda
-def test_replays_in_a_cuda_graph():
-    """Captured once, replayed on new values written into the captured input (decode steps are graphs)."""
+@pytest.mark.parametrize("shape", ["qwen3 qkv", "qwen3 o", "qwen3 router"])
+def test_replays_in_a_cuda_graph(shape):
+    """Captured once, replayed on new values written into the captured input (decode steps are graphs);
+    parallel K splits (o, router) find their arrival counters back at zero at every replay."""
     gen = torch.Generator("cuda").manual_seed(torch.seed())
-    w, b = _weights("qwen3 qkv", gen, bias=True)
-    x = _x(8, "qwen3 qkv", gen)
+    w, b = _weights(shape, gen, bias=True)
+    x = _x(8, shape, gen)
     linear(x, w, b)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = linear(x, w, b)
-    x.copy_(_x(8, "qwen3 qkv", gen))
-    graph.replay()
-    assert torch.equal(y, linear(x, w, b))
+    for _ in range(3):
+        x.copy_(_x(8, shape, gen))
+        graph.replay()
+        assert torch.equal(y, linear(x, w, b))
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", SPLIT_SHAPES)
+def test_parallel_and_serial_splits_give_the_same_bits(shape, poison):
+    """Each tile's K splits in parallel programs (the last to arrive adds the partials) and one after the
+    other in one program: the same bits, launch after launch (a race in the arrival counting would show
+    as a differing launch), and the counters back at zero. (test_real_shapes_match_torch checks both ways
+    against torch: M = 1 and 7 run the splits in parallel, 300 and 4096 one after the other.)"""
+    gen = torch.Generator("cuda").manual_seed(torch.seed())
+    w, b = _weights(shape, gen, bias=True)
+    for m in (1, 7, 16, 100, 256):
+        x, cfg = _x(m, shape, gen), default_config(m, w.shape[0])
+        serial = linear(x, w, b, config=replace(cfg, parallel_splits=False)).view(torch.int16)
+        for _ in range(20):
+            parallel = linear(x, w, b, config=replace(cfg, parallel_splits=True)).view(torch.int16)
+            assert torch.equal(parallel, serial), f"{shape} M={m}"
+    assert not linear_module._counters[torch.device("cuda", torch.cuda.current_device())].any()
+
+
+def test_split_shapes_run_both_ways():
+    """The shapes above with K splits: in parallel at some batch sizes, serial at others (the invariance
+    test then compares the two); the wide ones have none."""
+    for shape, (k, n) in SHAPES.items():
+        assert (k_splits(n, k, torch.bfloat16)[0] > 1) == (shape in SPLIT_SHAPES), shape
+    for shape in SPLIT_SHAPES:
+        assert {default_config(m, SHAPES[shape][1]).parallel_splits for m in BATCH_SIZES} == {True, False}
 
 
 @pytest.mark.parametrize("shape", [s for s in SHAPES if SHAPES[s][1] >= 2048])
