@@ -8,7 +8,7 @@ import torch
 from moelora.kernels import linear as linear_module
 from moelora.kernels.gemm_tiles import gemm_block_k
 from moelora.kernels.linear import LinearConfig, default_config, k_splits, linear
-from moelora.testing import assert_rows_close, rel_tolerance
+from moelora.testing import rel_tolerance
 
 DTYPES = [torch.float16, torch.float32]
 CASES = [  # M, N, K: non-powers of two, N = 1 (Qwen2-MoE's shared_expert_gate), K not a multiple of BLOCK_K
@@ -41,9 +41,15 @@ def _inputs(m, n, k, dtype, device, gen, bias=True):
 
 
 def _check(x, w, b, config=None):
+    """Close to torch relative to the size of the summands, |x| |W|^T + |b|, not of the result: a short
+    row (N = 1) may cancel to about zero, where a relative error of the result means nothing."""
     got = linear(x, w, b, impl="triton", config=config)
     assert got.dtype == x.dtype and got.shape == (x.shape[0], w.shape[0]) and got.is_contiguous()
-    assert_rows_close(got, linear(x, w, b, impl="torch"), rel_tolerance(x.dtype, x.device))
+    assert torch.isfinite(got).all(), "non-finite outputs (unwritten, poisoned)"
+    ref = linear(x, w, b, impl="torch").double()
+    scale = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
+    err = (got.double() - ref).abs() / scale
+    assert err.max() <= rel_tolerance(x.dtype, x.device), f"worst error {err.max():.2e} of |x| |W|^T + |b|"
     return got
 
 
@@ -82,7 +88,7 @@ def test_parallel_and_serial_splits_give_the_same_bits(case, dtype, with_bias, d
     parallel = _check(x, w, b, replace(cfg, parallel_splits=True))
     serial = _check(x, w, b, replace(cfg, parallel_splits=False))
     assert torch.equal(_bits(parallel), _bits(serial))
-    assert not linear_module._counters[torch.device(device)].any()
+    assert not linear_module._counters[x.device].any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
