@@ -106,7 +106,7 @@ BLOCK_N_GATE_UP = 64
 SHRINK_SPLIT_K = 256
 # Up to this many tokens every (token, expert) pair is its own block: no alignment launch, but an expert
 # picked by several tokens is read once per pair. H100 2026-11-22, base MoE, aligned -> pair blocks:
-# Qwen3 T=1 41.9 -> 38.0 us, T=2 65.5 -> 61.0, T=4 114 -> 113, T=8 197 -> 213; Mixtral T=8 874 -> 1305.
+# Qwen3 T=1 41.9 -> 38.0 us, T=2 65.5 -> 62.3, T=4 113.6 -> 113.3, T=8 197 -> 213; Mixtral T=8 874 -> 1307.
 PAIR_BLOCKS_MAX_TOKENS = 2
 PAIR_SHRINK_MAX_PAIRS = 256  # up to here the gate/up shrink runs per pair, in the alignment's launch
 SUM_PARTS = 8  # partial sums (shrink splits, down-shrink tiles) read per load in the LoRA epilogues
