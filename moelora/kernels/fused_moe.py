@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.gemm_tiles import gemm_block_k, gemm_loop, grouped_tile
+from moelora.kernels.gemm_tiles import arrive, gemm_block_k, gemm_loop, grouped_tile
 from moelora.kernels.lora_tiles import LORA_RANK_CHUNK, rank_tile
 from moelora.kernels.moe_align import (CHUNK, AlignedBlocks, align_num_warps, alloc_aligned, key_tile, moe_align,
                                        moe_align_program)
@@ -346,25 +346,31 @@ def _prepare_topk_sum(topk_ids_ptr, counter_ptr, y_ptr, num_tokens, top_k, num_e
 
 
 @triton.jit
+def _sum_topk(out_ptr, topk_ids_ptr, tok, tok_ok, offs_n, n_mask, top_k, num_experts, stride_ot,
+              TOP_K_P: tl.constexpr, CACHE: tl.constexpr):
+    """sum_j o[t*k+j, offs_n] over each token's valid experts, in j order from an fp32 zero: the one top-k
+    sum of both paths (_sum_topk_if_last, _moe_sum_kernel), so they give the same bits. Unrolled: the k
+    loads are in flight together."""
+    total = tl.zeros((tok.shape[0], offs_n.shape[0]), dtype=tl.float32)
+    for j in tl.static_range(TOP_K_P):
+        e = tl.load(topk_ids_ptr + tok * top_k + j, mask=tok_ok & (tl.zeros_like(tok) + j < top_k), other=-1)
+        ok = tok_ok & (e >= 0) & (e < num_experts)
+        o_ptrs = out_ptr + (tok * top_k + j).to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
+        total += tl.load(o_ptrs, mask=ok[:, None] & n_mask[None, :], other=0.0, cache_modifier=CACHE).to(tl.float32)
+    return total
+
+
+@triton.jit
 def _sum_topk_if_last(out_ptr, y_ptr, counter_ptr, topk_ids_ptr, pair, row_ok, pid_n, num_n, offs_n, n_mask,
                       top_k, num_experts, stride_ot, stride_yt, TOP_K_P: tl.constexpr):
-    """After this program stored its rows of o: y[t, n-tile] = sum_j o[t*k+j, n-tile] over t's valid
-    experts in j order (fixed, so deterministic), for the tokens t whose last pair on this n-tile this
-    program finished. A counter per (token, n-tile) counts the pairs done: the barrier puts the whole
-    block's stores before its increment (release), and the sum's loads after it (acquire), bypassing L1."""
+    """After this program stored its rows of o: y[t, n-tile] = the top-k sum, for the tokens t whose last
+    pair on this n-tile this program finished (a counter per (token, n-tile) counts the pairs done)."""
     tok = pair // top_k
     num_valid = _num_valid_experts(topk_ids_ptr, tok, row_ok, top_k, num_experts, TOP_K_P)
-    tl.debug_barrier()
-    done = tl.atomic_add(counter_ptr + tok * num_n + pid_n, 1, mask=row_ok, sem="acq_rel", scope="gpu")
-    last = row_ok & (done == num_valid - 1)
+    last = row_ok & (arrive(counter_ptr + tok * num_n + pid_n, row_ok) == num_valid - 1)
     if tl.max(last.to(tl.int32), axis=0) > 0:
-        tl.debug_barrier()
-        total = tl.zeros((pair.shape[0], offs_n.shape[0]), dtype=tl.float32)
-        for j in range(0, top_k):
-            e = tl.load(topk_ids_ptr + tok * top_k + j, mask=last, other=-1)
-            ok = last & (e >= 0) & (e < num_experts)
-            o_ptrs = out_ptr + (tok * top_k + j).to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
-            total += tl.load(o_ptrs, mask=ok[:, None] & n_mask[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
+        total = _sum_topk(out_ptr, topk_ids_ptr, tok, last, offs_n, n_mask, top_k, num_experts, stride_ot, TOP_K_P,
+                          ".cg")
         y_ptrs = y_ptr + tok.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
         tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=last[:, None] & n_mask[None, :])
 
@@ -470,19 +476,15 @@ def _down_kernel(
 
 
 @triton.jit
-def _moe_sum_kernel(out_ptr, topk_ids_ptr, y_ptr, H, num_experts, stride_ot, stride_yt,
-                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
-    """y[t] = sum_j o[t*k+j] over t's valid experts in j order (the sum _sum_topk_if_last does)."""
-    t = tl.program_id(0)
+def _moe_sum_kernel(out_ptr, topk_ids_ptr, y_ptr, H, top_k, num_experts, stride_ot, stride_yt,
+                    TOP_K_P: tl.constexpr, BLOCK_H: tl.constexpr):
+    """y[t] = the top-k sum of o (_sum_topk), one token and BLOCK_H columns a program."""
+    tok = tl.program_id(0) + tl.zeros((1,), dtype=tl.int32)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        e = tl.load(topk_ids_ptr + t * TOP_K + j)
-        if (e >= 0) & (e < num_experts):
-            row = out_ptr + (t * TOP_K + j).to(tl.int64) * stride_ot
-            acc += tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + t.to(tl.int64) * stride_yt + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    total = _sum_topk(out_ptr, topk_ids_ptr, tok, tok >= 0, offs, mask, top_k, num_experts, stride_ot, TOP_K_P, "")
+    tl.store(y_ptr + tok.to(tl.int64)[:, None] * stride_yt + offs[None, :], total.to(y_ptr.dtype.element_ty),
+             mask=mask[None, :])
 
 
 def fused_moe_triton(
@@ -573,7 +575,8 @@ def fused_moe_triton(
     if not cfg.pair_blocks:
         block_h = min(1024, triton.next_power_of_2(hidden))
         _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
-            out, topk.ids, y, hidden, num_experts, out.stride(0), y.stride(0), TOP_K=top_k, BLOCK_H=block_h,
+            out, topk.ids, y, hidden, top_k, num_experts, out.stride(0), y.stride(0),
+            TOP_K_P=triton.next_power_of_2(top_k), BLOCK_H=block_h,
         )
     return y
 

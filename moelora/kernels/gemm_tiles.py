@@ -45,3 +45,15 @@ def gemm_loop(in_ptrs, row_ok, K, w1_ptrs, w2_ptrs, n_mask, DUAL: tl.constexpr,
         if DUAL:
             acc2 += tl.dot(xt, tl.load(w2_ptrs + k0, mask=k_mask & n_mask[None, :], other=0.0))
     return acc1, acc2
+
+
+@triton.jit
+def arrive(counter_ptrs, mask=None):
+    """Count this program in at counter_ptrs (atomic, acq_rel, gpu scope) and return the counts before it:
+    the program that sees the last count may then read what the others wrote. The barriers put the whole
+    CTA's stores before the release and its loads after the acquire (each atomic is one thread's); read
+    the others' data with cache_modifier=".cg", from L2, never a stale L1 line."""
+    tl.debug_barrier()
+    before = tl.atomic_add(counter_ptrs, 1, mask=mask, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()
+    return before

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from moelora.kernels.gemm_tiles import gemm_block_k, gemm_loop, grouped_tile
+from moelora.kernels.gemm_tiles import arrive, gemm_block_k, gemm_loop, grouped_tile
 
 MIN_PROGRAMS = 120  # about one program per SM of an H100 / H200 (132): below it, a smaller tile is tried
 SPLIT_PROGRAMS = 256  # K splits aim at about two decode programs per SM: one loads while another waits
@@ -136,12 +136,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, str
         split = tl.program_id(1)
         part = _split_sum(x_ptrs, m_mask, w_ptrs, n_mask, K, SPLIT_K, split, BLOCK_M, BLOCK_N, BLOCK_K)
         tl.store(part_ptr + (rows + split * M)[:, None] * N + offs_n[None, :], part, mask=out_mask)
-        # the barriers order the whole CTA's partial stores before the release and its loads after the
-        # acquire (the atomic is one thread's); .cg reads the partials from L2, never a stale L1 line
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        tl.debug_barrier()
-        if arrived == SPLITS - 1:
+        if arrive(count_ptr + tile) == SPLITS - 1:
             tl.store(count_ptr + tile, 0)  # no other program touches it in this launch: zero for the next
             for s in tl.static_range(SPLITS):
                 acc += tl.load(part_ptr + (rows + s * M)[:, None] * N + offs_n[None, :], mask=out_mask,

@@ -100,7 +100,8 @@ def compile_all() -> list[dict]:
                                *((fm._pair_shrink_kernel, dict(ALIGN=align, BLOCK_M=16, E_P=128, S1_P=16, CHUNK=256,
                                                                BLOCK_K=64, BLOCK_R=16, SPLIT_K=fm.SHRINK_SPLIT_K))
                                  for align in (False, True)),
-                               (fm._reduce_partials_kernel, dict(BLOCK_ROWS=64, BLOCK_R=16, PARTS=32))):
+                               (fm._reduce_partials_kernel, dict(BLOCK_ROWS=64, BLOCK_R=16, PARTS=32)),
+                               (fm._moe_sum_kernel, dict(TOP_K_P=8, BLOCK_H=1024))):
         compiled = compile_sm90(kernel, constexprs, "bf16", 8, 1)
         results.append(dict(kernel=kernel.fn.__name__, shared=compiled.metadata.shared, ttgir=""))
     results += (compile_attention() + compile_lora_linear() + compile_rotary() + compile_topk() + compile_rms_norm()
@@ -139,7 +140,7 @@ def compiled():
 
 
 def test_all_kernels_fit_shared_memory(compiled):
-    assert len(compiled) == (10 * 2 * 2 + 8 + 2 * len(ATTENTION_HEADS) + 1 + 3 * len(LORA_LINEARS)
+    assert len(compiled) == (10 * 2 * 2 + 9 + 2 * len(ATTENTION_HEADS) + 1 + 3 * len(LORA_LINEARS)
                              + len(ROTARY_HEADS) + len(ROUTERS) + 2 * len(RMS_NORMS) + 1 + len(KV_STORES) + 1
                              + 2 * len(LINEARS) + 1)
     for r in compiled:
