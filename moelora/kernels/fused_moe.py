@@ -196,7 +196,7 @@ def _lora_expand(acc, xa, b_ptr, stride_br, offs_n, n_mask, rank, BLOCK_R: tl.co
 
 @triton.jit
 def _sum_partials(part_ptr, pair, rows, row_stride, num_parts, BLOCK_R: tl.constexpr, PARTS: tl.constexpr,
-                  CACHE: tl.constexpr = ""):
+                  CACHE: tl.constexpr):
     """sum over i < num_parts of part[pair, i, :] for the rows in `rows`, added one part after the other
     (an order no layout can change, so every kernel that sums the same parts gets the same bits); the
     loads go PARTS at a time, so their latencies overlap instead of forming a chain. CACHE ".cg": parts
@@ -219,7 +219,7 @@ def _reduce_partials_kernel(part_ptr, out_ptr, token_slots_ptr, num_rows, rows_p
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     slot = tl.load(token_slots_ptr + rows // rows_per_token, mask=rows < num_rows, other=-1)
     has = (rows < num_rows) & (slot >= 0) & (slot < num_slots)
-    total = _sum_partials(part_ptr, rows, has, num_parts * BLOCK_R, num_parts, BLOCK_R, PARTS)
+    total = _sum_partials(part_ptr, rows, has, num_parts * BLOCK_R, num_parts, BLOCK_R, PARTS, "")
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * BLOCK_R + tl.arange(0, BLOCK_R)[None, :]
     tl.store(out_ptrs, total, mask=has[:, None])
 
@@ -497,7 +497,7 @@ def _down_kernel(
     acc, _ = gemm_loop(h_ptrs, row_ok, I, w_ptrs, w_ptrs, n_mask, False, BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_LORA:
         slot, lo, hi = _row_slots(token_slots_ptr, pair, row_ok, top_k, num_slots)
-        hd = _sum_partials(hd_ptr, pair, slot >= 0, num_hd_parts * BLOCK_R, num_hd_parts, BLOCK_R, PARTS)
+        hd = _sum_partials(hd_ptr, pair, slot >= 0, num_hd_parts * BLOCK_R, num_hd_parts, BLOCK_R, PARTS, "")
         for s in range(lo, hi + 1):
             rows = (slot == s)[:, None]
             rank_d = _lora_rank(ranks_ptr, 2, s, e, num_slots, num_experts)
