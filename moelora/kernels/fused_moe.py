@@ -6,7 +6,9 @@
 Grouped GEMMs over blocks from `moe_align` (one expert per block, rows ordered by adapter slot), or,
 for a few pairs, over one block per (token, expert) pair, which needs no alignment launch:
 
-    _shrink_kernel:  xa[p]    = x A_g^T, x A_u^T          K-split partials, rows with an adapter only
+    _shrink_kernel:  xa[p]    = x A_g^T, x A_u^T          K-split partials, rows with an adapter only; for a
+                     few pairs a program per (pair, split) in the alignment's launch, or with a block per pair
+                     in the first programs of the gate_up launch, whose epilogues wait on a ready count per pair
     _gate_up_kernel: h[p]     = silu(x Wg^T + xa_g Bg^T) * (x Wu^T + xa_u Bu^T)
                      hd[p, n] = h[p, n-tile] Ad[:, n-tile]^T   down shrink, one part per n-tile
     _down_kernel:    o[p]     = w[p] * (h Wd^T + (sum_n hd[p, n]) Bd^T); with a block per pair also
@@ -34,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.gemm_tiles import arrive, gemm_block_k, gemm_loop, grouped_tile
+from moelora.kernels.gemm_tiles import arrive, gemm_block_k, gemm_loop, grouped_tile, zeroed_counters
 from moelora.kernels.lora_tiles import LORA_RANK_CHUNK, rank_tile
 from moelora.kernels.moe_align import (CHUNK, AlignedBlocks, align_num_warps, alloc_aligned, key_tile, moe_align,
                                        moe_align_program)
@@ -116,6 +118,10 @@ SUM_PARTS = 8  # partial sums (shrink splits, down-shrink tiles) read per load i
 # Mixtral T=256 137 -> 97 us, T=512 334 -> 154 us, DSV2-Lite T=512 158 -> 148 us; equal at 256 pairs and below.
 REDUCE_PARTIALS_MIN_PAIRS = 512
 REDUCE_PROGRAMS = 512
+# Pair blocks with LoRA: a ready counter per pair (the gate/up shrink done), in a per-device buffer zeroed once
+# and put back to 0 by each launch's last reader of each counter; default configs use at most 2 * top_k.
+READY_COUNTERS = 4096
+_ready: dict[torch.device, torch.Tensor] = {}
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype,
@@ -144,13 +150,13 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
 
 
 @triton.jit
-def _block_info(sorted_ids_ptr, block_expert_ptr, num_rows_ptr, num_pairs, num_experts, N,
+def _block_info(pid, num_programs, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, num_pairs, num_experts, N,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
-    """Map this program to (block, n-tile); GROUP_M consecutive blocks walk the n-tiles together
-    so blocks of one expert share its weight tiles through L2. With PAIR_BLOCKS block p is pair p
-    alone, in row 0, and block_expert_ptr points at the flat topk ids."""
+    """Map program `pid` of `num_programs` GEMM programs to (block, n-tile); GROUP_M consecutive blocks walk
+    the n-tiles together so blocks of one expert share its weight tiles through L2. With PAIR_BLOCKS block p
+    is pair p alone, in row 0, and block_expert_ptr points at the flat topk ids."""
     num_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.num_programs(0) // num_n, num_n, GROUP_M)
+    pid_m, pid_n = grouped_tile(pid, num_programs // num_n, num_n, GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
     if PAIR_BLOCKS:
         in_use = (e >= 0) & (e < num_experts)
@@ -189,17 +195,19 @@ def _lora_expand(acc, xa, b_ptr, stride_br, offs_n, n_mask, rank, BLOCK_R: tl.co
 
 
 @triton.jit
-def _sum_partials(part_ptr, pair, rows, row_stride, num_parts, BLOCK_R: tl.constexpr, PARTS: tl.constexpr):
+def _sum_partials(part_ptr, pair, rows, row_stride, num_parts, BLOCK_R: tl.constexpr, PARTS: tl.constexpr,
+                  CACHE: tl.constexpr):
     """sum over i < num_parts of part[pair, i, :] for the rows in `rows`, added one part after the other
     (an order no layout can change, so every kernel that sums the same parts gets the same bits); the
-    loads go PARTS at a time, so their latencies overlap instead of forming a chain."""
+    loads go PARTS at a time, so their latencies overlap instead of forming a chain. CACHE ".cg": parts
+    written by other programs of this launch, read from L2 (never a stale L1 line)."""
     offs_r = tl.arange(0, BLOCK_R)
     base = part_ptr + (pair.to(tl.int64) * row_stride)[:, None] + offs_r[None, :]
     acc = tl.zeros((pair.shape[0], BLOCK_R), dtype=tl.float32)
     for i0 in range(0, num_parts, PARTS):
         for i in tl.static_range(PARTS):
             part_ok = rows & (tl.zeros_like(pair) + (i0 + i) < num_parts)
-            acc += tl.load(base + (i0 + i) * BLOCK_R, mask=part_ok[:, None], other=0.0)
+            acc += tl.load(base + (i0 + i) * BLOCK_R, mask=part_ok[:, None], other=0.0, cache_modifier=CACHE)
     return acc
 
 
@@ -211,7 +219,7 @@ def _reduce_partials_kernel(part_ptr, out_ptr, token_slots_ptr, num_rows, rows_p
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     slot = tl.load(token_slots_ptr + rows // rows_per_token, mask=rows < num_rows, other=-1)
     has = (rows < num_rows) & (slot >= 0) & (slot < num_slots)
-    total = _sum_partials(part_ptr, rows, has, num_parts * BLOCK_R, num_parts, BLOCK_R, PARTS)
+    total = _sum_partials(part_ptr, rows, has, num_parts * BLOCK_R, num_parts, BLOCK_R, PARTS, "")
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * BLOCK_R + tl.arange(0, BLOCK_R)[None, :]
     tl.store(out_ptrs, total, mask=has[:, None])
 
@@ -270,12 +278,14 @@ def _shrink_one_pair(q, topk_ids_ptr, token_slots_ptr, x_ptr, xa_ptr, ranks_ptr,
                      top_k, H, num_slots, num_experts, num_splits, stride_xt, stride_ae, stride_ar,
                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr):
     """Work item q = p * num_splits + split: the gate/up shrink of pair p for one K split. The pair sits in
-    row 0 of a BLOCK_M tile so the arithmetic, hence the bits, equal _shrink_kernel's for that row."""
+    row 0 of a BLOCK_M tile so the arithmetic, hence the bits, equal _shrink_kernel's for that row.
+    Returns whether the pair has an expert here and an adapter (else there is nothing to shrink)."""
     p = q // num_splits
     split = q % num_splits
     e = tl.load(topk_ids_ptr + p)
     s = tl.load(token_slots_ptr + p // top_k)
-    if (e >= 0) & (e < num_experts) & (s >= 0) & (s < num_slots):
+    lora_pair = (e >= 0) & (e < num_experts) & (s >= 0) & (s < num_slots)
+    if lora_pair:
         row0 = tl.arange(0, BLOCK_M) == 0
         pair = p + tl.zeros((BLOCK_M,), dtype=tl.int32)
         x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + tl.arange(0, BLOCK_K)[None, :]
@@ -284,6 +294,7 @@ def _shrink_one_pair(q, topk_ids_ptr, token_slots_ptr, x_ptr, xa_ptr, ranks_ptr,
         _shrink_rows(x_ptrs, row0, xa_ptrs, ag_ptr, au_ptr, ranks_ptr, s, e, split * SPLIT_K,
                      tl.minimum(H, (split + 1) * SPLIT_K), num_slots, num_experts, num_splits, stride_ae,
                      stride_ar, BLOCK_M, BLOCK_K, BLOCK_R)
+    return lora_pair
 
 
 @triton.jit
@@ -291,25 +302,34 @@ def _pair_shrink_kernel(
     topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr,
     x_ptr, xa_ptr, ranks_ptr, ag_ptr, au_ptr,
     num_pairs, top_k, H, num_slots, num_experts, max_rows, num_splits, stride_xt, stride_ae, stride_ar,
-    ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    """Small batches, one launch: a program per (pair, K split) of the gate/up shrink (it needs only the
-    pair's expert and slot, not the blocks), and with ALIGN one more first, program 0, that is `moe_align`."""
+    """Small aligned batches, one launch: program 0 is `moe_align`, then a program per (pair, K split) of
+    the gate/up shrink (it needs only the pair's expert and slot, not the blocks)."""
     pid = tl.program_id(0)
-    if ALIGN:
-        if pid == 0:
-            moe_align_program(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr,
-                              cursor_ptr, num_pairs, top_k, num_experts, num_slots, max_rows, True, BLOCK_M, E_P,
-                              S1_P, CHUNK)
-        else:
-            _shrink_one_pair(pid - 1, topk_ids_ptr, token_slots_ptr, x_ptr, xa_ptr, ranks_ptr, ag_ptr, au_ptr, top_k,
-                             H, num_slots, num_experts, num_splits, stride_xt, stride_ae, stride_ar, BLOCK_M, BLOCK_K,
-                             BLOCK_R, SPLIT_K)
+    if pid == 0:
+        moe_align_program(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr,
+                          cursor_ptr, num_pairs, top_k, num_experts, num_slots, max_rows, True, BLOCK_M, E_P,
+                          S1_P, CHUNK)
     else:
-        _shrink_one_pair(pid, topk_ids_ptr, token_slots_ptr, x_ptr, xa_ptr, ranks_ptr, ag_ptr, au_ptr, top_k, H,
-                         num_slots, num_experts, num_splits, stride_xt, stride_ae, stride_ar, BLOCK_M, BLOCK_K,
+        _shrink_one_pair(pid - 1, topk_ids_ptr, token_slots_ptr, x_ptr, xa_ptr, ranks_ptr, ag_ptr, au_ptr, top_k,
+                         H, num_slots, num_experts, num_splits, stride_xt, stride_ae, stride_ar, BLOCK_M, BLOCK_K,
                          BLOCK_R, SPLIT_K)
+
+
+@triton.jit
+def _wait_shrunk(ready_ptr, p, num_splits, num_readers):
+    """Wait until the num_splits shrink programs of pair p have signalled (acquire; the barrier puts every
+    thread's xa loads after it, and they read L2). The shrink programs have the lowest program ids, so the
+    hardware dispatched them first and they never wait on anything: they finish whatever this program does.
+    Then each of the pair's num_readers gate_up programs counts itself in; the last one, after which no
+    program of this launch touches the counter, puts it back to 0 for the next launch (no memset launch)."""
+    while tl.atomic_add(ready_ptr + p, 0, sem="acquire", scope="gpu") < num_splits:
+        pass
+    if tl.atomic_add(ready_ptr + p, 1, sem="relaxed", scope="gpu") == num_splits + num_readers - 1:
+        tl.atomic_xchg(ready_ptr + p, 0, sem="relaxed", scope="gpu")
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -322,13 +342,13 @@ def _num_valid_experts(topk_ids_ptr, tok, tok_ok, top_k, num_experts, TOP_K_P: t
 
 
 @triton.jit
-def _prepare_topk_sum(topk_ids_ptr, counter_ptr, y_ptr, num_tokens, top_k, num_experts, num_n_down, H, stride_yt,
-                      tokens_per_program, TOP_K_P: tl.constexpr):
-    """Run by every gate_up program for its share of the tokens, before the down kernel: zero the
+def _prepare_topk_sum(pid, topk_ids_ptr, counter_ptr, y_ptr, num_tokens, top_k, num_experts, num_n_down, H,
+                      stride_yt, tokens_per_program, TOP_K_P: tl.constexpr):
+    """Run by every gate_up GEMM program `pid` for its share of the tokens, before the down kernel: zero the
     tokens' arrival counters, and write y = 0 for tokens with no valid expert (no down program sees them)."""
     BLOCK_T: tl.constexpr = 16
     BLOCK: tl.constexpr = 128
-    t_lo = tl.program_id(0) * tokens_per_program
+    t_lo = pid * tokens_per_program
     t_hi = tl.minimum(t_lo + tokens_per_program, num_tokens)
     for t0 in range(t_lo, t_hi, BLOCK_T):
         tok = t0 + tl.arange(0, BLOCK_T)
@@ -378,21 +398,34 @@ def _sum_topk_if_last(out_ptr, y_ptr, counter_ptr, topk_ids_ptr, pair, row_ok, p
 @triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, token_slots_ptr,
-    ranks_ptr, xa_ptr, bg_ptr, bu_ptr, ad_ptr, hd_ptr, topk_ids_ptr, counter_ptr, y_ptr,
+    ranks_ptr, xa_ptr, ag_ptr, au_ptr, bg_ptr, bu_ptr, ad_ptr, hd_ptr, ready_ptr, topk_ids_ptr, counter_ptr, y_ptr,
     num_pairs, num_tokens, top_k, H, I, num_slots, num_experts, num_splits, num_n_down, tokens_per_program,
-    stride_xt, stride_we, stride_wn, stride_ht, stride_be, stride_br, stride_ade, stride_adr, stride_yt,
+    stride_xt, stride_we, stride_wn, stride_ht, stride_ae, stride_ar, stride_be, stride_br, stride_ade, stride_adr,
+    stride_yt,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
-    TOP_K_P: tl.constexpr,
+    TOP_K_P: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """h[p] = silu(x Wg^T + LoRA_g) * (x Wu^T + LoRA_u) for the pairs p of one block; with LoRA also
-    this n-tile's part of the down shrink, hd[p, tile] = h[p, tile] @ A_d[:, tile]^T."""
+    this n-tile's part of the down shrink, hd[p, tile] = h[p, tile] @ A_d[:, tile]^T. With pair blocks and
+    LoRA the first num_pairs * num_splits programs are the gate/up shrink (as a launch of its own it took
+    4 us of Qwen3's 47.5 us LoRA layer at T=1, H100); the GEMM programs wait for it only in the epilogue."""
+    pid, num_programs = tl.program_id(0), tl.num_programs(0)
+    if PAIR_BLOCKS and HAS_LORA:
+        num_shrink = num_pairs * num_splits
+        if pid < num_shrink:
+            if _shrink_one_pair(pid, topk_ids_ptr, token_slots_ptr, x_ptr, xa_ptr, ranks_ptr, ag_ptr, au_ptr, top_k,
+                                H, num_slots, num_experts, num_splits, stride_xt, stride_ae, stride_ar, BLOCK_M,
+                                BLOCK_K, BLOCK_R, SPLIT_K):
+                arrive(ready_ptr + pid // num_splits)  # release the pair's xa to its GEMM programs
+            return
+        pid, num_programs = pid - num_shrink, num_programs - num_shrink
     if PAIR_BLOCKS:
-        _prepare_topk_sum(topk_ids_ptr, counter_ptr, y_ptr, num_tokens, top_k, num_experts, num_n_down, H,
+        _prepare_topk_sum(pid, topk_ids_ptr, counter_ptr, y_ptr, num_tokens, top_k, num_experts, num_n_down, H,
                           stride_yt, tokens_per_program, TOP_K_P)
-    in_use, e, pair, row_ok, pid_n, offs_n, n_mask = _block_info(sorted_ids_ptr, block_expert_ptr, num_rows_ptr,
-                                                                 num_pairs, num_experts, I, BLOCK_M, BLOCK_N, GROUP_M,
-                                                                 PAIR_BLOCKS)
+    in_use, e, pair, row_ok, pid_n, offs_n, n_mask = _block_info(pid, num_programs, sorted_ids_ptr, block_expert_ptr,
+                                                                 num_rows_ptr, num_pairs, num_experts, I, BLOCK_M,
+                                                                 BLOCK_N, GROUP_M, PAIR_BLOCKS)
     if not in_use:
         return
     offs_k = tl.arange(0, BLOCK_K)
@@ -403,10 +436,15 @@ def _gate_up_kernel(
     if HAS_LORA:  # constexpr: without it the LoRA path is not compiled at all
         slot, lo, hi = _row_slots(token_slots_ptr, pair, row_ok, top_k, num_slots)
         zeros = tl.zeros((BLOCK_M,), dtype=tl.int32)  # vector form of the rank tests, for the masks
-        # the shrink x @ A^T from _shrink_kernel, summed once for all rows; each slot's loop picks its rows
+        # the shrink x @ A^T, summed once for all rows; each slot's loop picks its rows
+        if PAIR_BLOCKS:
+            if hi >= 0:  # row 0 has an adapter: exactly then its pair's shrink programs signal
+                _wait_shrunk(ready_ptr, tl.min(pair, axis=0), num_splits, tl.cdiv(I, BLOCK_N))  # row 0's pair
         stride = 2 * num_splits * BLOCK_R
-        xa_g = _sum_partials(xa_ptr, pair, slot >= 0, stride, num_splits, BLOCK_R, PARTS)
-        xa_u = _sum_partials(xa_ptr + num_splits * BLOCK_R, pair, slot >= 0, stride, num_splits, BLOCK_R, PARTS)
+        cache: tl.constexpr = ".cg" if PAIR_BLOCKS else ""
+        xa_g = _sum_partials(xa_ptr, pair, slot >= 0, stride, num_splits, BLOCK_R, PARTS, cache)
+        xa_u = _sum_partials(xa_ptr + num_splits * BLOCK_R, pair, slot >= 0, stride, num_splits, BLOCK_R, PARTS,
+                             cache)
         for s in range(lo, hi + 1):
             rows = (slot == s)[:, None]
             rank_g = _lora_rank(ranks_ptr, 0, s, e, num_slots, num_experts)
@@ -448,9 +486,9 @@ def _down_kernel(
 ):
     """out[p] = w[p] * (h[p] Wd^T + LoRA_d) for the pairs p of one block (the down shrink is the sum
     of the gate_up kernel's per-tile parts), then y for the tokens whose last pair this was."""
-    in_use, e, pair, row_ok, pid_n, offs_n, n_mask = _block_info(sorted_ids_ptr, block_expert_ptr, num_rows_ptr,
-                                                                 num_pairs, num_experts, H, BLOCK_M, BLOCK_N, GROUP_M,
-                                                                 PAIR_BLOCKS)
+    in_use, e, pair, row_ok, pid_n, offs_n, n_mask = _block_info(tl.program_id(0), tl.num_programs(0), sorted_ids_ptr,
+                                                                 block_expert_ptr, num_rows_ptr, num_pairs, num_experts,
+                                                                 H, BLOCK_M, BLOCK_N, GROUP_M, PAIR_BLOCKS)
     if not in_use:
         return
     offs_k = tl.arange(0, BLOCK_K)
@@ -459,7 +497,7 @@ def _down_kernel(
     acc, _ = gemm_loop(h_ptrs, row_ok, I, w_ptrs, w_ptrs, n_mask, False, BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_LORA:
         slot, lo, hi = _row_slots(token_slots_ptr, pair, row_ok, top_k, num_slots)
-        hd = _sum_partials(hd_ptr, pair, slot >= 0, num_hd_parts * BLOCK_R, num_hd_parts, BLOCK_R, PARTS)
+        hd = _sum_partials(hd_ptr, pair, slot >= 0, num_hd_parts * BLOCK_R, num_hd_parts, BLOCK_R, PARTS, "")
         for s in range(lo, hi + 1):
             rows = (slot == s)[:, None]
             rank_d = _lora_rank(ranks_ptr, 2, s, e, num_slots, num_experts)
@@ -514,53 +552,59 @@ def fused_moe_triton(
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.pair_blocks:  # block p = pair p: its expert is topk.ids[p]; no sorted ids or row count to read
         blocks = AlignedBlocks(topk.ids, topk.ids.view(-1), topk.ids, cfg.block_m)
+    num_shrink, ready = 0, topk.ids  # gate/up shrink programs in the gate_up launch (then it reads `ready`)
     if lora is None:  # HAS_LORA=False never reads these
         if not cfg.pair_blocks:
             blocks = moe_align(topk.ids, None, num_experts, 0, cfg.block_m)
         slots = ranks = topk.ids
-        xa = hd = bg = bu = ad = bd = w13
-        num_splits, block_r, b_strides, ad_strides, bd_strides = 1, LORA_RANK_CHUNK, (0, 0), (0, 0), (0, 0)
+        xa = hd = ag = au = bg = bu = ad = bd = w13
+        num_splits, block_r = 1, LORA_RANK_CHUNK
+        a_strides = b_strides = ad_strides = bd_strides = (0, 0)
     else:
         slots, ranks = token_slots, lora.ranks
-        bg, bu, ad, bd = lora.b_gate, lora.b_up, lora.a_down, lora.b_down
+        ag, au, bg, bu, ad, bd = lora.a_gate, lora.a_up, lora.b_gate, lora.b_up, lora.a_down, lora.b_down
         block_r = rank_tile(lora.max_rank_in_use or lora.a_gate.shape[2])
-        b_strides, ad_strides, bd_strides = bg.stride()[1:3], ad.stride()[1:3], bd.stride()[1:3]
+        a_strides, b_strides = ag.stride()[1:3], bg.stride()[1:3]
+        ad_strides, bd_strides = ad.stride()[1:3], bd.stride()[1:3]
         num_splits = triton.cdiv(hidden, SHRINK_SPLIT_K)
         xa = torch.empty(num_pairs, 2, num_splits, block_r, dtype=torch.float32, device=x.device)
         hd = torch.empty(num_pairs, num_n_gate_up, block_r, dtype=torch.float32, device=x.device)
-        if cfg.pair_blocks or num_pairs <= PAIR_SHRINK_MAX_PAIRS:  # one launch: a shrink per pair (+ the alignment)
-            align = not cfg.pair_blocks
-            cursor = topk.ids
-            if align:
-                blocks, cursor = alloc_aligned(num_pairs, num_experts, num_slots, cfg.block_m, x.device)
+        if cfg.pair_blocks:  # the shrink runs in the gate_up launch, its GEMM programs wait on a counter per pair
+            if num_pairs > READY_COUNTERS:
+                raise ValueError(f"pair blocks with LoRA on {num_pairs} pairs: more than the {READY_COUNTERS} counters")
+            ready = zeroed_counters(_ready, READY_COUNTERS, x.device, "fused_moe pair blocks with LoRA")
+            num_shrink = num_pairs * num_splits
+        elif num_pairs <= PAIR_SHRINK_MAX_PAIRS:  # one launch: the alignment and a shrink per pair
+            blocks, cursor = alloc_aligned(num_pairs, num_experts, num_slots, cfg.block_m, x.device)
             e_p, s1_p = key_tile(num_experts, num_slots)
-            _pair_shrink_kernel[(int(align) + num_pairs * num_splits,)](
+            _pair_shrink_kernel[(1 + num_pairs * num_splits,)](
                 topk.ids, slots, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, cursor,
-                x, xa, ranks, lora.a_gate, lora.a_up,
+                x, xa, ranks, ag, au,
                 num_pairs, top_k, hidden, num_slots, num_experts, blocks.sorted_ids.numel(), num_splits,
-                x.stride(0), lora.a_gate.stride(1), lora.a_gate.stride(2),
-                ALIGN=align, BLOCK_M=cfg.block_m, E_P=e_p, S1_P=s1_p, CHUNK=CHUNK, BLOCK_K=cfg.block_k,
-                BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, num_warps=align_num_warps(num_experts, num_slots) if align else 4,
+                x.stride(0), *a_strides,
+                BLOCK_M=cfg.block_m, E_P=e_p, S1_P=s1_p, CHUNK=CHUNK, BLOCK_K=cfg.block_k,
+                BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, num_warps=align_num_warps(num_experts, num_slots),
             )
         else:
             blocks = moe_align(topk.ids, token_slots, num_experts, num_slots, cfg.block_m)
             _shrink_kernel[(blocks.block_expert.numel(), num_splits)](
                 x, xa, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, slots, ranks,
-                lora.a_gate, lora.a_up, num_pairs, top_k, hidden, num_slots, num_experts, num_splits,
-                x.stride(0), lora.a_gate.stride(1), lora.a_gate.stride(2),
+                ag, au, num_pairs, top_k, hidden, num_slots, num_experts, num_splits,
+                x.stride(0), *a_strides,
                 BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, num_warps=4,
             )
-        xa, num_splits = _reduce_partials(xa.view(num_pairs * 2, num_splits, block_r), 2 * top_k, slots, num_slots,
-                                          num_pairs)
+        if not cfg.pair_blocks:  # (with pair blocks xa is written in the gate_up launch that reads it)
+            xa, num_splits = _reduce_partials(xa.view(num_pairs * 2, num_splits, block_r), 2 * top_k, slots,
+                                              num_slots, num_pairs)
     num_m = blocks.block_expert.numel()
     grid_gate_up = num_m * num_n_gate_up
-    _gate_up_kernel[(grid_gate_up,)](
+    _gate_up_kernel[(num_shrink + grid_gate_up,)](
         x, w13, h, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, slots,
-        ranks, xa, bg, bu, ad, hd, topk.ids, counters, y,
+        ranks, xa, ag, au, bg, bu, ad, hd, ready, topk.ids, counters, y,
         num_pairs, num_tokens, top_k, hidden, inter, num_slots, num_experts, num_splits, num_n_down,
         triton.cdiv(num_tokens, grid_gate_up),
-        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *b_strides, *ad_strides, y.stride(0),
-        BLOCK_N=cfg.block_n_gate_up, BLOCK_R=block_r, **common,
+        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *a_strides, *b_strides, *ad_strides, y.stride(0),
+        BLOCK_N=cfg.block_n_gate_up, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, **common,
     )
     num_hd_parts = num_n_gate_up
     if lora is not None:

@@ -13,6 +13,20 @@ import triton
 import triton.language as tl
 
 
+def zeroed_counters(store: dict[torch.device, torch.Tensor], size: int, device: torch.device,
+                    owner: str) -> torch.Tensor:
+    """`size` int32 counters on `device`, zeroed once when made and kept in `store`: the kernels that count in
+    them put every counter they used back to 0 before their launch ends, so each launch finds them zero with no
+    memset of its own (CUDA graphs too). Never replaced or freed, as captured graphs hold its address; launches
+    that may overlap (other streams) must not both count in one store."""
+    if device not in store:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{owner}: run a call once before capturing a CUDA graph "
+                               "(its zeroed counters are made outside the capture)")
+        store[device] = torch.zeros(size, dtype=torch.int32, device=device)
+    return store[device]
+
+
 def gemm_block_k(dtype: torch.dtype) -> int:
     """The one BLOCK_K of every GEMM config for `dtype` (fp32 tiles are twice the bytes)."""
     return 32 if dtype == torch.float32 else 64

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from moelora.kernels.gemm_tiles import arrive, gemm_block_k, gemm_loop, grouped_tile
+from moelora.kernels.gemm_tiles import arrive, gemm_block_k, gemm_loop, grouped_tile, zeroed_counters
 
 MIN_PROGRAMS = 120  # about one program per SM of an H100 / H200 (132): below it, a smaller tile is tried
 SPLIT_PROGRAMS = 256  # K splits aim at about two decode programs per SM: one loads while another waits
@@ -151,19 +151,6 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, str
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
-def _split_counters(device: torch.device) -> torch.Tensor:
-    """The device's SPLIT_COUNTERS arrival counters, zeroed once when made: the last program of each tile
-    puts its counter back to 0, so every launch finds them zero with no memset of its own (CUDA graphs
-    too). Never replaced or freed, as captured graphs hold its address; launches that may overlap
-    (other streams) must not both split in parallel."""
-    if device not in _counters:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("linear: run a parallel-split call once before capturing a CUDA graph "
-                               "(its zeroed counters are made outside the capture)")
-        _counters[device] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
-    return _counters[device]
-
-
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   config: LinearConfig | None = None) -> torch.Tensor:
     (M, K), N = x.shape, weight.shape[0]
@@ -178,7 +165,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"parallel K splits on {tiles} tiles of {cfg}: more than the {SPLIT_COUNTERS} counters")
     # partials only where splits run in parallel; else y and W stand in, never touched
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if parallel else y
-    counters = _split_counters(x.device) if parallel else weight
+    counters = zeroed_counters(_counters, SPLIT_COUNTERS, x.device, "linear parallel K splits") if parallel else weight
     _linear_kernel[(tiles, splits if parallel else 1)](
         x, weight, weight if bias is None else bias, y, part, counters, M, N, K, x.stride(0), split_k,
         HAS_BIAS=bias is not None, SPLITS=splits, PARALLEL=parallel,  # HAS_BIAS=False never reads b

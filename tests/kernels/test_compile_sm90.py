@@ -31,8 +31,8 @@ from moelora.kernels import topk as tk
 HOPPER = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 227 * 1024
 INT_PTRS = {"sorted_ids_ptr", "block_expert_ptr", "block_slot_ptr", "num_rows_ptr", "ranks_ptr", "topk_ids_ptr",
-            "token_slots_ptr", "cursor_ptr", "counter_ptr", "req_to_token_ptr", "req_pool_ptr", "seq_lens_ptr", "extend_lens_ptr",
-            "extend_starts_ptr", "ids_ptr"}
+            "token_slots_ptr", "cursor_ptr", "counter_ptr", "ready_ptr", "req_to_token_ptr", "req_pool_ptr", "seq_lens_ptr",
+            "extend_lens_ptr", "extend_starts_ptr", "ids_ptr"}
 FP32_PTRS = {"topk_weights_ptr", "xa_ptr", "hd_ptr", "mid_o_ptr", "mid_lse_ptr", "inv_freq_ptr", "bias_ptr",
              "weights_ptr"}
 FP32_SCALARS = {"qk_scale", "scale", "routed_scaling_factor", "eps"}
@@ -85,21 +85,24 @@ def compile_all() -> list[dict]:
                for tokens in (1, 32, 1024, 2048, 4096) for lora in (False, True)}
     for cfg, has_lora in sorted(configs, key=lambda c: (c[0].block_m, c[1])):
         for dtype in ("bf16", "fp16"):
-            for kernel, block_n in ((fm._gate_up_kernel, cfg.block_n_gate_up), (fm._down_kernel, cfg.block_n_down)):
+            for kernel, block_n, own in ((fm._gate_up_kernel, cfg.block_n_gate_up, dict(SPLIT_K=fm.SHRINK_SPLIT_K)),
+                                         (fm._down_kernel, cfg.block_n_down, {})):
                 constexprs = dict(HAS_LORA=has_lora, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
                                   GROUP_M=cfg.group_m, BLOCK_R=64, PARTS=fm.SUM_PARTS, PAIR_BLOCKS=cfg.pair_blocks,
-                                  TOP_K_P=8)
+                                  TOP_K_P=8, **own)
                 compiled = compile_sm90(kernel, constexprs, dtype, cfg.num_warps, cfg.num_stages)
+                ptx = compiled.asm["ptx"]
                 results.append(dict(kernel=kernel.fn.__name__, dtype=dtype, lora=has_lora, block_m=cfg.block_m,
-                                    shared=compiled.metadata.shared, ttgir=compiled.asm["ttgir"]))
+                                    pair_blocks=cfg.pair_blocks, shared=compiled.metadata.shared,
+                                    ttgir=compiled.asm["ttgir"], arrive="atom.global.gpu.acq_rel.add" in ptx,
+                                    acquire="global.gpu.acquire" in ptx, cg_loads="ld.global.cg" in ptx))
     for kernel, constexprs in ((ma._moe_align_kernel, dict(HAS_SLOTS=True, BLOCK_M=16, E_P=256, S1_P=64, CHUNK=256)),
                                (ma._count_kernel, dict(HAS_SLOTS=True, S1_P=16, CHUNK=256)),
                                (ma._lay_out_kernel, dict(BLOCK_M=64, E_P=256, S1_P=16, CHUNK=256)),
                                (ma._place_kernel, dict(HAS_SLOTS=True, S1_P=16, CHUNK=256)),
                                (fm._shrink_kernel, dict(BLOCK_M=16, BLOCK_K=64, BLOCK_R=16, SPLIT_K=fm.SHRINK_SPLIT_K)),
-                               *((fm._pair_shrink_kernel, dict(ALIGN=align, BLOCK_M=16, E_P=128, S1_P=16, CHUNK=256,
-                                                               BLOCK_K=64, BLOCK_R=16, SPLIT_K=fm.SHRINK_SPLIT_K))
-                                 for align in (False, True)),
+                               (fm._pair_shrink_kernel, dict(BLOCK_M=16, E_P=128, S1_P=16, CHUNK=256, BLOCK_K=64,
+                                                             BLOCK_R=16, SPLIT_K=fm.SHRINK_SPLIT_K)),
                                (fm._reduce_partials_kernel, dict(BLOCK_ROWS=64, BLOCK_R=16, PARTS=32)),
                                (fm._moe_sum_kernel, dict(TOP_K_P=8, BLOCK_H=1024))):
         compiled = compile_sm90(kernel, constexprs, "bf16", 8, 1)
@@ -140,7 +143,7 @@ def compiled():
 
 
 def test_all_kernels_fit_shared_memory(compiled):
-    assert len(compiled) == (10 * 2 * 2 + 9 + 2 * len(ATTENTION_HEADS) + 1 + 3 * len(LORA_LINEARS)
+    assert len(compiled) == (10 * 2 * 2 + 8 + 2 * len(ATTENTION_HEADS) + 1 + 3 * len(LORA_LINEARS)
                              + len(ROTARY_HEADS) + len(ROUTERS) + 2 * len(RMS_NORMS) + 1 + len(KV_STORES) + 1
                              + 2 * len(LINEARS) + 1)
     for r in compiled:
@@ -154,6 +157,18 @@ def test_grouped_gemms_pipeline_on_wgmma(compiled):
             assert "async_copy_global_to_local" in r["ttgir"], f"{where}: main loop is not software-pipelined"
             if r["block_m"] >= 64:  # wgmma works on 64-row tiles; smaller blocks use mma.sync
                 assert "warp_group_dot" in r["ttgir"], f"{where}: does not use wgmma"
+
+
+def test_pair_blocks_shrink_in_gate_up_synchronises(compiled):
+    """With pair blocks and LoRA the gate/up shrink runs in the gate_up launch: its programs signal with a
+    gpu-scope acq_rel add (gemm_tiles.arrive), the GEMM programs spin on a gpu-scope acquire and read xa from
+    L2 (.cg); no other gate_up variant carries any of it."""
+    gate_ups = [r for r in compiled if r["kernel"] == "_gate_up_kernel"]
+    assert any(r["pair_blocks"] and r["lora"] for r in gate_ups)
+    for r in gate_ups:
+        fused = r["pair_blocks"] and r["lora"]
+        where = f"_gate_up_kernel {r['dtype']} block_m={r['block_m']} lora={r['lora']} pair_blocks={r['pair_blocks']}"
+        assert (r["arrive"], r["acquire"], r["cg_loads"]) == (fused,) * 3, where
 
 
 def compile_lora_linear() -> list[dict]:

@@ -1,8 +1,10 @@
+import dataclasses
+
 import pytest
 import torch
 
 from moelora.kernels import fused_moe as fused_moe_module
-from moelora.kernels.fused_moe import BLOCK_N_GATE_UP, ExpertLoRA, MoEKernelConfig, fused_moe
+from moelora.kernels.fused_moe import BLOCK_N_GATE_UP, ExpertLoRA, MoEKernelConfig, default_config, fused_moe
 from moelora.layers.moe.topk import TopKOutput
 from moelora.testing import assert_rows_close, random_expert_lora, random_moe_weights, random_topk, rel_tolerance
 
@@ -152,6 +154,39 @@ def test_shrink_per_pair_equals_shrink_per_block(dtype, device, poison, monkeypa
     assert_rows_close(per_pair, fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(dtype, device))
 
 
+def _uncover(lora: ExpertLoRA, slot: int, expert: int) -> None:
+    """The slot's adapter no longer covers the expert: rank 0, and NaN weights that no kernel may read."""
+    lora.ranks[:, slot, expert] = 0
+    for w in (lora.a_gate, lora.b_gate, lora.a_up, lora.b_up, lora.a_down, lora.b_down):
+        w[slot, expert] = float("nan")
+
+
+@pytest.mark.parametrize("token_slots", [(5,), (5, -1), (5, 0)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pair_blocks_lora_equal_aligned_blocks(token_slots, dtype, device, poison):
+    """At T <= 2 (pair blocks) the gate/up shrink runs in the gate_up launch, its GEMM programs waiting on a
+    ready counter per pair: the bits must equal aligned blocks' (the shrink in a launch of its own), for an
+    expert the adapter covers, one it does not (rank 0), a dropped one and base tokens; and the counters must
+    be back at 0 for the next launch."""
+    tokens = len(token_slots)
+    x, w13, w2, topk, lora, slots = _case(tokens, 600, 72, 5, 3, dtype, device, slot_ranks=SMALL_RANKS)
+    slots.copy_(torch.tensor(token_slots, dtype=torch.int32))
+    uncovered = (int(topk.ids[0, 0]) + 1) % 5  # topk.ids[0, 0] is covered by slot 5 (see _case)
+    topk.ids[0, 1:] = torch.tensor([uncovered, -1])
+    _uncover(lora, 5, uncovered)
+    cfg = default_config(tokens, 3, 5, dtype)
+    assert cfg.pair_blocks
+    got = fused_moe(x, w13, w2, topk, lora, slots, impl="triton", config=cfg)
+    assert not fused_moe_module._ready[x.device].any(), "ready counters not put back to 0"
+    aligned = fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
+                        config=dataclasses.replace(cfg, pair_blocks=False))
+    assert torch.equal(got, aligned)
+    assert_rows_close(got, fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(dtype, device))
+    base = fused_moe(x, w13, w2, topk, impl="triton", config=cfg)
+    assert not torch.equal(got[0], base[0]), "LoRA was not applied"
+    assert torch.equal(got[slots < 0], base[slots < 0])
+
+
 def test_all_pairs_dropped_gives_zero(device, poison):
     dtype = DTYPES[0]
     x, w13, w2, topk, lora, slots = _case(5, 64, 32, 4, 2, dtype, device)
@@ -182,3 +217,11 @@ def test_rejects_bad_inputs(device):
         fused_moe(x, w13, w2, topk, bad, slots)
     with pytest.raises(ValueError, match="impl must be"):
         fused_moe(x, w13, w2, topk, impl="cuda")
+
+
+def test_pair_blocks_past_the_ready_counters(device, monkeypatch):
+    x, w13, w2, topk, lora, slots = _case(3, 64, 32, 4, 2, DTYPES[0], device)
+    monkeypatch.setattr(fused_moe_module, "READY_COUNTERS", 5)
+    with pytest.raises(ValueError, match="pair blocks with LoRA on 6 pairs: more than the 5 counters"):
+        fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
+                  config=dataclasses.replace(default_config(1, 2, 4, DTYPES[0]), pair_blocks=True))

@@ -1,8 +1,11 @@
 """Real model shapes in bf16 on a GPU (scripts/gpu_check.sh); skipped on CPU machines."""
+import dataclasses
+
 import pytest
 import torch
 
-from moelora.kernels.fused_moe import fused_moe
+from moelora.kernels import fused_moe as fused_moe_module
+from moelora.kernels.fused_moe import default_config, fused_moe
 from moelora.testing import assert_rows_close, random_expert_lora, random_moe_weights, random_topk, rel_tolerance
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -52,3 +55,39 @@ def test_row_does_not_depend_on_batch(shape, poison):
         alone = fused_moe(x[t:t + 1], w13, w2, topk_t, lora, slots[t:t + 1])
         assert torch.equal(alone[0], batch[t]), f"token {t} (slot {int(slots[t])}) differs alone vs in the batch"
         assert torch.equal(fused_moe(x[t:t + 1], w13, w2, topk_t)[0], base_batch[t]), f"token {t} base differs"
+
+
+@pytest.mark.parametrize("tokens", [1, 2])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_pair_blocks_shrink_in_gate_up_has_no_race(shape, tokens, poison):
+    """With pair blocks the gate/up shrink runs in the gate_up launch and the GEMM programs wait on a ready
+    counter per pair; a missed wait or a counter not back at 0 shows up as an occasional mismatch against
+    aligned blocks (the shrink in a launch of its own). 50 calls, then 10 replays of a CUDA graph of one on
+    fresh inputs, each bit for bit."""
+    gen = torch.Generator("cuda").manual_seed(torch.seed())
+    x, w13, w2, topk, lora, _ = _layer(shape, tokens, gen)
+    slots = torch.randint(0, len(SLOT_RANKS), (tokens,), generator=gen, device="cuda", dtype=torch.int32)
+    cfg = default_config(tokens, topk.ids.shape[1], w2.shape[0], x.dtype)
+    assert cfg.pair_blocks
+    aligned_cfg = dataclasses.replace(cfg, pair_blocks=False)
+    expected = fused_moe(x, w13, w2, topk, lora, slots, config=aligned_cfg)
+    for i in range(50):
+        assert torch.equal(fused_moe(x, w13, w2, topk, lora, slots, config=cfg), expected), f"call {i}"
+    ready = fused_moe_module._ready[x.device]
+    torch.cuda.synchronize()
+    assert not ready.any(), "ready counters not back at 0"
+
+    stream = torch.cuda.Stream()  # warm-up on a side stream, as torch.cuda.graphs asks
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused_moe(x, w13, w2, topk, lora, slots, config=cfg)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fused_moe(x, w13, w2, topk, lora, slots, config=cfg)
+    for i in range(10):
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda").to(x.dtype))
+        graph.replay()
+        assert torch.equal(y, fused_moe(x, w13, w2, topk, lora, slots, config=aligned_cfg)), f"replay {i}"
+    torch.cuda.synchronize()
+    assert not ready.any(), "ready counters not back at 0 after the replays"
