@@ -98,6 +98,7 @@ class MoEKernelConfig:
     num_warps: int
     num_stages: int
     pair_blocks: bool = False  # each (token, expert) pair is its own block (row 0 of BLOCK_M): no alignment
+    half_tiles: bool = False  # blocks with at most block_m / 2 pairs run as tiles of block_m / 2 rows
 
 
 # A row's result must not depend on what it is batched with, so everything that sets the order of
@@ -142,30 +143,46 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     # best tile for base and LoRA together (8 warps gave the LoRA epilogue 15% less); without LoRA (H100,
     # 2026-11-22) wider n tiles and 8 warps: Qwen3 T=4096 876 -> 808 us, Mixtral 5865 -> 5503 us
     if lora:
-        return MoEKernelConfig(128, BLOCK_N_GATE_UP, 128, block_k, 8, 4, 3)
-    return MoEKernelConfig(128, 128, 256, block_k, 8, 8, 4)
+        return MoEKernelConfig(128, BLOCK_N_GATE_UP, 128, block_k, 8, 4, 3, half_tiles=True)
+    return MoEKernelConfig(128, 128, 256, block_k, 8, 8, 4, half_tiles=True)
 
 
 # ----------------------------------------------------------------------------------- Triton
 
 
 @triton.jit
-def _block_info(pid, num_programs, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, num_pairs, num_experts, N,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
-    """Map program `pid` of `num_programs` GEMM programs to (block, n-tile); GROUP_M consecutive blocks walk
-    the n-tiles together so blocks of one expert share its weight tiles through L2. With PAIR_BLOCKS block p
-    is pair p alone, in row 0, and block_expert_ptr points at the flat topk ids."""
+def _block_info(pid, num_programs, block_expert_ptr, num_rows_ptr, num_experts, N, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
+    """Map program `pid` of `num_programs` GEMM programs to (block, n-tile): (in use, expert, block, n-tile).
+    GROUP_M consecutive blocks walk the n-tiles together so blocks of one expert share its weight tiles
+    through L2. With PAIR_BLOCKS block p is pair p alone and block_expert_ptr points at the flat topk ids."""
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = grouped_tile(pid, num_programs // num_n, num_n, GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
     if PAIR_BLOCKS:
         in_use = (e >= 0) & (e < num_experts)
-        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
     else:
         in_use = pid_m * BLOCK_M < tl.load(num_rows_ptr)
-        pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    return in_use, e, pair, pair < num_pairs, pid_n, offs_n, offs_n < N
+    return in_use, e, pid_m, pid_n
+
+
+@triton.jit
+def _block_rows(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+                PAIR_BLOCKS: tl.constexpr):
+    """The pairs in the first ROWS rows of block pid_m (num_pairs: padding) and which rows hold one.
+    With PAIR_BLOCKS block p is pair p, in row 0."""
+    if PAIR_BLOCKS:
+        pair = tl.where(tl.arange(0, ROWS) == 0, pid_m, num_pairs)
+    else:
+        pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, ROWS))
+    return pair, pair < num_pairs
+
+
+@triton.jit
+def _at_most_half_full(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
+    """Whether block pid_m holds at most BLOCK_M / 2 pairs: an expert's pairs fill its blocks from the
+    start and padding ends them, so row BLOCK_M / 2 tells."""
+    return tl.load(sorted_ids_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= num_pairs
 
 
 @triton.jit
@@ -404,7 +421,7 @@ def _gate_up_kernel(
     stride_yt,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
-    TOP_K_P: tl.constexpr, SPLIT_K: tl.constexpr,
+    HALF_TILES: tl.constexpr, TOP_K_P: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """h[p] = silu(x Wg^T + LoRA_g) * (x Wu^T + LoRA_u) for the pairs p of one block; with LoRA also
     this n-tile's part of the down shrink, hd[p, tile] = h[p, tile] @ A_d[:, tile]^T. With pair blocks and
@@ -423,19 +440,47 @@ def _gate_up_kernel(
     if PAIR_BLOCKS:
         _prepare_topk_sum(pid, topk_ids_ptr, counter_ptr, y_ptr, num_tokens, top_k, num_experts, num_n_down, H,
                           stride_yt, tokens_per_program, TOP_K_P)
-    in_use, e, pair, row_ok, pid_n, offs_n, n_mask = _block_info(pid, num_programs, sorted_ids_ptr, block_expert_ptr,
-                                                                 num_rows_ptr, num_pairs, num_experts, I, BLOCK_M,
-                                                                 BLOCK_N, GROUP_M, PAIR_BLOCKS)
+    in_use, e, pid_m, pid_n = _block_info(pid, num_programs, block_expert_ptr, num_rows_ptr, num_experts, I, BLOCK_M,
+                                          BLOCK_N, GROUP_M, PAIR_BLOCKS)
     if not in_use:
         return
+    half = False  # HALF_TILES: a block of at most BLOCK_M / 2 pairs (on average an expert's last block is
+    if HALF_TILES:  # half empty) runs as a half tile; a tensor-core tile costs the same for 1 or BLOCK_M rows
+        half = _at_most_half_full(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M)
+    if half:
+        _gate_up_block(x_ptr, w_ptr, h_ptr, sorted_ids_ptr, token_slots_ptr, ranks_ptr, xa_ptr, bg_ptr, bu_ptr,
+                       ad_ptr, hd_ptr, ready_ptr, e, pid_m, pid_n, num_pairs, top_k, H, I, num_slots, num_experts,
+                       num_splits, stride_xt, stride_we, stride_wn, stride_ht, stride_be, stride_br, stride_ade,
+                       stride_adr,
+                       HAS_LORA, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS)
+    else:
+        _gate_up_block(x_ptr, w_ptr, h_ptr, sorted_ids_ptr, token_slots_ptr, ranks_ptr, xa_ptr, bg_ptr, bu_ptr,
+                       ad_ptr, hd_ptr, ready_ptr, e, pid_m, pid_n, num_pairs, top_k, H, I, num_slots, num_experts,
+                       num_splits, stride_xt, stride_we, stride_wn, stride_ht, stride_be, stride_br, stride_ade,
+                       stride_adr,
+                       HAS_LORA, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS)
+
+
+@triton.jit
+def _gate_up_block(
+    x_ptr, w_ptr, h_ptr, sorted_ids_ptr, token_slots_ptr, ranks_ptr, xa_ptr, bg_ptr, bu_ptr, ad_ptr, hd_ptr, ready_ptr,
+    e, pid_m, pid_n, num_pairs, top_k, H, I, num_slots, num_experts, num_splits, stride_xt, stride_we, stride_wn,
+    stride_ht, stride_be, stride_br, stride_ade, stride_adr,
+    HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
+):
+    """The work of one (block, n-tile) program of _gate_up_kernel on a tile of ROWS rows."""
+    pair, row_ok = _block_rows(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M, ROWS, PAIR_BLOCKS)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
     wg_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
     acc_g, acc_u = gemm_loop(x_ptrs, row_ok, H, wg_ptrs, wg_ptrs + I * stride_wn, n_mask, True,
-                             BLOCK_M, BLOCK_N, BLOCK_K)
+                             ROWS, BLOCK_N, BLOCK_K)
     if HAS_LORA:  # constexpr: without it the LoRA path is not compiled at all
         slot, lo, hi = _row_slots(token_slots_ptr, pair, row_ok, top_k, num_slots)
-        zeros = tl.zeros((BLOCK_M,), dtype=tl.int32)  # vector form of the rank tests, for the masks
+        zeros = tl.zeros((ROWS,), dtype=tl.int32)  # vector form of the rank tests, for the masks
         # the shrink x @ A^T, summed once for all rows; each slot's loop picks its rows
         if PAIR_BLOCKS:
             if hi >= 0:  # row 0 has an adapter: exactly then its pair's shrink programs signal
@@ -460,7 +505,7 @@ def _gate_up_kernel(
     tl.store(h_ptrs, h, mask=row_ok[:, None] & n_mask[None, :])
     if HAS_LORA:
         offs_r = tl.arange(0, BLOCK_R)
-        hd = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        hd = tl.zeros((ROWS, BLOCK_R), dtype=tl.float32)
         for s in range(lo, hi + 1):
             rows = slot == s
             rank_d = _lora_rank(ranks_ptr, 2, s, e, num_slots, num_experts)
@@ -482,19 +527,47 @@ def _down_kernel(
     stride_ht, stride_we, stride_wn, stride_ot, stride_be, stride_br, stride_yt,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
-    TOP_K_P: tl.constexpr,
+    HALF_TILES: tl.constexpr, TOP_K_P: tl.constexpr,
 ):
     """out[p] = w[p] * (h[p] Wd^T + LoRA_d) for the pairs p of one block (the down shrink is the sum
     of the gate_up kernel's per-tile parts), then y for the tokens whose last pair this was."""
-    in_use, e, pair, row_ok, pid_n, offs_n, n_mask = _block_info(tl.program_id(0), tl.num_programs(0), sorted_ids_ptr,
-                                                                 block_expert_ptr, num_rows_ptr, num_pairs, num_experts,
-                                                                 H, BLOCK_M, BLOCK_N, GROUP_M, PAIR_BLOCKS)
+    in_use, e, pid_m, pid_n = _block_info(tl.program_id(0), tl.num_programs(0), block_expert_ptr, num_rows_ptr,
+                                          num_experts, H, BLOCK_M, BLOCK_N, GROUP_M, PAIR_BLOCKS)
     if not in_use:
         return
+    half = False
+    if HALF_TILES:
+        half = _at_most_half_full(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M)
+    if half:
+        _down_block(h_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_ids_ptr, token_slots_ptr, ranks_ptr, hd_ptr,
+                    b_ptr, topk_ids_ptr, counter_ptr, y_ptr, e, pid_m, pid_n, num_pairs, top_k, H, I, num_slots,
+                    num_experts, num_hd_parts, stride_ht, stride_we, stride_wn, stride_ot, stride_be, stride_br,
+                    stride_yt,
+                    HAS_LORA, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, TOP_K_P)
+    else:
+        _down_block(h_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_ids_ptr, token_slots_ptr, ranks_ptr, hd_ptr,
+                    b_ptr, topk_ids_ptr, counter_ptr, y_ptr, e, pid_m, pid_n, num_pairs, top_k, H, I, num_slots,
+                    num_experts, num_hd_parts, stride_ht, stride_we, stride_wn, stride_ot, stride_be, stride_br,
+                    stride_yt,
+                    HAS_LORA, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, TOP_K_P)
+
+
+@triton.jit
+def _down_block(
+    h_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_ids_ptr, token_slots_ptr, ranks_ptr, hd_ptr, b_ptr, topk_ids_ptr,
+    counter_ptr, y_ptr, e, pid_m, pid_n, num_pairs, top_k, H, I, num_slots, num_experts, num_hd_parts, stride_ht,
+    stride_we, stride_wn, stride_ot, stride_be, stride_br, stride_yt,
+    HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr, TOP_K_P: tl.constexpr,
+):
+    """The work of one (block, n-tile) program of _down_kernel on a tile of ROWS rows."""
+    pair, row_ok = _block_rows(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M, ROWS, PAIR_BLOCKS)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_ht + offs_k[None, :]
     w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
-    acc, _ = gemm_loop(h_ptrs, row_ok, I, w_ptrs, w_ptrs, n_mask, False, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc, _ = gemm_loop(h_ptrs, row_ok, I, w_ptrs, w_ptrs, n_mask, False, ROWS, BLOCK_N, BLOCK_K)
     if HAS_LORA:
         slot, lo, hi = _row_slots(token_slots_ptr, pair, row_ok, top_k, num_slots)
         hd = _sum_partials(hd_ptr, pair, slot >= 0, num_hd_parts * BLOCK_R, num_hd_parts, BLOCK_R, PARTS, "")
@@ -548,8 +621,8 @@ def fused_moe_triton(
     # with pair blocks the down kernel sums the top-k itself: arrival counters, zeroed by gate_up
     counters = torch.empty(num_tokens * num_n_down if cfg.pair_blocks else 1, dtype=torch.int32, device=x.device)
     common = dict(HAS_LORA=lora is not None, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                  PARTS=SUM_PARTS, PAIR_BLOCKS=cfg.pair_blocks, TOP_K_P=triton.next_power_of_2(top_k),
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  PARTS=SUM_PARTS, PAIR_BLOCKS=cfg.pair_blocks, HALF_TILES=cfg.half_tiles,
+                  TOP_K_P=triton.next_power_of_2(top_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.pair_blocks:  # block p = pair p: its expert is topk.ids[p]; no sorted ids or row count to read
         blocks = AlignedBlocks(topk.ids, topk.ids.view(-1), topk.ids, cfg.block_m)
     num_shrink, ready = 0, topk.ids  # gate/up shrink programs in the gate_up launch (then it reads `ready`)

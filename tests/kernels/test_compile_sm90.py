@@ -89,7 +89,7 @@ def compile_all() -> list[dict]:
                                          (fm._down_kernel, cfg.block_n_down, {})):
                 constexprs = dict(HAS_LORA=has_lora, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
                                   GROUP_M=cfg.group_m, BLOCK_R=64, PARTS=fm.SUM_PARTS, PAIR_BLOCKS=cfg.pair_blocks,
-                                  TOP_K_P=8, **own)
+                                  HALF_TILES=cfg.half_tiles, TOP_K_P=8, **own)
                 compiled = compile_sm90(kernel, constexprs, dtype, cfg.num_warps, cfg.num_stages)
                 ptx = compiled.asm["ptx"]
                 results.append(dict(kernel=kernel.fn.__name__, dtype=dtype, lora=has_lora, block_m=cfg.block_m,

@@ -100,15 +100,17 @@ def test_triton_matches_reference_mixed_adapters(shape, slot_ranks, dtype, devic
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_block_sizes_agree(dtype, device, poison):
-    """A row's result must not depend on the tiles the batch size picks (block_m, block_n_down);
-    block_k and the gate_up n tile are fixed because they set the order of a row's sums."""
+    """A row's result must not depend on the tiles the batch size picks (block_m, block_n_down, half tiles
+    for blocks at most half full); block_k and the gate_up n tile are fixed because they set the order of a
+    row's sums."""
     x, w13, w2, topk, lora, slots = _case(45, 72, 40, 5, 2, dtype, device, slot_ranks=SMALL_RANKS)
     k = 32 if dtype == torch.float32 else 64
     outs = [fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
                       config=MoEKernelConfig(bm, BLOCK_N_GATE_UP, bn, k, g, 4, 2))
             for bm, bn, g in ((16, 32, 1), (32, 64, 4), (64, 16, 8))]
-    outs.append(fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
-                          config=MoEKernelConfig(16, BLOCK_N_GATE_UP, 32, k, 4, 4, 2, pair_blocks=True)))
+    outs += [fused_moe(x, w13, w2, topk, lora, slots, impl="triton", config=cfg)
+             for cfg in (MoEKernelConfig(16, BLOCK_N_GATE_UP, 32, k, 4, 4, 2, pair_blocks=True),
+                         MoEKernelConfig(32, BLOCK_N_GATE_UP, 64, k, 4, 4, 2, half_tiles=True))]
     assert_rows_close(outs[0], fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(dtype, device))
     assert torch.equal(outs[0][3], torch.zeros_like(outs[0][3])), "a token with no expert on this rank gets 0"
     for other in outs[1:]:
@@ -121,8 +123,9 @@ def test_base_tiles_agree(dtype, device, poison):
     blocking: aligned or a block per pair); the rows must not change."""
     x, w13, w2, topk, _, _ = _case(45, 72, 40, 5, 2, dtype, device)
     k = 32 if dtype == torch.float32 else 64
-    outs = [fused_moe(x, w13, w2, topk, impl="triton", config=MoEKernelConfig(bm, bn1, bn2, k, 8, w, 2, pair))
-            for bm, bn1, bn2, w, pair in ((16, 32, 32, 4, True), (16, 64, 64, 4, False), (32, 128, 64, 8, False))]
+    outs = [fused_moe(x, w13, w2, topk, impl="triton", config=MoEKernelConfig(bm, bn1, bn2, k, 8, w, 2, pair, half))
+            for bm, bn1, bn2, w, pair, half in ((16, 32, 32, 4, True, False), (16, 64, 64, 4, False, False),
+                                                (32, 128, 64, 8, False, False), (32, 64, 32, 4, False, True))]
     assert_rows_close(outs[0], fused_moe(x, w13, w2, topk, impl="torch"), rel_tolerance(dtype, device))
     for other in outs[1:]:
         assert torch.equal(outs[0], other)
