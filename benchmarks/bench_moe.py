@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.fused_moe import BLOCK_N_GATE_UP, MoEKernelConfig, fused_moe
+from moelora.kernels.fused_moe import MoEKernelConfig, fused_moe
 from moelora.layers.moe.topk import TopKConfig, select_experts
 from moelora.testing import assert_rows_close, random_expert_lora, random_moe_weights, rel_tolerance
 
@@ -195,11 +195,11 @@ def main():
 
 
 def sweep(layers, tokens, n, device, dtype, bw):
-    """Other tiles at one batch size. block_k and the gate_up n tile stay fixed: they set the order
-    of a row's sums, so changing them would make results depend on the batch size."""
+    """Other tiles at one batch size (block 128 with half tiles). block_k stays fixed: it sets the order of
+    a row's sums, so changing it would make results depend on the batch size."""
     k = 64
-    for cfg in [MoEKernelConfig(bm, BLOCK_N_GATE_UP, bn2, k, g, w, s)
-                for bm in (32, 64, 128) for bn2 in (64, 128, 256)
+    for cfg in [MoEKernelConfig(bm, bn1, bn2, k, g, w, s, half_tiles=bm == 128)
+                for bm in (32, 64, 128) for bn1 in (64, 128) for bn2 in (128, 256)
                 for g, w, s in ((8, 4, 3), (8, 4, 4), (8, 8, 3), (8, 8, 4))]:
         try:
             r = bench_point(layers, tokens, n, device, dtype, bw, cfg)

@@ -102,10 +102,10 @@ class MoEKernelConfig:
 
 
 # A row's result must not depend on what it is batched with, so everything that sets the order of
-# its fp32 sums is fixed: BLOCK_K of the GEMMs, the gate/up shrink's K split, and the gate_up N tile
-# (the down shrink is summed over those tiles). Only block_m and block_n_down follow the batch, and the
-# gate_up n tile without LoRA.
-BLOCK_N_GATE_UP = 64
+# its fp32 sums is fixed: BLOCK_K of the GEMMs, the gate/up shrink's K split, and the parts of I the down
+# shrink is summed over, in order (DOWN_SHRINK_PART columns each: a gate_up n tile, with LoRA 64 or 128
+# columns wide, computes one or two). The tiles follow the batch.
+DOWN_SHRINK_PART = 64
 SHRINK_SPLIT_K = 256
 # Up to this many tokens every (token, expert) pair is its own block: no alignment launch, but an expert
 # picked by several tokens is read once per pair. H100 2026-11-22, base MoE, aligned -> pair blocks:
@@ -127,23 +127,24 @@ _ready: dict[torch.device, torch.Tensor] = {}
 
 def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype,
                    lora: bool = True) -> MoEKernelConfig:
-    """Tile sizes by rows per expert; `lora`: for a call with LoRA (its gate_up n tile is fixed)."""
+    """Tile sizes by rows per expert; `lora`: for a call with LoRA."""
     block_k = gemm_block_k(dtype)
     if num_tokens <= PAIR_BLOCKS_MAX_TOKENS:
-        return MoEKernelConfig(16, BLOCK_N_GATE_UP, 64, block_k, 8, 4, 4, pair_blocks=True)
+        return MoEKernelConfig(16, 64, 64, block_k, 8, 4, 4, pair_blocks=True)
     num_pairs = num_tokens * top_k
     rows_per_expert = num_pairs / num_experts
     if rows_per_expert <= 16:
-        return MoEKernelConfig(16, BLOCK_N_GATE_UP, 128, block_k, 8, 4, 4)
+        return MoEKernelConfig(16, 64, 128, block_k, 8, 4, 4)
     if rows_per_expert <= 96:
-        return MoEKernelConfig(32, BLOCK_N_GATE_UP, 128, block_k, 8, 4, 4)
+        return MoEKernelConfig(32, 64, 128, block_k, 8, 4, 4)
     if rows_per_expert < 256:
-        return MoEKernelConfig(64, BLOCK_N_GATE_UP, 128, block_k, 8, 4, 4)
-    # prefill, from `bench_moe.py --sweep-tokens 4096`: with LoRA (H200, 2026-11-22) the
-    # best tile for base and LoRA together (8 warps gave the LoRA epilogue 15% less); without LoRA (H100,
-    # 2026-11-22) wider n tiles and 8 warps: Qwen3 T=4096 876 -> 808 us, Mixtral 5865 -> 5503 us
-    if lora:
-        return MoEKernelConfig(128, BLOCK_N_GATE_UP, 128, block_k, 8, 4, 3, half_tiles=True)
+        return MoEKernelConfig(64, 64, 128, block_k, 8, 4, 4)
+    # prefill, from `bench_moe.py --sweep-tokens 4096`: without LoRA (H100, 2026-11-22) wide n tiles and 8
+    # warps: Qwen3 T=4096 876 -> 808 us, Mixtral 5865 -> 5503 us. With LoRA they pay only where the GEMM
+    # outweighs the LoRA epilogues (H100, 2026-11-22, x8): Mixtral T=4096 (1024 rows an expert) 6625 -> 6177 us;
+    # Qwen3 T=4096 (256) 1257 -> 1269, DSV2-Lite (384) 1332 -> 1362, Mixtral T=512 1474 -> 1525
+    if lora and rows_per_expert < 1024:
+        return MoEKernelConfig(128, 64, 128, block_k, 8, 4, 3, half_tiles=True)
     return MoEKernelConfig(128, 128, 256, block_k, 8, 8, 4, half_tiles=True)
 
 
@@ -421,7 +422,7 @@ def _gate_up_kernel(
     stride_yt,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
-    HALF_TILES: tl.constexpr, TOP_K_P: tl.constexpr, SPLIT_K: tl.constexpr,
+    HALF_TILES: tl.constexpr, TOP_K_P: tl.constexpr, SPLIT_K: tl.constexpr, PART_N: tl.constexpr,
 ):
     """h[p] = silu(x Wg^T + LoRA_g) * (x Wu^T + LoRA_u) for the pairs p of one block; with LoRA also
     this n-tile's part of the down shrink, hd[p, tile] = h[p, tile] @ A_d[:, tile]^T. With pair blocks and
@@ -452,13 +453,13 @@ def _gate_up_kernel(
                        ad_ptr, hd_ptr, ready_ptr, e, pid_m, pid_n, num_pairs, top_k, H, I, num_slots, num_experts,
                        num_splits, stride_xt, stride_we, stride_wn, stride_ht, stride_be, stride_br, stride_ade,
                        stride_adr,
-                       HAS_LORA, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS)
+                       HAS_LORA, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, PART_N)
     else:
         _gate_up_block(x_ptr, w_ptr, h_ptr, sorted_ids_ptr, token_slots_ptr, ranks_ptr, xa_ptr, bg_ptr, bu_ptr,
                        ad_ptr, hd_ptr, ready_ptr, e, pid_m, pid_n, num_pairs, top_k, H, I, num_slots, num_experts,
                        num_splits, stride_xt, stride_we, stride_wn, stride_ht, stride_be, stride_br, stride_ade,
                        stride_adr,
-                       HAS_LORA, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS)
+                       HAS_LORA, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, PART_N)
 
 
 @triton.jit
@@ -467,7 +468,7 @@ def _gate_up_block(
     e, pid_m, pid_n, num_pairs, top_k, H, I, num_slots, num_experts, num_splits, stride_xt, stride_we, stride_wn,
     stride_ht, stride_be, stride_br, stride_ade, stride_adr,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
+    BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr, PART_N: tl.constexpr,
 ):
     """The work of one (block, n-tile) program of _gate_up_kernel on a tile of ROWS rows."""
     pair, row_ok = _block_rows(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M, ROWS, PAIR_BLOCKS)
@@ -503,20 +504,42 @@ def _gate_up_block(
     h = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(h_ptr.dtype.element_ty)
     h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_ht + offs_n[None, :]
     tl.store(h_ptrs, h, mask=row_ok[:, None] & n_mask[None, :])
-    if HAS_LORA:
-        offs_r = tl.arange(0, BLOCK_R)
-        hd = tl.zeros((ROWS, BLOCK_R), dtype=tl.float32)
-        for s in range(lo, hi + 1):
-            rows = slot == s
-            rank_d = _lora_rank(ranks_ptr, 2, s, e, num_slots, num_experts)
-            if (rank_d > 0) & (tl.max(rows.to(tl.int32), axis=0) > 0):
-                se = (s * num_experts + e).to(tl.int64)
-                ad = tl.load(ad_ptr + se * stride_ade + offs_r[None, :] * stride_adr + offs_n[:, None],
-                             mask=n_mask[:, None] & (offs_r[None, :] < rank_d), other=0.0)
-                hd += tl.dot(tl.where(rows[:, None], h, 0.0), ad)
-        num_n = tl.cdiv(I, BLOCK_N)
-        hd_ptrs = hd_ptr + (pair.to(tl.int64) * num_n + pid_n)[:, None] * BLOCK_R + offs_r[None, :]
-        tl.store(hd_ptrs, hd, mask=(slot >= 0)[:, None])
+    if HAS_LORA:  # this tile's parts of the down shrink, one per PART_N (DOWN_SHRINK_PART) columns of I
+        if BLOCK_N == PART_N:
+            _down_shrink_part(h, pid_n, offs_n, n_mask, pair, slot, lo, hi, e, ranks_ptr, ad_ptr, hd_ptr, I,
+                              num_slots, num_experts, stride_ade, stride_adr, ROWS, BLOCK_R, PART_N)
+        else:  # two parts: the tile's column halves
+            tl.static_assert(BLOCK_N == 2 * PART_N)
+            h_lo, h_hi = tl.split(tl.permute(tl.reshape(h, (ROWS, 2, PART_N)), (0, 2, 1)))
+            offs_lo = pid_n * BLOCK_N + tl.arange(0, PART_N)
+            _down_shrink_part(h_lo, 2 * pid_n, offs_lo, offs_lo < I, pair, slot, lo, hi, e, ranks_ptr, ad_ptr,
+                              hd_ptr, I, num_slots, num_experts, stride_ade, stride_adr, ROWS, BLOCK_R,
+                              PART_N)
+            offs_hi = offs_lo + PART_N
+            _down_shrink_part(h_hi, 2 * pid_n + 1, offs_hi, offs_hi < I, pair, slot, lo, hi, e, ranks_ptr, ad_ptr,
+                              hd_ptr, I, num_slots, num_experts, stride_ade, stride_adr, ROWS, BLOCK_R,
+                              PART_N)
+
+
+@triton.jit
+def _down_shrink_part(h, part, offs_n, n_mask, pair, slot, lo, hi, e, ranks_ptr, ad_ptr, hd_ptr, I, num_slots,
+                      num_experts, stride_ade, stride_adr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
+                      PART_N: tl.constexpr):
+    """hd[p, part] = h[p, offs_n] @ A_d[:, offs_n]^T over the PART_N columns of this part, for each row's
+    slot: the down kernel adds the parts up in order, so a part's columns never follow the tile."""
+    offs_r = tl.arange(0, BLOCK_R)
+    hd = tl.zeros((ROWS, BLOCK_R), dtype=tl.float32)
+    for s in range(lo, hi + 1):
+        rows = slot == s
+        rank_d = _lora_rank(ranks_ptr, 2, s, e, num_slots, num_experts)
+        if (rank_d > 0) & (tl.max(rows.to(tl.int32), axis=0) > 0):
+            se = (s * num_experts + e).to(tl.int64)
+            ad = tl.load(ad_ptr + se * stride_ade + offs_r[None, :] * stride_adr + offs_n[:, None],
+                         mask=n_mask[:, None] & (offs_r[None, :] < rank_d), other=0.0)
+            hd += tl.dot(tl.where(rows[:, None], h, 0.0), ad)
+    num_parts = tl.cdiv(I, PART_N)
+    hd_ptrs = hd_ptr + (pair.to(tl.int64) * num_parts + part)[:, None] * BLOCK_R + offs_r[None, :]
+    tl.store(hd_ptrs, hd, mask=((slot >= 0) & (tl.zeros_like(slot) + part < num_parts))[:, None])
 
 
 @triton.jit
@@ -612,8 +635,12 @@ def fused_moe_triton(
     top_k = topk.ids.shape[1]
     num_pairs = num_tokens * top_k
     cfg = config or default_config(num_tokens, top_k, num_experts, x.dtype, lora is not None)
+    if lora is not None and cfg.block_n_gate_up not in (DOWN_SHRINK_PART, 2 * DOWN_SHRINK_PART):
+        raise ValueError(f"with LoRA the gate_up n tile must be {DOWN_SHRINK_PART} or {2 * DOWN_SHRINK_PART} "
+                         f"columns (one or two down-shrink parts), got {cfg.block_n_gate_up}")
     num_slots = lora.num_slots if lora is not None else 0
     num_n_gate_up = triton.cdiv(inter, cfg.block_n_gate_up)
+    num_hd_parts = triton.cdiv(inter, DOWN_SHRINK_PART)
     num_n_down = triton.cdiv(hidden, cfg.block_n_down)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
@@ -641,7 +668,7 @@ def fused_moe_triton(
         ad_strides, bd_strides = ad.stride()[1:3], bd.stride()[1:3]
         num_splits = triton.cdiv(hidden, SHRINK_SPLIT_K)
         xa = torch.empty(num_pairs, 2, num_splits, block_r, dtype=torch.float32, device=x.device)
-        hd = torch.empty(num_pairs, num_n_gate_up, block_r, dtype=torch.float32, device=x.device)
+        hd = torch.empty(num_pairs, num_hd_parts, block_r, dtype=torch.float32, device=x.device)
         if cfg.pair_blocks:  # the shrink runs in the gate_up launch, its GEMM programs wait on a counter per pair
             if num_pairs > READY_COUNTERS:
                 raise ValueError(f"pair blocks with LoRA on {num_pairs} pairs: more than the {READY_COUNTERS} counters")
@@ -677,9 +704,8 @@ def fused_moe_triton(
         num_pairs, num_tokens, top_k, hidden, inter, num_slots, num_experts, num_splits, num_n_down,
         triton.cdiv(num_tokens, grid_gate_up),
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *a_strides, *b_strides, *ad_strides, y.stride(0),
-        BLOCK_N=cfg.block_n_gate_up, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, **common,
+        BLOCK_N=cfg.block_n_gate_up, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, PART_N=DOWN_SHRINK_PART, **common,
     )
-    num_hd_parts = num_n_gate_up
     if lora is not None:
         hd, num_hd_parts = _reduce_partials(hd, top_k, slots, num_slots, num_pairs)
     _down_kernel[(num_m * num_n_down,)](

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moelora.kernels import fused_moe as fused_moe_module
-from moelora.kernels.fused_moe import BLOCK_N_GATE_UP, ExpertLoRA, MoEKernelConfig, default_config, fused_moe
+from moelora.kernels.fused_moe import ExpertLoRA, MoEKernelConfig, default_config, fused_moe
 from moelora.layers.moe.topk import TopKOutput
 from moelora.testing import assert_rows_close, random_expert_lora, random_moe_weights, random_topk, rel_tolerance
 
@@ -100,17 +100,17 @@ def test_triton_matches_reference_mixed_adapters(shape, slot_ranks, dtype, devic
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_block_sizes_agree(dtype, device, poison):
-    """A row's result must not depend on the tiles the batch size picks (block_m, block_n_down, half tiles
-    for blocks at most half full); block_k and the gate_up n tile are fixed because they set the order of a
-    row's sums."""
+    """A row's result must not depend on the tiles the batch size picks (block_m, the n tiles, half tiles
+    for blocks at most half full); block_k is fixed because it sets the order of a row's sums."""
     x, w13, w2, topk, lora, slots = _case(45, 72, 40, 5, 2, dtype, device, slot_ranks=SMALL_RANKS)
     k = 32 if dtype == torch.float32 else 64
     outs = [fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
-                      config=MoEKernelConfig(bm, BLOCK_N_GATE_UP, bn, k, g, 4, 2))
+                      config=MoEKernelConfig(bm, 64, bn, k, g, 4, 2))
             for bm, bn, g in ((16, 32, 1), (32, 64, 4), (64, 16, 8))]
     outs += [fused_moe(x, w13, w2, topk, lora, slots, impl="triton", config=cfg)
-             for cfg in (MoEKernelConfig(16, BLOCK_N_GATE_UP, 32, k, 4, 4, 2, pair_blocks=True),
-                         MoEKernelConfig(32, BLOCK_N_GATE_UP, 64, k, 4, 4, 2, half_tiles=True))]
+             for cfg in (MoEKernelConfig(16, 64, 32, k, 4, 4, 2, pair_blocks=True),
+                         MoEKernelConfig(32, 64, 64, k, 4, 4, 2, half_tiles=True),
+                         MoEKernelConfig(32, 128, 64, k, 4, 4, 2))]
     assert_rows_close(outs[0], fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(dtype, device))
     assert torch.equal(outs[0][3], torch.zeros_like(outs[0][3])), "a token with no expert on this rank gets 0"
     for other in outs[1:]:
@@ -129,6 +129,20 @@ def test_base_tiles_agree(dtype, device, poison):
     assert_rows_close(outs[0], fused_moe(x, w13, w2, topk, impl="torch"), rel_tolerance(dtype, device))
     for other in outs[1:]:
         assert torch.equal(outs[0], other)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gate_up_tile_of_two_down_shrink_parts(dtype, device, poison):
+    """With LoRA a 128-column gate_up tile computes two 64-column down-shrink parts (the last one partly
+    past I here): bit for bit what 64-column tiles give; other widths are refused."""
+    x, w13, w2, topk, lora, slots = _case(19, 72, 200, 5, 2, dtype, device, slot_ranks=SMALL_RANKS)
+    k = 32 if dtype == torch.float32 else 64
+    narrow, wide = (fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
+                              config=MoEKernelConfig(16, bn, 32, k, 4, 4, 2)) for bn in (64, 128))
+    assert_rows_close(narrow, fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(dtype, device))
+    assert torch.equal(narrow, wide)
+    with pytest.raises(ValueError, match="with LoRA the gate_up n tile must be 64 or 128 columns"):
+        fused_moe(x, w13, w2, topk, lora, slots, impl="triton", config=MoEKernelConfig(16, 32, 32, k, 4, 4, 2))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

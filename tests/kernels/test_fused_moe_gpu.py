@@ -58,18 +58,20 @@ def test_row_does_not_depend_on_batch(shape, poison):
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_half_tiles_equal_full_tiles(shape, poison):
-    """Prefill tiles run the blocks at most half full as half tiles (64 of 128 rows): bit for bit what
-    full tiles give, with LoRA and without (1024 tokens: most blocks at most half full, some more)."""
+def test_prefill_tiles_agree(shape, poison):
+    """Prefill tiles run the blocks at most half full as half tiles (64 of 128 rows), and with LoRA a 128-column
+    gate_up tile computes two 64-column down-shrink parts: bit for bit what full tiles and 64-column gate_up
+    tiles give (1024 tokens: most blocks at most half full, some more)."""
     gen = torch.Generator("cuda").manual_seed(torch.seed())
     x, w13, w2, topk, lora, slots = _layer(shape, 1024, gen)
     for with_lora in (False, True):
         cfg = default_config(1 << 20, topk.ids.shape[1], w2.shape[0], x.dtype, with_lora)
         assert cfg.half_tiles and cfg.block_m == 128
         adapters = (lora, slots) if with_lora else ()
-        half = fused_moe(x, w13, w2, topk, *adapters, config=cfg)
-        full = fused_moe(x, w13, w2, topk, *adapters, config=dataclasses.replace(cfg, half_tiles=False))
-        assert torch.equal(half, full), f"{shape} lora={with_lora}"
+        got = fused_moe(x, w13, w2, topk, *adapters, config=cfg)
+        for other in (dataclasses.replace(cfg, half_tiles=False),
+                      dataclasses.replace(cfg, block_n_gate_up=192 - cfg.block_n_gate_up, num_warps=4, num_stages=3)):
+            assert torch.equal(got, fused_moe(x, w13, w2, topk, *adapters, config=other)), f"{shape} {other}"
 
 
 @pytest.mark.parametrize("tokens", [1, 2])
