@@ -10,7 +10,7 @@ for a few pairs, over one block per (token, expert) pair, which needs no alignme
                      few pairs a program per (pair, split) in the alignment's launch, or with a block per pair
                      in the first programs of the gate_up launch, whose epilogues wait on a ready count per pair
     _gate_up_kernel: h[p]     = silu(x Wg^T + xa_g Bg^T) * (x Wu^T + xa_u Bu^T)
-                     hd[p, n] = h[p, n-tile] Ad[:, n-tile]^T   down shrink, one part per n-tile
+                     hd[p, n] = h[p, part n] Ad[:, part n]^T   down shrink, one part per 64 columns of I
     _down_kernel:    o[p]     = w[p] * (h Wd^T + (sum_n hd[p, n]) Bd^T); with a block per pair also
                      y[t] = sum_j o[t*k+j] by the program that finishes t's last pair (fresh in L2)
     _moe_sum_kernel: the same y[t] (same order, same bits) for aligned blocks: a sum in the down kernel's
@@ -112,8 +112,8 @@ SHRINK_SPLIT_K = 256
 # Qwen3 T=1 41.9 -> 38.0 us, T=2 65.5 -> 62.3, T=4 113.6 -> 113.3, T=8 197 -> 213; Mixtral T=8 874 -> 1307.
 PAIR_BLOCKS_MAX_TOKENS = 2
 PAIR_SHRINK_MAX_PAIRS = 256  # up to here the gate/up shrink runs per pair, in the alignment's launch
-SUM_PARTS = 8  # partial sums (shrink splits, down-shrink tiles) read per load in the LoRA epilogues
-# Every (block, n-tile) program of gate_up (down) sums its rows' shrink K-split (down-shrink tile) partials
+SUM_PARTS = 8  # partial sums (shrink splits, down-shrink parts) read per load in the LoRA epilogues
+# Every (block, n-tile) program of gate_up (down) sums its rows' shrink K-split (down-shrink part) partials
 # itself. From this many pairs on, one launch (about REDUCE_PROGRAMS programs) sums them first (same order,
 # same bits) and the programs read one part. H100 2026-11-22, LoRA delta x8 per layer, per program -> once:
 # Mixtral T=256 137 -> 97 us, T=512 334 -> 154 us, DSV2-Lite T=512 158 -> 148 us; equal at 256 pairs and below.
@@ -425,7 +425,7 @@ def _gate_up_kernel(
     HALF_TILES: tl.constexpr, TOP_K_P: tl.constexpr, SPLIT_K: tl.constexpr, PART_N: tl.constexpr,
 ):
     """h[p] = silu(x Wg^T + LoRA_g) * (x Wu^T + LoRA_u) for the pairs p of one block; with LoRA also
-    this n-tile's part of the down shrink, hd[p, tile] = h[p, tile] @ A_d[:, tile]^T. With pair blocks and
+    this n-tile's parts of the down shrink (_down_shrink_part). With pair blocks and
     LoRA the first num_pairs * num_splits programs are the gate/up shrink (as a launch of its own it took
     4 us of Qwen3's 47.5 us LoRA layer at T=1, H100); the GEMM programs wait for it only in the epilogue."""
     pid, num_programs = tl.program_id(0), tl.num_programs(0)
