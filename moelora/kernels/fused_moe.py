@@ -187,29 +187,37 @@ def _at_most_half_full(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _row_slots(token_slots_ptr, pair, row_ok, top_k, num_slots):
-    """Adapter slot of each row (-1: none) and the range [lo, hi] of the slots in the block.
-    Rows are slot-ordered, so the LoRA loops over that range meet each slot's run once."""
-    slot = tl.load(token_slots_ptr + pair // top_k, mask=row_ok, other=-1)
-    slot = tl.where((slot >= 0) & (slot < num_slots), slot, -1)
+def _row_slots(token_slot, num_slots):
+    """Adapter slot of each row (-1: none) from the rows' token slots, and the range [lo, hi] of the slots in
+    the block (lo > hi: none). Rows are slot-ordered, so the LoRA loops over that range meet each slot's run
+    once. The GEMM kernels load the token slots before their main loop, so the load is long done here."""
+    slot = tl.where((token_slot >= 0) & (token_slot < num_slots), token_slot, -1)
     lo = tl.min(tl.where(slot >= 0, slot, num_slots), axis=0)
     return slot, lo, tl.max(slot, axis=0)
 
 
 @triton.jit
-def _lora_rank(ranks_ptr, proj, slot, expert, num_slots, num_experts):
-    """Real rank of projection `proj` (0 gate, 1 up, 2 down) for (slot, expert); 0 = not covered."""
-    return tl.load(ranks_ptr + (proj * num_slots + slot) * num_experts + expert)
+def _lora_rank(ranks_ptr, proj, s, e, hi, num_slots, num_experts):
+    """Real rank of projection `proj` (0 gate, 1 up, 2 down) for (slot s, expert e); 0 = not covered, or s
+    past hi, the block's last slot (none in the block: s = num_slots, hi = -1)."""
+    return tl.load(ranks_ptr + (proj * num_slots + s) * num_experts + e, mask=s <= hi, other=0)
 
 
 @triton.jit
-def _lora_expand(acc, xa, b_ptr, stride_br, offs_n, n_mask, rank, BLOCK_R: tl.constexpr):
-    """acc += xa[:, :rank] @ B^T[:rank, offs_n] (xa rounded to the weights' dtype, as PEFT does).
-    Rows of other slots have xa = 0 and get exactly +0."""
+def _lora_tile(w_ptr, s, e, num_experts, stride_e, stride_r, offs, offs_ok, rank, BLOCK_R: tl.constexpr):
+    """Rows :rank of the LoRA weight of (slot s, expert e) at columns offs, as a [BLOCK_R, len(offs)] tile;
+    rows past the rank are 0 and never read (buffers are [S, E, R, ...])."""
     offs_r = tl.arange(0, BLOCK_R)
-    bt = tl.load(b_ptr + offs_r[:, None] * stride_br + offs_n[None, :],
-                 mask=(offs_r[:, None] < rank) & n_mask[None, :], other=0.0)
-    return acc + tl.dot(xa.to(bt.dtype), bt)
+    ptrs = w_ptr + (s * num_experts + e).to(tl.int64) * stride_e + offs_r[:, None] * stride_r + offs[None, :]
+    return tl.load(ptrs, mask=(offs_r[:, None] < rank) & offs_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _lora_expand(acc, xa, rows, rank, bt):
+    """acc += xa @ bt for the `rows` of one slot and a B^T tile bt of its rank (xa rounded to the weights' dtype,
+    as PEFT does). Other rows get exactly +0; xa past the rank (never written) is not read."""
+    keep = rows[:, None] & (tl.arange(0, xa.shape[1]) < rank)[None, :]
+    return acc + tl.dot(tl.where(keep, xa, 0.0).to(bt.dtype), bt)
 
 
 @triton.jit
@@ -247,8 +255,8 @@ def _shrink_rows(x_ptrs, rows, xa_ptrs, ag_ptr, au_ptr, ranks_ptr, s, e, k_lo, k
                  num_splits, stride_ae, stride_ar, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                  BLOCK_R: tl.constexpr):
     """xa_g, xa_u = x[rows] @ A[s, e][:, k_lo:k_hi]^T for gate and up, stored at xa_ptrs for `rows`."""
-    rank_g = _lora_rank(ranks_ptr, 0, s, e, num_slots, num_experts)
-    rank_u = _lora_rank(ranks_ptr, 1, s, e, num_slots, num_experts)
+    rank_g = _lora_rank(ranks_ptr, 0, s, e, s, num_slots, num_experts)
+    rank_u = _lora_rank(ranks_ptr, 1, s, e, s, num_slots, num_experts)
     if rank_g + rank_u > 0:
         offs_k = tl.arange(0, BLOCK_K)
         offs_r = tl.arange(0, BLOCK_R)
@@ -280,7 +288,7 @@ def _shrink_kernel(
         return
     e = tl.load(block_expert_ptr + pid_m)
     pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    slot, lo, hi = _row_slots(token_slots_ptr, pair, pair < num_pairs, top_k, num_slots)
+    slot, lo, hi = _row_slots(tl.load(token_slots_ptr + pair // top_k, mask=pair < num_pairs, other=-1), num_slots)
     x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + tl.arange(0, BLOCK_K)[None, :]
     xa_ptrs = xa_ptr + ((pair.to(tl.int64) * 2) * num_splits + split)[:, None] * BLOCK_R + tl.arange(0, BLOCK_R)[None, :]
     for s in range(lo, hi + 1):
@@ -477,11 +485,27 @@ def _gate_up_block(
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
     wg_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    if HAS_LORA:  # constexpr: without it the LoRA path is not compiled at all
+        token_slot = tl.load(token_slots_ptr + pair // top_k, mask=row_ok, other=-1)  # in flight during the GEMM
     acc_g, acc_u = gemm_loop(x_ptrs, row_ok, H, wg_ptrs, wg_ptrs + I * stride_wn, n_mask, True,
                              ROWS, BLOCK_N, BLOCK_K)
-    if HAS_LORA:  # constexpr: without it the LoRA path is not compiled at all
-        slot, lo, hi = _row_slots(token_slots_ptr, pair, row_ok, top_k, num_slots)
-        zeros = tl.zeros((ROWS,), dtype=tl.int32)  # vector form of the rank tests, for the masks
+    if HAS_LORA:
+        slot, lo, hi = _row_slots(token_slot, num_slots)
+        # slot lo's ranks and B and A_d tiles first: their loads overlap the xa loads and, with pair blocks (one
+        # slot), the wait for the shrink. A decode step's LoRA cost is mostly such chains of round trips.
+        rank_g = _lora_rank(ranks_ptr, 0, lo, e, hi, num_slots, num_experts)
+        rank_u = _lora_rank(ranks_ptr, 1, lo, e, hi, num_slots, num_experts)
+        rank_d = _lora_rank(ranks_ptr, 2, lo, e, hi, num_slots, num_experts)
+        bg = _lora_tile(bg_ptr, lo, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_g, BLOCK_R)
+        bu = _lora_tile(bu_ptr, lo, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_u, BLOCK_R)
+        offs_p0 = pid_n * BLOCK_N + tl.arange(0, PART_N)  # the tile's down-shrink parts: 1 or 2 (column halves)
+        offs_p1 = offs_p0 + PART_N
+        ad0 = _lora_tile(ad_ptr, lo, e, num_experts, stride_ade, stride_adr, offs_p0, offs_p0 < I, rank_d, BLOCK_R)
+        ad1 = ad0
+        if BLOCK_N != PART_N:
+            tl.static_assert(BLOCK_N == 2 * PART_N)
+            ad1 = _lora_tile(ad_ptr, lo, e, num_experts, stride_ade, stride_adr, offs_p1, offs_p1 < I, rank_d,
+                             BLOCK_R)
         # the shrink x @ A^T, summed once for all rows; each slot's loop picks its rows
         if PAIR_BLOCKS:
             if hi >= 0:  # row 0 has an adapter: exactly then its pair's shrink programs signal
@@ -491,52 +515,50 @@ def _gate_up_block(
         xa_g = _sum_partials(xa_ptr, pair, slot >= 0, stride, num_splits, BLOCK_R, PARTS, cache)
         xa_u = _sum_partials(xa_ptr + num_splits * BLOCK_R, pair, slot >= 0, stride, num_splits, BLOCK_R, PARTS,
                              cache)
-        for s in range(lo, hi + 1):
-            rows = (slot == s)[:, None]
-            rank_g = _lora_rank(ranks_ptr, 0, s, e, num_slots, num_experts)
-            rank_u = _lora_rank(ranks_ptr, 1, s, e, num_slots, num_experts)
-            if (rank_g + rank_u > 0) & (tl.max(rows.to(tl.int32)) > 0):  # else xa was never written
-                se = (s * num_experts + e).to(tl.int64)
-                acc_g = _lora_expand(acc_g, tl.where(rows & (zeros < rank_g)[:, None], xa_g, 0.0),
-                                     bg_ptr + se * stride_be, stride_br, offs_n, n_mask, rank_g, BLOCK_R)
-                acc_u = _lora_expand(acc_u, tl.where(rows & (zeros < rank_u)[:, None], xa_u, 0.0),
-                                     bu_ptr + se * stride_be, stride_br, offs_n, n_mask, rank_u, BLOCK_R)
+        if rank_g + rank_u > 0:  # slot lo (if any), on the tiles loaded above
+            acc_g = _lora_expand(acc_g, xa_g, slot == lo, rank_g, bg)
+            acc_u = _lora_expand(acc_u, xa_u, slot == lo, rank_u, bu)
+        for s in range(lo + 1, hi + 1):  # the block's other slots
+            rows = slot == s
+            rank_g = _lora_rank(ranks_ptr, 0, s, e, hi, num_slots, num_experts)
+            rank_u = _lora_rank(ranks_ptr, 1, s, e, hi, num_slots, num_experts)
+            if (rank_g + rank_u > 0) & (tl.max(rows.to(tl.int32), axis=0) > 0):  # else xa was never written
+                bg = _lora_tile(bg_ptr, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_g, BLOCK_R)
+                bu = _lora_tile(bu_ptr, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_u, BLOCK_R)
+                acc_g = _lora_expand(acc_g, xa_g, rows, rank_g, bg)
+                acc_u = _lora_expand(acc_u, xa_u, rows, rank_u, bu)
     h = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(h_ptr.dtype.element_ty)
     h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_ht + offs_n[None, :]
     tl.store(h_ptrs, h, mask=row_ok[:, None] & n_mask[None, :])
     if HAS_LORA:  # this tile's parts of the down shrink, one per PART_N (DOWN_SHRINK_PART) columns of I
         if BLOCK_N == PART_N:
-            _down_shrink_part(h, pid_n, offs_n, n_mask, pair, slot, lo, hi, e, ranks_ptr, ad_ptr, hd_ptr, I,
+            _down_shrink_part(h, pid_n, offs_p0, pair, slot, lo, hi, e, rank_d, ad0, ranks_ptr, ad_ptr, hd_ptr, I,
                               num_slots, num_experts, stride_ade, stride_adr, ROWS, BLOCK_R, PART_N)
         else:  # two parts: the tile's column halves
-            tl.static_assert(BLOCK_N == 2 * PART_N)
-            h_lo, h_hi = tl.split(tl.permute(tl.reshape(h, (ROWS, 2, PART_N)), (0, 2, 1)))
-            offs_lo = pid_n * BLOCK_N + tl.arange(0, PART_N)
-            _down_shrink_part(h_lo, 2 * pid_n, offs_lo, offs_lo < I, pair, slot, lo, hi, e, ranks_ptr, ad_ptr,
-                              hd_ptr, I, num_slots, num_experts, stride_ade, stride_adr, ROWS, BLOCK_R,
-                              PART_N)
-            offs_hi = offs_lo + PART_N
-            _down_shrink_part(h_hi, 2 * pid_n + 1, offs_hi, offs_hi < I, pair, slot, lo, hi, e, ranks_ptr, ad_ptr,
-                              hd_ptr, I, num_slots, num_experts, stride_ade, stride_adr, ROWS, BLOCK_R,
-                              PART_N)
+            h0, h1 = tl.split(tl.permute(tl.reshape(h, (ROWS, 2, PART_N)), (0, 2, 1)))
+            _down_shrink_part(h0, 2 * pid_n, offs_p0, pair, slot, lo, hi, e, rank_d, ad0, ranks_ptr, ad_ptr,
+                              hd_ptr, I, num_slots, num_experts, stride_ade, stride_adr, ROWS, BLOCK_R, PART_N)
+            _down_shrink_part(h1, 2 * pid_n + 1, offs_p1, pair, slot, lo, hi, e, rank_d, ad1, ranks_ptr, ad_ptr,
+                              hd_ptr, I, num_slots, num_experts, stride_ade, stride_adr, ROWS, BLOCK_R, PART_N)
 
 
 @triton.jit
-def _down_shrink_part(h, part, offs_n, n_mask, pair, slot, lo, hi, e, ranks_ptr, ad_ptr, hd_ptr, I, num_slots,
+def _down_shrink_part(h, part, offs_n, pair, slot, lo, hi, e, rank_d, ad, ranks_ptr, ad_ptr, hd_ptr, I, num_slots,
                       num_experts, stride_ade, stride_adr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
                       PART_N: tl.constexpr):
     """hd[p, part] = h[p, offs_n] @ A_d[:, offs_n]^T over the PART_N columns of this part, for each row's
-    slot: the down kernel adds the parts up in order, so a part's columns never follow the tile."""
+    slot (slot lo's rank_d and A_d tile `ad` come loaded): the down kernel adds the parts up in order, so a
+    part's columns never follow the tile."""
     offs_r = tl.arange(0, BLOCK_R)
     hd = tl.zeros((ROWS, BLOCK_R), dtype=tl.float32)
-    for s in range(lo, hi + 1):
+    if rank_d > 0:
+        hd += tl.dot(tl.where((slot == lo)[:, None], h, 0.0), tl.trans(ad))
+    for s in range(lo + 1, hi + 1):
         rows = slot == s
-        rank_d = _lora_rank(ranks_ptr, 2, s, e, num_slots, num_experts)
+        rank_d = _lora_rank(ranks_ptr, 2, s, e, hi, num_slots, num_experts)
         if (rank_d > 0) & (tl.max(rows.to(tl.int32), axis=0) > 0):
-            se = (s * num_experts + e).to(tl.int64)
-            ad = tl.load(ad_ptr + se * stride_ade + offs_r[None, :] * stride_adr + offs_n[:, None],
-                         mask=n_mask[:, None] & (offs_r[None, :] < rank_d), other=0.0)
-            hd += tl.dot(tl.where(rows[:, None], h, 0.0), ad)
+            ad = _lora_tile(ad_ptr, s, e, num_experts, stride_ade, stride_adr, offs_n, offs_n < I, rank_d, BLOCK_R)
+            hd += tl.dot(tl.where(rows[:, None], h, 0.0), tl.trans(ad))
     num_parts = tl.cdiv(I, PART_N)
     hd_ptrs = hd_ptr + (pair.to(tl.int64) * num_parts + part)[:, None] * BLOCK_R + offs_r[None, :]
     tl.store(hd_ptrs, hd, mask=((slot >= 0) & (tl.zeros_like(slot) + part < num_parts))[:, None])
@@ -590,18 +612,24 @@ def _down_block(
     offs_k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_ht + offs_k[None, :]
     w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)  # loads in flight during the GEMM
+    if HAS_LORA:
+        token_slot = tl.load(token_slots_ptr + pair // top_k, mask=row_ok, other=-1)
     acc, _ = gemm_loop(h_ptrs, row_ok, I, w_ptrs, w_ptrs, n_mask, False, ROWS, BLOCK_N, BLOCK_K)
     if HAS_LORA:
-        slot, lo, hi = _row_slots(token_slots_ptr, pair, row_ok, top_k, num_slots)
+        slot, lo, hi = _row_slots(token_slot, num_slots)
+        rank_d = _lora_rank(ranks_ptr, 2, lo, e, hi, num_slots, num_experts)  # slot lo's B: loads overlap hd's
+        bd = _lora_tile(b_ptr, lo, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_d, BLOCK_R)
         hd = _sum_partials(hd_ptr, pair, slot >= 0, num_hd_parts * BLOCK_R, num_hd_parts, BLOCK_R, PARTS, "")
-        for s in range(lo, hi + 1):
-            rows = (slot == s)[:, None]
-            rank_d = _lora_rank(ranks_ptr, 2, s, e, num_slots, num_experts)
-            if (rank_d > 0) & (tl.max(rows.to(tl.int32)) > 0):
-                se = (s * num_experts + e).to(tl.int64)
-                acc = _lora_expand(acc, tl.where(rows, hd, 0.0), b_ptr + se * stride_be, stride_br, offs_n, n_mask,
-                                   rank_d, BLOCK_R)
-    acc = acc * tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
+        if rank_d > 0:
+            acc = _lora_expand(acc, hd, slot == lo, rank_d, bd)
+        for s in range(lo + 1, hi + 1):
+            rows = slot == s
+            rank_d = _lora_rank(ranks_ptr, 2, s, e, hi, num_slots, num_experts)
+            if (rank_d > 0) & (tl.max(rows.to(tl.int32), axis=0) > 0):
+                bd = _lora_tile(b_ptr, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_d, BLOCK_R)
+                acc = _lora_expand(acc, hd, rows, rank_d, bd)
+    acc = acc * weight[:, None]
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_mask[None, :])
     if PAIR_BLOCKS:
