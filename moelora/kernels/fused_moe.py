@@ -125,9 +125,8 @@ READY_COUNTERS = 4096
 _ready: dict[torch.device, torch.Tensor] = {}
 
 
-def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype,
-                   lora: bool = True) -> MoEKernelConfig:
-    """Tile sizes by rows per expert; `lora`: for a call with LoRA."""
+def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> MoEKernelConfig:
+    """Tile sizes by rows per expert, with LoRA and without."""
     block_k = gemm_block_k(dtype)
     if num_tokens <= PAIR_BLOCKS_MAX_TOKENS:
         return MoEKernelConfig(16, 64, 64, block_k, 8, 4, 4, pair_blocks=True)
@@ -140,11 +139,9 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     if rows_per_expert < 256:
         return MoEKernelConfig(64, 64, 128, block_k, 8, 4, 4)
     # prefill, from `bench_moe.py --sweep-tokens 4096`: without LoRA (H100, 2026-11-22) wide n tiles and 8
-    # warps: Qwen3 T=4096 876 -> 808 us, Mixtral 5865 -> 5503 us. With LoRA they pay only where the GEMM
-    # outweighs the LoRA epilogues (H100, 2026-11-22, x8): Mixtral T=4096 (1024 rows an expert) 6625 -> 6177 us;
-    # Qwen3 T=4096 (256) 1257 -> 1269, DSV2-Lite (384) 1332 -> 1362, Mixtral T=512 1474 -> 1525
-    if lora and rows_per_expert < 1024:
-        return MoEKernelConfig(128, 64, 128, block_k, 8, 4, 3, half_tiles=True)
+    # warps: Qwen3 T=4096 876 -> 808 us, Mixtral 5865 -> 5503 us. With LoRA too, once the LoRA epilogues load
+    # their first slot's tiles early (H100, 2026-11-22, LoRA delta, 128 x 64 on 4 warps -> these, x1 / x8):
+    # Qwen3 T=4096 214 -> 153 / 462 -> 448 us, DSV2-Lite 247 -> 169 / 397 -> 372, Mixtral T=2048 281 -> 63 / 609 -> 270
     return MoEKernelConfig(128, 128, 256, block_k, 8, 8, 4, half_tiles=True)
 
 
@@ -662,7 +659,7 @@ def fused_moe_triton(
     num_experts, inter = w2.shape[0], w2.shape[2]
     top_k = topk.ids.shape[1]
     num_pairs = num_tokens * top_k
-    cfg = config or default_config(num_tokens, top_k, num_experts, x.dtype, lora is not None)
+    cfg = config or default_config(num_tokens, top_k, num_experts, x.dtype)
     if lora is not None and cfg.block_n_gate_up not in (DOWN_SHRINK_PART, 2 * DOWN_SHRINK_PART):
         raise ValueError(f"with LoRA the gate_up n tile must be {DOWN_SHRINK_PART} or {2 * DOWN_SHRINK_PART} "
                          f"columns (one or two down-shrink parts), got {cfg.block_n_gate_up}")

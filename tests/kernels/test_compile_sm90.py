@@ -80,9 +80,9 @@ def compile_sm90(kernel, constexprs: dict, dtype: str, num_warps: int, num_stage
 def compile_all() -> list[dict]:
     """Every kernel in every default config; one summary per compiled kernel."""
     results = []
-    # pair blocks (T=1), blocks of 16, 32, 64 and 128 rows; with LoRA and without (prefill configs differ)
-    configs = {(fm.default_config(tokens, 8, 128, torch.bfloat16, lora), lora)
-               for tokens in (1, 32, 1024, 2048, 4096, 16384) for lora in (False, True)}
+    # pair blocks (T=1), blocks of 16, 32, 64 and 128 rows; with LoRA and without
+    configs = {(fm.default_config(tokens, 8, 128, torch.bfloat16), lora)
+               for tokens in (1, 32, 1024, 2048, 4096) for lora in (False, True)}
     for cfg, has_lora in sorted(configs, key=lambda c: (c[0].block_m, c[1])):
         for dtype in ("bf16", "fp16"):
             for kernel, block_n, own in ((fm._gate_up_kernel, cfg.block_n_gate_up,
@@ -144,7 +144,7 @@ def compiled():
 
 
 def test_all_kernels_fit_shared_memory(compiled):
-    assert len(compiled) == (11 * 2 * 2 + 8 + 2 * len(ATTENTION_HEADS) + 1 + 3 * len(LORA_LINEARS)
+    assert len(compiled) == (10 * 2 * 2 + 8 + 2 * len(ATTENTION_HEADS) + 1 + 3 * len(LORA_LINEARS)
                              + len(ROTARY_HEADS) + len(ROUTERS) + 2 * len(RMS_NORMS) + 1 + len(KV_STORES) + 1
                              + 2 * len(LINEARS) + 1)
     for r in compiled:

@@ -65,7 +65,7 @@ def test_prefill_tiles_agree(shape, poison):
     gen = torch.Generator("cuda").manual_seed(torch.seed())
     x, w13, w2, topk, lora, slots = _layer(shape, 1024, gen)
     for with_lora in (False, True):
-        cfg = default_config(1 << 20, topk.ids.shape[1], w2.shape[0], x.dtype, with_lora)
+        cfg = default_config(1 << 20, topk.ids.shape[1], w2.shape[0], x.dtype)
         assert cfg.half_tiles and cfg.block_m == 128
         adapters = (lora, slots) if with_lora else ()
         got = fused_moe(x, w13, w2, topk, *adapters, config=cfg)
