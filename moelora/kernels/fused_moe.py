@@ -106,7 +106,10 @@ class MoEKernelConfig:
 # shrink is summed over, in order (DOWN_SHRINK_PART columns each: a gate_up n tile, with LoRA 64 or 128
 # columns wide, computes one or two). The tiles follow the batch.
 DOWN_SHRINK_PART = 64
-SHRINK_SPLIT_K = 256
+# H100 2026-11-22, LoRA delta per layer, K splits of 256 -> 512 columns (x1 / x8): Qwen3 T=4096 155 -> 137 /
+# 451 -> 422 us, T=32 19.9 -> 18.8 / 30.8 -> 28.6, T=1 equal; DSV2-Lite T=4096 146 -> 134 / 347 -> 334;
+# Mixtral T=512 52.5 -> 49.9 / 154 -> 163 (the one loss). 1024 lost at T=512 x8.
+SHRINK_SPLIT_K = 512
 # Up to this many tokens every (token, expert) pair is its own block: no alignment launch, but an expert
 # picked by several tokens is read once per pair. H100 2026-11-22, base MoE, aligned -> pair blocks:
 # Qwen3 T=1 41.9 -> 38.0 us, T=2 65.5 -> 62.3, T=4 113.6 -> 113.3, T=8 197 -> 213; Mixtral T=8 874 -> 1307.

@@ -148,7 +148,7 @@ def test_gate_up_tile_of_two_down_shrink_parts(dtype, device, poison):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_partials_summed_once_equal_partials_summed_per_program(dtype, device, poison, monkeypatch):
     """Large batches sum the shrink's K-split and down-shrink partials once per row before the GEMMs read
-    them; the bits must equal every program summing them itself (3 K splits, 4 down-shrink tiles here)."""
+    them; the bits must equal every program summing them itself (2 K splits, 4 down-shrink parts here)."""
     x, w13, w2, topk, lora, slots = _case(19, 600, 200, 5, 2, dtype, device, slot_ranks=SMALL_RANKS)
     monkeypatch.setattr(fused_moe_module, "REDUCE_PARTIALS_MIN_PAIRS", 10**9)
     per_program = fused_moe(x, w13, w2, topk, lora, slots, impl="triton")
