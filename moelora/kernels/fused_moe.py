@@ -501,7 +501,7 @@ def _gate_up_block(
         offs_p0 = pid_n * BLOCK_N + tl.arange(0, PART_N)  # the tile's down-shrink parts: 1 or 2 (column halves)
         offs_p1 = offs_p0 + PART_N
         ad0 = _lora_tile(ad_ptr, lo, e, num_experts, stride_ade, stride_adr, offs_p0, offs_p0 < I, rank_d, BLOCK_R)
-        ad1 = ad0
+        ad1 = ad0  # the second part's tile; a one-part tile never reads it
         if BLOCK_N != PART_N:
             tl.static_assert(BLOCK_N == 2 * PART_N)
             ad1 = _lora_tile(ad_ptr, lo, e, num_experts, stride_ade, stride_adr, offs_p1, offs_p1 < I, rank_d,
