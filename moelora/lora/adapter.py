@@ -6,6 +6,7 @@ problems are collected and raised together as one AdapterError.
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,12 +37,32 @@ class AdapterFile:
 
 
 def read_adapter(path: str | Path) -> AdapterFile:
-    path = Path(path)
-    config = AdapterConfig.read(path)
-    tensors, file_name = read_tensors(path)
-    problems = _added_tokens(path)
+    """The directory's config and tensors; AdapterError if they cannot be read (the path's own
+    problems, a name too long, a missing or unreadable file, included)."""
+    path = _checked_path(path)
+    try:
+        config = AdapterConfig.read(path)
+        tensors, file_name = read_tensors(path)
+        problems = _added_tokens(path)
+    except OSError as e:
+        raise AdapterError(f"{path}: cannot be read: {e.strerror or e}") from None
     pairs = pair_tensors(tensors, problems)
     return AdapterFile(path, file_name, config, pairs, problems)
+
+
+def _checked_path(path: str | Path) -> Path:
+    """The path, if the operating system can take it."""
+    text = str(path)
+    if not text or "\0" in text:
+        raise AdapterError(f"adapter path {text[:200]!r}: must be a non-empty path without NUL characters")
+    try:
+        size = len(os.fsencode(text))
+    except UnicodeEncodeError:
+        raise AdapterError(f"adapter path {text[:200]!a}: not valid Unicode") from None
+    limit = os.pathconf("/", "PC_PATH_MAX") if hasattr(os, "pathconf") else 4096
+    if size >= limit:
+        raise AdapterError(f"adapter path {text[:60]!r}...: {size} bytes long, the limit is {limit - 1}")
+    return Path(text)
 
 
 def load_adapter(path: str | Path, model: str | Path | PretrainedConfig | ModelShapes,
@@ -92,7 +113,13 @@ def canonicalize(file: AdapterFile, shapes: ModelShapes, max_lora_rank: int | No
 
 def _added_tokens(path: Path) -> list[str]:
     added = path / "added_tokens.json"
-    if added.is_file() and json.loads(added.read_text() or "{}"):
+    if not added.is_file():
+        return []
+    try:
+        tokens = json.loads(added.read_bytes() or b"{}")
+    except ValueError as e:
+        return [f"{added}: not valid JSON ({e})"]
+    if tokens:
         return [f"{added}: added tokens are not served (they change the base model's vocabulary and embeddings)"]
     return []
 
@@ -124,9 +151,9 @@ def _module_parts(pair: LoRAPair, shapes: ModelShapes) -> list[tuple[str, torch.
                            f"{pair.name!r} (it has {', '.join(sorted(modules))})")
     in_f, outs = modules[parts[0]][0], [modules[p][1] for p in parts]
     a, b = pair.a, pair.b
-    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != in_f or b.shape[0] != sum(outs) or a.shape[0] != b.shape[1]:
-        raise AdapterError(f"{pair.a_key}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit {pair.name} "
-                           f"(expected A [r, {in_f}], B [{sum(outs)}, r])")
+    a_fits, b_fits = a.ndim == 2 and a.shape[1] == in_f, b.ndim == 2 and b.shape[0] == sum(outs)
+    if not (a_fits and b_fits and a.shape[0] == b.shape[1]):
+        raise pair.misfit(a_fits, b_fits, pair.name, f"A [r, {in_f}], B [{sum(outs)}, r]")
     return [(name, a.contiguous(), part) for name, part in zip(parts, b.split(outs))]
 
 

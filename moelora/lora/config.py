@@ -34,9 +34,9 @@ class AdapterConfig:
         if not path.is_file():
             raise AdapterError(f"{adapter_dir}: no adapter_config.json")
         try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise AdapterError(f"{path}: not valid JSON ({e})") from None
+            raw = json.loads(path.read_bytes())  # bytes: UTF-8, -16 or -32, with or without a BOM
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise AdapterError(f"{path}: not valid JSON in UTF-8, UTF-16 or UTF-32 ({e})") from None
         return cls.from_dict(raw, where=str(path))
 
     @classmethod
@@ -49,8 +49,15 @@ class AdapterConfig:
         refusals = unsupported_features(raw)
         if refusals:
             raise AdapterError(f"{where}: not served: " + "; ".join(refusals))
-        if not isinstance(raw.get("r"), int) or raw["r"] <= 0:
+        if not _is_rank(raw.get("r")):
             raise AdapterError(f"{where}: 'r' must be a positive integer, got {raw.get('r')!r}")
+        if not _is_finite(raw.get("lora_alpha", 8)):
+            raise AdapterError(f"{where}: 'lora_alpha' must be a finite number, got {raw['lora_alpha']!r}")
+        for pattern, rule, expected in (("rank_pattern", _is_rank, "a positive integer"),
+                                        ("alpha_pattern", _is_finite, "a finite number")):
+            bad = next(((k, v) for k, v in (raw.get(pattern) or {}).items() if not rule(v)), None)
+            if bad is not None:
+                raise AdapterError(f"{where}: {pattern}[{bad[0]!r}] must be {expected}, got {bad[1]!r}")
         layout = raw.get("lora_B_layout") or raw.get("lora_b_layout")
         if layout not in (None, "grouped_by_expert"):
             raise AdapterError(f"{where}: unknown lora_B_layout {layout!r} (expected 'grouped_by_expert')")
@@ -100,6 +107,14 @@ class AdapterConfig:
 _FIELD_TYPES = [("lora_alpha", (int, float), "a number"), ("rank_pattern", dict, "an object"),
                 ("alpha_pattern", dict, "an object"), ("target_modules", (str, list), "a string or a list"),
                 ("target_parameters", list, "a list")]
+
+
+def _is_rank(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _is_finite(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _pattern_key(patterns: dict, path: str) -> str | None:

@@ -54,9 +54,9 @@ def _expert_module(pair: LoRAPair, shapes: ModelShapes) -> ExpertPiece:
         raise AdapterError(f"{pair.a_key}: expert {pair.expert} out of range (the model has {shapes.num_experts} experts)")
     a, b = pair.a, pair.b
     in_f, out_f = shapes.expert_shape(pair.name)
-    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != in_f or b.shape[0] != out_f or a.shape[0] != b.shape[1]:
-        raise AdapterError(f"{pair.a_key}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit expert {pair.name} "
-                           f"(expected A [r, {in_f}], B [{out_f}, r])")
+    a_fits, b_fits = a.ndim == 2 and a.shape[1] == in_f, b.ndim == 2 and b.shape[0] == out_f
+    if not (a_fits and b_fits and a.shape[0] == b.shape[1]):
+        raise pair.misfit(a_fits, b_fits, f"expert {pair.name}", f"A [r, {in_f}], B [{out_f}, r]")
     return ExpertPiece(pair.name, [pair.expert], a[None], b[None], pair.peft_path, (pair.a_key, pair.b_key))
 
 
@@ -64,10 +64,11 @@ def _stacked(pair: LoRAPair, shapes: ModelShapes) -> tuple[torch.Tensor, torch.T
     """A [E or 1, r, in], B [E or 1, out, r]; a side with E = 1 is shared by all experts."""
     a, b, e = pair.a, pair.b, shapes.num_experts
     in_f, out_f = _projection_shape(pair.name, shapes)
-    if (a.ndim != 3 or b.ndim != 3 or a.shape[0] not in (1, e) or b.shape[0] not in (1, e)
-            or a.shape[2] != in_f or b.shape[1] != out_f or a.shape[1] != b.shape[2]):
-        raise AdapterError(f"{pair.a_key}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit stacked experts "
-                           f"{pair.name} (expected A [{e} or 1, r, {in_f}], B [{e} or 1, {out_f}, r])")
+    a_fits = a.ndim == 3 and a.shape[0] in (1, e) and a.shape[2] == in_f
+    b_fits = b.ndim == 3 and b.shape[0] in (1, e) and b.shape[1] == out_f
+    if not (a_fits and b_fits and a.shape[1] == b.shape[2]):
+        raise pair.misfit(a_fits, b_fits, f"stacked experts {pair.name}",
+                          f"A [{e} or 1, r, {in_f}], B [{e} or 1, {out_f}, r]")
     return a.expand(e, -1, -1), b.expand(e, -1, -1)
 
 
@@ -75,22 +76,19 @@ def _param_wrapper(pair: LoRAPair, wrappers: set[str], shapes: ModelShapes,
                    config: AdapterConfig) -> tuple[str, torch.Tensor, torch.Tensor]:
     """(parameter 'gate_up' | 'down', A [E, r, in], B [E, out, r]) of a ParamWrapper pair."""
     a, b, e = pair.a, pair.b, shapes.num_experts
-    if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1] or a.shape[0] % e:
-        raise AdapterError(f"{pair.a_key}: A {tuple(a.shape)} / B {tuple(b.shape)} are not a target_parameters "
-                           f"LoRA of {e} experts (expected A [{e}*r, in], B [out, {e}*r])")
     params = wrapped_params(pair, wrappers, config)
-    candidates = []
-    for param in params:
-        in_f, out_f = _projection_shape(param, shapes)
-        for fixed in (True, False):
-            x, y = (in_f, out_f) if fixed else (out_f, in_f)
-            if a.shape[1] == x and b.shape[0] == y:
-                candidates.append((param, fixed))
-    expected = " or ".join(f"{PARAM_NAMES[p]}: A [{e}*r, {i}], B [{o}, {e}*r]"
-                           for p in params for i, o in [_projection_shape(p, shapes)])
-    if not candidates:
-        raise AdapterError(f"{pair.a_key}: A {tuple(a.shape)} / B {tuple(b.shape)} fit no target_parameters layout "
-                           f"(expected {expected}, or in/out swapped as written by peft < 0.19.1)")
+    layouts = [(param, fixed, *((i, o) if fixed else (o, i)))  # (param, orientation, A's columns, B's rows)
+               for param in params for i, o in [_projection_shape(param, shapes)] for fixed in (True, False)]
+    a_fits = a.ndim == 2 and a.shape[0] % e == 0 and any(a.shape[1] == x for *_, x, _ in layouts)
+    b_fits = b.ndim == 2 and b.shape[1] % e == 0 and any(b.shape[0] == y for *_, y in layouts)
+    candidates = [(param, fixed) for param, fixed, x, y in layouts
+                  if a_fits and b_fits and (a.shape[1], b.shape[0]) == (x, y)]
+    if not (candidates and a.shape[0] == b.shape[1]):
+        expected = " or ".join(f"{PARAM_NAMES[p]} A [{e}*r, {i}], B [{o}, {e}*r]"
+                               for p in params for i, o in [_projection_shape(p, shapes)])
+        alone = bool(candidates) or not (a_fits and b_fits)  # else each fits some layout, but not the same one
+        raise pair.misfit(a_fits and alone, b_fits and alone, f"a target_parameters LoRA of {e} experts",
+                          f"{expected}, or in/out swapped as peft < 0.19.1 wrote")
     if len(candidates) > 1:  # only when dims coincide (e.g. hidden == 2 * intermediate): PEFT's version decides
         candidates = [c for c in candidates if c[1] == config.param_orientation_fixed()]
         if len(candidates) != 1:

@@ -47,6 +47,19 @@ class LoRAPair:
     a: torch.Tensor
     b: torch.Tensor
 
+    def misfit(self, a_fits: bool, b_fits: bool, target: str, expected: str) -> AdapterError:
+        """The error of a pair that does not fit `target`, naming the tensor at fault: A or B when the
+        other fits (`a_fits`: A's shape is right but for its rank), B when each fits but their ranks
+        differ, both when neither fits."""
+        a, b = f"A {tuple(self.a.shape)}", f"B {tuple(self.b.shape)}"
+        if a_fits and b_fits:
+            return AdapterError(f"{self.b_key}: {b} has rank {self.b.shape[-1]} but its lora_A {a} has rank "
+                                f"{self.a.shape[-2]} ({target}: expected {expected})")
+        if a_fits or b_fits:
+            key, wrong, right = (self.b_key, b, a) if a_fits else (self.a_key, a, b)
+            return AdapterError(f"{key}: {wrong} does not fit {target} (expected {expected}; {right} fits)")
+        return AdapterError(f"{self.a_key}, {self.b_key}: {a} / {b} do not fit {target} (expected {expected})")
+
 
 _SUFFIX = re.compile(r"^(?P<module>.+)\.lora_(?P<side>[AB])(?:\.weight)?$")
 _LAYER = re.compile(r"^(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<rel>.+)$")
@@ -86,6 +99,7 @@ def read_tensors(adapter_dir: Path) -> tuple[dict[str, torch.Tensor], str]:
 def pair_tensors(tensors: dict[str, torch.Tensor], problems: list[str]) -> list[LoRAPair]:
     """Group the file's tensors into A/B pairs. Every key ends up in a pair or in `problems`."""
     halves: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
+    refused_modules = set()  # modules with a half refused for its values: no "has no matching" for the other
     for key in sorted(tensors):
         reason = next((why for pattern, why in _REFUSED if pattern.search(key)), None)
         match = _SUFFIX.match(key)
@@ -97,13 +111,17 @@ def pair_tensors(tensors: dict[str, torch.Tensor], problems: list[str]) -> list[
         t = tensors[key]
         if not t.is_floating_point():
             problems.append(f"{key}: dtype {t.dtype}, expected a floating point tensor")
+            refused_modules.add(match["module"])
         elif not torch.isfinite(t).all():
             problems.append(f"{key}: contains {int((~torch.isfinite(t)).sum())} NaN/Inf values")
+            refused_modules.add(match["module"])
         else:
             halves.setdefault(match["module"], {})[match["side"]] = (key, t)
 
     pairs = []
     for module, sides in halves.items():
+        if module in refused_modules:
+            continue
         if len(sides) == 1:
             (side, (key, _)), = sides.items()
             other = "lora_B" if side == "A" else "lora_A"

@@ -93,6 +93,11 @@ class LoRAManager:
             self._register(name, Path(config.lora_paths[name]), adapter)
 
     @property
+    def in_flight(self) -> dict[str, int]:
+        """Requests that hold a reference to each adapter."""
+        return dict(self._in_flight)
+
+    @property
     def names(self) -> list[str]:
         """Adapters new requests may name."""
         return sorted(n for n in self._paths if n not in self._unloading)
@@ -146,7 +151,11 @@ class LoRAManager:
             slot = self.pool.lookup(name)
             if slot is None:
                 slot, evicted = self.pool.assign(name, in_use)
-                write_adapter_to_slot(self.model, self._host_copy(name), slot)
+                try:
+                    write_adapter_to_slot(self.model, self._host_copy(name), slot)
+                except BaseException:  # the slot holds part of it: nobody may find it there
+                    self.pool.release(name)
+                    raise
                 self.stats.slot_loads += 1
                 self.stats.slot_evictions += evicted is not None
             else:

@@ -33,28 +33,42 @@ def test_good_adapter_loads(tmp_path):
     assert adapter.layers[1].experts["gate"].ranks.tolist() == [0, 0, R, 0]
 
 
+EXPERT_B = f"{LAYER1}.mlp.experts.2.gate_proj.lora_B.weight"
+
+
 @pytest.mark.parametrize("key, shape, expected", [
-    (Q_B, (17, R), r"A \(8, 16\) / B \(17, 8\) do not fit self_attn.q_proj \(expected A \[r, 16\], B \[16, r\]\)"),
-    (Q_A, (R, 15), r"do not fit self_attn.q_proj"),
-    (f"{LAYER1}.mlp.experts.2.gate_proj.lora_B.weight", (2 * MOE_INTER, R), r"do not fit expert gate \(expected A \[r, 16\], B \[6, r\]\)"),
+    (Q_B, (17, R), r"B \(17, 8\) does not fit self_attn.q_proj \(expected A \[r, 16\], B \[16, r\]; A \(8, 16\) fits\)"),
+    (Q_A, (R, 15), r"A \(8, 15\) does not fit self_attn.q_proj .*; B \(16, 8\) fits\)"),
+    (Q_B, (16, R + 1), r"B \(16, 9\) has rank 9 but its lora_A A \(8, 16\) has rank 8"),
+    (EXPERT_B, (2 * MOE_INTER, R), r"B \(12, 8\) does not fit expert gate \(expected A \[r, 16\], B \[6, r\]; A \(8, 16\) fits\)"),
+    (EXPERT_B, (MOE_INTER, R, 1), r"B \(6, 8, 1\) does not fit expert gate"),
 ])
-def test_shape_mismatch(tmp_path, key, shape, expected):
+def test_shape_mismatch_names_the_tensor_at_fault(tmp_path, key, shape, expected):
     tensors = good() | {key: torch.randn(*shape)}
-    a_key = key.replace("lora_B", "lora_A")
-    assert re.search(re.escape(a_key) + ": .*" + expected, refused(tmp_path, tensors))
+    message = refused(tmp_path, tensors)
+    assert re.search(re.escape(key) + ": " + expected, message), message
+    other = key.replace("lora_B", "lora_A") if "lora_B" in key else key.replace("lora_A", "lora_B")
+    assert not re.search(re.escape(other) + ":", message), "the tensor that fits is not blamed"
+
+
+def test_both_halves_wrong_names_both(tmp_path):
+    message = refused(tmp_path, good() | {Q_A: torch.randn(R, 15), Q_B: torch.randn(17, R)})
+    assert f"{Q_A}, {Q_B}: A (8, 15) / B (17, 8) do not fit self_attn.q_proj" in message
 
 
 def test_target_parameters_shape_mismatch(tmp_path):
     key = f"{LAYER1}.mlp.experts.lora_A.weight"
     message = refused(tmp_path, {key: torch.randn(EXPERTS * 2, HIDDEN + 1), key.replace("lora_A", "lora_B"): torch.randn(HIDDEN, EXPERTS * 2)},
                       r=2, target_parameters=["mlp.experts.down_proj"])
-    assert f"{key}: A (8, 17) / B (16, 8) fit no target_parameters layout (expected down_proj: A [4*r, 6], B [16, 4*r]" in message
+    assert (f"{key}: A (8, 17) does not fit a target_parameters LoRA of 4 experts (expected down_proj A [4*r, 6], "
+            "B [16, 4*r], or in/out swapped as peft < 0.19.1 wrote; B (16, 8) fits)") in message
 
 
 def test_stacked_shape_mismatch(tmp_path):
     key = f"{LAYER1}.mlp.experts.w2.lora_A"
     message = refused(tmp_path, {key: torch.randn(3, R, MOE_INTER), key.replace("lora_A", "lora_B"): torch.randn(EXPERTS, HIDDEN, R)})
-    assert f"{key}: A (3, 8, 6) / B (4, 16, 8) do not fit stacked experts down (expected A [4 or 1, r, 6], B [4 or 1, 16, r])" in message
+    assert (f"{key}: A (3, 8, 6) does not fit stacked experts down (expected A [4 or 1, r, 6], B [4 or 1, 16, r]; "
+            "B (4, 16, 8) fits)") in message
 
 
 @pytest.mark.parametrize("drop", [Q_A, Q_B])
@@ -104,7 +118,10 @@ def test_rank_differs_from_config(tmp_path):
 def test_nan_inf(tmp_path, bad):
     tensors = good()
     tensors[Q_B][3, 1] = bad
-    assert f"{Q_B}: contains 1 NaN/Inf values" in refused(tmp_path, tensors)
+    message = refused(tmp_path, tensors)
+    assert f"{Q_B}: contains 1 NaN/Inf values" in message
+    assert "has no matching" not in message, "its lora_A is not blamed for the refused lora_B"
+    assert message.count("\n  - ") == 1
 
 
 def test_integer_tensor(tmp_path):
@@ -152,6 +169,57 @@ def test_config_field_of_the_wrong_type(tmp_path, field, value):
     assert f"adapter_config.json: {field!r} must be" in refused(tmp_path, good(), **{field: value})
 
 
+@pytest.mark.parametrize("field, value, expected", [
+    ("lora_alpha", float("nan"), "'lora_alpha' must be a finite number, got nan"),
+    ("lora_alpha", float("inf"), "'lora_alpha' must be a finite number, got inf"),
+    ("lora_alpha", -float("inf"), "'lora_alpha' must be a finite number, got -inf"),
+    ("r", 0, "'r' must be a positive integer, got 0"),
+    ("r", True, "'r' must be a positive integer, got True"),
+    ("r", 8.0, "'r' must be a positive integer, got 8.0"),
+    ("rank_pattern", {"q_proj": 0}, "rank_pattern['q_proj'] must be a positive integer, got 0"),
+    ("alpha_pattern", {"q_proj": float("nan")}, "alpha_pattern['q_proj'] must be a finite number, got nan"),
+])
+def test_config_values_the_adapter_cannot_have(tmp_path, field, value, expected):
+    """json writes NaN and Infinity, and Python's json reads them: a NaN alpha would make every output NaN."""
+    assert f"adapter_config.json: {expected}" in refused(tmp_path, good(), **{field: value})
+
+
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-16-le", "utf-32"])
+def test_config_in_any_unicode_encoding_loads(tmp_path, encoding):
+    write_adapter(tmp_path, good())
+    text = (tmp_path / "adapter_config.json").read_text()
+    (tmp_path / "adapter_config.json").write_bytes(text.encode(encoding))
+    assert load_adapter(tmp_path, tiny_config("qwen3_moe")).layers[1].modules["self_attn.q_proj"].rank == R
+
+
+def test_config_in_no_unicode_encoding(tmp_path):
+    write_adapter(tmp_path, good())
+    (tmp_path / "adapter_config.json").write_bytes(b'{"r": 8, "x": "\xff\xfe\xfd"}')
+    with pytest.raises(AdapterError, match="adapter_config.json: not valid JSON in UTF-8, UTF-16 or UTF-32"):
+        load_adapter(tmp_path, tiny_config("qwen3_moe"))
+
+
+@pytest.mark.parametrize("path, expected", [
+    ("x" * 5000, "5000 bytes long, the limit is"),
+    ("a\0b", "without NUL characters"),
+    ("\ud800", "not valid Unicode"),
+    ("", "must be a non-empty path"),
+])
+def test_paths_the_os_cannot_take(path, expected):
+    with pytest.raises(AdapterError, match=expected):
+        load_adapter(path, tiny_config("qwen3_moe"))
+
+
+def test_unreadable_paths(tmp_path):
+    with pytest.raises(AdapterError, match="cannot be read: File name too long"):
+        load_adapter(tmp_path / ("x" * 300), tiny_config("qwen3_moe"))
+    write_adapter(tmp_path, good())
+    (tmp_path / "adapter_model.safetensors").unlink()
+    (tmp_path / "adapter_model.safetensors").mkdir()  # a directory where the file should be
+    with pytest.raises(AdapterError, match="no adapter_model.safetensors or adapter_model.bin"):
+        load_adapter(tmp_path, tiny_config("qwen3_moe"))
+
+
 def test_config_that_is_not_an_object(tmp_path):
     write_adapter(tmp_path, good())
     (tmp_path / "adapter_config.json").write_text("[1]")
@@ -177,7 +245,7 @@ def test_all_problems_reported_together(tmp_path):
     tensors["base_model.model.model.norm.weight"] = torch.randn(HIDDEN)
     message = refused(tmp_path, tensors, max_lora_rank=4)
     assert "3 problem(s)" in message  # q_proj shapes, the norm key, expert 2's rank
-    assert Q_A in message and "model.norm.weight" in message and "experts.2.gate_proj" in message
+    assert Q_B in message and "model.norm.weight" in message and "experts.2.gate_proj" in message
 
 
 def test_corrupt_safetensors(tmp_path):
