@@ -1,9 +1,17 @@
 """The offline engine: `generate` and `prompt_logprobs` on lists of prompts, adapters loaded and
 unloaded at runtime, and the step API an HTTP server drives from its own loop (`add_request`,
 `step`, `abort`, `has_unfinished`). Everything runs in the caller's thread, one step at a time.
+
+A failure stays with the request it belongs to. One that fails while its row and KV slots are
+allocated, while its tokens are detokenized, or (found by running the step's batch again in
+halves) while the LoRA slots are prepared, the model runs or the batch samples, finishes that
+request with reason "error" and frees what it held; the rest of the step goes on. A device error
+(the accelerator's state is lost) cannot be isolated: it fails every request and the engine stays
+unhealthy (`Engine.fatal`).
 """
 from __future__ import annotations
 
+import logging
 import random
 import uuid
 from collections.abc import Sequence
@@ -17,23 +25,33 @@ from moelora.engine.detokenizer import IncrementalDetokenizer
 from moelora.engine.kv_pool import KVPool
 from moelora.engine.model_runner import ModelRunner
 from moelora.engine.request import Req
-from moelora.engine.sampling_params import SamplingParams
-from moelora.engine.scheduler import Scheduler
+from moelora.engine.sampling_params import SamplingParams, check_text
+from moelora.engine.scheduler import ScheduledBatch, Scheduler
 
+logger = logging.getLogger(__name__)
 Prompt = str | Sequence[int]
 
 
 @dataclass
 class StepOutput:
-    """What one request got in one step (or its end, when aborted)."""
+    """What one request got in one step (or its end, when aborted or failed)."""
     rid: str
     token_ids: list[int]                  # new tokens
     text: str                             # new text (held back while it may be the start of a stop string)
     finished: bool
-    finish_reason: str | None             # "stop", "length" or "abort" once finished
+    finish_reason: str | None             # "stop", "length", "abort" or "error" once finished
     logprobs: list[dict[int, float]]      # per new token, if asked: the chosen and top tokens' log-probabilities
     prompt_tokens: int
     completion_tokens: int
+    error: str | None = None              # why the request failed (finish_reason "error")
+
+
+class RequestFailed(RuntimeError):
+    """A request of `generate` or `prompt_logprobs` failed inside the engine."""
+
+
+class EngineDead(RuntimeError):
+    """The engine cannot run steps any more (a device error); it takes no new requests."""
 
 
 @dataclass
@@ -54,6 +72,7 @@ class Engine:
         self.scheduler = Scheduler(self.config, KVPool(self.runner.kv.num_slots, self.config.max_running_requests))
         self._seeds = random.Random(self.config.random_seed)  # for requests without a seed
         self._aborted: list[StepOutput] = []
+        self.fatal: str | None = None  # why the engine cannot go on, once it cannot
 
     # ------------------------------------------------------------------------------ adapters
 
@@ -74,7 +93,7 @@ class Engine:
         prompts = [prompts] if isinstance(prompts, str) or _is_token_ids(prompts) else list(prompts)
         params = _per_prompt(sampling_params if sampling_params is not None else SamplingParams(), prompts, "sampling_params")
         adapters = _per_prompt(lora, prompts, "lora")
-        reqs = self._make_all([(p, replace(sp, n=1, seed=None if sp.seed is None else sp.seed + k), a, False)
+        reqs = self._make_all([(p, sp.for_sequence(k), a, False)
                                for p, sp, a in zip(prompts, params, adapters) for k in range(sp.n)])
         self._run(reqs)
         return [GenerateOutput(r.detokenizer.text, list(r.output_ids), r.finish_reason,
@@ -103,23 +122,18 @@ class Engine:
         return req.rid
 
     def step(self) -> list[StepOutput]:
-        """Run one step; the new tokens and text of every request in it, and the end of aborted ones."""
+        """Run one step; the new tokens and text of every request in it, and the end of aborted and
+        failed ones."""
         outputs, self._aborted = self._aborted, []
+        if self.fatal is not None:
+            return outputs + [self._fail(r, self.fatal) for r in self.scheduler.unfinished()]
         batch = self.scheduler.schedule()
         if batch is None:
             assert not self.scheduler.has_unfinished(), "the scheduler found nothing to run for its unfinished requests"
             return outputs
-        lora = self.runner.lora
-        in_use = self.scheduler.active_adapters() | {r.lora for r in batch.reqs if r.lora is not None}
-        result = self.runner.run(batch, lora.prepare([r.lora for r in batch.reqs], in_use))
-        for i, logprobs in result.prompt_logprobs.items():
-            batch.reqs[i].prompt_logprobs.append(logprobs)
-        if result.tokens is not None:
-            outputs += self._append_tokens(result.sampled, result.tokens)
-        self.scheduler.update(batch)
-        for req in batch.reqs:
-            if req.finished and req.lora is not None:
-                lora.release(req.lora)
+        outputs += [self._fail(req, f"allocating its KV cache failed: {_describe(e)}") for req, e in batch.failed]
+        if batch.reqs:
+            outputs += self._run_isolated(batch, batch.reqs)
         return outputs
 
     def abort(self, rid: str) -> bool:
@@ -127,9 +141,7 @@ class Engine:
         req = self.scheduler.find(rid)
         if req is None:
             return False
-        self.scheduler.remove(req)
-        if req.lora is not None:
-            self.runner.lora.release(req.lora)
+        self._retire(req)
         req.finish_reason = "abort"
         self._aborted.append(StepOutput(rid, [], "", True, "abort", [], len(req.prompt_ids), len(req.output_ids)))
         return True
@@ -159,12 +171,18 @@ class Engine:
             self.runner.lora.check(lora)
         if rid is not None and self.scheduler.find(rid) is not None:
             raise ValueError(f"request id {rid!r} is already in use")
+        if isinstance(prompt, str):
+            check_text(prompt, "the prompt")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
         bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
         if bad:
             raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size}), got {bad[0]!r}")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids must be token ids below the vocabulary size "
+                             f"{self.vocab_size}, got {bad[0]}")
         context = self.runner.context_len
         if len(ids) >= context:
             raise ValueError(f"the prompt has {len(ids)} tokens, the context holds {context} (prompt + at least 1 new token)")
@@ -174,6 +192,8 @@ class Engine:
         return Req(rid or uuid.uuid4().hex, ids, params, lora, seed, detokenizer, return_prompt_logprobs)
 
     def _add(self, req: Req) -> None:
+        if self.fatal is not None:
+            raise EngineDead(f"the engine cannot run any more: {self.fatal}")
         if req.lora is not None:
             self.runner.lora.acquire(req.lora)
         self.scheduler.add(req)
@@ -181,6 +201,55 @@ class Engine:
     def _run(self, reqs: list[Req]) -> None:
         while not all(r.finished for r in reqs):
             self.step()
+        failed = [(i, r.error) for i, r in enumerate(reqs) if r.error is not None]
+        if failed:
+            raise RequestFailed("; ".join(f"prompt {i}: {error}" for i, error in failed))
+
+    def _run_isolated(self, batch: ScheduledBatch, step_reqs: list[Req]) -> list[StepOutput]:
+        """Run the batch (part of the step's `step_reqs`); if that raises, run its halves the same way,
+        down to the request that fails. Nothing of a request changes before its part of the batch has
+        run and sampled, so running it again is safe."""
+        if self.fatal is not None:  # failed already, with every other request
+            return []
+        try:
+            return self._run_batch(batch)
+        except Exception as e:
+            if _is_device_error(e):
+                self.fatal = f"device error: {_describe(e)}"
+                logger.exception("the device failed; failing every request")
+                # the step's new prompts are in no queue of the scheduler until their part has run
+                unfinished = [r for r in dict.fromkeys([*step_reqs, *self.scheduler.unfinished()]) if not r.finished]
+                return [self._fail(r, self.fatal) for r in unfinished]
+            if len(batch.reqs) == 1:
+                logger.exception("request %s failed", batch.reqs[0].rid)
+                return [self._fail(batch.reqs[0], _describe(e))]
+        half = len(batch.reqs) // 2
+        return (self._run_isolated(batch.subset(list(range(half))), step_reqs)
+                + self._run_isolated(batch.subset(list(range(half, len(batch.reqs)))), step_reqs))
+
+    def _run_batch(self, batch: ScheduledBatch) -> list[StepOutput]:
+        lora = self.runner.lora
+        in_use = self.scheduler.active_adapters() | {r.lora for r in batch.reqs if r.lora is not None}
+        result = self.runner.run(batch, lora.prepare([r.lora for r in batch.reqs], in_use))
+        outputs = self._append_tokens(result.sampled, result.tokens) if result.tokens is not None else []
+        for i, logprobs in result.prompt_logprobs.items():
+            batch.reqs[i].prompt_logprobs.append(logprobs)
+        self.scheduler.update(batch)
+        for req in batch.reqs:
+            if req.finished and req.lora is not None:
+                lora.release(req.lora)
+        return outputs
+
+    def _fail(self, req: Req, error: str) -> StepOutput:
+        """Finish the request with reason "error", freeing its cache, row and adapter reference."""
+        self._retire(req)
+        req.finish_reason, req.error = "error", error
+        return StepOutput(req.rid, [], "", True, "error", [], len(req.prompt_ids), len(req.output_ids), error)
+
+    def _retire(self, req: Req) -> None:
+        self.scheduler.remove(req)
+        if req.lora is not None:
+            self.runner.lora.release(req.lora)
 
     def _append_tokens(self, reqs: list[Req], tokens) -> list[StepOutput]:
         ids, logprobs = tokens.token_ids.tolist(), tokens.logprobs.tolist()
@@ -196,11 +265,25 @@ class Engine:
                 new_logprobs = [{token: logprobs[i], **dict(zip(top_ids[i][:k], top_logprobs[i][:k]))} if k
                                 else {token: logprobs[i]}]
                 req.logprobs += new_logprobs
-            text = req.detokenizer.add(token)
-            req.finish_reason = req.detokenizer.finish_reason
+            try:
+                text = req.detokenizer.add(token)
+                req.finish_reason = req.detokenizer.finish_reason
+            except Exception as e:  # finished like any other request: scheduler.update frees it
+                logger.exception("detokenizing request %s failed", req.rid)
+                text, req.finish_reason, req.error = "", "error", f"detokenizing failed: {_describe(e)}"
             outputs.append(StepOutput(req.rid, [token], text, req.finished, req.finish_reason, new_logprobs,
-                                      len(req.prompt_ids), len(req.output_ids)))
+                                      len(req.prompt_ids), len(req.output_ids), req.error))
         return outputs
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _is_device_error(e: BaseException) -> bool:
+    """An error of the accelerator itself (illegal address, launch failure): its context is lost."""
+    accelerator_error = getattr(torch, "AcceleratorError", ())  # torch >= 2.8
+    return isinstance(e, accelerator_error) or "CUDA error" in str(e)
 
 
 def _is_token_ids(prompt) -> bool:

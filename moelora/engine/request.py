@@ -23,7 +23,8 @@ class Req:
     prompt_logprobs: list[torch.Tensor] = field(default_factory=list)  # [tokens, vocab] per prefill chunk
     row: int | None = None                   # row of kv.req_to_token while the request holds cache
     kv_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # host, one per cached token
-    finish_reason: str | None = None         # "stop", "length" or "abort"
+    finish_reason: str | None = None         # "stop", "length", "abort" or "error"
+    error: str | None = None                 # why it failed (finish_reason "error")
     num_retractions: int = 0
 
     @property

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Temperatures below this sample greedily, as in vLLM: dividing logits by them overflows.
 GREEDY_TEMPERATURE = 1e-5
@@ -45,20 +45,27 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    def for_sequence(self, k: int) -> SamplingParams:
+        """The params of the k-th of the n sequences: n=1, and with a seed, seed + k (wrapping in int64)."""
+        seed = None if self.seed is None else (self.seed + k - _INT64[0]) % 2**64 + _INT64[0]
+        return replace(self, n=1, seed=seed)
+
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and its value."""
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an int >= 1")
+        _check(_is_int64(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
+               "an int >= 1 (that fits in int64)")
         _check(_is_real(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
                "a finite number >= 0")
         _check(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
-        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k, "an int >= -1 (-1 or 0: off)")
+        _check(_is_int64(self.top_k) and self.top_k >= -1, "top_k", self.top_k,
+               "an int >= -1 (-1 or 0: off) that fits in int64")
         _check(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
-        _check(self.seed is None or _is_int(self.seed) and _INT64[0] <= self.seed < _INT64[1], "seed", self.seed,
-               "None or an int that fits in int64")
+        _check(self.seed is None or _is_int64(self.seed), "seed", self.seed, "None or an int that fits in int64")
         for s in self.stop:
             _check(isinstance(s, str) and s != "", "stop", s, "a non-empty string")
+            check_text(s, "SamplingParams.stop")
         for t in self.stop_token_ids:
-            _check(_is_int(t) and t >= 0, "stop_token_ids", t, "an int >= 0")
+            _check(_is_int64(t) and t >= 0, "stop_token_ids", t, "an int >= 0")
         _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an int >= 1")
         _check(self.logprobs is None or _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
                "logprobs", self.logprobs, f"None or an int in [0, {MAX_LOGPROBS}]")
@@ -69,8 +76,21 @@ def _check(ok: bool, field: str, value: object, rule: str) -> None:
         raise ValueError(f"SamplingParams.{field} must be {rule}, got {value!r}")
 
 
+def check_text(text: str, what: str) -> None:
+    """Raise ValueError unless the string is text a tokenizer can take (no lone UTF-16 surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode: {text[e.start:e.end]!a} at position {e.start} is a lone "
+                         "surrogate") from None
+
+
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_int64(v: object) -> bool:
+    return _is_int(v) and _INT64[0] <= v < _INT64[1]
 
 
 def _is_real(v: object) -> bool:

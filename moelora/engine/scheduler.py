@@ -8,11 +8,17 @@ adapters of all running requests must fit in max_loras_per_batch at once (a requ
 does not fit waits; FIFO, so it is not overtaken). No slots are reserved for tokens yet to be
 decoded: when a decode step finds too few free slots, the newest requests go back to the front of
 the queue, their cache freed, and are recomputed later.
+
+A step is planned first and allocated second, request by request: a request leaves `waiting` (or
+takes its next chunk) only together with its row and KV slots, and one whose allocation raises is
+dropped with everything it held and reported in the batch's `failed`, so an exception at any point
+leaves the accounting exact and costs only that request.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -29,6 +35,15 @@ class ScheduledBatch:
     out_slots: torch.Tensor  # [sum(extend_lens)] int64 host: cache slot of each new token
     is_decode: bool
     completes: list[bool]    # request reaches the end of its tokens this step, so samples the next one
+    failed: list[tuple[Req, Exception]] = field(default_factory=list)  # dropped while allocating: not in reqs
+
+    def subset(self, indices: list[int]) -> ScheduledBatch:
+        """The batch of the requests at `indices`, with their allocations (to run part of a step again)."""
+        starts = [0, *accumulate(self.extend_lens)]
+        return ScheduledBatch([self.reqs[i] for i in indices], [self.prefix_lens[i] for i in indices],
+                              [self.extend_lens[i] for i in indices],
+                              torch.cat([self.out_slots[starts[i]:starts[i + 1]] for i in indices]),
+                              self.is_decode, [self.completes[i] for i in indices])
 
 
 class Scheduler:
@@ -73,8 +88,25 @@ class Scheduler:
             self.waiting.remove(req)
         self._free(req)
 
+    def unfinished(self) -> list[Req]:
+        return [*self.waiting, *self._holding()]
+
     def find(self, rid: str) -> Req | None:
         return next((r for r in (*self.waiting, *self._holding()) if r.rid == rid), None)
+
+    def accounting_error(self) -> str | None:
+        """What does not add up between the pool and the requests (None when every row and KV slot is
+        either free or held by exactly one request holding cache, and waiting requests hold none)."""
+        holding = self._holding()
+        held = torch.cat([torch.empty(0, dtype=torch.int64), *(r.kv_slots for r in holding)])
+        rows = [r.row for r in holding]
+        if held.numel() + self.pool.free_slots != self.pool.num_slots - 1 or held.unique().numel() != held.numel():
+            return f"{held.numel()} KV slots held and {self.pool.free_slots} free of {self.pool.num_slots - 1}"
+        if None in rows or len(set(rows)) != len(rows) or len(rows) + self.pool.free_rows != self.pool.num_rows:
+            return f"{len(rows)} requests hold cache, {self.pool.free_rows} of {self.pool.num_rows} rows are free"
+        if any(r.row is not None or r.kv_len for r in self.waiting):
+            return "a waiting request holds cache"
+        return None
 
     # --------------------------------------------------------------------------------- internals
 
@@ -105,16 +137,12 @@ class Scheduler:
                 break
             if n <= 0:
                 break
-            if is_new:
-                self.waiting.remove(req)
-                req.row = self.pool.alloc_row()
             reqs.append(req)
             extend_lens.append(n)
             budget -= n
             if req.lora is not None:
                 adapters.add(req.lora)
             if n < remaining:
-                self.chunked = req
                 break
         if not reqs:
             return None
@@ -129,12 +157,42 @@ class Scheduler:
         return self._allocate(list(self.running), [1] * len(self.running), is_decode=True)
 
     def _allocate(self, reqs: list[Req], extend_lens: list[int], is_decode: bool) -> ScheduledBatch:
-        prefix_lens = [r.kv_len for r in reqs]
-        new = [self.pool.alloc_slots(n) for n in extend_lens]
-        for req, slots in zip(reqs, new):
-            req.kv_slots = torch.cat([req.kv_slots, slots])
-        completes = [r.kv_len == r.num_tokens for r in reqs]
-        return ScheduledBatch(reqs, prefix_lens, extend_lens, torch.cat(new), is_decode, completes)
+        """The planned requests with their rows and new slots, each taken whole or not at all."""
+        batch = ScheduledBatch([], [], [], torch.empty(0, dtype=torch.int64), is_decode, [])
+        new = []
+        for req, n in zip(reqs, extend_lens):
+            prefix = req.kv_len
+            try:
+                slots = self._take(req, n)
+            except Exception as e:  # whatever it is, it is this request's
+                self.remove(req)
+                batch.failed.append((req, e))
+                continue
+            if req in self.waiting:
+                self.waiting.remove(req)
+            if not is_decode and req.kv_len < req.num_tokens:
+                self.chunked = req
+            batch.reqs.append(req)
+            batch.prefix_lens.append(prefix)
+            batch.extend_lens.append(n)
+            batch.completes.append(req.kv_len == req.num_tokens)
+            new.append(slots)
+        batch.out_slots = torch.cat([batch.out_slots, *new])
+        return batch
+
+    def _take(self, req: Req, n: int) -> torch.Tensor:
+        """n new KV slots for the request, and its row if it has none; nothing if this raises."""
+        row = self.pool.alloc_row() if req.row is None else None
+        try:
+            slots = self.pool.alloc_slots(n)
+        except BaseException:
+            if row is not None:
+                self.pool.free_row(row)
+            raise
+        if row is not None:
+            req.row = row
+        req.kv_slots = torch.cat([req.kv_slots, slots])
+        return slots
 
     def _retract(self, req: Req) -> None:
         """Free the request's cache and queue it first; it is recomputed from prompt + output so far."""

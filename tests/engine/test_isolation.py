@@ -1,0 +1,153 @@
+"""A failure inside a step stays with its request: a fault injected at every stage of a step
+(allocating its cache, preparing LoRA slots, the forward pass, sampling, detokenizing), at prefill
+and at decode, for one request of a mixed batch fails that request alone. The others finish with
+the tokens they get alone, and every request row, KV slot and adapter reference is back."""
+import pytest
+import torch
+
+from moelora.engine.engine import EngineDead, RequestFailed
+from moelora.engine.sampling_params import SamplingParams
+from moelora.engine import model_runner
+from moelora.lora import manager
+
+FAMILY = "qwen3_moe"
+PROMPTS = [[(5 * i + 2 * j) % 90 + 3 for j in range(4 + i)] for i in range(6)]
+LORAS = [None, "full", "partial", None, "full", None]  # the victim alone uses "partial"
+VICTIM = 2
+PARAMS = [SamplingParams(max_tokens=6, temperature=0.0 if i % 2 else 0.9, seed=100 + i, ignore_eos=True)
+          for i in range(6)]
+STAGES = ["scheduling", "lora", "forward", "sampling", "detokenization"]
+
+
+class Injected(RuntimeError):
+    pass
+
+
+@pytest.fixture(scope="module")
+def solo(make_engine) -> list[list[int]]:
+    engine = make_engine(FAMILY)
+    return [engine.generate([p], sp, lora=[a])[0].token_ids for p, sp, a in zip(PROMPTS, PARAMS, LORAS)]
+
+
+def assert_released(engine):
+    """Nothing in flight; every request row, KV slot and adapter reference free again."""
+    assert not engine.has_unfinished()
+    assert engine.scheduler.accounting_error() is None
+    assert engine.scheduler.pool.free_slots == engine.runner.kv.num_slots - 1
+    assert engine.scheduler.pool.free_rows == engine.config.max_running_requests
+    assert engine.runner.lora.in_flight == {}
+
+
+def drain(engine) -> dict[str, list]:
+    """rid -> its outputs, stepping until nothing is left."""
+    outputs: dict[str, list] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert not outputs.get(out.rid) or not outputs[out.rid][-1].finished, "output after the end"
+            outputs.setdefault(out.rid, []).append(out)
+    return outputs
+
+
+def inject(engine, victim, stage: str, when: str, monkeypatch) -> None:
+    """Make `stage` raise whenever it works on the victim at `when` (its prefill, or a decode step)."""
+    def due() -> bool:
+        before = len(victim.output_ids) - (stage == "detokenization")  # its token is appended before it is decoded
+        return before == 0 if when == "prefill" else before >= 2
+
+    def failing(fn, applies):
+        def wrapper(*args, **kwargs):
+            if due() and applies(*args, **kwargs):
+                raise Injected(f"{stage} fault")
+            return fn(*args, **kwargs)
+        return wrapper
+
+    if stage == "scheduling":
+        monkeypatch.setattr(engine.scheduler, "_take", failing(engine.scheduler._take, lambda req, n: req is victim))
+    elif stage == "lora":
+        lora = engine.runner.lora
+        monkeypatch.setattr(lora, "prepare", failing(lora.prepare, lambda adapters, in_use: victim.lora in adapters))
+    elif stage == "forward":
+        monkeypatch.setattr(engine.runner, "logits", failing(
+            engine.runner.logits, lambda batch: victim.row in batch.req_pool_indices.tolist()))
+    elif stage == "sampling":
+        monkeypatch.setattr(model_runner, "sample", failing(
+            model_runner.sample, lambda logits, batch, k: victim.seed in batch.seed.tolist()))
+    else:
+        monkeypatch.setattr(victim.detokenizer, "add", failing(victim.detokenizer.add, lambda token: True))
+
+
+@pytest.mark.parametrize("when", ["prefill", "decode"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_fault_fails_only_its_request(make_engine, solo, stage, when, monkeypatch):
+    engine = make_engine(FAMILY)
+    rids = [engine.add_request(p, sp, lora=a) for p, sp, a in zip(PROMPTS, PARAMS, LORAS)]
+    victim = engine.scheduler.find(rids[VICTIM])
+    inject(engine, victim, stage, when, monkeypatch)
+    outputs = drain(engine)
+    for i, rid in enumerate(rids):
+        last = outputs[rid][-1]
+        if i == VICTIM:
+            assert last.finished and last.finish_reason == "error" and f"{stage} fault" in last.error
+            assert len(victim.output_ids) < len(solo[i])
+        else:
+            assert last.finish_reason == "length" and last.error is None
+            assert [t for o in outputs[rid] for t in o.token_ids] == solo[i], f"request {i}"
+    assert_released(engine)
+    monkeypatch.undo()  # the engine serves the whole batch again, the victim included
+    assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS, lora=LORAS)] == solo
+    assert_released(engine)
+
+
+def test_a_value_that_slipped_past_validation_fails_only_its_request(make_engine, solo):
+    """What crashed the server's steps: a top_k beyond int64 fails building the sampling tensors."""
+    engine = make_engine(FAMILY)
+    rids = [engine.add_request(p, sp, lora=a) for p, sp, a in zip(PROMPTS, PARAMS, LORAS)]
+    victim = engine.scheduler.find(rids[VICTIM])
+    victim.params.top_k = 2**70
+    outputs = drain(engine)
+    assert "Overflow" in outputs[rids[VICTIM]][-1].error
+    assert [[t for o in outputs[r] for t in o.token_ids] for i, r in enumerate(rids) if i != VICTIM] == \
+        [s for i, s in enumerate(solo) if i != VICTIM]
+    assert_released(engine)
+
+
+def test_a_failed_slot_write_leaves_no_adapter_in_the_slot(make_engine, solo, monkeypatch):
+    engine = make_engine(FAMILY)
+    lora = engine.runner.lora
+    real = manager.write_adapter_to_slot
+
+    def write(model, adapter, slot):
+        if lora.pool.names and adapter is lora._host.get("partial"):
+            real(model, adapter, slot)  # half written, then the copy fails
+            raise Injected("slot write fault")
+        real(model, adapter, slot)
+    monkeypatch.setattr(manager, "write_adapter_to_slot", write)
+    with pytest.raises(RequestFailed, match=r"prompt 2: Injected: slot write fault"):
+        engine.generate(PROMPTS, PARAMS, lora=LORAS)
+    assert "partial" not in lora.pool.names
+    assert_released(engine)
+    monkeypatch.undo()
+    assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS, lora=LORAS)] == solo
+
+
+@pytest.mark.parametrize("after", [0, 1], ids=["at-once", "while-isolating"])
+def test_a_device_error_fails_everything_and_the_engine_says_so(make_engine, monkeypatch, after):
+    """`after`: plain failures before the device error, which then strikes a half of the batch."""
+    engine = make_engine(FAMILY)
+    rids = [engine.add_request(p, sp, lora=a) for p, sp, a in zip(PROMPTS, PARAMS, LORAS)]
+    calls = []
+
+    def broken(batch):
+        calls.append(1)
+        if len(calls) <= after:
+            raise Injected("not the device")
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(engine.runner, "logits", broken)
+    outputs = drain(engine)
+    assert len(calls) == after + 1, "a device error is not retried request by request"
+    assert all(len(outputs[r]) == 1 for r in rids), "each request ends once"
+    assert all(outputs[r][-1].finish_reason == "error" and "illegal memory access" in outputs[r][-1].error for r in rids)
+    assert engine.fatal is not None and "device error" in engine.fatal
+    assert_released(engine)
+    with pytest.raises(EngineDead, match="cannot run any more"):
+        engine.add_request(PROMPTS[0])
