@@ -11,17 +11,18 @@ import asyncio
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from moelora.engine.engine import Engine
+from moelora.engine.engine import Engine, EngineDead
 from moelora.lora.errors import AdapterError
 from moelora.server.engine_loop import Delta, EngineError, EngineLoop, Overloaded, Submission
 from moelora.server.metrics import Metrics
@@ -50,10 +51,12 @@ def _not_found(name: str) -> APIError:
     return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
 
-def _bad_value(e: ValueError) -> APIError:
-    """SamplingParams and the engine name the bad field as SamplingParams.<field>."""
+def _bad_value(e: ValueError, aliases: dict[str, str] | None = None) -> APIError:
+    """SamplingParams and the engine name the bad field as SamplingParams.<field>; `aliases` maps
+    such a field to the request's name for it."""
     m = re.search(r"SamplingParams\.(\w+)", str(e))
-    return APIError(400, str(e), param=m and m.group(1))
+    param = m and m.group(1)
+    return APIError(400, str(e), param=(aliases or {}).get(param, param))
 
 
 @dataclass
@@ -113,7 +116,7 @@ class OpenAIServing:
     # ------------------------------------------------------------------------------- routes
 
     async def health(self) -> Response:
-        return Response(status_code=200 if self.loop.alive else 503)
+        return Response(status_code=200 if self.loop.healthy else 503)
 
     async def metrics(self) -> Response:
         body, content_type = self.loop.metrics.render()
@@ -174,9 +177,10 @@ class OpenAIServing:
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         k = body.top_logprobs or 0
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        aliases = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
         subs = self._submissions(body, [self._chat_prompt(body)], max_tokens, k if body.logprobs else None,
-                                 add_special_tokens=False)
+                                 add_special_tokens=False, aliases=aliases | {"logprobs": "top_logprobs"})
         rids, queue = await self._submit(subs)
         rid, model = f"chatcmpl-{uuid.uuid4().hex}", body.model or self.served_model_name
         choices = [_Choice() for _ in subs]
@@ -213,8 +217,9 @@ class OpenAIServing:
         return model
 
     def _submissions(self, body: SamplingRequest, prompts: list, max_tokens: int | None, logprobs: int | None,
-                     add_special_tokens: bool) -> list[Submission]:
-        """n sequences per prompt; with a seed, the k-th of them draws with seed + k (as Engine.generate)."""
+                     add_special_tokens: bool, aliases: dict[str, str] | None = None) -> list[Submission]:
+        """n sequences per prompt; with a seed, the k-th of them draws with seed + k (as Engine.generate).
+        `aliases`: the request's names of SamplingParams fields, for the error's param."""
         lora = self._adapter(body.model)
         limit = self.loop.engine.config.max_running_requests
         if not 1 <= body.n * len(prompts) <= limit:
@@ -223,9 +228,8 @@ class OpenAIServing:
         try:
             params = body.sampling_params(self.loop.context_len if max_tokens is None else max_tokens, logprobs)
         except ValueError as e:
-            raise _bad_value(e) from e
-        return [Submission(p, replace(params, seed=None if params.seed is None else params.seed + k), lora,
-                           add_special_tokens) for p in prompts for k in range(body.n)]
+            raise _bad_value(e, aliases) from e
+        return [Submission(p, params.for_sequence(k), lora, add_special_tokens) for p in prompts for k in range(body.n)]
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> str:
         tokenizer = self.loop.engine.tokenizer
@@ -255,7 +259,7 @@ class OpenAIServing:
             raise _not_found(subs[0].lora or "") from e
         except ValueError as e:
             raise _bad_value(e) from e
-        except EngineError as e:
+        except (EngineError, EngineDead) as e:
             raise APIError(503, str(e), type="server_error") from e
 
     @staticmethod
@@ -309,6 +313,10 @@ class OpenAIServing:
                 done = True
             except EngineError as e:
                 yield _sse(ErrorResponse(error=ErrorInfo(message=str(e), type="server_error")))
+            except Exception as e:  # the response has started: the error can only go in-band
+                logger.exception("streaming a response failed")
+                yield _sse(ErrorResponse(error=ErrorInfo(message=f"internal error: {type(e).__name__}: {e}",
+                                                         type="server_error")))
             finally:
                 if not done:  # the client left, or the engine failed: free the cache now
                     self.loop.abort(rids)
@@ -324,6 +332,25 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+class _Route(APIRoute):
+    """A route whose unexpected exceptions become a 500 in OpenAI's shape, logged with their traceback,
+    as a normal response: Starlette's catch-all would send it and then re-raise, and uvicorn drops the
+    kept-alive connection of an exception that reaches it."""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except (APIError, HTTPException, RequestValidationError):
+                raise  # the app's exception handlers answer these
+            except Exception as e:
+                logger.exception("%s %s failed", request.method, request.url.path)
+                return _error(500, ErrorInfo(message=f"internal error: {type(e).__name__}: {e}", type="server_error"))
+        return guarded
+
+
 def create_app(engine: Engine, served_model_name: str, max_queued_requests: int | None = None) -> FastAPI:
     """The app; its engine thread starts and stops with the app's lifespan."""
     if served_model_name in engine.config.lora_paths:
@@ -337,6 +364,7 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
         loop.stop()
 
     app = FastAPI(title="moelora", lifespan=lifespan)
+    app.router.route_class = _Route
     app.state.engine_loop = loop
     serving = OpenAIServing(loop, served_model_name)
     app.get("/health")(serving.health)
@@ -358,6 +386,7 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
         loc = first["loc"]  # ("body", field, ...); ("body", position) for malformed JSON
         param = str(loc[1]) if len(loc) > 1 and loc[0] == "body" and first.get("type") != "json_invalid" else None
+        param = first.get("ctx", {}).get("param", param)  # a check of the whole body that names its field
         message = "; ".join(f"{'.'.join(str(x) for x in err['loc'][1:]) or 'body'}: {err['msg']}" for err in errors)
         return _error(400, ErrorInfo(message=message, type="invalid_request_error", param=param))
 
@@ -365,9 +394,5 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
         return _error(e.status_code, ErrorInfo(message=str(e.detail), type="invalid_request_error"))
 
-    @app.exception_handler(Exception)
-    async def internal(_: Request, e: Exception) -> JSONResponse:
-        logger.exception("request failed")
-        return _error(500, ErrorInfo(message=f"internal error: {type(e).__name__}: {e}", type="server_error"))
-
     return app
+

@@ -4,8 +4,10 @@ Everything that touches the engine (adding and aborting requests, loading adapte
 runs in the engine thread, as a command queued from the event loop and answered through a
 concurrent Future. Between commands the thread steps the engine while it has work and hands each
 request's outputs to that request's asyncio.Queue with loop.call_soon_threadsafe, one call per
-step. A command that raises fails only its own Future; a step that raises fails the requests in
-flight and the thread goes on.
+step. A command that raises fails only its own Future. A request the engine fails gets an
+EngineError in its queue; a step that raises past the engine's own isolation fails the requests in
+flight and the thread goes on, unless the engine's books no longer balance or its device failed:
+then `healthy` turns False (and /health says 503).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from moelora.engine.engine import Engine, StepOutput
+from moelora.engine.engine import Engine, EngineDead, StepOutput
 from moelora.engine.sampling_params import SamplingParams
 from moelora.server.metrics import Metrics
 
@@ -73,6 +75,7 @@ class EngineLoop:
         self._pending = 0  # sequences submitted and not yet added to the engine
         self._cv = threading.Condition()
         self._stopping = False
+        self.failure: str | None = None  # why the engine cannot serve any more
         self._thread = threading.Thread(target=self._run, name="moelora-engine", daemon=True)
 
     # ------------------------------------------------------------------------- event-loop side
@@ -87,8 +90,9 @@ class EngineLoop:
         self._thread.join()
 
     @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
+    def healthy(self) -> bool:
+        """The engine thread runs and the engine can serve."""
+        return self._thread.is_alive() and self.failure is None and self.engine.fatal is None
 
     def call(self, fn: Callable[[], T]) -> Future:
         """Run fn in the engine thread; its result or exception comes back in the Future."""
@@ -106,6 +110,8 @@ class EngineLoop:
     async def submit(self, subs: list[Submission], queue: asyncio.Queue) -> list[str]:
         """Add the sequences (all or none); their Deltas, or an EngineError, go to `queue`. Raises
         Overloaded, or ValueError / AdapterError naming what is wrong with a sequence."""
+        if self.failure is not None:
+            raise EngineError(f"the engine cannot serve any more: {self.failure}")
         with self._cv:
             waiting = self._pending + self.num_waiting
             if self.max_queued_requests is not None and waiting + len(subs) > self.max_queued_requests:
@@ -200,12 +206,20 @@ class EngineLoop:
         except Exception as e:
             logger.exception("engine step failed; failing the requests in flight")
             self._fail_all(EngineError(f"the engine failed: {e}"))
+            if (problem := self.engine.scheduler.accounting_error()) is not None:
+                self.failure = f"the KV cache accounting is off after a failed step: {problem}"
+                logger.error("the engine cannot serve any more: %s", self.failure)
             return
         now = time.perf_counter()
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
         for out in outputs:
             stream = self._streams.get(out.rid)
             if stream is None:  # aborted after its request was failed
+                continue
+            if out.error is not None:
+                self.metrics.finished(out.finish_reason)
+                del self._streams[out.rid]
+                deliveries.setdefault(stream.loop, []).append((stream.queue, EngineError(out.error)))
                 continue
             if out.token_ids:
                 if stream.last_token is None:

@@ -1,12 +1,14 @@
 """Request and response bodies of the OpenAI API (completions, chat completions, models), the
 adapter-management routes, and OpenAI's error shape. Pydantic checks types; SamplingParams checks
-ranges, so the rules live in one place."""
+ranges, so the rules live in one place. Every string of a request body, unknown fields included,
+must be valid Unicode (JSON can carry lone surrogates, which no tokenizer or response can)."""
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from moelora.engine.sampling_params import SamplingParams
 
@@ -36,7 +38,38 @@ class StreamOptions(BaseModel):
 # ----------------------------------------------------------------------------------- requests
 
 
-class SamplingRequest(BaseModel):
+class RequestBody(BaseModel):
+    """A request body: every string in it, at any depth, must encode as UTF-8."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            path = _first_bad_string(data)
+            if path is not None:
+                where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+                raise PydanticCustomError("invalid_unicode", "{where} is not valid Unicode (a lone surrogate)",
+                                          {"where": where, "param": str(path[0])})
+        return data
+
+
+def _first_bad_string(value: Any, path: tuple = ()) -> tuple | None:
+    """Where the first string (or key) that cannot be encoded as UTF-8 is, None if there is none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        bad = _first_bad_string(key, path + ("<key>",)) or _first_bad_string(item, path + (key,))
+        if bad is not None:
+            return bad
+    return None
+
+
+class SamplingRequest(RequestBody):
     """Fields both generation routes share. None means the default, as a null in JSON does."""
     model: str | None = None  # the served model name or an adapter's; None: the base model
     n: int = 1
@@ -54,6 +87,7 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    user: str | None = None  # OpenAI's end-user id: checked, not used
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """ValueError names the bad field (SamplingParams.<field>)."""
@@ -91,6 +125,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_calls, ...: handed to the chat template as they are
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -101,12 +136,12 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
 
 
-class LoadLoRARequest(BaseModel):
+class LoadLoRARequest(RequestBody):
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
 
 
-class UnloadLoRARequest(BaseModel):
+class UnloadLoRARequest(RequestBody):
     lora_name: str = Field(min_length=1)
 
 

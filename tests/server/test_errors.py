@@ -75,7 +75,7 @@ def test_out_of_range_parameters(server, field, value):
 
 def test_chat_parameters(server, monkeypatch):
     error(post(server, "/v1/chat/completions", {**CHAT, "top_logprobs": 2}), 400, "top_logprobs")
-    error(post(server, "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 50}), 400, "logprobs")
+    error(post(server, "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 50}), 400, "top_logprobs")
     image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
     error(post(server, "/v1/chat/completions", {**CHAT, "messages": [image]}), 400, "messages", "only text")
     monkeypatch.setattr(server.loop.engine.tokenizer, "chat_template", None)
