@@ -18,15 +18,19 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+import sys
+from pathlib import Path
 
 import torch
 import triton
 from torch import nn
 
 from bench_moe import machine, measure
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests/support.py
+
 from moelora.kernels import linear as linear_module
 from moelora.kernels.linear import LinearConfig, default_config, k_splits, linear
-from moelora.testing import assert_rows_close, rel_tolerance
+from tests.support import assert_rows_close, rel_tolerance
 
 SHAPES = {  # in features K, out features N
     "qkv": (2048, 5120),

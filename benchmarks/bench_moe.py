@@ -19,14 +19,19 @@ import argparse
 import datetime
 import statistics
 import time
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests/support.py
+
+from moelora.core import TopKConfig
 from moelora.kernels.fused_moe import MoEKernelConfig, fused_moe
-from moelora.layers.moe.topk import TopKConfig, select_experts
-from moelora.testing import assert_rows_close, random_expert_lora, random_moe_weights, rel_tolerance
+from moelora.layers.moe.topk import select_experts
+from tests.support import assert_rows_close, random_expert_lora, random_moe_weights, rel_tolerance
 
 SHAPES = {  # hidden, intermediate, experts, top_k
     "qwen3-30b-a3b": (2048, 768, 128, 8),

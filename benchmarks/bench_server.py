@@ -29,7 +29,9 @@ import httpx
 import openai
 import torch
 
-from moelora.testing import qwen3_30b_a3b_config, write_dummy_checkpoint, write_random_peft_adapter
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests/support.py
+
+from tests.support import qwen3_30b_a3b_config, write_dummy_checkpoint, write_random_peft_adapter
 
 ADAPTERS, RANK = 8, 16
 

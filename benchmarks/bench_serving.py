@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import datetime
 import gc
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -42,8 +43,10 @@ import triton
 from bench_moe import machine
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests/support.py
+
 from moelora import Engine, SamplingParams
-from moelora.testing import qwen3_30b_a3b_config, write_dummy_checkpoint, write_random_peft_adapter
+from tests.support import qwen3_30b_a3b_config, write_dummy_checkpoint, write_random_peft_adapter
 
 RANK = 16
 MAX_ADAPTERS = 8

@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import argparse
 from collections import defaultdict
+import sys
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench_moe import MAX_RANK, RANK, SHAPES, SLOTS
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests/support.py
+
+from moelora.core import TopKConfig
 from moelora.kernels.fused_moe import fused_moe
-from moelora.layers.moe.topk import TopKConfig, select_experts
-from moelora.testing import random_expert_lora, random_moe_weights
+from moelora.layers.moe.topk import select_experts
+from tests.support import random_expert_lora, random_moe_weights
 
 
 def kernel_times(fn, reps: int = 20) -> dict[str, float]:

@@ -32,8 +32,8 @@ def poison(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(real_empty_like(*a, **k)))
 
 
-@pytest.fixture(autouse=True)
-def _row_independent_interpreter_dot(monkeypatch):
+@pytest.fixture(autouse=True, scope="session")
+def _row_independent_interpreter_dot():
     """On the CPU interpreter, compute tl.dot so that an output row's bits do not depend on the row's index in
     the tile. The interpreter's tl.dot is np.matmul, i.e. the host's BLAS sgemm, which sums a row in an order
     that depends on the row's index (which micro-kernel or edge case of the CPU's OpenBLAS build covers it,
@@ -43,6 +43,7 @@ def _row_independent_interpreter_dot(monkeypatch):
     alike; the checks exist for that. Here each element is a sum over k in one order, the same for every
     row, and nothing else is changed. On a GPU this fixture does nothing."""
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        yield
         return
     from triton.runtime import interpreter
     real_dot = interpreter.InterpreterBuilder.create_dot
@@ -54,4 +55,6 @@ def _row_independent_interpreter_dot(monkeypatch):
         out = (a.data.astype(acc)[:, :, None] * b.data.astype(acc)[None, :, :]).sum(axis=1, dtype=acc)
         return interpreter.TensorHandle(out + d.data, d.dtype.scalar)
 
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+    interpreter.InterpreterBuilder.create_dot = create_dot  # for the session: a test's own monkeypatch
+    yield                                                    # fixture then still tears down first
+    interpreter.InterpreterBuilder.create_dot = real_dot

@@ -1,6 +1,6 @@
-"""Random MoE layers, tie-free router logits, LoRA slot buffers (experts and dense layers) and
-paged-attention batches for tests and benchmarks, dtype-derived tolerances, a tiny byte-level BPE
-tokenizer built offline, tiny transformers models of every family with PEFT adapters on them, a
+"""Test and benchmark support, outside the installed package: random MoE layers, tie-free router
+logits, LoRA slot buffers (experts and dense layers) and paged-attention batches, dtype-derived
+tolerances, the demo's tiny byte-level BPE tokenizer (built offline), tiny transformers models of every family with PEFT adapters on them, a
 Qwen3-30B-A3B-shaped dummy checkpoint with random PEFT adapters at its real shapes, and
 ForwardBatches over a KV cache."""
 from __future__ import annotations
@@ -13,11 +13,8 @@ from torch import nn
 from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, MixtralConfig, OlmoeConfig,
                           PretrainedConfig, Qwen2MoeConfig, Qwen3MoeConfig)
 
-from moelora.engine.forward_batch import ForwardBatch, LoRABatch
-from moelora.engine.kv_cache import KVCache
-from moelora.kernels.fused_moe import ExpertLoRA
-from moelora.kernels.lora_linear import LinearLoRASlots
-from moelora.layers.moe.topk import TopKConfig, TopKOutput
+from moelora.core import ExpertLoRASlots, ForwardBatch, KVCache, LinearLoRASlots, LoRABatch, TopKConfig, TopKOutput
+from moelora.demo import peft_adapter, tiny_tokenizer  # noqa: F401  (tests build with them too)
 
 
 def random_moe_weights(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device="cpu",
@@ -77,7 +74,7 @@ def random_expert_lora(
     num_slots: int, num_experts: int, hidden: int, inter: int, slot_ranks: list[int], dtype: torch.dtype,
     device="cpu", coverage: float = 1.0, poison_unused: bool = False, generator: torch.Generator | None = None,
     max_rank: int | None = None,
-) -> ExpertLoRA:
+) -> ExpertLoRASlots:
     """Slot buffers of rank max_rank (default max(slot_ranks)); slot s has rank slot_ranks[s] (0: empty).
 
     coverage < 1 leaves a random subset of experts uncovered (rank 0) per slot and projection.
@@ -101,7 +98,7 @@ def random_expert_lora(
             a = a.masked_fill(unused.unsqueeze(-1), float("nan"))
             b = b.masked_fill(unused.unsqueeze(-1), float("nan"))
         tensors[f"a_{name}"], tensors[f"b_{name}"] = a.to(dtype), b.to(dtype)
-    return ExpertLoRA(**tensors, ranks=ranks.to(device), max_rank_in_use=max(slot_ranks))
+    return ExpertLoRASlots(**tensors, ranks=ranks.to(device), max_rank_in_use=max(slot_ranks))
 
 
 def random_linear_lora(in_features: int, out_sizes: tuple[int, ...], slot_ranks: list[list[int]], dtype: torch.dtype,
@@ -144,38 +141,6 @@ def assert_rows_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: st
     )
 
 
-# Accents, CJK and emoji: characters of 2, 3 and 4 UTF-8 bytes, which a small vocabulary splits
-# over several tokens.
-_TOKENIZER_CORPUS = [
-    "héllo wörld, naïve café, déjà vu",
-    "你好，世界。日本語のテキスト",
-    "🙂 🎉 emoji and text mixed 🙂🙂",
-    "the quick brown fox jumps over the lazy dog. Hello world!",
-]
-TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# ChatML over the special tokens above, as Qwen's tokenizers have it
-TINY_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def tiny_tokenizer(vocab_size: int = 300):
-    """A byte-level BPE tokenizer (GPT-2/Qwen style) trained on a few lines, as a transformers
-    PreTrainedTokenizerFast with EOS <|endoftext|> and a ChatML chat template; no hub access."""
-    # imported here: transformers takes seconds to load and the kernel tests do not need it
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=TINY_SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_TOKENIZER_CORPUS * 10, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=TINY_SPECIAL_TOKENS[0],
-                                   clean_up_tokenization_spaces=False, chat_template=TINY_CHAT_TEMPLATE)
-
-
 # ------------------------------------------------------------------ tiny transformers models
 
 HIDDEN, MOE_INTER, DENSE_INTER, EXPERTS = 16, 6, 20, 4  # 2 * MOE_INTER != HIDDEN: layouts are told apart by shape
@@ -211,25 +176,6 @@ def tiny_model(config: PretrainedConfig, seed: int = 0) -> nn.Module:
 def linear_suffixes(model: nn.Module) -> list[str]:
     """Last name of every nn.Linear in the decoder layers: PEFT target_modules for 'all of them'."""
     return sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in n})
-
-
-def peft_adapter(model: nn.Module, lora_config, out_dir: Path, seed: int = 1,
-                 safe_serialization: bool = True) -> dict[str, torch.Tensor]:
-    """Save a PEFT adapter (lora_config: peft.LoraConfig) with random LoRA weights in the model's
-    dtype; return {base parameter name: merged - base} for every parameter the adapter changes.
-    `model` is wrapped and merged in place."""
-    from peft import get_peft_model  # importing peft takes seconds; only adapter-building tests need it
-
-    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    peft_model = get_peft_model(model, lora_config, autocast_adapter_dtype=False)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    peft_model.save_pretrained(out_dir, safe_serialization=safe_serialization)
-    merged = peft_model.merge_and_unload().state_dict()
-    return {k: merged[k] - base[k] for k in base if not torch.equal(merged[k], base[k])}
 
 
 # ------------------------------------------------------------------ real-size dummy checkpoints

@@ -5,22 +5,20 @@ write their key and value to slot 0 (never handed out) and use no adapter, so re
 of them. The experts' LoRA rank tile is baked into the graphs at the slots' full rank."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-from moelora.engine.forward_batch import ForwardBatch, LoRABatch
-
-if TYPE_CHECKING:
-    from moelora.engine.model_runner import ModelRunner
+from moelora.core import ExpertLoRASlots, ForwardBatch, KVCache, LoRABatch
 
 
 class CudaGraphs:
-    def __init__(self, runner: ModelRunner):
-        self.runner = runner
-        self.max_bs = min(runner.config.cuda_graph_max_bs, runner.config.max_running_requests)
+    def __init__(self, logits: Callable[[ForwardBatch], torch.Tensor], kv: KVCache, max_bs: int,
+                 expert_loras: list[ExpertLoRASlots], lora_rank: int):
+        """logits(batch): the step the graphs capture; lora_rank: the slots' rank (0: no LoRA graphs)."""
+        self.logits, self.kv, self.max_bs = logits, kv, max_bs
         self.sizes = sorted({s for s in (1, 2, 4, 8, *range(16, self.max_bs, 8), self.max_bs) if s <= self.max_bs})
-        n, device = self.max_bs, runner.device
+        n, device = self.max_bs, kv.req_to_token.device
         # static inputs: the graphs read these addresses, so they live as long as the graphs
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
@@ -32,13 +30,12 @@ class CudaGraphs:
         self.arange = torch.arange(n, dtype=torch.int32, device=device)
         self.arange64 = torch.arange(n, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        lora = runner.lora
-        for expert_lora in lora.expert_loras:
-            expert_lora.max_rank_in_use = lora.max_rank
+        for expert_lora in expert_loras:
+            expert_lora.max_rank_in_use = lora_rank
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             for bs in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory
-                for with_lora in (False, True) if lora.max_rank else (False,):
+                for with_lora in (False, True) if lora_rank else (False,):
                     self.graphs[bs, with_lora] = self._capture(bs, with_lora, pool)
 
     def can_run(self, batch: ForwardBatch) -> bool:
@@ -64,7 +61,7 @@ class CudaGraphs:
         return ForwardBatch(
             input_ids=self.input_ids[:bs], positions=self.positions[:bs], req_pool_indices=self.req_pool_indices[:bs],
             seq_lens=self.seq_lens[:bs], extend_lens=self.ones[:bs], extend_starts=self.arange[:bs],
-            out_cache_loc=self.out_cache_loc[:bs], logits_indices=self.arange64[:bs], kv=self.runner.kv,
+            out_cache_loc=self.out_cache_loc[:bs], logits_indices=self.arange64[:bs], kv=self.kv,
             lora=LoRABatch(self.token_slots[:bs]) if with_lora else None, is_decode=True, max_extend_len=1)
 
     def _capture(self, bs: int, with_lora: bool, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -73,10 +70,10 @@ class CudaGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self.runner.logits(self._batch(bs, with_lora))
+                self.logits(self._batch(bs, with_lora))
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            # a batch of its own: what a step computes once (LoRABatch.slot_blocks) is then in the graph
-            logits = self.runner.logits(self._batch(bs, with_lora))
+            # a batch of its own: what a step derives once from the slots (LoRABatch.derived) is then in the graph
+            logits = self.logits(self._batch(bs, with_lora))
         return graph, logits

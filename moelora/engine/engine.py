@@ -23,6 +23,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from moelora.engine.config import EngineConfig
 from moelora.engine.detokenizer import IncrementalDetokenizer
 from moelora.engine.kv_pool import KVPool
+from moelora.engine.lora_manager import LoRAStats
 from moelora.engine.model_runner import ModelRunner
 from moelora.engine.request import Req
 from moelora.engine.sampling_params import SamplingParams, check_text
@@ -148,6 +149,27 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    # ----------------------------------------------------------------- state a server reports
+
+    @property
+    def context_len(self) -> int:
+        """Tokens one request may hold: prompt + generated."""
+        return self.runner.context_len
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for admission (retracted ones included)."""
+        return len(self.scheduler.waiting)
+
+    @property
+    def lora_stats(self) -> LoRAStats:
+        """The adapter slots' counters (hits, loads, evictions, disk loads), updated in place."""
+        return self.runner.lora.stats
+
+    def accounting_error(self) -> str | None:
+        """What does not add up between the KV cache pool and the requests holding it (None: all well)."""
+        return self.scheduler.accounting_error()
 
     # ------------------------------------------------------------------------------ internals
 

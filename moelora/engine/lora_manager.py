@@ -15,13 +15,13 @@ from pathlib import Path
 
 from torch import nn
 
+from moelora.core import ExpertLoRASlots
 from moelora.engine.config import EngineConfig
-from moelora.kernels.fused_moe import ExpertLoRA
+from moelora.engine.lora_slots import allocate_lora_slots, write_adapter_to_slot
 from moelora.lora.adapter import load_adapter
 from moelora.lora.canonical import Adapter
 from moelora.lora.errors import AdapterError
 from moelora.lora.model_shapes import load_model_shapes
-from moelora.lora.slots import allocate_lora_slots, write_adapter_to_slot
 
 
 class LoRASlotPool:
@@ -88,7 +88,7 @@ class LoRAManager:
         self.max_rank = config.max_lora_rank or max((a.max_rank for a in initial.values()), default=0)
         if self.max_rank:
             allocate_lora_slots(model, config.max_loras_per_batch, self.max_rank)
-        self.expert_loras = [m.lora for m in model.modules() if isinstance(getattr(m, "lora", None), ExpertLoRA)]
+        self.expert_loras = [m.lora for m in model.modules() if isinstance(getattr(m, "lora", None), ExpertLoRASlots)]
         for name, adapter in initial.items():
             self._register(name, Path(config.lora_paths[name]), adapter)
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moelora.kernels.fused_moe import ExpertLoRA
-from moelora.kernels.lora_linear import LinearLoRASlots
+from moelora.core import ExpertLoRASlots, LinearLoRASlots
 from moelora.layers.linear import Linear
 from moelora.layers.moe.layer import MoE
 from moelora.lora.canonical import Adapter, ExpertsLoRA, LayerLoRA, LinearLoRA
@@ -26,7 +25,7 @@ def allocate_lora_slots(model: nn.Module, num_slots: int, max_rank: int) -> None
         s, r = num_slots, max_rank
         if isinstance(m, MoE):
             e, h, i = m.num_experts, m.hidden_size, m.intermediate_size
-            m.lora = ExpertLoRA(
+            m.lora = ExpertLoRASlots(
                 a_gate=torch.zeros(s, e, r, h, **zeros), b_gate=torch.zeros(s, e, r, i, **zeros),
                 a_up=torch.zeros(s, e, r, h, **zeros), b_up=torch.zeros(s, e, r, i, **zeros),
                 a_down=torch.zeros(s, e, r, i, **zeros), b_down=torch.zeros(s, e, r, h, **zeros),
@@ -100,7 +99,7 @@ def _write_linear(m: Linear, layer: LayerLoRA, slot: int) -> None:
         offset += size
 
 
-def _write_experts(buffers: ExpertLoRA, layer: LayerLoRA, slot: int) -> None:
+def _write_experts(buffers: ExpertLoRASlots, layer: LayerLoRA, slot: int) -> None:
     buffers.ranks[:, slot] = 0
     for p, name in enumerate(EXPERT_PROJECTIONS):
         a, b = getattr(buffers, f"a_{name}"), getattr(buffers, f"b_{name}")

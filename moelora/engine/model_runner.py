@@ -8,14 +8,13 @@ from itertools import accumulate
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from moelora.core import ForwardBatch, KVCache, LoRABatch
 from moelora.engine.config import DTYPES, EngineConfig
 from moelora.engine.cuda_graph import CudaGraphs
-from moelora.engine.forward_batch import ForwardBatch, LoRABatch
-from moelora.engine.kv_cache import KVCache
+from moelora.engine.lora_manager import LoRAManager
 from moelora.engine.request import Req
 from moelora.engine.sampler import SampleOutput, SamplingBatch, sample
 from moelora.engine.scheduler import ScheduledBatch
-from moelora.lora.manager import LoRAManager
 from moelora.models.loader import load_model
 
 CPU_KV_TOKENS = 16384  # KV cache size on CPU without max_total_tokens (no free-memory query there)
@@ -42,7 +41,9 @@ class ModelRunner:
         self.context_len = min(context, tokens - 1)
         self.kv = KVCache(shape.num_layers, tokens + 1, shape.num_kv_heads, shape.k_head_dim, shape.v_head_dim,
                           config.max_running_requests, self.context_len, self.dtype, self.device)
-        self.graphs = CudaGraphs(self) if config.use_cuda_graph else None
+        max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
+        self.graphs = (CudaGraphs(self.logits, self.kv, max_bs, self.lora.expert_loras, self.lora.max_rank)
+                       if config.use_cuda_graph else None)
 
     def logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits of the rows batch.logits_indices; what CUDA graphs capture too."""

@@ -40,52 +40,7 @@ from moelora.kernels.gemm_tiles import arrive, gemm_block_k, gemm_loop, grouped_
 from moelora.kernels.lora_tiles import LORA_RANK_CHUNK, rank_tile
 from moelora.kernels.moe_align import (CHUNK, AlignedBlocks, align_num_warps, alloc_aligned, key_tile, moe_align,
                                        moe_align_program)
-from moelora.layers.moe.topk import TopKOutput
-
-
-@dataclass
-class ExpertLoRA:
-    """Per-expert LoRA weights of every GPU slot for one MoE layer; scaling is folded into B.
-
-    a_gate/a_up [S, E, R, H], b_gate/b_up [S, E, R, I], a_down [S, E, R, I], b_down [S, E, R, H]
-    (B stored transposed, so a rank-r slot reads r dense rows of B, not r columns of every row),
-    ranks [3, S, E] int32: real rank of (gate, up, down) for each (slot, expert); 0 = not covered.
-    """
-
-    a_gate: torch.Tensor
-    b_gate: torch.Tensor
-    a_up: torch.Tensor
-    b_up: torch.Tensor
-    a_down: torch.Tensor
-    b_down: torch.Tensor
-    ranks: torch.Tensor
-    max_rank_in_use: int | None = None  # host-side bound on `ranks` (largest loaded adapter); sizes the
-    #                                     kernels' rank tile, which defaults to the buffers' max_rank
-
-    @property
-    def num_slots(self) -> int:
-        return self.a_gate.shape[0]
-
-    def validate(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> None:
-        slots, max_rank = self.a_gate.shape[0], self.a_gate.shape[2]
-        expected = {
-            "a_gate": (slots, num_experts, max_rank, hidden), "b_gate": (slots, num_experts, max_rank, inter),
-            "a_up": (slots, num_experts, max_rank, hidden), "b_up": (slots, num_experts, max_rank, inter),
-            "a_down": (slots, num_experts, max_rank, inter), "b_down": (slots, num_experts, max_rank, hidden),
-        }
-        for name, shape in expected.items():
-            t = getattr(self, name)
-            if tuple(t.shape) != shape:
-                raise ValueError(f"ExpertLoRA.{name} has shape {tuple(t.shape)}, expected {shape}")
-            if t.dtype != dtype:
-                raise ValueError(f"ExpertLoRA.{name} has dtype {t.dtype}, expected {dtype} (the activations' dtype)")
-            if not t.is_contiguous():
-                raise ValueError(f"ExpertLoRA.{name} must be contiguous")
-        if tuple(self.ranks.shape) != (3, slots, num_experts) or self.ranks.dtype != torch.int32:
-            raise ValueError(
-                f"ExpertLoRA.ranks must be int32 of shape (3, {slots}, {num_experts}), "
-                f"got {self.ranks.dtype} {tuple(self.ranks.shape)}"
-            )
+from moelora.core import ExpertLoRASlots, TopKOutput
 
 
 @dataclass(frozen=True)
@@ -654,7 +609,7 @@ def fused_moe_triton(
     w13: torch.Tensor,
     w2: torch.Tensor,
     topk: TopKOutput,
-    lora: ExpertLoRA | None = None,
+    lora: ExpertLoRASlots | None = None,
     token_slots: torch.Tensor | None = None,
     config: MoEKernelConfig | None = None,
 ) -> torch.Tensor:
@@ -784,7 +739,7 @@ def fused_moe_reference(
     w13: torch.Tensor,
     w2: torch.Tensor,
     topk: TopKOutput,
-    lora: ExpertLoRA | None = None,
+    lora: ExpertLoRASlots | None = None,
     token_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain torch: loop over the experts (and slots) present; fp32 math, dtype at the same points
@@ -833,7 +788,7 @@ def fused_moe(
     w13: torch.Tensor,
     w2: torch.Tensor,
     topk: TopKOutput,
-    lora: ExpertLoRA | None = None,
+    lora: ExpertLoRASlots | None = None,
     token_slots: torch.Tensor | None = None,
     *,
     impl: str = "auto",

@@ -31,24 +31,6 @@ from moelora.kernels.lora_tiles import rank_tile, shrink_k_range
 from moelora.kernels.moe_align import AlignedBlocks, moe_align
 
 
-@dataclass
-class LinearLoRASlots:
-    """LoRA weights of every GPU slot for one linear layer; scaling folded into B, zero beyond each rank.
-
-    a [S, P, R, in], b [S, R, out] (B transposed, part p's columns at its output offset, so a rank-r
-    part reads r dense rows), ranks [S, P] int32 (0 = part not adapted by that slot's adapter).
-    """
-    a: torch.Tensor
-    b: torch.Tensor
-    ranks: torch.Tensor
-    max_rank_in_use: int | None = None  # host-side bound on `ranks` (largest loaded adapter); sizes the
-    #                                     kernels' rank tile, which defaults to the buffers' R
-
-    @property
-    def num_slots(self) -> int:
-        return self.a.shape[0]
-
-
 @dataclass(frozen=True)
 class LoRALinearConfig:
     block_m: int = 16  # tokens of one slot per block; also the alignment's block size

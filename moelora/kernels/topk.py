@@ -13,14 +13,11 @@ this kernel or the reference for each config.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:
-    from moelora.layers.moe.topk import TopKConfig
+from moelora.core import TopKConfig
 
 MAX_EXPERTS = 256
 MAX_TOP_K = 16

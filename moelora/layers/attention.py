@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moelora.engine.forward_batch import ForwardBatch
+from moelora.core import ForwardBatch
 from moelora.kernels.attention import attention
+from moelora.kernels.kv_store import store_kv
 
 
 class Attention(nn.Module):
@@ -19,7 +20,7 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """q [N, Hq, Dk], k [N, Hkv, Dk], v [N, Hkv, Dv] -> [N, Hq * Dv]."""
         kv = batch.kv
-        kv.store(self.layer_id, batch.out_cache_loc, k, v)
+        store_kv(kv.k[self.layer_id], kv.v[self.layer_id], batch.out_cache_loc, k, v)  # one kernel on CUDA
         out = attention(q.contiguous(), kv.k[self.layer_id], kv.v[self.layer_id], kv.req_to_token, batch.req_pool_indices,
                         batch.seq_lens, batch.extend_lens, batch.extend_starts, self.scale,
                         is_decode=batch.is_decode, max_extend_len=batch.max_extend_len)  # no device read: graph-safe

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from moelora.engine.forward_batch import LoRABatch
+from moelora.core import LinearLoRASlots, LoRABatch
 from moelora.kernels.linear import linear
-from moelora.kernels.lora_linear import LinearLoRASlots, lora_linear
+from moelora.kernels.lora_linear import align_tokens_by_slot, lora_linear
 
 
 class Linear(nn.Module):
@@ -34,6 +34,7 @@ class Linear(nn.Module):
         y = linear(x, self.weight, self.bias)
         if self.lora is not None and lora_batch is not None:
             # in place: adapter rows get y + delta summed in fp32; other rows keep the base bits
-            blocks = lora_batch.slot_blocks(self.lora.num_slots) if x.is_cuda else None  # the Triton path's
+            n = self.lora.num_slots  # the Triton path groups the tokens by slot, once for all layers of the step
+            blocks = lora_batch.derived(("slot_blocks", n), lambda s: align_tokens_by_slot(s, n)) if x.is_cuda else None
             lora_linear(x, self.lora, self.out_sizes, lora_batch.token_slots, out=y, blocks=blocks)
         return y

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moelora.engine.forward_batch import LoRABatch
+from moelora.core import LoRABatch
 from moelora.layers.linear import Linear
 
 

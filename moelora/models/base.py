@@ -14,8 +14,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from moelora.engine.forward_batch import ForwardBatch
-from moelora.engine.kv_cache import KVCache
+from moelora.core import ForwardBatch, KVCache
 from moelora.kernels.linear import linear
 from moelora.layers.attention import Attention
 from moelora.layers.linear import Linear

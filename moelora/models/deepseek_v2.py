@@ -17,12 +17,11 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from moelora.engine.forward_batch import ForwardBatch
+from moelora.core import ForwardBatch, TopKConfig
 from moelora.layers.attention import Attention
 from moelora.layers.linear import Linear
 from moelora.layers.mlp import MLP
 from moelora.layers.moe.layer import MoE
-from moelora.layers.moe.topk import TopKConfig
 from moelora.layers.norm import RMSNorm
 from moelora.layers.rotary import RotaryEmbedding, softmax_scale_factor
 from moelora.models.base import CausalLM, DecoderLayer

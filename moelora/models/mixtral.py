@@ -7,8 +7,8 @@ import re
 
 from transformers import PretrainedConfig
 
+from moelora.core import TopKConfig
 from moelora.layers.moe.layer import MoE
-from moelora.layers.moe.topk import TopKConfig
 from moelora.models.base import CausalLM, DecoderLayer, GQAttention
 
 _EXPERT_PROJ = re.compile(r"(\.mlp\.experts\.\d+)\.w([123])\.")

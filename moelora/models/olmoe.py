@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
+from moelora.core import TopKConfig
 from moelora.layers.moe.layer import MoE
-from moelora.layers.moe.topk import TopKConfig
 from moelora.layers.norm import RMSNorm
 from moelora.models.base import CausalLM, DecoderLayer, GQAttention
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+from moelora.core import TopKConfig
 from moelora.layers.mlp import MLP
 from moelora.layers.moe.layer import MoE
-from moelora.layers.moe.topk import TopKConfig
 from moelora.models.base import CausalLM, DecoderLayer, GQAttention
 
 

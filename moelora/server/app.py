@@ -355,7 +355,7 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
     """The app; its engine thread starts and stops with the app's lifespan."""
     if served_model_name in engine.config.lora_paths:
         raise ValueError(f"the served model name {served_model_name!r} is also an adapter's name")
-    loop = EngineLoop(engine, Metrics(engine.runner.lora.stats), max_queued_requests)
+    loop = EngineLoop(engine, Metrics(engine.lora_stats), max_queued_requests)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -65,7 +65,7 @@ class _Stream:
 class EngineLoop:
     def __init__(self, engine: Engine, metrics: Metrics, max_queued_requests: int | None = None):
         self.engine, self.metrics, self.max_queued_requests = engine, metrics, max_queued_requests
-        self.context_len = engine.runner.context_len
+        self.context_len = engine.context_len
         # published by the engine thread for the event loop; replaced whole, never mutated
         self.adapters: dict[str, str] = {n: str(p) for n, p in engine.config.lora_paths.items()}
         self.num_waiting = 0
@@ -163,7 +163,7 @@ class EngineLoop:
                         future.set_exception(e)
             if self.engine.has_unfinished():
                 self._step()
-            self.num_waiting = len(self.engine.scheduler.waiting)
+            self.num_waiting = self.engine.num_waiting
             self.metrics.set_queues(len(self._streams) - self.num_waiting, self.num_waiting)
         with self._cv:
             commands, self._commands = self._commands, []
@@ -206,7 +206,7 @@ class EngineLoop:
         except Exception as e:
             logger.exception("engine step failed; failing the requests in flight")
             self._fail_all(EngineError(f"the engine failed: {e}"))
-            if (problem := self.engine.scheduler.accounting_error()) is not None:
+            if (problem := self.engine.accounting_error()) is not None:
                 self.failure = f"the KV cache accounting is off after a failed step: {problem}"
                 logger.error("the engine cannot serve any more: %s", self.failure)
             return

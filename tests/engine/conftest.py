@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from moelora.engine.engine import Engine
-from moelora.testing import tiny_tokenizer
 from tests.models.conftest import adapters, checkpoint  # noqa: F401  (session fixtures, shared)
+from tests.support import tiny_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import torch
 
 from moelora.engine.engine import Engine
 from moelora.engine.sampling_params import SamplingParams
-from moelora.testing import qwen3_30b_a3b_config, write_dummy_checkpoint, write_random_peft_adapter
+from tests.support import qwen3_30b_a3b_config, write_dummy_checkpoint, write_random_peft_adapter
 
 NAMES = [None] + [f"a{i}" for i in range(8)]
 

@@ -4,7 +4,7 @@ import pytest
 
 from moelora.engine.detokenizer import IncrementalDetokenizer
 from moelora.engine.sampling_params import SamplingParams
-from moelora.testing import tiny_tokenizer
+from tests.support import tiny_tokenizer
 
 TEXT = "héllo wörld 你好 🙂🎉 naïve café"
 

@@ -4,9 +4,9 @@ import shutil
 
 import pytest
 
+from moelora.engine.lora_manager import LoRASlotPool
 from moelora.engine.sampling_params import SamplingParams
 from moelora.lora import AdapterError, load_adapter
-from moelora.lora.manager import LoRASlotPool
 from tests.models.families import family_config
 
 FAMILY = "qwen3_moe"

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from moelora.kernels.attention import AttentionConfig, attention, attention_reference
-from moelora.testing import assert_rows_close, random_paged_attention, rel_tolerance
+from tests.support import assert_rows_close, random_paged_attention, rel_tolerance
 
 DTYPES = [torch.bfloat16, torch.float16] if torch.cuda.is_available() else [torch.float16, torch.float32]
 SMALL = AttentionConfig(block_m=16, block_n=16, decode_block_n=16, num_warps=4, num_stages=1)  # many tiles, cheap

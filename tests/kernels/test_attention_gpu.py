@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from moelora.kernels.attention import attention
-from moelora.testing import assert_rows_close, random_paged_attention, rel_tolerance
+from tests.support import assert_rows_close, random_paged_attention, rel_tolerance
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -3,10 +3,10 @@ import dataclasses
 import pytest
 import torch
 
+from moelora.core import ExpertLoRASlots, TopKOutput
 from moelora.kernels import fused_moe as fused_moe_module
-from moelora.kernels.fused_moe import ExpertLoRA, MoEKernelConfig, default_config, fused_moe
-from moelora.layers.moe.topk import TopKOutput
-from moelora.testing import assert_rows_close, random_expert_lora, random_moe_weights, random_topk, rel_tolerance
+from moelora.kernels.fused_moe import MoEKernelConfig, default_config, fused_moe
+from tests.support import assert_rows_close, random_expert_lora, random_moe_weights, random_topk, rel_tolerance
 
 DTYPES = [torch.bfloat16, torch.float16] if torch.cuda.is_available() else [torch.float16, torch.float32]
 SHAPES = [  # tokens, hidden, inter, experts, top_k
@@ -43,7 +43,7 @@ def _case(tokens, hidden, inter, experts, top_k, dtype, device, coverage=0.7, sl
     return x, w13, w2, TopKOutput(weights, ids), lora, slots
 
 
-def _naive(x, w13, w2, topk, lora: ExpertLoRA | None, slots):
+def _naive(x, w13, w2, topk, lora: ExpertLoRASlots | None, slots):
     """Independent float64 formula, one (token, expert) pair at a time."""
     inter = w2.shape[2]
     y = torch.zeros(x.shape, dtype=torch.float64)
@@ -171,7 +171,7 @@ def test_shrink_per_pair_equals_shrink_per_block(dtype, device, poison, monkeypa
     assert_rows_close(per_pair, fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(dtype, device))
 
 
-def _uncover(lora: ExpertLoRA, slot: int, expert: int) -> None:
+def _uncover(lora: ExpertLoRASlots, slot: int, expert: int) -> None:
     """The slot's adapter no longer covers the expert: rank 0, and NaN weights that no kernel may read."""
     lora.ranks[:, slot, expert] = 0
     for w in (lora.a_gate, lora.b_gate, lora.a_up, lora.b_up, lora.a_down, lora.b_down):
@@ -229,8 +229,8 @@ def test_rejects_bad_inputs(device):
         fused_moe(x, w13, w2, TopKOutput(topk.weights, topk.ids.long()))
     with pytest.raises(ValueError, match="token_slots must be int32 of shape"):
         fused_moe(x, w13, w2, topk, lora, slots[:2])
-    bad = ExpertLoRA(**{**lora.__dict__, "b_down": lora.b_down[:, :, :5]})
-    with pytest.raises(ValueError, match=r"ExpertLoRA.b_down has shape"):
+    bad = ExpertLoRASlots(**{**lora.__dict__, "b_down": lora.b_down[:, :, :5]})
+    with pytest.raises(ValueError, match=r"ExpertLoRASlots.b_down has shape"):
         fused_moe(x, w13, w2, topk, bad, slots)
     with pytest.raises(ValueError, match="impl must be"):
         fused_moe(x, w13, w2, topk, impl="cuda")

@@ -6,7 +6,7 @@ import torch
 
 from moelora.kernels import fused_moe as fused_moe_module
 from moelora.kernels.fused_moe import default_config, fused_moe
-from moelora.testing import assert_rows_close, random_expert_lora, random_moe_weights, random_topk, rel_tolerance
+from tests.support import assert_rows_close, random_expert_lora, random_moe_weights, random_topk, rel_tolerance
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

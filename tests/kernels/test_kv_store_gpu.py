@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from moelora.engine.kv_cache import KVCache
+from moelora.core import KVCache
 from moelora.kernels import kv_store
 from moelora.kernels.kv_store import store_kv
 
@@ -69,10 +69,11 @@ def test_replays_in_a_cuda_graph():
     _assert_same_bits(caches, expected)
 
 
-def test_kv_cache_runs_the_kernel_on_cuda(monkeypatch):
+def test_a_layers_cache_store_runs_the_kernel_on_cuda(monkeypatch):
+    """What the attention layer calls with one layer's buffers of the KV cache."""
     calls = []
     monkeypatch.setattr(kv_store, "store_kv_triton", lambda *args: calls.append(args))
     cache = KVCache(2, 16, 4, 128, 128, 1, 8, torch.bfloat16, "cuda")
     loc, k, v = torch.tensor([3, 9], device="cuda"), *(torch.randn(2, 4, 128, device="cuda") for _ in range(2))
-    cache.store(1, loc, k, v)
+    store_kv(cache.k[1], cache.v[1], loc, k, v)
     assert len(calls) == 1 and calls[0][0] is cache.k[1] and calls[0][1] is cache.v[1]

@@ -8,7 +8,7 @@ import torch
 from moelora.kernels import linear as linear_module
 from moelora.kernels.gemm_tiles import gemm_block_k
 from moelora.kernels.linear import LinearConfig, default_config, k_splits, linear
-from moelora.testing import rel_tolerance
+from tests.support import rel_tolerance
 
 DTYPES = [torch.float16, torch.float32]
 CASES = [  # M, N, K: non-powers of two, N = 1 (Qwen2-MoE's shared_expert_gate), K not a multiple of BLOCK_K

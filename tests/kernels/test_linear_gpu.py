@@ -9,7 +9,7 @@ import torch
 
 from moelora.kernels import linear as linear_module
 from moelora.kernels.linear import default_config, k_splits, linear
-from moelora.testing import assert_rows_close, rel_tolerance
+from tests.support import assert_rows_close, rel_tolerance
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from moelora.kernels.lora_linear import LinearLoRASlots, LoRALinearConfig, align_tokens_by_slot, lora_linear
-from moelora.testing import assert_rows_close, random_linear_lora, rel_tolerance
+from moelora.core import LinearLoRASlots
+from moelora.kernels.lora_linear import LoRALinearConfig, align_tokens_by_slot, lora_linear
+from tests.support import assert_rows_close, random_linear_lora, rel_tolerance
 
 DTYPES = [torch.bfloat16, torch.float16] if torch.cuda.is_available() else [torch.float16, torch.float32]
 SLOT_RANKS = [[4, 4, 4], [8, 0, 16], [64, 16, 0], [0, 0, 0]]  # per slot and part; slot 3 adapts no part here

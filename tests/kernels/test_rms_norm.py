@@ -5,7 +5,7 @@ import torch
 
 from moelora.kernels.rms_norm import MAX_D, rms_norm
 from moelora.layers.norm import RMSNorm
-from moelora.testing import assert_rows_close, rel_tolerance
+from tests.support import assert_rows_close, rel_tolerance
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # the interpreter rounds fp32 -> bf16 toward zero (GPUs: to nearest): up to a whole ulp per rounding, not half

@@ -4,7 +4,7 @@ import torch
 
 from moelora.kernels.rms_norm import rms_norm
 from moelora.layers.norm import RMSNorm
-from moelora.testing import assert_rows_close, rel_tolerance
+from tests.support import assert_rows_close, rel_tolerance
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -3,7 +3,7 @@ import torch
 
 from moelora.kernels.rotary import rotary_embedding
 from moelora.layers.rotary import RotaryEmbedding, rope_frequencies
-from moelora.testing import assert_rows_close, rel_tolerance
+from tests.support import assert_rows_close, rel_tolerance
 
 # The interpreter rounds fp32 -> bf16 toward zero, so bf16 is checked on GPUs only.
 DTYPES = [torch.bfloat16, torch.float16] if torch.cuda.is_available() else [torch.float16, torch.float32]

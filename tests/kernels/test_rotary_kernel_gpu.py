@@ -4,7 +4,7 @@ import torch
 
 from moelora.kernels.rotary import rotary_embedding
 from moelora.layers.rotary import RotaryEmbedding
-from moelora.testing import assert_rows_close, rel_tolerance
+from tests.support import assert_rows_close, rel_tolerance
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

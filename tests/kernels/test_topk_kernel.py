@@ -3,9 +3,10 @@ import math
 import pytest
 import torch
 
+from moelora.core import TopKConfig
 from moelora.kernels.topk import MAX_EXPERTS, MAX_TOP_K, fused_topk_supports
-from moelora.layers.moe.topk import TopKConfig, select_experts
-from moelora.testing import assert_rows_close, rel_tolerance, tie_free_router_logits
+from moelora.layers.moe.topk import select_experts
+from tests.support import assert_rows_close, rel_tolerance, tie_free_router_logits
 
 # The interpreter rounds fp32 -> bf16 toward zero, so bf16 logits are checked on GPUs only.
 DTYPES = [torch.bfloat16, torch.float32] if torch.cuda.is_available() else [torch.float16, torch.float32]

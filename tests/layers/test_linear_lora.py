@@ -1,10 +1,10 @@
 import torch
 
-from moelora.engine.forward_batch import LoRABatch
+from moelora.core import LoRABatch
 from moelora.kernels.linear import linear
 from moelora.kernels.lora_linear import lora_linear_reference
 from moelora.layers.linear import Linear
-from moelora.testing import assert_rows_close, random_linear_lora, rel_tolerance
+from tests.support import assert_rows_close, random_linear_lora, rel_tolerance
 
 
 def test_linear_adds_each_tokens_adapter_and_keeps_base_rows(device):

@@ -1,7 +1,7 @@
 """Tiny base models and adapters for the adapter-loader tests.
 
 Ground truth comes from PEFT itself wherever PEFT can write the format: `peft_adapter` (in
-moelora.testing, shared with the model tests) trains nothing, it fills every LoRA weight with
+tests/support.py, shared with the model tests) trains nothing, it fills every LoRA weight with
 random values, saves the adapter and returns what `merge_and_unload()` adds to each base weight.
 Per-expert-module adapters (transformers v4 layout) come from the same PEFT code run on
 `PerExpertModel`, a module tree with one nn.Linear per expert projection, built from the real
@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from moelora.testing import (EXPERTS, FAMILIES, HIDDEN, MOE_INTER, linear_suffixes,  # noqa: F401 (re-exported)
+from tests.support import (EXPERTS, FAMILIES, HIDDEN, MOE_INTER, linear_suffixes,  # noqa: F401 (re-exported)
                              peft_adapter, tiny_config, tiny_model)
 
 

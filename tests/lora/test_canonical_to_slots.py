@@ -1,18 +1,19 @@
-"""The canonical adapter drops straight into the MoE kernels' slot buffers (ExpertLoRA): tokens of
+"""The canonical adapter drops straight into the MoE kernels' slot buffers (ExpertLoRASlots): tokens of
 two adapters (one target_parameters, one per-expert with partial coverage) and of the base model in
 one batch match the base model run with each adapter's merged weights."""
 import torch
 from peft import LoraConfig
 
 from lora_builders import EXPERTS, HIDDEN, MOE_INTER, PerExpertModel, peft_adapter, tiny_config, tiny_model
-from moelora.kernels.fused_moe import ExpertLoRA, fused_moe_reference
+from moelora.core import ExpertLoRASlots
+from moelora.kernels.fused_moe import fused_moe_reference
 from moelora.lora import load_adapter
-from moelora.testing import random_topk
+from tests.support import random_topk
 
 LAYER = 1  # the MoE layer of the tiny qwen3_moe
 
 
-def fill_slots(adapters, max_rank: int) -> ExpertLoRA:
+def fill_slots(adapters, max_rank: int) -> ExpertLoRASlots:
     """Slot s holds adapters[s]'s layer-LAYER experts, zero-padded to max_rank."""
     shapes = {"gate": (HIDDEN, MOE_INTER), "up": (HIDDEN, MOE_INTER), "down": (MOE_INTER, HIDDEN)}
     buffers, ranks = {}, torch.zeros(3, len(adapters), EXPERTS, dtype=torch.int32)
@@ -24,7 +25,7 @@ def fill_slots(adapters, max_rank: int) -> ExpertLoRA:
             if experts is not None:
                 a[s, :, : experts.rank], b[s, :, : experts.rank], ranks[p, s] = experts.a, experts.b.transpose(1, 2), experts.ranks
         buffers[f"a_{name}"], buffers[f"b_{name}"] = a, b
-    return ExpertLoRA(**buffers, ranks=ranks)
+    return ExpertLoRASlots(**buffers, ranks=ranks)
 
 
 def test_canonical_adapters_in_slots_match_merged_weights(tmp_path):

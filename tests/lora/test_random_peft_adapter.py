@@ -5,7 +5,7 @@ from peft import PeftModel, get_peft_model_state_dict
 from safetensors.torch import load_file
 
 from moelora.lora import load_adapter
-from moelora.testing import ATTENTION_MODULES, qwen3_30b_a3b_config, tiny_model, write_random_peft_adapter
+from tests.support import ATTENTION_MODULES, qwen3_30b_a3b_config, tiny_model, write_random_peft_adapter
 
 
 def test_random_adapter_is_read_by_peft_and_by_load_adapter(tmp_path):

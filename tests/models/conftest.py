@@ -8,8 +8,8 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from moelora.testing import linear_suffixes, peft_adapter
 from tests.models.families import family_config, hf_model
+from tests.support import linear_suffixes, peft_adapter
 
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 

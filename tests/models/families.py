@@ -11,7 +11,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from moelora.testing import tiny_config, tiny_model
+from tests.support import tiny_config, tiny_model
 
 _SHAPE = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
               initializer_range=0.1)  # weights large enough that routing and logits are far from uniform

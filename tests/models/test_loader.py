@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from moelora.layers.norm import RMSNorm
 from moelora.models.loader import ModelLoadError, load_model
-from moelora.testing import batch_logits, extend_batch, toy_kv_cache
+from tests.support import batch_logits, extend_batch, toy_kv_cache
 from tests.models.families import (FAMILIES, assert_logprobs_close, family_config, hf_logits, hf_model, per_expert_layout,
                                    write_sharded)
 

@@ -4,13 +4,13 @@ sequence prefilled in chunks and decoded through the paged KV cache."""
 import pytest
 import torch
 
+from moelora.engine.lora_slots import allocate_lora_slots, write_adapter_to_slot
 from moelora.layers.linear import Linear
 from moelora.layers.moe.layer import MoE
 from moelora.lora import load_adapter, load_model_shapes
-from moelora.lora.slots import allocate_lora_slots, write_adapter_to_slot
 from moelora.models.loader import build_model, load_model
-from moelora.testing import batch_logits, extend_batch, toy_kv_cache
 from tests.models.families import FAMILIES, assert_logprobs_close, family_config, hf_logits, hf_model, with_deltas
+from tests.support import batch_logits, extend_batch, toy_kv_cache
 
 SEQUENCES = [[5, 17, 2, 93, 41, 8, 8, 60, 3], [11, 4, 77], [30, 1, 2, 3, 4, 5, 6]]
 

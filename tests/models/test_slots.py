@@ -2,9 +2,9 @@
 import pytest
 import torch
 
+from moelora.engine.lora_slots import allocate_lora_slots, write_adapter_to_slot
 from moelora.layers.moe.layer import MoE
 from moelora.lora import AdapterError, load_adapter
-from moelora.lora.slots import allocate_lora_slots, write_adapter_to_slot
 from moelora.models.loader import load_model
 from tests.models.families import family_config
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moelora.engine.forward_batch import LoRABatch
-from moelora.kernels.fused_moe import ExpertLoRA, fused_moe
+from moelora.core import ExpertLoRASlots, LoRABatch, TopKConfig
+from moelora.kernels.fused_moe import fused_moe
 from moelora.layers.linear import Linear
 from moelora.layers.mlp import MLP
-from moelora.layers.moe.topk import TopKConfig, select_experts
+from moelora.layers.moe.topk import select_experts
 
 
 class MoE(nn.Module):
@@ -33,7 +33,7 @@ class MoE(nn.Module):
         self.shared_experts = shared_experts
         self.shared_expert_gate = (Linear(hidden_size, 1, lora_names=("mlp.shared_expert_gate",), layer_id=layer_id)
                                    if shared_expert_gate else None)
-        self.lora: ExpertLoRA | None = None
+        self.lora: ExpertLoRASlots | None = None
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         topk = select_experts(self.gate(x, lora), self.topk, self.e_score_correction_bias)

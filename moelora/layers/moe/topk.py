@@ -6,38 +6,10 @@ so they run inside CUDA graphs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, NamedTuple
-
 import torch
 
+from moelora.core import TopKConfig, TopKOutput
 from moelora.kernels.topk import fused_topk, fused_topk_supports
-
-
-class TopKOutput(NamedTuple):
-    weights: torch.Tensor  # [T, k] float32, routing weight of each chosen expert
-    ids: torch.Tensor  # [T, k] int32, chosen expert ids
-
-
-@dataclass(frozen=True)
-class TopKConfig:
-    """How a family turns router logits into (weights, expert ids).
-
-    scoring: "softmax" (Mixtral, Qwen, OLMoE, DeepSeek-V2) or "sigmoid" (DeepSeek-V3,
-        whose e_score_correction_bias shifts only the choice, not the weights).
-    renormalize: make the k chosen weights sum to one (norm_topk_prob).
-    num_expert_group / topk_group: DeepSeek's grouped routing; experts are chosen only from the
-        topk_group best of num_expert_group groups. A group scores as its best expert, or as the
-        sum of its two best when a correction bias is used (DeepSeek-V3 "noaux_tc").
-    routed_scaling_factor: multiplies the final weights.
-    """
-
-    top_k: int
-    renormalize: bool = True
-    scoring: Literal["softmax", "sigmoid"] = "softmax"
-    num_expert_group: int | None = None
-    topk_group: int | None = None
-    routed_scaling_factor: float = 1.0
 
 
 def select_experts(

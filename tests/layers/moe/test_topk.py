@@ -7,7 +7,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkR
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-from moelora.layers.moe.topk import TopKConfig, select_experts
+from moelora.core import TopKConfig
+from moelora.layers.moe.topk import select_experts
 
 HIDDEN, TOKENS = 32, 50
 

@@ -1,0 +1,181 @@
+"""The types every layer of moelora shares: what one model step sees (ForwardBatch, LoRABatch, the
+KV cache's buffers), the routing output, and the LoRA slot buffers of linear and MoE layers.
+
+This is the bottom of the package: it imports nothing of moelora, so kernels, layers, models and
+the engine all use these types without importing each other upwards.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+import torch
+
+# ------------------------------------------------------------------------------------- routing
+
+
+class TopKOutput(NamedTuple):
+    weights: torch.Tensor  # [T, k] float32, routing weight of each chosen expert
+    ids: torch.Tensor  # [T, k] int32, chosen expert ids
+
+
+@dataclass(frozen=True)
+class TopKConfig:
+    """How a family turns router logits into (weights, expert ids).
+
+    scoring: "softmax" (Mixtral, Qwen, OLMoE, DeepSeek-V2) or "sigmoid" (DeepSeek-V3,
+        whose e_score_correction_bias shifts only the choice, not the weights).
+    renormalize: make the k chosen weights sum to one (norm_topk_prob).
+    num_expert_group / topk_group: DeepSeek's grouped routing; experts are chosen only from the
+        topk_group best of num_expert_group groups. A group scores as its best expert, or as the
+        sum of its two best when a correction bias is used (DeepSeek-V3 "noaux_tc").
+    routed_scaling_factor: multiplies the final weights.
+    """
+
+    top_k: int
+    renormalize: bool = True
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    num_expert_group: int | None = None
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+
+
+# --------------------------------------------------------------------------- LoRA slot buffers
+
+
+@dataclass
+class LinearLoRASlots:
+    """LoRA weights of every GPU slot for one linear layer; scaling folded into B, zero beyond each rank.
+
+    a [S, P, R, in], b [S, R, out] (B transposed, part p's columns at its output offset, so a rank-r
+    part reads r dense rows), ranks [S, P] int32 (0 = part not adapted by that slot's adapter).
+    """
+    a: torch.Tensor
+    b: torch.Tensor
+    ranks: torch.Tensor
+    max_rank_in_use: int | None = None  # host-side bound on `ranks` (largest loaded adapter); sizes the
+    #                                     kernels' rank tile, which defaults to the buffers' R
+
+    @property
+    def num_slots(self) -> int:
+        return self.a.shape[0]
+
+
+@dataclass
+class ExpertLoRASlots:
+    """Per-expert LoRA weights of every GPU slot for one MoE layer; scaling is folded into B.
+
+    a_gate/a_up [S, E, R, H], b_gate/b_up [S, E, R, I], a_down [S, E, R, I], b_down [S, E, R, H]
+    (B stored transposed, so a rank-r slot reads r dense rows of B, not r columns of every row),
+    ranks [3, S, E] int32: real rank of (gate, up, down) for each (slot, expert); 0 = not covered.
+    """
+
+    a_gate: torch.Tensor
+    b_gate: torch.Tensor
+    a_up: torch.Tensor
+    b_up: torch.Tensor
+    a_down: torch.Tensor
+    b_down: torch.Tensor
+    ranks: torch.Tensor
+    max_rank_in_use: int | None = None  # host-side bound on `ranks` (largest loaded adapter); sizes the
+    #                                     kernels' rank tile, which defaults to the buffers' max_rank
+
+    @property
+    def num_slots(self) -> int:
+        return self.a_gate.shape[0]
+
+    def validate(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> None:
+        slots, max_rank = self.a_gate.shape[0], self.a_gate.shape[2]
+        expected = {
+            "a_gate": (slots, num_experts, max_rank, hidden), "b_gate": (slots, num_experts, max_rank, inter),
+            "a_up": (slots, num_experts, max_rank, hidden), "b_up": (slots, num_experts, max_rank, inter),
+            "a_down": (slots, num_experts, max_rank, inter), "b_down": (slots, num_experts, max_rank, hidden),
+        }
+        for name, shape in expected.items():
+            t = getattr(self, name)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"ExpertLoRASlots.{name} has shape {tuple(t.shape)}, expected {shape}")
+            if t.dtype != dtype:
+                raise ValueError(f"ExpertLoRASlots.{name} has dtype {t.dtype}, expected {dtype} (the activations' dtype)")
+            if not t.is_contiguous():
+                raise ValueError(f"ExpertLoRASlots.{name} must be contiguous")
+        if tuple(self.ranks.shape) != (3, slots, num_experts) or self.ranks.dtype != torch.int32:
+            raise ValueError(
+                f"ExpertLoRASlots.ranks must be int32 of shape (3, {slots}, {num_experts}), "
+                f"got {self.ranks.dtype} {tuple(self.ranks.shape)}"
+            )
+
+
+# ---------------------------------------------------------------------------------- KV cache
+
+
+class KVCache:
+    """The paged KV cache: one key and one value buffer per layer, indexed by token slot (pages of one
+    token), and req_to_token mapping (request row, position) to a slot. Slot 0 is never handed out:
+    padded rows of a CUDA-graph batch write their keys there."""
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, k_head_dim: int, v_head_dim: int,
+                 max_requests: int, max_context: int, dtype: torch.dtype, device: torch.device | str):
+        self.num_slots, self.max_context = num_slots, max_context
+        self.k = [torch.zeros(num_slots, num_kv_heads, k_head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(num_slots, num_kv_heads, v_head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.req_to_token = torch.zeros(max_requests, max_context, dtype=torch.int32, device=device)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, k_head_dim: int, v_head_dim: int, dtype: torch.dtype) -> int:
+        return num_layers * num_kv_heads * (k_head_dim + v_head_dim) * dtype.itemsize
+
+
+# ------------------------------------------------------------------------------- one step
+
+
+@dataclass
+class LoRABatch:
+    """Per-token adapter slots of a step (-1 = base model), shared by every LoRA layer of the model."""
+    token_slots: torch.Tensor  # [N] int32
+    _derived: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def any(self) -> bool:
+        return self.token_slots.numel() > 0
+
+    def derived(self, key: Any, compute: Callable[[torch.Tensor], Any]) -> Any:
+        """compute(token_slots), once per batch and key: what every layer of the step derives alike
+        from the slots (the tokens grouped by slot for the dense-layer LoRA kernels); token_slots must
+        not change while this batch is in use."""
+        if key not in self._derived:
+            self._derived[key] = compute(self.token_slots)
+        return self._derived[key]
+
+
+@dataclass
+class ForwardBatch:
+    """What one model step sees: the new tokens of B sequences, where their keys and values go in the
+    paged KV cache, and which LoRA slot each token uses.
+
+    Sequence i owns the new tokens input_ids[extend_starts[i] : extend_starts[i] + extend_lens[i]];
+    they sit at positions seq_lens[i] - extend_lens[i] ... seq_lens[i] - 1 of that sequence, whose
+    earlier tokens are already in the cache. Prefill, chunked prefill and decode (extend_lens == 1)
+    are the same thing to the model."""
+
+    input_ids: torch.Tensor         # [N] int64
+    positions: torch.Tensor         # [N] int64, position of each new token in its sequence
+    req_pool_indices: torch.Tensor  # [B] int32, row of kv.req_to_token holding each sequence's cache slots
+    seq_lens: torch.Tensor          # [B] int32, tokens in the cache after this step (prefix + new)
+    extend_lens: torch.Tensor       # [B] int32, new tokens per sequence
+    extend_starts: torch.Tensor     # [B] int32, offset of each sequence's first new token in input_ids
+    out_cache_loc: torch.Tensor     # [N] int64, cache slot each new token's key and value are written to
+    logits_indices: torch.Tensor    # [M] int64, rows of the last hidden states that become logits
+    kv: KVCache
+    lora: LoRABatch | None = None   # None: no adapter in the batch
+    is_decode: bool = False         # every extend_len is 1: decode kernels, CUDA-graph replay
+    max_extend_len: int = 0         # host-side bounds for kernel grids (no device sync in the step)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def batch_size(self) -> int:
+        return self.seq_lens.shape[0]

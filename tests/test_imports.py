@@ -1,0 +1,81 @@
+"""Imports point one way: cli -> server / demo -> engine -> models -> layers -> kernels -> core, and
+lora/ (adapter files -> canonical adapters) imports nothing of moelora outside itself. Every import
+counts, those under TYPE_CHECKING and inside functions too, and no two modules import each other
+through any path."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "moelora"
+LEVELS = {"core": 0, "kernels": 1, "layers": 2, "models": 3, "engine": 4, "server": 5, "demo": 5, "cli": 6,
+          "__init__": 6}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """The moelora modules a file imports (a package's __init__ when it names the package)."""
+    deps = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            deps |= {a.name for a in node.names if a.name.split(".")[0] == "moelora"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "moelora":
+            submodules = {f"{node.module}.{a.name}" for a in node.names} & known.keys()
+            deps |= submodules or {node.module}
+    return deps
+
+
+def group(module: str) -> str:
+    """core, kernels, layers, models, engine, server, lora, demo, cli, or __init__ for the package itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {m: imports(p, known) - {m} for m, p in known.items()}
+
+
+def test_every_import_points_down():
+    upward = []
+    for module, deps in graph().items():
+        for dep in deps:
+            a, b = group(module), group(dep)
+            if a == b:
+                continue
+            if a == "lora" or (b == "lora" and LEVELS[a] < LEVELS["engine"]) or \
+                    (b != "lora" and LEVELS[a] <= LEVELS[b]):
+                upward.append(f"{module} -> {dep}")
+    assert not upward, "imports that point up or sideways:\n" + "\n".join(sorted(upward))
+
+
+def test_no_import_cycles():
+    edges, state, cycles = graph(), {}, []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for dep in sorted(edges.get(module, ())):
+            if state.get(dep) == "open":
+                cycles.append(" -> ".join(path[path.index(dep):] + [dep]))
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[module] = "done"
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_walk_sees_the_package():
+    """The test above cannot pass by reading nothing: the engine's known imports are found."""
+    edges = graph()
+    assert len(edges) > 40 and "moelora.core" in edges["moelora.engine.model_runner"]
+    assert "moelora.engine.lora_manager" in edges["moelora.engine.model_runner"]
