@@ -74,6 +74,7 @@ class Engine:
         self._seeds = random.Random(self.config.random_seed)  # for requests without a seed
         self._aborted: list[StepOutput] = []
         self.fatal: str | None = None  # why the engine cannot go on, once it cannot
+        self._token_texts: dict[int, str] = {}
 
     # ------------------------------------------------------------------------------ adapters
 
@@ -113,12 +114,13 @@ class Engine:
     # ------------------------------------------------------------------------------- step API
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, lora: str | None = None,
-                    rid: str | None = None) -> str:
-        """Queue one request (n must be 1); raises ValueError (AdapterError for the adapter) naming the problem."""
+                    rid: str | None = None, add_special_tokens: bool = True) -> str:
+        """Queue one request (n must be 1); raises ValueError (AdapterError for the adapter) naming the problem.
+        add_special_tokens: False for a text prompt that has them already (one `chat_prompt` made)."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         if params.n != 1:
             raise ValueError(f"add_request takes one sequence per request (SamplingParams.n=1), got n={params.n}")
-        req = self._make(prompt, params, lora, False, rid)
+        req = self._make(prompt, params, lora, False, rid, add_special_tokens)
         self._add(req)
         return req.rid
 
@@ -149,6 +151,25 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    # ------------------------------------------------------------------------------------ text
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        """The text the model's chat template makes of the messages, ending where the assistant's turn
+        begins (special tokens included: add it with add_special_tokens=False). ValueError if the
+        tokenizer has no chat template or the template refuses the messages."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("the model has no chat template (tokenizer_config.json)")
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # the template's own errors (jinja raise_exception, missing fields)
+            raise ValueError(f"the chat template failed on these messages: {e}") from e
+
+    def token_text(self, token: int) -> str:
+        """The text of one token alone (as log-probability entries show it)."""
+        if token not in self._token_texts:
+            self._token_texts[token] = self.tokenizer.decode([token])
+        return self._token_texts[token]
 
     # ----------------------------------------------------------------- state a server reports
 
@@ -186,7 +207,7 @@ class Engine:
         return reqs
 
     def _make(self, prompt: Prompt, params: SamplingParams, lora: str | None, return_prompt_logprobs: bool,
-              rid: str | None = None) -> Req:
+              rid: str | None = None, add_special_tokens: bool = True) -> Req:
         """A valid request, or ValueError naming what is wrong; changes nothing."""
         params.validate()
         if lora is not None:
@@ -195,7 +216,8 @@ class Engine:
             raise ValueError(f"request id {rid!r} is already in use")
         if isinstance(prompt, str):
             check_text(prompt, "the prompt")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if isinstance(prompt, str) \
+            else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
         bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]

@@ -232,10 +232,6 @@ class OpenAIServing:
         return [Submission(p, params.for_sequence(k), lora, add_special_tokens) for p in prompts for k in range(body.n)]
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> str:
-        tokenizer = self.loop.engine.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise APIError(400, f"the model `{self.served_model_name}` has no chat template (tokenizer_config.json); "
-                           "use /v1/completions with a prompt", param="messages")
         messages = []
         for i, m in enumerate(body.messages):
             msg = m.model_dump(exclude_none=True)
@@ -245,9 +241,9 @@ class OpenAIServing:
                 msg["content"] = "".join(p.text for p in m.content)
             messages.append(msg)
         try:
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # the template's own errors (jinja raise_exception, missing fields)
-            raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from e
+            return self.loop.engine.chat_prompt(messages)
+        except ValueError as e:
+            raise APIError(400, f"{e}; use /v1/completions with a prompt", param="messages") from e
 
     async def _submit(self, subs: list[Submission]) -> tuple[list[str], asyncio.Queue]:
         queue: asyncio.Queue = asyncio.Queue()

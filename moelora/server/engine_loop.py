@@ -70,7 +70,6 @@ class EngineLoop:
         self.adapters: dict[str, str] = {n: str(p) for n, p in engine.config.lora_paths.items()}
         self.num_waiting = 0
         self._streams: dict[str, _Stream] = {}
-        self._pieces: dict[int, str] = {}
         self._commands: list[tuple[Callable[[], Any], Future]] = []
         self._pending = 0  # sequences submitted and not yet added to the engine
         self._cv = threading.Condition()
@@ -180,10 +179,8 @@ class EngineLoop:
         rids: list[str] = []
         try:
             for index, sub in enumerate(subs):
-                prompt = sub.prompt
-                if isinstance(prompt, str) and not sub.add_special_tokens:
-                    prompt = self.engine.tokenizer.encode(prompt, add_special_tokens=False)
-                rids.append(self.engine.add_request(prompt, sub.params, sub.lora))
+                rids.append(self.engine.add_request(sub.prompt, sub.params, sub.lora,
+                                                    add_special_tokens=sub.add_special_tokens))
                 self._streams[rids[-1]] = _Stream(loop, queue, index, arrival)
         except Exception:
             for rid in rids:
@@ -231,7 +228,7 @@ class EngineLoop:
             if out.finished:
                 self.metrics.finished(out.finish_reason)
                 del self._streams[out.rid]
-            pieces = {t: self._piece(t) for lp in out.logprobs for t in lp}
+            pieces = {t: self.engine.token_text(t) for lp in out.logprobs for t in lp}
             deliveries.setdefault(stream.loop, []).append((stream.queue, Delta(stream.index, out, pieces)))
         for loop, items in deliveries.items():
             _deliver(loop, items)
@@ -248,10 +245,6 @@ class EngineLoop:
         for loop, items in deliveries.items():
             _deliver(loop, items)
 
-    def _piece(self, token: int) -> str:
-        if token not in self._pieces:
-            self._pieces[token] = self.engine.tokenizer.decode([token])
-        return self._pieces[token]
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]) -> None:

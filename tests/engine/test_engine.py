@@ -143,3 +143,18 @@ def test_top_level_names():
     from moelora.engine.engine import Engine
 
     assert moelora.Engine is Engine and moelora.SamplingParams is SamplingParams
+
+
+def test_chat_prompt_is_tokenized_once_by_the_engine(engine, monkeypatch):
+    text = engine.chat_prompt([{"role": "user", "content": "Hello world"}])
+    assert text.endswith("<|im_start|>assistant\n")
+    monkeypatch.setattr(engine, "vocab_size", len(engine.tokenizer))  # the tiny models take token-id prompts only
+    rid = engine.add_request(text, SamplingParams(max_tokens=1), add_special_tokens=False)
+    assert engine.scheduler.find(rid).prompt_ids == engine.tokenizer.encode(text, add_special_tokens=False)
+    assert engine.abort(rid)
+    engine.step()
+    assert engine.token_text(engine.tokenizer.eos_token_id) == "<|endoftext|>"
+    monkeypatch.setattr(engine.tokenizer, "chat_template", None)
+    with pytest.raises(ValueError, match="has no chat template"):
+        engine.chat_prompt([{"role": "user", "content": "Hello world"}])
+    assert_idle(engine)
