@@ -172,6 +172,35 @@ class ForwardBatch:
     is_decode: bool = False         # every extend_len is 1: decode kernels, CUDA-graph replay
     max_extend_len: int = 0         # host-side bounds for kernel grids (no device sync in the step)
 
+    @classmethod
+    def build(cls, kv: KVCache, rows: list[int], new_tokens: list[list[int]], prefix_lens: list[int],
+              out_cache_loc: torch.Tensor, logits_indices: list[int], token_slots: list[int],
+              is_decode: bool) -> ForwardBatch:
+        """The step in which the sequence of request row rows[i] adds new_tokens[i] after its
+        prefix_lens[i] cached tokens, their keys and values going to the cache slots out_cache_loc
+        (int64, in token order; recorded in kv.req_to_token here). token_slots: each new token's
+        adapter slot (-1: none). A few host-to-device copies, no device read."""
+        device = kv.req_to_token.device
+        extend_lens = [len(t) for t in new_tokens]
+        seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
+        starts = [sum(extend_lens[:i]) for i in range(len(extend_lens))]
+
+        def tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device)
+
+        positions = tensor([p for prefix, n in zip(prefix_lens, extend_lens) for p in range(prefix, prefix + n)],
+                           torch.int64)
+        token_rows = tensor([r for r, n in zip(rows, extend_lens) for _ in range(n)], torch.int64)
+        out_cache_loc = out_cache_loc.to(device)
+        kv.req_to_token[token_rows, positions] = out_cache_loc.to(torch.int32)
+        return cls(
+            input_ids=tensor([t for seq in new_tokens for t in seq], torch.int64), positions=positions,
+            req_pool_indices=tensor(rows, torch.int32), seq_lens=tensor(seq_lens, torch.int32),
+            extend_lens=tensor(extend_lens, torch.int32), extend_starts=tensor(starts, torch.int32),
+            out_cache_loc=out_cache_loc, logits_indices=tensor(logits_indices, torch.int64), kv=kv,
+            lora=LoRABatch(tensor(token_slots, torch.int32)) if any(s >= 0 for s in token_slots) else None,
+            is_decode=is_decode, max_extend_len=max(extend_lens))
+
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]

@@ -13,7 +13,7 @@ from torch import nn
 from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, MixtralConfig, OlmoeConfig,
                           PretrainedConfig, Qwen2MoeConfig, Qwen3MoeConfig)
 
-from moelora.core import ExpertLoRASlots, ForwardBatch, KVCache, LinearLoRASlots, LoRABatch, TopKConfig, TopKOutput
+from moelora.core import ExpertLoRASlots, ForwardBatch, KVCache, LinearLoRASlots, TopKConfig, TopKOutput
 from moelora.demo import peft_adapter, tiny_tokenizer  # noqa: F401  (tests build with them too)
 
 
@@ -248,27 +248,16 @@ def extend_batch(kv: KVCache, new_tokens: list[list[int]], prefix_lens: list[int
     """A step in which sequence i (request row i of `kv`) adds new_tokens[i] after prefix_lens[i]
     tokens that earlier steps put in the cache; lora_slots[i] is its adapter slot (-1: none).
     Position p of row r lives in cache slot 1 + r * max_context + p. Every new token gets logits."""
-    device = kv.req_to_token.device
     prefix_lens = prefix_lens or [0] * len(new_tokens)
     extend_lens = [len(t) for t in new_tokens]
-    seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
-    positions = torch.cat([torch.arange(p, s) for p, s in zip(prefix_lens, seq_lens)])
-    rows = torch.cat([torch.full((n,), r) for r, n in enumerate(extend_lens)])
-    out_cache_loc = 1 + rows * kv.max_context + positions
-    for r, seq_len in enumerate(seq_lens):
-        kv.req_to_token[r, :seq_len] = 1 + r * kv.max_context + torch.arange(seq_len, dtype=torch.int32)
-    lora = None
-    if lora_slots is not None:
-        lora = LoRABatch(torch.tensor([s for s, n in zip(lora_slots, extend_lens) for _ in range(n)],
-                                      dtype=torch.int32, device=device))
-    int32 = dict(dtype=torch.int32, device=device)
-    return ForwardBatch(
-        input_ids=torch.tensor([t for seq in new_tokens for t in seq], device=device),
-        positions=positions.to(device), req_pool_indices=torch.arange(len(new_tokens), **int32),
-        seq_lens=torch.tensor(seq_lens, **int32), extend_lens=torch.tensor(extend_lens, **int32),
-        extend_starts=torch.tensor([sum(extend_lens[:i]) for i in range(len(extend_lens))], **int32),
-        out_cache_loc=out_cache_loc.to(device), logits_indices=torch.arange(sum(extend_lens), device=device),
-        kv=kv, lora=lora, is_decode=all(n == 1 for n in extend_lens), max_extend_len=max(extend_lens))
+    rows = list(range(len(new_tokens)))
+    for r, prefix in enumerate(prefix_lens):  # the prefix's slots, as earlier steps wrote them
+        kv.req_to_token[r, :prefix] = 1 + r * kv.max_context + torch.arange(prefix, dtype=torch.int32)
+    out_cache_loc = torch.tensor([1 + r * kv.max_context + p for r, prefix, n in zip(rows, prefix_lens, extend_lens)
+                                  for p in range(prefix, prefix + n)], dtype=torch.int64)
+    token_slots = [s for s, n in zip(lora_slots or [-1] * len(rows), extend_lens) for _ in range(n)]
+    return ForwardBatch.build(kv, rows, new_tokens, prefix_lens, out_cache_loc, list(range(sum(extend_lens))),
+                              token_slots, is_decode=all(n == 1 for n in extend_lens))
 
 
 def batch_logits(model, batch: ForwardBatch) -> torch.Tensor:

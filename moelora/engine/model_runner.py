@@ -3,12 +3,11 @@ ForwardBatch, runs the model (decode steps from CUDA graphs where captured) and 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from moelora.core import ForwardBatch, KVCache, LoRABatch
+from moelora.core import ForwardBatch, KVCache
 from moelora.engine.config import DTYPES, EngineConfig
 from moelora.engine.cuda_graph import CudaGraphs
 from moelora.engine.lora_manager import LoRAManager
@@ -76,36 +75,19 @@ class ModelRunner:
 
     def _forward_batch(self, batch: ScheduledBatch, lora_slots: list[int]) -> tuple[ForwardBatch, list[tuple[int, int]]]:
         """The step's ForwardBatch, and per request (prompt tokens whose logits it returns, logits rows)."""
-        ids, positions, token_rows, token_slots, logits_indices, rows = [], [], [], [], [], []
+        new_tokens, token_slots, logits_indices, rows = [], [], [], []
         start = 0
         for req, prefix, n, done, slot in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.completes,
                                               lora_slots):
-            ids += req.token_ids(prefix, prefix + n)
-            positions += range(prefix, prefix + n)
-            token_rows += [req.row] * n
+            new_tokens.append(req.token_ids(prefix, prefix + n))
             token_slots += [slot] * n
             num_prompt = min(n, max(len(req.prompt_ids) - prefix, 0)) if req.return_prompt_logprobs else 0
             own = list(range(start, start + num_prompt)) + ([start + n - 1] if done and num_prompt < n else [])
             logits_indices += own
             rows.append((num_prompt, len(own)))
             start += n
-
-        def tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(self.device)
-
-        out_cache_loc = batch.out_slots.to(self.device)
-        positions_t = tensor(positions, torch.int64)
-        self.kv.req_to_token[tensor(token_rows, torch.int64), positions_t] = out_cache_loc.to(torch.int32)
-        seq_lens = [p + n for p, n in zip(batch.prefix_lens, batch.extend_lens)]
-        starts = [0, *accumulate(batch.extend_lens)][:-1]
-        return ForwardBatch(
-            input_ids=tensor(ids, torch.int64), positions=positions_t,
-            req_pool_indices=tensor([r.row for r in batch.reqs], torch.int32), seq_lens=tensor(seq_lens, torch.int32),
-            extend_lens=tensor(batch.extend_lens, torch.int32), extend_starts=tensor(starts, torch.int32),
-            out_cache_loc=out_cache_loc, logits_indices=tensor(logits_indices, torch.int64), kv=self.kv,
-            lora=LoRABatch(tensor(token_slots, torch.int32)) if any(s >= 0 for s in lora_slots) else None,
-            is_decode=batch.is_decode, max_extend_len=max(batch.extend_lens),
-        ), rows
+        return ForwardBatch.build(self.kv, [r.row for r in batch.reqs], new_tokens, batch.prefix_lens, batch.out_slots,
+                                  logits_indices, token_slots, batch.is_decode), rows
 
     def _kv_tokens(self, bytes_per_token: int, context: int) -> int:
         """KV token slots: max_total_tokens when given (on GPUs it must fit in free memory), else on CPU

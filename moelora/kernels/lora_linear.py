@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.core import LinearLoRASlots
 from moelora.kernels.lora_tiles import rank_tile, shrink_k_range
 from moelora.kernels.moe_align import AlignedBlocks, moe_align
 

@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from moelora.engine.engine import Engine, EngineDead, StepOutput
+from moelora.engine.engine import Engine, StepOutput
 from moelora.engine.sampling_params import SamplingParams
 from moelora.server.metrics import Metrics
 
