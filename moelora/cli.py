@@ -4,9 +4,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import types
 import typing
+from importlib.metadata import version
 from pathlib import Path
 
 
@@ -42,7 +44,7 @@ def serve(args: argparse.Namespace) -> int:
 
     engine = Engine(**_fields_of(args, _engine_config()))
     name = args.served_model_name or Path(args.model_path.rstrip("/")).name
-    uvicorn.run(create_app(engine, name, args.max_queued_requests), host=args.host, port=args.port,
+    uvicorn.run(create_app(engine, name, args.max_queued_requests, args.api_key), host=args.host, port=args.port,
                 log_level=args.log_level)
     return 0
 
@@ -97,6 +99,7 @@ def _fields_of(args: argparse.Namespace, cls: type) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moelora", description="Serving engine for MoE models with many LoRA adapters.")
+    parser.add_argument("--version", action="version", version=f"moelora {version('moelora')}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     p = commands.add_parser("inspect", help="describe and validate a LoRA adapter directory")
@@ -123,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--served-model-name", help="the base model's name in the API (default: the model directory's name)")
     p.add_argument("--max-queued-requests", type=int, help="refuse requests (503) while this many wait (default: no limit)")
+    p.add_argument("--api-key", default=os.environ.get("MOELORA_API_KEY"),
+                   help="every route but /health and /metrics needs 'Authorization: Bearer KEY' (default: "
+                        "$MOELORA_API_KEY; unset: no authentication)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(run=serve)
 
@@ -144,8 +150,15 @@ class _DictAction(argparse.Action):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit status 0, 1 for an error of the input (one line on stderr, no traceback), 2 for a usage error."""
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    from moelora.engine.engine import EngineDead, RequestFailed  # imports torch: after --help and --version
+
+    try:
+        return args.run(args)
+    except (ValueError, OSError, RequestFailed, EngineDead) as e:  # AdapterError is a ValueError
+        print(f"moelora {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ ForwardBatch, runs the model (decode steps from CUDA graphs where captured) and 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
@@ -29,6 +30,9 @@ class StepResult:
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config, self.device = config, config.torch_device
+        if not (Path(config.model_path) / "config.json").is_file():
+            raise ValueError(f"EngineConfig.model_path {config.model_path!r} is not a local model directory (it has no "
+                             "config.json); moelora reads local Hugging Face checkpoints, not Hub ids")
         hf_config = AutoConfig.from_pretrained(config.model_path)
         self.dtype = model_dtype(config.dtype, hf_config)
         self.model = load_model(config.model_path, self.dtype, self.device, config.load_format, config.random_seed)

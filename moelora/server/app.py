@@ -8,6 +8,7 @@ request 400 (validation errors too, naming the field), queue full 503.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import re
 import uuid
@@ -15,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
@@ -347,8 +348,10 @@ class _Route(APIRoute):
         return guarded
 
 
-def create_app(engine: Engine, served_model_name: str, max_queued_requests: int | None = None) -> FastAPI:
-    """The app; its engine thread starts and stops with the app's lifespan."""
+def create_app(engine: Engine, served_model_name: str, max_queued_requests: int | None = None,
+               api_key: str | None = None) -> FastAPI:
+    """The app; its engine thread starts and stops with the app's lifespan. With an api_key, every
+    route but /health and /metrics answers 401 unless the request carries 'Authorization: Bearer <key>'."""
     if served_model_name in engine.config.lora_paths:
         raise ValueError(f"the served model name {served_model_name!r} is also an adapter's name")
     loop = EngineLoop(engine, Metrics(engine.lora_stats), max_queued_requests)
@@ -365,12 +368,19 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
     serving = OpenAIServing(loop, served_model_name)
     app.get("/health")(serving.health)
     app.get("/metrics")(serving.metrics)
-    app.get("/v1/models")(serving.models)
-    app.post("/v1/completions")(serving.completions)
-    app.post("/v1/chat/completions")(serving.chat_completions)
+
+    async def authorized(request: Request) -> None:
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise APIError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")
+    guarded = [Depends(authorized)] if api_key else []
+    app.get("/v1/models", dependencies=guarded)(serving.models)
+    app.post("/v1/completions", dependencies=guarded)(serving.completions)
+    app.post("/v1/chat/completions", dependencies=guarded)(serving.chat_completions)
     for prefix in ("/v1", ""):
-        app.post(f"{prefix}/load_lora_adapter")(serving.load_lora_adapter)
-        app.post(f"{prefix}/unload_lora_adapter")(serving.unload_lora_adapter)
+        app.post(f"{prefix}/load_lora_adapter", dependencies=guarded)(serving.load_lora_adapter)
+        app.post(f"{prefix}/unload_lora_adapter", dependencies=guarded)(serving.unload_lora_adapter)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:

@@ -90,3 +90,13 @@ def test_serve_starts_a_server(demo_dir, reference):
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after shutting down
+
+
+def test_version_and_errors_without_traceback(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("moelora ")
+    assert main(["generate", "--model-path", str(tmp_path / "nope"), "--prompt", "x"] + CPU) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("moelora generate: error: EngineConfig.model_path") and "not a local model directory" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
