@@ -131,6 +131,9 @@ class OpenAIServing:
     async def load_lora_adapter(self, body: LoadLoRARequest) -> dict:
         if body.lora_name == self.served_model_name:
             raise APIError(400, f"`{body.lora_name}` is the base model's name", param="lora_name")
+        if body.lora_name in self.loop.adapters:
+            raise APIError(400, f"an adapter named `{body.lora_name}` is already loaded (from "
+                                f"{self.loop.adapters[body.lora_name]}); unload it first", param="lora_name")
         try:
             await self.loop.load_lora(body.lora_name, body.lora_path)
         except AdapterError as e:
@@ -393,7 +396,11 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
         loc = first["loc"]  # ("body", field, ...); ("body", position) for malformed JSON
         param = str(loc[1]) if len(loc) > 1 and loc[0] == "body" and first.get("type") != "json_invalid" else None
         param = first.get("ctx", {}).get("param", param)  # a check of the whole body that names its field
-        message = "; ".join(f"{'.'.join(str(x) for x in err['loc'][1:]) or 'body'}: {err['msg']}" for err in errors)
+        if first.get("type") == "json_invalid":
+            error = first.get("ctx", {}).get("error", "JSON decode error")
+            message = f"the request body is not valid JSON: {error} at character {loc[1] if len(loc) > 1 else 0}"
+        else:
+            message = "; ".join(f"{'.'.join(str(x) for x in err['loc'][1:]) or 'body'}: {err['msg']}" for err in errors)
         return _error(400, ErrorInfo(message=message, type="invalid_request_error", param=param))
 
     @app.exception_handler(HTTPException)
