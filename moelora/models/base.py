@@ -2,8 +2,8 @@
 logits (lm_head or tied embedding), grouped-query attention, and the KV-cache geometry.
 
 Parameter names follow the checkpoints (`model.layers.3.self_attn.o_proj.weight`) except where
-we fuse: q/k/v into `qkv_proj`, gate/up into `gate_up_proj` and the routed experts into `mlp.w13` /
-`mlp.w2`; the loader finds the checkpoint names of fused parts through each Linear's LoRA names.
+we fuse: q/k/v into `qkv_proj`, gate/up into `gate_up_proj` and the routed experts into `mlp.experts.w13` /
+`mlp.experts.w2`; the loader finds the checkpoint names of fused parts through each Linear's LoRA names.
 """
 from __future__ import annotations
 

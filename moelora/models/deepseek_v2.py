@@ -109,4 +109,4 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
         parts = name.split(".")
         if name.startswith("model.layers.") and int(parts[2]) >= self.config.num_hidden_layers:
             return None  # multi-token-prediction layers after the last decoder layer: not used for decoding
-        return super().checkpoint_name(name.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias"))
+        return super().checkpoint_name(name)

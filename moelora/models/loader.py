@@ -22,7 +22,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
 from moelora.layers.linear import Linear
-from moelora.layers.moe.layer import MoE
+from moelora.layers.moe.runner import Runner
 from moelora.layers.norm import RMSNorm
 from moelora.models.base import CausalLM
 from moelora.models.registry import model_class
@@ -108,7 +108,7 @@ def checkpoint_targets(model: CausalLM) -> dict[str, Target]:
                 if module.bias is not None:
                     targets[f"model.layers.{module.layer_id}.{name}.bias"] = Target(f"{path}.bias", rows, name)
                 offset += size
-        elif isinstance(module, MoE):
+        elif isinstance(module, Runner):
             prefix, inter = f"model.layers.{module.layer_id}.mlp.experts", module.intermediate_size
             targets[f"{prefix}.gate_up_proj"] = Target(f"{path}.w13", (), WHOLE)
             targets[f"{prefix}.down_proj"] = Target(f"{path}.w2", (), WHOLE)
