@@ -19,6 +19,7 @@ class EngineConfig:
     load_format: str = "auto"               # "auto" (safetensors) or "dummy" (random weights, for benchmarks)
     context_length: int | None = None       # default: the model's max_position_embeddings
     random_seed: int = 0                    # seeds dummy weights and requests without their own seed
+    moe_runner_backend: str = "auto"        # routed experts: "triton", "torch" (reference), "auto" (triton on CUDA)
 
     # LoRA
     max_loras_per_batch: int = 8            # GPU adapter slots; distinct adapters in one running batch
@@ -45,6 +46,8 @@ class EngineConfig:
         self._check(self.device.split(":")[0] in ("cuda", "cpu"), "device", "'cuda', 'cuda:N' or 'cpu'")
         self._check(self.dtype == "auto" or self.dtype in DTYPES, "dtype", f"'auto' or one of {sorted(DTYPES)}")
         self._check(self.load_format in ("auto", "dummy"), "load_format", "'auto' or 'dummy'")
+        self._check(self.moe_runner_backend in ("auto", "triton", "torch"), "moe_runner_backend",
+                    "'auto', 'triton' or 'torch'")
         self._check(self.context_length is None or self.context_length > 1, "context_length", "> 1")
         self._check(self.max_loras_per_batch >= 1, "max_loras_per_batch", ">= 1")
         self._check(self.max_lora_rank is None or self.max_lora_rank >= 1, "max_lora_rank", ">= 1")

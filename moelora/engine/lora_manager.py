@@ -75,7 +75,7 @@ class LoRAStats:
 class LoRAManager:
     def __init__(self, config: EngineConfig, model: nn.Module):
         self.config, self.model = config, model
-        self.shapes = load_model_shapes(model.config)
+        self.shapes = load_model_shapes(config.model_path)  # what adapters are checked against
         self.stats = LoRAStats()
         self._paths: dict[str, Path] = {}
         self._host: OrderedDict[str, Adapter] = OrderedDict()  # least recently used first

@@ -15,7 +15,7 @@ from moelora.lora.model_shapes import EXPERT_PROJECTIONS
 
 
 def _lora_layers(model: nn.Module) -> list[Linear | Runner]:
-    return [m for m in model.modules() if isinstance(m, Runner) or (isinstance(m, Linear) and m.lora_names)]
+    return [m for m in model.modules() if isinstance(m, Runner) or (isinstance(m, Linear) and m.part_names)]
 
 
 def allocate_lora_slots(model: nn.Module, num_slots: int, max_rank: int) -> None:
@@ -50,7 +50,7 @@ def write_adapter_to_slot(model: nn.Module, adapter: Adapter, slot: int) -> None
     problems, used = [], set()
     for m in layers:
         layer = adapter.layers.get(m.layer_id, LayerLoRA())
-        names = EXPERT_PROJECTIONS if isinstance(m, Runner) else m.lora_names
+        names = EXPERT_PROJECTIONS if isinstance(m, Runner) else m.part_names
         for name in names:
             lora = (layer.experts if isinstance(m, Runner) else layer.modules).get(name)
             if lora is not None:
@@ -79,7 +79,7 @@ def _fit_problems(m: Linear | Runner, name: str, lora: LinearLoRA | ExpertsLoRA)
         d_in, d_out = (m.intermediate_size, m.hidden_size) if name == "down" else (m.hidden_size, m.intermediate_size)
         expected = ((m.num_experts, lora.rank, d_in), (m.num_experts, d_out, lora.rank))
     else:
-        expected = ((lora.rank, m.in_features), (m.out_sizes[m.lora_names.index(name)], lora.rank))
+        expected = ((lora.rank, m.in_features), (m.out_sizes[m.part_names.index(name)], lora.rank))
     got = (tuple(lora.a.shape), tuple(lora.b.shape))
     return [] if got == expected else [f"{where}: A, B shapes {got}, expected {expected}"]
 
@@ -90,7 +90,7 @@ def _write_linear(m: Linear, layer: LayerLoRA, slot: int) -> None:
     buffers.b[slot].zero_()
     buffers.ranks[slot] = 0
     offset = 0
-    for part, (name, size) in enumerate(zip(m.lora_names, m.out_sizes)):
+    for part, (name, size) in enumerate(zip(m.part_names, m.out_sizes)):
         lora = layer.modules.get(name)
         if lora is not None:
             buffers.a[slot, part, :lora.rank].copy_(lora.a)

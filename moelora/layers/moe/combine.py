@@ -18,7 +18,7 @@ class Combine(nn.Module):
         if shared_expert_gate and shared_experts is None:
             raise ValueError("a shared_expert_gate needs shared_experts")
         self.shared_experts = shared_experts
-        self.shared_expert_gate = (Linear(hidden_size, 1, lora_names=("mlp.shared_expert_gate",), layer_id=layer_id)
+        self.shared_expert_gate = (Linear(hidden_size, 1, part_names=("mlp.shared_expert_gate",), layer_id=layer_id)
                                    if shared_expert_gate else None)
 
     def forward(self, x: torch.Tensor, routed: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:

@@ -24,7 +24,7 @@ class TopK(Linear):
 
     def __init__(self, hidden_size: int, num_experts: int, config: TopKConfig, layer_id: int,
                  correction_bias: bool = False):
-        super().__init__(hidden_size, num_experts, lora_names=("mlp.gate",), layer_id=layer_id)
+        super().__init__(hidden_size, num_experts, part_names=("mlp.gate",), layer_id=layer_id)
         self.config = config
         self.e_score_correction_bias = (nn.Parameter(torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
                                         if correction_bias else None)
