@@ -9,15 +9,13 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from moelora.core import ForwardBatch, KVCache
-from moelora.engine.config import DTYPES, EngineConfig
+from moelora.engine.config import CPU_KV_TOKENS, DTYPES, EngineConfig
 from moelora.engine.cuda_graph import CudaGraphs
 from moelora.engine.lora_manager import LoRAManager
 from moelora.engine.request import Req
 from moelora.engine.sampler import SampleOutput, SamplingBatch, sample
 from moelora.engine.scheduler import ScheduledBatch
 from moelora.models.loader import load_model
-
-CPU_KV_TOKENS = 16384  # KV cache size on CPU without max_total_tokens (no free-memory query there)
 
 
 @dataclass
