@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 import types
@@ -42,10 +43,11 @@ def serve(args: argparse.Namespace) -> int:
     from moelora.engine.engine import Engine
     from moelora.server.app import create_app
 
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     engine = Engine(**_fields_of(args, _engine_config()))
     name = args.served_model_name or Path(args.model_path.rstrip("/")).name
-    uvicorn.run(create_app(engine, name, args.max_queued_requests, args.api_key), host=args.host, port=args.port,
-                log_level=args.log_level)
+    app = create_app(engine, name, args.max_queued_requests, args.api_key, args.log_stats_interval)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 
@@ -143,7 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every route but /health and /metrics needs 'Authorization: Bearer KEY' (default: "
                         "$MOELORA_API_KEY; unset: no authentication)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                   help="the server's log (default: info)")
+                   help="the server's log: info has what it serves at start and the stats line (default: info)")
+    p.add_argument("--log-stats-interval", type=float, default=10.0,
+                   help="seconds between the log lines of running/waiting requests, tokens/s, KV cache and LoRA "
+                        "slot use; 0 turns them off (default: 10)")
     p.set_defaults(run=serve)
 
     from moelora.engine.sampling_params import SamplingParams

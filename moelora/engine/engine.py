@@ -197,6 +197,35 @@ class Engine:
         """The adapter slots' counters (hits, loads, evictions, disk loads), updated in place."""
         return self.runner.lora.stats
 
+    @property
+    def num_running(self) -> int:
+        """Requests holding KV cache (running, or part-way through their prompt)."""
+        return len(self.scheduler.running) + (self.scheduler.chunked is not None)
+
+    @property
+    def kv_cache_usage(self) -> tuple[int, int]:
+        """(KV token slots in use, all of them)."""
+        total = self.runner.kv.num_slots - 1  # slot 0 is never handed out
+        return total - self.scheduler.pool.free_slots, total
+
+    @property
+    def lora_slots_usage(self) -> tuple[int, int]:
+        """(GPU adapter slots holding an adapter, all of them)."""
+        return len(self.runner.lora.pool.names), self.config.max_loras_per_batch
+
+    def summary(self) -> list[str]:
+        """What the engine serves, a line each: model, KV cache, tokenizer, LoRA slots and adapters."""
+        runner, config = self.runner, self.config
+        hf_config = runner.model.config
+        family = ", ".join(getattr(hf_config, "architectures", None) or [type(hf_config).__name__])
+        tokens, kv_bytes = runner.kv.num_slots - 1, runner.model.kv_cache_shape.bytes_per_token(runner.dtype)
+        return [f"model {config.model_path}: {family}, {str(runner.dtype).removeprefix('torch.')} on {runner.device}",
+                f"KV cache: {tokens} tokens ({tokens * kv_bytes / 2**30:.2f} GiB); context {self.context_len} tokens; "
+                f"up to {config.max_running_requests} running requests",
+                f"tokenizer: {config.tokenizer_path or config.model_path}" if self.tokenizer is not None
+                else f"no tokenizer: {self.missing_tokenizer}",
+                *runner.lora.describe()]
+
     def accounting_error(self) -> str | None:
         """What does not add up between the KV cache pool and the requests holding it (None: all well)."""
         return self.scheduler.accounting_error()

@@ -370,15 +370,20 @@ class _Route(APIRoute):
 
 
 def create_app(engine: Engine, served_model_name: str, max_queued_requests: int | None = None,
-               api_key: str | None = None) -> FastAPI:
-    """The app; its engine thread starts and stops with the app's lifespan. With an api_key, every
-    route but /health and /metrics answers 401 unless the request carries 'Authorization: Bearer <key>'."""
+               api_key: str | None = None, stats_interval: float = 10.0) -> FastAPI:
+    """The app; its engine thread starts and stops with the app's lifespan, which logs what it serves
+    first. With an api_key, every route but /health and /metrics answers 401 unless the request carries
+    'Authorization: Bearer <key>'. stats_interval: seconds between the stats log lines (0: none)."""
     if served_model_name in engine.config.lora_paths:
         raise ValueError(f"the served model name {served_model_name!r} is also an adapter's name")
-    loop = EngineLoop(engine, Metrics(engine.lora_stats), max_queued_requests)
+    loop = EngineLoop(engine, Metrics(engine.lora_stats), max_queued_requests, stats_interval)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        logger.info("serving %s as %r%s", engine.config.model_path, served_model_name,
+                    ", with an API key" if api_key else "")
+        for line in engine.summary():
+            logger.info("%s", line)
         loop.start()
         yield
         loop.stop()

@@ -143,11 +143,15 @@ def test_the_engine_and_the_cli_need_no_server_packages():
     subprocess.run([sys.executable, "-c", code], env=env(), check=True)
 
 
-def test_serve_starts_a_server(demo_dir, reference):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moelora.cli", "serve", "--model-path", str(demo_dir / "model"),
-                             "--lora-paths", f"alpha={demo_dir / 'alpha'}", "--served-model-name", "base",
-                             "--port", str(port), "--log-level", "warning", *CPU], env=env())
+def test_serve_starts_a_server(demo_dir, reference, tmp_path):
+    """With vLLM's flag names; the log says what it serves."""
+    port, log = free_port(), tmp_path / "serve.log"
+    alpha = json.dumps({"name": "alpha", "path": str(demo_dir / "alpha")})
+    with log.open("w") as stderr:
+        proc = subprocess.Popen([shutil.which("moelora"), "serve", "--model-path", str(demo_dir / "model"),
+                                 "--lora-modules", alpha, "--served-model-name", "base", "--max-loras", "1",
+                                 "--max-model-len", "64", "--max-num-seqs", "4", "--port", str(port), *CPU],
+                                env=env(), stderr=stderr)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -163,6 +167,15 @@ def test_serve_starts_a_server(demo_dir, reference):
         out = client.completions.create(model="alpha", prompt="Hello world", max_tokens=5, temperature=0)
         want = reference.generate("Hello world", SamplingParams(max_tokens=5, temperature=0.0), lora="alpha")[0]
         assert out.choices[0].text == want.text
+        with pytest.raises(openai.BadRequestError, match="the context holds 64"):
+            client.completions.create(model="alpha", prompt="Hello world", max_tokens=63)
+        with pytest.raises(openai.BadRequestError, match="max_running_requests \\(4\\)"):
+            client.completions.create(model="alpha", prompt="Hello world", n=5)
+        logged = log.read_text()
+        for line in [f"moelora.server.app: model {demo_dir / 'model'}: Qwen3MoeForCausalLM, float32 on cpu",
+                     "context 64 tokens; up to 4 running requests", "LoRA: 1 GPU slots of rank 8",
+                     f"adapter alpha: {demo_dir / 'alpha'} (rank 8, "]:
+            assert line in logged, logged
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after shutting down
