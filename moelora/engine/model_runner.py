@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from moelora.core import ForwardBatch, KVCache
-from moelora.engine.config import DTYPES, EngineConfig
+from moelora.engine.config import CPU_KV_TOKENS, DTYPES, EngineConfig
 from moelora.engine.cuda_graph import CudaGraphs
 from moelora.engine.lora_manager import LoRAManager
 from moelora.engine.request import Req
@@ -16,8 +16,6 @@ from moelora.engine.sampler import SampleOutput, SamplingBatch, sample
 from moelora.engine.scheduler import ScheduledBatch
 from moelora.models.config import ModelConfig
 from moelora.models.loader import load_model
-
-CPU_KV_TOKENS = 16384  # KV cache size on CPU without max_total_tokens (no free-memory query there)
 
 
 @dataclass

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from moelora.engine.fields import option
+
 # Temperatures below this sample greedily, as in vLLM: dividing logits by them overflows.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
@@ -12,29 +14,24 @@ _INT64 = (-(2**63), 2**63)
 
 @dataclass
 class SamplingParams:
-    """How one request samples and when it stops.
+    """How one request samples and when it stops (vLLM's semantics). A temperature of 0 (or below
+    GREEDY_TEMPERATURE) is greedy: top_p/top_k/min_p then do nothing. Without a seed the engine draws
+    one at admission."""
 
-    temperature: 0 (or below GREEDY_TEMPERATURE) is greedy; then top_p/top_k/min_p do nothing.
-    top_k: -1 or 0 turns it off. top_p: keep the smallest set of tokens whose mass reaches it.
-    min_p: drop tokens less likely than min_p times the most likely one.
-    seed: makes the draws reproducible; without one the engine draws a seed at admission.
-    stop: strings that end generation; they are not part of the output text.
-    stop_token_ids: tokens that end generation (besides EOS unless ignore_eos); not in the text.
-    logprobs: how many top logprobs to return per generated token (0: only the chosen token's).
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | tuple[str, ...] | None = None
-    stop_token_ids: list[int] | tuple[int, ...] | None = None
-    ignore_eos: bool = False
-    n: int = 1
-    logprobs: int | None = None
-    skip_special_tokens: bool = True
+    max_tokens: int | None = option(16, "most tokens to generate (None: up to the context length)")
+    temperature: float = option(1.0, "sampling temperature; 0 is greedy")
+    top_p: float = option(1.0, "keep the smallest set of tokens whose probability mass reaches top_p")
+    top_k: int = option(-1, "keep the k most likely tokens; -1 or 0 turns it off")
+    min_p: float = option(0.0, "drop tokens less likely than min_p times the most likely one")
+    seed: int | None = option(None, "makes the draws reproducible")
+    stop: str | list[str] | tuple[str, ...] | None = option(None, "strings that end generation (not part of the text)")
+    stop_token_ids: list[int] | tuple[int, ...] | None = option(None, "tokens that end generation, besides EOS unless "
+                                                                      "ignore_eos (not part of the text)")
+    ignore_eos: bool = option(False, "go on past the end-of-sequence token")
+    n: int = option(1, "completions of the prompt")
+    logprobs: int | None = option(None, "top log-probabilities returned per generated token (0: only the chosen "
+                                        "token's)")
+    skip_special_tokens: bool = option(True, "leave special tokens out of the text")
 
     def __post_init__(self) -> None:
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -52,8 +49,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and its value."""
-        _check(_is_int64(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
-               "an int >= 1 (that fits in int64)")
+        _check(self.max_tokens is None or _is_int64(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+               self.max_tokens, "None or an int >= 1 (that fits in int64)")
         _check(_is_real(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
                "a finite number >= 0")
         _check(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")

@@ -23,7 +23,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from moelora.engine.engine import Engine, EngineDead
+from moelora.engine.engine import Engine, EngineDead, PromptError
 from moelora.lora.errors import AdapterError
 from moelora.server.engine_loop import Delta, EngineError, EngineLoop, Overloaded, Submission
 from moelora.server.metrics import Metrics
@@ -41,11 +41,17 @@ class APIError(Exception):
                  code: str | None = None, problems: list[str] | None = None):
         super().__init__(message)
         self.status = status
+        if code is None and status == 400:  # OpenAI's code for a value out of its range or rules
+            code = "invalid_value"
         self.info = ErrorInfo(message=message, type=type, param=param, code=code, problems=problems)
 
 
 def _error(status: int, info: ErrorInfo) -> JSONResponse:
-    return JSONResponse(ErrorResponse(error=info).model_dump(exclude_none=True), status_code=status)
+    """OpenAI's shape: param and code always there (null when they do not apply)."""
+    body = ErrorResponse(error=info).model_dump()
+    if info.problems is None:
+        del body["error"]["problems"]
+    return JSONResponse(body, status_code=status)
 
 
 def _not_found(name: str) -> APIError:
@@ -53,17 +59,24 @@ def _not_found(name: str) -> APIError:
 
 
 def _bad_value(e: ValueError, aliases: dict[str, str] | None = None) -> APIError:
-    """SamplingParams and the engine name the bad field as SamplingParams.<field>; `aliases` maps
-    such a field to the request's name for it."""
+    """SamplingParams and the engine name the bad field as SamplingParams.<field>, and raise PromptError
+    for the prompt ("prompt" here); `aliases` maps such a field to the request's name for it."""
     m = re.search(r"SamplingParams\.(\w+)", str(e))
-    param = m and m.group(1)
-    return APIError(400, str(e), param=(aliases or {}).get(param, param))
+    param = "prompt" if isinstance(e, PromptError) else m and m.group(1)
+    code = "context_length_exceeded" if "the context holds" in str(e) else None
+    return APIError(400, str(e), param=(aliases or {}).get(param, param), code=code)
+
+
+# pydantic's error types -> OpenAI's codes; the rest are values of the wrong type
+_VALIDATION_CODES = {"json_invalid": "invalid_json", "missing": "missing_required_parameter",
+                     "invalid_unicode": "invalid_value", "too_short": "invalid_value", "value_error": "invalid_value"}
 
 
 @dataclass
 class _Choice:
     """One sequence's output so far."""
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[tuple[str, float, list[tuple[str, float]]]] = field(default_factory=list)  # piece, lp, top (desc)
     finish_reason: str | None = None
     prompt_tokens: int = 0
@@ -74,6 +87,7 @@ class _Choice:
         new = [(d.pieces[t], lp[t], sorted(((d.pieces[u], v) for u, v in lp.items()), key=lambda x: -x[1]))
                for t, lp in zip(d.out.token_ids, d.out.logprobs)]
         self.text += d.out.text
+        self.token_ids += d.out.token_ids
         self.logprobs += new
         self.finish_reason = d.out.finish_reason
         self.prompt_tokens, self.completion_tokens = d.out.prompt_tokens, d.out.completion_tokens
@@ -155,16 +169,18 @@ class OpenAIServing:
         rids, queue = await self._submit(subs)
         rid, model = f"cmpl-{uuid.uuid4().hex}", body.model or self.served_model_name
         choices = [_Choice() for _ in subs]
+        with_ids = self.loop.engine.tokenizer is None  # no text: the choices carry their token ids
 
         def chunk(d: Delta) -> CompletionResponse | None:
             choice = choices[d.index]
             offset = len(choice.text)
             entries = choice.add(d)
-            if not (d.out.text or d.out.finished or entries):
+            if not (d.out.text or d.out.finished or entries or with_ids and d.out.token_ids):
                 return None
             logprobs = _completion_logprobs(entries, offset) if body.logprobs is not None else None
             return CompletionResponse(id=rid, model=model, choices=[CompletionChoice(
-                index=d.index, text=d.out.text, logprobs=logprobs, finish_reason=d.out.finish_reason)])
+                index=d.index, text=d.out.text, logprobs=logprobs, finish_reason=d.out.finish_reason,
+                token_ids=d.out.token_ids if with_ids else None)])
 
         def usage_chunk() -> CompletionResponse:
             return CompletionResponse(id=rid, model=model, choices=[], usage=_usage(choices, body.n))
@@ -173,7 +189,7 @@ class OpenAIServing:
             return self._stream(rids, queue, chunk, [], usage_chunk if body.include_usage else None)
         await self._collect(request, rids, queue, choices)
         return self._json(CompletionResponse(id=rid, model=model, usage=_usage(choices, body.n), choices=[
-            CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
+            CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason, token_ids=c.token_ids if with_ids else None,
                              logprobs=_completion_logprobs(c.logprobs, 0) if body.logprobs is not None else None)
             for i, c in enumerate(choices)]))
 
@@ -183,9 +199,10 @@ class OpenAIServing:
         k = body.top_logprobs or 0
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         aliases = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
+        aliases |= {"logprobs": "top_logprobs", "prompt": "messages"}
         subs = self._submissions(body, [self._chat_prompt(body)], max_tokens, k if body.logprobs else None,
-                                 add_special_tokens=False, aliases=aliases | {"logprobs": "top_logprobs"})
-        rids, queue = await self._submit(subs)
+                                 add_special_tokens=False, aliases=aliases)
+        rids, queue = await self._submit(subs, aliases)
         rid, model = f"chatcmpl-{uuid.uuid4().hex}", body.model or self.served_model_name
         choices = [_Choice() for _ in subs]
 
@@ -230,7 +247,7 @@ class OpenAIServing:
             raise APIError(400, f"n must be >= 1 and n * prompts <= max_running_requests ({limit}), got n={body.n} "
                            f"for {len(prompts)} prompts", param="n")
         try:
-            params = body.sampling_params(self.loop.context_len if max_tokens is None else max_tokens, logprobs)
+            params = body.sampling_params(max_tokens, logprobs)
         except ValueError as e:
             raise _bad_value(e, aliases) from e
         return [Submission(p, params.for_sequence(k), lora, add_special_tokens) for p in prompts for k in range(body.n)]
@@ -249,7 +266,8 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, f"{e}; use /v1/completions with a prompt", param="messages") from e
 
-    async def _submit(self, subs: list[Submission]) -> tuple[list[str], asyncio.Queue]:
+    async def _submit(self, subs: list[Submission], aliases: dict[str, str] | None = None
+                      ) -> tuple[list[str], asyncio.Queue]:
         queue: asyncio.Queue = asyncio.Queue()
         try:
             return await self.loop.submit(subs, queue), queue
@@ -258,7 +276,7 @@ class OpenAIServing:
         except AdapterError as e:  # unloaded since _adapter looked
             raise _not_found(subs[0].lora or "") from e
         except ValueError as e:
-            raise _bad_value(e) from e
+            raise _bad_value(e, aliases) from e
         except (EngineError, EngineDead) as e:
             raise APIError(503, str(e), type="server_error") from e
 
@@ -352,15 +370,20 @@ class _Route(APIRoute):
 
 
 def create_app(engine: Engine, served_model_name: str, max_queued_requests: int | None = None,
-               api_key: str | None = None) -> FastAPI:
-    """The app; its engine thread starts and stops with the app's lifespan. With an api_key, every
-    route but /health and /metrics answers 401 unless the request carries 'Authorization: Bearer <key>'."""
+               api_key: str | None = None, stats_interval: float = 10.0) -> FastAPI:
+    """The app; its engine thread starts and stops with the app's lifespan, which logs what it serves
+    first. With an api_key, every route but /health and /metrics answers 401 unless the request carries
+    'Authorization: Bearer <key>'. stats_interval: seconds between the stats log lines (0: none)."""
     if served_model_name in engine.config.lora_paths:
         raise ValueError(f"the served model name {served_model_name!r} is also an adapter's name")
-    loop = EngineLoop(engine, Metrics(engine.lora_stats), max_queued_requests)
+    loop = EngineLoop(engine, Metrics(engine.lora_stats), max_queued_requests, stats_interval)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        logger.info("serving %s as %r%s", engine.config.model_path, served_model_name,
+                    ", with an API key" if api_key else "")
+        for line in engine.summary():
+            logger.info("%s", line)
         loop.start()
         yield
         loop.stop()
@@ -401,7 +424,8 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
             message = f"the request body is not valid JSON: {error} at character {loc[1] if len(loc) > 1 else 0}"
         else:
             message = "; ".join(f"{'.'.join(str(x) for x in err['loc'][1:]) or 'body'}: {err['msg']}" for err in errors)
-        return _error(400, ErrorInfo(message=message, type="invalid_request_error", param=param))
+        return _error(400, ErrorInfo(message=message, type="invalid_request_error", param=param,
+                                     code=_VALIDATION_CODES.get(first.get("type"), "invalid_type")))
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:

@@ -89,8 +89,8 @@ class SamplingRequest(RequestBody):
     skip_special_tokens: bool = True
     user: str | None = None  # OpenAI's end-user id: checked, not used
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """ValueError names the bad field (SamplingParams.<field>)."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """ValueError names the bad field (SamplingParams.<field>); max_tokens None: up to the context."""
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise ValueError(f"SamplingParams.{name} is not supported (must be 0)")
@@ -174,6 +174,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # a model served without a tokenizer: its output, which has no text
 
 
 class _Response(BaseModel):
