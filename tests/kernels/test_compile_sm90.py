@@ -18,7 +18,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from moelora.kernels import attention as at
-from moelora.kernels import fused_moe as fm
+from moelora.kernels.fused_moe import config as fm_config
+from moelora.kernels.fused_moe import gemm as fm_gemm
+from moelora.kernels.fused_moe import reduction as fm_reduction
+from moelora.kernels.fused_moe import shrink as fm_shrink
 from moelora.kernels.gemm_tiles import gemm_block_k
 from moelora.kernels import kv_store as kv
 from moelora.kernels import linear as li
@@ -81,15 +84,15 @@ def compile_all() -> list[dict]:
     """Every kernel in every default config; one summary per compiled kernel."""
     results = []
     # pair blocks (T=1), blocks of 16, 32, 64 and 128 rows; with LoRA and without
-    configs = {(fm.default_config(tokens, 8, 128, torch.bfloat16), lora)
+    configs = {(fm_config.default_config(tokens, 8, 128, torch.bfloat16), lora)
                for tokens in (1, 32, 1024, 2048, 4096) for lora in (False, True)}
     for cfg, has_lora in sorted(configs, key=lambda c: (c[0].block_m, c[1])):
         for dtype in ("bf16", "fp16"):
-            for kernel, block_n, own in ((fm._gate_up_kernel, cfg.block_n_gate_up,
-                                          dict(SPLIT_K=fm.SHRINK_SPLIT_K, PART_N=fm.DOWN_SHRINK_PART)),
-                                         (fm._down_kernel, cfg.block_n_down, {})):
+            for kernel, block_n, own in ((fm_gemm.gate_up_kernel, cfg.block_n_gate_up,
+                                          dict(SPLIT_K=fm_config.SHRINK_SPLIT_K, PART_N=fm_config.DOWN_SHRINK_PART)),
+                                         (fm_gemm.down_kernel, cfg.block_n_down, {})):
                 constexprs = dict(HAS_LORA=has_lora, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
-                                  GROUP_M=cfg.group_m, BLOCK_R=64, PARTS=fm.SUM_PARTS, PAIR_BLOCKS=cfg.pair_blocks,
+                                  GROUP_M=cfg.group_m, BLOCK_R=64, PARTS=fm_config.SUM_PARTS, PAIR_BLOCKS=cfg.pair_blocks,
                                   HALF_TILES=cfg.half_tiles, TOP_K_P=8, **own)
                 compiled = compile_sm90(kernel, constexprs, dtype, cfg.num_warps, cfg.num_stages)
                 ptx = compiled.asm["ptx"]
@@ -101,11 +104,12 @@ def compile_all() -> list[dict]:
                                (ma._count_kernel, dict(HAS_SLOTS=True, S1_P=16, CHUNK=256)),
                                (ma._lay_out_kernel, dict(BLOCK_M=64, E_P=256, S1_P=16, CHUNK=256)),
                                (ma._place_kernel, dict(HAS_SLOTS=True, S1_P=16, CHUNK=256)),
-                               (fm._shrink_kernel, dict(BLOCK_M=16, BLOCK_K=64, BLOCK_R=16, SPLIT_K=fm.SHRINK_SPLIT_K)),
-                               (fm._pair_shrink_kernel, dict(BLOCK_M=16, E_P=128, S1_P=16, CHUNK=256, BLOCK_K=64,
-                                                             BLOCK_R=16, SPLIT_K=fm.SHRINK_SPLIT_K)),
-                               (fm._reduce_partials_kernel, dict(BLOCK_ROWS=64, BLOCK_R=16, PARTS=32)),
-                               (fm._moe_sum_kernel, dict(TOP_K_P=8, BLOCK_H=1024))):
+                               (fm_shrink.shrink_kernel,
+                                dict(BLOCK_M=16, BLOCK_K=64, BLOCK_R=16, SPLIT_K=fm_config.SHRINK_SPLIT_K)),
+                               (fm_shrink.pair_shrink_kernel, dict(BLOCK_M=16, E_P=128, S1_P=16, CHUNK=256, BLOCK_K=64,
+                                                                   BLOCK_R=16, SPLIT_K=fm_config.SHRINK_SPLIT_K)),
+                               (fm_reduction.reduce_partials_kernel, dict(BLOCK_ROWS=64, BLOCK_R=16, PARTS=32)),
+                               (fm_reduction.moe_sum_kernel, dict(TOP_K_P=8, BLOCK_H=1024))):
         compiled = compile_sm90(kernel, constexprs, "bf16", 8, 1)
         results.append(dict(kernel=kernel.fn.__name__, shared=compiled.metadata.shared, ttgir=""))
     results += (compile_attention() + compile_lora_linear() + compile_rotary() + compile_topk() + compile_rms_norm()
@@ -153,7 +157,7 @@ def test_all_kernels_fit_shared_memory(compiled):
 
 def test_grouped_gemms_pipeline_on_wgmma(compiled):
     for r in compiled:
-        if r["kernel"] in ("_gate_up_kernel", "_down_kernel"):
+        if r["kernel"] in ("gate_up_kernel", "down_kernel"):
             where = f"{r['kernel']} {r['dtype']} block_m={r['block_m']} lora={r['lora']}"
             assert "async_copy_global_to_local" in r["ttgir"], f"{where}: main loop is not software-pipelined"
             if r["block_m"] >= 64:  # wgmma works on 64-row tiles; smaller blocks use mma.sync
@@ -164,11 +168,11 @@ def test_pair_blocks_shrink_in_gate_up_synchronises(compiled):
     """With pair blocks and LoRA the gate/up shrink runs in the gate_up launch: its programs signal with a
     gpu-scope acq_rel add (gemm_tiles.arrive), the GEMM programs spin on a gpu-scope acquire and read xa from
     L2 (.cg); no other gate_up variant carries any of it."""
-    gate_ups = [r for r in compiled if r["kernel"] == "_gate_up_kernel"]
+    gate_ups = [r for r in compiled if r["kernel"] == "gate_up_kernel"]
     assert any(r["pair_blocks"] and r["lora"] for r in gate_ups)
     for r in gate_ups:
         fused = r["pair_blocks"] and r["lora"]
-        where = f"_gate_up_kernel {r['dtype']} block_m={r['block_m']} lora={r['lora']} pair_blocks={r['pair_blocks']}"
+        where = f"gate_up_kernel {r['dtype']} block_m={r['block_m']} lora={r['lora']} pair_blocks={r['pair_blocks']}"
         assert (r["arrive"], r["acquire"], r["cg_loads"]) == (fused,) * 3, where
 
 
