@@ -47,6 +47,11 @@ class IncrementalDetokenizer:
         return self.finish_reason is not None
 
     @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """The tokens that end the output: stop_token_ids, and EOS unless ignore_eos."""
+        return frozenset(self._stop_ids)
+
+    @property
     def text(self) -> str:
         """The text released so far."""
         return self._text[:self._released]
@@ -63,6 +68,11 @@ class IncrementalDetokenizer:
             self._append(self._decode_new(flush=False))
             if not self.finished and self.num_tokens >= self.params.max_tokens:
                 self._finish("length")
+        return self._release()
+
+    def stop(self) -> str:
+        """Finish with reason "stop" now (the output's grammar is complete); the text left to release."""
+        self._finish("stop")
         return self._release()
 
     def _decode_new(self, flush: bool) -> str:
