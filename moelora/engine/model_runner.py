@@ -88,24 +88,25 @@ class ModelRunner:
 
     def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
         """The sampling options of the requests, with their penalties and token masks. The grammars'
-        bitmasks are filled here, on the host, while the device runs the step's forward."""
+        bitmasks are filled first, on the host, while the device still runs the step's forward (the
+        host-to-device copies after them wait for it)."""
+        masked = [i for i, r in enumerate(reqs) if r.masked]
+        bitmask = torch.full((len(masked), -(-self.vocab_size // 32)), -1, dtype=torch.int32)
+        for j, i in enumerate(masked):
+            if reqs[i].grammar is not None:
+                reqs[i].grammar.fill_next_token_bitmask(bitmask, j)
+            if reqs[i].allowed_tokens is not None:
+                bitmask[j] &= reqs[i].allowed_tokens
         params = [r.params for r in reqs]
         sampling = SamplingBatch.build(params, [r.seed for r in reqs], [len(r.output_ids) for r in reqs], self.device,
                                        [r.detokenizer.stop_token_ids if r.params.min_tokens else () for r in reqs])
+        if masked:
+            sampling.token_mask = TokenMask(torch.tensor(masked, dtype=torch.int64).to(self.device),
+                                            bitmask.to(self.device))
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
         if penalised:
             sampling.penalties = self.penalties.gather(penalised, [reqs[i].row for i in penalised],
                                                        [params[i] for i in penalised])
-        masked = [i for i, r in enumerate(reqs) if r.masked]
-        if masked:
-            bitmask = torch.full((len(masked), -(-self.vocab_size // 32)), -1, dtype=torch.int32)
-            for j, i in enumerate(masked):
-                if reqs[i].grammar is not None:
-                    reqs[i].grammar.fill_next_token_bitmask(bitmask, j)
-                if reqs[i].allowed_tokens is not None:
-                    bitmask[j] &= reqs[i].allowed_tokens
-            sampling.token_mask = TokenMask(torch.tensor(masked, dtype=torch.int64).to(self.device),
-                                            bitmask.to(self.device))
         return sampling
 
     def _forward_batch(self, batch: ScheduledBatch, lora_slots: list[int]) -> tuple[ForwardBatch, list[tuple[int, int]]]:

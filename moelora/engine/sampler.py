@@ -141,7 +141,10 @@ class PenaltyState:
         ids = torch.tensor(prompt_ids + output_ids, dtype=torch.int64).to(self.device)
         self.in_prompt[row] = False
         self.in_prompt[row, ids[:len(prompt_ids)]] = True
-        self.output_counts[row] = torch.bincount(ids[len(prompt_ids):], minlength=self.vocab)
+        output = ids[len(prompt_ids):]
+        # index_put_, not bincount: bincount sizes its output from the largest id, a host sync on CUDA
+        self.output_counts[row] = 0
+        self.output_counts[row].index_put_((output,), torch.ones_like(output, dtype=torch.int32), accumulate=True)
 
     def gather(self, batch_rows: list[int], state_rows: list[int], params: list[SamplingParams]) -> Penalties:
         """The penalties of batch rows batch_rows (request rows state_rows, params of each)."""
