@@ -42,7 +42,7 @@ class SamplingParams:
     top_k: -1 or 0 turns it off. top_p: keep the smallest set of tokens whose mass reaches it.
     min_p: drop tokens less likely than min_p times the most likely one.
     seed: makes the draws reproducible; without one the engine draws a seed at admission.
-    stop: strings that end generation; they are not part of the output text.
+    stop: strings that end generation; they are not part of the output text unless include_stop_str_in_output.
     stop_token_ids: tokens that end generation (besides EOS unless ignore_eos); not in the text.
     logprobs: how many top logprobs to return per generated token (0: only the chosen token's).
     prompt_logprobs: as logprobs, for every prompt token after the first (vLLM's; `echo` uses them).
@@ -68,6 +68,7 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -100,7 +100,6 @@ _UNSUPPORTED = {
     "use_beam_search": ((False,), "beam search is not supported"),
     "length_penalty": ((1.0,), "it scores beam search, which is not supported"),
     "bad_words": ((None, []), "bad_words is not supported (use logit_bias)"),
-    "include_stop_str_in_output": ((False,), "include_stop_str_in_output is not supported"),
     "spaces_between_special_tokens": ((True,), "special tokens are decoded as the tokenizer joins them"),
     "truncate_prompt_tokens": ((None,), "prompts are never truncated"),
     "logits_processors": ((None, []), "custom logits processors are not supported"),
@@ -158,6 +157,7 @@ class SamplingRequest(RequestBody):
     allowed_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -183,6 +183,7 @@ class SamplingRequest(RequestBody):
                                                "frequency_penalty", "repetition_penalty") if getattr(self, k) is not None}
         return SamplingParams(max_tokens=max_tokens, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                               ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+                              include_stop_str_in_output=self.include_stop_str_in_output,
                               logit_bias=self._logit_bias(), min_tokens=self.min_tokens,
                               allowed_token_ids=self.allowed_token_ids, prompt_logprobs=prompt_logprobs,
                               structured_output=self.structured_output(), **given)

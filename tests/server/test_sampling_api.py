@@ -61,6 +61,14 @@ def test_sampling_fields_equal_engine_generate(client, reference, model, fields,
     assert chat == reference.generate(chat_ids(reference, MESSAGES), sp, lora=lora(model))[0].text
 
 
+def test_include_stop_str_in_output(client, reference):
+    full = reference.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), lora="alpha")[0].text
+    stop = full.split()[2]
+    out = client.completions.create(model="alpha", prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop],
+                                    extra_body={"include_stop_str_in_output": True})
+    assert out.choices[0].text == full[:full.index(stop) + len(stop)] and out.choices[0].finish_reason == "stop"
+
+
 def test_echo_with_prompt_logprobs(client, reference):
     out = client.completions.create(model="beta", prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=2)
     ids = reference.tokenizer.encode(PROMPT)
@@ -205,3 +213,30 @@ def test_harmless_values_of_refused_fields_are_accepted(server):
     chat = {"model": "alpha", "messages": MESSAGES, "max_tokens": 2, "store": False, "modalities": ["text"],
             "service_tier": "auto", "add_generation_prompt": True}
     assert httpx.post(f"{server.url}/v1/chat/completions", json=chat).status_code == 200
+
+
+@pytest.mark.parametrize("fields, want", [
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, StructuredOutput("json_object")),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}}},
+     StructuredOutput("json_schema", json.dumps(SCHEMA))),
+    ({"guided_json": json.dumps(SCHEMA)}, StructuredOutput("json_schema", json.dumps(SCHEMA))),
+    ({"guided_regex": "a+"}, StructuredOutput("regex", "a+")),
+    ({"guided_choice": ["x", "y"]}, StructuredOutput("choice", choices=("x", "y"))),
+    ({"guided_grammar": 'root ::= "a"'}, StructuredOutput("grammar", 'root ::= "a"')),
+    ({"structured_outputs": {"json": SCHEMA}}, StructuredOutput("json_schema", json.dumps(SCHEMA))),
+    ({"structured_outputs": {"choice": ["x"]}}, StructuredOutput("choice", choices=("x",))),
+    ({"structured_outputs": {"grammar": 'root ::= "a"'}}, StructuredOutput("grammar", 'root ::= "a"')),
+    ({"structured_outputs": {"json_object": True}}, StructuredOutput("json_object")),
+])
+def test_each_structured_output_field_gives_its_grammar(fields, want):
+    from moelora.server.protocol import CompletionRequest
+    assert CompletionRequest(prompt="x", **fields).sampling_params(4, None).structured_output == want
+
+
+def test_n_sequences_each_follow_the_grammar(client):
+    choices = ["alpha beta", "gamma", "delta epsilon zeta"]
+    out = client.completions.create(model="beta", prompt=PROMPT, max_tokens=30, temperature=1.5, seed=2, n=4,
+                                    extra_body={"guided_choice": choices})
+    assert all(c.text in choices and c.finish_reason == "stop" for c in out.choices)
+    assert len({c.text for c in out.choices}) > 1  # independent matchers, not one shared
