@@ -26,8 +26,8 @@ from moelora.engine.kv_pool import KVPool
 from moelora.engine.lora_manager import LoRAStats
 from moelora.engine.model_runner import ModelRunner
 from moelora.engine.request import Req
-from moelora.engine.sampling_params import SamplingParams, check_text
 from moelora.engine.sampler import pack_bitmask
+from moelora.engine.sampling_params import SamplingParams, check_text
 from moelora.engine.scheduler import ScheduledBatch, Scheduler
 from moelora.engine.structured_output import GrammarBackend
 

@@ -188,3 +188,32 @@ def test_bad_requests_name_the_field(engine, params, match):
     with pytest.raises(ValueError, match=match):
         engine.add_request(PROMPTS[0], SamplingParams(**params))
     assert_idle(engine)
+
+
+def test_a_grammar_that_rejects_its_token_fails_only_its_request(engine):
+    """A matcher refusing the sampled token (it cannot, unless xgrammar fails) ends that request with an
+    error and frees what it held; the batch around it gets its solo tokens."""
+    class Refusing:
+        def __init__(self, matcher):
+            self.matcher = matcher
+
+        def fill_next_token_bitmask(self, bitmask, index):
+            return self.matcher.fill_next_token_bitmask(bitmask, index)
+
+        def accept_token(self, token):
+            return False
+
+    plain = SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True)
+    want = engine.generate(PROMPTS[1], plain, lora="alpha")[0].token_ids
+    victim = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=20, structured_output=GRAMMARS[2]))
+    other = engine.add_request(PROMPTS[1], plain, lora="alpha")
+    req = engine.scheduler.find(victim)
+    req.grammar = Refusing(req.grammar)
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.rid, []).append(out)
+    assert outputs[victim][-1].finish_reason == "error" and "grammar rejected token" in outputs[victim][-1].error
+    assert req.grammar is None
+    assert [t for o in outputs[other] for t in o.token_ids] == want
+    assert_idle(engine)
