@@ -13,7 +13,7 @@ from moelora.engine.config import DTYPES, EngineConfig
 from moelora.engine.cuda_graph import CudaGraphs
 from moelora.engine.lora_manager import LoRAManager
 from moelora.engine.request import Req
-from moelora.engine.sampler import PenaltyState, SampleOutput, SamplingBatch, TokenMask, sample
+from moelora.engine.sampler import PenaltyState, SampleOutput, SamplingBatch, TokenMask, hold_back, sample
 from moelora.engine.scheduler import ScheduledBatch
 from moelora.models.loader import load_model
 
@@ -91,15 +91,18 @@ class ModelRunner:
         bitmasks are filled first, on the host, while the device still runs the step's forward (the
         host-to-device copies after them wait for it)."""
         masked = [i for i, r in enumerate(reqs) if r.masked]
+        stops = [r.detokenizer.stop_token_ids if len(r.output_ids) < r.params.min_tokens else () for r in reqs]
         bitmask = torch.full((len(masked), -(-self.vocab_size // 32)), -1, dtype=torch.int32)
         for j, i in enumerate(masked):
             if reqs[i].grammar is not None:
                 reqs[i].grammar.fill_next_token_bitmask(bitmask, j)
             if reqs[i].allowed_tokens is not None:
                 bitmask[j] &= reqs[i].allowed_tokens
+            # min_tokens in the mask, where it leaves a token: a grammar that allows only its end wins
+            bitmask[j], stops[i] = hold_back(bitmask[j], stops[i]), ()
         params = [r.params for r in reqs]
         sampling = SamplingBatch.build(params, [r.seed for r in reqs], [len(r.output_ids) for r in reqs], self.device,
-                                       [r.detokenizer.stop_token_ids if r.params.min_tokens else () for r in reqs])
+                                       stops)
         if masked:
             sampling.token_mask = TokenMask(torch.tensor(masked, dtype=torch.int64).to(self.device),
                                             bitmask.to(self.device))

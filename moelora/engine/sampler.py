@@ -185,6 +185,18 @@ def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
     return torch.where(packed >= 2**31, packed - 2**32, packed).int()  # bit 31 is the sign
 
 
+def hold_back(bitmask_row: torch.Tensor, token_ids: Collection[int]) -> torch.Tensor:
+    """The host bitmask row [W] int32 without token_ids, unless that leaves no token allowed."""
+    if not token_ids:
+        return bitmask_row
+    ids = torch.tensor(sorted(token_ids), dtype=torch.int64)
+    cleared = bitmask_row.clone()
+    bits = torch.ones_like(ids, dtype=torch.int32) << (ids % 32).int()
+    for word, bit in zip((ids // 32).tolist(), bits.tolist()):  # a few stop tokens
+        cleared[word] &= ~bit
+    return cleared if bool(cleared.any()) else bitmask_row
+
+
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """The logits the draw sees (a copy when anything changes them)."""
     if batch.token_mask is None and batch.additions is None and batch.penalties is None:

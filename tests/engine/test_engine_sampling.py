@@ -217,3 +217,16 @@ def test_a_grammar_that_rejects_its_token_fails_only_its_request(engine):
     assert req.grammar is None
     assert [t for o in outputs[other] for t in o.token_ids] == want
     assert_idle(engine)
+
+
+def test_min_tokens_under_a_grammar(engine):
+    """min_tokens holds EOS back while the grammar allows more; a grammar that allows only its end wins."""
+    longer = engine.generate(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0, min_tokens=8,
+                                                        structured_output=StructuredOutput("regex", "[a-c]+")))[0]
+    assert re.fullmatch("[a-c]+", longer.text) and len(longer.token_ids) == 9 and longer.finish_reason == "stop"
+    shorter = engine.generate(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0,
+                                                         structured_output=StructuredOutput("regex", "[a-c]+")))[0]
+    assert len(shorter.token_ids) < 9
+    spec = GRAMMARS[3]
+    done = engine.generate(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0, min_tokens=20, structured_output=spec))[0]
+    assert done.finish_reason == "stop" and done.text in spec.choices and len(done.token_ids) < 20

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from moelora.engine.sampler import (PenaltyState, SamplingBatch, TokenMask, pack_bitmask, process_logits,
+from moelora.engine.sampler import (PenaltyState, SamplingBatch, TokenMask, hold_back, pack_bitmask, process_logits,
                                     process_logits_reference, sample, sample_reference, unpack_bitmask)
 from moelora.engine.sampling_params import SamplingParams
 
@@ -133,3 +133,13 @@ def test_bitmask_pack_unpack_and_xgrammar_apply(vocab, device):
     full[rows] = bitmask
     xgr.apply_token_bitmask_inplace(theirs, full, vocab_size=vocab)
     assert torch.equal(ours.cpu(), theirs)
+
+
+def test_hold_back_clears_stop_tokens_unless_nothing_is_left():
+    allowed = torch.zeros(1, 70, dtype=torch.bool)
+    allowed[0, [0, 31, 40, 69]] = True
+    row = pack_bitmask(allowed)[0]
+    held = unpack_bitmask(hold_back(row, {31, 69, 5})[None], 70)[0]
+    assert held.nonzero()[:, 0].tolist() == [0, 40]
+    assert torch.equal(hold_back(row, {0, 31, 40, 69}), row)  # only stop tokens allowed: they stay
+    assert hold_back(row, ()) is row
