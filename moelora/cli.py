@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 import types
@@ -42,10 +43,11 @@ def serve(args: argparse.Namespace) -> int:
     from moelora.engine.engine import Engine
     from moelora.server.app import create_app
 
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     engine = Engine(**_fields_of(args, _engine_config()))
     name = args.served_model_name or Path(args.model_path.rstrip("/")).name
-    uvicorn.run(create_app(engine, name, args.max_queued_requests, args.api_key), host=args.host, port=args.port,
-                log_level=args.log_level)
+    app = create_app(engine, name, args.max_queued_requests, args.api_key, args.log_stats_interval)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 
@@ -67,29 +69,41 @@ def _engine_config() -> type:
 
 
 def _name_path(value: str) -> tuple[str, str]:
-    """NAME=PATH, or PATH named after itself (as SGLang's --lora-paths)."""
+    """NAME=PATH, or PATH named after itself (as SGLang's --lora-paths), or vLLM's --lora-modules JSON
+    '{"name": NAME, "path": PATH}'."""
+    if value.lstrip().startswith("{"):
+        try:
+            module = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {value}") from e
+        if not (isinstance(module, dict) and isinstance(module.get("name"), str)
+                and isinstance(module.get("path"), str)):
+            raise argparse.ArgumentTypeError(f'a JSON adapter needs string "name" and "path" fields, got {value}')
+        return module["name"], module["path"]
     name, sep, path = value.partition("=")
     return (name, path) if sep else (value, value)
 
 
 def _add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
-    """One --flag per field of the dataclass (SGLang's spelling: --max-lora-rank for max_lora_rank),
-    so the command line cannot drift from the config. Unset flags keep the dataclass's defaults."""
+    """One --flag per field of the dataclass (SGLang's spelling: --max-lora-rank for max_lora_rank, and
+    the aliases in the field's metadata), described by the field's metadata help, so the command line
+    cannot drift from the config. Unset flags keep the dataclass's defaults."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
-        flag, kind = "--" + f.name.replace("_", "-"), hints[f.name]
+        flags, kind = ["--" + f.name.replace("_", "-"), *f.metadata["aliases"]], hints[f.name]
         options = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
         default = f.default if f.default is not dataclasses.MISSING else None
+        shown = "" if default is None or default is False or "default:" in f.metadata["help"] else f" (default: {default})"
+        common = dict(default=argparse.SUPPRESS, help=f.metadata["help"] + shown)
         if kind is bool:
-            action = "store_true" if not default else argparse.BooleanOptionalAction
-            parser.add_argument(flag, action=action, default=argparse.SUPPRESS, help=f"default: {default}")
+            parser.add_argument(*flags, action="store_true" if not default else argparse.BooleanOptionalAction,
+                                **common)
         elif (seq := next((o for o in options if typing.get_origin(o) in (list, tuple)), None)) is not None:
-            parser.add_argument(flag, nargs="+", type=typing.get_args(seq)[0], default=argparse.SUPPRESS,
-                                help=f"default: {default}")
+            parser.add_argument(*flags, nargs="+", type=typing.get_args(seq)[0], **common)
         elif (scalar := next((o for o in options if o in (int, float, str)), None)) is not None:
-            parser.add_argument(flag, type=scalar, default=argparse.SUPPRESS, help=f"default: {default}")
+            parser.add_argument(*flags, type=scalar, **common)
 
 
 def _fields_of(args: argparse.Namespace, cls: type) -> dict:
@@ -119,17 +133,22 @@ def build_parser() -> argparse.ArgumentParser:
     engine_config = _engine_config()
     p = commands.add_parser("serve", help="OpenAI-compatible HTTP server with adapter management and metrics")
     p.add_argument("--model-path", required=True, help="local Hugging Face model directory")
-    p.add_argument("--lora-paths", nargs="+", type=_name_path, default={}, action=_DictAction, metavar="NAME=PATH",
-                   help="adapters loaded at start")
+    p.add_argument("--lora-paths", "--lora-modules", nargs="+", type=_name_path, default={}, action=_DictAction,
+                   metavar="NAME=PATH", help="adapters loaded at start: NAME=PATH, PATH (named PATH), or vLLM's "
+                                             '\'{"name": NAME, "path": PATH}\'')
     _add_dataclass_args(p, engine_config, skip=("model_path", "lora_paths"))
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=30000, help="port to listen on (default: 30000)")
     p.add_argument("--served-model-name", help="the base model's name in the API (default: the model directory's name)")
     p.add_argument("--max-queued-requests", type=int, help="refuse requests (503) while this many wait (default: no limit)")
     p.add_argument("--api-key", default=os.environ.get("MOELORA_API_KEY"),
                    help="every route but /health and /metrics needs 'Authorization: Bearer KEY' (default: "
                         "$MOELORA_API_KEY; unset: no authentication)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="the server's log: info has what it serves at start and the stats line (default: info)")
+    p.add_argument("--log-stats-interval", type=float, default=10.0,
+                   help="seconds between the log lines of running/waiting requests, tokens/s, KV cache and LoRA "
+                        "slot use; 0 turns them off (default: 10)")
     p.set_defaults(run=serve)
 
     from moelora.engine.sampling_params import SamplingParams
@@ -137,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("generate", help="one completion of a prompt, printed (n of them with --n)")
     p.add_argument("--model-path", required=True, help="local Hugging Face model directory")
     p.add_argument("--lora", type=_name_path, metavar="NAME=PATH", help="generate with this adapter")
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True, help="the text to complete")
     _add_dataclass_args(p, engine_config, skip=("model_path", "lora_paths"))
     _add_dataclass_args(p, SamplingParams, skip=("logprobs", "prompt_logprobs"))
     p.set_defaults(run=generate)

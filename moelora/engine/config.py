@@ -2,40 +2,55 @@
 model runner. Names follow SGLang's server arguments where one exists."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from moelora.engine.fields import option
+
+CPU_KV_TOKENS = 16384  # KV cache size on CPU without max_total_tokens (no free-memory query there)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class EngineConfig:
-    model_path: str
-    tokenizer_path: str | None = None       # default: model_path
-    lora_paths: dict[str, str] = field(default_factory=dict)  # adapters loaded at start, name -> directory
-    device: str | None = None               # None: cuda when available, else cpu
-    dtype: str = "auto"                     # "auto" (the checkpoint's), "float32", "bfloat16", "float16"
-    load_format: str = "auto"               # "auto" (safetensors) or "dummy" (random weights, for benchmarks)
-    context_length: int | None = None       # default: the model's max_position_embeddings
-    random_seed: int = 0                    # seeds dummy weights and requests without their own seed
+    model_path: str = option(help="local Hugging Face model directory (config.json, safetensors)")
+    tokenizer_path: str | None = option(None, "local tokenizer directory (default: the model directory)")
+    chat_template: str | None = option(None, "the chat template: a file, or the Jinja text itself (default: the "
+                                             "tokenizer's)")
+    lora_paths: dict[str, str] = option(help="adapters loaded at start, name -> directory", factory=dict)
+    device: str | None = option(None, "'cuda', 'cuda:N' or 'cpu' (default: cuda when available)")
+    dtype: str = option("auto", "weights and activations: 'auto' (the checkpoint's), 'float32', 'bfloat16', 'float16'")
+    load_format: str = option("auto", "'auto' (safetensors) or 'dummy' (random weights, for benchmarks)")
+    context_length: int | None = option(None, "tokens one request may hold, prompt + generated (default: the "
+                                              "model's max_position_embeddings)", ("--max-model-len",))
+    random_seed: int = option(0, "seeds dummy weights and the draws of requests without a seed")
+    moe_runner_backend: str = option("auto", "how the routed experts run: 'triton', 'torch' (the reference), "
+                                             "'auto' (triton on CUDA, torch elsewhere)")
+    tp_size: int = option(1, "GPUs one model is split over (tensor parallelism); only 1 is supported",
+                          ("--tensor-parallel-size",))
 
     # LoRA
-    max_loras_per_batch: int = 8            # GPU adapter slots; distinct adapters in one running batch
-    max_lora_rank: int | None = None        # slot rank; default: the largest rank among lora_paths
-    max_cpu_loras: int | None = None        # canonical adapters kept in host memory; None: no limit
+    max_loras_per_batch: int = option(8, "GPU adapter slots: distinct adapters in one running batch",
+                                      ("--max-loras",))
+    max_lora_rank: int | None = option(None, "rank of the GPU adapter slots (default: the largest rank among "
+                                             "lora_paths)")
+    max_cpu_loras: int | None = option(None, "adapters kept in host memory, least recently used dropped and re-read "
+                                             "from disk (default: no limit)")
 
     # Memory and scheduling
-    mem_fraction_static: float = 0.85       # share of GPU memory for weights, LoRA slots and KV cache
-    max_total_tokens: int | None = None     # KV cache token slots; default: what memory allows (GPU), 16384 (CPU)
-    max_running_requests: int = 256         # requests in the running batch (rows of req_to_token)
-    chunked_prefill_size: int = 8192        # longest piece of one prompt per step; -1 disables chunking
-    max_prefill_tokens: int = 16384         # new tokens in one prefill step (a single prompt may exceed it
-    #                                         only when chunking is disabled)
+    mem_fraction_static: float = option(0.85, "share of GPU memory for weights, LoRA slots and KV cache",
+                                        ("--gpu-memory-utilization",))
+    max_total_tokens: int | None = option(None, "KV cache token slots (default: what memory allows on a GPU, "
+                                                f"{CPU_KV_TOKENS} on a CPU)")
+    max_running_requests: int = option(256, "requests in the running batch", ("--max-num-seqs",))
+    chunked_prefill_size: int = option(8192, "longest piece of one prompt per step; -1 disables chunking")
+    # a single prompt may exceed max_prefill_tokens only when chunking is disabled
+    max_prefill_tokens: int = option(16384, "new tokens in one prefill step")
 
     # CUDA graphs (decode)
-    cuda_graph_max_bs: int = 32
-    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = option(32, "largest decode batch run from a captured CUDA graph")
+    disable_cuda_graph: bool = option(False, "run every decode step eagerly")
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -45,6 +60,9 @@ class EngineConfig:
         self._check(self.device.split(":")[0] in ("cuda", "cpu"), "device", "'cuda', 'cuda:N' or 'cpu'")
         self._check(self.dtype == "auto" or self.dtype in DTYPES, "dtype", f"'auto' or one of {sorted(DTYPES)}")
         self._check(self.load_format in ("auto", "dummy"), "load_format", "'auto' or 'dummy'")
+        self._check(self.moe_runner_backend in ("auto", "triton", "torch"), "moe_runner_backend",
+                    "'auto', 'triton' or 'torch'")
+        self._check(self.tp_size == 1, "tp_size", "1: moelora runs a model on one GPU (no tensor parallelism yet)")
         self._check(self.context_length is None or self.context_length > 1, "context_length", "> 1")
         self._check(self.max_loras_per_batch >= 1, "max_loras_per_batch", ">= 1")
         self._check(self.max_lora_rank is None or self.max_lora_rank >= 1, "max_lora_rank", ">= 1")

@@ -26,13 +26,14 @@ class IncrementalDetokenizer:
     (exactly so for byte-level BPE tokenizers).
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int], params: SamplingParams,
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, prompt_ids: Sequence[int], params: SamplingParams,
                  eos_token_ids: Iterable[int] | None = None) -> None:
-        """eos_token_ids: default the tokenizer's EOS; pass the model's (generation_config) if it has more."""
+        """eos_token_ids: default the tokenizer's EOS; pass the model's (generation_config) if it has more.
+        Without a tokenizer there is no text: only stop tokens, EOS and max_tokens end the request."""
         self.params = params
         self._tokenizer = tokenizer
         if eos_token_ids is None:
-            eos_token_ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+            eos_token_ids = [] if tokenizer is None or tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self._ids = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
         # _ids[_prefix:_read] was decoded already; decoding from _prefix gives the context it needs
@@ -90,6 +91,8 @@ class IncrementalDetokenizer:
         return piece
 
     def _decode(self, ids: list[int]) -> str:
+        if self._tokenizer is None:
+            return ""
         return self._tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
 
     def _append(self, piece: str) -> None:

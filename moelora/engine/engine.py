@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import GenerationConfig
 
 from moelora.engine.config import EngineConfig
 from moelora.engine.detokenizer import IncrementalDetokenizer
@@ -30,6 +30,7 @@ from moelora.engine.sampler import pack_bitmask
 from moelora.engine.sampling_params import SamplingParams, check_text
 from moelora.engine.scheduler import ScheduledBatch, Scheduler
 from moelora.engine.structured_output import GrammarBackend
+from moelora.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 Prompt = str | Sequence[int]
@@ -51,6 +52,11 @@ class StepOutput:
     # with params.prompt_logprobs, in the first output: the prompt, and per prompt token its entry (None for the first)
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+class PromptError(ValueError):
+    """A prompt the engine cannot take (empty, out-of-vocabulary ids, longer than the context, text
+    without a tokenizer)."""
 
 
 class RequestFailed(RuntimeError):
@@ -75,7 +81,8 @@ class Engine:
     def __init__(self, model_path: str, lora_paths: dict[str, str] | None = None, **kwargs):
         self.config = EngineConfig(model_path, lora_paths=lora_paths or {}, **kwargs)
         self.runner = ModelRunner(self.config)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer_path or model_path)
+        # None for a model directory without tokenizer files: token ids in and out, no text
+        self.tokenizer, self.missing_tokenizer = load_tokenizer(self.config)
         self.eos_token_ids = _eos_token_ids(model_path, self.tokenizer)
         self.vocab_size = self.runner.model.config.vocab_size
         self.scheduler = Scheduler(self.config, KVPool(self.runner.kv.num_slots, self.config.max_running_requests))
@@ -84,7 +91,7 @@ class Engine:
         self.fatal: str | None = None  # why the engine cannot go on, once it cannot
         self._token_texts: dict[int, str] = {}
         # thread-safe: a server may compile a request's grammar in a worker thread before adding it
-        self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids, self.missing_tokenizer)
 
     # ------------------------------------------------------------------------------ adapters
 
@@ -170,6 +177,8 @@ class Engine:
         """The text the model's chat template makes of the messages, ending where the assistant's turn
         begins (special tokens included: add it with add_special_tokens=False). ValueError if the
         tokenizer has no chat template or the template refuses the messages."""
+        if self.tokenizer is None:
+            raise ValueError(f"chat needs a tokenizer: {self.missing_tokenizer}")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the model has no chat template (tokenizer_config.json)")
         try:
@@ -179,8 +188,8 @@ class Engine:
 
     def token_text(self, token: int) -> str:
         """The text of one token alone (as log-probability entries show it)."""
-        if token not in self._token_texts:
-            self._token_texts[token] = self.tokenizer.decode([token])
+        if token not in self._token_texts:  # without a tokenizer, as vLLM's return_tokens_as_token_ids
+            self._token_texts[token] = self.tokenizer.decode([token]) if self.tokenizer else f"token_id:{token}"
         return self._token_texts[token]
 
     # ----------------------------------------------------------------- state a server reports
@@ -199,6 +208,35 @@ class Engine:
     def lora_stats(self) -> LoRAStats:
         """The adapter slots' counters (hits, loads, evictions, disk loads), updated in place."""
         return self.runner.lora.stats
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding KV cache (running, or part-way through their prompt)."""
+        return len(self.scheduler.running) + (self.scheduler.chunked is not None)
+
+    @property
+    def kv_cache_usage(self) -> tuple[int, int]:
+        """(KV token slots in use, all of them)."""
+        total = self.runner.kv.num_slots - 1  # slot 0 is never handed out
+        return total - self.scheduler.pool.free_slots, total
+
+    @property
+    def lora_slots_usage(self) -> tuple[int, int]:
+        """(GPU adapter slots holding an adapter, all of them)."""
+        return len(self.runner.lora.pool.names), self.config.max_loras_per_batch
+
+    def summary(self) -> list[str]:
+        """What the engine serves, a line each: model, KV cache, tokenizer, LoRA slots and adapters."""
+        runner, config = self.runner, self.config
+        model = runner.model.config
+        family = ", ".join(model.architectures or (model.model_type,))
+        tokens, kv_bytes = runner.kv.num_slots - 1, runner.model.kv_cache_shape.bytes_per_token(runner.dtype)
+        return [f"model {config.model_path}: {family}, {str(runner.dtype).removeprefix('torch.')} on {runner.device}",
+                f"KV cache: {tokens} tokens ({tokens * kv_bytes / 2**30:.2f} GiB); context {self.context_len} tokens; "
+                f"up to {config.max_running_requests} running requests",
+                f"tokenizer: {config.tokenizer_path or config.model_path}" if self.tokenizer is not None
+                else f"no tokenizer: {self.missing_tokenizer}",
+                *runner.lora.describe()]
 
     def accounting_error(self) -> str | None:
         """What does not add up between the KV cache pool and the requests holding it (None: all well)."""
@@ -228,13 +266,17 @@ class Engine:
             raise ValueError(f"request id {rid!r} is already in use")
         if isinstance(prompt, str):
             check_text(prompt, "the prompt")
+            if self.tokenizer is None:
+                raise PromptError(f"a text prompt needs a tokenizer: {self.missing_tokenizer}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"SamplingParams.stop strings need a tokenizer: {self.missing_tokenizer}")
         ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if isinstance(prompt, str) \
             else list(prompt)
         if not ids:
-            raise ValueError("the prompt is empty")
+            raise PromptError("the prompt is empty")
         bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
         if bad:
-            raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size}), got {bad[0]!r}")
+            raise PromptError(f"prompt token ids must be ints in [0, {self.vocab_size}), got {bad[0]!r}")
         for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
             bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
             if bad:
@@ -242,9 +284,14 @@ class Engine:
                                  f"{self.vocab_size}, got {bad[0]}")
         context = self.runner.context_len
         if len(ids) >= context:
-            raise ValueError(f"the prompt has {len(ids)} tokens, the context holds {context} (prompt + at least 1 new token)")
-        max_tokens = min(params.max_tokens, context - len(ids))
-        params = replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
+            raise PromptError(f"the prompt has {len(ids)} tokens, the context holds {context} (prompt + at least 1 new "
+                              "token)")
+        if params.max_tokens is None:
+            params = replace(params, max_tokens=context - len(ids))
+        elif len(ids) + params.max_tokens > context:  # as vLLM: refused, not cut
+            raise ValueError(f"SamplingParams.max_tokens={params.max_tokens} and the prompt's {len(ids)} tokens are "
+                             f"{len(ids) + params.max_tokens} tokens; the context holds {context}")
+        params = replace(params, min_tokens=min(params.min_tokens, params.max_tokens))
         grammar = self.grammars.matcher(params.structured_output) if params.structured_output is not None else None
         allowed = None
         if params.allowed_token_ids is not None:
@@ -385,6 +432,6 @@ def _eos_token_ids(model_path: str, tokenizer) -> list[int]:
         eos = GenerationConfig.from_pretrained(model_path).eos_token_id
     except OSError:
         eos = None
-    if eos is None:
+    if eos is None and tokenizer is not None:
         eos = tokenizer.eos_token_id
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)

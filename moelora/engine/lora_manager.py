@@ -13,9 +13,10 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 
-from moelora.core import ExpertLoRASlots
+from moelora.core import ExpertLoRASlots, LinearLoRASlots
 from moelora.engine.config import EngineConfig
 from moelora.engine.lora_slots import allocate_lora_slots, write_adapter_to_slot
 from moelora.lora.adapter import load_adapter
@@ -75,7 +76,7 @@ class LoRAStats:
 class LoRAManager:
     def __init__(self, config: EngineConfig, model: nn.Module):
         self.config, self.model = config, model
-        self.shapes = load_model_shapes(model.config)
+        self.shapes = load_model_shapes(config.model_path)  # what adapters are checked against
         self.stats = LoRAStats()
         self._paths: dict[str, Path] = {}
         self._host: OrderedDict[str, Adapter] = OrderedDict()  # least recently used first
@@ -101,6 +102,22 @@ class LoRAManager:
     def names(self) -> list[str]:
         """Adapters new requests may name."""
         return sorted(n for n in self._paths if n not in self._unloading)
+
+    def describe(self) -> list[str]:
+        """A line for the GPU slots and one per adapter (rank, host memory), for the server's startup log."""
+        if not self.max_rank:
+            return ["LoRA: no slots (start with max_lora_rank or lora_paths to load adapters)"]
+        slot_bytes = sum(t.numel() * t.element_size() for m in self.model.modules()
+                         if isinstance(getattr(m, "lora", None), (ExpertLoRASlots, LinearLoRASlots))
+                         for t in vars(m.lora).values() if isinstance(t, torch.Tensor))
+        lines = [f"LoRA: {self.pool.num_slots} GPU slots of rank {self.max_rank} ({slot_bytes / 2**20:.1f} MiB), host "
+                 f"cache of {self.config.max_cpu_loras or 'unlimited'} adapters"]
+        for name in self.names:
+            adapter = self._host.get(name)
+            held = f"{adapter.max_rank}, {adapter.num_bytes() / 2**20:.1f} MiB in host memory" if adapter else \
+                "not in host memory"
+            lines.append(f"adapter {name}: {self._paths[name]} (rank {held})")
+        return lines
 
     def load_lora(self, name: str, path: str | Path) -> None:
         """Read and validate an adapter against the model; it serves requests from now on."""

@@ -1,4 +1,4 @@
-"""GPU slots of a model's LoRA layers: `allocate_lora_slots` gives every LoRA-able Linear and MoE
+"""GPU slots of a model's LoRA layers: `allocate_lora_slots` gives every LoRA-able Linear and Runner
 layer zeroed buffers for `num_slots` adapters up to `max_rank`; `write_adapter_to_slot` puts one
 canonical adapter into one slot of all of them (the LoRA manager calls both)."""
 from __future__ import annotations
@@ -8,22 +8,22 @@ from torch import nn
 
 from moelora.core import ExpertLoRASlots, LinearLoRASlots
 from moelora.layers.linear import Linear
-from moelora.layers.moe.layer import MoE
+from moelora.layers.moe.runner import Runner
 from moelora.lora.canonical import Adapter, ExpertsLoRA, LayerLoRA, LinearLoRA
 from moelora.lora.errors import AdapterError
 from moelora.lora.model_shapes import EXPERT_PROJECTIONS
 
 
-def _lora_layers(model: nn.Module) -> list[Linear | MoE]:
-    return [m for m in model.modules() if isinstance(m, MoE) or (isinstance(m, Linear) and m.lora_names)]
+def _lora_layers(model: nn.Module) -> list[Linear | Runner]:
+    return [m for m in model.modules() if isinstance(m, Runner) or (isinstance(m, Linear) and m.part_names)]
 
 
 def allocate_lora_slots(model: nn.Module, num_slots: int, max_rank: int) -> None:
     for m in _lora_layers(model):
-        weight = m.w13 if isinstance(m, MoE) else m.weight
+        weight = m.w13 if isinstance(m, Runner) else m.weight
         zeros = dict(dtype=weight.dtype, device=weight.device)
         s, r = num_slots, max_rank
-        if isinstance(m, MoE):
+        if isinstance(m, Runner):
             e, h, i = m.num_experts, m.hidden_size, m.intermediate_size
             m.lora = ExpertLoRASlots(
                 a_gate=torch.zeros(s, e, r, h, **zeros), b_gate=torch.zeros(s, e, r, i, **zeros),
@@ -50,9 +50,9 @@ def write_adapter_to_slot(model: nn.Module, adapter: Adapter, slot: int) -> None
     problems, used = [], set()
     for m in layers:
         layer = adapter.layers.get(m.layer_id, LayerLoRA())
-        names = EXPERT_PROJECTIONS if isinstance(m, MoE) else m.lora_names
+        names = EXPERT_PROJECTIONS if isinstance(m, Runner) else m.part_names
         for name in names:
-            lora = (layer.experts if isinstance(m, MoE) else layer.modules).get(name)
+            lora = (layer.experts if isinstance(m, Runner) else layer.modules).get(name)
             if lora is not None:
                 used.add((m.layer_id, name))
                 problems += _fit_problems(m, name, lora)
@@ -64,22 +64,22 @@ def write_adapter_to_slot(model: nn.Module, adapter: Adapter, slot: int) -> None
         raise AdapterError(f"{adapter.path}: cannot be put in slot {slot}: {'; '.join(problems)}", problems)
     for m in layers:
         layer = adapter.layers.get(m.layer_id, LayerLoRA())
-        if isinstance(m, MoE):
+        if isinstance(m, Runner):
             _write_experts(m.lora, layer, slot)
         else:
             _write_linear(m, layer, slot)
 
 
-def _fit_problems(m: Linear | MoE, name: str, lora: LinearLoRA | ExpertsLoRA) -> list[str]:
-    max_rank = m.lora.a_gate.shape[2] if isinstance(m, MoE) else m.lora.a.shape[2]
+def _fit_problems(m: Linear | Runner, name: str, lora: LinearLoRA | ExpertsLoRA) -> list[str]:
+    max_rank = m.lora.a_gate.shape[2] if isinstance(m, Runner) else m.lora.a.shape[2]
     where = f"layer {m.layer_id} {name}"
     if lora.rank > max_rank:
         return [f"{where}: rank {lora.rank} exceeds the slots' max rank {max_rank}"]
-    if isinstance(m, MoE):
+    if isinstance(m, Runner):
         d_in, d_out = (m.intermediate_size, m.hidden_size) if name == "down" else (m.hidden_size, m.intermediate_size)
         expected = ((m.num_experts, lora.rank, d_in), (m.num_experts, d_out, lora.rank))
     else:
-        expected = ((lora.rank, m.in_features), (m.out_sizes[m.lora_names.index(name)], lora.rank))
+        expected = ((lora.rank, m.in_features), (m.out_sizes[m.part_names.index(name)], lora.rank))
     got = (tuple(lora.a.shape), tuple(lora.b.shape))
     return [] if got == expected else [f"{where}: A, B shapes {got}, expected {expected}"]
 
@@ -90,7 +90,7 @@ def _write_linear(m: Linear, layer: LayerLoRA, slot: int) -> None:
     buffers.b[slot].zero_()
     buffers.ranks[slot] = 0
     offset = 0
-    for part, (name, size) in enumerate(zip(m.lora_names, m.out_sizes)):
+    for part, (name, size) in enumerate(zip(m.part_names, m.out_sizes)):
         lora = layer.modules.get(name)
         if lora is not None:
             buffers.a[slot, part, :lora.rank].copy_(lora.a)

@@ -6,18 +6,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
 
 from moelora.core import ForwardBatch, KVCache
-from moelora.engine.config import DTYPES, EngineConfig
+from moelora.engine.config import CPU_KV_TOKENS, DTYPES, EngineConfig
 from moelora.engine.cuda_graph import CudaGraphs
 from moelora.engine.lora_manager import LoRAManager
 from moelora.engine.request import Req
 from moelora.engine.sampler import PenaltyState, SampleOutput, SamplingBatch, TokenMask, hold_back, sample
 from moelora.engine.scheduler import ScheduledBatch
+from moelora.models.config import ModelConfig
 from moelora.models.loader import load_model
-
-CPU_KV_TOKENS = 16384  # KV cache size on CPU without max_total_tokens (no free-memory query there)
 
 
 @dataclass
@@ -35,11 +33,12 @@ class ModelRunner:
         if not (Path(config.model_path) / "config.json").is_file():
             raise ValueError(f"EngineConfig.model_path {config.model_path!r} is not a local model directory (it has no "
                              "config.json); moelora reads local Hugging Face checkpoints, not Hub ids")
-        hf_config = AutoConfig.from_pretrained(config.model_path)
-        self.dtype = model_dtype(config.dtype, hf_config)
-        self.model = load_model(config.model_path, self.dtype, self.device, config.load_format, config.random_seed)
+        model_config = ModelConfig.from_pretrained(config.model_path, moe_backend=config.moe_runner_backend)
+        self.dtype = DTYPES[config.dtype] if config.dtype != "auto" else model_config.saved_dtype or torch.float32
+        self.model = load_model(config.model_path, self.dtype, self.device, config.load_format, config.random_seed,
+                                model_config)
         self.lora = LoRAManager(config, self.model)  # slots first: the KV cache gets what memory is left
-        context = config.context_length or hf_config.max_position_embeddings
+        context = config.context_length or model_config.max_position_embeddings
         shape = self.model.kv_cache_shape
         tokens = self._kv_tokens(shape.bytes_per_token(self.dtype), context)
         # a request alone always fits, with a slot to spare for the scheduler's decode reserve
@@ -165,11 +164,3 @@ def _prompt_entries(logits: torch.Tensor, req: Req, prefix: int) -> list[dict[in
         top = log_probs.topk(req.params.prompt_logprobs, dim=-1)
         top_ids, top_values = top.indices.tolist(), top.values.tolist()
     return [{t: lp, **dict(zip(ids, values))} for t, lp, ids, values in zip(targets, chosen, top_ids, top_values)]
-
-
-def model_dtype(dtype: str, hf_config: PretrainedConfig) -> torch.dtype:
-    """"auto": the checkpoint's dtype (float32 when config.json names none)."""
-    if dtype != "auto":
-        return DTYPES[dtype]
-    saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
-    return getattr(torch, saved) if isinstance(saved, str) else saved

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+
+from moelora.engine.fields import option
 
 # Temperatures below this sample greedily, as in vLLM: dividing logits by them overflows.
 GREEDY_TEMPERATURE = 1e-5
@@ -36,47 +38,39 @@ class StructuredOutput:
 
 @dataclass
 class SamplingParams:
-    """How one request samples and when it stops.
+    """How one request samples and when it stops (vLLM's semantics). A temperature of 0 (or below
+    GREEDY_TEMPERATURE) is greedy: top_p/top_k/min_p then do nothing. Without a seed the engine draws
+    one at admission."""
 
-    temperature: 0 (or below GREEDY_TEMPERATURE) is greedy; then top_p/top_k/min_p do nothing.
-    top_k: -1 or 0 turns it off. top_p: keep the smallest set of tokens whose mass reaches it.
-    min_p: drop tokens less likely than min_p times the most likely one.
-    seed: makes the draws reproducible; without one the engine draws a seed at admission.
-    stop: strings that end generation; they are not part of the output text unless include_stop_str_in_output.
-    stop_token_ids: tokens that end generation (besides EOS unless ignore_eos); not in the text.
-    logprobs: how many top logprobs to return per generated token (0: only the chosen token's).
-    prompt_logprobs: as logprobs, for every prompt token after the first (vLLM's; `echo` uses them).
-    presence_penalty / frequency_penalty: in [-2, 2], subtracted from the logit of every token the
-        output holds, once / once per occurrence (OpenAI's).
-    repetition_penalty: > 0; the logit of a token in the prompt or the output is divided by it when
-        positive, multiplied when negative (vLLM's, as transformers'); 1 is off.
-    logit_bias: token id -> added to its logit, in [-100, 100] (OpenAI's).
-    min_tokens: EOS and stop_token_ids cannot be sampled before the output has this many tokens.
-    allowed_token_ids: only these can be sampled (vLLM's).
-    structured_output: a grammar the output follows (JSON schema, JSON object, regex, choice, EBNF).
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | tuple[str, ...] | None = None
-    stop_token_ids: list[int] | tuple[int, ...] | None = None
-    ignore_eos: bool = False
-    n: int = 1
-    logprobs: int | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    min_tokens: int = 0
-    allowed_token_ids: list[int] | tuple[int, ...] | None = None
-    structured_output: StructuredOutput | None = None
+    max_tokens: int | None = option(16, "most tokens to generate (None: up to the context length)")
+    temperature: float = option(1.0, "sampling temperature; 0 is greedy")
+    top_p: float = option(1.0, "keep the smallest set of tokens whose probability mass reaches top_p")
+    top_k: int = option(-1, "keep the k most likely tokens; -1 or 0 turns it off")
+    min_p: float = option(0.0, "drop tokens less likely than min_p times the most likely one")
+    seed: int | None = option(None, "makes the draws reproducible")
+    stop: str | list[str] | tuple[str, ...] | None = option(None, "strings that end generation (not part of the text "
+                                                                  "unless include_stop_str_in_output)")
+    stop_token_ids: list[int] | tuple[int, ...] | None = option(None, "tokens that end generation, besides EOS unless "
+                                                                      "ignore_eos (not part of the text)")
+    ignore_eos: bool = option(False, "go on past the end-of-sequence token")
+    n: int = option(1, "completions of the prompt")
+    logprobs: int | None = option(None, "top log-probabilities returned per generated token (0: only the chosen "
+                                        "token's)")
+    skip_special_tokens: bool = option(True, "leave special tokens out of the text")
+    include_stop_str_in_output: bool = option(False, "keep the stop string that ended the output in its text")
+    prompt_logprobs: int | None = option(None, "as logprobs, for every prompt token after the first (echo uses them)")
+    presence_penalty: float = option(0.0, f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], subtracted from the logit of "
+                                          "every token the output holds (OpenAI's)")
+    frequency_penalty: float = option(0.0, f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], subtracted from the logit of "
+                                           "every token the output holds, once per occurrence (OpenAI's)")
+    repetition_penalty: float = option(1.0, "> 0; divides the positive logits (multiplies the negative ones) of the "
+                                            "tokens in the prompt or the output; 1 is off")
+    logit_bias: dict[int, float] = option(help=f"token id -> added to its logit, in [-{MAX_LOGIT_BIAS:g}, "
+                                               f"{MAX_LOGIT_BIAS:g}] (OpenAI's)", factory=dict)
+    min_tokens: int = option(0, "EOS and stop_token_ids cannot be sampled before the output has this many tokens")
+    allowed_token_ids: list[int] | tuple[int, ...] | None = option(None, "only these tokens can be sampled")
+    structured_output: StructuredOutput | None = option(None, "a grammar the output follows (JSON schema, JSON "
+                                                              "object, regex, choice or EBNF)")
 
     def __post_init__(self) -> None:
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -102,8 +96,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and its value."""
-        _check(_is_int64(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
-               "an int >= 1 (that fits in int64)")
+        _check(self.max_tokens is None or _is_int64(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+               self.max_tokens, "None or an int >= 1 (that fits in int64)")
         _check(_is_real(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
                "a finite number >= 0")
         _check(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
@@ -131,8 +125,9 @@ class SamplingParams:
             _check(_is_int64(token) and token >= 0, "logit_bias", token, "keyed by token ids (ints >= 0)")
             _check(_is_real(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS, "logit_bias", bias,
                    f"values in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
-        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
-               f"an int in [0, max_tokens={self.max_tokens}]")
+        most = float("inf") if self.max_tokens is None else self.max_tokens
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= most, "min_tokens", self.min_tokens,
+               "an int >= 0" if self.max_tokens is None else f"an int in [0, max_tokens={self.max_tokens}]")
         if self.allowed_token_ids is not None:
             _check(len(self.allowed_token_ids) > 0, "allowed_token_ids", list(self.allowed_token_ids),
                    "None or a non-empty list of token ids")

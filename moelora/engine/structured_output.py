@@ -31,14 +31,19 @@ _ANY_OBJECT = '{"type": "object"}'
 class GrammarBackend:
     """Compiles grammars for one tokenizer and vocabulary (the model's: it may exceed the tokenizer's)."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, stop_token_ids: list[int],
+                 missing_tokenizer: str | None = None):
+        """tokenizer None (a model without tokenizer files, `missing_tokenizer` says why): every
+        grammar is refused, as grammars are over text."""
         self._tokenizer, self.vocab_size, self._stop_token_ids = tokenizer, vocab_size, stop_token_ids
+        self._missing_tokenizer = missing_tokenizer
         self._compiler = None
         self._lock = threading.Lock()
 
     def compile(self, spec: StructuredOutput) -> Any:
         """The xgrammar CompiledGrammar; ValueError naming SamplingParams.structured_output when the
-        spec is not valid (a bad schema, regex or grammar), or xgrammar is not installed."""
+        spec is not valid (a bad schema, regex or grammar), xgrammar is not installed, or there is no
+        tokenizer."""
         compiler = self._get_compiler()
         try:
             if spec.kind == "json_schema":
@@ -68,6 +73,8 @@ class GrammarBackend:
     def _get_compiler(self) -> Any:
         with self._lock:
             if self._compiler is None:
+                if self._tokenizer is None:
+                    raise ValueError(f"SamplingParams.structured_output needs a tokenizer: {self._missing_tokenizer}")
                 try:
                     import xgrammar
                 except ImportError as e:

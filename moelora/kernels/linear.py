@@ -38,8 +38,7 @@ from moelora.kernels.gemm_tiles import arrive, gemm_block_k, gemm_loop, grouped_
 
 MIN_PROGRAMS = 120  # about one program per SM of an H100 / H200 (132): below it, a smaller tile is tried
 SPLIT_PROGRAMS = 256  # K splits aim at about two decode programs per SM: one loads while another waits
-# BLOCK_K steps per split at least. Each split on prefill tiles refills the pipeline: H100 2026-11-22, Qwen3
-# router (N 128, K 2048) 16 -> 8 splits: M=4096 27.4 -> 20.0 us, M=1 3.8 -> 3.9 us
+# BLOCK_K steps per split at least: each split on prefill tiles refills the pipeline
 SPLIT_MIN_BLOCKS = 4
 PARALLEL_SPLITS_MAX_M = 256  # up to here the GEMM is bound by reading W: splits run in parallel programs
 SPLIT_COUNTERS = 4096  # arrival counters per device: tiles of a parallel-split launch (default tiles: <= 512)
@@ -62,7 +61,7 @@ _DECODE = (LinearConfig(16, 64, 8, 4, 5), LinearConfig(16, 32, 8, 4, 5), LinearC
 _SMALL = (LinearConfig(32, 64, 8, 4, 4), LinearConfig(32, 32, 8, 4, 4), LinearConfig(32, 16, 8, 4, 4))
 _MEDIUM = (LinearConfig(64, 128, 8, 4, 4), LinearConfig(64, 64, 8, 4, 4), LinearConfig(64, 32, 8, 4, 4))
 _LARGE = (LinearConfig(128, 256, 8, 8, 3), LinearConfig(128, 128, 8, 8, 4), LinearConfig(64, 128, 8, 4, 4),
-          LinearConfig(64, 64, 8, 4, 4))  # the last: narrow N (router at M=4096: 20.0 -> 16.2 us, H100)
+          LinearConfig(64, 64, 8, 4, 4))  # the last: narrow N (the router's 128 columns at prefill)
 
 
 def default_config(M: int, N: int) -> LinearConfig:

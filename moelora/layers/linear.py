@@ -1,9 +1,11 @@
 """Linear layer with the LoRA deltas of every token's adapter slot.
 
 The base projection is `moelora.kernels.linear`, whose rows do not depend on the batch on CUDA
-(cuBLAS's do). The output may be made of parts (fused q/k/v: three), each named as the canonical
-adapter names modules relative to the decoder layer ("self_attn.q_proj", ...), so the LoRA manager
-can fill the layer's slot buffers from any adapter. `lora` stays None until the manager sets it.
+(cuBLAS's do). The output may be made of parts (fused q/k/v: three). `part_names` are the checkpoint's
+module names of the parts relative to the decoder layer ("self_attn.q_proj", ...): the loader fills each
+part from the checkpoint tensor of that name, and adapters, which name modules as checkpoints do, target
+the same names, so the LoRA manager can fill the layer's slot buffers from any adapter. A Linear without
+part names has no LoRA. `lora` stays None until the manager sets it.
 """
 from __future__ import annotations
 
@@ -19,15 +21,15 @@ from moelora.kernels.lora_linear import align_tokens_by_slot, lora_linear
 
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_sizes: int | Sequence[int], bias: bool = False,
-                 lora_names: Sequence[str] = (), layer_id: int | None = None):
+                 part_names: Sequence[str] = (), layer_id: int | None = None):
         super().__init__()
         self.out_sizes = (out_sizes,) if isinstance(out_sizes, int) else tuple(out_sizes)
-        if lora_names and len(lora_names) != len(self.out_sizes):
-            raise ValueError(f"{len(lora_names)} LoRA names for {len(self.out_sizes)} output parts")
+        if part_names and len(part_names) != len(self.out_sizes):
+            raise ValueError(f"{len(part_names)} part names for {len(self.out_sizes)} output parts")
         self.in_features, self.out_features = in_features, sum(self.out_sizes)
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
-        self.lora_names, self.layer_id = tuple(lora_names), layer_id
+        self.part_names, self.layer_id = tuple(part_names), layer_id
         self.lora: LinearLoRASlots | None = None
 
     def forward(self, x: torch.Tensor, lora_batch: LoRABatch | None = None) -> torch.Tensor:

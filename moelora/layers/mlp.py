@@ -14,8 +14,8 @@ class MLP(nn.Module):
         """prefix: the module's name in the decoder layer ('mlp', 'mlp.shared_expert', 'mlp.shared_experts')."""
         super().__init__()
         self.gate_up_proj = Linear(hidden_size, (intermediate_size, intermediate_size),
-                                   lora_names=(f"{prefix}.gate_proj", f"{prefix}.up_proj"), layer_id=layer_id)
-        self.down_proj = Linear(intermediate_size, hidden_size, lora_names=(f"{prefix}.down_proj",), layer_id=layer_id)
+                                   part_names=(f"{prefix}.gate_proj", f"{prefix}.up_proj"), layer_id=layer_id)
+        self.down_proj = Linear(intermediate_size, hidden_size, part_names=(f"{prefix}.down_proj",), layer_id=layer_id)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)

@@ -2,17 +2,17 @@
 logits (lm_head or tied embedding), grouped-query attention, and the KV-cache geometry.
 
 Parameter names follow the checkpoints (`model.layers.3.self_attn.o_proj.weight`) except where
-we fuse: q/k/v into `qkv_proj`, gate/up into `gate_up_proj` and the routed experts into `mlp.w13` /
-`mlp.w2`; the loader finds the checkpoint names of fused parts through each Linear's LoRA names.
+we fuse: q/k/v into `qkv_proj`, gate/up into `gate_up_proj` and the routed experts into `mlp.experts.w13` /
+`mlp.experts.w2`. A fused Linear declares the checkpoint names of its parts (`part_names`), which the loader
+fills it from and adapters target; a family whose checkpoints name things otherwise says so in
+`checkpoint_name`.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from moelora.core import ForwardBatch, KVCache
 from moelora.kernels.linear import linear
@@ -20,6 +20,7 @@ from moelora.layers.attention import Attention
 from moelora.layers.linear import Linear
 from moelora.layers.norm import RMSNorm
 from moelora.layers.rotary import RotaryEmbedding
+from moelora.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -37,14 +38,14 @@ class GQAttention(nn.Module):
     """Grouped-query self-attention: fused q/k/v projection, RoPE, paged attention, o_proj.
     Families that normalise or clip q/k/v override `transform_qkv`."""
 
-    def __init__(self, config: PretrainedConfig, layer_id: int, qkv_bias: bool = False, o_bias: bool = False):
+    def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, (q_size, kv_size, kv_size), bias=qkv_bias, layer_id=layer_id,
-                               lora_names=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"))
-        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias, lora_names=("self_attn.o_proj",), layer_id=layer_id)
+        self.qkv_proj = Linear(config.hidden_size, (q_size, kv_size, kv_size), bias=config.qkv_bias, layer_id=layer_id,
+                               part_names=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"))
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias, part_names=("self_attn.o_proj",),
+                             layer_id=layer_id)
         self.rotary = RotaryEmbedding(self.head_dim, config.rope_parameters, config.max_position_embeddings)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim, self.head_dim**-0.5, layer_id)
 
@@ -63,13 +64,14 @@ class GQAttention(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.)). The residual stream is
-    carried separately so each norm adds it in (fused add + norm)."""
+    carried separately so each norm adds it in (fused add + norm). A family's layer class builds its
+    attention and mlp and passes them here."""
 
-    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float):
+    def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module):
         super().__init__()
         self.self_attn, self.mlp = self_attn, mlp
-        self.input_layernorm = RMSNorm(hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,10 +85,10 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderStack(nn.Module):
-    def __init__(self, config: PretrainedConfig, make_layer: Callable[[int], DecoderLayer]):
+    def __init__(self, config: ModelConfig, layer_class: type[DecoderLayer]):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -97,16 +99,17 @@ class DecoderStack(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """A family's model: `forward(batch)` -> final hidden states [N, H]; `compute_logits(hidden)` -> fp32 logits."""
+    """A family's model: `forward(batch)` -> final hidden states [N, H]; `compute_logits(hidden)` -> fp32 logits.
+    layer_class(config, layer_id) builds the family's decoder layer."""
 
-    def __init__(self, config: PretrainedConfig, make_layer: Callable[[int], DecoderLayer]):
+    def __init__(self, config: ModelConfig, layer_class: type[DecoderLayer]):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (the MoE kernels compute SiLU)")
-        if getattr(config, "sliding_window", None):
+        if config.sliding_window:
             raise ValueError(f"sliding-window attention (sliding_window={config.sliding_window}) is not supported")
         self.config = config
-        self.model = DecoderStack(config, make_layer)
+        self.model = DecoderStack(config, layer_class)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         self.requires_grad_(False)
 

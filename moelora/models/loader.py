@@ -5,7 +5,7 @@ model's parameters, which are allocated on the target device from the start.
 Checkpoint layouts: the hub's per-expert tensors (`mlp.experts.<e>.gate_proj.weight`, Mixtral's
 `block_sparse_moe.experts.<e>.w1`) and transformers v5's fused ones (`mlp.experts.gate_up_proj`
 [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) are both stacked into our w13 / w2; q/k/v and
-gate/up parts go to their fused Linear through its LoRA names. Every checkpoint tensor must land
+gate/up parts go to their fused Linear through its part names. Every checkpoint tensor must land
 somewhere and every parameter must be filled, or the load fails naming the tensors.
 """
 from __future__ import annotations
@@ -19,12 +19,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from moelora.layers.linear import Linear
-from moelora.layers.moe.layer import MoE
+from moelora.layers.moe.runner import Runner
 from moelora.layers.norm import RMSNorm
 from moelora.models.base import CausalLM
+from moelora.models.config import ModelConfig
 from moelora.models.registry import model_class
 
 WHOLE = "*"  # shard key of a tensor that fills its whole parameter
@@ -53,20 +54,23 @@ def _building_on(device: torch.device | str, dtype: torch.dtype) -> Iterator[Non
         torch.set_default_dtype(previous)
 
 
-def build_model(config: PretrainedConfig, dtype: torch.dtype = torch.bfloat16,
+def build_model(config: ModelConfig | PretrainedConfig, dtype: torch.dtype = torch.bfloat16,
                 device: torch.device | str = "cuda") -> CausalLM:
-    """The model of `config`'s architecture with uninitialised parameters, allocated on `device`."""
+    """The model of `config`'s architecture with uninitialised parameters, allocated on `device` (a
+    transformers config is normalised first, with the default serving options)."""
+    if isinstance(config, PretrainedConfig):
+        config = ModelConfig.from_hf(config)
     with _building_on(device, dtype):
         return model_class(config)(config).eval()
 
 
 def load_model(model_path: str | Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cuda",
-               load_format: str = "auto", seed: int = 0) -> CausalLM:
+               load_format: str = "auto", seed: int = 0, config: ModelConfig | None = None) -> CausalLM:
     """load_format "auto": weights from the directory's safetensors; "dummy": random weights of the
-    real shapes (std 0.02, norms 1, from `seed`), reading nothing but config.json."""
+    real shapes (std 0.02, norms 1, from `seed`), reading nothing but config.json. config: the directory's
+    config.json normalised, when the caller has read it already."""
     model_path = Path(model_path)
-    config = AutoConfig.from_pretrained(model_path)
-    model = build_model(config, dtype, device)
+    model = build_model(config or ModelConfig.from_pretrained(model_path), dtype, device)
     if load_format == "dummy":
         fill_dummy_weights(model, seed)
     elif load_format == "auto":
@@ -100,15 +104,15 @@ def checkpoint_targets(model: CausalLM) -> dict[str, Target]:
     """Every checkpoint name the model can take (in its own naming, see CausalLM.checkpoint_name)."""
     targets: dict[str, Target] = {}
     for path, module in model.named_modules():
-        if isinstance(module, Linear) and module.lora_names:
+        if isinstance(module, Linear) and module.part_names:
             offset = 0
-            for name, size in zip(module.lora_names, module.out_sizes):
+            for name, size in zip(module.part_names, module.out_sizes):
                 rows = (slice(offset, offset + size),)
                 targets[f"model.layers.{module.layer_id}.{name}.weight"] = Target(f"{path}.weight", rows, name)
                 if module.bias is not None:
                     targets[f"model.layers.{module.layer_id}.{name}.bias"] = Target(f"{path}.bias", rows, name)
                 offset += size
-        elif isinstance(module, MoE):
+        elif isinstance(module, Runner):
             prefix, inter = f"model.layers.{module.layer_id}.mlp.experts", module.intermediate_size
             targets[f"{prefix}.gate_up_proj"] = Target(f"{path}.w13", (), WHOLE)
             targets[f"{prefix}.down_proj"] = Target(f"{path}.w2", (), WHOLE)

@@ -5,25 +5,24 @@ from __future__ import annotations
 
 import re
 
-from transformers import PretrainedConfig
-
-from moelora.core import TopKConfig
 from moelora.layers.moe.layer import MoE
 from moelora.models.base import CausalLM, DecoderLayer, GQAttention
+from moelora.models.config import ModelConfig
 
 _EXPERT_PROJ = re.compile(r"(\.mlp\.experts\.\d+)\.w([123])\.")
 _PROJ_NAMES = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
 
 
+class MixtralDecoderLayer(DecoderLayer):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        mlp = MoE(config.hidden_size, config.moe_intermediate_size, config.num_experts, config.topk, layer_id,
+                  backend=config.moe_backend)
+        super().__init__(config, GQAttention(config, layer_id), mlp)
+
+
 class MixtralForCausalLM(CausalLM):
-    def __init__(self, config: PretrainedConfig):
-        topk = TopKConfig(top_k=config.num_experts_per_tok, renormalize=True)
-
-        def make_layer(i: int) -> DecoderLayer:
-            mlp = MoE(config.hidden_size, config.intermediate_size, config.num_local_experts, topk, i)
-            return DecoderLayer(GQAttention(config, i), mlp, config.hidden_size, config.rms_norm_eps)
-
-        super().__init__(config, make_layer)
+    def __init__(self, config: ModelConfig):
+        super().__init__(config, MixtralDecoderLayer)
 
     def checkpoint_name(self, name: str) -> str | None:
         name = _EXPERT_PROJ.sub(lambda m: f"{m[1]}.{_PROJ_NAMES[m[2]]}.", name.replace(".block_sparse_moe.", ".mlp."))

@@ -3,17 +3,16 @@ and optional clipping of q/k/v to [-clip_qkv, clip_qkv]; every layer MoE, no sha
 from __future__ import annotations
 
 import torch
-from transformers import PretrainedConfig
 
-from moelora.core import TopKConfig
 from moelora.layers.moe.layer import MoE
 from moelora.layers.norm import RMSNorm
 from moelora.models.base import CausalLM, DecoderLayer, GQAttention
+from moelora.models.config import ModelConfig
 
 
 class OlmoeAttention(GQAttention):
-    def __init__(self, config: PretrainedConfig, layer_id: int):
-        super().__init__(config, layer_id, qkv_bias=config.attention_bias, o_bias=config.attention_bias)
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__(config, layer_id)
         q_size, kv_size = self.qkv_proj.out_sizes[:2]
         self.q_norm = RMSNorm(q_size, config.rms_norm_eps)
         self.k_norm = RMSNorm(kv_size, config.rms_norm_eps)
@@ -27,12 +26,13 @@ class OlmoeAttention(GQAttention):
         return q, k, v
 
 
+class OlmoeDecoderLayer(DecoderLayer):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        mlp = MoE(config.hidden_size, config.moe_intermediate_size, config.num_experts, config.topk, layer_id,
+                  backend=config.moe_backend)
+        super().__init__(config, OlmoeAttention(config, layer_id), mlp)
+
+
 class OlmoeForCausalLM(CausalLM):
-    def __init__(self, config: PretrainedConfig):
-        topk = TopKConfig(top_k=config.num_experts_per_tok, renormalize=config.norm_topk_prob)
-
-        def make_layer(i: int) -> DecoderLayer:
-            mlp = MoE(config.hidden_size, config.intermediate_size, config.num_experts, topk, i)
-            return DecoderLayer(OlmoeAttention(config, i), mlp, config.hidden_size, config.rms_norm_eps)
-
-        super().__init__(config, make_layer)
+    def __init__(self, config: ModelConfig):
+        super().__init__(config, OlmoeDecoderLayer)

@@ -1,9 +1,8 @@
 """Model classes by the "architectures" entry of a checkpoint's config.json."""
 from __future__ import annotations
 
-from transformers import PretrainedConfig
-
 from moelora.models.base import CausalLM
+from moelora.models.config import ModelConfig
 from moelora.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from moelora.models.mixtral import MixtralForCausalLM
 from moelora.models.olmoe import OlmoeForCausalLM
@@ -20,8 +19,8 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
 }
 
 
-def model_class(config: PretrainedConfig) -> type[CausalLM]:
-    for arch in config.architectures or []:
+def model_class(config: ModelConfig) -> type[CausalLM]:
+    for arch in config.architectures:
         if arch in ARCHITECTURES:
             return ARCHITECTURES[arch]
     raise ValueError(f"architectures {config.architectures} are not served (supported: {', '.join(sorted(ARCHITECTURES))})")

@@ -2,15 +2,14 @@
 not), adapter loading and unloading at runtime, health and Prometheus metrics. The engine runs in
 its own thread (EngineLoop); handlers only parse, queue and format.
 
-Errors take OpenAI's shape {"error": {"message", "type", "param", "code"}}: unknown model 404, bad
-request 400 (validation errors too, naming the field), queue full 503.
+Errors take OpenAI's shape {"error": {"message", "type", "param", "code"}} (server/errors.py):
+unknown model 404, bad request 400 (validation errors too, naming the field), queue full 503.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
 import logging
-import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -26,6 +25,7 @@ from starlette.exceptions import HTTPException
 from moelora.engine.engine import Engine, EngineDead
 from moelora.lora.errors import AdapterError
 from moelora.server.engine_loop import Delta, EngineError, EngineLoop, Overloaded, Submission
+from moelora.server.errors import APIError, bad_value, error_response, not_found, validation_error
 from moelora.server.metrics import Metrics
 from moelora.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                                      ChatCompletionResponse, ChatMessageOut, ChoiceLogprobs, CompletionChoice,
@@ -36,30 +36,6 @@ from moelora.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion
 logger = logging.getLogger(__name__)
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, problems: list[str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.info = ErrorInfo(message=message, type=type, param=param, code=code, problems=problems)
-
-
-def _error(status: int, info: ErrorInfo) -> JSONResponse:
-    return JSONResponse(ErrorResponse(error=info).model_dump(exclude_none=True), status_code=status)
-
-
-def _not_found(name: str) -> APIError:
-    return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
-
-
-def _bad_value(e: ValueError, aliases: dict[str, str] | None = None) -> APIError:
-    """SamplingParams and the engine name the bad field as SamplingParams.<field>; `aliases` maps
-    such a field to the request's name for it."""
-    m = re.search(r"SamplingParams\.(\w+)", str(e))
-    param = m and m.group(1)
-    return APIError(400, str(e), param=(aliases or {}).get(param, param))
-
-
 Entry = tuple[str, float | None, list[tuple[str, float]] | None]  # a token's text, log-probability, top ones (desc)
 
 
@@ -67,6 +43,7 @@ Entry = tuple[str, float | None, list[tuple[str, float]] | None]  # a token's te
 class _Choice:
     """One sequence's output so far; `text` starts with the prompt when it is echoed."""
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[Entry] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
@@ -82,6 +59,7 @@ class _Choice:
                for t, lp in zip(d.out.prompt_token_ids or (), d.out.prompt_logprobs or ())]
         new += [entry(t, lp) for t, lp in zip(d.out.token_ids, d.out.logprobs)]
         self.text += d.out.text
+        self.token_ids += d.out.token_ids
         self.logprobs += new
         self.finish_reason = d.out.finish_reason
         self.prompt_tokens, self.completion_tokens = d.out.prompt_tokens, d.out.completion_tokens
@@ -174,17 +152,19 @@ class OpenAIServing:
         rids, queue = await self._submit(subs)
         rid, model = f"cmpl-{uuid.uuid4().hex}", body.model or self.served_model_name
         choices = [_Choice(text=echoes[i // per_prompt]) for i in range(len(subs))]
+        with_ids = self.loop.engine.tokenizer is None  # no text: the choices carry their token ids
 
         def chunk(d: Delta) -> CompletionResponse | None:
             choice = choices[d.index]
             offset = choice.streamed
             entries = choice.add(d)
             text = choice.unsent()
-            if not (text or d.out.finished or entries):
+            if not (text or d.out.finished or entries or with_ids and d.out.token_ids):
                 return None
             logprobs = _completion_logprobs(entries, offset) if body.logprobs is not None else None
             return CompletionResponse(id=rid, model=model, choices=[CompletionChoice(
-                index=d.index, text=text, logprobs=logprobs, finish_reason=d.out.finish_reason)])
+                index=d.index, text=text, logprobs=logprobs, finish_reason=d.out.finish_reason,
+                token_ids=d.out.token_ids if with_ids else None)])
 
         def usage_chunk() -> CompletionResponse:
             return CompletionResponse(id=rid, model=model, choices=[], usage=_usage(choices, per_prompt))
@@ -198,6 +178,7 @@ class OpenAIServing:
             for c in sorted(choices[p * per_prompt:(p + 1) * per_prompt], key=lambda c: -c.cumulative_logprob)[:body.n]]
         return self._json(CompletionResponse(id=rid, model=model, usage=_usage(choices, per_prompt), choices=[
             CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
+                             token_ids=c.token_ids if with_ids else None,
                              logprobs=_completion_logprobs(c.logprobs, 0) if body.logprobs is not None else None)
             for i, c in enumerate(best)]))
 
@@ -207,10 +188,11 @@ class OpenAIServing:
         k = body.top_logprobs or 0
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         aliases = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
+        aliases |= {"logprobs": "top_logprobs", "prompt": "messages"}
         subs = self._submissions(body, [self._chat_prompt(body)], max_tokens, k if body.logprobs else None,
-                                 add_special_tokens=False, aliases=aliases | {"logprobs": "top_logprobs"})
+                                 add_special_tokens=False, aliases=aliases)
         await self._compile_grammar(body, subs)
-        rids, queue = await self._submit(subs)
+        rids, queue = await self._submit(subs, aliases)
         rid, model = f"chatcmpl-{uuid.uuid4().hex}", body.model or self.served_model_name
         choices = [_Choice() for _ in subs]
 
@@ -242,7 +224,7 @@ class OpenAIServing:
         if model is None or model == self.served_model_name:
             return None
         if model not in self.loop.adapters:
-            raise _not_found(model)
+            raise not_found(model)
         return model
 
     def _submissions(self, body: SamplingRequest, prompts: list, max_tokens: int | None, logprobs: int | None,
@@ -258,10 +240,9 @@ class OpenAIServing:
                            f"for {len(prompts)} prompts", param="n" if sequences == body.n else "best_of")
         aliases = (aliases or {}) | {"structured_output": (body.structured_output_fields or ["response_format"])[0]}
         try:
-            params = body.sampling_params(self.loop.context_len if max_tokens is None else max_tokens, logprobs,
-                                          prompt_logprobs)
+            params = body.sampling_params(max_tokens, logprobs, prompt_logprobs)
         except ValueError as e:
-            raise _bad_value(e, aliases) from e
+            raise bad_value(e, aliases) from e
         return [Submission(p, params.for_sequence(k), lora, add_special_tokens) for p in prompts for k in range(sequences)]
 
     async def _compile_grammar(self, body: SamplingRequest, subs: list[Submission]) -> None:
@@ -277,6 +258,8 @@ class OpenAIServing:
 
     async def _prompt_texts(self, prompts: list[str | list[int]]) -> list[str]:
         """The text of each prompt, as echo returns it (token ids decoded in the engine thread)."""
+        if self.loop.engine.tokenizer is None:
+            raise APIError(400, f"echo needs a tokenizer: {self.loop.engine.missing_tokenizer}", param="echo")
         ids = [p for p in prompts if not isinstance(p, str)]
         decoded = iter(await self.loop.run(lambda: [self.loop.engine.tokenizer.decode(p) for p in ids]) if ids else [])
         return [p if isinstance(p, str) else next(decoded) for p in prompts]
@@ -295,16 +278,17 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, f"{e}; use /v1/completions with a prompt", param="messages") from e
 
-    async def _submit(self, subs: list[Submission]) -> tuple[list[str], asyncio.Queue]:
+    async def _submit(self, subs: list[Submission], aliases: dict[str, str] | None = None
+                      ) -> tuple[list[str], asyncio.Queue]:
         queue: asyncio.Queue = asyncio.Queue()
         try:
             return await self.loop.submit(subs, queue), queue
         except Overloaded as e:
             raise APIError(503, f"the server is overloaded: {e}", type="server_error", code="overloaded") from e
         except AdapterError as e:  # unloaded since _adapter looked
-            raise _not_found(subs[0].lora or "") from e
+            raise not_found(subs[0].lora or "") from e
         except ValueError as e:
-            raise _bad_value(e) from e
+            raise bad_value(e, aliases) from e
         except (EngineError, EngineDead) as e:
             raise APIError(503, str(e), type="server_error") from e
 
@@ -405,20 +389,26 @@ class _Route(APIRoute):
                 raise  # the app's exception handlers answer these
             except Exception as e:
                 logger.exception("%s %s failed", request.method, request.url.path)
-                return _error(500, ErrorInfo(message=f"internal error: {type(e).__name__}: {e}", type="server_error"))
+                return error_response(500, ErrorInfo(message=f"internal error: {type(e).__name__}: {e}",
+                                                     type="server_error"))
         return guarded
 
 
 def create_app(engine: Engine, served_model_name: str, max_queued_requests: int | None = None,
-               api_key: str | None = None) -> FastAPI:
-    """The app; its engine thread starts and stops with the app's lifespan. With an api_key, every
-    route but /health and /metrics answers 401 unless the request carries 'Authorization: Bearer <key>'."""
+               api_key: str | None = None, stats_interval: float = 10.0) -> FastAPI:
+    """The app; its engine thread starts and stops with the app's lifespan, which logs what it serves
+    first. With an api_key, every route but /health and /metrics answers 401 unless the request carries
+    'Authorization: Bearer <key>'. stats_interval: seconds between the stats log lines (0: none)."""
     if served_model_name in engine.config.lora_paths:
         raise ValueError(f"the served model name {served_model_name!r} is also an adapter's name")
-    loop = EngineLoop(engine, Metrics(engine.lora_stats), max_queued_requests)
+    loop = EngineLoop(engine, Metrics(engine.lora_stats), max_queued_requests, stats_interval)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        logger.info("serving %s as %r%s", engine.config.model_path, served_model_name,
+                    ", with an API key" if api_key else "")
+        for line in engine.summary():
+            logger.info("%s", line)
         loop.start()
         yield
         loop.stop()
@@ -445,30 +435,15 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return _error(e.status, e.info)
+        return error_response(e.status, e.info)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        errors = e.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        loc = first["loc"]  # ("body", field, ...); ("body", position) for malformed JSON
-        param = str(loc[1]) if len(loc) > 1 and loc[0] == "body" and first.get("type") != "json_invalid" else None
-        param = first.get("ctx", {}).get("param", param)  # a check of the whole body that names its field
-        if first.get("type") == "extra_forbidden":
-            where = ".".join(str(x) for x in loc[1:])
-            message = f"unknown field `{where}`: not an OpenAI or vLLM request field that moelora serves"
-        elif first.get("type") == "json_invalid":
-            error = first.get("ctx", {}).get("error", "JSON decode error")
-            message = f"the request body is not valid JSON: {error} at character {loc[1] if len(loc) > 1 else 0}"
-        else:
-            # a check of the whole body (loc ("body",)) names its field in its message
-            message = "; ".join(f"{'.'.join(str(x) for x in err['loc'][1:])}: {err['msg']}".removeprefix(": ")
-                                for err in errors)
-        return _error(400, ErrorInfo(message=message, type="invalid_request_error", param=param))
+        return validation_error(e)
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
-        return _error(e.status_code, ErrorInfo(message=str(e.detail), type="invalid_request_error"))
+        return error_response(e.status_code, ErrorInfo(message=str(e.detail), type="invalid_request_error"))
 
     return app
 

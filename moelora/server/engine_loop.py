@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from moelora.engine.engine import Engine, StepOutput
 from moelora.engine.sampling_params import SamplingParams
 from moelora.server.metrics import Metrics
+from moelora.server.stats_log import StatsLog
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -63,8 +64,10 @@ class _Stream:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, metrics: Metrics, max_queued_requests: int | None = None):
+    def __init__(self, engine: Engine, metrics: Metrics, max_queued_requests: int | None = None,
+                 stats_interval: float = 10.0):
         self.engine, self.metrics, self.max_queued_requests = engine, metrics, max_queued_requests
+        self.stats = StatsLog(stats_interval)
         self.context_len = engine.context_len
         # published by the engine thread for the event loop; replaced whole, never mutated
         self.adapters: dict[str, str] = {n: str(p) for n, p in engine.config.lora_paths.items()}
@@ -149,8 +152,8 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._commands or self._stopping or self.engine.has_unfinished()):
-                    self._cv.wait()
+                if not (self._commands or self._stopping or self.engine.has_unfinished()):
+                    self._cv.wait(self.stats.interval or None)  # woken by work, or for the stats line
                 if self._stopping:
                     break
                 commands, self._commands = self._commands, []
@@ -164,6 +167,7 @@ class EngineLoop:
                 self._step()
             self.num_waiting = self.engine.num_waiting
             self.metrics.set_queues(len(self._streams) - self.num_waiting, self.num_waiting)
+            self.stats.tick(self.engine, self.engine.num_running, self.num_waiting)
         with self._cv:
             commands, self._commands = self._commands, []
         for _, future in commands:
@@ -224,6 +228,7 @@ class EngineLoop:
                 else:
                     self.metrics.next_token(now - stream.last_token)
                 self.metrics.generated(len(out.token_ids))
+                self.stats.count(out.prompt_tokens if stream.last_token is None else 0, len(out.token_ids))
                 stream.last_token = now
             if out.finished:
                 self.metrics.finished(out.finish_reason)

@@ -176,9 +176,9 @@ class SamplingRequest(RequestBody):
                                           {"name": name, "why": why, "param": name})
         return {k: v for k, v in data.items() if k not in cls.unsupported}
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
                         ) -> SamplingParams:
-        """ValueError names the bad field (SamplingParams.<field>)."""
+        """ValueError names the bad field (SamplingParams.<field>); max_tokens None: up to the context."""
         given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                                                "frequency_penalty", "repetition_penalty") if getattr(self, k) is not None}
         return SamplingParams(max_tokens=max_tokens, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
@@ -316,6 +316,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # a model served without a tokenizer: its output, which has no text
 
 
 class _Response(BaseModel):

@@ -13,7 +13,7 @@ def test_defaults_resolve():
     ("dtype", "float64"), ("device", "tpu"), ("load_format", "pt"), ("max_loras_per_batch", 0), ("max_lora_rank", 0),
     ("max_cpu_loras", 2), ("mem_fraction_static", 1.0), ("max_total_tokens", 1), ("max_running_requests", 0),
     ("chunked_prefill_size", 0), ("max_prefill_tokens", 0), ("cuda_graph_max_bs", 0), ("context_length", 1),
-    ("lora_paths", {"": "/x"}),
+    ("lora_paths", {"": "/x"}), ("tp_size", 2),
 ])
 def test_bad_field_is_named(field, value):
     with pytest.raises(ValueError, match=f"EngineConfig.{field} must be"):

@@ -69,3 +69,11 @@ def test_structured_output_is_checked():
     with pytest.raises(ValueError, match=r"SamplingParams\.structured_output must be at least one choice"):
         StructuredOutput("choice", choices=("a", ""))
     assert SamplingParams(structured_output=StructuredOutput("regex", "[ab]+")).structured_output.spec == "[ab]+"
+
+
+def test_min_tokens_without_max_tokens():
+    """max_tokens None (up to the context): min_tokens has no upper bound here; the engine caps it at
+    what the context leaves."""
+    assert SamplingParams(max_tokens=None, min_tokens=10**6).min_tokens == 10**6
+    with pytest.raises(ValueError, match=r"SamplingParams\.min_tokens must be an int >= 0, got -1"):
+        SamplingParams(max_tokens=None, min_tokens=-1)

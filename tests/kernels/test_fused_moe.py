@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moelora.core import ExpertLoRASlots, TopKOutput
-from moelora.kernels import fused_moe as fused_moe_module
+from moelora.kernels.fused_moe import launcher
 from moelora.kernels.fused_moe import MoEKernelConfig, default_config, fused_moe
 from tests.support import assert_rows_close, random_expert_lora, random_moe_weights, random_topk, rel_tolerance
 
@@ -13,7 +13,7 @@ SHAPES = [  # tokens, hidden, inter, experts, top_k
     (1, 64, 32, 4, 2),
     (37, 80, 56, 6, 3),  # non-powers of two; T*k > BLOCK_M
     (20, 48, 40, 9, 4),
-    (70, 48, 40, 9, 4),  # T*k > PAIR_SHRINK_MAX_PAIRS: shrink per block, after the alignment
+    (70, 48, 40, 9, 4),  # T*k > pair_shrink_max_pairs: shrink per block, after the alignment
 ]
 SLOT_RANKS = [4, 8, 16, 64]  # rank tile 64
 SMALL_RANKS = [16, 4, 16, 8, 12, 16]  # rank tile 16; six slots, so blocks hold runs of several slots
@@ -146,27 +146,29 @@ def test_gate_up_tile_of_two_down_shrink_parts(dtype, device, poison):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_partials_summed_once_equal_partials_summed_per_program(dtype, device, poison, monkeypatch):
+def test_partials_summed_once_equal_partials_summed_per_program(dtype, device, poison):
     """Large batches sum the shrink's K-split and down-shrink partials once per row before the GEMMs read
     them; the bits must equal every program summing them itself (2 K splits, 4 down-shrink parts here)."""
     x, w13, w2, topk, lora, slots = _case(19, 600, 200, 5, 2, dtype, device, slot_ranks=SMALL_RANKS)
-    monkeypatch.setattr(fused_moe_module, "REDUCE_PARTIALS_MIN_PAIRS", 10**9)
-    per_program = fused_moe(x, w13, w2, topk, lora, slots, impl="triton")
-    monkeypatch.setattr(fused_moe_module, "REDUCE_PARTIALS_MIN_PAIRS", 0)
-    once = fused_moe(x, w13, w2, topk, lora, slots, impl="triton")
+    cfg = default_config(19, 2, 5, dtype)
+    per_program = fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
+                            config=dataclasses.replace(cfg, reduce_partials_min_pairs=10**9))
+    once = fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
+                     config=dataclasses.replace(cfg, reduce_partials_min_pairs=0))
     assert torch.equal(per_program, once)
     assert_rows_close(once, fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(dtype, device))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_shrink_per_pair_equals_shrink_per_block(dtype, device, poison, monkeypatch):
+def test_shrink_per_pair_equals_shrink_per_block(dtype, device, poison):
     """Small batches shrink per pair inside the alignment's launch, large ones per block: a row's
     bits must not depend on which one its batch size picks."""
     x, w13, w2, topk, lora, slots = _case(45, 72, 40, 5, 2, dtype, device, slot_ranks=SMALL_RANKS)
-    monkeypatch.setattr(fused_moe_module, "PAIR_SHRINK_MAX_PAIRS", 0)
-    per_block = fused_moe(x, w13, w2, topk, lora, slots, impl="triton")
-    monkeypatch.setattr(fused_moe_module, "PAIR_SHRINK_MAX_PAIRS", 10**6)
-    per_pair = fused_moe(x, w13, w2, topk, lora, slots, impl="triton")
+    cfg = default_config(45, 2, 5, dtype)
+    per_block = fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
+                          config=dataclasses.replace(cfg, pair_shrink_max_pairs=0))
+    per_pair = fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
+                         config=dataclasses.replace(cfg, pair_shrink_max_pairs=10**6))
     assert torch.equal(per_block, per_pair)
     assert_rows_close(per_pair, fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(dtype, device))
 
@@ -194,7 +196,7 @@ def test_pair_blocks_lora_equal_aligned_blocks(token_slots, dtype, device, poiso
     cfg = default_config(tokens, 3, 5, dtype)
     assert cfg.pair_blocks
     got = fused_moe(x, w13, w2, topk, lora, slots, impl="triton", config=cfg)
-    assert not fused_moe_module._ready[x.device].any(), "ready counters not put back to 0"
+    assert not launcher._ready[x.device].any(), "ready counters not put back to 0"
     aligned = fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
                         config=dataclasses.replace(cfg, pair_blocks=False))
     assert torch.equal(got, aligned)
@@ -238,7 +240,7 @@ def test_rejects_bad_inputs(device):
 
 def test_pair_blocks_past_the_ready_counters(device, monkeypatch):
     x, w13, w2, topk, lora, slots = _case(3, 64, 32, 4, 2, DTYPES[0], device)
-    monkeypatch.setattr(fused_moe_module, "READY_COUNTERS", 5)
+    monkeypatch.setattr(launcher, "READY_COUNTERS", 5)
     with pytest.raises(ValueError, match="pair blocks with LoRA on 6 pairs: more than the 5 counters"):
         fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
                   config=dataclasses.replace(default_config(1, 2, 4, DTYPES[0]), pair_blocks=True))

@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 import torch
 
-from moelora.kernels import fused_moe as fused_moe_module
+from moelora.kernels.fused_moe import launcher
 from moelora.kernels.fused_moe import default_config, fused_moe
 from tests.support import assert_rows_close, random_expert_lora, random_moe_weights, random_topk, rel_tolerance
 
@@ -90,7 +90,7 @@ def test_pair_blocks_shrink_in_gate_up_has_no_race(shape, tokens, poison):
     expected = fused_moe(x, w13, w2, topk, lora, slots, config=aligned_cfg)
     for i in range(50):
         assert torch.equal(fused_moe(x, w13, w2, topk, lora, slots, config=cfg), expected), f"call {i}"
-    ready = fused_moe_module._ready[x.device]
+    ready = launcher._ready[x.device]
     torch.cuda.synchronize()
     assert not ready.any(), "ready counters not back at 0"
 

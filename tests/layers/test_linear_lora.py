@@ -10,7 +10,7 @@ from tests.support import assert_rows_close, random_linear_lora, rel_tolerance
 def test_linear_adds_each_tokens_adapter_and_keeps_base_rows(device):
     dtype = torch.float16 if device == "cpu" else torch.bfloat16
     gen = torch.Generator().manual_seed(torch.seed())
-    layer = Linear(64, (48, 16, 16), lora_names=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"))
+    layer = Linear(64, (48, 16, 16), part_names=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"))
     layer.weight.data = (torch.randn(80, 64, generator=gen) / 8).to(device, dtype)
     layer.lora = random_linear_lora(64, layer.out_sizes, [[8, 8, 8], [16, 0, 4]], dtype, device, generator=gen)
     x = torch.randn(9, 64, generator=gen).to(device, dtype)

@@ -82,7 +82,7 @@ def test_shape_mismatch_is_named(broken):
 def test_both_layouts_at_once_is_an_error(broken):
     def add_fused(t):
         t["model.layers.0.mlp.experts.down_proj"] = torch.zeros(8, 64, 24)
-    with pytest.raises(ModelLoadError, match="model.layers.0.mlp.experts.down_proj' fills a part of model.layers.0.mlp.w2"):
+    with pytest.raises(ModelLoadError, match="model.layers.0.mlp.experts.down_proj' fills a part of model.layers.0.mlp.experts.w2"):
         _load(broken(add_fused))
 
 
@@ -112,7 +112,7 @@ def test_dummy_weights_read_only_config(checkpoint, tmp_path):
         assert p.shape == real[name].shape and torch.equal(p, _params(b)[name]), name
     norms = [m.weight for m in a.modules() if isinstance(m, RMSNorm)]
     assert norms and all((w == 1).all() for w in norms)
-    assert 0.015 < a.model.layers[0].mlp.w13.std().item() < 0.025
+    assert 0.015 < a.model.layers[0].mlp.experts.w13.std().item() < 0.025
 
 
 def test_bf16(checkpoint):

@@ -67,11 +67,11 @@ def test_chunked_prefill_then_decode_match_full_prefill(family, checkpoint, adap
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_lora_names_and_kv_cache_shape(family):
+def test_part_names_and_kv_cache_shape(family):
     """Our LoRA-able modules are exactly the ones model_shapes lists (what adapters are checked against)."""
     config = family_config(family)
     model = build_model(config, torch.float32, "meta")
-    ours = {(m.layer_id, name) for m in model.modules() if isinstance(m, Linear) for name in m.lora_names}
+    ours = {(m.layer_id, name) for m in model.modules() if isinstance(m, Linear) for name in m.part_names}
     shapes = load_model_shapes(config)
     assert ours == {(layer, name) for layer, modules in enumerate(shapes.modules) for name in modules}
     assert {m.layer_id for m in model.modules() if isinstance(m, MoE)} == shapes.moe_layers

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from moelora.engine.lora_slots import allocate_lora_slots, write_adapter_to_slot
-from moelora.layers.moe.layer import MoE
+from moelora.layers.moe.runner import Runner
 from moelora.lora import AdapterError, load_adapter
 from moelora.models.loader import load_model
 from tests.models.families import family_config
@@ -20,7 +20,7 @@ def test_ranks_follow_the_adapter(model, adapters):
     write_adapter_to_slot(model, load_adapter(adapters("qwen3_moe")["partial"].path, family_config("qwen3_moe")), 1)
     attn = model.model.layers[0].self_attn.qkv_proj.lora
     assert attn.ranks.tolist() == [[0, 0, 0], [2, 0, 2]]  # q and v adapted, k not
-    moe = next(m for m in model.modules() if isinstance(m, MoE)).lora
+    moe = next(m for m in model.modules() if isinstance(m, Runner)).lora
     assert (moe.ranks[:, 0] == 0).all() and (moe.ranks[:2, 1] == 0).all() and (moe.ranks[2, 1] == 2).all()
     assert moe.max_rank_in_use == 2
 

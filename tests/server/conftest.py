@@ -7,11 +7,14 @@ import shutil
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import uvicorn
+from fastapi import FastAPI
 
 from moelora.demo import build
 from moelora.engine.engine import Engine
@@ -70,9 +73,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(demo_dir):
-    app = create_app(make_engine(demo_dir, SERVED), MODEL_NAME)
+@contextmanager
+def serving(app: FastAPI) -> Iterator[Server]:
+    """The app served by uvicorn in a background thread until the block ends."""
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
@@ -81,9 +84,17 @@ def server(demo_dir):
     while not uv.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.02)
-    yield Server(f"http://127.0.0.1:{port}", app.state.engine_loop)
-    uv.should_exit = True
-    thread.join(timeout=30)
+    try:
+        yield Server(f"http://127.0.0.1:{port}", app.state.engine_loop)
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(demo_dir):
+    with serving(create_app(make_engine(demo_dir, SERVED), MODEL_NAME)) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

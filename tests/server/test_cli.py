@@ -2,8 +2,11 @@
 server process answering the OpenAI client, one-shot generation printed."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +20,7 @@ from moelora.cli import build_parser, main
 from moelora.engine.config import EngineConfig
 from moelora.engine.sampling_params import SamplingParams
 from tests.server.conftest import free_port
+from tests.support import tiny_config, write_random_peft_adapter
 
 CPU = ["--device", "cpu", "--dtype", "float32"]
 
@@ -44,6 +48,29 @@ def test_flags_follow_the_config_fields(capsys):
                if f.name not in ("logprobs", "prompt_logprobs", "logit_bias", "structured_output"))
 
 
+def test_every_flag_has_a_description():
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name in ("serve", "generate", "inspect", "demo"):
+        for action in commands[name]._actions:
+            assert action.help and not action.help.startswith("default:"), (name, action.option_strings)
+    assert all(f.metadata["help"] for cls in (EngineConfig, SamplingParams) for f in dataclasses.fields(cls))
+
+
+def test_vllm_flag_names(capsys):
+    sql = json.dumps({"name": "sql", "path": "/s", "base_model_name": "m"})
+    args = build_parser().parse_args([
+        "serve", "--model-path", "m", "--lora-modules", sql, "chat=/c", "--max-loras", "3", "--max-lora-rank", "16",
+        "--max-model-len", "100", "--gpu-memory-utilization", "0.5", "--max-num-seqs", "7",
+        "--tensor-parallel-size", "1", "--chat-template", "t.jinja", "--served-model-name", "x"])
+    assert args.lora_paths == {"sql": "/s", "chat": "/c"} and args.max_loras_per_batch == 3
+    assert args.max_lora_rank == 16 and args.context_length == 100 and args.mem_fraction_static == 0.5
+    assert args.max_running_requests == 7 and args.tp_size == 1 and args.chat_template == "t.jinja"
+    for bad in ['{"name": "sql"', '{"name": "sql"}']:
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(["serve", "--model-path", "m", "--lora-modules", bad])
+        assert e.value.code == 2 and "--lora-modules" in capsys.readouterr().err
+
+
 def test_generate_prints_the_completion(demo_dir, reference, capsys):
     argv = ["generate", "--model-path", str(demo_dir / "model"), "--lora", f"beta={demo_dir / 'beta'}",
             "--prompt", "Hello world", "--max-tokens", "6", "--temperature", "0", *CPU]
@@ -57,6 +84,55 @@ def env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
 
 
+def moelora(*argv: str) -> subprocess.CompletedProcess:
+    """The installed `moelora` command, run on this worktree's package."""
+    command = shutil.which("moelora")
+    assert command is not None, "the moelora command is not installed (pip install -e .)"
+    return subprocess.run([command, *argv], env=env(), capture_output=True, text=True, timeout=120)
+
+
+def one_error(run: subprocess.CompletedProcess, command: str, *parts: str) -> str:
+    """Exit status 1 and a single error line (after the command's name) holding every part."""
+    assert run.returncode == 1, run.stderr
+    assert "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert run.stderr.startswith(f"moelora {command}: error: ") and all(p in run.stderr for p in parts), run.stderr
+    return run.stderr
+
+
+@pytest.fixture(scope="module")
+def other_model_adapter(tmp_path_factory):
+    """A PEFT adapter of another Qwen3-MoE (hidden size 16, not the demo's 64)."""
+    return write_random_peft_adapter(tiny_config("qwen3_moe"), tmp_path_factory.mktemp("other-adapter"), 4, 1)
+
+
+def test_cli_errors_are_one_message_and_exit_status_1(demo_dir, other_model_adapter, tmp_path):
+    model = ["--model-path", str(demo_dir / "model")]
+    one_error(moelora("generate", "--model-path", str(tmp_path / "nope"), "--prompt", "x", *CPU), "generate",
+              "not a local model directory")
+    one_error(moelora("generate", "--model-path", "Qwen/Qwen3-30B-A3B", "--prompt", "x", *CPU), "generate",
+              "EngineConfig.model_path 'Qwen/Qwen3-30B-A3B'", "not Hub ids")
+    one_error(moelora("generate", *model, "--tokenizer-path", "Qwen/Qwen3-8B", "--prompt", "x", *CPU), "generate",
+              "EngineConfig.tokenizer_path 'Qwen/Qwen3-8B' is not a local directory")
+    one_error(moelora("serve", *model, "--lora-paths", f"x={tmp_path / 'nope'}", *CPU), "serve",
+              "no adapter_config.json")
+    one_error(moelora("serve", *model, "--tensor-parallel-size", "2", *CPU), "serve", "EngineConfig.tp_size must be 1")
+    one_error(moelora("serve", *model, "--chat-template", "nope.jinja", *CPU), "serve",
+              "EngineConfig.chat_template 'nope.jinja' is neither a readable file")
+    bare = tmp_path / "bare"  # the model without its tokenizer
+    shutil.copytree(demo_dir / "model", bare, ignore=shutil.ignore_patterns("tokenizer*", "chat_template*"))
+    one_error(moelora("generate", "--model-path", str(bare), "--prompt", "x", *CPU), "generate",
+              "a text prompt needs a tokenizer", "has no tokenizer files (none of tokenizer.json")
+
+
+def test_an_adapter_of_another_model_lists_its_problems(demo_dir, other_model_adapter):
+    run = moelora("generate", "--model-path", str(demo_dir / "model"), "--lora", f"x={other_model_adapter}",
+                  "--prompt", "x", *CPU)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    head, *problems = run.stderr.strip().splitlines()
+    assert head == f"moelora generate: error: adapter {other_model_adapter}: {len(problems)} problem(s):"
+    assert len(problems) > 4 and all(p.startswith("  - ") and "do not fit" in p for p in problems)
+
+
 def test_the_engine_and_the_cli_need_no_server_packages():
     """The GPU machine has none of them: only `moelora serve` may import them."""
     code = ("import sys\n"
@@ -68,11 +144,15 @@ def test_the_engine_and_the_cli_need_no_server_packages():
     subprocess.run([sys.executable, "-c", code], env=env(), check=True)
 
 
-def test_serve_starts_a_server(demo_dir, reference):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moelora.cli", "serve", "--model-path", str(demo_dir / "model"),
-                             "--lora-paths", f"alpha={demo_dir / 'alpha'}", "--served-model-name", "base",
-                             "--port", str(port), "--log-level", "warning", *CPU], env=env())
+def test_serve_starts_a_server(demo_dir, reference, tmp_path):
+    """With vLLM's flag names; the log says what it serves."""
+    port, log = free_port(), tmp_path / "serve.log"
+    alpha = json.dumps({"name": "alpha", "path": str(demo_dir / "alpha")})
+    with log.open("w") as stderr:
+        proc = subprocess.Popen([shutil.which("moelora"), "serve", "--model-path", str(demo_dir / "model"),
+                                 "--lora-modules", alpha, "--served-model-name", "base", "--max-loras", "1",
+                                 "--max-model-len", "64", "--max-num-seqs", "4", "--port", str(port), *CPU],
+                                env=env(), stderr=stderr)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -88,16 +168,21 @@ def test_serve_starts_a_server(demo_dir, reference):
         out = client.completions.create(model="alpha", prompt="Hello world", max_tokens=5, temperature=0)
         want = reference.generate("Hello world", SamplingParams(max_tokens=5, temperature=0.0), lora="alpha")[0]
         assert out.choices[0].text == want.text
+        with pytest.raises(openai.BadRequestError, match="the context holds 64"):
+            client.completions.create(model="alpha", prompt="Hello world", max_tokens=63)
+        with pytest.raises(openai.BadRequestError, match="max_running_requests \\(4\\)"):
+            client.completions.create(model="alpha", prompt="Hello world", n=5)
+        logged = log.read_text()
+        for line in [f"moelora.server.app: model {demo_dir / 'model'}: Qwen3MoeForCausalLM, float32 on cpu",
+                     "context 64 tokens; up to 4 running requests", "LoRA: 1 GPU slots of rank 8",
+                     f"adapter alpha: {demo_dir / 'alpha'} (rank 8, "]:
+            assert line in logged, logged
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after shutting down
 
 
-def test_version_and_errors_without_traceback(capsys, tmp_path):
+def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.startswith("moelora ")
-    assert main(["generate", "--model-path", str(tmp_path / "nope"), "--prompt", "x"] + CPU) == 1
-    err = capsys.readouterr().err
-    assert err.startswith("moelora generate: error: EngineConfig.model_path") and "not a local model directory" in err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1

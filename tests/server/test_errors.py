@@ -28,11 +28,13 @@ def post(server, path: str, body=None, **kwargs) -> httpx.Response:
     return httpx.post(f"{server.url}{path}", json=body, **kwargs)
 
 
-def error(r: httpx.Response, status: int, param: str | None = None, match: str = "") -> dict:
+def error(r: httpx.Response, status: int, param: str | None = None, match: str = "", code: str | None = None) -> dict:
+    """The error in OpenAI's shape (param and code present, null or not); every 400 has a code."""
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert isinstance(err["message"], str) and isinstance(err["type"], str) and match in err["message"]
-    assert err.get("param") == param, err
+    assert err["param"] == param, err
+    assert err["code"] == code if code is not None else (status != 400 or isinstance(err["code"], str)), err
     return err
 
 
@@ -45,7 +47,7 @@ def finished(server, reason: str) -> float:
 def test_malformed_json_and_bodies_that_are_not_objects(server):
     r = httpx.post(f"{server.url}/v1/completions", content=b'{"model": "alpha", "prompt": ',
                    headers={"content-type": "application/json"})
-    err = error(r, 400)
+    err = error(r, 400, code="invalid_json")
     assert err["type"] == "invalid_request_error" and err["message"].startswith("the request body is not valid JSON: ")
     error(post(server, "/v1/chat/completions", [1, 2]), 400)
     error(post(server, "/v1/load_lora_adapter", "alpha"), 400)
@@ -107,10 +109,31 @@ def test_adapters_that_cannot_load(server, demo_dir):
 
 
 def test_prompts_the_context_cannot_hold(server):
-    error(post(server, "/v1/completions", {**OK, "prompt": "Hello " * 600}), 400, None, "the context holds 512")
-    error(post(server, "/v1/completions", {**OK, "prompt": [1, 10**6]}), 400, None, "token ids must be")
+    too_long = "context_length_exceeded"
+    error(post(server, "/v1/completions", {**OK, "prompt": "Hello " * 600}), 400, "prompt", "the context holds 512",
+          too_long)
+    error(post(server, "/v1/completions", {**OK, "prompt": [1, 10**6]}), 400, "prompt", "token ids must be")
     error(post(server, "/v1/completions", {**OK, "prompt": []}), 400, "prompt")
-    error(post(server, "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "Hello " * 600}]}), 400)
+    error(post(server, "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "Hello " * 600}]}),
+          400, "messages", "the context holds 512", too_long)
+
+
+def test_max_tokens_beyond_the_context_is_refused_not_cut(server):
+    """As vLLM: prompt + max_tokens over the context is a 400 naming both numbers; without max_tokens a
+    chat completion may fill the context."""
+    prompt = [1] * 500
+    error(post(server, "/v1/completions", {**OK, "prompt": prompt, "max_tokens": 13}), 400, "max_tokens",
+          "max_tokens=13 and the prompt's 500 tokens are 513 tokens; the context holds 512", "context_length_exceeded")
+    r = post(server, "/v1/completions", {**OK, "prompt": prompt, "max_tokens": 12, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12
+    messages = [{"role": "user", "content": "Hello " * 200}]
+    err = error(post(server, "/v1/chat/completions", {**CHAT, "messages": messages, "max_completion_tokens": 400}),
+                400, "max_completion_tokens", "the context holds 512", "context_length_exceeded")
+    chat_prompt = int(err["message"].split("the prompt's ")[1].split()[0])
+    r = post(server, "/v1/chat/completions", {**CHAT, "messages": messages, "max_tokens": None, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"] == {"prompt_tokens": chat_prompt, "completion_tokens": 512 - chat_prompt,
+                                 "total_tokens": 512}
 
 
 def test_overload_is_503(server, monkeypatch):

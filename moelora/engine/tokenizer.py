@@ -1,0 +1,57 @@
+"""The engine's tokenizer: read from local files only, with the chat template `--chat-template` gives.
+
+A model directory without tokenizer files is served all the same: prompts are token ids, the
+outputs are token ids without text, and what needs text (text prompts, chat, stop strings) is
+refused with the reason."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from moelora.engine.config import EngineConfig
+
+# A tokenizer's vocabulary is in one of these (fast tokenizers, SentencePiece, BPE, WordPiece);
+# tokenizer_config.json alone makes transformers build an empty one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+# Characters only a template has: without them --chat-template names a file, as vLLM decides.
+_JINJA_CHARS = "{}\n"
+
+
+def load_tokenizer(config: EngineConfig) -> tuple[PreTrainedTokenizerBase | None, str | None]:
+    """The tokenizer, or None and why there is none (for the errors of requests that need one).
+    ValueError naming the field for a tokenizer_path that is no local tokenizer, and for a chat
+    template that cannot be read or does not render; no network access."""
+    path = Path(config.tokenizer_path or config.model_path)
+    field = "tokenizer_path" if config.tokenizer_path else "model_path"
+    if not path.is_dir():
+        raise ValueError(f"EngineConfig.{field} {str(path)!r} is not a local directory; moelora reads local tokenizer "
+                         "files, not Hub ids")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        missing = f"{path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)})"
+        if config.tokenizer_path or config.chat_template is not None:
+            raise ValueError(f"EngineConfig.{'tokenizer_path' if config.tokenizer_path else 'chat_template'}: {missing}")
+        return None, f"{missing}: prompts must be token ids (or start the engine with a tokenizer_path)"
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if config.chat_template is not None:
+        tokenizer.chat_template = read_chat_template(config.chat_template)
+        try:  # a template that cannot render a user's message is no chat template
+            tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                          add_generation_prompt=True)
+        except Exception as e:  # jinja's syntax and template errors, the template's own raise_exception
+            raise ValueError(f"EngineConfig.chat_template does not render a user message: {type(e).__name__}: "
+                             f"{e}") from e
+    return tokenizer, None
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: the file it names, or the template itself when it has a character only a
+    template has (braces, newlines)."""
+    path = Path(value)
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the path, or undecodable text
+        if any(c in value for c in _JINJA_CHARS):
+            return value
+        raise ValueError(f"EngineConfig.chat_template {value!r} is neither a readable file ({e}) nor a Jinja "
+                         "template") from e

@@ -1,0 +1,61 @@
+"""The fused MoE's kernel config and the tile table that picks it by batch shape.
+
+Why each threshold and tile is what it is (the measurements behind them): benchmarks/RESULTS.md,
+"Fused MoE: where its thresholds and tiles come from".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moelora.kernels.gemm_tiles import gemm_block_k
+
+# A row's result must not depend on what it is batched with, so everything that sets the order of
+# its fp32 sums is fixed here, never by the config: the gate/up shrink's K split (SHRINK_SPLIT_K columns
+# of H per partial) and the parts of I the down shrink is summed over, in order (DOWN_SHRINK_PART columns
+# each: a gate_up n tile, with LoRA 64 or 128 columns wide, computes one or two). BLOCK_K is fixed per
+# dtype (gemm_block_k). The tiles follow the batch.
+DOWN_SHRINK_PART = 64
+SHRINK_SPLIT_K = 512
+SUM_PARTS = 8  # partial sums (shrink splits, down-shrink parts) read per load in the LoRA epilogues
+REDUCE_PROGRAMS = 512  # about this many programs sum the partials once per row (reduction.reduce_partials)
+# Up to this many tokens every (token, expert) pair is its own block (pair_blocks): no alignment launch, but
+# an expert picked by several tokens is read once per pair.
+PAIR_BLOCKS_MAX_TOKENS = 2
+
+
+@dataclass(frozen=True)
+class MoEKernelConfig:
+    """Tiles and launch choices of one fused MoE call. None of them changes a row's bits."""
+    block_m: int
+    block_n_gate_up: int
+    block_n_down: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+    pair_blocks: bool = False  # each (token, expert) pair is its own block (row 0 of BLOCK_M): no alignment
+    half_tiles: bool = False  # blocks with at most block_m / 2 pairs run as tiles of block_m / 2 rows
+    # aligned blocks with LoRA: up to this many pairs the gate/up shrink runs per pair, in the alignment's
+    # launch; past it, per block after the alignment
+    pair_shrink_max_pairs: int = 256
+    # from this many pairs on, one launch sums the LoRA partials per row before the GEMMs read them, instead
+    # of every (block, n-tile) program summing its rows' partials itself
+    reduce_partials_min_pairs: int = 512
+
+
+def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> MoEKernelConfig:
+    """Tile sizes by rows per expert, with LoRA and without."""
+    block_k = gemm_block_k(dtype)
+    if num_tokens <= PAIR_BLOCKS_MAX_TOKENS:
+        return MoEKernelConfig(16, 64, 64, block_k, 8, 4, 4, pair_blocks=True)
+    num_pairs = num_tokens * top_k
+    rows_per_expert = num_pairs / num_experts
+    if rows_per_expert <= 16:
+        return MoEKernelConfig(16, 64, 128, block_k, 8, 4, 4)
+    if rows_per_expert <= 96:
+        return MoEKernelConfig(32, 64, 128, block_k, 8, 4, 4)
+    if rows_per_expert < 256:
+        return MoEKernelConfig(64, 64, 128, block_k, 8, 4, 4)
+    return MoEKernelConfig(128, 128, 256, block_k, 8, 8, 4, half_tiles=True)  # prefill: wide n tiles, 8 warps

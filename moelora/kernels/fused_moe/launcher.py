@@ -1,0 +1,124 @@
+"""fused_moe_triton: picks the path (pair blocks, or aligned blocks with the shrink per pair or per block) and
+launches the kernels of one MoE block."""
+from __future__ import annotations
+
+import torch
+import triton
+
+from moelora.core import ExpertLoRASlots, TopKOutput
+from moelora.kernels.fused_moe.config import (DOWN_SHRINK_PART, SHRINK_SPLIT_K, SUM_PARTS, MoEKernelConfig,
+                                              default_config)
+from moelora.kernels.fused_moe.gemm import down_kernel, gate_up_kernel
+from moelora.kernels.fused_moe.reduction import moe_sum_kernel, reduce_partials
+from moelora.kernels.fused_moe.shrink import pair_shrink_kernel, shrink_kernel
+from moelora.kernels.gemm_tiles import zeroed_counters
+from moelora.kernels.lora_tiles import LORA_RANK_CHUNK, rank_tile
+from moelora.kernels.moe_align import AlignedBlocks, CHUNK, align_num_warps, alloc_aligned, key_tile, moe_align
+
+# Pair blocks with LoRA: a ready counter per pair (the gate/up shrink done), in a per-device buffer zeroed once
+# and put back to 0 by each launch's last reader of each counter; default configs use at most 2 * top_k.
+READY_COUNTERS = 4096
+_ready: dict[torch.device, torch.Tensor] = {}
+
+
+def fused_moe_triton(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk: TopKOutput,
+    lora: ExpertLoRASlots | None = None,
+    token_slots: torch.Tensor | None = None,
+    config: MoEKernelConfig | None = None,
+) -> torch.Tensor:
+    num_tokens, hidden = x.shape
+    num_experts, inter = w2.shape[0], w2.shape[2]
+    top_k = topk.ids.shape[1]
+    num_pairs = num_tokens * top_k
+    cfg = config or default_config(num_tokens, top_k, num_experts, x.dtype)
+    if lora is not None and cfg.block_n_gate_up not in (DOWN_SHRINK_PART, 2 * DOWN_SHRINK_PART):
+        raise ValueError(f"with LoRA the gate_up n tile must be {DOWN_SHRINK_PART} or {2 * DOWN_SHRINK_PART} "
+                         f"columns (one or two down-shrink parts), got {cfg.block_n_gate_up}")
+    num_slots = lora.num_slots if lora is not None else 0
+    num_n_gate_up = triton.cdiv(inter, cfg.block_n_gate_up)
+    num_hd_parts = triton.cdiv(inter, DOWN_SHRINK_PART)
+    num_n_down = triton.cdiv(hidden, cfg.block_n_down)
+    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    y = torch.empty_like(x)
+    # with pair blocks the down kernel sums the top-k itself: arrival counters, zeroed by gate_up
+    counters = torch.empty(num_tokens * num_n_down if cfg.pair_blocks else 1, dtype=torch.int32, device=x.device)
+    common = dict(HAS_LORA=lora is not None, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                  PARTS=SUM_PARTS, PAIR_BLOCKS=cfg.pair_blocks, HALF_TILES=cfg.half_tiles,
+                  TOP_K_P=triton.next_power_of_2(top_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.pair_blocks:  # block p = pair p: its expert is topk.ids[p]; no sorted ids or row count to read
+        blocks = AlignedBlocks(topk.ids, topk.ids.view(-1), topk.ids, cfg.block_m)
+    num_shrink, ready = 0, topk.ids  # gate/up shrink programs in the gate_up launch (then it reads `ready`)
+    if lora is None:  # HAS_LORA=False never reads these
+        if not cfg.pair_blocks:
+            blocks = moe_align(topk.ids, None, num_experts, 0, cfg.block_m)
+        slots = ranks = topk.ids
+        xa = hd = ag = au = bg = bu = ad = bd = w13
+        num_splits, block_r = 1, LORA_RANK_CHUNK
+        a_strides = b_strides = ad_strides = bd_strides = (0, 0)
+    else:
+        slots, ranks = token_slots, lora.ranks
+        ag, au, bg, bu, ad, bd = lora.a_gate, lora.a_up, lora.b_gate, lora.b_up, lora.a_down, lora.b_down
+        block_r = rank_tile(lora.max_rank_in_use or lora.a_gate.shape[2])
+        a_strides, b_strides = ag.stride()[1:3], bg.stride()[1:3]
+        ad_strides, bd_strides = ad.stride()[1:3], bd.stride()[1:3]
+        num_splits = triton.cdiv(hidden, SHRINK_SPLIT_K)
+        xa = torch.empty(num_pairs, 2, num_splits, block_r, dtype=torch.float32, device=x.device)
+        hd = torch.empty(num_pairs, num_hd_parts, block_r, dtype=torch.float32, device=x.device)
+        if cfg.pair_blocks:  # the shrink runs in the gate_up launch, its GEMM programs wait on a counter per pair
+            if num_pairs > READY_COUNTERS:
+                raise ValueError(f"pair blocks with LoRA on {num_pairs} pairs: more than the {READY_COUNTERS} counters")
+            ready = zeroed_counters(_ready, READY_COUNTERS, x.device, "fused_moe pair blocks with LoRA")
+            num_shrink = num_pairs * num_splits
+        elif num_pairs <= cfg.pair_shrink_max_pairs:  # one launch: the alignment and a shrink per pair
+            blocks, cursor = alloc_aligned(num_pairs, num_experts, num_slots, cfg.block_m, x.device)
+            e_p, s1_p = key_tile(num_experts, num_slots)
+            pair_shrink_kernel[(1 + num_pairs * num_splits,)](
+                topk.ids, slots, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, cursor,
+                x, xa, ranks, ag, au,
+                num_pairs, top_k, hidden, num_slots, num_experts, blocks.sorted_ids.numel(), num_splits,
+                x.stride(0), *a_strides,
+                BLOCK_M=cfg.block_m, E_P=e_p, S1_P=s1_p, CHUNK=CHUNK, BLOCK_K=cfg.block_k,
+                BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, num_warps=align_num_warps(num_experts, num_slots),
+            )
+        else:
+            blocks = moe_align(topk.ids, token_slots, num_experts, num_slots, cfg.block_m)
+            shrink_kernel[(blocks.block_expert.numel(), num_splits)](
+                x, xa, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, slots, ranks,
+                ag, au, num_pairs, top_k, hidden, num_slots, num_experts, num_splits,
+                x.stride(0), *a_strides,
+                BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, num_warps=4,
+            )
+        if not cfg.pair_blocks:  # (with pair blocks xa is written in the gate_up launch that reads it)
+            xa, num_splits = reduce_partials(xa.view(num_pairs * 2, num_splits, block_r), 2 * top_k, slots,
+                                             num_slots, num_pairs >= cfg.reduce_partials_min_pairs)
+    num_m = blocks.block_expert.numel()
+    grid_gate_up = num_m * num_n_gate_up
+    gate_up_kernel[(num_shrink + grid_gate_up,)](
+        x, w13, h, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, slots,
+        ranks, xa, ag, au, bg, bu, ad, hd, ready, topk.ids, counters, y,
+        num_pairs, num_tokens, top_k, hidden, inter, num_slots, num_experts, num_splits, num_n_down,
+        triton.cdiv(num_tokens, grid_gate_up),
+        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *a_strides, *b_strides, *ad_strides, y.stride(0),
+        BLOCK_N=cfg.block_n_gate_up, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, PART_N=DOWN_SHRINK_PART, **common,
+    )
+    if lora is not None:
+        hd, num_hd_parts = reduce_partials(hd, top_k, slots, num_slots, num_pairs >= cfg.reduce_partials_min_pairs)
+    down_kernel[(num_m * num_n_down,)](
+        h, w2, out, topk.weights, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, slots,
+        ranks, hd, bd, topk.ids, counters, y,
+        num_pairs, top_k, hidden, inter, num_slots, num_experts, num_hd_parts,
+        h.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *bd_strides, y.stride(0),
+        BLOCK_N=cfg.block_n_down, BLOCK_R=block_r, **common,
+    )
+    if not cfg.pair_blocks:
+        block_h = min(1024, triton.next_power_of_2(hidden))
+        moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+            out, topk.ids, y, hidden, top_k, num_experts, out.stride(0), y.stride(0),
+            TOP_K_P=triton.next_power_of_2(top_k), BLOCK_H=block_h,
+        )
+    return y

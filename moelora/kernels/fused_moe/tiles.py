@@ -1,0 +1,94 @@
+"""Triton helpers shared by the shrink and the grouped GEMM kernels: which block and n-tile a program
+owns, its rows and their adapter slots, and the LoRA tiles and partial sums its epilogues read."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from moelora.kernels.gemm_tiles import grouped_tile
+
+
+@triton.jit
+def block_info(pid, num_programs, block_expert_ptr, num_rows_ptr, num_experts, N, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
+    """Map program `pid` of `num_programs` GEMM programs to (block, n-tile): (in use, expert, block, n-tile).
+    GROUP_M consecutive blocks walk the n-tiles together so blocks of one expert share its weight tiles
+    through L2. With PAIR_BLOCKS block p is pair p alone and block_expert_ptr points at the flat topk ids."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = grouped_tile(pid, num_programs // num_n, num_n, GROUP_M)
+    e = tl.load(block_expert_ptr + pid_m)
+    if PAIR_BLOCKS:
+        in_use = (e >= 0) & (e < num_experts)
+    else:
+        in_use = pid_m * BLOCK_M < tl.load(num_rows_ptr)
+    return in_use, e, pid_m, pid_n
+
+
+@triton.jit
+def block_rows(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+                PAIR_BLOCKS: tl.constexpr):
+    """The pairs in the first ROWS rows of block pid_m (num_pairs: padding) and which rows hold one.
+    With PAIR_BLOCKS block p is pair p, in row 0."""
+    if PAIR_BLOCKS:
+        pair = tl.where(tl.arange(0, ROWS) == 0, pid_m, num_pairs)
+    else:
+        pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, ROWS))
+    return pair, pair < num_pairs
+
+
+@triton.jit
+def at_most_half_full(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
+    """Whether block pid_m holds at most BLOCK_M / 2 pairs: an expert's pairs fill its blocks from the
+    start and padding ends them, so row BLOCK_M / 2 tells."""
+    return tl.load(sorted_ids_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= num_pairs
+
+
+@triton.jit
+def row_slots(token_slot, num_slots):
+    """Adapter slot of each row (-1: none) from the rows' token slots, and the range [lo, hi] of the slots in
+    the block (lo > hi: none). Rows are slot-ordered, so the LoRA loops over that range meet each slot's run
+    once. The GEMM kernels load the token slots before their main loop, so the load is long done here."""
+    slot = tl.where((token_slot >= 0) & (token_slot < num_slots), token_slot, -1)
+    lo = tl.min(tl.where(slot >= 0, slot, num_slots), axis=0)
+    return slot, lo, tl.max(slot, axis=0)
+
+
+@triton.jit
+def lora_rank(ranks_ptr, proj, s, e, hi, num_slots, num_experts):
+    """Real rank of projection `proj` (0 gate, 1 up, 2 down) for (slot s, expert e); 0 = not covered, or s
+    past hi, the block's last slot (none in the block: s = num_slots, hi = -1)."""
+    return tl.load(ranks_ptr + (proj * num_slots + s) * num_experts + e, mask=s <= hi, other=0)
+
+
+@triton.jit
+def lora_tile(w_ptr, s, e, num_experts, stride_e, stride_r, offs, offs_ok, rank, BLOCK_R: tl.constexpr):
+    """Rows :rank of the LoRA weight of (slot s, expert e) at columns offs, as a [BLOCK_R, len(offs)] tile;
+    rows past the rank are 0 and never read (buffers are [S, E, R, ...])."""
+    offs_r = tl.arange(0, BLOCK_R)
+    ptrs = w_ptr + (s * num_experts + e).to(tl.int64) * stride_e + offs_r[:, None] * stride_r + offs[None, :]
+    return tl.load(ptrs, mask=(offs_r[:, None] < rank) & offs_ok[None, :], other=0.0)
+
+
+@triton.jit
+def lora_expand(acc, xa, rows, rank, bt):
+    """acc += xa @ bt for the `rows` of one slot and a B^T tile bt of its rank (xa rounded to the weights' dtype,
+    as PEFT does). Other rows get exactly +0; xa past the rank (never written) is not read."""
+    keep = rows[:, None] & (tl.arange(0, xa.shape[1]) < rank)[None, :]
+    return acc + tl.dot(tl.where(keep, xa, 0.0).to(bt.dtype), bt)
+
+
+@triton.jit
+def sum_partials(part_ptr, pair, rows, row_stride, num_parts, BLOCK_R: tl.constexpr, PARTS: tl.constexpr,
+                  CACHE: tl.constexpr):
+    """sum over i < num_parts of part[pair, i, :] for the rows in `rows`, added one part after the other
+    (an order no layout can change, so every kernel that sums the same parts gets the same bits); the
+    loads go PARTS at a time, so their latencies overlap instead of forming a chain. CACHE ".cg": parts
+    written by other programs of this launch, read from L2 (never a stale L1 line)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    base = part_ptr + (pair.to(tl.int64) * row_stride)[:, None] + offs_r[None, :]
+    acc = tl.zeros((pair.shape[0], BLOCK_R), dtype=tl.float32)
+    for i0 in range(0, num_parts, PARTS):
+        for i in tl.static_range(PARTS):
+            part_ok = rows & (tl.zeros_like(pair) + (i0 + i) < num_parts)
+            acc += tl.load(base + (i0 + i) * BLOCK_R, mask=part_ok[:, None], other=0.0, cache_modifier=CACHE)
+    return acc

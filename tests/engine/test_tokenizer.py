@@ -1,0 +1,52 @@
+"""The engine's tokenizer: a model directory without tokenizer files serves token ids (Mixtral and
+DeepSeek configs too, which transformers cannot build a tokenizer for), --tokenizer-path overrides,
+Hub ids are refused without network, and --chat-template replaces the tokenizer's template."""
+import pytest
+
+from moelora.engine.sampling_params import SamplingParams
+from moelora.engine.tokenizer import TOKENIZER_FILES
+
+PROMPT = [5, 9, 2, 17, 30]
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v2", "qwen3_moe"])
+def test_a_model_without_tokenizer_files_serves_token_ids(family, make_engine):
+    bare, with_tokenizer = make_engine(family, tokenizer_path=None), make_engine(family)
+    assert bare.tokenizer is None
+    out = bare.generate([PROMPT], GREEDY, lora="full")[0]
+    want = with_tokenizer.generate([PROMPT], GREEDY, lora="full")[0]
+    assert out.token_ids == want.token_ids and out.text == "" and out.finish_reason == "length"
+    assert bare.prompt_logprobs([PROMPT])[0].equal(with_tokenizer.prompt_logprobs([PROMPT])[0])
+    assert bare.token_text(7) == "token_id:7"  # as vLLM's return_tokens_as_token_ids
+    for files in TOKENIZER_FILES[:2]:
+        with pytest.raises(ValueError, match=f"a text prompt needs a tokenizer: .* has no tokenizer files .*{files}"):
+            bare.generate("hello", GREEDY)
+    with pytest.raises(ValueError, match="SamplingParams.stop strings need a tokenizer"):
+        bare.generate([PROMPT], SamplingParams(stop=["x"]))
+    with pytest.raises(ValueError, match="chat needs a tokenizer"):
+        bare.chat_prompt([{"role": "user", "content": "hi"}])
+
+
+def test_tokenizer_paths_that_are_not_local_tokenizers(make_engine, tmp_path):
+    with pytest.raises(ValueError, match="EngineConfig.tokenizer_path 'Qwen/Qwen3-8B' is not a local directory"):
+        make_engine("qwen3_moe", tokenizer_path="Qwen/Qwen3-8B")
+    with pytest.raises(ValueError, match="EngineConfig.tokenizer_path: .* has no tokenizer files"):
+        make_engine("qwen3_moe", tokenizer_path=str(tmp_path))
+
+
+def test_chat_template_file_or_inline(make_engine, tmp_path):
+    messages = [{"role": "user", "content": "hi"}]
+    inline = make_engine("qwen3_moe", chat_template=TEMPLATE)
+    assert inline.chat_prompt(messages) == "[user] hi\n[assistant]"
+    (tmp_path / "t.jinja").write_text(TEMPLATE.replace("[assistant]", "<assistant>"))
+    from_file = make_engine("qwen3_moe", chat_template=str(tmp_path / "t.jinja"))
+    assert from_file.chat_prompt(messages) == "[user] hi\n<assistant>"
+    with pytest.raises(ValueError, match="EngineConfig.chat_template 'missing.jinja' is neither a readable file"):
+        make_engine("qwen3_moe", chat_template="missing.jinja")
+    with pytest.raises(ValueError, match="EngineConfig.chat_template does not render a user message: "
+                                         "TemplateSyntaxError"):
+        make_engine("qwen3_moe", chat_template="{% for m in messages %}")
+    with pytest.raises(ValueError, match="EngineConfig.chat_template: .* has no tokenizer files"):
+        make_engine("qwen3_moe", tokenizer_path=None, chat_template=TEMPLATE)

@@ -1,0 +1,87 @@
+"""The MoE block's four stages: TopK -> Dispatcher -> Runner -> Combine."""
+import pytest
+import torch
+
+from moelora.core import ExpertLoRASlots, LoRABatch, TopKConfig, TopKOutput
+from moelora.kernels.fused_moe import fused_moe_reference
+from moelora.layers.mlp import MLP
+from moelora.layers.moe.combine import Combine
+from moelora.layers.moe.dispatcher import Dispatcher
+from moelora.layers.moe.layer import MoE
+from moelora.layers.moe.runner import Runner
+from moelora.layers.moe.topk import select_experts_reference
+from tests.support import assert_rows_close, random_expert_lora, random_moe_weights, random_topk, rel_tolerance
+
+HIDDEN, INTER, EXPERTS, TOP_K, TOKENS = 48, 32, 8, 3, 11
+
+
+def test_dispatcher_keeps_local_experts_and_drops_the_others():
+    topk = random_topk(TOKENS, EXPERTS, TOP_K, generator=torch.Generator().manual_seed(torch.seed()))
+    assert Dispatcher(EXPERTS)(topk) is topk  # one GPU: the identity, not even a copy
+    got = Dispatcher(EXPERTS, first_local=3, num_local=2)(topk)
+    ids = topk.ids.long()
+    want = torch.where((ids >= 3) & (ids < 5), ids - 3, -1)
+    assert got.ids.dtype == torch.int32 and torch.equal(got.ids.long(), want)
+    assert got.weights is topk.weights
+    with pytest.raises(ValueError, match=r"local experts \[6, 9\) are not within the 8 experts"):
+        Dispatcher(EXPERTS, first_local=6, num_local=3)
+
+
+def _experts_of(lora: ExpertLoRASlots, first: int, num: int) -> ExpertLoRASlots:
+    """The slot buffers of experts [first, first + num) alone, as a rank holding them would have them."""
+    names = ("a_gate", "b_gate", "a_up", "b_up", "a_down", "b_down", "ranks")
+    return ExpertLoRASlots(**{n: getattr(lora, n)[..., first:first + num, :, :].contiguous() if n != "ranks"
+                              else lora.ranks[:, :, first:first + num].contiguous() for n in names})
+
+
+def test_runners_on_disjoint_expert_ranges_sum_to_the_whole():
+    """The expert-parallel seam: every rank runs its experts on all tokens (others dispatched to -1), and the
+    sum over ranks (Combine's reduction) is the single-GPU result, with and without LoRA."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    dtype = torch.float32
+    x = torch.randn(TOKENS, HIDDEN, generator=gen)
+    w13, w2 = random_moe_weights(EXPERTS, HIDDEN, INTER, dtype, generator=gen)
+    topk = random_topk(TOKENS, EXPERTS, TOP_K, generator=gen)
+    lora = random_expert_lora(2, EXPERTS, HIDDEN, INTER, [4, 8], dtype, generator=gen)
+    slots = torch.randint(-1, 2, (TOKENS,), generator=gen, dtype=torch.int32)
+    batch = LoRABatch(token_slots=slots)
+    whole = Runner(HIDDEN, INTER, EXPERTS, layer_id=0, backend="torch")
+    whole.w13.data, whole.w2.data, whole.lora = w13, w2, lora
+    for with_lora in (False, True):
+        want = whole(x, topk, batch if with_lora else None)
+        parts = torch.zeros_like(want)
+        for first, num in ((0, 3), (3, 4), (7, 1)):
+            rank = Runner(HIDDEN, INTER, num, layer_id=0, backend="torch")
+            rank.w13.data, rank.w2.data = w13[first:first + num], w2[first:first + num]
+            rank.lora = _experts_of(lora, first, num)
+            parts += rank(x, Dispatcher(EXPERTS, first, num)(topk), batch if with_lora else None)
+        assert_rows_close(parts, want, rel_tolerance(dtype))
+
+
+def test_moe_block_is_its_stages():
+    """MoE.forward = Combine(Runner(Dispatcher(TopK(x)))) against the references composed by hand, with a
+    gated shared expert (Qwen2-MoE) and a correction bias (DeepSeek-V3)."""
+    torch.manual_seed(torch.seed())
+    config = TopKConfig(top_k=TOP_K, renormalize=True, scoring="sigmoid")
+    shared = MLP(HIDDEN, INTER, "mlp.shared_expert", 0)
+    moe = MoE(HIDDEN, INTER, EXPERTS, config, 0, shared_experts=shared, shared_expert_gate=True,
+              correction_bias=True, backend="torch")
+    for p in moe.parameters():
+        p.data.normal_(0, HIDDEN**-0.5)
+    x = torch.randn(TOKENS, HIDDEN)
+    topk = select_experts_reference(x @ moe.gate.weight.T, config, moe.gate.e_score_correction_bias)
+    routed = fused_moe_reference(x, moe.experts.w13, moe.experts.w2, topk)
+    gate = torch.sigmoid(x @ moe.combine.shared_expert_gate.weight.T)
+    want = routed + gate * shared(x, None)
+    assert_rows_close(moe(x, None), want, rel_tolerance(torch.float32))
+    assert {n for n, _ in moe.named_parameters()} >= {"gate.weight", "gate.e_score_correction_bias",
+                                                       "experts.w13", "experts.w2"}
+
+
+def test_stage_arguments_are_checked():
+    with pytest.raises(ValueError, match="MoE backend must be one of"):
+        Runner(HIDDEN, INTER, EXPERTS, 0, backend="cuda")
+    with pytest.raises(ValueError, match="a shared_expert_gate needs shared_experts"):
+        Combine(HIDDEN, 0, None, shared_expert_gate=True)
+    assert isinstance(Dispatcher(EXPERTS)(TopKOutput(torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int32))),
+                      TopKOutput)
