@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora", type=_name_path, metavar="NAME=PATH", help="generate with this adapter")
     p.add_argument("--prompt", required=True, help="the text to complete")
     _add_dataclass_args(p, engine_config, skip=("model_path", "lora_paths"))
-    _add_dataclass_args(p, SamplingParams, skip=("logprobs",))
+    _add_dataclass_args(p, SamplingParams, skip=("logprobs", "prompt_logprobs"))
     p.set_defaults(run=generate)
     return parser
 

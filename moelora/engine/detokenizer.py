@@ -20,9 +20,10 @@ class IncrementalDetokenizer:
 
     add(token) returns the text that can be released now: bytes of a character split over several
     tokens wait until it is complete (no U+FFFD while incomplete), and text that may be the start
-    of a stop string waits until that is decided. Stop strings and stop tokens are not part of the
-    text. Once finished, the text released is decode(generated tokens, skip_special_tokens) cut
-    where the stop string that completed first begins (exactly so for byte-level BPE tokenizers).
+    of a stop string waits until that is decided. Stop tokens are not part of the text, nor are stop
+    strings unless include_stop_str_in_output. Once finished, the text released is decode(generated
+    tokens, skip_special_tokens) cut where the stop string that completed first begins (or ends)
+    (exactly so for byte-level BPE tokenizers).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, prompt_ids: Sequence[int], params: SamplingParams,
@@ -48,6 +49,11 @@ class IncrementalDetokenizer:
         return self.finish_reason is not None
 
     @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """The tokens that end the output: stop_token_ids, and EOS unless ignore_eos."""
+        return frozenset(self._stop_ids)
+
+    @property
     def text(self) -> str:
         """The text released so far."""
         return self._text[:self._released]
@@ -64,6 +70,11 @@ class IncrementalDetokenizer:
             self._append(self._decode_new(flush=False))
             if not self.finished and self.num_tokens >= self.params.max_tokens:
                 self._finish("length")
+        return self._release()
+
+    def stop(self) -> str:
+        """Finish with reason "stop" now (the output's grammar is complete); the text left to release."""
+        self._finish("stop")
         return self._release()
 
     def _decode_new(self, flush: bool) -> str:
@@ -88,9 +99,10 @@ class IncrementalDetokenizer:
         """Add decoded text; finish at the earliest stop string, which only the new text can complete."""
         start = len(self._text)
         self._text += piece
-        hits = [i for s in self.params.stop if (i := self._text.find(s, max(0, start - len(s) + 1))) >= 0]
+        hits = [(i, len(s)) for s in self.params.stop if (i := self._text.find(s, max(0, start - len(s) + 1))) >= 0]
         if hits:
-            self._text = self._text[:min(hits)]
+            i, n = min(hits)  # the earliest; of two starting there, the shorter completed first
+            self._text = self._text[:i + n if self.params.include_stop_str_in_output else i]
             self.finish_reason = "stop"
 
     def _finish(self, reason: Literal["stop", "length"]) -> None:

@@ -26,8 +26,10 @@ from moelora.engine.kv_pool import KVPool
 from moelora.engine.lora_manager import LoRAStats
 from moelora.engine.model_runner import ModelRunner
 from moelora.engine.request import Req
+from moelora.engine.sampler import pack_bitmask
 from moelora.engine.sampling_params import SamplingParams, check_text
 from moelora.engine.scheduler import ScheduledBatch, Scheduler
+from moelora.engine.structured_output import GrammarBackend
 from moelora.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,10 @@ class StepOutput:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None              # why the request failed (finish_reason "error")
+    cumulative_logprob: float = 0.0       # of every output token so far, under the raw logits
+    # with params.prompt_logprobs, in the first output: the prompt, and per prompt token its entry (None for the first)
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class PromptError(ValueError):
@@ -67,6 +73,8 @@ class GenerateOutput:
     token_ids: list[int]                  # every generated token, a stop token included
     finish_reason: str
     logprobs: list[dict[int, float]] | None
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with params.prompt_logprobs: None first
 
 
 class Engine:
@@ -82,6 +90,8 @@ class Engine:
         self._aborted: list[StepOutput] = []
         self.fatal: str | None = None  # why the engine cannot go on, once it cannot
         self._token_texts: dict[int, str] = {}
+        # thread-safe: a server may compile a request's grammar in a worker thread before adding it
+        self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids, self.missing_tokenizer)
 
     # ------------------------------------------------------------------------------ adapters
 
@@ -106,7 +116,9 @@ class Engine:
                                for p, sp, a in zip(prompts, params, adapters) for k in range(sp.n)])
         self._run(reqs)
         return [GenerateOutput(r.detokenizer.text, list(r.output_ids), r.finish_reason,
-                               r.logprobs if r.params.logprobs is not None else None) for r in reqs]
+                               r.logprobs if r.params.logprobs is not None else None, r.cumulative_logprob,
+                               [None, *r.prompt_logprob_entries] if r.params.prompt_logprobs is not None else None)
+                for r in reqs]
 
     def prompt_logprobs(self, token_id_lists: Sequence[Sequence[int]], lora: str | None | Sequence[str | None] = None
                         ) -> list[torch.Tensor]:
@@ -265,10 +277,11 @@ class Engine:
         bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
         if bad:
             raise PromptError(f"prompt token ids must be ints in [0, {self.vocab_size}), got {bad[0]!r}")
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"SamplingParams.stop_token_ids must be token ids below the vocabulary size "
-                             f"{self.vocab_size}, got {bad[0]}")
+        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+            bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"SamplingParams.{name} must be token ids below the vocabulary size "
+                                 f"{self.vocab_size}, got {bad[0]}")
         context = self.runner.context_len
         if len(ids) >= context:
             raise PromptError(f"the prompt has {len(ids)} tokens, the context holds {context} (prompt + at least 1 new "
@@ -278,9 +291,17 @@ class Engine:
         elif len(ids) + params.max_tokens > context:  # as vLLM: refused, not cut
             raise ValueError(f"SamplingParams.max_tokens={params.max_tokens} and the prompt's {len(ids)} tokens are "
                              f"{len(ids) + params.max_tokens} tokens; the context holds {context}")
+        params = replace(params, min_tokens=min(params.min_tokens, params.max_tokens))
+        grammar = self.grammars.matcher(params.structured_output) if params.structured_output is not None else None
+        allowed = None
+        if params.allowed_token_ids is not None:
+            allowed = torch.zeros(1, self.vocab_size, dtype=torch.bool)
+            allowed[0, list(params.allowed_token_ids)] = True
+            allowed = pack_bitmask(allowed)[0]
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params, self.eos_token_ids)
-        return Req(rid or uuid.uuid4().hex, ids, params, lora, seed, detokenizer, return_prompt_logprobs)
+        return Req(rid or uuid.uuid4().hex, ids, params, lora, seed, detokenizer, return_prompt_logprobs,
+                   grammar=grammar, allowed_tokens=allowed)
 
     def _add(self, req: Req) -> None:
         if self.fatal is not None:
@@ -322,13 +343,19 @@ class Engine:
         lora = self.runner.lora
         in_use = self.scheduler.active_adapters() | {r.lora for r in batch.reqs if r.lora is not None}
         result = self.runner.run(batch, lora.prepare([r.lora for r in batch.reqs], in_use))
+        for i, (start, entries) in result.prompt_entries.items():
+            req = batch.reqs[i]
+            if len(req.prompt_logprob_entries) == start:  # not when a retracted request computes its prompt again
+                req.prompt_logprob_entries += entries
         outputs = self._append_tokens(result.sampled, result.tokens) if result.tokens is not None else []
         for i, logprobs in result.prompt_logprobs.items():
             batch.reqs[i].prompt_logprobs.append(logprobs)
         self.scheduler.update(batch)
         for req in batch.reqs:
-            if req.finished and req.lora is not None:
-                lora.release(req.lora)
+            if req.finished:
+                req.grammar = None
+                if req.lora is not None:
+                    lora.release(req.lora)
         return outputs
 
     def _fail(self, req: Req, error: str) -> StepOutput:
@@ -339,6 +366,7 @@ class Engine:
 
     def _retire(self, req: Req) -> None:
         self.scheduler.remove(req)
+        req.grammar = None
         if req.lora is not None:
             self.runner.lora.release(req.lora)
 
@@ -356,14 +384,22 @@ class Engine:
                 new_logprobs = [{token: logprobs[i], **dict(zip(top_ids[i][:k], top_logprobs[i][:k]))} if k
                                 else {token: logprobs[i]}]
                 req.logprobs += new_logprobs
+            req.cumulative_logprob += logprobs[i]
             try:
+                if req.grammar is not None and not req.grammar.accept_token(token):
+                    raise RuntimeError(f"the grammar rejected token {token}")
                 text = req.detokenizer.add(token)
+                if req.grammar is not None and req.grammar.is_terminated() and not req.detokenizer.finished:
+                    text += req.detokenizer.stop()  # complete (its stop token came under ignore_eos)
                 req.finish_reason = req.detokenizer.finish_reason
             except Exception as e:  # finished like any other request: scheduler.update frees it
-                logger.exception("detokenizing request %s failed", req.rid)
-                text, req.finish_reason, req.error = "", "error", f"detokenizing failed: {_describe(e)}"
-            outputs.append(StepOutput(req.rid, [token], text, req.finished, req.finish_reason, new_logprobs,
-                                      len(req.prompt_ids), len(req.output_ids), req.error))
+                logger.exception("appending a token to request %s failed", req.rid)
+                text, req.finish_reason, req.error = "", "error", f"appending its token failed: {_describe(e)}"
+            out = StepOutput(req.rid, [token], text, req.finished, req.finish_reason, new_logprobs,
+                             len(req.prompt_ids), len(req.output_ids), req.error, req.cumulative_logprob)
+            if req.params.prompt_logprobs is not None and len(req.output_ids) == 1:
+                out.prompt_token_ids, out.prompt_logprobs = list(req.prompt_ids), [None, *req.prompt_logprob_entries]
+            outputs.append(out)
         return outputs
 
 

@@ -12,7 +12,7 @@ from moelora.engine.config import CPU_KV_TOKENS, DTYPES, EngineConfig
 from moelora.engine.cuda_graph import CudaGraphs
 from moelora.engine.lora_manager import LoRAManager
 from moelora.engine.request import Req
-from moelora.engine.sampler import SampleOutput, SamplingBatch, sample
+from moelora.engine.sampler import PenaltyState, SampleOutput, SamplingBatch, TokenMask, hold_back, sample
 from moelora.engine.scheduler import ScheduledBatch
 from moelora.models.config import ModelConfig
 from moelora.models.loader import load_model
@@ -23,6 +23,8 @@ class StepResult:
     sampled: list[Req]                      # requests that got a new token, in batch order
     tokens: SampleOutput | None             # one row per sampled request
     prompt_logprobs: dict[int, torch.Tensor]  # batch index -> [new prompt tokens, vocab] float32, on the host
+    # batch index -> (k, entries): the entries (params.prompt_logprobs) of prompt tokens k + 1, k + 2, ...
+    prompt_entries: dict[int, tuple[int, list[dict[int, float]]]]
 
 
 class ModelRunner:
@@ -46,6 +48,8 @@ class ModelRunner:
         max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
         self.graphs = (CudaGraphs(self.logits, self.kv, max_bs, self.lora.expert_loras, self.lora.max_rank)
                        if config.use_cuda_graph else None)
+        self.vocab_size = self.model.config.vocab_size
+        self.penalties = PenaltyState(config.max_running_requests, self.vocab_size, self.device)
 
     def logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits of the rows batch.logits_indices; what CUDA graphs capture too."""
@@ -59,22 +63,53 @@ class ModelRunner:
             logits = self.graphs.replay(forward_batch)
         else:
             logits = self.logits(forward_batch)
-        prompt_logprobs, sample_rows, sampled = {}, [], []
+        prompt_logprobs, prompt_entries, sample_rows, sampled = {}, {}, [], []
         cursor = 0
-        for i, (req, (num_prompt, num_rows)) in enumerate(zip(batch.reqs, rows)):
-            if num_prompt:
+        for i, (req, prefix, (num_prompt, num_rows)) in enumerate(zip(batch.reqs, batch.prefix_lens, rows)):
+            if num_prompt and req.return_prompt_logprobs:
                 prompt_logprobs[i] = logits[cursor:cursor + num_prompt].log_softmax(-1).cpu()
+            elif num_prompt:
+                prompt_entries[i] = (prefix, _prompt_entries(logits[cursor:cursor + num_prompt], req, prefix))
             if batch.completes[i]:
                 sample_rows.append(cursor + num_rows - 1)
                 sampled.append(req)
+            if prefix == 0 and req.params.has_penalties:  # (re)starts on its row
+                self.penalties.reset(req.row, req.prompt_ids, req.output_ids)
             cursor += num_rows
         tokens = None
         if sampled:
-            sampling = SamplingBatch.build([r.params for r in sampled], [r.seed for r in sampled],
-                                           [len(r.output_ids) for r in sampled], self.device)
+            sampling = self._sampling_batch(sampled)
             num_top = max(r.params.logprobs or 0 for r in sampled)
             tokens = sample(logits[sample_rows], sampling, num_top)
-        return StepResult(sampled, tokens, prompt_logprobs)
+            if sampling.penalties is not None:
+                self.penalties.count(sampling.penalties.state_rows, tokens.token_ids[sampling.penalties.rows])
+        return StepResult(sampled, tokens, prompt_logprobs, prompt_entries)
+
+    def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
+        """The sampling options of the requests, with their penalties and token masks. The grammars'
+        bitmasks are filled first, on the host, while the device still runs the step's forward (the
+        host-to-device copies after them wait for it)."""
+        masked = [i for i, r in enumerate(reqs) if r.masked]
+        stops = [r.detokenizer.stop_token_ids if len(r.output_ids) < r.params.min_tokens else () for r in reqs]
+        bitmask = torch.full((len(masked), -(-self.vocab_size // 32)), -1, dtype=torch.int32)
+        for j, i in enumerate(masked):
+            if reqs[i].grammar is not None:
+                reqs[i].grammar.fill_next_token_bitmask(bitmask, j)
+            if reqs[i].allowed_tokens is not None:
+                bitmask[j] &= reqs[i].allowed_tokens
+            # min_tokens in the mask, where it leaves a token: a grammar that allows only its end wins
+            bitmask[j], stops[i] = hold_back(bitmask[j], stops[i]), ()
+        params = [r.params for r in reqs]
+        sampling = SamplingBatch.build(params, [r.seed for r in reqs], [len(r.output_ids) for r in reqs], self.device,
+                                       stops)
+        if masked:
+            sampling.token_mask = TokenMask(torch.tensor(masked, dtype=torch.int64).to(self.device),
+                                            bitmask.to(self.device))
+        penalised = [i for i, p in enumerate(params) if p.has_penalties]
+        if penalised:
+            sampling.penalties = self.penalties.gather(penalised, [reqs[i].row for i in penalised],
+                                                       [params[i] for i in penalised])
+        return sampling
 
     def _forward_batch(self, batch: ScheduledBatch, lora_slots: list[int]) -> tuple[ForwardBatch, list[tuple[int, int]]]:
         """The step's ForwardBatch, and per request (prompt tokens whose logits it returns, logits rows)."""
@@ -84,7 +119,8 @@ class ModelRunner:
                                               lora_slots):
             new_tokens.append(req.token_ids(prefix, prefix + n))
             token_slots += [slot] * n
-            num_prompt = min(n, max(len(req.prompt_ids) - prefix, 0)) if req.return_prompt_logprobs else 0
+            wants_prompt = req.return_prompt_logprobs or req.params.prompt_logprobs is not None
+            num_prompt = min(n, max(len(req.prompt_ids) - prefix, 0)) if wants_prompt else 0
             own = list(range(start, start + num_prompt)) + ([start + n - 1] if done and num_prompt < n else [])
             logits_indices += own
             rows.append((num_prompt, len(own)))
@@ -113,3 +149,18 @@ class ModelRunner:
                              f"{self.config.mem_fraction_static} after weights and LoRA slots): raise mem_fraction_static, "
                              "or lower max_loras_per_batch, max_lora_rank or max_running_requests")
         return tokens
+
+
+def _prompt_entries(logits: torch.Tensor, req: Req, prefix: int) -> list[dict[int, float]]:
+    """logits [n, vocab] of prompt positions prefix.. -> the entry of each prompt token they predict
+    (the last prompt position predicts the output: none): its log-probability, then the top k."""
+    targets = req.prompt_ids[prefix + 1:prefix + 1 + logits.shape[0]]
+    if not targets:
+        return []
+    log_probs = logits[:len(targets)].float().log_softmax(-1)
+    chosen = log_probs.gather(1, torch.tensor(targets, device=logits.device)[:, None])[:, 0].tolist()
+    top_ids = top_values = [[] for _ in targets]
+    if req.params.prompt_logprobs:
+        top = log_probs.topk(req.params.prompt_logprobs, dim=-1)
+        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    return [{t: lp, **dict(zip(ids, values))} for t, lp, ids, values in zip(targets, chosen, top_ids, top_values)]

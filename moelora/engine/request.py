@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,6 +27,16 @@ class Req:
     finish_reason: str | None = None         # "stop", "length", "abort" or "error"
     error: str | None = None                 # why it failed (finish_reason "error")
     num_retractions: int = 0
+    cumulative_logprob: float = 0.0          # of the output tokens, under the raw logits
+    grammar: Any = None                      # xgrammar GrammarMatcher while a structured output runs
+    allowed_tokens: torch.Tensor | None = None  # [ceil(vocab / 32)] int32 host bitmask of allowed_token_ids
+    # prompt_logprob_entries[k]: prompt token k + 1's log-probability and the top ones (params.prompt_logprobs)
+    prompt_logprob_entries: list[dict[int, float]] = field(default_factory=list)
+
+    @property
+    def masked(self) -> bool:
+        """Samples from some tokens only (a grammar, allowed_token_ids)."""
+        return self.grammar is not None or self.allowed_tokens is not None
 
     @property
     def num_tokens(self) -> int:

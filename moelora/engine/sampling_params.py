@@ -9,7 +9,31 @@ from moelora.engine.fields import option
 # Temperatures below this sample greedily, as in vLLM: dividing logits by them overflows.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
+MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
 _INT64 = (-(2**63), 2**63)
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar the output must follow. kind "json_schema": spec is the schema (JSON text);
+    "json_object": any JSON object (spec ""); "regex": a regular expression; "choice": one of
+    `choices` exactly; "grammar": an EBNF (GBNF) grammar with a `root` rule."""
+
+    kind: str
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(self.kind in STRUCTURED_KINDS, "structured_output", self.kind, f"one of {STRUCTURED_KINDS}")
+        _check(isinstance(self.spec, str), "structured_output", self.spec, "a string spec")
+        check_text(self.spec, "SamplingParams.structured_output")
+        if self.kind == "choice":
+            _check(len(self.choices) > 0 and all(isinstance(c, str) and c for c in self.choices),
+                   "structured_output", self.choices, "at least one choice, each a non-empty string")
+            for c in self.choices:
+                check_text(c, "SamplingParams.structured_output")
 
 
 @dataclass
@@ -24,7 +48,8 @@ class SamplingParams:
     top_k: int = option(-1, "keep the k most likely tokens; -1 or 0 turns it off")
     min_p: float = option(0.0, "drop tokens less likely than min_p times the most likely one")
     seed: int | None = option(None, "makes the draws reproducible")
-    stop: str | list[str] | tuple[str, ...] | None = option(None, "strings that end generation (not part of the text)")
+    stop: str | list[str] | tuple[str, ...] | None = option(None, "strings that end generation (not part of the text "
+                                                                  "unless include_stop_str_in_output)")
     stop_token_ids: list[int] | tuple[int, ...] | None = option(None, "tokens that end generation, besides EOS unless "
                                                                       "ignore_eos (not part of the text)")
     ignore_eos: bool = option(False, "go on past the end-of-sequence token")
@@ -32,11 +57,33 @@ class SamplingParams:
     logprobs: int | None = option(None, "top log-probabilities returned per generated token (0: only the chosen "
                                         "token's)")
     skip_special_tokens: bool = option(True, "leave special tokens out of the text")
+    include_stop_str_in_output: bool = option(False, "keep the stop string that ended the output in its text")
+    prompt_logprobs: int | None = option(None, "as logprobs, for every prompt token after the first (echo uses them)")
+    presence_penalty: float = option(0.0, f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], subtracted from the logit of "
+                                          "every token the output holds (OpenAI's)")
+    frequency_penalty: float = option(0.0, f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], subtracted from the logit of "
+                                           "every token the output holds, once per occurrence (OpenAI's)")
+    repetition_penalty: float = option(1.0, "> 0; divides the positive logits (multiplies the negative ones) of the "
+                                            "tokens in the prompt or the output; 1 is off")
+    logit_bias: dict[int, float] = option(help=f"token id -> added to its logit, in [-{MAX_LOGIT_BIAS:g}, "
+                                               f"{MAX_LOGIT_BIAS:g}] (OpenAI's)", factory=dict)
+    min_tokens: int = option(0, "EOS and stop_token_ids cannot be sampled before the output has this many tokens")
+    allowed_token_ids: list[int] | tuple[int, ...] | None = option(None, "only these tokens can be sampled")
+    structured_output: StructuredOutput | None = option(None, "a grammar the output follows (JSON schema, JSON "
+                                                              "object, regex, choice or EBNF)")
 
     def __post_init__(self) -> None:
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         self.stop_token_ids = tuple(self.stop_token_ids or ())
+        self.logit_bias = dict(self.logit_bias or {})
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = tuple(self.allowed_token_ids)
         self.validate()
+
+    @property
+    def has_penalties(self) -> bool:
+        """The sampler needs the counts of the tokens seen so far."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:
@@ -64,8 +111,30 @@ class SamplingParams:
         for t in self.stop_token_ids:
             _check(_is_int64(t) and t >= 0, "stop_token_ids", t, "an int >= 0")
         _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an int >= 1")
-        _check(self.logprobs is None or _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
-               "logprobs", self.logprobs, f"None or an int in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or _is_int(value) and 0 <= value <= MAX_LOGPROBS, name, value,
+                   f"None or an int in [0, {MAX_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_real(value) and -MAX_PENALTY <= value <= MAX_PENALTY, name, value,
+                   f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        _check(_is_real(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+               self.repetition_penalty, "a finite number > 0")
+        for token, bias in self.logit_bias.items():
+            _check(_is_int64(token) and token >= 0, "logit_bias", token, "keyed by token ids (ints >= 0)")
+            _check(_is_real(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS, "logit_bias", bias,
+                   f"values in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        most = float("inf") if self.max_tokens is None else self.max_tokens
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= most, "min_tokens", self.min_tokens,
+               "an int >= 0" if self.max_tokens is None else f"an int in [0, max_tokens={self.max_tokens}]")
+        if self.allowed_token_ids is not None:
+            _check(len(self.allowed_token_ids) > 0, "allowed_token_ids", list(self.allowed_token_ids),
+                   "None or a non-empty list of token ids")
+            for t in self.allowed_token_ids:
+                _check(_is_int64(t) and t >= 0, "allowed_token_ids", t, "token ids (ints >= 0)")
+        _check(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+               "structured_output", self.structured_output, "None or a StructuredOutput")
 
 
 def _check(ok: bool, field: str, value: object, rule: str) -> None:

@@ -2,15 +2,14 @@
 not), adapter loading and unloading at runtime, health and Prometheus metrics. The engine runs in
 its own thread (EngineLoop); handlers only parse, queue and format.
 
-Errors take OpenAI's shape {"error": {"message", "type", "param", "code"}}: unknown model 404, bad
-request 400 (validation errors too, naming the field), queue full 503.
+Errors take OpenAI's shape {"error": {"message", "type", "param", "code"}} (server/errors.py):
+unknown model 404, bad request 400 (validation errors too, naming the field), queue full 503.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
 import logging
-import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -23,9 +22,10 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from moelora.engine.engine import Engine, EngineDead, PromptError
+from moelora.engine.engine import Engine, EngineDead
 from moelora.lora.errors import AdapterError
 from moelora.server.engine_loop import Delta, EngineError, EngineLoop, Overloaded, Submission
+from moelora.server.errors import APIError, bad_value, error_response, not_found, validation_error
 from moelora.server.metrics import Metrics
 from moelora.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                                      ChatCompletionResponse, ChatMessageOut, ChoiceLogprobs, CompletionChoice,
@@ -36,62 +36,40 @@ from moelora.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion
 logger = logging.getLogger(__name__)
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, problems: list[str] | None = None):
-        super().__init__(message)
-        self.status = status
-        if code is None and status == 400:  # OpenAI's code for a value out of its range or rules
-            code = "invalid_value"
-        self.info = ErrorInfo(message=message, type=type, param=param, code=code, problems=problems)
-
-
-def _error(status: int, info: ErrorInfo) -> JSONResponse:
-    """OpenAI's shape: param and code always there (null when they do not apply)."""
-    body = ErrorResponse(error=info).model_dump()
-    if info.problems is None:
-        del body["error"]["problems"]
-    return JSONResponse(body, status_code=status)
-
-
-def _not_found(name: str) -> APIError:
-    return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
-
-
-def _bad_value(e: ValueError, aliases: dict[str, str] | None = None) -> APIError:
-    """SamplingParams and the engine name the bad field as SamplingParams.<field>, and raise PromptError
-    for the prompt ("prompt" here); `aliases` maps such a field to the request's name for it."""
-    m = re.search(r"SamplingParams\.(\w+)", str(e))
-    param = "prompt" if isinstance(e, PromptError) else m and m.group(1)
-    code = "context_length_exceeded" if "the context holds" in str(e) else None
-    return APIError(400, str(e), param=(aliases or {}).get(param, param), code=code)
-
-
-# pydantic's error types -> OpenAI's codes; the rest are values of the wrong type
-_VALIDATION_CODES = {"json_invalid": "invalid_json", "missing": "missing_required_parameter",
-                     "invalid_unicode": "invalid_value", "too_short": "invalid_value", "value_error": "invalid_value"}
+Entry = tuple[str, float | None, list[tuple[str, float]] | None]  # a token's text, log-probability, top ones (desc)
 
 
 @dataclass
 class _Choice:
-    """One sequence's output so far."""
+    """One sequence's output so far; `text` starts with the prompt when it is echoed."""
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[tuple[str, float, list[tuple[str, float]]]] = field(default_factory=list)  # piece, lp, top (desc)
+    logprobs: list[Entry] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cumulative_logprob: float = 0.0
+    streamed: int = 0  # characters of text sent in stream chunks
 
-    def add(self, d: Delta) -> list[tuple[str, float, list[tuple[str, float]]]]:
-        """Take a step's output; return its token log-probabilities."""
-        new = [(d.pieces[t], lp[t], sorted(((d.pieces[u], v) for u, v in lp.items()), key=lambda x: -x[1]))
-               for t, lp in zip(d.out.token_ids, d.out.logprobs)]
+    def add(self, d: Delta) -> list[Entry]:
+        """Take a step's output; return its token log-probabilities (the prompt's first, when it has them)."""
+        def entry(t: int, lp: dict[int, float]) -> Entry:
+            return d.pieces[t], lp[t], sorted(((d.pieces[u], v) for u, v in lp.items()), key=lambda x: -x[1])
+        new = [entry(t, lp) if lp is not None else (d.pieces[t], None, None)
+               for t, lp in zip(d.out.prompt_token_ids or (), d.out.prompt_logprobs or ())]
+        new += [entry(t, lp) for t, lp in zip(d.out.token_ids, d.out.logprobs)]
         self.text += d.out.text
         self.token_ids += d.out.token_ids
         self.logprobs += new
         self.finish_reason = d.out.finish_reason
         self.prompt_tokens, self.completion_tokens = d.out.prompt_tokens, d.out.completion_tokens
+        self.cumulative_logprob = d.out.cumulative_logprob
         return new
+
+    def unsent(self) -> str:
+        """The text not yet sent in a stream chunk, marked sent."""
+        text, self.streamed = self.text[self.streamed:], len(self.text)
+        return text
 
 
 def _usage(choices: list[_Choice], n: int) -> UsageInfo:
@@ -101,19 +79,20 @@ def _usage(choices: list[_Choice], n: int) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def _completion_logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]], offset: int) -> CompletionLogprobs:
-    """Legacy format: top_logprobs holds the chosen token and the top ones, as vLLM's."""
+def _completion_logprobs(entries: list[Entry], offset: int) -> CompletionLogprobs:
+    """Legacy format: top_logprobs holds the chosen token and the top ones, as vLLM's (None for the
+    prompt's first token, when echoed)."""
     out = CompletionLogprobs()
     for piece, lp, top in entries:
         out.tokens.append(piece)
         out.token_logprobs.append(lp)
-        out.top_logprobs.append(dict(top))
+        out.top_logprobs.append(dict(top) if top is not None else None)
         out.text_offset.append(offset)
         offset += len(piece)
     return out
 
 
-def _chat_logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]], k: int) -> ChoiceLogprobs:
+def _chat_logprobs(entries: list[Entry], k: int) -> ChoiceLogprobs:
     def one(piece: str, lp: float) -> TopLogprob:
         return TopLogprob(token=piece, logprob=lp, bytes=list(piece.encode()))
     return ChoiceLogprobs(content=[TokenLogprob(**one(p, lp).model_dump(), top_logprobs=[one(*t) for t in top[:k]])
@@ -165,33 +144,43 @@ class OpenAIServing:
         prompts = body.prompts
         if not prompts:
             raise APIError(400, "the prompt is empty", param="prompt")
-        subs = self._submissions(body, prompts, body.max_tokens, body.logprobs, add_special_tokens=True)
+        per_prompt = _sequences_per_prompt(body)
+        subs = self._submissions(body, prompts, body.max_tokens, body.logprobs, add_special_tokens=body.add_special_tokens,
+                                 sequences=per_prompt, prompt_logprobs=body.logprobs if body.echo else None)
+        await self._compile_grammar(body, subs)
+        echoes = await self._prompt_texts(prompts) if body.echo else [""] * len(prompts)
         rids, queue = await self._submit(subs)
         rid, model = f"cmpl-{uuid.uuid4().hex}", body.model or self.served_model_name
-        choices = [_Choice() for _ in subs]
+        choices = [_Choice(text=echoes[i // per_prompt]) for i in range(len(subs))]
         with_ids = self.loop.engine.tokenizer is None  # no text: the choices carry their token ids
 
         def chunk(d: Delta) -> CompletionResponse | None:
             choice = choices[d.index]
-            offset = len(choice.text)
+            offset = choice.streamed
             entries = choice.add(d)
-            if not (d.out.text or d.out.finished or entries or with_ids and d.out.token_ids):
+            text = choice.unsent()
+            if not (text or d.out.finished or entries or with_ids and d.out.token_ids):
                 return None
             logprobs = _completion_logprobs(entries, offset) if body.logprobs is not None else None
             return CompletionResponse(id=rid, model=model, choices=[CompletionChoice(
-                index=d.index, text=d.out.text, logprobs=logprobs, finish_reason=d.out.finish_reason,
+                index=d.index, text=text, logprobs=logprobs, finish_reason=d.out.finish_reason,
                 token_ids=d.out.token_ids if with_ids else None)])
 
         def usage_chunk() -> CompletionResponse:
-            return CompletionResponse(id=rid, model=model, choices=[], usage=_usage(choices, body.n))
+            return CompletionResponse(id=rid, model=model, choices=[], usage=_usage(choices, per_prompt))
 
         if body.stream:
             return self._stream(rids, queue, chunk, [], usage_chunk if body.include_usage else None)
         await self._collect(request, rids, queue, choices)
-        return self._json(CompletionResponse(id=rid, model=model, usage=_usage(choices, body.n), choices=[
-            CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason, token_ids=c.token_ids if with_ids else None,
+        # best_of: the n sequences of each prompt with the highest cumulative logprob; usage counts them all
+        best = choices if per_prompt == body.n else [
+            c for p in range(len(prompts))
+            for c in sorted(choices[p * per_prompt:(p + 1) * per_prompt], key=lambda c: -c.cumulative_logprob)[:body.n]]
+        return self._json(CompletionResponse(id=rid, model=model, usage=_usage(choices, per_prompt), choices=[
+            CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
+                             token_ids=c.token_ids if with_ids else None,
                              logprobs=_completion_logprobs(c.logprobs, 0) if body.logprobs is not None else None)
-            for i, c in enumerate(choices)]))
+            for i, c in enumerate(best)]))
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         if body.top_logprobs is not None and not body.logprobs:
@@ -202,6 +191,7 @@ class OpenAIServing:
         aliases |= {"logprobs": "top_logprobs", "prompt": "messages"}
         subs = self._submissions(body, [self._chat_prompt(body)], max_tokens, k if body.logprobs else None,
                                  add_special_tokens=False, aliases=aliases)
+        await self._compile_grammar(body, subs)
         rids, queue = await self._submit(subs, aliases)
         rid, model = f"chatcmpl-{uuid.uuid4().hex}", body.model or self.served_model_name
         choices = [_Choice() for _ in subs]
@@ -234,23 +224,45 @@ class OpenAIServing:
         if model is None or model == self.served_model_name:
             return None
         if model not in self.loop.adapters:
-            raise _not_found(model)
+            raise not_found(model)
         return model
 
     def _submissions(self, body: SamplingRequest, prompts: list, max_tokens: int | None, logprobs: int | None,
-                     add_special_tokens: bool, aliases: dict[str, str] | None = None) -> list[Submission]:
-        """n sequences per prompt; with a seed, the k-th of them draws with seed + k (as Engine.generate).
-        `aliases`: the request's names of SamplingParams fields, for the error's param."""
+                     add_special_tokens: bool, aliases: dict[str, str] | None = None, sequences: int | None = None,
+                     prompt_logprobs: int | None = None) -> list[Submission]:
+        """`sequences` (default n) per prompt; with a seed, the k-th of them draws with seed + k (as
+        Engine.generate). `aliases`: the request's names of SamplingParams fields, for the error's param."""
         lora = self._adapter(body.model)
         limit = self.loop.engine.config.max_running_requests
-        if not 1 <= body.n * len(prompts) <= limit:
-            raise APIError(400, f"n must be >= 1 and n * prompts <= max_running_requests ({limit}), got n={body.n} "
-                           f"for {len(prompts)} prompts", param="n")
+        sequences = sequences or body.n
+        if not 1 <= sequences * len(prompts) <= limit:
+            raise APIError(400, f"n must be >= 1 and n * prompts <= max_running_requests ({limit}), got n={sequences} "
+                           f"for {len(prompts)} prompts", param="n" if sequences == body.n else "best_of")
+        aliases = (aliases or {}) | {"structured_output": (body.structured_output_fields or ["response_format"])[0]}
         try:
-            params = body.sampling_params(max_tokens, logprobs)
+            params = body.sampling_params(max_tokens, logprobs, prompt_logprobs)
         except ValueError as e:
-            raise _bad_value(e, aliases) from e
-        return [Submission(p, params.for_sequence(k), lora, add_special_tokens) for p in prompts for k in range(body.n)]
+            raise bad_value(e, aliases) from e
+        return [Submission(p, params.for_sequence(k), lora, add_special_tokens) for p in prompts for k in range(sequences)]
+
+    async def _compile_grammar(self, body: SamplingRequest, subs: list[Submission]) -> None:
+        """Compile the request's grammar in a worker thread (the compiler is thread-safe and caches it),
+        so the engine thread finds it ready; a bad schema, regex or grammar is a 400 naming its field."""
+        spec = subs[0].params.structured_output
+        if spec is None:
+            return
+        try:
+            await asyncio.to_thread(self.loop.engine.grammars.compile, spec)
+        except ValueError as e:
+            raise APIError(400, str(e), param=body.structured_output_fields[0]) from e
+
+    async def _prompt_texts(self, prompts: list[str | list[int]]) -> list[str]:
+        """The text of each prompt, as echo returns it (token ids decoded in the engine thread)."""
+        if self.loop.engine.tokenizer is None:
+            raise APIError(400, f"echo needs a tokenizer: {self.loop.engine.missing_tokenizer}", param="echo")
+        ids = [p for p in prompts if not isinstance(p, str)]
+        decoded = iter(await self.loop.run(lambda: [self.loop.engine.tokenizer.decode(p) for p in ids]) if ids else [])
+        return [p if isinstance(p, str) else next(decoded) for p in prompts]
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> str:
         messages = []
@@ -274,9 +286,9 @@ class OpenAIServing:
         except Overloaded as e:
             raise APIError(503, f"the server is overloaded: {e}", type="server_error", code="overloaded") from e
         except AdapterError as e:  # unloaded since _adapter looked
-            raise _not_found(subs[0].lora or "") from e
+            raise not_found(subs[0].lora or "") from e
         except ValueError as e:
-            raise _bad_value(e, aliases) from e
+            raise bad_value(e, aliases) from e
         except (EngineError, EngineDead) as e:
             raise APIError(503, str(e), type="server_error") from e
 
@@ -344,6 +356,18 @@ class OpenAIServing:
         return StreamingResponse(body(), media_type="text/event-stream")
 
 
+def _sequences_per_prompt(body: CompletionRequest) -> int:
+    """best_of (n <= best_of; not streamed unless equal to n, as vLLM), else n."""
+    if body.best_of is None or body.best_of == body.n:
+        return body.n
+    if body.best_of < body.n:
+        raise APIError(400, f"best_of must be >= n, got best_of={body.best_of} and n={body.n}", param="best_of")
+    if body.stream:
+        raise APIError(400, "best_of > n cannot be streamed: the best sequences are known only at the end",
+                       param="best_of")
+    return body.best_of
+
+
 async def _disconnected(request: Request) -> None:
     """Returns when the client closes the connection (the body has been read already)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -365,7 +389,8 @@ class _Route(APIRoute):
                 raise  # the app's exception handlers answer these
             except Exception as e:
                 logger.exception("%s %s failed", request.method, request.url.path)
-                return _error(500, ErrorInfo(message=f"internal error: {type(e).__name__}: {e}", type="server_error"))
+                return error_response(500, ErrorInfo(message=f"internal error: {type(e).__name__}: {e}",
+                                                     type="server_error"))
         return guarded
 
 
@@ -410,26 +435,15 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return _error(e.status, e.info)
+        return error_response(e.status, e.info)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        errors = e.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        loc = first["loc"]  # ("body", field, ...); ("body", position) for malformed JSON
-        param = str(loc[1]) if len(loc) > 1 and loc[0] == "body" and first.get("type") != "json_invalid" else None
-        param = first.get("ctx", {}).get("param", param)  # a check of the whole body that names its field
-        if first.get("type") == "json_invalid":
-            error = first.get("ctx", {}).get("error", "JSON decode error")
-            message = f"the request body is not valid JSON: {error} at character {loc[1] if len(loc) > 1 else 0}"
-        else:
-            message = "; ".join(f"{'.'.join(str(x) for x in err['loc'][1:]) or 'body'}: {err['msg']}" for err in errors)
-        return _error(400, ErrorInfo(message=message, type="invalid_request_error", param=param,
-                                     code=_VALIDATION_CODES.get(first.get("type"), "invalid_type")))
+        return validation_error(e)
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
-        return _error(e.status_code, ErrorInfo(message=str(e.detail), type="invalid_request_error"))
+        return error_response(e.status_code, ErrorInfo(message=str(e.detail), type="invalid_request_error"))
 
     return app
 

@@ -43,7 +43,7 @@ class Delta:
     """One step's output of one sequence, as its queue receives it."""
     index: int               # the sequence's position in its submit call
     out: StepOutput
-    pieces: dict[int, str]   # text of every token in out.logprobs
+    pieces: dict[int, str]   # text of every token in out.logprobs, out.prompt_token_ids and out.prompt_logprobs
 
 
 class EngineError(RuntimeError):
@@ -233,7 +233,8 @@ class EngineLoop:
             if out.finished:
                 self.metrics.finished(out.finish_reason)
                 del self._streams[out.rid]
-            pieces = {t: self.engine.token_text(t) for lp in out.logprobs for t in lp}
+            tokens = {t for lp in (*out.logprobs, *(out.prompt_logprobs or ())) if lp for t in lp}
+            pieces = {t: self.engine.token_text(t) for t in tokens.union(out.prompt_token_ids or ())}
             deliveries.setdefault(stream.loop, []).append((stream.queue, Delta(stream.index, out, pieces)))
         for loop, items in deliveries.items():
             _deliver(loop, items)

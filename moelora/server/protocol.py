@@ -4,13 +4,14 @@ ranges, so the rules live in one place. Every string of a request body, unknown 
 must be valid Unicode (JSON can carry lone surrogates, which no tokenizer or response can)."""
 from __future__ import annotations
 
+import json
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from moelora.engine.sampling_params import SamplingParams
+from moelora.engine.sampling_params import SamplingParams, StructuredOutput
 
 
 class ErrorInfo(BaseModel):
@@ -32,7 +33,32 @@ class UsageInfo(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the output always follows the schema
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (the successor of its guided_* fields)."""
+    model_config = ConfigDict(extra="forbid")
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 # ----------------------------------------------------------------------------------- requests
@@ -69,8 +95,46 @@ def _first_bad_string(value: Any, path: tuple = ()) -> tuple | None:
     return None
 
 
+# vLLM/OpenAI fields moelora does not serve: name -> (the values that change nothing, why it is refused)
+_UNSUPPORTED = {
+    "use_beam_search": ((False,), "beam search is not supported"),
+    "length_penalty": ((1.0,), "it scores beam search, which is not supported"),
+    "bad_words": ((None, []), "bad_words is not supported (use logit_bias)"),
+    "spaces_between_special_tokens": ((True,), "special tokens are decoded as the tokenizer joins them"),
+    "truncate_prompt_tokens": ((None,), "prompts are never truncated"),
+    "logits_processors": ((None, []), "custom logits processors are not supported"),
+    "prompt_logprobs": ((None,), "prompt_logprobs is not supported: use echo with logprobs on /v1/completions"),
+    "priority": ((0,), "request priorities are not supported"),
+    "return_tokens_as_token_ids": ((False,), "return_tokens_as_token_ids is not supported"),
+    "guided_decoding_backend": ((None, "xgrammar"), "the only structured-output backend is xgrammar"),
+    "guided_whitespace_pattern": ((None,), "JSON grammars allow no free whitespace; a pattern is not supported"),
+    "structural_tag": ((None,), "structural tags are not supported"),
+}
+_UNSUPPORTED_CHAT = {
+    "echo": ((False,), "echo is served on /v1/completions only"),
+    "add_generation_prompt": ((True,), "the prompt always ends where the assistant's turn begins"),
+    "continue_final_message": ((False,), "continue_final_message is not supported"),
+    "add_special_tokens": ((False,), "the chat template writes the special tokens"),
+    "modalities": ((None, ["text"]), "the only output modality is text"),
+    "audio": ((None,), "audio output is not supported"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "reasoning_effort": ((None,), "the model has no reasoning-effort setting"),
+    "verbosity": ((None,), "the model has no verbosity setting"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "store": ((None, False), "stored completions are not supported"),
+    "service_tier": ((None, "auto", "default"), "only the default service tier is served"),
+}
+# the request fields that ask for structured output, and the StructuredOutput kind each gives
+_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
 class SamplingRequest(RequestBody):
-    """Fields both generation routes share. None means the default, as a null in JSON does."""
+    """Fields both generation routes share. None means the default, as a null in JSON does. An unknown
+    field is a 400 naming it; a known one moelora does not serve is a 400 saying why, unless its value
+    changes nothing."""
+    model_config = ConfigDict(extra="forbid")
+    unsupported: ClassVar[dict[str, tuple[tuple, str]]] = _UNSUPPORTED
+
     model: str | None = None  # the served model name or an adapter's; None: the base model
     n: int = 1
     temperature: float | None = None
@@ -79,25 +143,97 @@ class SamplingRequest(RequestBody):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> bias
+    response_format: ResponseFormat | None = None
+    user: str | None = None  # OpenAI's end-user id: checked, not used (it changes no output)
     # vLLM/SGLang extensions
     top_k: int | None = None
     min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    user: str | None = None  # OpenAI's end-user id: checked, not used
+    include_stop_str_in_output: bool = False
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # xgrammar's EBNF (GBNF)
+    structured_outputs: StructuredOutputs | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name, (harmless, why) in cls.unsupported.items():
+            if name in data and not any(data[name] == v and isinstance(data[name], bool) == isinstance(v, bool)
+                                        for v in harmless):
+                raise PydanticCustomError("unsupported_field", "{name} is not supported here: {why}",
+                                          {"name": name, "why": why, "param": name})
+        return {k: v for k, v in data.items() if k not in cls.unsupported}
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+                        ) -> SamplingParams:
         """ValueError names the bad field (SamplingParams.<field>); max_tokens None: up to the context."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ValueError(f"SamplingParams.{name} is not supported (must be 0)")
-        given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p") if getattr(self, k) is not None}
+        given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                                               "frequency_penalty", "repetition_penalty") if getattr(self, k) is not None}
         return SamplingParams(max_tokens=max_tokens, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                               ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-                              **given)
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              logit_bias=self._logit_bias(), min_tokens=self.min_tokens,
+                              allowed_token_ids=self.allowed_token_ids, prompt_logprobs=prompt_logprobs,
+                              structured_output=self.structured_output(), **given)
+
+    @property
+    def structured_output_fields(self) -> list[str]:
+        """The request fields that ask for structured output (at most one may)."""
+        return [f for f in ("response_format", *_GUIDED, "structured_outputs") if getattr(self, f) is not None
+                and not (f == "response_format" and self.response_format.type == "text")]
+
+    def structured_output(self) -> StructuredOutput | None:
+        fields = self.structured_output_fields
+        if len(fields) > 1:
+            raise ValueError(f"SamplingParams.structured_output: {' and '.join(fields)} both ask for structured "
+                             "output; give one")
+        if not fields:
+            return None
+        field = fields[0]
+        if field == "response_format":
+            if self.response_format.type == "json_object":
+                return StructuredOutput("json_object")
+            if self.response_format.json_schema is None:
+                raise ValueError("SamplingParams.structured_output: type json_schema needs the json_schema field")
+            return StructuredOutput("json_schema", json.dumps(self.response_format.json_schema.json_schema))
+        if field == "structured_outputs":
+            so = self.structured_outputs
+            given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(so, k) is not None] + \
+                (["json_object"] if so.json_object else [])
+            if len(given) != 1:
+                raise ValueError("SamplingParams.structured_output: structured_outputs must give exactly one of json, "
+                                 f"regex, choice, grammar, json_object; got {len(given)}")
+            kind = {"json_": "json_schema", "json_object": "json_object"}.get(given[0], given[0])
+            value = getattr(so, given[0])
+        else:
+            kind, value = _GUIDED[field], getattr(self, field)
+        if kind == "json_object":
+            return StructuredOutput("json_object")
+        if kind == "choice":
+            return StructuredOutput("choice", choices=tuple(value))
+        return StructuredOutput(kind, value if isinstance(value, str) else json.dumps(value))
+
+    def _logit_bias(self) -> dict[int, float]:
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise ValueError(f"SamplingParams.logit_bias must be keyed by token ids, got {key!r}") from None
+            bias[token] = value
+        return bias
 
     @property
     def include_usage(self) -> bool:
@@ -105,9 +241,14 @@ class SamplingRequest(RequestBody):
 
 
 class CompletionRequest(SamplingRequest):
+    unsupported: ClassVar[dict[str, tuple[tuple, str]]] = {
+        **_UNSUPPORTED, "suffix": ((None, ""), "fill-in-the-middle (suffix) is not supported")}
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None  # top log-probabilities per token (legacy completions)
+    echo: bool = False  # the prompt before the completion (with logprobs: the prompt's first)
+    best_of: int | None = None  # sequences generated per prompt; the n of highest cumulative logprob return
+    add_special_tokens: bool = True
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -129,6 +270,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    unsupported: ClassVar[dict[str, tuple[tuple, str]]] = {**_UNSUPPORTED, **_UNSUPPORTED_CHAT}
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # None: up to the context length
     max_completion_tokens: int | None = None
@@ -164,8 +306,8 @@ class ModelList(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: the prompt's first token (echo)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

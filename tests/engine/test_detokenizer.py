@@ -62,6 +62,13 @@ def test_earliest_stop_string_wins(tok, stop, text):
     assert "".join(pieces) == text and det.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("stop,text", [(["wörld", "llo"], "héllo"), (["ld", "wörld"], "héllo wörld"),
+                                       (["ö", "wö"], "héllo wö")])
+def test_include_stop_str_in_output_ends_the_text_after_it(tok, stop, text):
+    det, pieces, _ = _stream(tok, tok.encode(TEXT), stop=stop, include_stop_str_in_output=True)
+    assert "".join(pieces) == det.text == text and det.finish_reason == "stop"
+
+
 def test_possible_stop_start_is_held_back_then_released(tok):
     ids = tok.encode(TEXT)
     det = IncrementalDetokenizer(tok, [], SamplingParams(max_tokens=len(ids), stop=["wörx"]))

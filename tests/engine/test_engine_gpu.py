@@ -39,3 +39,18 @@ def test_padded_batch_gives_the_same_tokens(engines):
     loras = [LORAS[i % 3] for i in range(3)]  # replays the graph of 4
     graphed, eager = (e.generate(prompts(3), params, lora=loras) for e in engines)
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+
+
+def test_penalties_biases_and_masks_on_the_gpu(engines):
+    """The sampler's per-row state on the device (penalty counts, biases, min_tokens, allowed tokens):
+    graphs and eager agree, and each request gets its tokens alone."""
+    params = [SamplingParams(max_tokens=8, temperature=0.0 if i % 2 == 0 else 0.8, seed=i, presence_penalty=0.5 * (i % 3),
+                             frequency_penalty=0.3, repetition_penalty=1.0 + 0.2 * i, logit_bias={7: 2.0, 9: -100},
+                             min_tokens=3, allowed_token_ids=list(range(3, 80)) if i == 3 else None)
+              for i in range(4)]
+    loras = [LORAS[i % 3] for i in range(4)]
+    graphed, eager = (e.generate(prompts(4), params, lora=loras) for e in engines)
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    alone = [engines[0].generate([p], sp, lora=[a])[0].token_ids for p, sp, a in zip(prompts(4), params, loras)]
+    assert [o.token_ids for o in graphed] == alone
+    assert all(9 not in o.token_ids for o in graphed) and set(graphed[3].token_ids) <= set(range(3, 80))

@@ -35,6 +35,20 @@ def test_defaults_are_valid_and_stop_is_normalised():
     ("n", 0),
     ("logprobs", -1),
     ("logprobs", 21),
+    ("prompt_logprobs", -1),
+    ("presence_penalty", 2.5),
+    ("frequency_penalty", -2.01),
+    ("frequency_penalty", float("nan")),
+    ("repetition_penalty", 0.0),
+    ("repetition_penalty", float("inf")),
+    ("logit_bias", {5: 101.0}),
+    ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {"5": 1.0}),
+    ("min_tokens", -1),
+    ("min_tokens", 17),  # above max_tokens=16
+    ("allowed_token_ids", []),
+    ("allowed_token_ids", [3, -2]),
+    ("structured_output", {"type": "json_object"}),
 ])
 def test_invalid_field_is_named(field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be .*got "):
@@ -46,3 +60,20 @@ def test_message_shows_the_bad_value():
         SamplingParams(top_p=1.5)
     with pytest.raises(ValueError, match=r"got -1\b"):
         SamplingParams(stop_token_ids=[2, -1])
+
+
+def test_structured_output_is_checked():
+    from moelora.engine.sampling_params import StructuredOutput
+    with pytest.raises(ValueError, match=r"SamplingParams\.structured_output must be one of"):
+        StructuredOutput("xml")
+    with pytest.raises(ValueError, match=r"SamplingParams\.structured_output must be at least one choice"):
+        StructuredOutput("choice", choices=("a", ""))
+    assert SamplingParams(structured_output=StructuredOutput("regex", "[ab]+")).structured_output.spec == "[ab]+"
+
+
+def test_min_tokens_without_max_tokens():
+    """max_tokens None (up to the context): min_tokens has no upper bound here; the engine caps it at
+    what the context leaves."""
+    assert SamplingParams(max_tokens=None, min_tokens=10**6).min_tokens == 10**6
+    with pytest.raises(ValueError, match=r"SamplingParams\.min_tokens must be an int >= 0, got -1"):
+        SamplingParams(max_tokens=None, min_tokens=-1)

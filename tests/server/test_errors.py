@@ -71,7 +71,7 @@ def test_wrong_types_name_the_field(server, path, body, param):
 
 @pytest.mark.parametrize("field, value", [("max_tokens", -1), ("max_tokens", 0), ("temperature", -0.5), ("top_p", 2.0),
                                           ("top_k", -3), ("seed", 2**70), ("logprobs", 21), ("n", 0),
-                                          ("presence_penalty", 0.5)])
+                                          ("presence_penalty", 2.5)])
 def test_out_of_range_parameters(server, field, value):
     error(post(server, "/v1/completions", {**OK, field: value}), 400, field)
 

@@ -199,12 +199,22 @@ PLAUSIBLE = {  # values of about the right type, extreme ones included, so that 
     "messages": st.lists(st.fixed_dictionaries({"role": ROLES, "content": CLEAN_TEXT}, optional={"name": CLEAN_TEXT}),
                          min_size=1, max_size=3),
     "lora_path": st.one_of(CLEAN_TEXT, st.sampled_from(["GAMMA", "/", "/etc/passwd", "x" * 5000])),
+    "repetition_penalty": FLOATS, "min_tokens": INTS, "best_of": INTS, "echo": st.booleans(),
+    "allowed_token_ids": st.lists(INTS, max_size=3), "logit_bias": st.dictionaries(st.sampled_from(["0", "5", "-1", "x",
+                                                                                                    "1e3", "99999"]),
+                                                                                  FLOATS, max_size=2),
+    "guided_regex": CLEAN_TEXT, "guided_choice": st.lists(CLEAN_TEXT, max_size=3),
+    "guided_json": st.sampled_from([{}, {"type": "object"}, {"type": "nope"}, {"enum": [1, "a"]}, [], "{", "true"]),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"},
+                                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}},
+                                        {"type": "json_schema", "json_schema": {"schema": {"minimum": "x"}}}]),
 }
 SAMPLING = ["model", "n", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "presence_penalty",
             "frequency_penalty", "top_k", "min_p", "stop_token_ids", "ignore_eos", "skip_special_tokens", "user",
-            "max_tokens", "logprobs", "an_unknown_field"]
+            "max_tokens", "logprobs", "an_unknown_field", "repetition_penalty", "min_tokens", "allowed_token_ids",
+            "logit_bias", "guided_regex", "guided_choice", "guided_json", "response_format"]
 ROUTES = {
-    "/v1/completions": ({**OK, "max_tokens": 3}, SAMPLING + ["prompt"]),
+    "/v1/completions": ({**OK, "max_tokens": 3}, SAMPLING + ["prompt", "echo", "best_of"]),
     "/v1/chat/completions": ({**CHAT, "max_tokens": 3}, SAMPLING + ["messages", "max_completion_tokens", "top_logprobs"]),
     "/v1/load_lora_adapter": ({"lora_name": "fuzzed", "lora_path": "GAMMA"}, ["lora_name", "lora_path"]),
     "/v1/unload_lora_adapter": ({"lora_name": "fuzzed"}, ["lora_name"]),

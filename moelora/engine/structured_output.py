@@ -1,0 +1,91 @@
+"""Structured output through xgrammar: a request's grammar (JSON schema, any JSON object, regex,
+choice, EBNF) compiled once, cached by spec, and a matcher per sequence that fills the sequence's
+row of the step's token bitmask and accepts each token it samples.
+
+xgrammar because it runs on CPU and GPU alike (the masks are filled on the host, in C++, while the
+device runs the forward), fills a bitmask in microseconds per token from its precomputed
+context-independent token sets, and is the default backend of vLLM and SGLang. The bitmask is
+applied in the batched sampler (`sampler.TokenMask`), so constrained rows batch freely with the
+rest.
+
+JSON grammars allow no free whitespace (xgrammar's `any_whitespace=False`: ", " and ": " between
+items): a model cannot then fill its output with blanks until max_tokens, the failure free
+whitespace is known for with small models. The compiler is thread-safe: a server compiles in a
+worker thread before it queues the request, and the engine then finds the grammar in the cache.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+from typing import TYPE_CHECKING, Any
+
+from moelora.engine.sampling_params import StructuredOutput
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+_ANY_OBJECT = '{"type": "object"}'
+
+
+class GrammarBackend:
+    """Compiles grammars for one tokenizer and vocabulary (the model's: it may exceed the tokenizer's)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, stop_token_ids: list[int],
+                 missing_tokenizer: str | None = None):
+        """tokenizer None (a model without tokenizer files, `missing_tokenizer` says why): every
+        grammar is refused, as grammars are over text."""
+        self._tokenizer, self.vocab_size, self._stop_token_ids = tokenizer, vocab_size, stop_token_ids
+        self._missing_tokenizer = missing_tokenizer
+        self._compiler = None
+        self._lock = threading.Lock()
+
+    def compile(self, spec: StructuredOutput) -> Any:
+        """The xgrammar CompiledGrammar; ValueError naming SamplingParams.structured_output when the
+        spec is not valid (a bad schema, regex or grammar), xgrammar is not installed, or there is no
+        tokenizer."""
+        compiler = self._get_compiler()
+        try:
+            if spec.kind == "json_schema":
+                schema = json.loads(spec.spec)
+                if not isinstance(schema, dict):
+                    raise ValueError(f"a JSON schema is an object, got {type(schema).__name__}")
+                return compiler.compile_json_schema(spec.spec, any_whitespace=False)
+            if spec.kind == "json_object":  # not strict: any properties
+                return compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
+            if spec.kind == "regex":
+                return compiler.compile_regex(spec.spec)
+            if spec.kind == "choice":
+                return compiler.compile_grammar("root ::= " + " | ".join(_ebnf_literal(c) for c in spec.choices))
+            return compiler.compile_grammar(spec.spec)
+        except (RuntimeError, ValueError) as e:  # xgrammar raises RuntimeError with its parser's message
+            lines = str(e).strip().splitlines() or [type(e).__name__]
+            reason = re.sub(r"^\[[\d:]+\] \S+: ", "", lines[-1])  # xgrammar's "[time] file.cc:line: " prefix
+            raise ValueError(f"SamplingParams.structured_output: the {spec.kind.replace('_', ' ')} is not valid: "
+                             f"{reason}") from None
+
+    def matcher(self, spec: StructuredOutput) -> Any:
+        """A new xgrammar GrammarMatcher of the spec, at the start of the output."""
+        import xgrammar
+
+        return xgrammar.GrammarMatcher(self.compile(spec))
+
+    def _get_compiler(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                if self._tokenizer is None:
+                    raise ValueError(f"SamplingParams.structured_output needs a tokenizer: {self._missing_tokenizer}")
+                try:
+                    import xgrammar
+                except ImportError as e:
+                    raise ValueError("SamplingParams.structured_output needs the xgrammar package "
+                                     "(pip install xgrammar)") from e
+                info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                               stop_token_ids=self._stop_token_ids or None)
+                self._compiler = xgrammar.GrammarCompiler(info)
+            return self._compiler
+
+
+def _ebnf_literal(text: str) -> str:
+    """A string literal of xgrammar's EBNF: JSON's escapes (quotes, backslashes, control characters)."""
+    return json.dumps(text, ensure_ascii=False)

@@ -1,0 +1,242 @@
+"""Issue 19's sampling and structured-output fields through the official openai client against a
+real server: each equal to Engine.generate alone with the same SamplingParams (so a field the
+server dropped would fail), structured output valid and mixed with plain requests and adapters in
+one batch, and every refused or unknown field a 400 naming it."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import httpx
+import openai
+import pytest
+
+from moelora.engine.sampling_params import SamplingParams, StructuredOutput
+from tests.server.conftest import MODEL_NAME
+
+PROMPT = "the quick brown fox"
+MESSAGES = [{"role": "user", "content": "Hello world"}]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4}, "ok": {"type": "boolean"}},
+          "required": ["name", "ok"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+def lora(model: str) -> str | None:
+    return None if model == MODEL_NAME else model
+
+
+def chat_ids(reference, messages) -> list[int]:
+    text = reference.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return reference.tokenizer.encode(text, add_special_tokens=False)
+
+
+def error(r: httpx.Response, param: str, match: str = "") -> None:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and match in err["message"], err
+
+
+@pytest.mark.parametrize("fields, params", [
+    ({"presence_penalty": 1.5, "frequency_penalty": 0.8}, dict(presence_penalty=1.5, frequency_penalty=0.8)),
+    ({"frequency_penalty": 0.3, "extra_body": {"repetition_penalty": 3.0}},
+     dict(frequency_penalty=0.3, repetition_penalty=3.0)),
+    ({"logit_bias": {"300": 6.0, "12": -100}}, dict(logit_bias={300: 6.0, 12: -100})),
+    ({"extra_body": {"min_tokens": 5, "allowed_token_ids": list(range(200, 260))}},
+     dict(min_tokens=5, allowed_token_ids=list(range(200, 260)))),
+])
+@pytest.mark.parametrize("model", [MODEL_NAME, "alpha"])
+def test_sampling_fields_equal_engine_generate(client, reference, model, fields, params):
+    kwargs = {"model": model, "max_tokens": 10, "temperature": 0, **fields}
+    out = client.completions.create(prompt=PROMPT, **kwargs)
+    want = reference.generate(PROMPT, SamplingParams(max_tokens=10, temperature=0, **params), lora=lora(model))[0]
+    plain = reference.generate(PROMPT, SamplingParams(max_tokens=10, temperature=0), lora=lora(model))[0]
+    assert out.choices[0].text == want.text and want.text != plain.text
+    chat = client.chat.completions.create(messages=MESSAGES, **kwargs).choices[0].message.content
+    sp = SamplingParams(max_tokens=10, temperature=0, **params)
+    assert chat == reference.generate(chat_ids(reference, MESSAGES), sp, lora=lora(model))[0].text
+
+
+def test_include_stop_str_in_output(client, reference):
+    full = reference.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), lora="alpha")[0].text
+    stop = full.split()[2]
+    out = client.completions.create(model="alpha", prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop],
+                                    extra_body={"include_stop_str_in_output": True})
+    assert out.choices[0].text == full[:full.index(stop) + len(stop)] and out.choices[0].finish_reason == "stop"
+
+
+def test_echo_with_prompt_logprobs(client, reference):
+    out = client.completions.create(model="beta", prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=2)
+    ids = reference.tokenizer.encode(PROMPT)
+    want = reference.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0, logprobs=2), lora="beta")[0]
+    full = reference.prompt_logprobs([ids], lora="beta")[0]
+    choice = out.choices[0]
+    assert choice.text == PROMPT + want.text
+    lp = choice.logprobs
+    assert lp.tokens[:len(ids)] == [reference.tokenizer.decode([t]) for t in ids] and len(lp.tokens) == len(ids) + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(ids)):
+        assert lp.token_logprobs[i] == pytest.approx(full[i - 1, ids[i]].item(), abs=1e-5)
+        assert max(lp.top_logprobs[i].values()) == pytest.approx(full[i - 1].max().item(), abs=1e-5)
+    assert lp.text_offset[len(ids)] == len("".join(lp.tokens[:len(ids)]))
+    token_ids = client.completions.create(model="beta", prompt=ids, max_tokens=4, temperature=0, echo=True)
+    assert token_ids.choices[0].text == reference.tokenizer.decode(ids) + want.text
+    chunks = list(client.completions.create(model="beta", prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
+                                            logprobs=2, stream=True))
+    assert chunks[0].choices[0].text.startswith(PROMPT)
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == lp.tokens
+
+
+def test_best_of_returns_the_n_most_likely(client, reference):
+    out = client.completions.create(model="alpha", prompt=PROMPT, max_tokens=6, temperature=1.2, seed=40, n=2, best_of=5)
+    seqs = [reference.generate(PROMPT, SamplingParams(max_tokens=6, temperature=1.2, seed=40 + k), lora="alpha")[0]
+            for k in range(5)]
+    best = sorted(seqs, key=lambda s: -s.cumulative_logprob)[:2]
+    assert [c.text for c in out.choices] == [s.text for s in best] and [c.index for c in out.choices] == [0, 1]
+    assert out.usage.completion_tokens == sum(len(s.token_ids) for s in seqs)
+    assert len({s.text for s in seqs}) > 2  # the choice mattered
+
+
+def valid(spec: StructuredOutput, text: str) -> bool:
+    if spec.kind == "json_schema":
+        value = json.loads(text)
+        return set(value) == {"name", "ok"} and isinstance(value["name"], str) and type(value["ok"]) is bool
+    if spec.kind == "json_object":
+        return isinstance(json.loads(text), dict)
+    if spec.kind == "choice":
+        return text in spec.choices
+    return re.fullmatch(spec.spec, text) is not None
+
+
+# request fields -> the StructuredOutput they ask for
+STRUCTURED = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}},
+     StructuredOutput("json_schema", json.dumps(SCHEMA))),
+    ({"extra_body": {"guided_json": SCHEMA}}, StructuredOutput("json_schema", json.dumps(SCHEMA))),
+    ({"extra_body": {"guided_regex": "(cat|dog)s? [0-9]{2}"}}, StructuredOutput("regex", "(cat|dog)s? [0-9]{2}")),
+    ({"extra_body": {"guided_choice": ["left", "right", "up \"down\""]}},
+     StructuredOutput("choice", choices=("left", "right", "up \"down\""))),
+    ({"extra_body": {"structured_outputs": {"regex": "[a-c]{3}"}}}, StructuredOutput("regex", "[a-c]{3}")),
+]
+
+
+def test_structured_output_mixed_with_plain_requests_and_adapters(server, reference):
+    """Constrained and plain requests, chat and completions, on every model at once: each equals its
+    solo output, and the constrained ones are valid."""
+    jobs = [(route, model, fields, spec) for i, (fields, spec) in enumerate([*STRUCTURED, ({}, None), ({}, None)])
+            for route, model in [("chat", (MODEL_NAME, "alpha", "beta")[i % 3]), ("completions", ("beta", "alpha")[i % 2])]]
+
+    async def one(client: openai.AsyncOpenAI, route: str, model: str, fields: dict) -> tuple[str, str]:
+        kwargs = {"model": model, "max_tokens": 60, "temperature": 0.7, "seed": 9, **fields}
+        if route == "chat":
+            out = (await client.chat.completions.create(messages=MESSAGES, **kwargs)).choices[0]
+            return out.message.content, out.finish_reason
+        if "response_format" in kwargs:  # vLLM's extension on completions: not in the client's signature
+            kwargs["extra_body"] = {"response_format": kwargs.pop("response_format")}
+        out = (await client.completions.create(prompt=PROMPT, **kwargs)).choices[0]
+        return out.text, out.finish_reason
+
+    async def run() -> list[tuple[str, str]]:
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0) as client:
+            return await asyncio.gather(*(one(client, r, m, f) for r, m, f, _ in jobs))
+
+    for (route, model, _, spec), (text, reason) in zip(jobs, asyncio.run(run())):
+        prompt = chat_ids(reference, MESSAGES) if route == "chat" else PROMPT
+        want = reference.generate(prompt, SamplingParams(max_tokens=60, temperature=0.7, seed=9, structured_output=spec),
+                                  lora=lora(model))[0]
+        assert (text, reason) == (want.text, want.finish_reason)
+        if spec is not None:
+            assert reason == "stop" and valid(spec, text), (spec, text)
+    assert server.idle()
+
+
+def test_json_object(client):
+    out = client.chat.completions.create(model="alpha", messages=MESSAGES, max_tokens=80, temperature=0,
+                                         response_format={"type": "json_object"}).choices[0]
+    if out.finish_reason == "stop":  # a random model may keep writing a key until max_tokens
+        assert isinstance(json.loads(out.message.content), dict)
+    assert out.message.content.startswith("{")
+    text = client.chat.completions.create(model="alpha", messages=MESSAGES, max_tokens=5, temperature=0,
+                                          response_format={"type": "text"}).choices[0].message.content
+    plain = client.chat.completions.create(model="alpha", messages=MESSAGES, max_tokens=5, temperature=0)
+    assert text == plain.choices[0].message.content
+
+
+@pytest.mark.parametrize("path, body, param, match", [
+    ("/v1/completions", {"suffix": "x"}, "suffix", "not supported"),
+    ("/v1/completions", {"an_unknown_field": 1}, "an_unknown_field", "unknown field"),
+    ("/v1/chat/completions", {"functions_x": []}, "functions_x", "unknown field"),
+    ("/v1/completions", {"stream_options": {"include_usage": True, "x": 1}}, "stream_options", "stream_options.x"),
+    ("/v1/completions", {"use_beam_search": True}, "use_beam_search", "beam search"),
+    ("/v1/completions", {"length_penalty": 0.5}, "length_penalty", "beam search"),
+    ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs", "echo"),
+    ("/v1/completions", {"guided_decoding_backend": "outlines"}, "guided_decoding_backend", "xgrammar"),
+    ("/v1/chat/completions", {"audio": {"voice": "x"}}, "audio", "not supported"),
+    ("/v1/chat/completions", {"echo": True}, "echo", "completions"),
+    ("/v1/chat/completions", {"store": True}, "store", "not supported"),
+    ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
+    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty", "> 0"),
+    ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+    ("/v1/completions", {"logit_bias": {"100000": 1}}, "logit_bias", "vocabulary"),
+    ("/v1/completions", {"logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+    ("/v1/completions", {"min_tokens": 10, "max_tokens": 2}, "min_tokens", "max_tokens"),
+    ("/v1/completions", {"allowed_token_ids": [10**6]}, "allowed_token_ids", "vocabulary"),
+    ("/v1/completions", {"best_of": 1, "n": 2}, "best_of", ">= n"),
+    ("/v1/completions", {"best_of": 3, "stream": True}, "best_of", "streamed"),
+    ("/v1/completions", {"best_of": 10**4}, "best_of", "max_running_requests"),
+    ("/v1/completions", {"guided_regex": "(a"}, "guided_regex", "regex is not valid"),
+    ("/v1/completions", {"guided_json": '{"type": "nope"}'}, "guided_json", "json schema is not valid"),
+    ("/v1/completions", {"guided_grammar": "root ::="}, "guided_grammar", "grammar is not valid"),
+    ("/v1/completions", {"guided_choice": []}, "guided_choice", "at least one choice"),
+    ("/v1/completions", {"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex", "give one"),
+    ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format", "needs the json_schema"),
+    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format", ""),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "strng"}}}}}}, "response_format", "json schema is not valid"),
+])
+def test_refused_and_unknown_fields_are_named(server, path, body, param, match):
+    base = {"model": "alpha", "max_tokens": 2, **({"prompt": PROMPT} if path == "/v1/completions" else
+                                                  {"messages": MESSAGES})}
+    error(httpx.post(f"{server.url}{path}", json={**base, **body}), param, match)
+
+
+def test_harmless_values_of_refused_fields_are_accepted(server):
+    body = {"model": "alpha", "prompt": PROMPT, "max_tokens": 2, "use_beam_search": False, "length_penalty": 1,
+            "guided_decoding_backend": "xgrammar", "spaces_between_special_tokens": True, "best_of": 1}
+    assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 200
+    chat = {"model": "alpha", "messages": MESSAGES, "max_tokens": 2, "store": False, "modalities": ["text"],
+            "service_tier": "auto", "add_generation_prompt": True}
+    assert httpx.post(f"{server.url}/v1/chat/completions", json=chat).status_code == 200
+
+
+@pytest.mark.parametrize("fields, want", [
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, StructuredOutput("json_object")),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}}},
+     StructuredOutput("json_schema", json.dumps(SCHEMA))),
+    ({"guided_json": json.dumps(SCHEMA)}, StructuredOutput("json_schema", json.dumps(SCHEMA))),
+    ({"guided_regex": "a+"}, StructuredOutput("regex", "a+")),
+    ({"guided_choice": ["x", "y"]}, StructuredOutput("choice", choices=("x", "y"))),
+    ({"guided_grammar": 'root ::= "a"'}, StructuredOutput("grammar", 'root ::= "a"')),
+    ({"structured_outputs": {"json": SCHEMA}}, StructuredOutput("json_schema", json.dumps(SCHEMA))),
+    ({"structured_outputs": {"choice": ["x"]}}, StructuredOutput("choice", choices=("x",))),
+    ({"structured_outputs": {"grammar": 'root ::= "a"'}}, StructuredOutput("grammar", 'root ::= "a"')),
+    ({"structured_outputs": {"json_object": True}}, StructuredOutput("json_object")),
+])
+def test_each_structured_output_field_gives_its_grammar(fields, want):
+    from moelora.server.protocol import CompletionRequest
+    assert CompletionRequest(prompt="x", **fields).sampling_params(4, None).structured_output == want
+
+
+def test_n_sequences_each_follow_the_grammar(client):
+    choices = ["alpha beta", "gamma", "delta epsilon zeta"]
+    out = client.completions.create(model="beta", prompt=PROMPT, max_tokens=30, temperature=1.5, seed=2, n=4,
+                                    extra_body={"guided_choice": choices})
+    assert all(c.text in choices and c.finish_reason == "stop" for c in out.choices)
+    assert len({c.text for c in out.choices}) > 1  # independent matchers, not one shared
