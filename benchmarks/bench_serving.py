@@ -74,7 +74,9 @@ Generate = Callable[[list[list[int]], list[str | None], int], None]
 class Ours:
     def __init__(self, model_dir: Path, adapters: dict[str, Path], device: str, dtype: torch.dtype, max_batch: int):
         self.engine = Engine(str(model_dir), lora_paths={n: str(p) for n, p in adapters.items()}, load_format="dummy",
-                             device=device, dtype=str(dtype).removeprefix("torch."), max_loras_per_batch=MAX_ADAPTERS,
+                             device=device, dtype=str(dtype).removeprefix("torch."),
+                             # as many slots as adapters, so `--adapters 0,1` fits an 80 GB GPU (8 slots leave no KV cache)
+                             max_loras_per_batch=max(1, len(adapters)),
                              max_lora_rank=RANK, cuda_graph_max_bs=max_batch)
 
     def generate(self, prompts: list[list[int]], names: list[str | None], new_tokens: int) -> None:
