@@ -174,9 +174,13 @@ def main():
     p.add_argument("--tokens", default="1,8,32,128,512,4096")
     p.add_argument("--adapters", default="1,4,8")
     p.add_argument("--sweep-tokens", default="", help="T values at which to also time other tile configs (tuning aid)")
+    p.add_argument("--rank-cases", action="store_true",
+                   help="instead: the LoRA delta of 8 adapters of mixed ranks and coverage in rank-64 slot buffers")
     args = p.parse_args()
     device, dtype, name, mm, bw = machine()
     torch.manual_seed(0)
+    if args.rank_cases:
+        return rank_cases(args, device, dtype, name, bw)
     print(f"# moelora MoE kernel benchmark, {name}, {datetime.date.today()}, torch {torch.__version__}, {dtype}")
     print(f"measured copy bandwidth {bw / 1e12:.2f} TB/s (read+write), {dtype} matmul {mm / 1e12:.0f} TFLOP/s, "
           f"rank {RANK}, tokens assigned to adapters round-robin\n")
@@ -203,6 +207,52 @@ def main():
                       f"| {t_block_lora / t_block_base:.3f} | {tf} |", flush=True)
                 if str(tokens) in args.sweep_tokens.split(",") and n == max(map(int, args.adapters.split(","))):
                     sweep(layers, tokens, n, device, dtype, bw)
+        del layers
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+# name -> (rank of each of the 8 slots, share of experts each adapter covers, whether every token uses slot 0)
+RANK_CASES = {
+    "rank 16": ([16] * SLOTS, 1.0, False),
+    "rank 64": ([64] * SLOTS, 1.0, False),
+    "ranks 8,8,16,16,16,32,64,64": ([8, 8, 16, 16, 16, 32, 64, 64], 1.0, False),
+    "rank 16 on 25% of experts": ([16] * SLOTS, 0.25, False),
+    "rank-8 tokens, rank 64 resident": ([8] + [64] * (SLOTS - 1), 1.0, True),
+    "rank-8 tokens, rank 8 resident": ([8] * SLOTS, 1.0, True),
+}
+
+
+def rank_cases(args, device, dtype, name, bw) -> None:
+    """The LoRA delta (layer with LoRA minus without) when the adapters' real ranks and coverage differ from
+    the slot buffers' rank (64, the kernels' rank tile): the cost should follow the ranks the tokens use."""
+    print(f"# moelora MoE LoRA cost by rank, {name}, {datetime.date.today()}, torch {torch.__version__}, {dtype}")
+    print(f"measured copy bandwidth {bw / 1e12:.2f} TB/s; {SLOTS} adapters in slot buffers of rank {MAX_RANK}, "
+          "tokens round-robin over them unless the case says otherwise\n")
+    print("| shape | T | case | base us | LoRA delta us | LoRA floor us |")
+    print("|---|---|---|---|---|---|")
+    for shape_name in args.shapes.split(","):
+        shape = SHAPES[shape_name]
+        hidden, inter, experts, _ = shape
+        per_layer = 3 * hidden * inter * experts * dtype.itemsize
+        copies = 1 if device == "cpu" else max(2, min(4, int(4e9 // per_layer)))
+        layers = Layers(shape, copies, dtype, device)
+        for case, (slot_ranks, coverage, first_slot_only) in RANK_CASES.items():
+            layers.lora = [random_expert_lora(SLOTS, experts, hidden, inter, slot_ranks, dtype, device,
+                                              coverage=coverage, max_rank=MAX_RANK) for _ in range(copies)]
+            for tokens in map(int, args.tokens.split(",")):
+                x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+                topk = select_experts(x @ layers.router[0].T, layers.topk_config)
+                slots = torch.zeros(tokens, dtype=torch.int32, device=device) if first_slot_only else \
+                    (torch.arange(tokens, device=device) % SLOTS).to(torch.int32)
+                t_base, t_lora = (t / copies for t in measure_pair(lambda: layers.moe(x, topk, slots, False),
+                                                                   lambda: layers.moe(x, topk, slots, True), device))
+                ranks = layers.lora[0].ranks.long()  # [3, S, E]
+                pairs = torch.unique(slots.long().repeat_interleave(layers.top_k) * experts + topk.ids.flatten().long())
+                rank_sum = ranks[:, pairs // experts, pairs % experts].sum().item()
+                floor = rank_sum * (hidden + inter) * dtype.itemsize / bw  # A and B of each touched pair, real rank
+                print(f"| {shape_name} | {tokens} | {case} | {t_base * 1e6:.1f} | {(t_lora - t_base) * 1e6:.1f} "
+                      f"| {floor * 1e6:.1f} |", flush=True)
         del layers
         if device == "cuda":
             torch.cuda.empty_cache()
