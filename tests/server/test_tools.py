@@ -192,7 +192,8 @@ def test_forced_calls_are_valid_and_equal_engine_generate(client, tool_server, t
                                                           seed):
     kwargs = dict(model="alpha", messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, max_tokens=300,
                   temperature=1.0, seed=seed, **({} if parallel is None else {"parallel_tool_calls": parallel}))
-    out = client.chat.completions.create(**kwargs).choices[0]
+    response = client.chat.completions.create(**kwargs)
+    out = response.choices[0]
     assert out.finish_reason == "tool_calls" and out.message.content is None and out.message.tool_calls
     for call in out.message.tool_calls:
         assert call.type == "function" and call.id.startswith("call_")
@@ -209,6 +210,8 @@ def test_forced_calls_are_valid_and_equal_engine_generate(client, tool_server, t
                                                           structured_output=tools.grammar), lora="alpha")[0]
     message, reason = tools.output().message(want.text, want.finish_reason)
     assert (calls_of(out.message), out.finish_reason) == (calls_of(message), reason)
+    # under the grammar the random model's choices hardly depend on the prompt: its length shows the tools went in
+    assert response.usage.prompt_tokens == len(prompt)
     assert streamed(client, **kwargs)[:3] == (None, calls_of(out.message), "tool_calls")
     assert tool_server.idle()
 
