@@ -173,16 +173,17 @@ class Engine:
 
     # ------------------------------------------------------------------------------------ text
 
-    def chat_prompt(self, messages: list[dict]) -> str:
-        """The text the model's chat template makes of the messages, ending where the assistant's turn
-        begins (special tokens included: add it with add_special_tokens=False). ValueError if the
-        tokenizer has no chat template or the template refuses the messages."""
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The text the model's chat template makes of the messages (and the tools the model may
+        call, OpenAI's tool definitions), ending where the assistant's turn begins (special tokens
+        included: add it with add_special_tokens=False). ValueError if the tokenizer has no chat
+        template or the template refuses the messages."""
         if self.tokenizer is None:
             raise ValueError(f"chat needs a tokenizer: {self.missing_tokenizer}")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the model has no chat template (tokenizer_config.json)")
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # the template's own errors (jinja raise_exception, missing fields)
             raise ValueError(f"the chat template failed on these messages: {e}") from e
 

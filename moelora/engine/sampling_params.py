@@ -12,14 +12,16 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
 _INT64 = (-(2**63), 2**63)
-STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
     """A grammar the output must follow. kind "json_schema": spec is the schema (JSON text);
     "json_object": any JSON object (spec ""); "regex": a regular expression; "choice": one of
-    `choices` exactly; "grammar": an EBNF (GBNF) grammar with a `root` rule."""
+    `choices` exactly; "grammar": an EBNF (GBNF) grammar with a `root` rule; "structural_tag":
+    xgrammar's structural tag (JSON text: {"type": "structural_tag", "format": ...}), which
+    composes text, tags and JSON schemas (a server forces tool calls with it)."""
 
     kind: str
     spec: str = ""

@@ -1,5 +1,5 @@
 """Structured output through xgrammar: a request's grammar (JSON schema, any JSON object, regex,
-choice, EBNF) compiled once, cached by spec, and a matcher per sequence that fills the sequence's
+choice, EBNF, structural tag) compiled once, cached by spec, and a matcher per sequence that fills the sequence's
 row of the step's token bitmask and accepts each token it samples.
 
 xgrammar because it runs on CPU and GPU alike (the masks are filled on the host, in C++, while the
@@ -55,10 +55,12 @@ class GrammarBackend:
                 return compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.spec)
+            if spec.kind == "structural_tag":
+                return compiler.compile_structural_tag(spec.spec)
             if spec.kind == "choice":
                 return compiler.compile_grammar("root ::= " + " | ".join(_ebnf_literal(c) for c in spec.choices))
             return compiler.compile_grammar(spec.spec)
-        except (RuntimeError, ValueError) as e:  # xgrammar raises RuntimeError with its parser's message
+        except (RuntimeError, ValueError) as e:  # xgrammar's parser errors: RuntimeError or a ValueError subclass
             lines = str(e).strip().splitlines() or [type(e).__name__]
             reason = re.sub(r"^\[[\d:]+\] \S+: ", "", lines[-1])  # xgrammar's "[time] file.cc:line: " prefix
             raise ValueError(f"SamplingParams.structured_output: the {spec.kind.replace('_', ' ')} is not valid: "

@@ -13,7 +13,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,15 +23,17 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from moelora.engine.engine import Engine, EngineDead
+from moelora.engine.sampling_params import StructuredOutput
 from moelora.lora.errors import AdapterError
 from moelora.server.engine_loop import Delta, EngineError, EngineLoop, Overloaded, Submission
 from moelora.server.errors import APIError, bad_value, error_response, not_found, validation_error
 from moelora.server.metrics import Metrics
 from moelora.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                     ChatCompletionResponse, ChatMessageOut, ChoiceLogprobs, CompletionChoice,
+                                     ChatCompletionResponse, ChoiceLogprobs, CompletionChoice,
                                      CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, ErrorInfo,
                                      ErrorResponse, LoadLoRARequest, ModelCard, ModelList, SamplingRequest,
                                      TokenLogprob, TopLogprob, UnloadLoRARequest, UsageInfo)
+from moelora.server.tools import ChatTools
 
 logger = logging.getLogger(__name__)
 
@@ -189,20 +191,23 @@ class OpenAIServing:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         aliases = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
         aliases |= {"logprobs": "top_logprobs", "prompt": "messages"}
-        subs = self._submissions(body, [self._chat_prompt(body)], max_tokens, k if body.logprobs else None,
-                                 add_special_tokens=False, aliases=aliases)
+        tools = ChatTools.of(body, self.loop.engine.tokenizer)
+        subs = self._submissions(body, [self._chat_prompt(body, tools.specs)], max_tokens, k if body.logprobs else None,
+                                 add_special_tokens=False, aliases=aliases, grammar=tools.grammar)
         await self._compile_grammar(body, subs)
         rids, queue = await self._submit(subs, aliases)
         rid, model = f"chatcmpl-{uuid.uuid4().hex}", body.model or self.served_model_name
         choices = [_Choice() for _ in subs]
+        outputs = [tools.output() for _ in subs]
 
         def chunk(d: Delta) -> ChatCompletionChunk | None:
             entries = choices[d.index].add(d)
-            if not (d.out.text or d.out.finished or entries):
+            delta, reason = outputs[d.index].delta(d.out.text, d.out.finish_reason if d.out.finished else None)
+            if not (delta.content or delta.tool_calls or d.out.finished or entries):
                 return None
             return ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(
-                index=d.index, delta=DeltaMessage(content=d.out.text),
-                logprobs=_chat_logprobs(entries, k) if body.logprobs else None, finish_reason=d.out.finish_reason)])
+                index=d.index, delta=delta, logprobs=_chat_logprobs(entries, k) if body.logprobs else None,
+                finish_reason=reason)])
 
         def usage_chunk() -> ChatCompletionChunk:
             return ChatCompletionChunk(id=rid, model=model, choices=[], usage=_usage(choices, body.n))
@@ -212,10 +217,11 @@ class OpenAIServing:
                 ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]) for i in range(len(subs))]
             return self._stream(rids, queue, chunk, roles, usage_chunk if body.include_usage else None)
         await self._collect(request, rids, queue, choices)
+        messages = [out.message(c.text, c.finish_reason) for out, c in zip(outputs, choices)]
         return self._json(ChatCompletionResponse(id=rid, model=model, usage=_usage(choices, body.n), choices=[
-            ChatChoice(index=i, message=ChatMessageOut(content=c.text), finish_reason=c.finish_reason,
+            ChatChoice(index=i, message=message, finish_reason=reason,
                        logprobs=_chat_logprobs(c.logprobs, k) if body.logprobs else None)
-            for i, c in enumerate(choices)]))
+            for i, (c, (message, reason)) in enumerate(zip(choices, messages))]))
 
     # ---------------------------------------------------------------------------- internals
 
@@ -229,18 +235,21 @@ class OpenAIServing:
 
     def _submissions(self, body: SamplingRequest, prompts: list, max_tokens: int | None, logprobs: int | None,
                      add_special_tokens: bool, aliases: dict[str, str] | None = None, sequences: int | None = None,
-                     prompt_logprobs: int | None = None) -> list[Submission]:
+                     prompt_logprobs: int | None = None, grammar: StructuredOutput | None = None) -> list[Submission]:
         """`sequences` (default n) per prompt; with a seed, the k-th of them draws with seed + k (as
-        Engine.generate). `aliases`: the request's names of SamplingParams fields, for the error's param."""
+        Engine.generate). `aliases`: the request's names of SamplingParams fields, for the error's param.
+        `grammar`: the structured output tool_choice asks for (no other field then does)."""
         lora = self._adapter(body.model)
         limit = self.loop.engine.config.max_running_requests
         sequences = sequences or body.n
         if not 1 <= sequences * len(prompts) <= limit:
             raise APIError(400, f"n must be >= 1 and n * prompts <= max_running_requests ({limit}), got n={sequences} "
                            f"for {len(prompts)} prompts", param="n" if sequences == body.n else "best_of")
-        aliases = (aliases or {}) | {"structured_output": (body.structured_output_fields or ["response_format"])[0]}
+        aliases = (aliases or {}) | {"structured_output": _grammar_field(body)}
         try:
             params = body.sampling_params(max_tokens, logprobs, prompt_logprobs)
+            if grammar is not None:
+                params = replace(params, structured_output=grammar)
         except ValueError as e:
             raise bad_value(e, aliases) from e
         return [Submission(p, params.for_sequence(k), lora, add_special_tokens) for p in prompts for k in range(sequences)]
@@ -254,7 +263,9 @@ class OpenAIServing:
         try:
             await asyncio.to_thread(self.loop.engine.grammars.compile, spec)
         except ValueError as e:
-            raise APIError(400, str(e), param=body.structured_output_fields[0]) from e
+            field = _grammar_field(body)
+            message = str(e) if field != "tools" else f"tools: the functions' parameters do not compile ({e})"
+            raise APIError(400, message, param=field) from e
 
     async def _prompt_texts(self, prompts: list[str | list[int]]) -> list[str]:
         """The text of each prompt, as echo returns it (token ids decoded in the engine thread)."""
@@ -264,7 +275,7 @@ class OpenAIServing:
         decoded = iter(await self.loop.run(lambda: [self.loop.engine.tokenizer.decode(p) for p in ids]) if ids else [])
         return [p if isinstance(p, str) else next(decoded) for p in prompts]
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> str:
+    def _chat_prompt(self, body: ChatCompletionRequest, tools: list[dict] | None) -> str:
         messages = []
         for i, m in enumerate(body.messages):
             msg = m.model_dump(exclude_none=True)
@@ -274,7 +285,7 @@ class OpenAIServing:
                 msg["content"] = "".join(p.text for p in m.content)
             messages.append(msg)
         try:
-            return self.loop.engine.chat_prompt(messages)
+            return self.loop.engine.chat_prompt(messages, tools)
         except ValueError as e:
             raise APIError(400, f"{e}; use /v1/completions with a prompt", param="messages") from e
 
@@ -366,6 +377,12 @@ def _sequences_per_prompt(body: CompletionRequest) -> int:
         raise APIError(400, "best_of > n cannot be streamed: the best sequences are known only at the end",
                        param="best_of")
     return body.best_of
+
+
+def _grammar_field(body: SamplingRequest) -> str:
+    """The request field a grammar comes from: the structured-output field, else tool_choice's
+    forced calls, whose schemas are the tools'."""
+    return (body.structured_output_fields or ["tools"])[0]
 
 
 async def _disconnected(request: Request) -> None:

@@ -8,7 +8,7 @@ import json
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from moelora.engine.sampling_params import SamplingParams, StructuredOutput
@@ -123,6 +123,8 @@ _UNSUPPORTED_CHAT = {
     "web_search_options": ((None,), "web search is not supported"),
     "store": ((None, False), "stored completions are not supported"),
     "service_tier": ((None, "auto", "default"), "only the default service tier is served"),
+    "functions": ((None,), "the legacy functions field is not supported: use tools"),
+    "function_call": ((None,), "the legacy function_call field is not supported: use tool_choice"),
 }
 # the request fields that ask for structured output, and the StructuredOutput kind each gives
 _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -262,11 +264,63 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    """A call an assistant message made. Chat templates expect the arguments as a mapping (Qwen's
+    write them with tojson), so the JSON text OpenAI sends is parsed here, as vLLM does."""
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: dict[str, Any]
+
+    @field_validator("arguments", mode="before")
+    @classmethod
+    def _parse(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"the arguments are not valid JSON: {e}") from None
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_calls, ...: handed to the chat template as they are
+    model_config = ConfigDict(extra="allow")  # other fields are handed to the chat template as they are
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments; None: no arguments
+    strict: bool | None = None  # tool_choice required or named always follows the schema; auto does not
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -276,6 +330,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool | None = None  # None: True
 
 
 class LoadLoRARequest(RequestBody):
@@ -347,9 +404,21 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -365,9 +434,22 @@ class ChatCompletionResponse(_Response):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None  # in the call's first delta
+    arguments: str = ""      # the next piece of the arguments' JSON text
+
+
+class DeltaToolCall(BaseModel):
+    index: int  # the call's position among the choice's calls
+    id: str | None = None  # in the call's first delta, with type and name
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -208,6 +208,10 @@ PLAUSIBLE = {  # values of about the right type, extreme ones included, so that 
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"},
                                         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}},
                                         {"type": "json_schema", "json_schema": {"schema": {"minimum": "x"}}}]),
+    "tools": st.sampled_from([[], [{"type": "function", "function": {"name": "f"}}], [{"type": "x"}],
+                              [{"type": "function", "function": {"name": "f", "parameters": {"type": "strng"}}}]]),
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}, "x"]),
+    "parallel_tool_calls": st.booleans(),
 }
 SAMPLING = ["model", "n", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "presence_penalty",
             "frequency_penalty", "top_k", "min_p", "stop_token_ids", "ignore_eos", "skip_special_tokens", "user",
@@ -215,7 +219,8 @@ SAMPLING = ["model", "n", "temperature", "top_p", "seed", "stop", "stream", "str
             "logit_bias", "guided_regex", "guided_choice", "guided_json", "response_format"]
 ROUTES = {
     "/v1/completions": ({**OK, "max_tokens": 3}, SAMPLING + ["prompt", "echo", "best_of"]),
-    "/v1/chat/completions": ({**CHAT, "max_tokens": 3}, SAMPLING + ["messages", "max_completion_tokens", "top_logprobs"]),
+    "/v1/chat/completions": ({**CHAT, "max_tokens": 3}, SAMPLING + ["messages", "max_completion_tokens", "top_logprobs",
+                                                                    "tools", "tool_choice", "parallel_tool_calls"]),
     "/v1/load_lora_adapter": ({"lora_name": "fuzzed", "lora_path": "GAMMA"}, ["lora_name", "lora_path"]),
     "/v1/unload_lora_adapter": ({"lora_name": "fuzzed"}, ["lora_name"]),
 }
