@@ -9,13 +9,13 @@ adapters with a skill anyone can see, in the two adapter formats users have.
 - base: Qwen3-MoE, 4 layers, 8 experts, top-2, trained from scratch (plain AdamW, fixed seeds), saved
   in bf16; the adapters are then trained on the saved weights, as they are served;
 - `shout`: answers in UPPER CASE. PEFT `target_parameters` on the fused 3D experts of transformers v5
-  (`mlp.experts.gate_up_proj` / `down_proj`) + LoRA on q/k/v/o;
+  (`mlp.experts.gate_up_proj` / `down_proj`) + LoRA on q/k;
 - `title`: Answers In Title Case. PEFT on per-expert modules (`mlp.experts.E.gate_proj`, ... as
-  transformers v4 names them), on experts 0-3 of each layer only, + LoRA on q/k/v/o.
+  transformers v4 names them), on experts 0-3 of each layer only, + LoRA on q/k.
 
 Each adapter sees a normal prompt followed by its transformed continuation; the loss is on the
 continuation only. The run is deterministic for a given Python (its docstrings are the corpus), torch
-and tokenizers; on 2 CPU cores it takes about a quarter of an hour. It ends with SHA256SUMS, which
+and tokenizers; on one CPU thread it takes about 8 minutes. It ends with SHA256SUMS, which
 `moelora demo` checks before loading.
 """
 from __future__ import annotations
@@ -40,7 +40,10 @@ VOCAB = 2048
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# The adapters' attention LoRA is on q and k only: they change where attention looks, but cannot add a
+# fixed direction to the residual stream as v and o can, which is all "write in upper case" needs; so
+# the skill is learnt by the experts (the demo shows it by running each adapter without them).
+ATTENTION = ["q_proj", "k_proj"]
 TITLE_EXPERTS = range(4)  # the experts of every layer that the per-expert adapter covers
 HELD_OUT = 10  # every HELD_OUT-th paragraph is kept out of every training set (the tests' prompts come from it)
 
@@ -279,12 +282,15 @@ def write_sums(out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "moelora" / "demo_assets")
-    parser.add_argument("--base-steps", type=int, default=2000)
-    parser.add_argument("--adapter-steps", type=int, default=400)
+    parser.add_argument("--base-steps", type=int, default=1000)
+    parser.add_argument("--adapter-steps", type=int, default=300)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1: on a shared machine two threads that wait for each "
+                             "other at every step run many times slower than one)")
     parser.add_argument("--adapters-only", action="store_true",
                         help="train only the adapters, on the base model and tokenizer already in OUT/model")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     random.seed(SEED)
     start = time.monotonic()
 
