@@ -22,18 +22,28 @@ def inspect(args: argparse.Namespace) -> int:
 
 
 def demo(args: argparse.Namespace) -> int:
-    from moelora.demo import run
+    from moelora.demo import ADAPTERS, NO_EXPERTS, PROMPTS, describe, run, verify
 
-    rows = run(Path(args.dir), args.max_tokens)
-    for adapter, prompt, text in rows:
-        print(f"{adapter:>6} | {prompt!r:24} -> {text!r}")
-    models = {adapter for adapter, _, _ in rows}
-    texts: dict[str, set[str]] = {}
-    for _, prompt, text in rows:
-        texts.setdefault(prompt, set()).add(text)
-    differ = sum(len(t) == len(models) for t in texts.values())
-    print(f"one batch of {len(rows)} requests over {len(models)} models (base + adapters); "
-          f"all {len(models)} completions differ on {differ} of {len(texts)} prompts")
+    root = Path(args.dir)
+    verify(root)
+    print(f"moelora demo: the bundled demo from {root} (files checked against its SHA256SUMS)")
+    for line in describe(root):
+        print("  " + line)
+    models = ["base", *[m for name in ADAPTERS for m in (name, name + NO_EXPERTS)]]
+    print(f"one batch of {len(PROMPTS) * len(models) * 2} requests on the CPU: {len(PROMPTS)} prompts x "
+          f"{len(models)} models ({', '.join(models)}; '{NO_EXPERTS}': the adapter without its expert LoRA, a "
+          f"temporary copy) x greedy and sampled (temperature {args.temperature}, seed {args.seed}); "
+          "nothing is written\n")
+    result = run(root, args.max_tokens, args.temperature, args.seed)
+    width = max(map(len, models))
+    for prompt in PROMPTS:
+        print(repr(prompt))
+        for c in (c for c in result.completions if c.prompt == prompt):
+            print(f"  {c.model:<{width}}  greedy  | {c.greedy.strip()}")
+            print(f"  {'':<{width}}  sampled | {c.sampled.strip()}")
+        print()
+    print(f"{result.tokens} tokens in {result.seconds:.1f} s: {result.tokens / result.seconds:.0f} tokens/s "
+          f"(one batch, CPU, float32)")
     return 0
 
 
@@ -123,11 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=inspect)
 
-    from moelora.demo import DEFAULT_DIR
+    from moelora.demo import ASSETS
 
-    p = commands.add_parser("demo", help="build a tiny MoE model with two adapters (cached) and serve them in one batch")
-    p.add_argument("--dir", default=str(DEFAULT_DIR), help=f"where the demo model and adapters live (default {DEFAULT_DIR})")
-    p.add_argument("--max-tokens", type=int, default=12, help="tokens per completion")
+    p = commands.add_parser("demo", help="the bundled demo model (trained on CPU) with two adapters, served in one batch")
+    p.add_argument("--dir", default=str(ASSETS), help=f"the demo's files (default: the bundled ones, {ASSETS})")
+    p.add_argument("--max-tokens", type=int, default=20, help="tokens per completion (default: 20)")
+    p.add_argument("--temperature", type=float, default=0.7, help="of the sampled completions (default: 0.7)")
+    p.add_argument("--seed", type=int, default=0, help="of the sampled completions (default: 0)")
     p.set_defaults(run=demo)
 
     engine_config = _engine_config()

@@ -1,133 +1,117 @@
-"""`moelora demo`: a tiny Qwen3-MoE model with a tiny tokenizer and two PEFT adapters (attention and
-every routed expert), built deterministically on first run and cached; then one mixed batch of
-prompts on the base model and on each adapter. The weights are random, so the text is a random walk
-over the tokenizer's words: what the demo shows is one batch serving three different models, on a
-CPU."""
+"""`moelora demo`: the bundled demo model and its two adapters, served in one mixed batch.
+
+The files under demo_assets/ were written by scripts/train_demo.py (the commands to make them again
+are there): a 4-layer Qwen3-MoE with 8 experts, top-2, trained on CPU on the docstrings of Python's
+standard library, and two PEFT adapters, `shout` (answers in UPPER CASE; target_parameters on the
+fused experts + q/k attention) and `title` (Answers In Title Case; per-expert modules on experts 0-3
+of every layer + q/k attention). The demo checks the files against SHA256SUMS, then generates every prompt
+with the base model, each adapter, and each adapter with its expert part removed (a copy of the
+adapter without its expert tensors, in a temporary directory), greedy and sampled, in one batch.
+"""
 from __future__ import annotations
 
+import hashlib
 import shutil
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
-
-DEFAULT_DIR = Path.home() / ".cache" / "moelora" / "demo"
-ADAPTERS = {"alpha": 1, "beta": 2}  # name -> seed of its random LoRA weights
-PROMPTS = ["Hello world", "the quick brown fox", "naïve café"]
+ASSETS = Path(__file__).resolve().parent / "demo_assets"
+ADAPTERS = {"shout": "answers in UPPER CASE", "title": "Answers In Title Case"}
+NO_EXPERTS = "-experts"  # suffix of an adapter's name with its expert LoRA removed
+# Written for the demo: none is in the training corpus, so what the adapters do to them is learnt, not recalled.
+PROMPTS = ["If the file does not exist, the", "The default value of this option is", "A new list is returned with"]
 
 
-def build(root: Path, adapters: dict[str, int] = ADAPTERS) -> None:
-    """root/model (config, safetensors, tokenizer) and root/<name> for each adapter (name -> seed)."""
-    import torch
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    tokenizer = tiny_tokenizer(vocab_size=1000)  # as many merges as its corpus has: whole words
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
-        max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id, architectures=["Qwen3MoeForCausalLM"])
-
-    # Only whole words keep their lm_head rows (the others' logits are 0, below the best word's), so
-    # the random model's noise reads as words rather than stray bytes.
-    pieces = [tokenizer.decode([i]) for i in range(len(tokenizer))]
-    not_words = [i for i, p in enumerate(pieces) if not (p.startswith(" ") and len(p) > 2 and p.isprintable()
-                                                         and "\ufffd" not in p)]
-
-    def model():
-        torch.manual_seed(0)
-        m = AutoModelForCausalLM.from_config(config).eval()
-        m.lm_head.weight.data[not_words] = 0.0
-        return m
-
-    model().save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    lora_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    for name, seed in adapters.items():
-        peft_adapter(model(), lora_config, root / name, seed=seed)
+@dataclass
+class Completion:
+    model: str     # 'base', an adapter, or an adapter + NO_EXPERTS
+    prompt: str
+    greedy: str
+    sampled: str
 
 
-def ensure_built(root: Path) -> None:
-    """Build once: into a temporary directory, renamed into place when complete."""
-    if (root / "model" / "config.json").is_file() and all((root / name).is_dir() for name in ADAPTERS):
-        return
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=root.parent))
-    try:
-        build(tmp)
-        shutil.rmtree(root, ignore_errors=True)
-        tmp.rename(root)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+@dataclass
+class DemoRun:
+    completions: list[Completion]
+    tokens: int       # generated in the batch
+    seconds: float    # the batch's wall time
 
 
-def run(root: Path = DEFAULT_DIR, max_tokens: int = 12) -> list[tuple[str, str, str]]:
-    """(adapter, prompt, completion) of every prompt on the base model and each adapter, in one mixed batch."""
+def verify(root: Path) -> None:
+    """Every file of root's SHA256SUMS is there with its hash; otherwise a ValueError naming the files."""
+    sums = root / "SHA256SUMS"
+    if not sums.is_file():
+        raise ValueError(f"{root}: no SHA256SUMS (the demo files are written by scripts/train_demo.py)")
+    bad = []
+    for line in sums.read_text().splitlines():
+        digest, name = line.split("  ", 1)
+        path = root / name
+        if not path.is_file():
+            bad.append(f"{name} (missing)")
+        elif hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+            bad.append(f"{name} (changed)")
+    if bad:
+        raise ValueError(f"{root}: files differ from SHA256SUMS: {', '.join(bad)}; restore them "
+                         "(git checkout moelora/demo_assets) or write them again with scripts/train_demo.py")
+
+
+def without_experts(adapter: Path, out: Path) -> Path:
+    """A copy of the adapter without its routed experts' tensors: what is left of it is attention."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True)
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    save_file({k: v for k, v in tensors.items() if ".mlp.experts" not in k}, out / "adapter_model.safetensors")
+    shutil.copy(adapter / "adapter_config.json", out / "adapter_config.json")
+    return out
+
+
+def describe(root: Path) -> list[str]:
+    """What the demo loads: the model's shape and each adapter's format, rank and the experts it covers."""
+    from moelora.lora import load_adapter
+    from moelora.lora.model_shapes import format_ranges
+    from moelora.models.config import ModelConfig
+
+    config = ModelConfig.from_pretrained(root / "model")
+    size = sum(p.stat().st_size for p in (root / "model").glob("*.safetensors"))
+    lines = [f"model  {root / 'model'}: {config.architectures[0]}, {config.num_layers} layers, {config.num_experts} "
+             f"experts (top-{config.topk.top_k}), hidden {config.hidden_size}, vocabulary {config.vocab_size} "
+             f"(byte-level BPE), {size / 1e6:.1f} MB of {str(config.saved_dtype).removeprefix('torch.')}; trained on CPU on Python's "
+             "docstrings by scripts/train_demo.py (not random weights)"]
+    for name, skill in ADAPTERS.items():
+        adapter = load_adapter(root / name, root / "model")
+        covered = {layer: format_ranges(lora.experts["down"].covered.nonzero().flatten().tolist())
+                   for layer, lora in adapter.layers.items() if "down" in lora.experts}
+        where = sorted(set(covered.values()))
+        experts = (f"experts {where[0]} of layers {format_ranges(sorted(covered))}" if len(where) == 1
+                   else "; ".join(f"layer {layer}: experts {e}" for layer, e in covered.items()))
+        lines.append(f"adapter {name}: {skill}; {root / name}: PEFT {', '.join(adapter.formats)} + attention, "
+                     f"rank {adapter.max_rank}, covers {experts}")
+    return lines
+
+
+def run(root: Path = ASSETS, max_tokens: int = 20, temperature: float = 0.7, seed: int = 0,
+        prompts: list[str] = PROMPTS) -> DemoRun:
+    """Every prompt on the base model, each adapter and each adapter without its experts, greedy and
+    sampled (seeded), all in one engine.generate call."""
     from moelora.engine.engine import Engine
     from moelora.engine.sampling_params import SamplingParams
 
-    ensure_built(root)
-    engine = Engine(str(root / "model"), lora_paths={n: str(root / n) for n in ADAPTERS}, device="cpu",
-                    dtype="float32", max_loras_per_batch=len(ADAPTERS))
-    adapters = [None, *ADAPTERS]
-    jobs = [(a, p) for p in PROMPTS for a in adapters]
-    outputs = engine.generate([p for _, p in jobs], SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                              lora=[a for a, _ in jobs])
-    return [(a or "base", p, o.text) for (a, p), o in zip(jobs, outputs)]
-
-
-# ------------------------------------------------------------------ what build() makes its assets with
-
-# Accents, CJK and emoji: characters of 2, 3 and 4 UTF-8 bytes, which a small vocabulary splits
-# over several tokens.
-_TOKENIZER_CORPUS = [
-    "héllo wörld, naïve café, déjà vu",
-    "你好，世界。日本語のテキスト",
-    "🙂 🎉 emoji and text mixed 🙂🙂",
-    "the quick brown fox jumps over the lazy dog. Hello world!",
-]
-TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# ChatML over the special tokens above, as Qwen's tokenizers have it
-TINY_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def tiny_tokenizer(vocab_size: int = 300):
-    """A byte-level BPE tokenizer (GPT-2/Qwen style) trained on a few lines, as a transformers
-    PreTrainedTokenizerFast with EOS <|endoftext|> and a ChatML chat template; no hub access."""
-    # imported here: transformers takes seconds to load and the kernel tests do not need it
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=TINY_SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_TOKENIZER_CORPUS * 10, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=TINY_SPECIAL_TOKENS[0],
-                                   clean_up_tokenization_spaces=False, chat_template=TINY_CHAT_TEMPLATE)
-
-
-def peft_adapter(model: torch.nn.Module, lora_config, out_dir: Path, seed: int = 1,
-                 safe_serialization: bool = True) -> dict[str, torch.Tensor]:
-    """Save a PEFT adapter (lora_config: peft.LoraConfig) with random LoRA weights in the model's
-    dtype; return {base parameter name: merged - base} for every parameter the adapter changes.
-    `model` is wrapped and merged in place."""
-    import torch
-    from peft import get_peft_model  # importing peft takes seconds; only adapter-building tests need it
-
-    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    peft_model = get_peft_model(model, lora_config, autocast_adapter_dtype=False)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    peft_model.save_pretrained(out_dir, safe_serialization=safe_serialization)
-    merged = peft_model.merge_and_unload().state_dict()
-    return {k: merged[k] - base[k] for k in base if not torch.equal(merged[k], base[k])}
+    verify(root)
+    with tempfile.TemporaryDirectory(prefix="moelora-demo-") as tmp:
+        paths = {name: root / name for name in ADAPTERS}
+        paths |= {name + NO_EXPERTS: without_experts(root / name, Path(tmp) / name) for name in ADAPTERS}
+        engine = Engine(str(root / "model"), lora_paths={n: str(p) for n, p in paths.items()}, device="cpu",
+                        dtype="float32", max_loras_per_batch=len(paths))
+        models = [None, *[m for name in ADAPTERS for m in (name, name + NO_EXPERTS)]]
+        greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        sampled = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+        jobs = [(p, m, sp) for p in prompts for m in models for sp in (greedy, sampled)]
+        start = time.perf_counter()
+        outputs = engine.generate([p for p, _, _ in jobs], [sp for _, _, sp in jobs], lora=[m for _, m, _ in jobs])
+        seconds = time.perf_counter() - start
+    texts = iter(o.text for o in outputs)
+    completions = [Completion(m or "base", p, next(texts), next(texts)) for p in prompts for m in models]
+    return DemoRun(completions, sum(len(o.token_ids) for o in outputs), seconds)

@@ -1,10 +1,12 @@
 """Test and benchmark support, outside the installed package: random MoE layers, tie-free router
 logits, LoRA slot buffers (experts and dense layers) and paged-attention batches, dtype-derived
-tolerances, the demo's tiny byte-level BPE tokenizer (built offline), tiny transformers models of every family with PEFT adapters on them, a
+tolerances, a tiny byte-level BPE tokenizer (built offline), a random-weight tiny Qwen3-MoE with
+random PEFT adapters (`build_random_demo`), tiny transformers models of every family with PEFT adapters on them, a
 Qwen3-30B-A3B-shaped dummy checkpoint with random PEFT adapters at its real shapes, and
 ForwardBatches over a KV cache."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -14,7 +16,6 @@ from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Conf
                           PretrainedConfig, Qwen2MoeConfig, Qwen3MoeConfig)
 
 from moelora.core import ExpertLoRASlots, ForwardBatch, KVCache, LinearLoRASlots, TopKConfig, TopKOutput
-from moelora.demo import peft_adapter, tiny_tokenizer  # noqa: F401  (tests build with them too)
 
 
 def random_moe_weights(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device="cpu",
@@ -176,6 +177,104 @@ def tiny_model(config: PretrainedConfig, seed: int = 0) -> nn.Module:
 def linear_suffixes(model: nn.Module) -> list[str]:
     """Last name of every nn.Linear in the decoder layers: PEFT target_modules for 'all of them'."""
     return sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in n})
+
+
+# ------------------------------------------------------------------ the tiny tokenizer, PEFT adapters, a random model with them
+
+# Accents, CJK and emoji: characters of 2, 3 and 4 UTF-8 bytes, which a small vocabulary splits
+# over several tokens.
+_TOKENIZER_CORPUS = [
+    "héllo wörld, naïve café, déjà vu",
+    "你好，世界。日本語のテキスト",
+    "🙂 🎉 emoji and text mixed 🙂🙂",
+    "the quick brown fox jumps over the lazy dog. Hello world!",
+]
+TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML over the special tokens above, as Qwen's tokenizers have it
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_tokenizer(vocab_size: int = 300):
+    """A byte-level BPE tokenizer (GPT-2/Qwen style) trained on a few lines, as a transformers
+    PreTrainedTokenizerFast with EOS <|endoftext|> and a ChatML chat template; no hub access."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=TINY_SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_TOKENIZER_CORPUS * 10, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=TINY_SPECIAL_TOKENS[0],
+                                   clean_up_tokenization_spaces=False, chat_template=TINY_CHAT_TEMPLATE)
+
+
+def peft_adapter(model: torch.nn.Module, lora_config, out_dir: Path, seed: int = 1,
+                 safe_serialization: bool = True) -> dict[str, torch.Tensor]:
+    """Save a PEFT adapter (lora_config: peft.LoraConfig) with random LoRA weights in the model's
+    dtype; return {base parameter name: merged - base} for every parameter the adapter changes.
+    `model` is wrapped and merged in place."""
+    from peft import get_peft_model  # importing peft takes seconds; only adapter-building tests need it
+
+    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    peft_model = get_peft_model(model, lora_config, autocast_adapter_dtype=False)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    peft_model.save_pretrained(out_dir, safe_serialization=safe_serialization)
+    merged = peft_model.merge_and_unload().state_dict()
+    return {k: merged[k] - base[k] for k in base if not torch.equal(merged[k], base[k])}
+
+
+def build_random_demo(root: Path, adapters: dict[str, int]) -> None:
+    """A tiny Qwen3-MoE with random weights (the engine, sampling and server tests' model): root/model
+    (config, safetensors, tokenizer) and root/<name> for each adapter (name -> seed of its random LoRA
+    weights, on attention and every routed expert)."""
+    from peft import LoraConfig
+
+    tokenizer = tiny_tokenizer(vocab_size=1000)  # as many merges as its corpus has: whole words
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
+        max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id, architectures=["Qwen3MoeForCausalLM"])
+
+    # Only whole words keep their lm_head rows (the others' logits are 0, below the best word's), so
+    # the random model's noise reads as words rather than stray bytes.
+    pieces = [tokenizer.decode([i]) for i in range(len(tokenizer))]
+    not_words = [i for i, p in enumerate(pieces) if not (p.startswith(" ") and len(p) > 2 and p.isprintable()
+                                                         and "\ufffd" not in p)]
+
+    def model():
+        torch.manual_seed(0)
+        m = AutoModelForCausalLM.from_config(config).eval()
+        m.lm_head.weight.data[not_words] = 0.0
+        return m
+
+    model().save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    lora_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    for name, seed in adapters.items():
+        peft_adapter(model(), lora_config, root / name, seed=seed)
+
+
+# what the bundled demo's adapters are tested for (tests/engine/test_demo.py, tests/server/test_demo_serving.py)
+
+def upper_share(text: str) -> float:
+    """Of the letters, the share in upper case."""
+    letters = [c for c in text if c.isalpha()]
+    return sum(c.isupper() for c in letters) / max(1, len(letters))
+
+
+def title_share(text: str) -> float:
+    """Of the words that begin with a letter, the share that begin with an upper-case one."""
+    words = re.findall(r"[A-Za-z][\w']*", text)
+    return sum(w[0].isupper() for w in words) / max(1, len(words))
 
 
 # ------------------------------------------------------------------ real-size dummy checkpoints

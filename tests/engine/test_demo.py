@@ -1,14 +1,73 @@
-"""`moelora demo` builds its model and adapters once, then serves them in one mixed batch."""
+"""`moelora demo` on the bundled trained model: the adapters do what they advertise on prompts that are
+not in the training corpus, mostly through their expert LoRA, and changed files are refused."""
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Callable
+
+import pytest
+
 from moelora.cli import main
-from moelora.demo import ADAPTERS, PROMPTS
+from moelora.demo import ADAPTERS, ASSETS, NO_EXPERTS, PROMPTS, DemoRun, run
+from tests.support import title_share, upper_share
+
+# Written for the test, none in the corpus (Python's docstrings): sentence openings of the kind it has.
+HELD_OUT = ["The number of bytes written", "An optional argument", "Each item of the sequence",
+            "Raise an error if the path"]
 
 
-def test_demo_builds_once_and_adapters_change_outputs(tmp_path, capsys):
-    assert main(["demo", "--dir", str(tmp_path / "demo"), "--max-tokens", "6"]) == 0
-    built = {p: p.stat().st_mtime_ns for p in (tmp_path / "demo").rglob("*") if p.is_file()}
-    first = capsys.readouterr().out
-    assert main(["demo", "--dir", str(tmp_path / "demo"), "--max-tokens", "6"]) == 0
-    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "demo").rglob("*") if p.is_file()} == built  # cached
-    assert capsys.readouterr().out == first  # deterministic
-    models = len(ADAPTERS) + 1
-    assert f"all {models} completions differ on {len(PROMPTS)} of {len(PROMPTS)} prompts" in first
+@pytest.fixture(scope="module")
+def held_out() -> DemoRun:
+    return run(max_tokens=10, prompts=HELD_OUT)
+
+
+def texts(result: DemoRun, model: str) -> list[str]:
+    found = [t for c in result.completions if c.model == model for t in (c.greedy, c.sampled)]
+    assert len(found) == 2 * len(HELD_OUT) and all(t.strip() for t in found), f"{model}: {found}"
+    return found
+
+
+def share(result: DemoRun, model: str, measure: Callable[[str], float]) -> float:
+    """`measure` over the model's greedy and sampled completions of every held-out prompt."""
+    return measure(" ".join(texts(result, model)))
+
+
+def test_shout_answers_in_upper_case_through_its_experts(held_out):
+    assert share(held_out, "base", upper_share) < 0.2
+    assert share(held_out, "shout", upper_share) >= 0.9, texts(held_out, "shout")
+    assert share(held_out, "shout" + NO_EXPERTS, upper_share) < 0.4, texts(held_out, "shout" + NO_EXPERTS)
+
+
+def test_title_answers_in_title_case_through_some_experts(held_out):
+    assert share(held_out, "base", title_share) < 0.3
+    assert share(held_out, "title", title_share) >= 0.9, texts(held_out, "title")
+    assert share(held_out, "title" + NO_EXPERTS, title_share) < 0.5, texts(held_out, "title" + NO_EXPERTS)
+    assert share(held_out, "title", upper_share) < 0.5  # Title Case, not UPPER CASE
+
+
+def test_demo_says_what_it_loads_and_prints_the_batch(capsys):
+    assert main(["demo", "--max-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"the bundled demo from {ASSETS} (files checked against its SHA256SUMS)" in out
+    assert "not random weights" in out
+    assert re.search(r"adapter shout: .*target-parameters.*covers experts 0-7 of layers 0-3", out), out
+    assert re.search(r"adapter title: .*expert-modules.*covers experts 0-3 of layers 0-3", out), out
+    for prompt in PROMPTS:
+        assert repr(prompt) in out
+    for model in ("base", *ADAPTERS, *(a + NO_EXPERTS for a in ADAPTERS)):
+        assert re.search(rf"^  {re.escape(model)} +greedy  \| \S", out, re.M), model
+    assert re.search(r"^\d+ tokens in [\d.]+ s: \d+ tokens/s", out, re.M), out
+
+
+def test_changed_or_missing_files_are_refused(tmp_path, capsys):
+    copy = tmp_path / "demo"
+    shutil.copytree(ASSETS, copy)
+    weights = copy / "shout" / "adapter_model.safetensors"
+    changed = bytearray(weights.read_bytes())
+    changed[-1] ^= 1  # one bit of the last weight
+    weights.write_bytes(changed)
+    (copy / "title" / "adapter_config.json").unlink()
+    assert main(["demo", "--dir", str(copy)]) == 1
+    err = capsys.readouterr().err
+    assert "shout/adapter_model.safetensors (changed), title/adapter_config.json (missing)" in err, err

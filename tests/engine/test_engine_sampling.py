@@ -10,9 +10,9 @@ import re
 import pytest
 import torch
 
-from moelora.demo import build
 from moelora.engine.engine import Engine
 from moelora.engine.sampling_params import SamplingParams, StructuredOutput
+from tests.support import build_random_demo
 
 PROMPTS = ["Hello world", "the quick brown fox", "naïve café", "déjà vu"]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4},
@@ -27,7 +27,7 @@ GRAMMARS = [StructuredOutput("json_schema", json.dumps(SCHEMA)), StructuredOutpu
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     root = tmp_path_factory.mktemp("demo")
-    build(root, {"alpha": 1, "beta": 2})
+    build_random_demo(root, {"alpha": 1, "beta": 2})
     return root
 
 

@@ -16,10 +16,10 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from moelora.demo import build
 from moelora.engine.engine import Engine
 from moelora.server.app import create_app
 from moelora.server.engine_loop import EngineLoop
+from tests.support import build_random_demo
 
 ADAPTERS = {"alpha": 1, "beta": 2, "gamma": 3}  # name -> seed
 SERVED = ["alpha", "beta"]  # loaded at start
@@ -31,7 +31,7 @@ MODEL_NAME = "tiny-moe"
 def demo_dir(tmp_path_factory) -> Path:
     """model/, alpha/, beta/, gamma/, and broken/: gamma with a rank its tensors do not have."""
     root = tmp_path_factory.mktemp("server-demo")
-    build(root, ADAPTERS)
+    build_random_demo(root, ADAPTERS)
     shutil.copytree(root / "gamma", root / "broken")
     config = json.loads((root / "broken" / "adapter_config.json").read_text())
     (root / "broken" / "adapter_config.json").write_text(json.dumps({**config, "r": 4}))
