@@ -15,13 +15,13 @@ import jsonschema
 import openai
 import pytest
 
-from moelora.demo import TINY_CHAT_TEMPLATE
 from moelora.engine.engine import Engine
 from moelora.engine.sampling_params import SamplingParams
 from moelora.server.app import create_app
 from moelora.server.protocol import ChatCompletionRequest
 from moelora.server.tools import ChatTools, ChoiceOutput, Parsed, ToolCallParser, template_tool_format
 from tests.server.conftest import ENGINE_OPTIONS, MODEL_NAME, serving
+from tests.support import TINY_CHAT_TEMPLATE
 
 TEMPLATE = Path(__file__).with_name("hermes_tools.jinja")
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["c", "f"]}},
