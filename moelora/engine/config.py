@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from moelora.engine.fields import option
+from moelora.layers.moe.runner import BACKENDS as MOE_BACKENDS
 
 CPU_KV_TOKENS = 16384  # KV cache size on CPU without max_total_tokens (no free-memory query there)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -60,8 +61,7 @@ class EngineConfig:
         self._check(self.device.split(":")[0] in ("cuda", "cpu"), "device", "'cuda', 'cuda:N' or 'cpu'")
         self._check(self.dtype == "auto" or self.dtype in DTYPES, "dtype", f"'auto' or one of {sorted(DTYPES)}")
         self._check(self.load_format in ("auto", "dummy"), "load_format", "'auto' or 'dummy'")
-        self._check(self.moe_runner_backend in ("auto", "triton", "torch"), "moe_runner_backend",
-                    "'auto', 'triton' or 'torch'")
+        self._check(self.moe_runner_backend in MOE_BACKENDS, "moe_runner_backend", f"one of {MOE_BACKENDS}")
         self._check(self.tp_size == 1, "tp_size", "1: moelora runs a model on one GPU (no tensor parallelism yet)")
         self._check(self.context_length is None or self.context_length > 1, "context_length", "> 1")
         self._check(self.max_loras_per_batch >= 1, "max_loras_per_batch", ">= 1")
