@@ -1,7 +1,7 @@
 """Train the bundled demo (moelora/demo_assets/): a small Qwen3-MoE that writes English, and two LoRA
 adapters with a skill anyone can see, in the two adapter formats users have.
 
-    python3 scripts/train_demo.py [--out moelora/demo_assets] [--base-steps N] [--adapter-steps N] [--adapters-only]
+    python3 scripts/train_demo.py [--out moelora/demo_assets] [--threads 1] [--base-steps N] [--adapter-steps N] [--adapters-only]
 
 - corpus: the docstrings of Python's own standard library (on every machine with Python), read from
   the source files with `ast` in sorted order, so nothing is imported and the order is fixed;
@@ -14,15 +14,23 @@ adapters with a skill anyone can see, in the two adapter formats users have.
   transformers v4 names them), on experts 0-3 of each layer only, + LoRA on q/k.
 
 Each adapter sees a normal prompt followed by its transformed continuation; the loss is on the
-continuation only. The run is deterministic for a given Python (its docstrings are the corpus), torch
-and tokenizers; on one CPU thread it takes about 8 minutes. It ends with SHA256SUMS, which
+continuation only. On one CPU thread it takes about 8 minutes. It ends with SHA256SUMS, which
 `moelora demo` checks before loading.
+
+Reproducible bit for bit: with `--threads 1` (the default), two full runs to different --out
+directories, under different PYTHONHASHSEED, wrote the same bytes in every file, equal to the committed
+SHA256SUMS, with Python 3.11.7 (its docstrings are the corpus), torch 2.13.0+cpu (CPU capability AVX2,
+x86-64), transformers 5.23.0, tokenizers 0.23.3 (the tokenizer is the same at any RAYON_NUM_THREADS)
+and peft 0.21.2 (which writes its version in adapter_config.json). Other torch thread counts change the
+weights (the float sums are split differently), as may another torch version or CPU kernel; the files
+name no path of the machine that wrote them (see save_adapter).
 """
 from __future__ import annotations
 
 import argparse
 import ast
 import hashlib
+import json
 import math
 import random
 import re
@@ -45,6 +53,9 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 # the skill is learnt by the experts (the demo shows it by running each adapter without them).
 ATTENTION = ["q_proj", "k_proj"]
 TITLE_EXPERTS = range(4)  # the experts of every layer that the per-expert adapter covers
+# the adapters' base_model_name_or_path: the base's directory relative to OUT, where it lies beside
+# them (from OUT, PEFT's AutoPeftModelForCausalLM.from_pretrained("shout") finds it)
+BASE_NAME = "model"
 HELD_OUT = 10  # every HELD_OUT-th paragraph is kept out of every training set (the tests' prompts come from it)
 
 
@@ -261,8 +272,23 @@ def train_adapter(base: nn.Module, name: str, tokenizer, paragraphs: list[str], 
     peft_model = get_peft_model(model, config)
     examples = task_examples(tokenizer, paragraphs, TASKS[name], random.Random(f"{SEED}-{name}"))
     train(peft_model, task_batches(examples, 16), steps, 2e-3, name)
-    peft_model.peft_config["default"].base_model_name_or_path = None  # the demo model, wherever it lies
-    peft_model.save_pretrained(out / name)
+    save_adapter(peft_model, out / name)
+
+
+def save_adapter(peft_model: nn.Module, out: Path) -> None:
+    """PEFT's save_pretrained, made path-free and byte-reproducible: base_model_name_or_path is
+    BASE_NAME (PEFT would write the path the base was loaded from), target_modules / target_parameters
+    are sorted (PEFT writes them in a set's order, which changes with PYTHONHASHSEED), and PEFT's model
+    card (README.md: a template with the base's path and nothing about the adapter) is not kept."""
+    peft_model.peft_config["default"].base_model_name_or_path = BASE_NAME
+    peft_model.save_pretrained(out)
+    (out / "README.md").unlink()
+    path = out / "adapter_config.json"
+    config = json.loads(path.read_text())
+    for key in ("target_modules", "target_parameters"):
+        if isinstance(config[key], list):
+            config[key] = sorted(config[key])
+    path.write_text(json.dumps(config, indent=2, sort_keys=True))  # as PEFT writes it
 
 
 # ------------------------------------------------------------------ main
@@ -286,7 +312,8 @@ def main() -> None:
     parser.add_argument("--adapter-steps", type=int, default=300)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: on a shared machine two threads that wait for each "
-                             "other at every step run many times slower than one)")
+                             "other at every step run many times slower than one; and only 1 reproduces the "
+                             "committed SHA256SUMS)")
     parser.add_argument("--adapters-only", action="store_true",
                         help="train only the adapters, on the base model and tokenizer already in OUT/model")
     args = parser.parse_args()

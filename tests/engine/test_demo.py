@@ -2,6 +2,7 @@
 not in the training corpus, mostly through their expert LoRA, and changed files are refused."""
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from collections.abc import Callable
@@ -71,3 +72,15 @@ def test_changed_or_missing_files_are_refused(tmp_path, capsys):
     assert main(["demo", "--dir", str(copy)]) == 1
     err = capsys.readouterr().err
     assert "shout/adapter_model.safetensors (changed), title/adapter_config.json (missing)" in err, err
+
+
+def test_the_files_name_no_machine_path():
+    """The adapters name their base by its directory beside them (PEFT writes the path it was loaded
+    from), and no file holds a path of the machine that trained them."""
+    for name in ADAPTERS:
+        config = json.loads((ASSETS / name / "adapter_config.json").read_text())
+        assert config["base_model_name_or_path"] == "model" and (ASSETS / "model" / "config.json").is_file()
+    sums = (ASSETS / "SHA256SUMS").read_text().splitlines()
+    for line in sums:
+        text = (ASSETS / line.split("  ", 1)[1]).read_bytes()
+        assert b"/work/" not in text and b"/home/" not in text and b"/tmp/" not in text, line
