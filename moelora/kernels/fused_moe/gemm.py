@@ -7,8 +7,8 @@ import triton.language as tl
 
 from moelora.kernels.fused_moe.reduction import prepare_topk_sum, sum_topk_if_last
 from moelora.kernels.fused_moe.shrink import shrink_one_pair, wait_shrunk
-from moelora.kernels.fused_moe.tiles import (at_most_half_full, block_info, block_rows, lora_expand, lora_rank,
-                                             lora_tile, row_slots, sum_partials)
+from moelora.kernels.fused_moe.tiles import (at_most_half_full, block_info, block_rank, block_rows, lora_expand,
+                                             lora_rank, lora_tile, row_slots, sum_partials, takes_rank_tile)
 from moelora.kernels.gemm_tiles import arrive, gemm_loop
 
 
@@ -22,6 +22,7 @@ def gate_up_kernel(
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     HALF_TILES: tl.constexpr, TOP_K_P: tl.constexpr, SPLIT_K: tl.constexpr, PART_N: tl.constexpr,
+    RANK_TILES: tl.constexpr,
 ):
     """h[p] = silu(x Wg^T + LoRA_g) * (x Wu^T + LoRA_u) for the pairs p of one block; with LoRA also
     this n-tile's parts of the down shrink (_down_shrink_part). With pair blocks and
@@ -33,7 +34,7 @@ def gate_up_kernel(
         if pid < num_shrink:
             if shrink_one_pair(pid, topk_ids_ptr, token_slots_ptr, x_ptr, xa_ptr, ranks_ptr, ag_ptr, au_ptr, top_k,
                                 H, num_slots, num_experts, num_splits, stride_xt, stride_ae, stride_ar, BLOCK_M,
-                                BLOCK_K, BLOCK_R, SPLIT_K):
+                                BLOCK_K, BLOCK_R, SPLIT_K, RANK_TILES):
                 arrive(ready_ptr + pid // num_splits)  # release the pair's xa to its GEMM programs
             return
         pid, num_programs = pid - num_shrink, num_programs - num_shrink
@@ -52,13 +53,13 @@ def gate_up_kernel(
                        ad_ptr, hd_ptr, ready_ptr, e, pid_m, pid_n, num_pairs, top_k, H, I, num_slots, num_experts,
                        num_splits, stride_xt, stride_we, stride_wn, stride_ht, stride_be, stride_br, stride_ade,
                        stride_adr,
-                       HAS_LORA, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, PART_N)
+                       HAS_LORA, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, PART_N, RANK_TILES)
     else:
         _gate_up_block(x_ptr, w_ptr, h_ptr, sorted_ids_ptr, token_slots_ptr, ranks_ptr, xa_ptr, bg_ptr, bu_ptr,
                        ad_ptr, hd_ptr, ready_ptr, e, pid_m, pid_n, num_pairs, top_k, H, I, num_slots, num_experts,
                        num_splits, stride_xt, stride_we, stride_wn, stride_ht, stride_be, stride_br, stride_ade,
                        stride_adr,
-                       HAS_LORA, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, PART_N)
+                       HAS_LORA, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, PART_N, RANK_TILES)
 
 
 @triton.jit
@@ -68,6 +69,7 @@ def _gate_up_block(
     stride_ht, stride_be, stride_br, stride_ade, stride_adr,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr, PART_N: tl.constexpr,
+    RANK_TILES: tl.constexpr,
 ):
     """The work of one (block, n-tile) program of gate_up_kernel on a tile of ROWS rows."""
     pair, row_ok = block_rows(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M, ROWS, PAIR_BLOCKS)
@@ -82,73 +84,108 @@ def _gate_up_block(
                              ROWS, BLOCK_N, BLOCK_K)
     if HAS_LORA:
         slot, lo, hi = row_slots(token_slot, num_slots)
-        # slot lo's ranks and B and A_d tiles first: their loads overlap the xa loads and, with pair blocks (one
-        # slot), the wait for the shrink. A decode step's LoRA cost is mostly such chains of round trips.
-        rank_g = lora_rank(ranks_ptr, 0, lo, e, hi, num_slots, num_experts)
-        rank_u = lora_rank(ranks_ptr, 1, lo, e, hi, num_slots, num_experts)
-        rank_d = lora_rank(ranks_ptr, 2, lo, e, hi, num_slots, num_experts)
-        bg = lora_tile(bg_ptr, lo, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_g, BLOCK_R)
-        bu = lora_tile(bu_ptr, lo, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_u, BLOCK_R)
-        offs_p0 = pid_n * BLOCK_N + tl.arange(0, PART_N)  # the tile's down-shrink parts: 1 or 2 (column halves)
-        offs_p1 = offs_p0 + PART_N
-        ad0 = lora_tile(ad_ptr, lo, e, num_experts, stride_ade, stride_adr, offs_p0, offs_p0 < I, rank_d, BLOCK_R)
-        ad1 = ad0  # the second part's tile; a one-part tile never reads it
-        if BLOCK_N != PART_N:
-            tl.static_assert(BLOCK_N == 2 * PART_N)
-            ad1 = lora_tile(ad_ptr, lo, e, num_experts, stride_ade, stride_adr, offs_p1, offs_p1 < I, rank_d,
-                             BLOCK_R)
-        # the shrink x @ A^T, summed once for all rows; each slot's loop picks its rows
-        if PAIR_BLOCKS:
-            if hi >= 0:  # row 0 has an adapter: exactly then its pair's shrink programs signal
-                wait_shrunk(ready_ptr, tl.min(pair, axis=0), num_splits, tl.cdiv(I, BLOCK_N))  # row 0's pair
-        stride = 2 * num_splits * BLOCK_R
-        cache: tl.constexpr = ".cg" if PAIR_BLOCKS else ""
-        xa_g = sum_partials(xa_ptr, pair, slot >= 0, stride, num_splits, BLOCK_R, PARTS, cache)
-        xa_u = sum_partials(xa_ptr + num_splits * BLOCK_R, pair, slot >= 0, stride, num_splits, BLOCK_R, PARTS,
-                             cache)
-        if rank_g + rank_u > 0:  # slot lo (if any), on the tiles loaded above
-            acc_g = lora_expand(acc_g, xa_g, slot == lo, rank_g, bg)
-            acc_u = lora_expand(acc_u, xa_u, slot == lo, rank_u, bu)
-        for s in range(lo + 1, hi + 1):  # the block's other slots
-            rows = slot == s
-            rank_g = lora_rank(ranks_ptr, 0, s, e, hi, num_slots, num_experts)
-            rank_u = lora_rank(ranks_ptr, 1, s, e, hi, num_slots, num_experts)
-            if (rank_g + rank_u > 0) & (tl.max(rows.to(tl.int32), axis=0) > 0):  # else xa was never written
-                bg = lora_tile(bg_ptr, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_g, BLOCK_R)
-                bu = lora_tile(bu_ptr, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_u, BLOCK_R)
-                acc_g = lora_expand(acc_g, xa_g, rows, rank_g, bg)
-                acc_u = lora_expand(acc_u, xa_u, rows, rank_u, bu)
+        r = block_rank(ranks_ptr, slot, e, num_slots, num_experts, 0, 2)
+        for c in tl.static_range(RANK_TILES):
+            if takes_rank_tile(r, c, RANK_TILES, BLOCK_R):  # (returning the accumulators ends their old values)
+                acc_g, acc_u = _gate_up_lora(
+                    acc_g, acc_u, h_ptr, pair, row_ok, slot, lo, hi, e, pid_n, offs_n, n_mask, ranks_ptr, xa_ptr,
+                    bg_ptr, bu_ptr, ad_ptr, hd_ptr, ready_ptr, I, num_slots, num_experts, num_splits, stride_ht,
+                    stride_be, stride_br, stride_ade, stride_adr, ROWS, BLOCK_N, c, RANK_TILES, BLOCK_R, PARTS,
+                    PAIR_BLOCKS, PART_N)
+        if r == 0:  # no adapter in the block covers expert e: the plain result, no LoRA work
+            if PAIR_BLOCKS:
+                if hi >= 0:  # row 0 has an adapter, so its pair's shrink programs signal: count in
+                    wait_shrunk(ready_ptr, tl.min(pair, axis=0), num_splits, tl.cdiv(I, BLOCK_N))
+            _store_h(acc_g, acc_u, h_ptr, pair, row_ok, offs_n, n_mask, stride_ht)
+    else:
+        _store_h(acc_g, acc_u, h_ptr, pair, row_ok, offs_n, n_mask, stride_ht)
+
+
+@triton.jit
+def _store_h(acc_g, acc_u, h_ptr, pair, row_ok, offs_n, n_mask, stride_ht):
+    """h = silu(gate) * up for the block's rows, stored; returned in h's dtype."""
     h = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(h_ptr.dtype.element_ty)
     h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_ht + offs_n[None, :]
     tl.store(h_ptrs, h, mask=row_ok[:, None] & n_mask[None, :])
-    if HAS_LORA:  # this tile's parts of the down shrink, one per PART_N (DOWN_SHRINK_PART) columns of I
-        if BLOCK_N == PART_N:
-            _down_shrink_part(h, pid_n, offs_p0, pair, slot, lo, hi, e, rank_d, ad0, ranks_ptr, ad_ptr, hd_ptr, I,
-                              num_slots, num_experts, stride_ade, stride_adr, ROWS, BLOCK_R, PART_N)
-        else:  # two parts: the tile's column halves
-            h0, h1 = tl.split(tl.permute(tl.reshape(h, (ROWS, 2, PART_N)), (0, 2, 1)))
-            _down_shrink_part(h0, 2 * pid_n, offs_p0, pair, slot, lo, hi, e, rank_d, ad0, ranks_ptr, ad_ptr,
-                              hd_ptr, I, num_slots, num_experts, stride_ade, stride_adr, ROWS, BLOCK_R, PART_N)
-            _down_shrink_part(h1, 2 * pid_n + 1, offs_p1, pair, slot, lo, hi, e, rank_d, ad1, ranks_ptr, ad_ptr,
-                              hd_ptr, I, num_slots, num_experts, stride_ade, stride_adr, ROWS, BLOCK_R, PART_N)
+    return h
+
+
+@triton.jit
+def _gate_up_lora(
+    acc_g, acc_u, h_ptr, pair, row_ok, slot, lo, hi, e, pid_n, offs_n, n_mask, ranks_ptr, xa_ptr, bg_ptr, bu_ptr,
+    ad_ptr, hd_ptr, ready_ptr, I, num_slots, num_experts, num_splits, stride_ht, stride_be, stride_br, stride_ade,
+    stride_adr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr, RANK_TILES: tl.constexpr, BLOCK_R: tl.constexpr,
+    PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr, PART_N: tl.constexpr,
+):
+    """The epilogue of a gate_up program whose block's LoRA takes rank tile C (tiles.takes_rank_tile): the
+    gate/up deltas, h stored, and this tile's parts of the down shrink (_down_shrink_part). The partials are
+    laid out BLOCK_R columns a part. Returns the accumulators with the deltas."""
+    R: tl.constexpr = BLOCK_R if C == RANK_TILES - 1 else 16 << C
+    # slot lo's ranks and B and A_d tiles first: their loads overlap the xa loads and, with pair blocks (one
+    # slot), the wait for the shrink. A decode step's LoRA cost is mostly such chains of round trips.
+    rank_g = lora_rank(ranks_ptr, 0, lo, e, hi, num_slots, num_experts)
+    rank_u = lora_rank(ranks_ptr, 1, lo, e, hi, num_slots, num_experts)
+    rank_d = lora_rank(ranks_ptr, 2, lo, e, hi, num_slots, num_experts)
+    bg = lora_tile(bg_ptr, lo, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_g, R)
+    bu = lora_tile(bu_ptr, lo, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_u, R)
+    offs_p0 = pid_n * BLOCK_N + tl.arange(0, PART_N)  # the tile's down-shrink parts: 1 or 2 (column halves)
+    offs_p1 = offs_p0 + PART_N
+    ad0 = lora_tile(ad_ptr, lo, e, num_experts, stride_ade, stride_adr, offs_p0, offs_p0 < I, rank_d, R)
+    ad1 = ad0  # the second part's tile; a one-part tile never reads it
+    if BLOCK_N != PART_N:
+        tl.static_assert(BLOCK_N == 2 * PART_N)
+        ad1 = lora_tile(ad_ptr, lo, e, num_experts, stride_ade, stride_adr, offs_p1, offs_p1 < I, rank_d, R)
+    # the shrink x @ A^T, summed once for all rows; each slot's loop picks its rows
+    if PAIR_BLOCKS:
+        if hi >= 0:  # row 0 has an adapter: exactly then its pair's shrink programs signal
+            wait_shrunk(ready_ptr, tl.min(pair, axis=0), num_splits, tl.cdiv(I, BLOCK_N))  # row 0's pair
+    stride = 2 * num_splits * BLOCK_R
+    cache: tl.constexpr = ".cg" if PAIR_BLOCKS else ""
+    xa_g = sum_partials(xa_ptr, pair, slot >= 0, stride, num_splits, R, BLOCK_R, PARTS, cache)
+    xa_u = sum_partials(xa_ptr + num_splits * BLOCK_R, pair, slot >= 0, stride, num_splits, R, BLOCK_R, PARTS, cache)
+    if rank_g + rank_u > 0:  # slot lo (if any), on the tiles loaded above
+        acc_g = lora_expand(acc_g, xa_g, slot == lo, rank_g, bg)
+        acc_u = lora_expand(acc_u, xa_u, slot == lo, rank_u, bu)
+    for s in range(lo + 1, hi + 1):  # the block's other slots
+        rows = slot == s
+        rank_g = lora_rank(ranks_ptr, 0, s, e, hi, num_slots, num_experts)
+        rank_u = lora_rank(ranks_ptr, 1, s, e, hi, num_slots, num_experts)
+        if (rank_g + rank_u > 0) & (tl.max(rows.to(tl.int32), axis=0) > 0):  # else xa was never written
+            bg = lora_tile(bg_ptr, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_g, R)
+            bu = lora_tile(bu_ptr, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_u, R)
+            acc_g = lora_expand(acc_g, xa_g, rows, rank_g, bg)
+            acc_u = lora_expand(acc_u, xa_u, rows, rank_u, bu)
+    h = _store_h(acc_g, acc_u, h_ptr, pair, row_ok, offs_n, n_mask, stride_ht)
+    # this tile's parts of the down shrink, one per PART_N (DOWN_SHRINK_PART) columns of I
+    if BLOCK_N == PART_N:
+        _down_shrink_part(h, pid_n, offs_p0, pair, slot, lo, hi, e, rank_d, ad0, ranks_ptr, ad_ptr, hd_ptr, I,
+                          num_slots, num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R, PART_N)
+    else:  # two parts: the tile's column halves
+        h0, h1 = tl.split(tl.permute(tl.reshape(h, (ROWS, 2, PART_N)), (0, 2, 1)))
+        _down_shrink_part(h0, 2 * pid_n, offs_p0, pair, slot, lo, hi, e, rank_d, ad0, ranks_ptr, ad_ptr, hd_ptr, I,
+                          num_slots, num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R, PART_N)
+        _down_shrink_part(h1, 2 * pid_n + 1, offs_p1, pair, slot, lo, hi, e, rank_d, ad1, ranks_ptr, ad_ptr, hd_ptr,
+                          I, num_slots, num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R, PART_N)
+    return acc_g, acc_u
 
 
 @triton.jit
 def _down_shrink_part(h, part, offs_n, pair, slot, lo, hi, e, rank_d, ad, ranks_ptr, ad_ptr, hd_ptr, I, num_slots,
-                      num_experts, stride_ade, stride_adr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
-                      PART_N: tl.constexpr):
-    """hd[p, part] = h[p, offs_n] @ A_d[:, offs_n]^T over the PART_N columns of this part, for each row's
+                      num_experts, stride_ade, stride_adr, ROWS: tl.constexpr, R: tl.constexpr,
+                      BLOCK_R: tl.constexpr, PART_N: tl.constexpr):
+    """hd[p, part, :R] = h[p, offs_n] @ A_d[:, offs_n]^T over the PART_N columns of this part, for each row's
     slot (slot lo's rank_d and A_d tile `ad` come loaded): the down kernel adds the parts up in order, so a
-    part's columns never follow the tile."""
-    offs_r = tl.arange(0, BLOCK_R)
-    hd = tl.zeros((ROWS, BLOCK_R), dtype=tl.float32)
+    part's columns never follow the tile. Parts are BLOCK_R columns apart."""
+    offs_r = tl.arange(0, R)
+    hd = tl.zeros((ROWS, R), dtype=tl.float32)
     if rank_d > 0:
         hd += tl.dot(tl.where((slot == lo)[:, None], h, 0.0), tl.trans(ad))
     for s in range(lo + 1, hi + 1):
         rows = slot == s
         rank_d = lora_rank(ranks_ptr, 2, s, e, hi, num_slots, num_experts)
         if (rank_d > 0) & (tl.max(rows.to(tl.int32), axis=0) > 0):
-            ad = lora_tile(ad_ptr, s, e, num_experts, stride_ade, stride_adr, offs_n, offs_n < I, rank_d, BLOCK_R)
+            ad = lora_tile(ad_ptr, s, e, num_experts, stride_ade, stride_adr, offs_n, offs_n < I, rank_d, R)
             hd += tl.dot(tl.where(rows[:, None], h, 0.0), tl.trans(ad))
     num_parts = tl.cdiv(I, PART_N)
     hd_ptrs = hd_ptr + (pair.to(tl.int64) * num_parts + part)[:, None] * BLOCK_R + offs_r[None, :]
@@ -163,7 +200,7 @@ def down_kernel(
     stride_ht, stride_we, stride_wn, stride_ot, stride_be, stride_br, stride_yt,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
-    HALF_TILES: tl.constexpr, TOP_K_P: tl.constexpr,
+    HALF_TILES: tl.constexpr, TOP_K_P: tl.constexpr, RANK_TILES: tl.constexpr,
 ):
     """out[p] = w[p] * (h[p] Wd^T + LoRA_d) for the pairs p of one block (the down shrink is the sum
     of the gate_up kernel's per-tile parts), then y for the tokens whose last pair this was."""
@@ -179,13 +216,13 @@ def down_kernel(
                     b_ptr, topk_ids_ptr, counter_ptr, y_ptr, e, pid_m, pid_n, num_pairs, top_k, H, I, num_slots,
                     num_experts, num_hd_parts, stride_ht, stride_we, stride_wn, stride_ot, stride_be, stride_br,
                     stride_yt,
-                    HAS_LORA, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, TOP_K_P)
+                    HAS_LORA, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, TOP_K_P, RANK_TILES)
     else:
         _down_block(h_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_ids_ptr, token_slots_ptr, ranks_ptr, hd_ptr,
                     b_ptr, topk_ids_ptr, counter_ptr, y_ptr, e, pid_m, pid_n, num_pairs, top_k, H, I, num_slots,
                     num_experts, num_hd_parts, stride_ht, stride_we, stride_wn, stride_ot, stride_be, stride_br,
                     stride_yt,
-                    HAS_LORA, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, TOP_K_P)
+                    HAS_LORA, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, TOP_K_P, RANK_TILES)
 
 
 @triton.jit
@@ -195,6 +232,7 @@ def _down_block(
     stride_we, stride_wn, stride_ot, stride_be, stride_br, stride_yt,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr, TOP_K_P: tl.constexpr,
+    RANK_TILES: tl.constexpr,
 ):
     """The work of one (block, n-tile) program of down_kernel on a tile of ROWS rows."""
     pair, row_ok = block_rows(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M, ROWS, PAIR_BLOCKS)
@@ -209,20 +247,35 @@ def _down_block(
     acc, _ = gemm_loop(h_ptrs, row_ok, I, w_ptrs, w_ptrs, n_mask, False, ROWS, BLOCK_N, BLOCK_K)
     if HAS_LORA:
         slot, lo, hi = row_slots(token_slot, num_slots)
-        rank_d = lora_rank(ranks_ptr, 2, lo, e, hi, num_slots, num_experts)  # slot lo's B: loads overlap hd's
-        bd = lora_tile(b_ptr, lo, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_d, BLOCK_R)
-        hd = sum_partials(hd_ptr, pair, slot >= 0, num_hd_parts * BLOCK_R, num_hd_parts, BLOCK_R, PARTS, "")
-        if rank_d > 0:
-            acc = lora_expand(acc, hd, slot == lo, rank_d, bd)
-        for s in range(lo + 1, hi + 1):
-            rows = slot == s
-            rank_d = lora_rank(ranks_ptr, 2, s, e, hi, num_slots, num_experts)
-            if (rank_d > 0) & (tl.max(rows.to(tl.int32), axis=0) > 0):
-                bd = lora_tile(b_ptr, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_d, BLOCK_R)
-                acc = lora_expand(acc, hd, rows, rank_d, bd)
+        r = block_rank(ranks_ptr, slot, e, num_slots, num_experts, 2, 2)
+        for c in tl.static_range(RANK_TILES):
+            if takes_rank_tile(r, c, RANK_TILES, BLOCK_R):
+                acc = _down_lora(acc, pair, slot, lo, hi, e, offs_n, n_mask, ranks_ptr, hd_ptr, b_ptr, num_slots,
+                                 num_experts, num_hd_parts, stride_be, stride_br, c, RANK_TILES, BLOCK_R, PARTS)
     acc = acc * weight[:, None]
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_mask[None, :])
     if PAIR_BLOCKS:
         sum_topk_if_last(out_ptr, y_ptr, counter_ptr, topk_ids_ptr, pair, row_ok, pid_n, tl.cdiv(H, BLOCK_N),
                           offs_n, n_mask, top_k, num_experts, stride_ot, stride_yt, TOP_K_P)
+
+
+@triton.jit
+def _down_lora(acc, pair, slot, lo, hi, e, offs_n, n_mask, ranks_ptr, hd_ptr, b_ptr, num_slots, num_experts,
+               num_hd_parts, stride_be, stride_br, C: tl.constexpr, RANK_TILES: tl.constexpr, BLOCK_R: tl.constexpr,
+               PARTS: tl.constexpr):
+    """acc + the down delta (the sum of the down-shrink parts) @ B_d^T of each row's slot, on rank tile C
+    (tiles.takes_rank_tile); the parts are BLOCK_R columns apart."""
+    R: tl.constexpr = BLOCK_R if C == RANK_TILES - 1 else 16 << C
+    rank_d = lora_rank(ranks_ptr, 2, lo, e, hi, num_slots, num_experts)  # slot lo's B: loads overlap hd's
+    bd = lora_tile(b_ptr, lo, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_d, R)
+    hd = sum_partials(hd_ptr, pair, slot >= 0, num_hd_parts * BLOCK_R, num_hd_parts, R, BLOCK_R, PARTS, "")
+    if rank_d > 0:
+        acc = lora_expand(acc, hd, slot == lo, rank_d, bd)
+    for s in range(lo + 1, hi + 1):
+        rows = slot == s
+        rank_d = lora_rank(ranks_ptr, 2, s, e, hi, num_slots, num_experts)
+        if (rank_d > 0) & (tl.max(rows.to(tl.int32), axis=0) > 0):
+            bd = lora_tile(b_ptr, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_d, R)
+            acc = lora_expand(acc, hd, rows, rank_d, bd)
+    return acc

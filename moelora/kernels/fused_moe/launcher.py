@@ -53,6 +53,7 @@ def fused_moe_triton(
     if cfg.pair_blocks:  # block p = pair p: its expert is topk.ids[p]; no sorted ids or row count to read
         blocks = AlignedBlocks(topk.ids, topk.ids.view(-1), topk.ids, cfg.block_m)
     num_shrink, ready = 0, topk.ids  # gate/up shrink programs in the gate_up launch (then it reads `ready`)
+    rank_tiles = 1  # each block's LoRA runs on the smallest of the rank tiles 16, 32, ..., block_r that holds its ranks
     if lora is None:  # HAS_LORA=False never reads these
         if not cfg.pair_blocks:
             blocks = moe_align(topk.ids, None, num_experts, 0, cfg.block_m)
@@ -64,6 +65,7 @@ def fused_moe_triton(
         slots, ranks = token_slots, lora.ranks
         ag, au, bg, bu, ad, bd = lora.a_gate, lora.a_up, lora.b_gate, lora.b_up, lora.a_down, lora.b_down
         block_r = rank_tile(lora.max_rank_in_use or lora.a_gate.shape[2])
+        rank_tiles = (block_r // LORA_RANK_CHUNK).bit_length()
         a_strides, b_strides = ag.stride()[1:3], bg.stride()[1:3]
         ad_strides, bd_strides = ad.stride()[1:3], bd.stride()[1:3]
         num_splits = triton.cdiv(hidden, SHRINK_SPLIT_K)
@@ -83,7 +85,8 @@ def fused_moe_triton(
                 num_pairs, top_k, hidden, num_slots, num_experts, blocks.sorted_ids.numel(), num_splits,
                 x.stride(0), *a_strides,
                 BLOCK_M=cfg.block_m, E_P=e_p, S1_P=s1_p, CHUNK=CHUNK, BLOCK_K=cfg.block_k,
-                BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, num_warps=align_num_warps(num_experts, num_slots),
+                BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, RANK_TILES=rank_tiles,
+                num_warps=align_num_warps(num_experts, num_slots),
             )
         else:
             blocks = moe_align(topk.ids, token_slots, num_experts, num_slots, cfg.block_m)
@@ -91,7 +94,8 @@ def fused_moe_triton(
                 x, xa, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, slots, ranks,
                 ag, au, num_pairs, top_k, hidden, num_slots, num_experts, num_splits,
                 x.stride(0), *a_strides,
-                BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, num_warps=4,
+                BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K,
+                RANK_TILES=rank_tiles, num_warps=4,
             )
         if not cfg.pair_blocks:  # (with pair blocks xa is written in the gate_up launch that reads it)
             xa, num_splits = reduce_partials(xa.view(num_pairs * 2, num_splits, block_r), 2 * top_k, slots,
@@ -104,7 +108,8 @@ def fused_moe_triton(
         num_pairs, num_tokens, top_k, hidden, inter, num_slots, num_experts, num_splits, num_n_down,
         triton.cdiv(num_tokens, grid_gate_up),
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *a_strides, *b_strides, *ad_strides, y.stride(0),
-        BLOCK_N=cfg.block_n_gate_up, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, PART_N=DOWN_SHRINK_PART, **common,
+        BLOCK_N=cfg.block_n_gate_up, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, PART_N=DOWN_SHRINK_PART,
+        RANK_TILES=rank_tiles, **common,
     )
     if lora is not None:
         hd, num_hd_parts = reduce_partials(hd, top_k, slots, num_slots, num_pairs >= cfg.reduce_partials_min_pairs)
@@ -113,7 +118,7 @@ def fused_moe_triton(
         ranks, hd, bd, topk.ids, counters, y,
         num_pairs, top_k, hidden, inter, num_slots, num_experts, num_hd_parts,
         h.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *bd_strides, y.stride(0),
-        BLOCK_N=cfg.block_n_down, BLOCK_R=block_r, **common,
+        BLOCK_N=cfg.block_n_down, BLOCK_R=block_r, RANK_TILES=rank_tiles, **common,
     )
     if not cfg.pair_blocks:
         block_h = min(1024, triton.next_power_of_2(hidden))

@@ -95,7 +95,7 @@ def reduce_partials_kernel(part_ptr, out_ptr, token_slots_ptr, num_rows, rows_pe
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     slot = tl.load(token_slots_ptr + rows // rows_per_token, mask=rows < num_rows, other=-1)
     has = (rows < num_rows) & (slot >= 0) & (slot < num_slots)
-    total = sum_partials(part_ptr, rows, has, num_parts * BLOCK_R, num_parts, BLOCK_R, PARTS, "")
+    total = sum_partials(part_ptr, rows, has, num_parts * BLOCK_R, num_parts, BLOCK_R, BLOCK_R, PARTS, "")
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * BLOCK_R + tl.arange(0, BLOCK_R)[None, :]
     tl.store(out_ptrs, total, mask=has[:, None])
 

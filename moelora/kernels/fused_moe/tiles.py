@@ -61,6 +61,29 @@ def lora_rank(ranks_ptr, proj, s, e, hi, num_slots, num_experts):
 
 
 @triton.jit
+def block_rank(ranks_ptr, slot, e, num_slots, num_experts, PROJ_LO: tl.constexpr, PROJ_HI: tl.constexpr):
+    """The largest rank of projections PROJ_LO..PROJ_HI of expert e over the rows' slots (-1: none): the block's
+    LoRA runs on the smallest rank tile that holds it (takes_rank_tile), none at all when it is 0. One gather
+    of every row's rank, in flight together (a loop over the block's slots would be a chain of round trips)."""
+    r = tl.zeros_like(slot)
+    for proj in tl.static_range(PROJ_LO, PROJ_HI + 1):
+        r = tl.maximum(r, tl.load(ranks_ptr + (proj * num_slots + slot) * num_experts + e, mask=slot >= 0, other=0))
+    return tl.max(r, axis=0)
+
+
+@triton.jit
+def takes_rank_tile(r, C: tl.constexpr, RANK_TILES: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Whether a block whose largest rank is r runs its LoRA on rank tile C of RANK_TILES: the smallest that
+    holds r; r = 0 runs none. Tile C is 16 << C columns (16: LORA_RANK_CHUNK), the last one BLOCK_R (the slot
+    buffers' tile, which also sets the partials' layout). A row's sums do not depend on the tile (the columns
+    past its rank add exact zeros after its own), so each block picks its own at run time from the rank
+    table: no host sync, and CUDA graphs bake in nothing."""
+    R: tl.constexpr = BLOCK_R if C == RANK_TILES - 1 else 16 << C
+    LOWER: tl.constexpr = 0 if C == 0 else 16 << (C - 1)
+    return (r > LOWER) & (r <= R)
+
+
+@triton.jit
 def lora_tile(w_ptr, s, e, num_experts, stride_e, stride_r, offs, offs_ok, rank, BLOCK_R: tl.constexpr):
     """Rows :rank of the LoRA weight of (slot s, expert e) at columns offs, as a [BLOCK_R, len(offs)] tile;
     rows past the rank are 0 and never read (buffers are [S, E, R, ...])."""
@@ -78,17 +101,17 @@ def lora_expand(acc, xa, rows, rank, bt):
 
 
 @triton.jit
-def sum_partials(part_ptr, pair, rows, row_stride, num_parts, BLOCK_R: tl.constexpr, PARTS: tl.constexpr,
-                  CACHE: tl.constexpr):
-    """sum over i < num_parts of part[pair, i, :] for the rows in `rows`, added one part after the other
-    (an order no layout can change, so every kernel that sums the same parts gets the same bits); the
-    loads go PARTS at a time, so their latencies overlap instead of forming a chain. CACHE ".cg": parts
+def sum_partials(part_ptr, pair, rows, row_stride, num_parts, R: tl.constexpr, STRIDE_R: tl.constexpr,
+                  PARTS: tl.constexpr, CACHE: tl.constexpr):
+    """sum over i < num_parts of part[pair, i, :R] (parts STRIDE_R apart) for the rows in `rows`, added one part
+    after the other (an order no layout can change, so every kernel that sums the same parts gets the same
+    bits); the loads go PARTS at a time, so their latencies overlap instead of forming a chain. CACHE ".cg": parts
     written by other programs of this launch, read from L2 (never a stale L1 line)."""
-    offs_r = tl.arange(0, BLOCK_R)
+    offs_r = tl.arange(0, R)
     base = part_ptr + (pair.to(tl.int64) * row_stride)[:, None] + offs_r[None, :]
-    acc = tl.zeros((pair.shape[0], BLOCK_R), dtype=tl.float32)
+    acc = tl.zeros((pair.shape[0], R), dtype=tl.float32)
     for i0 in range(0, num_parts, PARTS):
         for i in tl.static_range(PARTS):
             part_ok = rows & (tl.zeros_like(pair) + (i0 + i) < num_parts)
-            acc += tl.load(base + (i0 + i) * BLOCK_R, mask=part_ok[:, None], other=0.0, cache_modifier=CACHE)
+            acc += tl.load(base + (i0 + i) * STRIDE_R, mask=part_ok[:, None], other=0.0, cache_modifier=CACHE)
     return acc
