@@ -92,8 +92,8 @@ def compile_all() -> list[dict]:
                                           dict(SPLIT_K=fm_config.SHRINK_SPLIT_K, PART_N=fm_config.DOWN_SHRINK_PART)),
                                          (fm_gemm.down_kernel, cfg.block_n_down, {})):
                 constexprs = dict(HAS_LORA=has_lora, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
-                                  GROUP_M=cfg.group_m, BLOCK_R=64, PARTS=fm_config.SUM_PARTS, PAIR_BLOCKS=cfg.pair_blocks,
-                                  HALF_TILES=cfg.half_tiles, TOP_K_P=8, **own)
+                                  GROUP_M=cfg.group_m, BLOCK_R=64, RANK_TILES=3, PARTS=fm_config.SUM_PARTS,
+                                  PAIR_BLOCKS=cfg.pair_blocks, HALF_TILES=cfg.half_tiles, TOP_K_P=8, **own)
                 compiled = compile_sm90(kernel, constexprs, dtype, cfg.num_warps, cfg.num_stages)
                 ptx = compiled.asm["ptx"]
                 results.append(dict(kernel=kernel.fn.__name__, dtype=dtype, lora=has_lora, block_m=cfg.block_m,
@@ -105,9 +105,11 @@ def compile_all() -> list[dict]:
                                (ma._lay_out_kernel, dict(BLOCK_M=64, E_P=256, S1_P=16, CHUNK=256)),
                                (ma._place_kernel, dict(HAS_SLOTS=True, S1_P=16, CHUNK=256)),
                                (fm_shrink.shrink_kernel,
-                                dict(BLOCK_M=16, BLOCK_K=64, BLOCK_R=16, SPLIT_K=fm_config.SHRINK_SPLIT_K)),
+                                dict(BLOCK_M=16, BLOCK_K=64, BLOCK_R=64, RANK_TILES=3,
+                                     SPLIT_K=fm_config.SHRINK_SPLIT_K)),
                                (fm_shrink.pair_shrink_kernel, dict(BLOCK_M=16, E_P=128, S1_P=16, CHUNK=256, BLOCK_K=64,
-                                                                   BLOCK_R=16, SPLIT_K=fm_config.SHRINK_SPLIT_K)),
+                                                                   BLOCK_R=64, RANK_TILES=3,
+                                                                   SPLIT_K=fm_config.SHRINK_SPLIT_K)),
                                (fm_reduction.reduce_partials_kernel, dict(BLOCK_ROWS=64, BLOCK_R=16, PARTS=32)),
                                (fm_reduction.moe_sum_kernel, dict(TOP_K_P=8, BLOCK_H=1024))):
         compiled = compile_sm90(kernel, constexprs, "bf16", 8, 1)
