@@ -23,8 +23,9 @@ loop over the few slots present in the block. LoRA deltas are added to the fp32 
 (before SiLU for gate/up, before the routing weight for down). (slot, expert) pairs of rank 0
 (adapter does not cover the expert) read nothing, and each block's rank tile is the smallest of 16, 32,
 ..., the slot buffers' tile that holds the ranks of its rows' (slot, expert) pairs, picked on the device.
-Rows without an adapter get the plain GEMM plus exactly zero, so they are bit-identical to a run without LoRA, and every partial sum is in a fixed order, so a row's result does not depend on
-what it is batched with.
+Rows without an adapter get the plain GEMM plus exactly zero, so they are bit-identical to a run
+without LoRA, and every partial sum is in a fixed order, so a row's result does not depend on what it
+is batched with (nor on its block's rank tile: the columns past its rank add exact zeros).
 
 `fused_moe_reference` is the plain-torch version of the whole thing and the CPU backend.
 

@@ -53,18 +53,18 @@ def fused_moe_triton(
     if cfg.pair_blocks:  # block p = pair p: its expert is topk.ids[p]; no sorted ids or row count to read
         blocks = AlignedBlocks(topk.ids, topk.ids.view(-1), topk.ids, cfg.block_m)
     num_shrink, ready = 0, topk.ids  # gate/up shrink programs in the gate_up launch (then it reads `ready`)
-    rank_tiles = 1  # each block's LoRA runs on the smallest of the rank tiles 16, 32, ..., block_r that holds its ranks
     if lora is None:  # HAS_LORA=False never reads these
         if not cfg.pair_blocks:
             blocks = moe_align(topk.ids, None, num_experts, 0, cfg.block_m)
         slots = ranks = topk.ids
         xa = hd = ag = au = bg = bu = ad = bd = w13
-        num_splits, block_r = 1, LORA_RANK_CHUNK
+        num_splits, block_r, rank_tiles = 1, LORA_RANK_CHUNK, 1
         a_strides = b_strides = ad_strides = bd_strides = (0, 0)
     else:
         slots, ranks = token_slots, lora.ranks
         ag, au, bg, bu, ad, bd = lora.a_gate, lora.a_up, lora.b_gate, lora.b_up, lora.a_down, lora.b_down
         block_r = rank_tile(lora.max_rank_in_use or lora.a_gate.shape[2])
+        # each block's LoRA runs on the smallest of the rank tiles 16, 32, ..., block_r that holds its ranks
         rank_tiles = (block_r // LORA_RANK_CHUNK).bit_length()
         a_strides, b_strides = ag.stride()[1:3], bg.stride()[1:3]
         ad_strides, bd_strides = ad.stride()[1:3], bd.stride()[1:3]
