@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -157,7 +158,9 @@ class ForwardBatch:
     Sequence i owns the new tokens input_ids[extend_starts[i] : extend_starts[i] + extend_lens[i]];
     they sit at positions seq_lens[i] - extend_lens[i] ... seq_lens[i] - 1 of that sequence, whose
     earlier tokens are already in the cache. Prefill, chunked prefill and decode (extend_lens == 1)
-    are the same thing to the model."""
+    are the same thing to the model; only attention runs the first num_decode sequences (decode rows:
+    one new token each) through its decode kernels and the others through its extend kernels, so a
+    decode row gets the same bits in a mixed step (decode rows and prefill chunks) as in a decode step."""
 
     input_ids: torch.Tensor         # [N] int64
     positions: torch.Tensor         # [N] int64, position of each new token in its sequence
@@ -169,17 +172,18 @@ class ForwardBatch:
     logits_indices: torch.Tensor    # [M] int64, rows of the last hidden states that become logits
     kv: KVCache
     lora: LoRABatch | None = None   # None: no adapter in the batch
-    is_decode: bool = False         # every extend_len is 1: decode kernels, CUDA-graph replay
+    num_decode: int = 0             # the first num_decode sequences are decode rows (extend_len 1)
     max_extend_len: int = 0         # host-side bounds for kernel grids (no device sync in the step)
 
     @classmethod
     def build(cls, kv: KVCache, rows: list[int], new_tokens: list[list[int]], prefix_lens: list[int],
               out_cache_loc: torch.Tensor, logits_indices: list[int], token_slots: list[int],
-              is_decode: bool) -> ForwardBatch:
+              num_decode: int) -> ForwardBatch:
         """The step in which the sequence of request row rows[i] adds new_tokens[i] after its
         prefix_lens[i] cached tokens, their keys and values going to the cache slots out_cache_loc
         (int64, in token order; recorded in kv.req_to_token here). token_slots: each new token's
-        adapter slot (-1: none). A few host-to-device copies, no device read."""
+        adapter slot (-1: none). The first num_decode sequences are decode rows. A few host-to-device
+        copies, no device read."""
         device = kv.req_to_token.device
         extend_lens = [len(t) for t in new_tokens]
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
@@ -199,7 +203,7 @@ class ForwardBatch:
             extend_lens=tensor(extend_lens, torch.int32), extend_starts=tensor(starts, torch.int32),
             out_cache_loc=out_cache_loc, logits_indices=tensor(logits_indices, torch.int64), kv=kv,
             lora=LoRABatch(tensor(token_slots, torch.int32)) if any(s >= 0 for s in token_slots) else None,
-            is_decode=is_decode, max_extend_len=max(extend_lens))
+            num_decode=num_decode, max_extend_len=max(extend_lens))
 
     @property
     def num_tokens(self) -> int:
@@ -208,3 +212,21 @@ class ForwardBatch:
     @property
     def batch_size(self) -> int:
         return self.seq_lens.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence is a decode row: decode kernels only, CUDA-graph replay."""
+        return self.num_decode == self.batch_size
+
+    @cached_property
+    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(req_pool_indices, seq_lens, extend_lens, extend_starts) of the decode rows; views, made once a step."""
+        return self._sequences(slice(None, self.num_decode))
+
+    @cached_property
+    def extend_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The same of the other sequences (prefill and its chunks)."""
+        return self._sequences(slice(self.num_decode, None))
+
+    def _sequences(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.req_pool_indices[rows], self.seq_lens[rows], self.extend_lens[rows], self.extend_starts[rows]

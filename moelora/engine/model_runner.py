@@ -126,7 +126,7 @@ class ModelRunner:
             rows.append((num_prompt, len(own)))
             start += n
         return ForwardBatch.build(self.kv, [r.row for r in batch.reqs], new_tokens, batch.prefix_lens, batch.out_slots,
-                                  logits_indices, token_slots, batch.is_decode), rows
+                                  logits_indices, token_slots, batch.num_decode), rows
 
     def _kv_tokens(self, bytes_per_token: int, context: int) -> int:
         """KV token slots: max_total_tokens when given (on GPUs it must fit in free memory), else on CPU

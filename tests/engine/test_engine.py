@@ -52,6 +52,52 @@ def test_chunked_prefill_and_retraction_keep_outputs(family, make_engine, alone)
     assert_idle(tight)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_decode_rows_beside_chunked_prefills_keep_their_tokens_and_logprobs(make_engine, monkeypatch, device):
+    """Requests whose prompts are prefilled in chunks join the steps of a decoding request: it gets the
+    tokens and log-probabilities it gets alone, and so does each of them (prompt logprobs and penalties
+    included); decode never waits for their prefills. On the GPU (bf16, CUDA graphs for its decode steps
+    alone, its decode rows in eager mixed steps beside the chunks) bit for bit; on the CPU to float32
+    rounding, torch's CPU matmul not being batch invariant."""
+    options = dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8, max_total_tokens=4096) if device == "cuda" \
+        else {}
+    engine = make_engine(FAMILY, chunked_prefill_size=6, **options)
+    approx = (lambda entries: entries) if device == "cuda" else approx_float32
+    first = (PROMPTS[2], SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True), "full")
+    long_prompts = [[(5 * i + 3 * j) % 90 + 3 for j in range(13 + 4 * i)] for i in range(3)]
+    joiners = [(long_prompts[0], SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2, ignore_eos=True), None),
+               (long_prompts[1], SamplingParams(max_tokens=5, temperature=0.9, seed=3, logprobs=1,
+                                                presence_penalty=0.8, ignore_eos=True), "partial"),
+               (long_prompts[2], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), "full")]
+    alone = [engine.generate([p], sp, lora=[a])[0] for p, sp, a in [first, *joiners]]
+    batches = []
+    schedule = engine.scheduler.schedule
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda: batches.append(schedule()) or batches[-1])
+    rids = [engine.add_request(*first)]
+    outputs = []
+    while not outputs:  # its prompt (two chunks) alone: decoding from now on
+        outputs += engine.step()
+    decoding = len(batches)
+    rids += [engine.add_request(*j) for j in joiners]
+    while engine.has_unfinished():
+        outputs += engine.step()
+    for rid, want in zip(rids, alone):
+        mine = [o for o in outputs if o.rid == rid]
+        assert [t for o in mine for t in o.token_ids] == want.token_ids
+        assert [lp for o in mine for lp in o.logprobs] == approx(want.logprobs or [])
+        assert next(o.prompt_logprobs for o in mine if o.token_ids) == approx(want.prompt_logprobs)
+    first_decodes = batches[decoding:decoding + len(alone[0].token_ids) - 1]
+    assert all(b.reqs[0].rid == rids[0] and b.num_decode >= 1 for b in first_decodes), "decode never waits"
+    assert any(not all(b.completes) and b.num_decode for b in batches), "a prompt's first chunk beside decode rows"
+    assert all(sum(b.extend_lens) <= 6 for b in batches)
+    assert_idle(engine)
+
+
+def approx_float32(entries: list[dict[int, float] | None] | None) -> list | None:
+    return entries and [e if e is None else pytest.approx(e, abs=1e-5) for e in entries]
+
+
 def test_step_api_streams_what_generate_returns(engine, alone):
     rids = [engine.add_request(p, sp, lora=a) for p, sp, a in zip(PROMPTS[:3], PARAMS, LORAS)]
     tokens, texts, ends = {r: [] for r in rids}, {r: "" for r in rids}, {}
