@@ -31,6 +31,7 @@ from moelora.engine.sampling_params import SamplingParams, check_text
 from moelora.engine.scheduler import ScheduledBatch, Scheduler
 from moelora.engine.structured_output import GrammarBackend
 from moelora.engine.tokenizer import load_tokenizer
+from moelora.lora.canonical import Adapter
 
 logger = logging.getLogger(__name__)
 Prompt = str | Sequence[int]
@@ -95,8 +96,15 @@ class Engine:
 
     # ------------------------------------------------------------------------------ adapters
 
-    def load_lora(self, name: str, path: str) -> None:
-        self.runner.lora.load_lora(name, path)
+    def read_lora(self, path: str) -> Adapter:
+        """The adapter at `path` read and checked against the model (AdapterError lists its problems), for
+        load_lora; touches no engine state, so a server reads files outside the engine's thread."""
+        return self.runner.lora.read(path)
+
+    def load_lora(self, name: str, path: str, adapter: Adapter | None = None) -> None:
+        """Serve the adapter at `path` as `name` from now on; `adapter`: what read_lora(path) gave, else
+        the file is read here."""
+        self.runner.lora.load_lora(name, path, adapter)
 
     def unload_lora(self, name: str) -> None:
         """Requests in flight with the adapter finish; new ones naming it are refused."""
@@ -133,13 +141,16 @@ class Engine:
     # ------------------------------------------------------------------------------- step API
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, lora: str | None = None,
-                    rid: str | None = None, add_special_tokens: bool = True) -> str:
+                    rid: str | None = None, add_special_tokens: bool = True, detokenize: bool = True) -> str:
         """Queue one request (n must be 1); raises ValueError (AdapterError for the adapter) naming the problem.
-        add_special_tokens: False for a text prompt that has them already (one `chat_prompt` made)."""
+        add_special_tokens: False for a text prompt that has them already (one `chat_prompt` made).
+        detokenize: False leaves its outputs' text empty and its stop strings unlooked-for, for a caller
+        that detokenizes them outside the engine's thread (`output_detokenizer`) and aborts the request
+        where a stop string ends it."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         if params.n != 1:
             raise ValueError(f"add_request takes one sequence per request (SamplingParams.n=1), got n={params.n}")
-        req = self._make(prompt, params, lora, False, rid, add_special_tokens)
+        req = self._make(prompt, params, lora, False, rid, add_special_tokens, detokenize)
         self._add(req)
         return req.rid
 
@@ -172,6 +183,22 @@ class Engine:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
     # ------------------------------------------------------------------------------------ text
+
+    def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's token ids (PromptError for text it cannot take); touches no engine state, so a
+        server tokenizes outside the engine's thread and adds the ids."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        check_text(prompt, "the prompt")
+        if self.tokenizer is None:
+            raise PromptError(f"a text prompt needs a tokenizer: {self.missing_tokenizer}")
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def output_detokenizer(self, prompt_ids: Sequence[int], params: SamplingParams) -> IncrementalDetokenizer:
+        """Text and stop strings of the outputs of a request added with detokenize=False, for its caller's
+        thread: fed every output token, and finish(reason) when the engine ends the request ("stop" by a
+        grammar, "length") without it having finished on its own."""
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, replace(params, max_tokens=None), self.eos_token_ids)
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The text the model's chat template makes of the messages (and the tools the model may
@@ -258,21 +285,16 @@ class Engine:
         return reqs
 
     def _make(self, prompt: Prompt, params: SamplingParams, lora: str | None, return_prompt_logprobs: bool,
-              rid: str | None = None, add_special_tokens: bool = True) -> Req:
+              rid: str | None = None, add_special_tokens: bool = True, detokenize: bool = True) -> Req:
         """A valid request, or ValueError naming what is wrong; changes nothing."""
         params.validate()
         if lora is not None:
             self.runner.lora.check(lora)
         if rid is not None and self.scheduler.find(rid) is not None:
             raise ValueError(f"request id {rid!r} is already in use")
-        if isinstance(prompt, str):
-            check_text(prompt, "the prompt")
-            if self.tokenizer is None:
-                raise PromptError(f"a text prompt needs a tokenizer: {self.missing_tokenizer}")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"SamplingParams.stop strings need a tokenizer: {self.missing_tokenizer}")
-        ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if isinstance(prompt, str) \
-            else list(prompt)
+        ids = self.tokenize(prompt, add_special_tokens)
         if not ids:
             raise PromptError("the prompt is empty")
         bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
@@ -300,7 +322,8 @@ class Engine:
             allowed[0, list(params.allowed_token_ids)] = True
             allowed = pack_bitmask(allowed)[0]
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params, self.eos_token_ids)
+        # without the tokenizer it decides only the stop-token and length finishes
+        detokenizer = IncrementalDetokenizer(self.tokenizer if detokenize else None, ids, params, self.eos_token_ids)
         return Req(rid or uuid.uuid4().hex, ids, params, lora, seed, detokenizer, return_prompt_logprobs,
                    grammar=grammar, allowed_tokens=allowed)
 
@@ -391,7 +414,7 @@ class Engine:
                     raise RuntimeError(f"the grammar rejected token {token}")
                 text = req.detokenizer.add(token)
                 if req.grammar is not None and req.grammar.is_terminated() and not req.detokenizer.finished:
-                    text += req.detokenizer.stop()  # complete (its stop token came under ignore_eos)
+                    text += req.detokenizer.finish("stop")  # complete (its stop token came under ignore_eos)
                 req.finish_reason = req.detokenizer.finish_reason
             except Exception as e:  # finished like any other request: scheduler.update frees it
                 logger.exception("appending a token to request %s failed", req.rid)

@@ -1,5 +1,7 @@
 """Engine behaviour on the tiny Qwen3-MoE: batch invariance (with chunked prefill and retraction),
 the step API, aborts, per-request errors, n > 1, logprobs and stop tokens."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -182,6 +184,29 @@ def test_stop_token_and_text_prompt(engine):
     first = tokens.index(tokens[4])
     assert out.finish_reason == "stop" and out.token_ids == tokens[:first + 1]
     assert out.text == engine.tokenizer.decode(tokens[:first])
+
+
+def test_outputs_the_caller_detokenizes(engine):
+    """detokenize=False: the engine's outputs carry tokens and no text; output_detokenizer gives the
+    caller's thread the same text (and the stop-string finish) from them."""
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    want = engine.generate("abc", params)[0]
+    prompt = engine.tokenize("abc")
+    assert prompt == [67, 68, 69] and engine.tokenize(prompt) == prompt
+    stop = want.text[3:5]
+    for sp, text in [(params, want.text), (replace(params, stop=(stop,)), want.text[:want.text.index(stop)])]:
+        engine.add_request(prompt, sp, detokenize=False)
+        detokenizer, got = engine.output_detokenizer(prompt, sp), ""
+        while not detokenizer.finished:
+            (out,) = engine.step()
+            assert out.text == ""
+            got += "".join(detokenizer.add(t) for t in out.token_ids)
+            if out.finished and not detokenizer.finished:
+                got += detokenizer.finish(out.finish_reason)
+        assert got == text and detokenizer.finish_reason == ("length" if sp is params else "stop")
+        engine.abort(out.rid)
+        engine.step()
+    assert_idle(engine)
 
 
 def test_top_level_names():
