@@ -53,6 +53,9 @@ class EngineConfig:
     # a single prompt may exceed max_prefill_tokens only when chunking is disabled
     max_prefill_tokens: int = option(16384, "prompt tokens in one step")
 
+    enable_overlap_schedule: bool = option(False, "launch each step before the previous step's tokens are read, "
+                                                  "so the host schedules while the GPU computes")
+
     # CUDA graphs (decode)
     cuda_graph_max_bs: int = option(32, "largest decode batch run from a captured CUDA graph")
     disable_cuda_graph: bool = option(False, "run every decode step eagerly")

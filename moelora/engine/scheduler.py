@@ -81,16 +81,20 @@ class Scheduler:
             return None
         return self._allocate(decode + prefill, [1] * len(decode) + extend_lens, len(decode))
 
-    def update(self, batch: ScheduledBatch) -> None:
-        """After the step's tokens are appended and finish reasons set: release finished requests,
-        and move requests whose prompt is done into the running batch."""
-        for i, req in enumerate(batch.reqs):
-            if req.finished:
-                self.remove(req)
-            elif i >= batch.num_decode and batch.completes[i]:
+    def start_decoding(self, batch: ScheduledBatch) -> None:
+        """Once the step has run: requests whose prompt it finished decode from the next step on."""
+        for i in range(batch.num_decode, len(batch.reqs)):
+            req = batch.reqs[i]
+            if batch.completes[i]:
                 if self.chunked is req:
                     self.chunked = None
                 self.running.append(req)
+
+    def update(self, batch: ScheduledBatch) -> None:
+        """After the step's tokens are appended and finish reasons set: release finished requests."""
+        for req in batch.reqs:
+            if req.finished:
+                self.remove(req)
 
     def remove(self, req: Req) -> None:
         """Drop a request wherever it is (finished or aborted) and free its cache."""
@@ -133,10 +137,11 @@ class Scheduler:
 
     def _decode_rows(self) -> list[Req]:
         """Every running request, once the cache has a slot for each beside the promised ones (the
-        newest retracted until it has: never the chunked prompt, whose admission promised its slots)."""
+        newest retracted until it has: never the chunked prompt, whose admission promised its slots);
+        but one whose pending token is its last (overlap scheduling: it is done, only not yet released)."""
         while self.running and self.pool.free_slots - self._promised() < len(self.running):
             self._retract(self.running.pop())
-        return list(self.running)
+        return [r for r in self.running if r.num_generated < r.params.max_tokens]
 
     def _plan_prefill(self, num_decode: int) -> tuple[list[Req], list[int]]:
         """Prompt pieces to run beside num_decode decode rows: the chunked prompt's next chunk first,
@@ -150,6 +155,8 @@ class Scheduler:
         candidates = ([self.chunked] if self.chunked else []) + list(self.waiting)
         for req in candidates:
             is_new = req.row is None
+            if req.num_pending:  # retracted with its last token not read yet: recomputed once it is
+                break
             if is_new and len(self.running) + len(reqs) >= self.config.max_running_requests:  # reqs holds the chunked one
                 break
             if req.lora is not None and req.lora not in adapters and len(adapters) >= self.config.max_loras_per_batch:

@@ -29,6 +29,7 @@ def step(s: Scheduler) -> ScheduledBatch:
     batch = s.schedule()
     assert batch is not None
     assert batch.out_slots.numel() == sum(batch.extend_lens)
+    s.start_decoding(batch)
     for i, r in enumerate(batch.reqs):
         assert r.kv_len == batch.prefix_lens[i] + batch.extend_lens[i] <= r.num_tokens
         if batch.completes[i]:

@@ -2,13 +2,17 @@
 thread, adapter files are read in a worker, so none of them holds up the steps of running requests."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL_NAME
+from moelora.engine.engine import Engine
+from moelora.engine.sampling_params import SamplingParams
+from moelora.server.app import create_app
+from tests.server.conftest import ENGINE_OPTIONS, MODEL_NAME, SERVED, serving
 
 IDS = [5, 6, 7, 8]
 
@@ -86,3 +90,24 @@ def test_slow_file_or_text_work_does_not_hold_up_the_steps(server, demo_dir, mon
     if slow == "read_lora":
         assert post(server, "/v1/unload_lora_adapter", {"lora_name": "gamma"}).status_code == 200
     assert server.idle()
+
+
+def test_an_engine_scheduling_ahead_serves_the_same_completions(demo_dir, reference):
+    """enable_overlap_schedule behind the server: streamed and whole completions, a stop string among
+    them, as the engine gives them alone."""
+    engine = Engine(str(demo_dir / "model"), lora_paths={n: str(demo_dir / n) for n in SERVED},
+                    enable_overlap_schedule=True, **ENGINE_OPTIONS)
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    with serving(create_app(engine, MODEL_NAME)) as server:
+        for model, prompt in [("alpha", "Hello world"), (MODEL_NAME, "the quick brown fox"), ("beta", "Hello")]:
+            lora = None if model == MODEL_NAME else model
+            want = reference.generate(prompt, greedy, lora=lora)[0].text
+            body = {"model": model, "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+            assert post(server, "/v1/completions", body).json()["choices"][0]["text"] == want
+            with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}) as r:
+                chunks = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: {")]
+            assert "".join(json.loads(c)["choices"][0]["text"] for c in chunks) == want
+            stop = want.split()[1]
+            out = post(server, "/v1/completions", {**body, "stop": [stop]}).json()["choices"][0]
+            assert out["text"] == want[:want.index(stop)] and out["finish_reason"] == "stop"
+        assert server.idle()
