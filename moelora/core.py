@@ -131,6 +131,17 @@ class KVCache:
 # ------------------------------------------------------------------------------- one step
 
 
+def to_device(values: list | torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Host values as a `dtype` tensor on `device`, queued without waiting for the device: PyTorch's
+    blocking host-to-device copy synchronises the stream first, so building a step that way would wait
+    for the step before it to finish. On CUDA the values go through pinned memory with non_blocking
+    (the caching host allocator keeps the pinned block until the copy is done)."""
+    t = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class LoRABatch:
     """Per-token adapter slots of a step (-1 = base model), shared by every LoRA layer of the model."""
@@ -183,19 +194,19 @@ class ForwardBatch:
         prefix_lens[i] cached tokens, their keys and values going to the cache slots out_cache_loc
         (int64, in token order; recorded in kv.req_to_token here). token_slots: each new token's
         adapter slot (-1: none). The first num_decode sequences are decode rows. A few host-to-device
-        copies, no device read."""
+        copies (queued: the host does not wait for the device), no device read."""
         device = kv.req_to_token.device
         extend_lens = [len(t) for t in new_tokens]
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
         starts = [sum(extend_lens[:i]) for i in range(len(extend_lens))]
 
         def tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device)
+            return to_device(values, dtype, device)
 
         positions = tensor([p for prefix, n in zip(prefix_lens, extend_lens) for p in range(prefix, prefix + n)],
                            torch.int64)
         token_rows = tensor([r for r, n in zip(rows, extend_lens) for _ in range(n)], torch.int64)
-        out_cache_loc = out_cache_loc.to(device)
+        out_cache_loc = to_device(out_cache_loc, torch.int64, device)
         kv.req_to_token[token_rows, positions] = out_cache_loc.to(torch.int32)
         return cls(
             input_ids=tensor([t for seq in new_tokens for t in seq], torch.int64), positions=positions,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from moelora.core import ForwardBatch, KVCache
+from moelora.core import ForwardBatch, KVCache, to_device
 from moelora.engine.config import CPU_KV_TOKENS, DTYPES, EngineConfig
 from moelora.engine.cuda_graph import CudaGraphs
 from moelora.engine.lora_manager import LoRAManager
@@ -96,8 +96,7 @@ class ModelRunner:
 
     def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
         """The sampling options of the requests, with their penalties and token masks. The grammars'
-        bitmasks are filled first, on the host, while the device still runs the step's forward (the
-        host-to-device copies after them wait for it)."""
+        bitmasks are filled on the host while the device runs the step's forward."""
         masked = [i for i, r in enumerate(reqs) if r.masked]
         stops = [r.detokenizer.stop_token_ids if r.num_generated < r.params.min_tokens else () for r in reqs]
         bitmask = torch.full((len(masked), -(-self.vocab_size // 32)), -1, dtype=torch.int32)
@@ -112,8 +111,8 @@ class ModelRunner:
         sampling = SamplingBatch.build(params, [r.seed for r in reqs], [r.num_generated for r in reqs], self.device,
                                        stops)
         if masked:
-            sampling.token_mask = TokenMask(torch.tensor(masked, dtype=torch.int64).to(self.device),
-                                            bitmask.to(self.device))
+            sampling.token_mask = TokenMask(to_device(masked, torch.int64, self.device),
+                                            to_device(bitmask, torch.int32, self.device))
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
         if penalised:
             sampling.penalties = self.penalties.gather(penalised, [reqs[i].row for i in penalised],
@@ -142,8 +141,8 @@ class ModelRunner:
         forward_batch = ForwardBatch.build(self.kv, [r.row for r in batch.reqs], new_tokens, batch.prefix_lens,
                                            batch.out_slots, logits_indices, token_slots, batch.num_decode)
         if future:  # one gather on the device, in stream order after the step that sampled them
-            at, source = zip(*future)
-            forward_batch.input_ids[list(at)] = pending.token_ids[list(source)]
+            at, source = (to_device(list(i), torch.int64, self.device) for i in zip(*future))
+            forward_batch.input_ids[at] = pending.token_ids[source]
         return forward_batch, rows
 
     def _kv_tokens(self, bytes_per_token: int, context: int) -> int:

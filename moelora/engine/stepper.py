@@ -12,7 +12,10 @@ unhealthy (`fatal`).
 Overlap scheduling: step n + 1 is scheduled and launched before step n's tokens are copied to the
 host, its decode rows' input tokens gathered on the device from step n's samples (PendingTokens), so
 the host's work between two steps (scheduling, building the batch, reading and appending tokens) runs
-while the device computes. What it costs: a request that step n ends with a stop token still has a row
+while the device computes. Nothing on that path waits for the device: host-to-device copies go through
+pinned memory (core.to_device), and a step's tokens are copied to the host without blocking, the host
+waiting on an event recorded after that copy, not on the steps queued behind it (a blocking copy
+synchronises the whole stream). Loading an adapter into a GPU slot still does. What it costs: a request that step n ends with a stop token still has a row
 in step n + 1, whose token is dropped. A step reads the previous one first (no overlap) when a request
 of it has a grammar (the next bitmask needs its token), and a launch that raises is run again after
 it, synchronously and isolated as above.
@@ -26,6 +29,7 @@ import torch
 
 from moelora.engine.model_runner import ModelRunner, PendingTokens, StepResult
 from moelora.engine.request import Req
+from moelora.engine.sampler import SampleOutput
 from moelora.engine.scheduler import ScheduledBatch, Scheduler
 
 logger = logging.getLogger(__name__)
@@ -54,6 +58,8 @@ class _Launched:
     """A step whose device work is queued; its tokens not read yet."""
     batch: ScheduledBatch
     result: StepResult
+    tokens: SampleOutput | None     # result.tokens on their way to the host
+    copied: torch.cuda.Event | None  # recorded after that copy: the host waits for it, not for later steps
 
 
 class Stepper:
@@ -143,10 +149,11 @@ class Stepper:
         if prev is not None and prev.result.tokens is not None:
             pending = PendingTokens(prev.result.tokens.token_ids, {r: i for i, r in enumerate(prev.result.sampled)})
         result = self.runner.run(batch, lora.prepare([r.lora for r in batch.reqs], in_use), pending)
+        tokens, copied = _copy_to_host(result.tokens) if result.tokens is not None else (None, None)
         for req in result.sampled:
             req.num_pending += 1
         self.scheduler.start_decoding(batch)
-        return _Launched(batch, result)
+        return _Launched(batch, result, tokens, copied)
 
     def _read(self, launched: _Launched) -> list[StepOutput]:
         """_finish of a step launched ahead: a device error there fails everything; any other fails the
@@ -163,6 +170,8 @@ class Stepper:
         """Read the step's tokens (the host waits for its device work here), append them, release the
         requests that end."""
         batch, result = launched.batch, launched.result
+        if launched.copied is not None:
+            launched.copied.synchronize()
         ended = {r for r in batch.reqs if r.finished}  # aborted while it ran ahead: released already
         for req in result.sampled:
             req.num_pending -= 1
@@ -170,7 +179,7 @@ class Stepper:
             req = batch.reqs[i]
             if len(req.prompt_logprob_entries) == start:  # not when a retracted request computes its prompt again
                 req.prompt_logprob_entries += entries
-        outputs = self._append_tokens(result.sampled, result.tokens) if result.tokens is not None else []
+        outputs = self._append_tokens(result.sampled, launched.tokens) if launched.tokens is not None else []
         for i, logprobs in result.prompt_logprobs.items():
             batch.reqs[i].prompt_logprobs.append(logprobs)
         self.scheduler.update(batch)
@@ -181,7 +190,7 @@ class Stepper:
                     self.runner.lora.release(req.lora)
         return outputs
 
-    def _append_tokens(self, reqs: list[Req], tokens) -> list[StepOutput]:
+    def _append_tokens(self, reqs: list[Req], tokens: SampleOutput) -> list[StepOutput]:
         ids, logprobs = tokens.token_ids.tolist(), tokens.logprobs.tolist()
         top_ids = tokens.top_ids.tolist() if tokens.top_ids is not None else None
         top_logprobs = tokens.top_logprobs.tolist() if tokens.top_logprobs is not None else None
@@ -214,6 +223,18 @@ class Stepper:
                 out.prompt_token_ids, out.prompt_logprobs = list(req.prompt_ids), [None, *req.prompt_logprob_entries]
             outputs.append(out)
         return outputs
+
+
+def _copy_to_host(tokens: SampleOutput) -> tuple[SampleOutput, torch.cuda.Event | None]:
+    """The sampled tokens copied to (pinned) host memory without waiting, and an event to wait for that
+    copy alone: a blocking copy synchronises the stream, so it would also wait for the steps launched
+    after this one (overlap scheduling)."""
+    if tokens.token_ids.device.type != "cuda":
+        return tokens, None
+    host = SampleOutput(*(t if t is None else t.to("cpu", non_blocking=True) for t in tokens))
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied
 
 
 def _describe(e: BaseException) -> str:
