@@ -9,6 +9,7 @@ wall time of the whole run.
 
     python3 benchmarks/bench_server.py                    # on a GPU, concurrency 1 and 32
     python3 benchmarks/bench_server.py --tiny             # a tiny model on the CPU in seconds (CPU test)
+    python3 benchmarks/bench_server.py --server-args "--enable-overlap-schedule --max-num-batched-tokens 2048"
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import asyncio
 import datetime
 import math
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -42,10 +44,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir: Path, adapters: dict[str, Path], port: int, device: str, log: Path) -> subprocess.Popen:
+def start_server(model_dir: Path, adapters: dict[str, Path], port: int, device: str, log: Path,
+                 extra: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "moelora.cli", "serve", "--model-path", str(model_dir), "--load-format", "dummy",
            "--lora-paths", *[f"{n}={p}" for n, p in adapters.items()], "--max-loras-per-batch", str(ADAPTERS),
-           "--max-lora-rank", str(RANK), "--device", device, "--dtype", "bfloat16" if device == "cuda" else "float32", "--port", str(port), "--served-model-name", "base"]
+           "--max-lora-rank", str(RANK), "--device", device, "--dtype", "bfloat16" if device == "cuda" else "float32", "--port", str(port), "--served-model-name", "base", *extra]
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=os.environ.copy())
 
 
@@ -106,6 +109,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=None, help="requests per client (default 4; tiny 2)")
     p.add_argument("--prompt-len", type=int, default=None, help="default 128; tiny 8")
     p.add_argument("--max-tokens", type=int, default=None, help="default 64; tiny 4")
+    p.add_argument("--server-args", default="", help="more `moelora serve` flags, one string")
     args = p.parse_args()
     requests = args.requests or (2 if args.tiny else 4)
     prompt_len, max_tokens = args.prompt_len or (8 if args.tiny else 128), args.max_tokens or (4 if args.tiny else 64)
@@ -118,7 +122,7 @@ def main() -> None:
                     for i in range(ADAPTERS)}
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        proc = start_server(model_dir, adapters, port, device, work / "server.log")
+        proc = start_server(model_dir, adapters, port, device, work / "server.log", shlex.split(args.server_args))
         try:
             t0 = time.perf_counter()
             wait_healthy(url, proc, timeout=900)
@@ -127,7 +131,8 @@ def main() -> None:
                   f"openai {openai.__version__}")
             print(f"model: {'tiny Qwen3-MoE' if args.tiny else 'Qwen3-30B-A3B'} sizes, dummy weights, {ADAPTERS} adapters "
                   f"of rank {RANK} (client i uses adapter i % {ADAPTERS}); server up in {time.perf_counter() - t0:.0f} s; "
-                  f"prompts of {prompt_len} tokens, {max_tokens} greedy tokens each (ignore_eos), streamed\n")
+                  f"prompts of {prompt_len} tokens, {max_tokens} greedy tokens each (ignore_eos), streamed; server flags: "
+                  f"{args.server_args or 'defaults'}\n")
             asyncio.run(run_clients(url, 1, 1, prompt_len, max_tokens, config.vocab_size))  # warm-up
             print("| concurrent clients | requests | TTFT p50 ms | TTFT p90 ms | inter-token ms (median) "
                   "| aggregate tokens/s |")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -130,6 +131,17 @@ class KVCache:
 # ------------------------------------------------------------------------------- one step
 
 
+def to_device(values: list | torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Host values as a `dtype` tensor on `device`, queued without waiting for the device: PyTorch's
+    blocking host-to-device copy synchronises the stream first, so building a step that way would wait
+    for the step before it to finish. On CUDA the values go through pinned memory with non_blocking
+    (the caching host allocator keeps the pinned block until the copy is done)."""
+    t = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class LoRABatch:
     """Per-token adapter slots of a step (-1 = base model), shared by every LoRA layer of the model."""
@@ -157,7 +169,9 @@ class ForwardBatch:
     Sequence i owns the new tokens input_ids[extend_starts[i] : extend_starts[i] + extend_lens[i]];
     they sit at positions seq_lens[i] - extend_lens[i] ... seq_lens[i] - 1 of that sequence, whose
     earlier tokens are already in the cache. Prefill, chunked prefill and decode (extend_lens == 1)
-    are the same thing to the model."""
+    are the same thing to the model; only attention runs the first num_decode sequences (decode rows:
+    one new token each) through its decode kernels and the others through its extend kernels, so a
+    decode row gets the same bits in a mixed step (decode rows and prefill chunks) as in a decode step."""
 
     input_ids: torch.Tensor         # [N] int64
     positions: torch.Tensor         # [N] int64, position of each new token in its sequence
@@ -169,29 +183,30 @@ class ForwardBatch:
     logits_indices: torch.Tensor    # [M] int64, rows of the last hidden states that become logits
     kv: KVCache
     lora: LoRABatch | None = None   # None: no adapter in the batch
-    is_decode: bool = False         # every extend_len is 1: decode kernels, CUDA-graph replay
+    num_decode: int = 0             # the first num_decode sequences are decode rows (extend_len 1)
     max_extend_len: int = 0         # host-side bounds for kernel grids (no device sync in the step)
 
     @classmethod
     def build(cls, kv: KVCache, rows: list[int], new_tokens: list[list[int]], prefix_lens: list[int],
               out_cache_loc: torch.Tensor, logits_indices: list[int], token_slots: list[int],
-              is_decode: bool) -> ForwardBatch:
+              num_decode: int) -> ForwardBatch:
         """The step in which the sequence of request row rows[i] adds new_tokens[i] after its
         prefix_lens[i] cached tokens, their keys and values going to the cache slots out_cache_loc
         (int64, in token order; recorded in kv.req_to_token here). token_slots: each new token's
-        adapter slot (-1: none). A few host-to-device copies, no device read."""
+        adapter slot (-1: none). The first num_decode sequences are decode rows. A few host-to-device
+        copies (queued: the host does not wait for the device), no device read."""
         device = kv.req_to_token.device
         extend_lens = [len(t) for t in new_tokens]
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
         starts = [sum(extend_lens[:i]) for i in range(len(extend_lens))]
 
         def tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device)
+            return to_device(values, dtype, device)
 
         positions = tensor([p for prefix, n in zip(prefix_lens, extend_lens) for p in range(prefix, prefix + n)],
                            torch.int64)
         token_rows = tensor([r for r, n in zip(rows, extend_lens) for _ in range(n)], torch.int64)
-        out_cache_loc = out_cache_loc.to(device)
+        out_cache_loc = to_device(out_cache_loc, torch.int64, device)
         kv.req_to_token[token_rows, positions] = out_cache_loc.to(torch.int32)
         return cls(
             input_ids=tensor([t for seq in new_tokens for t in seq], torch.int64), positions=positions,
@@ -199,7 +214,7 @@ class ForwardBatch:
             extend_lens=tensor(extend_lens, torch.int32), extend_starts=tensor(starts, torch.int32),
             out_cache_loc=out_cache_loc, logits_indices=tensor(logits_indices, torch.int64), kv=kv,
             lora=LoRABatch(tensor(token_slots, torch.int32)) if any(s >= 0 for s in token_slots) else None,
-            is_decode=is_decode, max_extend_len=max(extend_lens))
+            num_decode=num_decode, max_extend_len=max(extend_lens))
 
     @property
     def num_tokens(self) -> int:
@@ -208,3 +223,21 @@ class ForwardBatch:
     @property
     def batch_size(self) -> int:
         return self.seq_lens.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence is a decode row: decode kernels only, CUDA-graph replay."""
+        return self.num_decode == self.batch_size
+
+    @cached_property
+    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(req_pool_indices, seq_lens, extend_lens, extend_starts) of the decode rows; views, made once a step."""
+        return self._sequences(slice(None, self.num_decode))
+
+    @cached_property
+    def extend_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The same of the other sequences (prefill and its chunks)."""
+        return self._sequences(slice(self.num_decode, None))
+
+    def _sequences(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.req_pool_indices[rows], self.seq_lens[rows], self.extend_lens[rows], self.extend_starts[rows]

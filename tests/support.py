@@ -343,9 +343,10 @@ def toy_kv_cache(model, max_requests: int, max_context: int, dtype: torch.dtype 
 
 
 def extend_batch(kv: KVCache, new_tokens: list[list[int]], prefix_lens: list[int] | None = None,
-                 lora_slots: list[int] | None = None) -> ForwardBatch:
+                 lora_slots: list[int] | None = None, num_decode: int | None = None) -> ForwardBatch:
     """A step in which sequence i (request row i of `kv`) adds new_tokens[i] after prefix_lens[i]
-    tokens that earlier steps put in the cache; lora_slots[i] is its adapter slot (-1: none).
+    tokens that earlier steps put in the cache; lora_slots[i] is its adapter slot (-1: none); the first
+    num_decode sequences are decode rows (default: all if every sequence adds one token, else none).
     Position p of row r lives in cache slot 1 + r * max_context + p. Every new token gets logits."""
     prefix_lens = prefix_lens or [0] * len(new_tokens)
     extend_lens = [len(t) for t in new_tokens]
@@ -356,7 +357,8 @@ def extend_batch(kv: KVCache, new_tokens: list[list[int]], prefix_lens: list[int
                                   for p in range(prefix, prefix + n)], dtype=torch.int64)
     token_slots = [s for s, n in zip(lora_slots or [-1] * len(rows), extend_lens) for _ in range(n)]
     return ForwardBatch.build(kv, rows, new_tokens, prefix_lens, out_cache_loc, list(range(sum(extend_lens))),
-                              token_slots, is_decode=all(n == 1 for n in extend_lens))
+                              token_slots, num_decode if num_decode is not None
+                              else len(rows) if all(n == 1 for n in extend_lens) else 0)
 
 
 def batch_logits(model, batch: ForwardBatch) -> torch.Tensor:

@@ -45,9 +45,16 @@ class EngineConfig:
     max_total_tokens: int | None = option(None, "KV cache token slots (default: what memory allows on a GPU, "
                                                 f"{CPU_KV_TOKENS} on a CPU)")
     max_running_requests: int = option(256, "requests in the running batch", ("--max-num-seqs",))
-    chunked_prefill_size: int = option(8192, "longest piece of one prompt per step; -1 disables chunking")
+    # 8192 as SGLang's and vLLM's defaults on large GPUs: a step's prompt pieces fill the GPU while the decode
+    # rows beside them wait no more than one such piece
+    chunked_prefill_size: int = option(8192, "tokens per step: decode rows plus pieces of prompts (a longer prompt "
+                                             "is prefilled over several steps); -1: prompts are never split",
+                                       ("--max-num-batched-tokens",))
     # a single prompt may exceed max_prefill_tokens only when chunking is disabled
-    max_prefill_tokens: int = option(16384, "new tokens in one prefill step")
+    max_prefill_tokens: int = option(16384, "prompt tokens in one step")
+
+    enable_overlap_schedule: bool = option(False, "launch each step before the previous step's tokens are read, "
+                                                  "so the host schedules while the GPU computes")
 
     # CUDA graphs (decode)
     cuda_graph_max_bs: int = option(32, "largest decode batch run from a captured CUDA graph")

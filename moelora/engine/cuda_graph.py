@@ -62,7 +62,7 @@ class CudaGraphs:
             input_ids=self.input_ids[:bs], positions=self.positions[:bs], req_pool_indices=self.req_pool_indices[:bs],
             seq_lens=self.seq_lens[:bs], extend_lens=self.ones[:bs], extend_starts=self.arange[:bs],
             out_cache_loc=self.out_cache_loc[:bs], logits_indices=self.arange64[:bs], kv=self.kv,
-            lora=LoRABatch(self.token_slots[:bs]) if with_lora else None, is_decode=True, max_extend_len=1)
+            lora=LoRABatch(self.token_slots[:bs]) if with_lora else None, num_decode=bs, max_extend_len=1)
 
     def _capture(self, bs: int, with_lora: bool, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # warm up on a side stream, as torch.cuda.graphs asks: Triton compiles outside the capture

@@ -29,7 +29,8 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, prompt_ids: Sequence[int], params: SamplingParams,
                  eos_token_ids: Iterable[int] | None = None) -> None:
         """eos_token_ids: default the tokenizer's EOS; pass the model's (generation_config) if it has more.
-        Without a tokenizer there is no text: only stop tokens, EOS and max_tokens end the request."""
+        Without a tokenizer there is no text: only stop tokens, EOS and max_tokens end the request. With
+        params.max_tokens None, no length finish either: the caller's `finish` ends it."""
         self.params = params
         self._tokenizer = tokenizer
         if eos_token_ids is None:
@@ -68,13 +69,14 @@ class IncrementalDetokenizer:
         else:
             self._ids.append(token_id)
             self._append(self._decode_new(flush=False))
-            if not self.finished and self.num_tokens >= self.params.max_tokens:
+            if not self.finished and self.params.max_tokens is not None and self.num_tokens >= self.params.max_tokens:
                 self._finish("length")
         return self._release()
 
-    def stop(self) -> str:
-        """Finish with reason "stop" now (the output's grammar is complete); the text left to release."""
-        self._finish("stop")
+    def finish(self, reason: Literal["stop", "length"]) -> str:
+        """Finish now, for a reason decided elsewhere (the output's grammar is complete, or the engine's
+        max_tokens ended it); the text left to release."""
+        self._finish(reason)
         return self._release()
 
     def _decode_new(self, flush: bool) -> str:

@@ -1,17 +1,11 @@
 """The offline engine: `generate` and `prompt_logprobs` on lists of prompts, adapters loaded and
 unloaded at runtime, and the step API an HTTP server drives from its own loop (`add_request`,
-`step`, `abort`, `has_unfinished`). Everything runs in the caller's thread, one step at a time.
-
-A failure stays with the request it belongs to. One that fails while its row and KV slots are
-allocated, while its tokens are detokenized, or (found by running the step's batch again in
-halves) while the LoRA slots are prepared, the model runs or the batch samples, finishes that
-request with reason "error" and frees what it held; the rest of the step goes on. A device error
-(the accelerator's state is lost) cannot be isolated: it fails every request and the engine stays
-unhealthy (`Engine.fatal`).
+`step`, `abort`, `has_unfinished`). Everything runs in the caller's thread, one step at a time
+(engine/stepper.py runs the steps: failures stay with their request, and a device error makes the
+engine unhealthy, `Engine.fatal`).
 """
 from __future__ import annotations
 
-import logging
 import random
 import uuid
 from collections.abc import Sequence
@@ -28,30 +22,13 @@ from moelora.engine.model_runner import ModelRunner
 from moelora.engine.request import Req
 from moelora.engine.sampler import pack_bitmask
 from moelora.engine.sampling_params import SamplingParams, check_text
-from moelora.engine.scheduler import ScheduledBatch, Scheduler
+from moelora.engine.scheduler import Scheduler
+from moelora.engine.stepper import StepOutput, Stepper
 from moelora.engine.structured_output import GrammarBackend
 from moelora.engine.tokenizer import load_tokenizer
+from moelora.lora.canonical import Adapter
 
-logger = logging.getLogger(__name__)
 Prompt = str | Sequence[int]
-
-
-@dataclass
-class StepOutput:
-    """What one request got in one step (or its end, when aborted or failed)."""
-    rid: str
-    token_ids: list[int]                  # new tokens
-    text: str                             # new text (held back while it may be the start of a stop string)
-    finished: bool
-    finish_reason: str | None             # "stop", "length", "abort" or "error" once finished
-    logprobs: list[dict[int, float]]      # per new token, if asked: the chosen and top tokens' log-probabilities
-    prompt_tokens: int
-    completion_tokens: int
-    error: str | None = None              # why the request failed (finish_reason "error")
-    cumulative_logprob: float = 0.0       # of every output token so far, under the raw logits
-    # with params.prompt_logprobs, in the first output: the prompt, and per prompt token its entry (None for the first)
-    prompt_token_ids: list[int] | None = None
-    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class PromptError(ValueError):
@@ -87,16 +64,23 @@ class Engine:
         self.vocab_size = self.runner.model.config.vocab_size
         self.scheduler = Scheduler(self.config, KVPool(self.runner.kv.num_slots, self.config.max_running_requests))
         self._seeds = random.Random(self.config.random_seed)  # for requests without a seed
+        self.stepper = Stepper(self.scheduler, self.runner, self.config.enable_overlap_schedule)
         self._aborted: list[StepOutput] = []
-        self.fatal: str | None = None  # why the engine cannot go on, once it cannot
         self._token_texts: dict[int, str] = {}
         # thread-safe: a server may compile a request's grammar in a worker thread before adding it
         self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids, self.missing_tokenizer)
 
     # ------------------------------------------------------------------------------ adapters
 
-    def load_lora(self, name: str, path: str) -> None:
-        self.runner.lora.load_lora(name, path)
+    def read_lora(self, path: str) -> Adapter:
+        """The adapter at `path` read and checked against the model (AdapterError lists its problems), for
+        load_lora; touches no engine state, so a server reads files outside the engine's thread."""
+        return self.runner.lora.read(path)
+
+    def load_lora(self, name: str, path: str, adapter: Adapter | None = None) -> None:
+        """Serve the adapter at `path` as `name` from now on; `adapter`: what read_lora(path) gave, else
+        the file is read here."""
+        self.runner.lora.load_lora(name, path, adapter)
 
     def unload_lora(self, name: str) -> None:
         """Requests in flight with the adapter finish; new ones naming it are refused."""
@@ -133,45 +117,61 @@ class Engine:
     # ------------------------------------------------------------------------------- step API
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, lora: str | None = None,
-                    rid: str | None = None, add_special_tokens: bool = True) -> str:
+                    rid: str | None = None, add_special_tokens: bool = True, detokenize: bool = True) -> str:
         """Queue one request (n must be 1); raises ValueError (AdapterError for the adapter) naming the problem.
-        add_special_tokens: False for a text prompt that has them already (one `chat_prompt` made)."""
+        add_special_tokens: False for a text prompt that has them already (one `chat_prompt` made).
+        detokenize: False leaves its outputs' text empty and its stop strings unlooked-for, for a caller
+        that detokenizes them outside the engine's thread (`output_detokenizer`) and aborts the request
+        where a stop string ends it."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         if params.n != 1:
             raise ValueError(f"add_request takes one sequence per request (SamplingParams.n=1), got n={params.n}")
-        req = self._make(prompt, params, lora, False, rid, add_special_tokens)
+        req = self._make(prompt, params, lora, False, rid, add_special_tokens, detokenize)
         self._add(req)
         return req.rid
 
     def step(self) -> list[StepOutput]:
         """Run one step; the new tokens and text of every request in it, and the end of aborted and
-        failed ones."""
+        failed ones. With enable_overlap_schedule, the tokens of the step launched by the previous call
+        (the first call launches one and returns none of its tokens)."""
         outputs, self._aborted = self._aborted, []
-        if self.fatal is not None:
-            return outputs + [self._fail(r, self.fatal) for r in self.scheduler.unfinished()]
-        batch = self.scheduler.schedule()
-        if batch is None:
-            assert not self.scheduler.has_unfinished(), "the scheduler found nothing to run for its unfinished requests"
-            return outputs
-        outputs += [self._fail(req, f"allocating its KV cache failed: {_describe(e)}") for req, e in batch.failed]
-        if batch.reqs:
-            outputs += self._run_isolated(batch, batch.reqs)
-        return outputs
+        return outputs + self.stepper.step()
 
     def abort(self, rid: str) -> bool:
         """Stop a request; the next step reports it finished with reason "abort". False if unknown or done."""
         req = self.scheduler.find(rid)
         if req is None:
             return False
-        self._retire(req)
+        self.stepper.retire(req)
         req.finish_reason = "abort"
         self._aborted.append(StepOutput(rid, [], "", True, "abort", [], len(req.prompt_ids), len(req.output_ids)))
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        return self.scheduler.has_unfinished() or bool(self._aborted) or self.stepper.in_flight
+
+    @property
+    def fatal(self) -> str | None:
+        """Why the engine cannot run steps any more (a device error); None while it can."""
+        return self.stepper.fatal
 
     # ------------------------------------------------------------------------------------ text
+
+    def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's token ids (PromptError for text it cannot take); touches no engine state, so a
+        server tokenizes outside the engine's thread and adds the ids."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        check_text(prompt, "the prompt")
+        if self.tokenizer is None:
+            raise PromptError(f"a text prompt needs a tokenizer: {self.missing_tokenizer}")
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def output_detokenizer(self, prompt_ids: Sequence[int], params: SamplingParams) -> IncrementalDetokenizer:
+        """Text and stop strings of the outputs of a request added with detokenize=False, for its caller's
+        thread: fed every output token, and finish(reason) when the engine ends the request ("stop" by a
+        grammar, "length") without it having finished on its own."""
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, replace(params, max_tokens=None), self.eos_token_ids)
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The text the model's chat template makes of the messages (and the tools the model may
@@ -258,21 +258,16 @@ class Engine:
         return reqs
 
     def _make(self, prompt: Prompt, params: SamplingParams, lora: str | None, return_prompt_logprobs: bool,
-              rid: str | None = None, add_special_tokens: bool = True) -> Req:
+              rid: str | None = None, add_special_tokens: bool = True, detokenize: bool = True) -> Req:
         """A valid request, or ValueError naming what is wrong; changes nothing."""
         params.validate()
         if lora is not None:
             self.runner.lora.check(lora)
         if rid is not None and self.scheduler.find(rid) is not None:
             raise ValueError(f"request id {rid!r} is already in use")
-        if isinstance(prompt, str):
-            check_text(prompt, "the prompt")
-            if self.tokenizer is None:
-                raise PromptError(f"a text prompt needs a tokenizer: {self.missing_tokenizer}")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"SamplingParams.stop strings need a tokenizer: {self.missing_tokenizer}")
-        ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if isinstance(prompt, str) \
-            else list(prompt)
+        ids = self.tokenize(prompt, add_special_tokens)
         if not ids:
             raise PromptError("the prompt is empty")
         bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
@@ -300,7 +295,8 @@ class Engine:
             allowed[0, list(params.allowed_token_ids)] = True
             allowed = pack_bitmask(allowed)[0]
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params, self.eos_token_ids)
+        # without the tokenizer it decides only the stop-token and length finishes
+        detokenizer = IncrementalDetokenizer(self.tokenizer if detokenize else None, ids, params, self.eos_token_ids)
         return Req(rid or uuid.uuid4().hex, ids, params, lora, seed, detokenizer, return_prompt_logprobs,
                    grammar=grammar, allowed_tokens=allowed)
 
@@ -317,101 +313,6 @@ class Engine:
         failed = [(i, r.error) for i, r in enumerate(reqs) if r.error is not None]
         if failed:
             raise RequestFailed("; ".join(f"prompt {i}: {error}" for i, error in failed))
-
-    def _run_isolated(self, batch: ScheduledBatch, step_reqs: list[Req]) -> list[StepOutput]:
-        """Run the batch (part of the step's `step_reqs`); if that raises, run its halves the same way,
-        down to the request that fails. Nothing of a request changes before its part of the batch has
-        run and sampled, so running it again is safe."""
-        if self.fatal is not None:  # failed already, with every other request
-            return []
-        try:
-            return self._run_batch(batch)
-        except Exception as e:
-            if _is_device_error(e):
-                self.fatal = f"device error: {_describe(e)}"
-                logger.exception("the device failed; failing every request")
-                # the step's new prompts are in no queue of the scheduler until their part has run
-                unfinished = [r for r in dict.fromkeys([*step_reqs, *self.scheduler.unfinished()]) if not r.finished]
-                return [self._fail(r, self.fatal) for r in unfinished]
-            if len(batch.reqs) == 1:
-                logger.exception("request %s failed", batch.reqs[0].rid)
-                return [self._fail(batch.reqs[0], _describe(e))]
-        half = len(batch.reqs) // 2
-        return (self._run_isolated(batch.subset(list(range(half))), step_reqs)
-                + self._run_isolated(batch.subset(list(range(half, len(batch.reqs)))), step_reqs))
-
-    def _run_batch(self, batch: ScheduledBatch) -> list[StepOutput]:
-        lora = self.runner.lora
-        in_use = self.scheduler.active_adapters() | {r.lora for r in batch.reqs if r.lora is not None}
-        result = self.runner.run(batch, lora.prepare([r.lora for r in batch.reqs], in_use))
-        for i, (start, entries) in result.prompt_entries.items():
-            req = batch.reqs[i]
-            if len(req.prompt_logprob_entries) == start:  # not when a retracted request computes its prompt again
-                req.prompt_logprob_entries += entries
-        outputs = self._append_tokens(result.sampled, result.tokens) if result.tokens is not None else []
-        for i, logprobs in result.prompt_logprobs.items():
-            batch.reqs[i].prompt_logprobs.append(logprobs)
-        self.scheduler.update(batch)
-        for req in batch.reqs:
-            if req.finished:
-                req.grammar = None
-                if req.lora is not None:
-                    lora.release(req.lora)
-        return outputs
-
-    def _fail(self, req: Req, error: str) -> StepOutput:
-        """Finish the request with reason "error", freeing its cache, row and adapter reference."""
-        self._retire(req)
-        req.finish_reason, req.error = "error", error
-        return StepOutput(req.rid, [], "", True, "error", [], len(req.prompt_ids), len(req.output_ids), error)
-
-    def _retire(self, req: Req) -> None:
-        self.scheduler.remove(req)
-        req.grammar = None
-        if req.lora is not None:
-            self.runner.lora.release(req.lora)
-
-    def _append_tokens(self, reqs: list[Req], tokens) -> list[StepOutput]:
-        ids, logprobs = tokens.token_ids.tolist(), tokens.logprobs.tolist()
-        top_ids = tokens.top_ids.tolist() if tokens.top_ids is not None else None
-        top_logprobs = tokens.top_logprobs.tolist() if tokens.top_logprobs is not None else None
-        outputs = []
-        for i, req in enumerate(reqs):
-            token = ids[i]
-            req.output_ids.append(token)
-            new_logprobs = []
-            if req.params.logprobs is not None:
-                k = req.params.logprobs
-                new_logprobs = [{token: logprobs[i], **dict(zip(top_ids[i][:k], top_logprobs[i][:k]))} if k
-                                else {token: logprobs[i]}]
-                req.logprobs += new_logprobs
-            req.cumulative_logprob += logprobs[i]
-            try:
-                if req.grammar is not None and not req.grammar.accept_token(token):
-                    raise RuntimeError(f"the grammar rejected token {token}")
-                text = req.detokenizer.add(token)
-                if req.grammar is not None and req.grammar.is_terminated() and not req.detokenizer.finished:
-                    text += req.detokenizer.stop()  # complete (its stop token came under ignore_eos)
-                req.finish_reason = req.detokenizer.finish_reason
-            except Exception as e:  # finished like any other request: scheduler.update frees it
-                logger.exception("appending a token to request %s failed", req.rid)
-                text, req.finish_reason, req.error = "", "error", f"appending its token failed: {_describe(e)}"
-            out = StepOutput(req.rid, [token], text, req.finished, req.finish_reason, new_logprobs,
-                             len(req.prompt_ids), len(req.output_ids), req.error, req.cumulative_logprob)
-            if req.params.prompt_logprobs is not None and len(req.output_ids) == 1:
-                out.prompt_token_ids, out.prompt_logprobs = list(req.prompt_ids), [None, *req.prompt_logprob_entries]
-            outputs.append(out)
-        return outputs
-
-
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
-def _is_device_error(e: BaseException) -> bool:
-    """An error of the accelerator itself (illegal address, launch failure): its context is lost."""
-    accelerator_error = getattr(torch, "AcceleratorError", ())  # torch >= 2.8
-    return isinstance(e, accelerator_error) or "CUDA error" in str(e)
 
 
 def _is_token_ids(prompt) -> bool:

@@ -85,7 +85,9 @@ class LoRAManager:
         self._unloading: set[str] = set()
         self.pool = LoRASlotPool(config.max_loras_per_batch)
         # without max_lora_rank the slots take the largest rank among the adapters given at start
-        initial = {name: self._read(path, config.max_lora_rank) for name, path in config.lora_paths.items()}
+        initial = {name: load_adapter(path, self.shapes, config.max_lora_rank)
+                   for name, path in config.lora_paths.items()}
+        self.stats.disk_loads += len(initial)
         self.max_rank = config.max_lora_rank or max((a.max_rank for a in initial.values()), default=0)
         if self.max_rank:
             allocate_lora_slots(model, config.max_loras_per_batch, self.max_rank)
@@ -119,8 +121,17 @@ class LoRAManager:
             lines.append(f"adapter {name}: {self._paths[name]} (rank {held})")
         return lines
 
-    def load_lora(self, name: str, path: str | Path) -> None:
-        """Read and validate an adapter against the model; it serves requests from now on."""
+    def read(self, path: str | Path) -> Adapter:
+        """The adapter at `path`, read and validated against the model for the slots' rank. Reads only
+        what never changes after start (the model's shapes, the rank), so it may run in another thread
+        while the engine steps."""
+        if not self.max_rank:
+            raise AdapterError("cannot load an adapter: the engine has no LoRA slots (start it with max_lora_rank, "
+                               "or with lora_paths)")
+        return load_adapter(path, self.shapes, self.max_rank)
+
+    def load_lora(self, name: str, path: str | Path, adapter: Adapter | None = None) -> None:
+        """Serve the adapter at `path` (`adapter`: what read(path) gave, else it is read here) as `name`."""
         if name in self._unloading:
             raise AdapterError(f"adapter {name!r} is still being unloaded ({self._in_flight[name]} requests in flight)")
         if name in self._paths:
@@ -128,7 +139,8 @@ class LoRAManager:
         if not self.max_rank:
             raise AdapterError(f"cannot load adapter {name!r}: the engine has no LoRA slots "
                                "(start it with max_lora_rank, or with lora_paths)")
-        self._register(name, Path(path), self._read(path, self.max_rank))
+        self._register(name, Path(path), adapter if adapter is not None else self.read(path))
+        self.stats.disk_loads += 1
 
     def unload_lora(self, name: str) -> None:
         """New requests naming the adapter are refused from now on; it leaves memory once its
@@ -186,11 +198,6 @@ class LoRAManager:
 
     # --------------------------------------------------------------------------------- internals
 
-    def _read(self, path: str | Path, max_rank: int | None) -> Adapter:
-        adapter = load_adapter(path, self.shapes, max_rank)
-        self.stats.disk_loads += 1
-        return adapter
-
     def _register(self, name: str, path: Path, adapter: Adapter) -> None:
         self._paths[name] = path
         self._expert_rank[name] = max((e.rank for layer in adapter.layers.values() for e in layer.experts.values()),
@@ -206,7 +213,8 @@ class LoRAManager:
         if name in self._host:
             self._host.move_to_end(name)
             return self._host[name]
-        adapter = self._read(self._paths[name], self.max_rank)
+        adapter = self.read(self._paths[name])
+        self.stats.disk_loads += 1
         self._cache(name, adapter)
         return adapter
 

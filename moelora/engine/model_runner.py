@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from moelora.core import ForwardBatch, KVCache
+from moelora.core import ForwardBatch, KVCache, to_device
 from moelora.engine.config import CPU_KV_TOKENS, DTYPES, EngineConfig
 from moelora.engine.cuda_graph import CudaGraphs
 from moelora.engine.lora_manager import LoRAManager
@@ -16,6 +16,13 @@ from moelora.engine.sampler import PenaltyState, SampleOutput, SamplingBatch, To
 from moelora.engine.scheduler import ScheduledBatch
 from moelora.models.config import ModelConfig
 from moelora.models.loader import load_model
+
+
+@dataclass
+class PendingTokens:
+    """The tokens a step sampled, still on the device, for the next step's decode rows."""
+    token_ids: torch.Tensor   # [B] int64, a SampleOutput's
+    rows: dict[Req, int]      # each sampled request's row in it
 
 
 @dataclass
@@ -56,9 +63,11 @@ class ModelRunner:
         return self.model.compute_logits(self.model(batch)[batch.logits_indices])
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, lora_slots: list[int]) -> StepResult:
-        """One step: lora_slots[i] is request i's adapter slot (-1: none)."""
-        forward_batch, rows = self._forward_batch(batch, lora_slots)
+    def run(self, batch: ScheduledBatch, lora_slots: list[int], pending: PendingTokens | None = None) -> StepResult:
+        """One step: lora_slots[i] is request i's adapter slot (-1: none). The sampled tokens stay on the
+        device (no host sync here, except for prompt log-probabilities). pending: where the tokens of
+        decode rows whose last token is not on the host yet (overlap scheduling) are on the device."""
+        forward_batch, rows = self._forward_batch(batch, lora_slots, pending)
         if self.graphs is not None and self.graphs.can_run(forward_batch):
             logits = self.graphs.replay(forward_batch)
         else:
@@ -87,10 +96,9 @@ class ModelRunner:
 
     def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
         """The sampling options of the requests, with their penalties and token masks. The grammars'
-        bitmasks are filled first, on the host, while the device still runs the step's forward (the
-        host-to-device copies after them wait for it)."""
+        bitmasks are filled on the host while the device runs the step's forward."""
         masked = [i for i, r in enumerate(reqs) if r.masked]
-        stops = [r.detokenizer.stop_token_ids if len(r.output_ids) < r.params.min_tokens else () for r in reqs]
+        stops = [r.detokenizer.stop_token_ids if r.num_generated < r.params.min_tokens else () for r in reqs]
         bitmask = torch.full((len(masked), -(-self.vocab_size // 32)), -1, dtype=torch.int32)
         for j, i in enumerate(masked):
             if reqs[i].grammar is not None:
@@ -100,24 +108,29 @@ class ModelRunner:
             # min_tokens in the mask, where it leaves a token: a grammar that allows only its end wins
             bitmask[j], stops[i] = hold_back(bitmask[j], stops[i]), ()
         params = [r.params for r in reqs]
-        sampling = SamplingBatch.build(params, [r.seed for r in reqs], [len(r.output_ids) for r in reqs], self.device,
+        sampling = SamplingBatch.build(params, [r.seed for r in reqs], [r.num_generated for r in reqs], self.device,
                                        stops)
         if masked:
-            sampling.token_mask = TokenMask(torch.tensor(masked, dtype=torch.int64).to(self.device),
-                                            bitmask.to(self.device))
+            sampling.token_mask = TokenMask(to_device(masked, torch.int64, self.device),
+                                            to_device(bitmask, torch.int32, self.device))
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
         if penalised:
             sampling.penalties = self.penalties.gather(penalised, [reqs[i].row for i in penalised],
                                                        [params[i] for i in penalised])
         return sampling
 
-    def _forward_batch(self, batch: ScheduledBatch, lora_slots: list[int]) -> tuple[ForwardBatch, list[tuple[int, int]]]:
+    def _forward_batch(self, batch: ScheduledBatch, lora_slots: list[int], pending: PendingTokens | None
+                       ) -> tuple[ForwardBatch, list[tuple[int, int]]]:
         """The step's ForwardBatch, and per request (prompt tokens whose logits it returns, logits rows)."""
-        new_tokens, token_slots, logits_indices, rows = [], [], [], []
+        new_tokens, token_slots, logits_indices, rows, future = [], [], [], [], []
         start = 0
         for req, prefix, n, done, slot in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.completes,
                                               lora_slots):
-            new_tokens.append(req.token_ids(prefix, prefix + n))
+            if req.num_pending:  # a decode row whose token is still on the device: filled in below
+                future.append((start, pending.rows[req]))
+                new_tokens.append([0])
+            else:
+                new_tokens.append(req.token_ids(prefix, prefix + n))
             token_slots += [slot] * n
             wants_prompt = req.return_prompt_logprobs or req.params.prompt_logprobs is not None
             num_prompt = min(n, max(len(req.prompt_ids) - prefix, 0)) if wants_prompt else 0
@@ -125,8 +138,12 @@ class ModelRunner:
             logits_indices += own
             rows.append((num_prompt, len(own)))
             start += n
-        return ForwardBatch.build(self.kv, [r.row for r in batch.reqs], new_tokens, batch.prefix_lens, batch.out_slots,
-                                  logits_indices, token_slots, batch.is_decode), rows
+        forward_batch = ForwardBatch.build(self.kv, [r.row for r in batch.reqs], new_tokens, batch.prefix_lens,
+                                           batch.out_slots, logits_indices, token_slots, batch.num_decode)
+        if future:  # one gather on the device, in stream order after the step that sampled them
+            at, source = (to_device(list(i), torch.int64, self.device) for i in zip(*future))
+            forward_batch.input_ids[at] = pending.token_ids[source]
+        return forward_batch, rows
 
     def _kv_tokens(self, bytes_per_token: int, context: int) -> int:
         """KV token slots: max_total_tokens when given (on GPUs it must fit in free memory), else on CPU

@@ -27,6 +27,7 @@ class Req:
     finish_reason: str | None = None         # "stop", "length", "abort" or "error"
     error: str | None = None                 # why it failed (finish_reason "error")
     num_retractions: int = 0
+    num_pending: int = 0                     # sampled by a step whose results are not read yet (overlap scheduling)
     cumulative_logprob: float = 0.0          # of the output tokens, under the raw logits
     grammar: Any = None                      # xgrammar GrammarMatcher while a structured output runs
     allowed_tokens: torch.Tensor | None = None  # [ceil(vocab / 32)] int32 host bitmask of allowed_token_ids
@@ -40,7 +41,12 @@ class Req:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Prompt and generated tokens, the pending one included."""
+        return len(self.prompt_ids) + self.num_generated
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids) + self.num_pending
 
     @property
     def kv_len(self) -> int:
@@ -52,6 +58,6 @@ class Req:
         return self.finish_reason is not None
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens start..end-1 of prompt + output."""
+        """Tokens start..end-1 of prompt + output (a pending token is not known here)."""
         prompt = len(self.prompt_ids)
         return self.prompt_ids[start:end] + self.output_ids[max(start - prompt, 0):max(end - prompt, 0)]

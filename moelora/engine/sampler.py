@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from moelora.core import to_device
 from moelora.engine.sampling_params import SamplingParams
 
 
@@ -59,9 +60,9 @@ class SamplingBatch:
             raise ValueError(f"params, seeds and steps differ in length: {len(params)}, {len(seeds)}, {len(steps)}")
         random = [not p.greedy for p in params]
         # two host-to-device copies a step, not one per column
-        floats = torch.tensor([[p.temperature if r else 0.0 for p, r in zip(params, random)],
-                               [p.top_p for p in params], [p.min_p for p in params]], dtype=torch.float32).to(device)
-        ints = torch.tensor([[p.top_k for p in params], seeds, steps], dtype=torch.int64).to(device)
+        floats = to_device([[p.temperature if r else 0.0 for p, r in zip(params, random)],
+                            [p.top_p for p in params], [p.min_p for p in params]], torch.float32, device)
+        ints = to_device([[p.top_k for p in params], seeds, steps], torch.int64, device)
         return cls(
             temperature=floats[0], top_p=floats[1], min_p=floats[2], top_k=ints[0], seed=ints[1], step=ints[2],
             all_greedy=not any(random),
@@ -92,8 +93,7 @@ class LogitAdditions:
             values += [v for _, v in entries]
         if not rows:
             return None
-        return cls(torch.tensor([rows, tokens], dtype=torch.int64).to(device),
-                   torch.tensor(values, dtype=torch.float32).to(device))
+        return cls(to_device([rows, tokens], torch.int64, device), to_device(values, torch.float32, device))
 
     def apply(self, logits: torch.Tensor) -> None:
         """In place; a token both biased and held back stays at -inf."""
@@ -138,7 +138,7 @@ class PenaltyState:
         if self.output_counts is None:
             self.output_counts = torch.zeros(self.num_rows, self.vocab, dtype=torch.int32, device=self.device)
             self.in_prompt = torch.zeros(self.num_rows, self.vocab, dtype=torch.bool, device=self.device)
-        ids = torch.tensor(prompt_ids + output_ids, dtype=torch.int64).to(self.device)
+        ids = to_device(prompt_ids + output_ids, torch.int64, self.device)
         self.in_prompt[row] = False
         self.in_prompt[row, ids[:len(prompt_ids)]] = True
         output = ids[len(prompt_ids):]
@@ -148,9 +148,9 @@ class PenaltyState:
 
     def gather(self, batch_rows: list[int], state_rows: list[int], params: list[SamplingParams]) -> Penalties:
         """The penalties of batch rows batch_rows (request rows state_rows, params of each)."""
-        index = torch.tensor([batch_rows, state_rows], dtype=torch.int64).to(self.device)
-        values = torch.tensor([[p.presence_penalty for p in params], [p.frequency_penalty for p in params],
-                               [p.repetition_penalty for p in params]], dtype=torch.float32).to(self.device)
+        index = to_device([batch_rows, state_rows], torch.int64, self.device)
+        values = to_device([[p.presence_penalty for p in params], [p.frequency_penalty for p in params],
+                            [p.repetition_penalty for p in params]], torch.float32, self.device)
         return Penalties(index[0], index[1], self.output_counts[index[1]], self.in_prompt[index[1]], *values)
 
     def count(self, state_rows: torch.Tensor, token_ids: torch.Tensor) -> None:

@@ -1,13 +1,16 @@
 """Continuous batching: which requests run in the next step, and with how many new tokens.
 
-A step is a prefill batch (new prompts, the next chunk of a long prompt, recomputation of
-retracted requests) when one can be formed, else a decode batch of every running request: prefill
-has priority, bounded by a token budget per step. Admission needs a request row, free KV slots
-for the whole prompt plus one decode slot for every request holding cache, and a LoRA slot: the
-adapters of all running requests must fit in max_loras_per_batch at once (a request whose adapter
-does not fit waits; FIFO, so it is not overtaken). No slots are reserved for tokens yet to be
-decoded: when a decode step finds too few free slots, the newest requests go back to the front of
-the queue, their cache freed, and are recomputed later.
+A step carries every running request's decode row and, after them, pieces of prompts (new prompts,
+the next chunk of a long prompt, recomputation of retracted requests) under a token budget per step
+(chunked_prefill_size, decode rows included), so a newcomer's prefill joins the decode batch instead
+of stalling it and a long prompt is prefilled over several steps. A step with no prompt is a pure
+decode step (CUDA graphs). Admission needs a request row, free KV slots for the whole prompt plus one
+decode slot for every request holding cache, and a LoRA slot: the adapters of all running requests
+must fit in max_loras_per_batch at once (a request whose adapter does not fit waits; FIFO, so it is
+not overtaken). The slots of the prompt being prefilled over several steps are promised to it; no
+slots are reserved for tokens yet to be decoded: when a step finds too few free slots for its decode
+rows, the newest running requests go back to the front of the queue, their cache freed, and are
+recomputed later.
 
 A step is planned first and allocated second, request by request: a request leaves `waiting` (or
 takes its next chunk) only together with its row and KV slots, and one whose allocation raises is
@@ -33,17 +36,23 @@ class ScheduledBatch:
     prefix_lens: list[int]   # tokens already in the cache per request
     extend_lens: list[int]   # new tokens per request this step
     out_slots: torch.Tensor  # [sum(extend_lens)] int64 host: cache slot of each new token
-    is_decode: bool
+    num_decode: int          # reqs[:num_decode] are decode rows (running requests), the rest prompt pieces
     completes: list[bool]    # request reaches the end of its tokens this step, so samples the next one
     failed: list[tuple[Req, Exception]] = field(default_factory=list)  # dropped while allocating: not in reqs
 
+    @property
+    def is_decode(self) -> bool:
+        """Decode rows only."""
+        return self.num_decode == len(self.reqs)
+
     def subset(self, indices: list[int]) -> ScheduledBatch:
-        """The batch of the requests at `indices`, with their allocations (to run part of a step again)."""
+        """The batch of the requests at `indices` (ascending), with their allocations (to run part of a
+        step again)."""
         starts = [0, *accumulate(self.extend_lens)]
         return ScheduledBatch([self.reqs[i] for i in indices], [self.prefix_lens[i] for i in indices],
                               [self.extend_lens[i] for i in indices],
                               torch.cat([self.out_slots[starts[i]:starts[i + 1]] for i in indices]),
-                              self.is_decode, [self.completes[i] for i in indices])
+                              sum(i < self.num_decode for i in indices), [self.completes[i] for i in indices])
 
 
 class Scheduler:
@@ -65,18 +74,27 @@ class Scheduler:
         return {r.lora for r in self._holding() if r.lora is not None}
 
     def schedule(self) -> ScheduledBatch | None:
-        return self._schedule_prefill() or self._schedule_decode()
+        """The next step: the running requests' decode rows, then prompt pieces; None if nothing can run."""
+        decode = self._decode_rows()
+        prefill, extend_lens = self._plan_prefill(len(decode))
+        if not decode and not prefill:
+            return None
+        return self._allocate(decode + prefill, [1] * len(decode) + extend_lens, len(decode))
 
-    def update(self, batch: ScheduledBatch) -> None:
-        """After the step's tokens are appended and finish reasons set: release finished requests,
-        and move requests whose prompt is done into the running batch."""
-        for i, req in enumerate(batch.reqs):
-            if req.finished:
-                self.remove(req)
-            elif not batch.is_decode and batch.completes[i]:
+    def start_decoding(self, batch: ScheduledBatch) -> None:
+        """Once the step has run: requests whose prompt it finished decode from the next step on."""
+        for i in range(batch.num_decode, len(batch.reqs)):
+            req = batch.reqs[i]
+            if batch.completes[i]:
                 if self.chunked is req:
                     self.chunked = None
                 self.running.append(req)
+
+    def update(self, batch: ScheduledBatch) -> None:
+        """After the step's tokens are appended and finish reasons set: release finished requests."""
+        for req in batch.reqs:
+            if req.finished:
+                self.remove(req)
 
     def remove(self, req: Req) -> None:
         """Drop a request wherever it is (finished or aborted) and free its cache."""
@@ -113,27 +131,43 @@ class Scheduler:
     def _holding(self) -> list[Req]:
         return self.running + ([self.chunked] if self.chunked else [])
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
+    def _promised(self) -> int:
+        """KV slots the prompt being prefilled still needs: taken from decode's share of the cache."""
+        return self.chunked.num_tokens - self.chunked.kv_len if self.chunked else 0
+
+    def _decode_rows(self) -> list[Req]:
+        """Every running request, once the cache has a slot for each beside the promised ones (the
+        newest retracted until it has: never the chunked prompt, whose admission promised its slots);
+        but one whose pending token is its last (overlap scheduling: it is done, only not yet released)."""
+        while self.running and self.pool.free_slots - self._promised() < len(self.running):
+            self._retract(self.running.pop())
+        return [r for r in self.running if r.num_generated < r.params.max_tokens]
+
+    def _plan_prefill(self, num_decode: int) -> tuple[list[Req], list[int]]:
+        """Prompt pieces to run beside num_decode decode rows: the chunked prompt's next chunk first,
+        then waiting requests in order, while the budget, rows, adapter slots and KV slots allow."""
         chunk = self.config.prefill_chunk
-        budget = min(self.config.max_prefill_tokens, chunk or self.config.max_prefill_tokens)
+        budget = self.config.max_prefill_tokens if chunk is None else min(self.config.max_prefill_tokens,
+                                                                           chunk - num_decode)
         adapters = self.active_adapters()
+        free = self.pool.free_slots - num_decode  # what the decode rows leave
         reqs, extend_lens = [], []
         candidates = ([self.chunked] if self.chunked else []) + list(self.waiting)
         for req in candidates:
             is_new = req.row is None
+            if req.num_pending:  # retracted with its last token not read yet: recomputed once it is
+                break
             if is_new and len(self.running) + len(reqs) >= self.config.max_running_requests:  # reqs holds the chunked one
                 break
             if req.lora is not None and req.lora not in adapters and len(adapters) >= self.config.max_loras_per_batch:
                 break
-            # a prompt starts only when all of it fits, keeping one decode slot for every request
-            free = self.pool.free_slots - sum(extend_lens) - (len(self.running) + len(reqs) + 1)
             remaining = req.num_tokens - req.kv_len
-            if is_new and remaining > free:
+            # a prompt starts only when all of it fits, keeping one decode slot for every request (the next
+            # step's decode rows); the chunked prompt's remaining slots are promised to it already
+            if is_new and remaining > free - sum(extend_lens) - (len(self.running) + len(reqs) + 1):
                 break
-            n = min(remaining, free)
-            if chunk is not None:
-                n = min(n, budget)
-            elif remaining > budget and reqs:  # unchunked: a prompt over the budget runs alone
+            n = min(remaining, budget) if chunk is not None else remaining
+            if chunk is None and remaining > budget and reqs:  # unchunked: a prompt over the budget runs alone
                 break
             if n <= 0:
                 break
@@ -144,23 +178,14 @@ class Scheduler:
                 adapters.add(req.lora)
             if n < remaining:
                 break
-        if not reqs:
-            return None
-        return self._allocate(reqs, extend_lens, is_decode=False)
+        return reqs, extend_lens
 
-    def _schedule_decode(self) -> ScheduledBatch | None:
-        while self.running and self.pool.free_slots < len(self.running):
-            # never the chunked prompt: it runs before any decode step and its admission reserved its slots
-            self._retract(self.running.pop())
-        if not self.running:
-            return None
-        return self._allocate(list(self.running), [1] * len(self.running), is_decode=True)
-
-    def _allocate(self, reqs: list[Req], extend_lens: list[int], is_decode: bool) -> ScheduledBatch:
-        """The planned requests with their rows and new slots, each taken whole or not at all."""
-        batch = ScheduledBatch([], [], [], torch.empty(0, dtype=torch.int64), is_decode, [])
+    def _allocate(self, reqs: list[Req], extend_lens: list[int], num_decode: int) -> ScheduledBatch:
+        """The planned requests (the first num_decode decode rows) with their rows and new slots, each
+        taken whole or not at all."""
+        batch = ScheduledBatch([], [], [], torch.empty(0, dtype=torch.int64), 0, [])
         new = []
-        for req, n in zip(reqs, extend_lens):
+        for i, (req, n) in enumerate(zip(reqs, extend_lens)):
             prefix = req.kv_len
             try:
                 slots = self._take(req, n)
@@ -170,12 +195,13 @@ class Scheduler:
                 continue
             if req in self.waiting:
                 self.waiting.remove(req)
-            if not is_decode and req.kv_len < req.num_tokens:
+            if i >= num_decode and req.kv_len < req.num_tokens:
                 self.chunked = req
             batch.reqs.append(req)
             batch.prefix_lens.append(prefix)
             batch.extend_lens.append(n)
             batch.completes.append(req.kv_len == req.num_tokens)
+            batch.num_decode += i < num_decode
             new.append(slots)
         batch.out_slots = torch.cat([batch.out_slots, *new])
         return batch

@@ -224,12 +224,14 @@ def _launch_common(q, k_cache, v_cache, scale: float) -> dict:
 def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
                      extend_starts: torch.Tensor, scale: float, *, is_decode: bool, max_extend_len: int,
-                     max_kv_splits: int = DEFAULT_MAX_KV_SPLITS, config: AttentionConfig | None = None) -> torch.Tensor:
+                     max_kv_splits: int = DEFAULT_MAX_KV_SPLITS, config: AttentionConfig | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Launches the kernels; every grid size comes from host-side shapes and bounds."""
     num_seqs, (num_tokens, num_q_heads, _) = seq_lens.shape[0], q.shape
     cfg = config or default_config(k_cache.shape[-1], q.dtype)
     common = _launch_common(q, k_cache, v_cache, scale)
-    out = torch.empty(num_tokens, num_q_heads, v_cache.shape[-1], dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(num_tokens, num_q_heads, v_cache.shape[-1], dtype=q.dtype, device=q.device)
     strides = (*q.stride()[:2], *k_cache.stride()[:2], *v_cache.stride()[:2])
     if not is_decode:
         grid = (num_seqs, num_q_heads, triton.cdiv(max_extend_len, cfg.block_m))
@@ -258,9 +260,10 @@ def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                         req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
-                        extend_starts: torch.Tensor, scale: float) -> torch.Tensor:
+                        extend_starts: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, Hq, Dk], k_cache [slots, Hkv, Dk], v_cache [slots, Hkv, Dv] -> [N, Hq, Dv] in q's dtype."""
-    out = torch.zeros(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.zeros(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=q.dtype, device=q.device)
     group = q.shape[1] // k_cache.shape[1]
     for row, total, new, start in zip(req_pool_indices.tolist(), seq_lens.tolist(), extend_lens.tolist(),
                                       extend_starts.tolist()):
@@ -281,28 +284,34 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req
               req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
               extend_starts: torch.Tensor, scale: float, *, is_decode: bool = False, max_extend_len: int | None = None,
               max_kv_splits: int = DEFAULT_MAX_KV_SPLITS, impl: str = "auto",
-              config: AttentionConfig | None = None) -> torch.Tensor:
+              config: AttentionConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Entry point. is_decode (every extend_len is 1, from ForwardBatch) picks the split-K decode kernels;
     max_extend_len bounds the extend grid (ForwardBatch.max_extend_len; None reads it from the device,
-    a synchronisation). impl: "triton", "torch" or "auto" (triton on CUDA)."""
+    a synchronisation). impl: "triton", "torch" or "auto" (triton on CUDA). out [N, Hq, Dv]: written at the
+    given sequences' tokens only and returned (a step that runs its decode and its extend sequences in
+    two calls fills one output); default a new tensor."""
     _check_inputs(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_lens, extend_starts)
+    if out is not None and (out.shape != (q.shape[0], q.shape[1], v_cache.shape[-1]) or out.dtype != q.dtype
+                            or not out.is_contiguous()):
+        raise ValueError(f"out must be contiguous {q.dtype} of shape {(q.shape[0], q.shape[1], v_cache.shape[-1])}, "
+                         f"got {out.dtype} {tuple(out.shape)}")
     if impl == "auto":
         impl = "triton" if q.is_cuda else "torch"
     if impl == "torch":
         return attention_reference(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_lens,
-                                   extend_starts, scale)
+                                   extend_starts, scale, out)
     if impl != "triton":
         raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
     if max_extend_len is None:
         max_extend_len = 1 if is_decode else int(extend_lens.max()) if extend_lens.numel() else 0
     if q.shape[0] == 0:
-        return q.new_zeros(0, q.shape[1], v_cache.shape[-1])
+        return q.new_zeros(0, q.shape[1], v_cache.shape[-1]) if out is None else out
     if max_extend_len < 1:
         raise ValueError(f"max_extend_len must bound the extend lengths of {q.shape[0]} new tokens, "
                          f"got {max_extend_len}")
     return attention_triton(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_lens,
                             extend_starts, scale, is_decode=is_decode, max_extend_len=max_extend_len,
-                            max_kv_splits=max_kv_splits, config=config)
+                            max_kv_splits=max_kv_splits, config=config, out=out)
 
 
 def _check_inputs(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_lens, extend_starts) -> None:

@@ -21,7 +21,13 @@ class Attention(nn.Module):
         """q [N, Hq, Dk], k [N, Hkv, Dk], v [N, Hkv, Dv] -> [N, Hq * Dv]."""
         kv = batch.kv
         store_kv(kv.k[self.layer_id], kv.v[self.layer_id], batch.out_cache_loc, k, v)  # one kernel on CUDA
-        out = attention(q.contiguous(), kv.k[self.layer_id], kv.v[self.layer_id], kv.req_to_token, batch.req_pool_indices,
-                        batch.seq_lens, batch.extend_lens, batch.extend_starts, self.scale,
-                        is_decode=batch.is_decode, max_extend_len=batch.max_extend_len)  # no device read: graph-safe
+        q, caches = q.contiguous(), (kv.k[self.layer_id], kv.v[self.layer_id], kv.req_to_token)
+        if batch.is_decode or batch.num_decode == 0:  # no device read: graph-safe
+            out = attention(q, *caches, batch.req_pool_indices, batch.seq_lens, batch.extend_lens, batch.extend_starts,
+                            self.scale, is_decode=batch.is_decode, max_extend_len=batch.max_extend_len)
+        else:  # a mixed step: decode rows through the decode kernels, as in a decode step (same bits)
+            out = q.new_empty(q.shape[0], q.shape[1], self.v_head_dim)
+            decode, extend = batch.decode_rows, batch.extend_rows
+            attention(q, *caches, *decode, self.scale, is_decode=True, max_extend_len=1, out=out)
+            attention(q, *caches, *extend, self.scale, max_extend_len=batch.max_extend_len, out=out)
         return out.flatten(1)

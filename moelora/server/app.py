@@ -192,7 +192,8 @@ class OpenAIServing:
         aliases = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
         aliases |= {"logprobs": "top_logprobs", "prompt": "messages"}
         tools = ChatTools.of(body, self.loop.engine.tokenizer)
-        subs = self._submissions(body, [self._chat_prompt(body, tools.specs)], max_tokens, k if body.logprobs else None,
+        prompt = await self._chat_prompt(body, tools.specs)
+        subs = self._submissions(body, [prompt], max_tokens, k if body.logprobs else None,
                                  add_special_tokens=False, aliases=aliases, grammar=tools.grammar)
         await self._compile_grammar(body, subs)
         rids, queue = await self._submit(subs, aliases)
@@ -268,14 +269,16 @@ class OpenAIServing:
             raise APIError(400, message, param=field) from e
 
     async def _prompt_texts(self, prompts: list[str | list[int]]) -> list[str]:
-        """The text of each prompt, as echo returns it (token ids decoded in the engine thread)."""
+        """The text of each prompt, as echo returns it (token ids decoded in the text thread)."""
         if self.loop.engine.tokenizer is None:
             raise APIError(400, f"echo needs a tokenizer: {self.loop.engine.missing_tokenizer}", param="echo")
         ids = [p for p in prompts if not isinstance(p, str)]
-        decoded = iter(await self.loop.run(lambda: [self.loop.engine.tokenizer.decode(p) for p in ids]) if ids else [])
+        decoded = iter(await self.loop.run_text(lambda: [self.loop.engine.tokenizer.decode(p) for p in ids]) if ids
+                       else [])
         return [p if isinstance(p, str) else next(decoded) for p in prompts]
 
-    def _chat_prompt(self, body: ChatCompletionRequest, tools: list[dict] | None) -> str:
+    async def _chat_prompt(self, body: ChatCompletionRequest, tools: list[dict] | None) -> str:
+        """The messages through the chat template, in the text thread (not the event loop's)."""
         messages = []
         for i, m in enumerate(body.messages):
             msg = m.model_dump(exclude_none=True)
@@ -285,7 +288,7 @@ class OpenAIServing:
                 msg["content"] = "".join(p.text for p in m.content)
             messages.append(msg)
         try:
-            return self.loop.engine.chat_prompt(messages, tools)
+            return await self.loop.run_text(lambda: self.loop.engine.chat_prompt(messages, tools))
         except ValueError as e:
             raise APIError(400, f"{e}; use /v1/completions with a prompt", param="messages") from e
 

@@ -1,13 +1,23 @@
-"""The engine in its own thread beside the HTTP event loop.
+"""The engine in its own thread beside the HTTP event loop, and the text work in a third.
 
-Everything that touches the engine (adding and aborting requests, loading adapters, tokenizing)
-runs in the engine thread, as a command queued from the event loop and answered through a
-concurrent Future. Between commands the thread steps the engine while it has work and hands each
-request's outputs to that request's asyncio.Queue with loop.call_soon_threadsafe, one call per
-step. A command that raises fails only its own Future. A request the engine fails gets an
-EngineError in its queue; a step that raises past the engine's own isolation fails the requests in
-flight and the thread goes on, unless the engine's books no longer balance or its device failed:
-then `healthy` turns False (and /health says 503).
+Everything that touches the engine's state (adding and aborting requests, installing adapters) runs
+in the engine thread, as a command queued from the event loop and answered through a concurrent
+Future. Between commands the thread steps the engine while it has work. A command that raises fails
+only its own Future.
+
+The engine thread never waits on text or files: prompts are tokenized (and chat templates rendered)
+before their requests are added, and outputs detokenized after their step, in the text thread, one
+worker that takes its jobs in order (so a request is registered before its first output comes, and
+its outputs come in order); adapter files are read in a worker of their own (read_lora) and only
+installed between steps. The text thread detokenizes each request's tokens (stop strings included:
+one ends the request there, and the engine is told to abort it), and hands each request's outputs
+to its asyncio.Queue with loop.call_soon_threadsafe, one call per step. Threads and not processes:
+the step spends most of its wall time in torch calls that release the GIL (kernel launches, the
+device-to-host copy of the sampled tokens that waits for the GPU), which is when the text thread runs.
+
+A request the engine fails gets an EngineError in its queue; a step that raises past the engine's
+own isolation fails the requests in flight and the thread goes on, unless the engine's books no
+longer balance or its device failed: then `healthy` turns False (and /health says 503).
 """
 from __future__ import annotations
 
@@ -15,13 +25,16 @@ import asyncio
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+from moelora.engine.detokenizer import IncrementalDetokenizer
 from moelora.engine.engine import Engine, StepOutput
 from moelora.engine.sampling_params import SamplingParams
+from moelora.lora.canonical import Adapter
 from moelora.server.metrics import Metrics
 from moelora.server.stats_log import StatsLog
 
@@ -60,6 +73,7 @@ class _Stream:
     queue: asyncio.Queue
     index: int
     arrival: float
+    detokenizer: IncrementalDetokenizer
     last_token: float | None = None
 
 
@@ -72,7 +86,9 @@ class EngineLoop:
         # published by the engine thread for the event loop; replaced whole, never mutated
         self.adapters: dict[str, str] = {n: str(p) for n, p in engine.config.lora_paths.items()}
         self.num_waiting = 0
-        self._streams: dict[str, _Stream] = {}
+        self._text = ThreadPoolExecutor(1, thread_name_prefix="moelora-text")  # one worker: jobs in order
+        self._streams: dict[str, _Stream] = {}  # text thread only: requests whose outputs it delivers
+        self._rids: set[str] = set()  # engine thread only: requests added and not yet seen finished
         self._commands: list[tuple[Callable[[], Any], Future]] = []
         self._pending = 0  # sequences submitted and not yet added to the engine
         self._cv = threading.Condition()
@@ -90,6 +106,7 @@ class EngineLoop:
             self._stopping = True
             self._cv.notify()
         self._thread.join()
+        self._text.shutdown()  # after the engine thread's last deliveries
 
     @property
     def healthy(self) -> bool:
@@ -109,32 +126,43 @@ class EngineLoop:
     async def run(self, fn: Callable[[], T]) -> T:
         return await asyncio.wrap_future(self.call(fn))
 
+    async def run_text(self, fn: Callable[[], T]) -> T:
+        """Run fn in the text thread (tokenizer work: chat templates, encoding, decoding)."""
+        return await asyncio.wrap_future(self._text.submit(fn))
+
     async def submit(self, subs: list[Submission], queue: asyncio.Queue) -> list[str]:
         """Add the sequences (all or none); their Deltas, or an EngineError, go to `queue`. Raises
         Overloaded, or ValueError / AdapterError naming what is wrong with a sequence."""
         if self.failure is not None:
             raise EngineError(f"the engine cannot serve any more: {self.failure}")
         with self._cv:
+            if self._stopping:
+                raise EngineError("the server is shutting down")
             waiting = self._pending + self.num_waiting
             if self.max_queued_requests is not None and waiting + len(subs) > self.max_queued_requests:
                 raise Overloaded(f"{waiting} requests are queued (max_queued_requests={self.max_queued_requests})")
             self._pending += len(subs)
-        loop, arrival = asyncio.get_running_loop(), time.perf_counter()
+        loop, arrival, rids = asyncio.get_running_loop(), time.perf_counter(), [uuid.uuid4().hex for _ in subs]
         try:
-            future = self.call(lambda: self._add(subs, loop, queue, arrival))
-        except EngineError:
+            prompts = await self.run_text(lambda: self._register(rids, subs, loop, queue, arrival))
+            future = self.call(lambda: self._add(rids, subs, prompts))
+        except BaseException:  # refused before any reached the engine (or the client left meanwhile)
             self._unpend(len(subs))
+            self._text.submit(self._forget, rids)
             raise
         future.add_done_callback(lambda _: self._unpend(len(subs)))  # added, refused or cancelled
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:  # the client left while the sequences were being added
-            future.add_done_callback(lambda f: f.cancelled() or f.exception() or self.abort(f.result()))
+            future.add_done_callback(lambda f: self._text.submit(self._forget, rids) if f.cancelled() or f.exception()
+                                     else self.abort(f.result()))
             raise
 
     async def load_lora(self, name: str, path: str) -> None:
-        """Read and validate the adapter (AdapterError lists its problems); it serves from now on."""
-        await self.run(lambda: self._load_lora(name, path))
+        """Read and validate the adapter (AdapterError lists its problems) outside the engine thread, then
+        install it there between steps; it serves from now on."""
+        adapter = await asyncio.to_thread(self.engine.read_lora, path)
+        await self.run(lambda: self._load_lora(name, path, adapter))
 
     async def unload_lora(self, name: str) -> None:
         """Requests in flight with the adapter finish; new ones are refused (AdapterError if unknown)."""
@@ -166,7 +194,7 @@ class EngineLoop:
             if self.engine.has_unfinished():
                 self._step()
             self.num_waiting = self.engine.num_waiting
-            self.metrics.set_queues(len(self._streams) - self.num_waiting, self.num_waiting)
+            self.metrics.set_queues(len(self._rids) - self.num_waiting, self.num_waiting)
             self.stats.tick(self.engine, self.engine.num_running, self.num_waiting)
         with self._cv:
             commands, self._commands = self._commands, []
@@ -178,23 +206,22 @@ class EngineLoop:
         with self._cv:
             self._pending -= n
 
-    def _add(self, subs: list[Submission], loop: asyncio.AbstractEventLoop, queue: asyncio.Queue,
-             arrival: float) -> list[str]:
-        rids: list[str] = []
+    def _add(self, rids: list[str], subs: list[Submission], prompts: list[list[int]]) -> list[str]:
+        added: list[str] = []
         try:
-            for index, sub in enumerate(subs):
-                rids.append(self.engine.add_request(sub.prompt, sub.params, sub.lora,
-                                                    add_special_tokens=sub.add_special_tokens))
-                self._streams[rids[-1]] = _Stream(loop, queue, index, arrival)
+            for rid, sub, prompt in zip(rids, subs, prompts):
+                self.engine.add_request(prompt, sub.params, sub.lora, rid=rid, detokenize=False)
+                added.append(rid)
         except Exception:
-            for rid in rids:
+            for rid in added:
                 self.engine.abort(rid)
-                del self._streams[rid]
+            self._text.submit(self._forget, rids)  # before the aborts' outputs reach the text thread
             raise
+        self._rids.update(added)
         return rids
 
-    def _load_lora(self, name: str, path: str) -> None:
-        self.engine.load_lora(name, path)
+    def _load_lora(self, name: str, path: str, adapter: Adapter) -> None:
+        self.engine.load_lora(name, path, adapter)
         self.adapters = {**self.adapters, name: path}
 
     def _unload_lora(self, name: str) -> None:
@@ -212,40 +239,87 @@ class EngineLoop:
                 logger.error("the engine cannot serve any more: %s", self.failure)
             return
         now = time.perf_counter()
-        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
         for out in outputs:
-            stream = self._streams.get(out.rid)
-            if stream is None:  # aborted after its request was failed
-                continue
-            if out.error is not None:
-                self.metrics.finished(out.finish_reason)
-                del self._streams[out.rid]
-                deliveries.setdefault(stream.loop, []).append((stream.queue, EngineError(out.error)))
-                continue
-            if out.token_ids:
-                if stream.last_token is None:
-                    self.metrics.first_token(now - stream.arrival, out.prompt_tokens)
-                else:
-                    self.metrics.next_token(now - stream.last_token)
-                self.metrics.generated(len(out.token_ids))
-                self.stats.count(out.prompt_tokens if stream.last_token is None else 0, len(out.token_ids))
-                stream.last_token = now
             if out.finished:
-                self.metrics.finished(out.finish_reason)
-                del self._streams[out.rid]
-            tokens = {t for lp in (*out.logprobs, *(out.prompt_logprobs or ())) if lp for t in lp}
-            pieces = {t: self.engine.token_text(t) for t in tokens.union(out.prompt_token_ids or ())}
-            deliveries.setdefault(stream.loop, []).append((stream.queue, Delta(stream.index, out, pieces)))
-        for loop, items in deliveries.items():
-            _deliver(loop, items)
+                self._rids.discard(out.rid)
+            first = out.completion_tokens == len(out.token_ids)  # the request's first tokens
+            self.stats.count(out.prompt_tokens if out.token_ids and first else 0, len(out.token_ids))
+        if outputs:
+            self._text.submit(self._deliver_outputs, outputs, now)
 
     def _fail_all(self, error: EngineError) -> None:
-        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
-        for rid, stream in self._streams.items():
+        for rid in self._rids:
             try:
                 self.engine.abort(rid)
             except Exception:
                 logger.exception("aborting %s failed", rid)
+        self._rids.clear()
+        self._text.submit(self._fail_streams, error)
+
+    # ------------------------------------------------------------------------------ text thread
+
+    def _register(self, rids: list[str], subs: list[Submission], loop: asyncio.AbstractEventLoop,
+                  queue: asyncio.Queue, arrival: float) -> list[list[int]]:
+        """Each sequence's prompt ids, its stream registered (all or none)."""
+        prompts = [self.engine.tokenize(sub.prompt, sub.add_special_tokens) for sub in subs]
+        for index, (rid, sub, prompt) in enumerate(zip(rids, subs, prompts)):
+            detokenizer = self.engine.output_detokenizer(prompt, sub.params)
+            self._streams[rid] = _Stream(loop, queue, index, arrival, detokenizer)
+        return prompts
+
+    def _forget(self, rids: list[str]) -> None:
+        for rid in rids:
+            self._streams.pop(rid, None)
+
+    def _deliver_outputs(self, outputs: list[StepOutput], now: float) -> None:
+        """Detokenize one step's outputs (now: when it ended) and hand each to its request's queue."""
+        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.rid)
+            if stream is None:  # ended already (a stop string, a failure) or refused while being added
+                continue
+            try:
+                item = self._delta(stream, out, now)
+            except Exception as e:  # the tokenizer's, on this request's tokens: its failure alone
+                logger.exception("detokenizing request %s failed", out.rid)
+                item = EngineError(f"detokenizing its output failed: {type(e).__name__}: {e}")
+                self.metrics.finished("error")
+                self.abort([out.rid])
+            if isinstance(item, EngineError) or item.out.finished:
+                del self._streams[out.rid]
+            deliveries.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, items in deliveries.items():
+            _deliver(loop, items)
+
+    def _delta(self, stream: _Stream, out: StepOutput, now: float) -> Delta | EngineError:
+        """What the request's queue gets of one output: its text and the text of its logprob tokens."""
+        if out.error is not None:
+            self.metrics.finished(out.finish_reason)
+            return EngineError(out.error)
+        detok = stream.detokenizer
+        text = "".join(detok.add(t) for t in out.token_ids)
+        if out.finished and out.finish_reason in ("stop", "length") and not detok.finished:
+            text += detok.finish(out.finish_reason)  # a grammar's end, or max_tokens
+        if detok.finished and not out.finished:  # a stop string: the engine goes on until it hears
+            self.abort([out.rid])
+        out = replace(out, text=text, finished=out.finished or detok.finished,
+                      finish_reason=detok.finish_reason if detok.finished else out.finish_reason)
+        if out.token_ids:
+            if stream.last_token is None:
+                self.metrics.first_token(now - stream.arrival, out.prompt_tokens)
+            else:
+                self.metrics.next_token(now - stream.last_token)
+            self.metrics.generated(len(out.token_ids))
+            stream.last_token = now
+        if out.finished:
+            self.metrics.finished(out.finish_reason)
+        tokens = {t for lp in (*out.logprobs, *(out.prompt_logprobs or ())) if lp for t in lp}
+        pieces = {t: self.engine.token_text(t) for t in tokens.union(out.prompt_token_ids or ())}
+        return Delta(stream.index, out, pieces)
+
+    def _fail_streams(self, error: EngineError) -> None:
+        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        for stream in self._streams.values():
             deliveries.setdefault(stream.loop, []).append((stream.queue, error))
         self._streams.clear()
         for loop, items in deliveries.items():

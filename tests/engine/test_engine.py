@@ -1,5 +1,7 @@
 """Engine behaviour on the tiny Qwen3-MoE: batch invariance (with chunked prefill and retraction),
 the step API, aborts, per-request errors, n > 1, logprobs and stop tokens."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -50,6 +52,93 @@ def test_chunked_prefill_and_retraction_keep_outputs(family, make_engine, alone)
     assert [o.token_ids for o in tight.generate(PROMPTS, PARAMS, lora=LORAS)] == alone(family)
     assert tight.scheduler.num_retractions > 0
     assert_idle(tight)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_decode_rows_beside_chunked_prefills_keep_their_tokens_and_logprobs(make_engine, monkeypatch, device, overlap):
+    """Requests whose prompts are prefilled in chunks join the steps of a decoding request: it gets the
+    tokens and log-probabilities it gets alone, and so does each of them (prompt logprobs and penalties
+    included); decode never waits for their prefills. On the GPU (bf16, CUDA graphs for its decode steps
+    alone, its decode rows in eager mixed steps beside the chunks) bit for bit; on the CPU to float32
+    rounding, torch's CPU matmul not being batch invariant."""
+    options = dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8, max_total_tokens=4096) if device == "cuda" \
+        else {}
+    engine = make_engine(FAMILY, chunked_prefill_size=6, enable_overlap_schedule=overlap, **options)
+    approx = (lambda entries: entries) if device == "cuda" else approx_float32
+    first = (PROMPTS[2], SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True), "full")
+    long_prompts = [[(5 * i + 3 * j) % 90 + 3 for j in range(13 + 4 * i)] for i in range(3)]
+    joiners = [(long_prompts[0], SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2, ignore_eos=True), None),
+               (long_prompts[1], SamplingParams(max_tokens=5, temperature=0.9, seed=3, logprobs=1,
+                                                presence_penalty=0.8, ignore_eos=True), "partial"),
+               (long_prompts[2], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), "full")]
+    alone = [engine.generate([p], sp, lora=[a])[0] for p, sp, a in [first, *joiners]]
+    batches = []
+    schedule = engine.scheduler.schedule
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda: batches.append(schedule()) or batches[-1])
+    rids = [engine.add_request(*first)]
+    outputs = []
+    while not outputs:  # its prompt (two chunks) alone: decoding from now on
+        outputs += engine.step()
+    rids += [engine.add_request(*j) for j in joiners]
+    while engine.has_unfinished():
+        outputs += engine.step()
+    for rid, want in zip(rids, alone):
+        mine = [o for o in outputs if o.rid == rid]
+        assert [t for o in mine for t in o.token_ids] == want.token_ids
+        assert [lp for o in mine for lp in o.logprobs] == approx(want.logprobs or [])
+        assert next(o.prompt_logprobs for o in mine if o.token_ids) == approx(want.prompt_logprobs)
+    batches = [b for b in batches if b is not None]  # None: the overlapped last step only reads the one before
+    decodes = [i for i, b in enumerate(batches) if b.num_decode and b.reqs[0].rid == rids[0]]
+    assert decodes == list(range(decodes[0], decodes[0] + len(alone[0].token_ids) - 1)), "decode never waits"
+    assert any(not all(b.completes) and b.num_decode for b in batches), "a prompt's first chunk beside decode rows"
+    assert all(sum(b.extend_lens) <= 6 for b in batches)
+    assert_idle(engine)
+
+
+def approx_float32(entries: list[dict[int, float] | None] | None) -> list | None:
+    return entries and [e if e is None else pytest.approx(e, abs=1e-5) for e in entries]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_overlap_schedule_keeps_every_output(make_engine, device):
+    """Each step launched before the previous step's tokens are read: the tokens and log-probabilities
+    of the synchronous engine (bit for bit on the GPU, CUDA graphs included), batched, across chunked
+    prefill and retraction, with a stop token that ends a request while the next step runs ahead, and
+    an abort while it does."""
+    options = dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8, max_total_tokens=4096) if device == "cuda" \
+        else {}
+    sync, ahead = (make_engine(FAMILY, enable_overlap_schedule=o, **options) for o in (False, True))
+    params = [replace(p, logprobs=2) for p in PARAMS]
+    want = sync.generate(PROMPTS, params, lora=LORAS)
+    stops = [replace(p, stop_token_ids=[w.token_ids[5]]) for p, w in zip(params, want)]
+    want_stopped = sync.generate(PROMPTS, stops, lora=LORAS)
+    approx = (lambda entries: entries) if device == "cuda" else approx_float32
+    for got, expected in [(ahead.generate(PROMPTS, params, lora=LORAS), want),
+                          (ahead.generate(PROMPTS, stops, lora=LORAS), want_stopped)]:
+        assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+        assert [o.logprobs for o in got] == [approx(o.logprobs) for o in expected]
+        assert [o.finish_reason for o in got] == [o.finish_reason for o in expected]
+    assert any(o.finish_reason == "stop" and len(o.token_ids) < 16 for o in want_stopped)
+    assert_idle(ahead)
+    tight = make_engine(FAMILY, enable_overlap_schedule=True, chunked_prefill_size=4, max_total_tokens=40, **options)
+    assert [o.token_ids for o in tight.generate(PROMPTS, params, lora=LORAS)] == [o.token_ids for o in want]
+    assert tight.scheduler.num_retractions > 0
+    assert_idle(tight)
+
+    keep = ahead.add_request(PROMPTS[1], params[1], lora=LORAS[1])
+    drop = ahead.add_request(PROMPTS[2], params[2], lora=LORAS[2])
+    assert ahead.step() == []  # launched: its tokens come with the next step
+    outputs = ahead.step()
+    assert ahead.stepper.in_flight and ahead.abort(drop)  # a decode step of both runs ahead
+    while ahead.has_unfinished():
+        outputs += ahead.step()
+    assert [t for o in outputs if o.rid == keep for t in o.token_ids] == want[1].token_ids
+    assert [o.finish_reason for o in outputs if o.rid == drop and o.finished] == ["abort"]
+    assert len([t for o in outputs if o.rid == drop for t in o.token_ids]) == 1
+    assert_idle(ahead)
 
 
 def test_step_api_streams_what_generate_returns(engine, alone):
@@ -136,6 +225,29 @@ def test_stop_token_and_text_prompt(engine):
     first = tokens.index(tokens[4])
     assert out.finish_reason == "stop" and out.token_ids == tokens[:first + 1]
     assert out.text == engine.tokenizer.decode(tokens[:first])
+
+
+def test_outputs_the_caller_detokenizes(engine):
+    """detokenize=False: the engine's outputs carry tokens and no text; output_detokenizer gives the
+    caller's thread the same text (and the stop-string finish) from them."""
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    want = engine.generate("abc", params)[0]
+    prompt = engine.tokenize("abc")
+    assert prompt == [67, 68, 69] and engine.tokenize(prompt) == prompt
+    stop = want.text[3:5]
+    for sp, text in [(params, want.text), (replace(params, stop=(stop,)), want.text[:want.text.index(stop)])]:
+        engine.add_request(prompt, sp, detokenize=False)
+        detokenizer, got = engine.output_detokenizer(prompt, sp), ""
+        while not detokenizer.finished:
+            (out,) = engine.step()
+            assert out.text == ""
+            got += "".join(detokenizer.add(t) for t in out.token_ids)
+            if out.finished and not detokenizer.finished:
+                got += detokenizer.finish(out.finish_reason)
+        assert got == text and detokenizer.finish_reason == ("length" if sp is params else "stop")
+        engine.abort(out.rid)
+        engine.step()
+    assert_idle(engine)
 
 
 def test_top_level_names():

@@ -1,6 +1,9 @@
 """CUDA graphs: decode replayed from graphs gives bit-identical logprobs and tokens to the same
 engine run eagerly, for batch sizes that are capture sizes, with adapters and the base model mixed;
-a batch padded up to a captured size gives the same tokens."""
+a batch padded up to a captured size gives the same tokens. Overlap scheduling: launching a step
+never waits for the device."""
+import time
+
 import pytest
 import torch
 
@@ -54,3 +57,31 @@ def test_penalties_biases_and_masks_on_the_gpu(engines):
     alone = [engines[0].generate([p], sp, lora=[a])[0].token_ids for p, sp, a in zip(prompts(4), params, loras)]
     assert [o.token_ids for o in graphed] == alone
     assert all(9 not in o.token_ids for o in graphed) and set(graphed[3].token_ids) <= set(range(3, 80))
+
+
+def test_a_step_launched_ahead_does_not_wait_for_the_device(make_engine):
+    """With overlap scheduling a step's host work (scheduling, the batch's and the sampler's
+    host-to-device copies, penalties, a token mask, reading the step before) must not wait for the
+    device: with it busy for tens of milliseconds after the step in flight, Engine.step returns long
+    before the device is done (a blocking copy anywhere would wait for the busy work)."""
+    engine = make_engine(FAMILY, device="cuda", dtype="bfloat16", cuda_graph_max_bs=8, max_total_tokens=4096,
+                         enable_overlap_schedule=True)
+    params = [SamplingParams(max_tokens=8, temperature=0.8, seed=i, presence_penalty=0.5, logit_bias={7: 1.0},
+                             min_tokens=2, allowed_token_ids=list(range(3, 80)) if i == 1 else None, ignore_eos=True)
+              for i in range(3)]
+    for p, sp, lora in zip(prompts(3), params, LORAS):
+        engine.add_request(p, sp, lora=lora)
+    engine.step()
+    engine.step()  # prompts read, the first decode step in flight; every kernel compiled
+    busy = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(40):  # about 60 ms of the device's time, queued after the step in flight
+        busy @ busy
+    outputs = engine.step()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    device = time.perf_counter() - start
+    assert len(outputs) == 3 and host < device / 3, (host, device)
+    while engine.has_unfinished():
+        engine.step()

@@ -76,10 +76,11 @@ def inject(engine, victim, stage: str, when: str, monkeypatch) -> None:
         monkeypatch.setattr(victim.detokenizer, "add", failing(victim.detokenizer.add, lambda token: True))
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("when", ["prefill", "decode"])
 @pytest.mark.parametrize("stage", STAGES)
-def test_a_fault_fails_only_its_request(make_engine, solo, stage, when, monkeypatch):
-    engine = make_engine(FAMILY)
+def test_a_fault_fails_only_its_request(make_engine, solo, stage, when, overlap, monkeypatch):
+    engine = make_engine(FAMILY, enable_overlap_schedule=overlap)
     rids = [engine.add_request(p, sp, lora=a) for p, sp, a in zip(PROMPTS, PARAMS, LORAS)]
     victim = engine.scheduler.find(rids[VICTIM])
     inject(engine, victim, stage, when, monkeypatch)
@@ -130,10 +131,11 @@ def test_a_failed_slot_write_leaves_no_adapter_in_the_slot(make_engine, solo, mo
     assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS, lora=LORAS)] == solo
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("after", [0, 1], ids=["at-once", "while-isolating"])
-def test_a_device_error_fails_everything_and_the_engine_says_so(make_engine, monkeypatch, after):
+def test_a_device_error_fails_everything_and_the_engine_says_so(make_engine, monkeypatch, after, overlap):
     """`after`: plain failures before the device error, which then strikes a half of the batch."""
-    engine = make_engine(FAMILY)
+    engine = make_engine(FAMILY, enable_overlap_schedule=overlap)
     rids = [engine.add_request(p, sp, lora=a) for p, sp, a in zip(PROMPTS, PARAMS, LORAS)]
     calls = []
 

@@ -87,7 +87,10 @@ def test_load_and_unload_at_runtime(make_engine, adapters, reference, tmp_path):
     with pytest.raises(AdapterError, match="unknown adapter 'mine'"):
         engine.add_request(PROMPTS[0], GREEDY, lora="mine")
     assert engine.runner.lora.pool.names == []
-    engine.load_lora("mine", path)  # the name is free again
+    loads = engine.lora_stats.disk_loads
+    engine.load_lora("mine", path, engine.read_lora(path))  # the name is free again; read first (a server's worker)
+    assert engine.lora_stats.disk_loads == loads + 1
+    assert engine.generate(PROMPTS[1], GREEDY, lora="mine")[0].token_ids == reference[1, "full"]
 
     broken = tmp_path / "broken"
     shutil.copytree(path, broken)
@@ -102,3 +105,5 @@ def test_no_slots_without_a_rank(make_engine, adapters):
     engine = make_engine(FAMILY, lora_paths={}, max_lora_rank=None)
     with pytest.raises(AdapterError, match="no LoRA slots"):
         engine.load_lora("full", str(adapters(FAMILY)["full"].path))
+    with pytest.raises(AdapterError, match="no LoRA slots"):
+        engine.read_lora(str(adapters(FAMILY)["full"].path))

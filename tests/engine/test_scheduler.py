@@ -29,6 +29,7 @@ def step(s: Scheduler) -> ScheduledBatch:
     batch = s.schedule()
     assert batch is not None
     assert batch.out_slots.numel() == sum(batch.extend_lens)
+    s.start_decoding(batch)
     for i, r in enumerate(batch.reqs):
         assert r.kv_len == batch.prefix_lens[i] + batch.extend_lens[i] <= r.num_tokens
         if batch.completes[i]:
@@ -78,11 +79,42 @@ def test_requests_join_and_leave_every_step():
     s.add(a)
     assert step(s).reqs == [a]
     s.add(b)
-    assert (lambda bt: (bt.is_decode, bt.reqs))(step(s)) == (False, [b])  # prefill first
-    assert step(s).reqs == [a, b]  # one decode batch of both
+    mixed = step(s)
+    assert (mixed.num_decode, mixed.reqs, mixed.extend_lens) == (1, [a, b], [1, 2])  # b's prefill joins a's decode
+    assert (lambda bt: (bt.is_decode, bt.reqs))(step(s)) == (True, [a, b])  # one decode batch of both
     assert step(s).reqs == [a]  # b finished with 2 tokens
     run(s)
     assert a.output_ids == [3, 4, 5, 6] and b.output_ids == [2, 3]
+
+
+def test_mixed_steps_carry_every_decode_row_and_prompt_chunks_within_the_budget():
+    s = make(chunked_prefill_size=5)
+    a, b = req("a", 2, 6), req("b", 2, 6)
+    s.add(a)
+    s.add(b)
+    step(s)  # both prompts
+    c = req("c", 9, 2)
+    s.add(c)
+    batches = [step(s) for _ in range(4)]
+    assert [(bt.num_decode, bt.extend_lens) for bt in batches] == [(2, [1, 1, 3]), (2, [1, 1, 3]), (2, [1, 1, 3]),
+                                                                   (3, [1, 1, 1])]
+    assert [bt.reqs for bt in batches[:3]] == [[a, b, c]] * 3 and batches[2].completes == [True] * 3
+    run(s)
+    assert a.output_ids == b.output_ids == list(range(2, 8)) and c.output_ids == [9, 10]
+
+
+def test_the_chunked_prompt_keeps_its_slots_while_others_decode():
+    """Its admission promised the cache its whole prompt: when decode rows would eat into that, the
+    newest running request is retracted, not the prompt half prefilled."""
+    s = make(num_slots=16, chunked_prefill_size=3)
+    a, c = req("a", 1, 12), req("c", 10, 1)
+    s.add(a)
+    step(s)
+    s.add(c)
+    batches = run(s)
+    assert [bt.extend_lens[-1] for bt in batches[:5]] == [2, 2, 2, 2, 2] and batches[4].reqs == [c]
+    assert a.num_retractions == 1 and c.num_retractions == 0
+    assert a.output_ids == list(range(1, 13)) and c.output_ids == [10]
 
 
 def test_prefill_token_budget_and_request_limit():

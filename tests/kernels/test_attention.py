@@ -122,3 +122,25 @@ def test_rejects_bad_inputs(device):
         attention(*case, impl="triton", max_extend_len=0)  # ForwardBatch's default, never set
     with pytest.raises(ValueError, match="impl must be"):
         attention(*case, impl="cuda")
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_mixed_step_fills_one_output(impl, device, poison):
+    """A mixed step's decode rows through the decode kernels and its prompt pieces through the extend
+    kernel, both into one `out`: each row the bits of the call of its own kind, the whole batch at once."""
+    dtype = DTYPES[0]
+    batch = random_paged_attention([150, 40, 0, 30], [1, 1, 20, 9], 4, 2, 16, 16, dtype, device)
+    q, k, v, req_to_token, rows, seq_lens, ext, starts, scale = batch
+    common = dict(max_kv_splits=8, config=SMALL, impl=impl)
+    out = torch.full((q.shape[0], q.shape[1], v.shape[-1]), float("nan"), dtype=dtype, device=q.device)
+    attention(q, k, v, req_to_token, rows[:2], seq_lens[:2], ext[:2], starts[:2], scale, is_decode=True,
+              max_extend_len=1, out=out, **common)
+    got = attention(q, k, v, req_to_token, rows[2:], seq_lens[2:], ext[2:], starts[2:], scale, max_extend_len=20,
+                    out=out, **common)
+    assert got is out
+    decode = attention(q[:2], k, v, req_to_token, rows[:2], seq_lens[:2], ext[:2], starts[:2], scale, is_decode=True,
+                       **common)
+    extend = attention(*batch, **common)
+    assert torch.equal(out[:2], decode) and torch.equal(out[2:], extend[2:])
+    with pytest.raises(ValueError, match="out must be"):
+        attention(*batch, out=out[1:], **common)

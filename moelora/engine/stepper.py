@@ -1,0 +1,247 @@
+"""Running the scheduler's steps: each batch through the model runner, its sampled tokens appended
+to their requests, finished requests released; failures isolated; and, with enable_overlap_schedule,
+each step launched before the previous step's tokens are read.
+
+A failure stays with the request it belongs to. One that fails while its row and KV slots are
+allocated, while its tokens are detokenized, or (found by running the step's batch again in
+halves) while the LoRA slots are prepared, the model runs or the batch samples, finishes that
+request with reason "error" and frees what it held; the rest of the step goes on. A device error
+(the accelerator's state is lost) cannot be isolated: it fails every request and the engine stays
+unhealthy (`fatal`).
+
+Overlap scheduling: step n + 1 is scheduled and launched before step n's tokens are copied to the
+host, its decode rows' input tokens gathered on the device from step n's samples (PendingTokens), so
+the host's work between two steps (scheduling, building the batch, reading and appending tokens) runs
+while the device computes. Nothing on that path waits for the device: host-to-device copies go through
+pinned memory (core.to_device), and a step's tokens are copied to the host without blocking, the host
+waiting on an event recorded after that copy, not on the steps queued behind it (a blocking copy
+synchronises the whole stream). Loading an adapter into a GPU slot still does. What it costs: a request that step n ends with a stop token still has a row
+in step n + 1, whose token is dropped. A step reads the previous one first (no overlap) when a request
+of it has a grammar (the next bitmask needs its token), and a launch that raises is run again after
+it, synchronously and isolated as above.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from moelora.engine.model_runner import ModelRunner, PendingTokens, StepResult
+from moelora.engine.request import Req
+from moelora.engine.sampler import SampleOutput
+from moelora.engine.scheduler import ScheduledBatch, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    """What one request got in one step (or its end, when aborted or failed)."""
+    rid: str
+    token_ids: list[int]                  # new tokens
+    text: str                             # new text (held back while it may be the start of a stop string)
+    finished: bool
+    finish_reason: str | None             # "stop", "length", "abort" or "error" once finished
+    logprobs: list[dict[int, float]]      # per new token, if asked: the chosen and top tokens' log-probabilities
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None              # why the request failed (finish_reason "error")
+    cumulative_logprob: float = 0.0       # of every output token so far, under the raw logits
+    # with params.prompt_logprobs, in the first output: the prompt, and per prompt token its entry (None for the first)
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+@dataclass
+class _Launched:
+    """A step whose device work is queued; its tokens not read yet."""
+    batch: ScheduledBatch
+    result: StepResult
+    tokens: SampleOutput | None     # result.tokens on their way to the host
+    copied: torch.cuda.Event | None  # recorded after that copy: the host waits for it, not for later steps
+
+
+class Stepper:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, overlap: bool):
+        self.scheduler, self.runner, self.overlap = scheduler, runner, overlap
+        self.fatal: str | None = None  # why the engine cannot go on, once it cannot
+        self._in_flight: _Launched | None = None  # overlap scheduling: the step launched last
+
+    @property
+    def in_flight(self) -> bool:
+        """A launched step has tokens to read for requests still going."""
+        return self._in_flight is not None and any(not r.finished for r in self._in_flight.batch.reqs)
+
+    def step(self) -> list[StepOutput]:
+        """Run (or, overlapping, launch) the next step; the outputs of the step that finished."""
+        prev, self._in_flight = self._in_flight, None
+        if self.fatal is not None:
+            return [self.fail(r, self.fatal) for r in self.scheduler.unfinished()]
+        outputs = []
+        if prev is not None and any(r.grammar is not None for r in prev.result.sampled):
+            outputs, prev = self._read(prev), None  # their next bitmasks need these tokens
+        batch = self.scheduler.schedule()
+        if batch is None:
+            assert prev is not None or not self.scheduler.has_unfinished(), \
+                "the scheduler found nothing to run for its unfinished requests"
+            return outputs + (self._read(prev) if prev is not None else [])
+        outputs += [self.fail(req, f"allocating its KV cache failed: {_describe(e)}") for req, e in batch.failed]
+        if self.overlap and batch.reqs:
+            try:
+                self._in_flight = self._launch(batch, prev)
+            except Exception as e:  # run again below, synchronously, to find the request it belongs to
+                if _is_device_error(e):
+                    return outputs + self._device_failed(e, batch.reqs)
+        if prev is not None:
+            outputs += self._read(prev)
+        if batch.reqs and self._in_flight is None:
+            live = [i for i, r in enumerate(batch.reqs) if not r.finished]  # not ended by the step just read
+            outputs += self._run_isolated(batch if len(live) == len(batch.reqs) else batch.subset(live), batch.reqs)
+        return outputs
+
+    def retire(self, req: Req) -> None:
+        """Release the request's cache, row, grammar and adapter reference."""
+        self.scheduler.remove(req)
+        req.grammar = None
+        if req.lora is not None:
+            self.runner.lora.release(req.lora)
+
+    def fail(self, req: Req, error: str) -> StepOutput:
+        """Finish the request with reason "error", freeing what it holds."""
+        self.retire(req)
+        req.finish_reason, req.error = "error", error
+        return StepOutput(req.rid, [], "", True, "error", [], len(req.prompt_ids), len(req.output_ids), error)
+
+    # --------------------------------------------------------------------------------- internals
+
+    def _run_isolated(self, batch: ScheduledBatch, step_reqs: list[Req]) -> list[StepOutput]:
+        """Run the batch (part of the step's `step_reqs`); if that raises, run its halves the same way,
+        down to the request that fails. Nothing of a request changes before its part of the batch has
+        run and sampled, so running it again is safe."""
+        if self.fatal is not None:  # failed already, with every other request
+            return []
+        try:
+            return self._finish(self._launch(batch, None))
+        except Exception as e:
+            if _is_device_error(e):
+                return self._device_failed(e, step_reqs)
+            if len(batch.reqs) == 1:
+                logger.exception("request %s failed", batch.reqs[0].rid)
+                return [self.fail(batch.reqs[0], _describe(e))]
+        half = len(batch.reqs) // 2
+        return (self._run_isolated(batch.subset(list(range(half))), step_reqs)
+                + self._run_isolated(batch.subset(list(range(half, len(batch.reqs)))), step_reqs))
+
+    def _device_failed(self, e: Exception, step_reqs: list[Req]) -> list[StepOutput]:
+        self.fatal = f"device error: {_describe(e)}"
+        logger.exception("the device failed; failing every request")
+        # the step's new prompts are in no queue of the scheduler until their part has run
+        unfinished = [r for r in dict.fromkeys([*step_reqs, *self.scheduler.unfinished()]) if not r.finished]
+        return [self.fail(r, self.fatal) for r in unfinished]
+
+    def _launch(self, batch: ScheduledBatch, prev: _Launched | None) -> _Launched:
+        """Queue the batch's device work (decode rows of prev's requests read prev's tokens on the
+        device); nothing of a request changes unless it succeeds."""
+        lora = self.runner.lora
+        in_use = self.scheduler.active_adapters() | {r.lora for r in batch.reqs if r.lora is not None}
+        pending = None
+        if prev is not None and prev.result.tokens is not None:
+            pending = PendingTokens(prev.result.tokens.token_ids, {r: i for i, r in enumerate(prev.result.sampled)})
+        result = self.runner.run(batch, lora.prepare([r.lora for r in batch.reqs], in_use), pending)
+        tokens, copied = _copy_to_host(result.tokens) if result.tokens is not None else (None, None)
+        for req in result.sampled:
+            req.num_pending += 1
+        self.scheduler.start_decoding(batch)
+        return _Launched(batch, result, tokens, copied)
+
+    def _read(self, launched: _Launched) -> list[StepOutput]:
+        """_finish of a step launched ahead: a device error there fails everything; any other fails the
+        step's requests (their device work is done: nothing to run again)."""
+        try:
+            return self._finish(launched)
+        except Exception as e:
+            if _is_device_error(e):
+                return self._device_failed(e, launched.batch.reqs)
+            logger.exception("reading a step's tokens failed")
+            return [self.fail(r, _describe(e)) for r in launched.batch.reqs if not r.finished]
+
+    def _finish(self, launched: _Launched) -> list[StepOutput]:
+        """Read the step's tokens (the host waits for its device work here), append them, release the
+        requests that end."""
+        batch, result = launched.batch, launched.result
+        if launched.copied is not None:
+            launched.copied.synchronize()
+        ended = {r for r in batch.reqs if r.finished}  # aborted while it ran ahead: released already
+        for req in result.sampled:
+            req.num_pending -= 1
+        for i, (start, entries) in result.prompt_entries.items():
+            req = batch.reqs[i]
+            if len(req.prompt_logprob_entries) == start:  # not when a retracted request computes its prompt again
+                req.prompt_logprob_entries += entries
+        outputs = self._append_tokens(result.sampled, launched.tokens) if launched.tokens is not None else []
+        for i, logprobs in result.prompt_logprobs.items():
+            batch.reqs[i].prompt_logprobs.append(logprobs)
+        self.scheduler.update(batch)
+        for req in batch.reqs:
+            if req.finished and req not in ended:
+                req.grammar = None
+                if req.lora is not None:
+                    self.runner.lora.release(req.lora)
+        return outputs
+
+    def _append_tokens(self, reqs: list[Req], tokens: SampleOutput) -> list[StepOutput]:
+        ids, logprobs = tokens.token_ids.tolist(), tokens.logprobs.tolist()
+        top_ids = tokens.top_ids.tolist() if tokens.top_ids is not None else None
+        top_logprobs = tokens.top_logprobs.tolist() if tokens.top_logprobs is not None else None
+        outputs = []
+        for i, req in enumerate(reqs):
+            if req.finished:  # aborted while its step ran ahead (overlap scheduling): the token is dropped
+                continue
+            token = ids[i]
+            req.output_ids.append(token)
+            new_logprobs = []
+            if req.params.logprobs is not None:
+                k = req.params.logprobs
+                new_logprobs = [{token: logprobs[i], **dict(zip(top_ids[i][:k], top_logprobs[i][:k]))} if k
+                                else {token: logprobs[i]}]
+                req.logprobs += new_logprobs
+            req.cumulative_logprob += logprobs[i]
+            try:
+                if req.grammar is not None and not req.grammar.accept_token(token):
+                    raise RuntimeError(f"the grammar rejected token {token}")
+                text = req.detokenizer.add(token)
+                if req.grammar is not None and req.grammar.is_terminated() and not req.detokenizer.finished:
+                    text += req.detokenizer.finish("stop")  # complete (its stop token came under ignore_eos)
+                req.finish_reason = req.detokenizer.finish_reason
+            except Exception as e:  # finished like any other request: scheduler.update frees it
+                logger.exception("appending a token to request %s failed", req.rid)
+                text, req.finish_reason, req.error = "", "error", f"appending its token failed: {_describe(e)}"
+            out = StepOutput(req.rid, [token], text, req.finished, req.finish_reason, new_logprobs,
+                             len(req.prompt_ids), len(req.output_ids), req.error, req.cumulative_logprob)
+            if req.params.prompt_logprobs is not None and len(req.output_ids) == 1:
+                out.prompt_token_ids, out.prompt_logprobs = list(req.prompt_ids), [None, *req.prompt_logprob_entries]
+            outputs.append(out)
+        return outputs
+
+
+def _copy_to_host(tokens: SampleOutput) -> tuple[SampleOutput, torch.cuda.Event | None]:
+    """The sampled tokens copied to (pinned) host memory without waiting, and an event to wait for that
+    copy alone: a blocking copy synchronises the stream, so it would also wait for the steps launched
+    after this one (overlap scheduling)."""
+    if tokens.token_ids.device.type != "cuda":
+        return tokens, None
+    host = SampleOutput(*(t if t is None else t.to("cpu", non_blocking=True) for t in tokens))
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _is_device_error(e: BaseException) -> bool:
+    """An error of the accelerator itself (illegal address, launch failure): its context is lost."""
+    accelerator_error = getattr(torch, "AcceleratorError", ())  # torch >= 2.8
+    return isinstance(e, accelerator_error) or "CUDA error" in str(e)
