@@ -1,0 +1,69 @@
+"""Starting the other ranks of a world on this machine and telling what became of them: each runs
+`target(rank, *args)` in a fresh (spawned) process; an exception there is sent back with its traceback
+before the process exits, so rank 0 can say why a rank stopped, not only that it did."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(target: Callable[..., Any], rank: int, errors: Any, args: tuple) -> None:
+    try:
+        target(rank, *args)
+    except BaseException:  # noqa: BLE001  (whatever it was, rank 0 hears of it)
+        errors.put((rank, traceback.format_exc()))
+        errors.close()
+        errors.join_thread()
+        os._exit(1)
+
+
+class LocalRanks:
+    """Ranks first..world-1 as daemon processes (they end with this process)."""
+
+    def __init__(self, target: Callable[..., Any], ranks: range, args: tuple):
+        ctx = mp.get_context("spawn")
+        self.errors = ctx.Queue()
+        self.procs = {r: ctx.Process(target=_entry, args=(target, r, self.errors, args), daemon=True,
+                                     name=f"moelora-rank{r}") for r in ranks}
+        for p in self.procs.values():
+            p.start()
+        self._messages: dict[int, str] = {}
+
+    def dead(self) -> dict[int, int]:
+        """Ranks whose process has ended -> exit code (negative: killed by that signal)."""
+        return {r: p.exitcode for r, p in self.procs.items() if p.exitcode is not None}
+
+    def describe(self, wait: float = 2.0) -> str:
+        """What became of the ranks, for an error message: the traceback of a rank that raised, or the exit
+        code of one that ended, or that all still run (one hangs, or a collective timed out). Waits up to
+        `wait` seconds for a failing rank's process to end."""
+        for p in self.procs.values():
+            p.join(wait / len(self.procs))
+        while not self.errors.empty():
+            rank, text = self.errors.get()
+            self._messages[rank] = text
+        lines = []
+        for r, code in sorted(self.dead().items()):
+            why = self._messages.get(r)
+            lines.append(f"rank {r} failed:\n{why}" if why else f"rank {r} exited with code {code}"
+                         + (f" (signal {-code})" if code < 0 else ""))
+        return "\n".join(lines) or "every rank is still running: one did not answer in time"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Wait for the ranks to end (after a shutdown command), then kill what is left."""
+        for p in self.procs.values():
+            p.join(timeout)
+        for p in self.procs.values():
+            if p.is_alive():
+                p.kill()
+                p.join()
