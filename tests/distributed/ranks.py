@@ -1,6 +1,7 @@
 """run_ranks: a function on every rank of a gloo world of CPU processes, their results back in rank order."""
 from __future__ import annotations
 
+import pickle
 import queue
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,8 @@ def _rank_main(rank: int, world: int, port: int, results: Any, fn: Callable[...,
     torch.set_num_threads(1)  # the ranks share the machine's few cores
     init_parallel(world, rank=rank, init_method=f"tcp://127.0.0.1:{port}", backend="gloo", timeout=60, **options)
     try:
-        results.put((rank, fn(*args)))
+        # pickled here: a queue would share tensors' memory with the parent, gone once this process ends
+        results.put((rank, pickle.dumps(fn(*args))))
     finally:
         destroy_parallel()
 
@@ -32,7 +34,7 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 3
         while len(got) < world:
             try:
                 rank, value = results.get(timeout=1.0)
-                got[rank] = value
+                got[rank] = pickle.loads(value)
             except queue.Empty:
                 if ranks.dead() and any(code != 0 for code in ranks.dead().values()):
                     raise AssertionError(ranks.describe()) from None
