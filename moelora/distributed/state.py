@@ -3,11 +3,12 @@ and dense layers), and the routed experts split over `ep_size` groups of tp_size
 each (expert parallel), the ranks of one group splitting their experts' intermediate dimension (SGLang's
 layout: moe_tp_size = tp_size / ep_size, ep_rank = rank // moe_tp_size, moe_tp_rank = rank % moe_tp_size).
 
-Layers read the current state when they are built (their shard) and when they run (the groups of their
-collectives). The default is one process: every shard is the whole and every collective the identity, so
-the single-process path stays what it was, bit for bit. `init_parallel` joins a torch.distributed world
-(gloo on CPUs, NCCL on GPUs); `parallel_state` sets a state without joining one, to build a rank's layers
-(on the meta device, say) and read their sizes.
+Layers read the current state when they are built: their shard, and the groups of their collectives, which
+they keep (so a model runs on its own world whatever is current later). The default is one process: every
+shard is the whole and every collective the identity, so the single-process path stays what it was, bit for
+bit. `init_parallel` joins a torch.distributed world (gloo on CPUs, NCCL on GPUs) and returns its state;
+`parallel_state` makes a state current while a model is built (one of a world's, or one without groups, to
+build a rank's layers on the meta device and read their sizes).
 """
 from __future__ import annotations
 
@@ -79,15 +80,13 @@ def parallel_state(state: ParallelState) -> Iterator[ParallelState]:
 def init_parallel(tp_size: int, ep_size: int = 1, rank: int | None = None, init_method: str | None = None,
                   backend: str | None = None, timeout: float = 300.0, moe_dispatch: str = "all_reduce",
                   device: torch.device | str = "cpu") -> ParallelState:
-    """Join a world of tp_size processes and make it the current state. rank and init_method default to the
+    """Join a world of tp_size processes; returns its state (build the model under parallel_state(it)). rank and init_method default to the
     environment torchrun sets (RANK, MASTER_ADDR, MASTER_PORT); backend to NCCL on a CUDA device, else gloo.
     timeout (seconds): how long a collective waits for the other ranks before it raises, which is how a rank
     that hangs or died is noticed."""
-    global _current
     rank = int(os.environ["RANK"]) if rank is None else rank
     state = ParallelState(rank, tp_size, ep_size, moe_dispatch)  # checks the layout before joining anything
     if tp_size == 1:
-        _current = state
         return state
     backend = backend or ("nccl" if torch.device(device).type == "cuda" else "gloo")
     kwargs = {"device_id": torch.device(device)} if backend == "nccl" else {}
@@ -95,13 +94,10 @@ def init_parallel(tp_size: int, ep_size: int = 1, rank: int | None = None, init_
                             timeout=timedelta(seconds=timeout), **kwargs)
     group = dist.group.WORLD
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    _current = ParallelState(rank, tp_size, ep_size, moe_dispatch, group, control)
-    return _current
+    return ParallelState(rank, tp_size, ep_size, moe_dispatch, group, control)
 
 
 def destroy_parallel() -> None:
-    """Leave the world (if joined) and return to one process."""
-    global _current
+    """Leave the world, if this process joined one."""
     if dist.is_initialized():
         dist.destroy_process_group()
-    _current = ParallelState()

@@ -7,7 +7,10 @@ allocated, while its tokens are detokenized, or (found by running the step's bat
 halves) while the LoRA slots are prepared, the model runs or the batch samples, finishes that
 request with reason "error" and frees what it held; the rest of the step goes on. A device error
 (the accelerator's state is lost) cannot be isolated: it fails every request and the engine stays
-unhealthy (`Engine.fatal`).
+unhealthy (`Engine.fatal`); so does a rank of several that died, raised or hangs (engine/workers.py).
+
+With tp_size > 1 the engine starts the other ranks itself (ranks 1.., processes of this machine) and this
+process is rank 0; `shutdown()` stops them.
 """
 from __future__ import annotations
 
@@ -20,17 +23,19 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import GenerationConfig
 
+from moelora.distributed.state import parallel_state
 from moelora.engine.config import EngineConfig
 from moelora.engine.detokenizer import IncrementalDetokenizer
 from moelora.engine.kv_pool import KVPool
 from moelora.engine.lora_manager import LoRAStats
-from moelora.engine.model_runner import ModelRunner
+from moelora.engine.model_runner import ModelRunner, serve_rank
 from moelora.engine.request import Req
 from moelora.engine.sampler import pack_bitmask
 from moelora.engine.sampling_params import SamplingParams, check_text
 from moelora.engine.scheduler import ScheduledBatch, Scheduler
 from moelora.engine.structured_output import GrammarBackend
 from moelora.engine.tokenizer import load_tokenizer
+from moelora.engine.workers import WorkerFailure, Workers, rank_config
 
 logger = logging.getLogger(__name__)
 Prompt = str | Sequence[int]
@@ -80,7 +85,16 @@ class GenerateOutput:
 class Engine:
     def __init__(self, model_path: str, lora_paths: dict[str, str] | None = None, **kwargs):
         self.config = EngineConfig(model_path, lora_paths=lora_paths or {}, **kwargs)
-        self.runner = ModelRunner(self.config)
+        self.workers = Workers(self.config, serve_rank) if self.config.tp_size > 1 else None
+        if self.workers is None:
+            self.runner = ModelRunner(self.config)
+        else:
+            try:
+                with self.workers.guard("loading the model"), parallel_state(self.workers.state):
+                    self.runner = ModelRunner(rank_config(self.config, 0), self.workers)
+            except BaseException:
+                self.workers.shutdown()
+                raise
         # None for a model directory without tokenizer files: token ids in and out, no text
         self.tokenizer, self.missing_tokenizer = load_tokenizer(self.config)
         self.eos_token_ids = _eos_token_ids(model_path, self.tokenizer)
@@ -96,11 +110,21 @@ class Engine:
     # ------------------------------------------------------------------------------ adapters
 
     def load_lora(self, name: str, path: str) -> None:
+        """Every rank holds the adapter when this returns."""
         self.runner.lora.load_lora(name, path)
+        self.runner.sync_lora()
 
     def unload_lora(self, name: str) -> None:
         """Requests in flight with the adapter finish; new ones naming it are refused."""
         self.runner.lora.unload_lora(name)
+        self.runner.sync_lora()
+
+    def shutdown(self) -> None:
+        """Stop the other ranks (tp_size > 1); the engine runs no more steps. Nothing to do at one rank."""
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None
+            self.fatal = self.fatal or "the engine was shut down"
 
     # ---------------------------------------------------------------------------- offline API
 
@@ -237,7 +261,10 @@ class Engine:
                 f"up to {config.max_running_requests} running requests",
                 f"tokenizer: {config.tokenizer_path or config.model_path}" if self.tokenizer is not None
                 else f"no tokenizer: {self.missing_tokenizer}",
-                *runner.lora.describe()]
+                *runner.lora.describe(),
+                *([f"parallel: {config.tp_size} ranks, tensor parallel with the experts over {config.ep_size} groups "
+                   f"({config.moe_dispatch} dispatch); per rank: weights {runner.weight_bytes() / 2**30:.2f} GiB, "
+                   "KV cache and LoRA slots as above"] if config.tp_size > 1 else [])]
 
     def accounting_error(self) -> str | None:
         """What does not add up between the KV cache pool and the requests holding it (None: all well)."""
@@ -327,8 +354,8 @@ class Engine:
         try:
             return self._run_batch(batch)
         except Exception as e:
-            if _is_device_error(e):
-                self.fatal = f"device error: {_describe(e)}"
+            if isinstance(e, WorkerFailure) or _is_device_error(e):
+                self.fatal = str(e) if isinstance(e, WorkerFailure) else f"device error: {_describe(e)}"
                 logger.exception("the device failed; failing every request")
                 # the step's new prompts are in no queue of the scheduler until their part has run
                 unfinished = [r for r in dict.fromkeys([*step_reqs, *self.scheduler.unfinished()]) if not r.finished]

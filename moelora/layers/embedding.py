@@ -14,7 +14,7 @@ from moelora.distributed.state import get_parallel
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
-        state = get_parallel()
+        state = self.dist_state = get_parallel()
         self.vocab_size = vocab_size
         self.shard = even_shard(vocab_size, state.tp_size, state.rank, "the vocabulary")  # rows this rank holds
         self.weight = nn.Parameter(torch.empty(size_of(self.shard), hidden_size), requires_grad=False)
@@ -25,4 +25,4 @@ class VocabEmbedding(nn.Module):
         local = ids - self.shard.start
         outside = (local < 0) | (local >= self.weight.shape[0])
         rows = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
-        return all_reduce(rows.masked_fill(outside[:, None], 0.0))
+        return all_reduce(self.dist_state, rows.masked_fill(outside[:, None], 0.0))

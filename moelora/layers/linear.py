@@ -58,6 +58,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
         self._adds_bias = parallel != "row" or state.rank == 0  # a row layer's partial sums get it once
+        self.dist_state = state  # its collectives' ranks, whatever state is current when it runs
         self.part_names, self.layer_id = tuple(part_names), layer_id
         self.lora: LinearLoRASlots | None = None
 
@@ -69,5 +70,5 @@ class Linear(nn.Module):
             blocks = lora_batch.derived(("slot_blocks", n), lambda s: align_tokens_by_slot(s, n)) if x.is_cuda else None
             lora_linear(x, self.lora, self.out_sizes, lora_batch.token_slots, out=y, blocks=blocks)
         if self.parallel == "row" and self.reduce_output:
-            all_reduce(y)
+            all_reduce(self.dist_state, y)
         return y

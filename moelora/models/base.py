@@ -123,6 +123,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"sliding-window attention (sliding_window={config.sliding_window}) is not supported")
         self.config = config
         self.model = DecoderStack(config, layer_class)
+        self.dist_state = get_parallel()
         self.lm_head = (None if config.tie_word_embeddings else  # split by vocabulary rows, as the embedding
                         Linear(config.hidden_size, config.vocab_size, parallel="column"))
         self.requires_grad_(False)
@@ -133,7 +134,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, vocab] on every rank (each computes its vocabulary rows; all-gathered)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return all_gather(linear(hidden, weight).float())  # rounded to the model dtype first, as transformers does
+        return all_gather(self.dist_state, linear(hidden, weight).float())  # rounded to the model dtype first, as transformers does
 
     @property
     def kv_cache_shape(self) -> KVCacheShape:

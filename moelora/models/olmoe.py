@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from moelora.distributed.comm import all_gather
+from moelora.distributed.state import get_parallel
 from moelora.layers.moe.layer import MoE
 from moelora.layers.norm import RMSNorm
 from moelora.models.base import CausalLM, DecoderLayer, GQAttention
@@ -21,6 +22,7 @@ class OlmoeAttention(GQAttention):
         self.q_norm = RMSNorm(q_size, config.rms_norm_eps)
         self.k_norm = RMSNorm(kv_size, config.rms_norm_eps)
         self.clip_qkv = config.clip_qkv
+        self.dist_state = get_parallel()
 
     def transform_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -34,7 +36,7 @@ class OlmoeAttention(GQAttention):
         full, rows = self.qkv_proj.full_out_sizes[part], self.qkv_proj.out_shards[part]
         if x.shape[-1] == full:
             return norm(x)
-        shards = all_gather(x).split(x.shape[-1], dim=-1)
+        shards = all_gather(self.dist_state, x).split(x.shape[-1], dim=-1)
         copies = len(shards) * x.shape[-1] // full  # ranks holding the same key/value heads
         return norm(torch.cat(shards[::copies], dim=-1))[:, rows]
 

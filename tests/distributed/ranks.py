@@ -9,16 +9,17 @@ from typing import Any
 import torch
 
 from moelora.distributed.launch import LocalRanks, free_port
-from moelora.distributed.state import destroy_parallel, init_parallel
+from moelora.distributed.state import destroy_parallel, init_parallel, parallel_state
 
 
 def _rank_main(rank: int, world: int, port: int, results: Any, fn: Callable[..., Any], args: tuple,
                options: dict[str, Any]) -> None:
     torch.set_num_threads(1)  # the ranks share the machine's few cores
-    init_parallel(world, rank=rank, init_method=f"tcp://127.0.0.1:{port}", backend="gloo", timeout=60, **options)
+    state = init_parallel(world, rank=rank, init_method=f"tcp://127.0.0.1:{port}", backend="gloo", timeout=60, **options)
     try:
-        # pickled here: a queue would share tensors' memory with the parent, gone once this process ends
-        results.put((rank, pickle.dumps(fn(*args))))
+        with parallel_state(state):
+            # pickled here: a queue would share tensors' memory with the parent, gone once this process ends
+            results.put((rank, pickle.dumps(fn(*args))))
     finally:
         destroy_parallel()
 

@@ -17,8 +17,9 @@ from tests.distributed.ranks import run_ranks
 def test_one_rank_collectives_are_the_identity():
     assert get_parallel() == ParallelState()
     x = torch.randn(3, 4)
-    assert comm.all_reduce(x) is x and comm.all_gather(x) is x
-    assert comm.min_over_ranks(7) == 7
+    one = get_parallel()
+    assert comm.all_reduce(one, x) is x and comm.all_gather(one, x) is x
+    assert comm.min_over_ranks(one, 7) == 7
 
 
 def test_layout():
@@ -43,15 +44,18 @@ def test_shards():
 
 
 def _collectives() -> dict:
-    rank = get_parallel().rank
+    state = get_parallel()
+    rank = state.rank
     x = torch.full((2, 3), float(rank + 1))
     # rank 0 sends 1 row to itself and 2 to rank 1; rank 1 sends none to rank 0 and 1 to itself
     send = [1, 2] if rank == 0 else [0, 1]
     rows = torch.arange(sum(send), dtype=torch.float32)[:, None] + 10 * rank
-    recv = comm.exchange_counts(torch.tensor(send))
-    return dict(sum=comm.all_reduce(x.clone()), gathered=comm.all_gather(torch.tensor([rank, rank])),
-                recv_counts=recv.tolist(), received=comm.all_to_all(rows, send, recv.tolist()).flatten().tolist(),
-                obj=comm.broadcast_object({"from": rank} if rank == 0 else None), least=comm.min_over_ranks(5 + rank))
+    recv = comm.exchange_counts(state, torch.tensor(send))
+    comm.barrier(state, "cpu")
+    return dict(sum=comm.all_reduce(state, x.clone()), gathered=comm.all_gather(state, torch.tensor([rank, rank])),
+                recv_counts=recv.tolist(), received=comm.all_to_all(state, rows, send, recv.tolist()).flatten().tolist(),
+                obj=comm.broadcast_object(state, {"from": rank} if rank == 0 else None),
+                least=comm.min_over_ranks(state, 5 + rank))
 
 
 def test_two_ranks_collectives():

@@ -23,7 +23,7 @@ class AllToAllDispatcher(Dispatcher):
     def __init__(self, num_experts: int, state: ParallelState):
         per_group = num_experts // state.ep_size
         super().__init__(num_experts, state.ep_rank * per_group, per_group)
-        self.rank, self.world, self.moe_tp_size = state.rank, state.tp_size, state.moe_tp_size
+        self.dist_state, self.rank, self.world, self.moe_tp_size = state, state.rank, state.tp_size, state.moe_tp_size
 
     def dispatch(self, x: torch.Tensor, topk: TopKOutput, lora: LoRABatch | None) -> Dispatched:
         num_tokens, k = topk.ids.shape
@@ -37,18 +37,19 @@ class AllToAllDispatcher(Dispatcher):
         order = torch.argsort(dest, stable=True)
         pair = torch.arange(ids.shape[0], device=x.device).repeat_interleave(self.moe_tp_size)[order]
         send = torch.bincount(dest, minlength=self.world).tolist()
-        recv = exchange_counts(torch.tensor(send, dtype=torch.int64, device=x.device)).tolist()
+        recv = exchange_counts(self.dist_state, torch.tensor(send, dtype=torch.int64, device=x.device)).tolist()
         slots = (lora.token_slots[tokens] if lora is not None
                  else torch.full_like(tokens, -1, dtype=torch.int32))
         weights = topk.weights[first:last].reshape(-1).contiguous().view(torch.int32)  # travels as its bits
         meta = torch.stack([(ids - group * self.num_local).to(torch.int32), slots, weights], dim=1)[pair]
-        got_x, got_meta = all_to_all(x[tokens[pair]], send, recv), all_to_all(meta, send, recv)
+        got_x = all_to_all(self.dist_state, x[tokens[pair]], send, recv)
+        got_meta = all_to_all(self.dist_state, meta, send, recv)
         routed = TopKOutput(got_meta[:, 2].contiguous().view(torch.float32)[:, None], got_meta[:, :1].contiguous())
         got_lora = LoRABatch(got_meta[:, 1].contiguous()) if lora is not None else None
         return Dispatched(got_x, routed, got_lora, (tokens[pair], send, recv, num_tokens))
 
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         tokens, send, recv, num_tokens = dispatched.route
-        back = all_to_all(y, recv, send)
+        back = all_to_all(self.dist_state, y, recv, send)
         out = torch.zeros(num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
         return out.index_add_(0, tokens, back.float()).to(y.dtype)

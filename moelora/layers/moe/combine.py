@@ -9,6 +9,7 @@ from torch import nn
 
 from moelora.core import LoRABatch
 from moelora.distributed.comm import all_reduce
+from moelora.distributed.state import get_parallel
 from moelora.layers.linear import Linear
 from moelora.layers.mlp import MLP
 
@@ -22,6 +23,7 @@ class Combine(nn.Module):
         if shared_experts is not None and shared_experts.down_proj.reduce_output:
             raise ValueError("shared experts must leave their partial sums to Combine (MLP(..., reduce_output=False))")
         self.shared_experts = shared_experts
+        self.dist_state = get_parallel()
         self.shared_expert_gate = (Linear(hidden_size, 1, part_names=("mlp.shared_expert_gate",), layer_id=layer_id)
                                    if shared_expert_gate else None)
 
@@ -29,8 +31,8 @@ class Combine(nn.Module):
         """x [T, H] the block's input, routed [T, H] the routed experts' output (this rank's partial sum) -> the
         block's output [T, H]."""
         if self.shared_experts is None:
-            return all_reduce(routed)
+            return all_reduce(self.dist_state, routed)
         shared = self.shared_experts(x, lora)
         if self.shared_expert_gate is not None:  # replicated: scales each rank's partial sum alike
             shared = torch.sigmoid(self.shared_expert_gate(x, lora)) * shared
-        return all_reduce(routed + shared)
+        return all_reduce(self.dist_state, routed + shared)
