@@ -88,8 +88,11 @@ def init_parallel(tp_size: int, ep_size: int = 1, rank: int | None = None, init_
     state = ParallelState(rank, tp_size, ep_size, moe_dispatch)  # checks the layout before joining anything
     if tp_size == 1:
         return state
-    backend = backend or ("nccl" if torch.device(device).type == "cuda" else "gloo")
-    kwargs = {"device_id": torch.device(device)} if backend == "nccl" else {}
+    device = torch.device(device)
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    kwargs = {"device_id": device} if backend == "nccl" else {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # Triton launches on the current device, NCCL binds to it
     dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=tp_size,
                             timeout=timedelta(seconds=timeout), **kwargs)
     group = dist.group.WORLD

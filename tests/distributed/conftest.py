@@ -6,6 +6,7 @@ import pytest
 import torch
 from peft import LoraConfig
 
+from moelora.engine.engine import Engine
 from tests.lora.lora_builders import PerExpertModel
 from tests.models.conftest import adapters, checkpoint  # noqa: F401  (session fixtures, shared)
 from tests.models.families import family_config, hf_model
@@ -41,6 +42,23 @@ def split_adapters(tmp_path_factory):
             cache[family][name] = str(path)
         return cache[family]
     return build
+
+
+@pytest.fixture
+def start_engine(checkpoint, adapters):
+    """start_engine(family, **EngineConfig fields) -> an engine (fp32 on the CPU unless told) with the family's
+    "full" and "partial" adapters; engines over several ranks are shut down after the test."""
+    started = []
+
+    def start(family: str, **options) -> Engine:
+        paths = {name: str(a.path) for name, a in adapters(family).items()}
+        common = dict(lora_paths=paths, device="cpu", dtype="float32", max_loras_per_batch=2, max_lora_rank=8)
+        engine = Engine(str(checkpoint(family)), **{**common, **options})
+        started.append(engine)
+        return engine
+    yield start
+    for engine in started:
+        engine.shutdown()
 
 
 @pytest.fixture(autouse=True)

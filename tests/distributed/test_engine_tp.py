@@ -6,7 +6,6 @@ import signal
 import time
 
 import pytest
-import torch
 
 from moelora.engine.engine import Engine, EngineDead, RequestFailed
 from moelora.engine.sampling_params import SamplingParams
@@ -17,30 +16,12 @@ PROMPTS = [[(7 * i + 3 * j) % 90 + 3 for j in range(5 + i)] for i in range(4)]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture
-def engines(checkpoint, adapters):
-    """engines(family, **options) -> (one-rank engine, engine over ranks) with the family's adapters; the
-    engines over ranks are shut down after the test."""
-    started = []
-
-    def make(family: str, **options):
-        paths = {name: str(a.path) for name, a in adapters(family).items()}
-        common = dict(lora_paths=paths, device="cpu", dtype="float32", max_loras_per_batch=2, max_lora_rank=8)
-        one = Engine(str(checkpoint(family)), **common)
-        many = Engine(str(checkpoint(family)), **common, **options)
-        started.append(many)
-        return one, many
-    yield make
-    for engine in started:
-        engine.shutdown()
-
-
 @pytest.mark.parametrize("family, options", [
     ("qwen3_moe", dict(tp_size=2, ep_size=2)),
     ("deepseek_v3", dict(tp_size=2, enable_expert_parallel=True, moe_dispatch="all_to_all")),
 ])
-def test_same_tokens_and_logprobs_as_one_rank(family, options, engines):
-    one, many = engines(family, **options)
+def test_same_tokens_and_logprobs_as_one_rank(family, options, start_engine):
+    one, many = start_engine(family), start_engine(family, **options)
     loras = ["full", None, "partial", "full"]
     assert [o.token_ids for o in many.generate(PROMPTS, GREEDY, lora=loras)] == \
         [o.token_ids for o in one.generate(PROMPTS, GREEDY, lora=loras)]
@@ -74,8 +55,8 @@ def _drive(engine, partial_path: str) -> list[list[int]]:
     return [tokens[r] for r in rids]
 
 
-def test_load_and_unload_with_requests_in_flight(engines, adapters):
-    one, many = engines("qwen3_moe", tp_size=2, ep_size=2, moe_dispatch="all_to_all")
+def test_load_and_unload_with_requests_in_flight(start_engine, adapters):
+    one, many = start_engine("qwen3_moe"), start_engine("qwen3_moe", tp_size=2, ep_size=2, moe_dispatch="all_to_all")
     partial = str(adapters("qwen3_moe")["partial"].path)
     assert _drive(many, partial) == _drive(one, partial)
     assert many.lora_stats.slot_evictions == one.lora_stats.slot_evictions > 0
@@ -92,16 +73,16 @@ def _wait_failed(engine: Engine, seconds: float) -> str:
     return str(failed.value)
 
 
-def test_a_rank_that_dies_stops_the_engine(engines):
-    _, many = engines("qwen3_moe", tp_size=2)
+def test_a_rank_that_dies_stops_the_engine(start_engine):
+    many = start_engine("qwen3_moe", tp_size=2)
     many.generate(PROMPTS[:1], GREEDY)
     os.kill(many.workers.ranks.procs[1].pid, signal.SIGKILL)
     error = _wait_failed(many, 20)
     assert "rank 1 exited with code -9" in error and "a step failed on the tensor-parallel ranks" in error
 
 
-def test_a_rank_that_hangs_stops_the_engine_within_the_timeout(engines):
-    _, many = engines("qwen3_moe", tp_size=2, dist_timeout=3)
+def test_a_rank_that_hangs_stops_the_engine_within_the_timeout(start_engine):
+    many = start_engine("qwen3_moe", tp_size=2, dist_timeout=3)
     many.generate(PROMPTS[:1], GREEDY)
     os.kill(many.workers.ranks.procs[1].pid, signal.SIGSTOP)
     error = _wait_failed(many, 3 + 20)
