@@ -19,12 +19,11 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch import nn
 
-from moelora.core import ExpertLoRASlots, LinearLoRASlots
+from moelora.core import ExpertLoRASlots
 from moelora.engine.config import EngineConfig
-from moelora.engine.lora_slots import allocate_lora_slots, write_adapter_to_slot
+from moelora.engine.lora_slots import allocate_lora_slots, slot_bytes, write_adapter_to_slot
 from moelora.lora.adapter import load_adapter
 from moelora.lora.canonical import Adapter
 from moelora.lora.errors import AdapterError
@@ -117,10 +116,8 @@ class LoRAManager:
         """A line for the GPU slots and one per adapter (rank, host memory), for the server's startup log."""
         if not self.max_rank:
             return ["LoRA: no slots (start with max_lora_rank or lora_paths to load adapters)"]
-        slot_bytes = sum(t.numel() * t.element_size() for m in self.model.modules()
-                         if isinstance(getattr(m, "lora", None), (ExpertLoRASlots, LinearLoRASlots))
-                         for t in vars(m.lora).values() if isinstance(t, torch.Tensor))
-        lines = [f"LoRA: {self.pool.num_slots} GPU slots of rank {self.max_rank} ({slot_bytes / 2**20:.1f} MiB), host "
+        mib = slot_bytes(self.model) / 2**20
+        lines = [f"LoRA: {self.pool.num_slots} GPU slots of rank {self.max_rank} ({mib:.1f} MiB), host "
                  f"cache of {self.config.max_cpu_loras or 'unlimited'} adapters"]
         for name in self.names:
             adapter = self._host.get(name)

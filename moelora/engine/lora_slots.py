@@ -42,6 +42,12 @@ def allocate_lora_slots(model: nn.Module, num_slots: int, max_rank: int) -> None
                                      ranks=torch.zeros(s, parts, dtype=torch.int32, device=weight.device))
 
 
+def slot_bytes(model: nn.Module) -> int:
+    """Bytes of the model's LoRA slot buffers (this rank's, under tensor or expert parallelism)."""
+    return sum(t.numel() * t.element_size() for m in _lora_layers(model) if m.lora is not None
+               for t in vars(m.lora).values() if isinstance(t, torch.Tensor))
+
+
 def write_adapter_to_slot(model: nn.Module, adapter: Adapter, slot: int) -> None:
     """Slot `slot` of every LoRA layer holds `adapter` afterwards and nothing of what was there before.
     Raises AdapterError, before writing anything, if a module of the adapter is not in the model
