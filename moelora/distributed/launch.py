@@ -30,7 +30,7 @@ def _entry(target: Callable[..., Any], rank: int, messages: Any, args: tuple) ->
 
 
 class LocalRanks:
-    """Ranks first..world-1 as daemon processes (they end with this process)."""
+    """`ranks` as daemon processes of this machine (they end with this process)."""
 
     def __init__(self, target: Callable[..., Any], ranks: range, args: tuple):
         ctx = mp.get_context("spawn")

@@ -10,7 +10,9 @@ request with reason "error" and frees what it held; the rest of the step goes on
 unhealthy (`Engine.fatal`); so does a rank of several that died, raised or hangs (engine/workers.py).
 
 With tp_size > 1 the engine starts the other ranks itself (ranks 1.., processes of this machine) and this
-process is rank 0; `shutdown()` stops them.
+process is rank 0; `shutdown()` stops them. Under torchrun (tp_size processes, one node or several) every process
+constructs the Engine: rank 0 gets the engine, the others serve it from inside the constructor and end their
+process when rank 0 shuts down.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from moelora.engine.sampling_params import SamplingParams, check_text
 from moelora.engine.scheduler import ScheduledBatch, Scheduler
 from moelora.engine.structured_output import GrammarBackend
 from moelora.engine.tokenizer import load_tokenizer
-from moelora.engine.workers import WorkerFailure, Workers, rank_config
+from moelora.engine.workers import WorkerFailure, Workers, launched_rank, node_config
 
 logger = logging.getLogger(__name__)
 Prompt = str | Sequence[int]
@@ -85,13 +87,17 @@ class GenerateOutput:
 class Engine:
     def __init__(self, model_path: str, lora_paths: dict[str, str] | None = None, **kwargs):
         self.config = EngineConfig(model_path, lora_paths=lora_paths or {}, **kwargs)
+        rank = launched_rank(self.config) if self.config.tp_size > 1 else None
+        if rank:  # under torchrun, a rank other than 0: it follows rank 0's engine, then its process ends
+            serve_rank(rank, self.config, "env://")
+            raise SystemExit(0)
         self.workers = Workers(self.config, serve_rank) if self.config.tp_size > 1 else None
         if self.workers is None:
             self.runner = ModelRunner(self.config)
         else:
             try:
                 with self.workers.guard("loading the model"), parallel_state(self.workers.state):
-                    self.runner = ModelRunner(rank_config(self.config, 0), self.workers)
+                    self.runner = ModelRunner(node_config(self.config, 0), self.workers)
             except BaseException:
                 self.workers.shutdown()
                 raise

@@ -20,7 +20,7 @@ from moelora.engine.lora_manager import LoRAManager
 from moelora.engine.request import Req
 from moelora.engine.sampler import PenaltyState, SampleOutput, SamplingBatch, TokenMask, hold_back, sample
 from moelora.engine.scheduler import ScheduledBatch
-from moelora.engine.workers import Workers, join_world, rank_config
+from moelora.engine.workers import Workers, join_world, node_config
 from moelora.models.config import ModelConfig
 from moelora.models.loader import load_model
 
@@ -198,7 +198,7 @@ def serve_rank(rank: int, config: EngineConfig, init_method: str) -> None:
     """A rank other than 0: load its share of the model, then run what rank 0 sends until it says stop."""
     torch.set_num_threads(max(1, torch.get_num_threads() // config.tp_size))  # the ranks share the host's cores
     with parallel_state(join_world(config, rank, init_method)) as state:
-        runner = ModelRunner(rank_config(config, rank))
+        runner = ModelRunner(node_config(config, rank))
     while True:
         kind, *args = broadcast_object(state)
         if kind == "shutdown":

@@ -1,12 +1,16 @@
-"""The engine over several ranks (CPU processes with gloo, started by the engine): the same tokens and
-log-probs as one rank, adapters loaded and unloaded at runtime with requests in flight on every rank, and a
-rank that dies or hangs stops the engine with an error naming it instead of hanging."""
+"""The engine over several ranks (CPU processes with gloo, started by the engine, or by torchrun): the same
+tokens and log-probs as one rank, adapters loaded and unloaded at runtime with requests in flight on every rank,
+and a rank that dies or hangs stops the engine with an error naming it instead of hanging."""
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
+from moelora.distributed.launch import free_port
 from moelora.engine.engine import Engine, EngineDead, RequestFailed
 from moelora.engine.sampling_params import SamplingParams
 from moelora.lora import AdapterError
@@ -88,3 +92,34 @@ def test_a_rank_that_hangs_stops_the_engine_within_the_timeout(start_engine):
     error = _wait_failed(many, 3 + 20)
     assert "every rank is still running: one did not answer in time" in error
     assert not many.workers.ranks.procs[1].is_alive()  # stopped, then killed
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+from moelora.engine.engine import Engine
+from moelora.engine.sampling_params import SamplingParams
+
+if __name__ == "__main__":
+    model, lora_paths, prompts, loras = json.loads(sys.argv[1])
+    engine = Engine(model, lora_paths=lora_paths, tp_size=2, ep_size=2, device="cpu", dtype="float32",
+                    max_loras_per_batch=2, max_lora_rank=8)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), lora=loras)
+    print("TOKENS", json.dumps([o.token_ids for o in outs]))
+    engine.shutdown()
+"""
+
+
+def test_under_torchrun(start_engine, checkpoint, adapters, tmp_path):
+    """Two processes torchrun started, each constructing the Engine: rank 0's generates, rank 1's serves it and
+    ends its process; the tokens are one rank's."""
+    script = tmp_path / "run.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    paths = {name: str(a.path) for name, a in adapters("qwen3_moe").items()}
+    loras = ["full", None, "partial", "full"]
+    spec = json.dumps([str(checkpoint("qwen3_moe")), paths, PROMPTS, loras])
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(free_port()), str(script), spec], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    tokens = [json.loads(line.removeprefix("TOKENS ")) for line in run.stdout.splitlines() if line.startswith("TOKENS ")]
+    assert tokens == [[o.token_ids for o in start_engine("qwen3_moe").generate(PROMPTS, GREEDY, lora=loras)]]
