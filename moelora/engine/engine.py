@@ -118,12 +118,12 @@ class Engine:
     def load_lora(self, name: str, path: str) -> None:
         """Every rank holds the adapter when this returns."""
         self.runner.lora.load_lora(name, path)
-        self.runner.sync_lora()
+        self._sync_lora()
 
     def unload_lora(self, name: str) -> None:
         """Requests in flight with the adapter finish; new ones naming it are refused."""
         self.runner.lora.unload_lora(name)
-        self.runner.sync_lora()
+        self._sync_lora()
 
     def shutdown(self) -> None:
         """Stop the other ranks (tp_size > 1); the engine runs no more steps. Nothing to do at one rank."""
@@ -336,6 +336,13 @@ class Engine:
         detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params, self.eos_token_ids)
         return Req(rid or uuid.uuid4().hex, ids, params, lora, seed, detokenizer, return_prompt_logprobs,
                    grammar=grammar, allowed_tokens=allowed)
+
+    def _sync_lora(self) -> None:
+        try:
+            self.runner.sync_lora()
+        except WorkerFailure as e:
+            self.fatal = str(e)
+            raise
 
     def _add(self, req: Req) -> None:
         if self.fatal is not None:
