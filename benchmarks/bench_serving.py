@@ -72,12 +72,14 @@ Generate = Callable[[list[list[int]], list[str | None], int], None]
 
 
 class Ours:
-    def __init__(self, model_dir: Path, adapters: dict[str, Path], device: str, dtype: torch.dtype, max_batch: int):
+    def __init__(self, model_dir: Path, adapters: dict[str, Path], device: str, dtype: torch.dtype, max_batch: int,
+                 **options):
+        """options: further EngineConfig fields (tp_size, ep_size, moe_dispatch: bench_tp.py)."""
         self.engine = Engine(str(model_dir), lora_paths={n: str(p) for n, p in adapters.items()}, load_format="dummy",
                              device=device, dtype=str(dtype).removeprefix("torch."),
                              # as many slots as adapters, so `--adapters 0,1` fits an 80 GB GPU (8 slots leave no KV cache)
                              max_loras_per_batch=max(1, len(adapters)),
-                             max_lora_rank=RANK, cuda_graph_max_bs=max_batch)
+                             max_lora_rank=RANK, cuda_graph_max_bs=max_batch, **options)
 
     def generate(self, prompts: list[list[int]], names: list[str | None], new_tokens: int) -> None:
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)

@@ -57,7 +57,10 @@ def serve(args: argparse.Namespace) -> int:
     engine = Engine(**_fields_of(args, _engine_config()))
     name = args.served_model_name or Path(args.model_path.rstrip("/")).name
     app = create_app(engine, name, args.max_queued_requests, args.api_key, args.log_stats_interval)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.shutdown()  # the other ranks, with tp_size > 1
     return 0
 
 
@@ -68,8 +71,11 @@ def generate(args: argparse.Namespace) -> int:
     lora_paths = dict([args.lora]) if args.lora else {}
     engine = Engine(**{**_fields_of(args, _engine_config()), "lora_paths": lora_paths})
     params = SamplingParams(**_fields_of(args, SamplingParams))
-    for out in engine.generate(args.prompt, params, lora=args.lora[0] if args.lora else None):
-        print(out.text)
+    try:
+        for out in engine.generate(args.prompt, params, lora=args.lora[0] if args.lora else None):
+            print(out.text)
+    finally:
+        engine.shutdown()
     return 0
 
 

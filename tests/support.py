@@ -2,8 +2,8 @@
 logits, LoRA slot buffers (experts and dense layers) and paged-attention batches, dtype-derived
 tolerances, a tiny byte-level BPE tokenizer (built offline), a random-weight tiny Qwen3-MoE with
 random PEFT adapters (`build_random_demo`), tiny transformers models of every family with PEFT adapters on them, a
-Qwen3-30B-A3B-shaped dummy checkpoint with random PEFT adapters at its real shapes, and
-ForwardBatches over a KV cache."""
+Qwen3-30B-A3B-shaped dummy checkpoint with random PEFT adapters at its real shapes, DeepSeek-V3's and
+Qwen3-235B-A22B's configs, and ForwardBatches over a KV cache."""
 from __future__ import annotations
 
 import re
@@ -298,6 +298,35 @@ def qwen3_30b_a3b_config(tiny: bool = False) -> Qwen3MoeConfig:
     config = Qwen3MoeConfig(**{**QWEN3_30B_A3B, **(TINY_QWEN3_MOE if tiny else {})})
     config.architectures = ["Qwen3MoeForCausalLM"]
     return config
+
+
+# DeepSeek-V3's and Qwen3-235B-A22B's config.json sizes (the memory test; DeepSeek-V3 with fewer layers for the
+# multi-GPU scaling benchmark)
+DEEPSEEK_V3 = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                   num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
+                   kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256,
+                   n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=3,
+                   routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=163840,
+                   rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0,
+                                        original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0,
+                                        beta_fast=32, beta_slow=1))
+QWEN3_235B_A22B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+                       num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128, num_experts=128,
+                       num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960,
+                       tie_word_embeddings=False)
+
+
+def deepseek_v3_config(num_layers: int | None = None) -> DeepseekV3Config:
+    """DeepSeek-V3's config.json, with num_layers decoder layers (the first dense, as many as the real one's
+    three allow) when given."""
+    fields = dict(DEEPSEEK_V3)
+    if num_layers is not None:
+        fields.update(num_hidden_layers=num_layers, first_k_dense_replace=min(3, max(1, num_layers // 4)))
+    return DeepseekV3Config(**fields, architectures=["DeepseekV3ForCausalLM"])
+
+
+def qwen3_235b_a22b_config() -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(**QWEN3_235B_A22B, architectures=["Qwen3MoeForCausalLM"])
 
 
 def write_dummy_checkpoint(config: PretrainedConfig, path: Path) -> Path:

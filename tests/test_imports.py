@@ -1,5 +1,5 @@
-"""Imports point one way: cli -> server / demo -> engine -> models -> layers -> kernels -> core, and
-lora/ (adapter files -> canonical adapters) imports nothing of moelora outside itself. Every import
+"""Imports point one way: cli -> server / demo -> engine -> models -> layers -> kernels -> distributed -> core,
+and lora/ (adapter files -> canonical adapters) imports nothing of moelora outside itself. Every import
 counts, those under TYPE_CHECKING and inside functions too, and no two modules import each other
 through any path."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "moelora"
-LEVELS = {"core": 0, "kernels": 1, "layers": 2, "models": 3, "engine": 4, "server": 5, "demo": 5, "cli": 6,
-          "__init__": 6}
+LEVELS = {"core": 0, "distributed": 1, "kernels": 2, "layers": 3, "models": 4, "engine": 5, "server": 6, "demo": 6,
+          "cli": 7, "__init__": 7}
 
 
 def modules() -> dict[str, Path]:
@@ -33,7 +33,7 @@ def imports(path: Path, known: dict[str, Path]) -> set[str]:
 
 
 def group(module: str) -> str:
-    """core, kernels, layers, models, engine, server, lora, demo, cli, or __init__ for the package itself."""
+    """core, distributed, kernels, layers, models, engine, server, lora, demo, cli, or __init__ for the package."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moelora.distributed.state import DISPATCH_MODES
 from moelora.engine.fields import option
 from moelora.layers.moe.runner import BACKENDS as MOE_BACKENDS
 
@@ -28,8 +29,18 @@ class EngineConfig:
     random_seed: int = option(0, "seeds dummy weights and the draws of requests without a seed")
     moe_runner_backend: str = option("auto", "how the routed experts run: 'triton', 'torch' (the reference), "
                                              "'auto' (triton on CUDA, torch elsewhere)")
-    tp_size: int = option(1, "GPUs one model is split over (tensor parallelism); only 1 is supported",
-                          ("--tensor-parallel-size",))
+
+    # Parallelism: tp_size processes (one per GPU, or CPU processes with gloo), started by the engine
+    tp_size: int = option(1, "processes (GPUs) one model is split over: attention and dense layers tensor-parallel",
+                          ("--tensor-parallel-size", "--tp"))
+    ep_size: int = option(1, "groups of ranks the routed experts are split over (expert parallelism; divides tp_size); "
+                             "inside a group the experts are tensor-parallel", ("--expert-parallel-size", "--ep"))
+    enable_expert_parallel: bool = option(False, "vLLM's switch: ep_size = tp_size")
+    moe_dispatch: str = option("all_reduce", "how tokens reach the experts of other ranks: 'all_reduce' (every rank runs "
+                                             "its experts on every token) or 'all_to_all' (each pair travels to its "
+                                             "expert's ranks and back; runs without CUDA graphs)")
+    dist_timeout: float = option(300.0, "seconds a collective waits for the other ranks before the engine stops with "
+                                        "an error naming the rank that died or hangs")
 
     # LoRA
     max_loras_per_batch: int = option(8, "GPU adapter slots: distinct adapters in one running batch",
@@ -69,7 +80,13 @@ class EngineConfig:
         self._check(self.dtype == "auto" or self.dtype in DTYPES, "dtype", f"'auto' or one of {sorted(DTYPES)}")
         self._check(self.load_format in ("auto", "dummy"), "load_format", "'auto' or 'dummy'")
         self._check(self.moe_runner_backend in MOE_BACKENDS, "moe_runner_backend", f"one of {MOE_BACKENDS}")
-        self._check(self.tp_size == 1, "tp_size", "1: moelora runs a model on one GPU (no tensor parallelism yet)")
+        self._check(self.tp_size >= 1, "tp_size", ">= 1")
+        if self.enable_expert_parallel:
+            self._check(self.ep_size in (1, self.tp_size), "ep_size", f"tp_size ({self.tp_size}) with enable_expert_parallel")
+            self.ep_size = self.tp_size
+        self._check(self.ep_size >= 1 and self.tp_size % self.ep_size == 0, "ep_size", f"a divisor of tp_size ({self.tp_size})")
+        self._check(self.moe_dispatch in DISPATCH_MODES, "moe_dispatch", f"one of {DISPATCH_MODES}")
+        self._check(self.dist_timeout > 0, "dist_timeout", "> 0")
         self._check(self.context_length is None or self.context_length > 1, "context_length", "> 1")
         self._check(self.max_loras_per_batch >= 1, "max_loras_per_batch", ">= 1")
         self._check(self.max_lora_rank is None or self.max_lora_rank >= 1, "max_lora_rank", ">= 1")
@@ -82,6 +99,9 @@ class EngineConfig:
                     ">= 1, or -1 to disable chunked prefill")
         self._check(self.max_prefill_tokens >= 1, "max_prefill_tokens", ">= 1")
         self._check(self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", ">= 1")
+        # the other ranks would need the previous step's tokens, which only rank 0 samples
+        self._check(not (self.enable_overlap_schedule and self.tp_size > 1), "enable_overlap_schedule",
+                    f"False with tp_size > 1 (tp_size={self.tp_size})")
         for name in self.lora_paths:
             self._check(isinstance(name, str) and name != "", "lora_paths", "non-empty adapter names")
 
@@ -100,4 +120,6 @@ class EngineConfig:
 
     @property
     def use_cuda_graph(self) -> bool:
-        return self.torch_device.type == "cuda" and not self.disable_cuda_graph
+        """The all-to-all dispatch reads its counts on the host: not inside a graph."""
+        all_to_all = self.tp_size > 1 and self.moe_dispatch == "all_to_all"
+        return self.torch_device.type == "cuda" and not self.disable_cuda_graph and not all_to_all

@@ -1,8 +1,13 @@
 """The offline engine: `generate` and `prompt_logprobs` on lists of prompts, adapters loaded and
 unloaded at runtime, and the step API an HTTP server drives from its own loop (`add_request`,
 `step`, `abort`, `has_unfinished`). Everything runs in the caller's thread, one step at a time
-(engine/stepper.py runs the steps: failures stay with their request, and a device error makes the
-engine unhealthy, `Engine.fatal`).
+(engine/stepper.py runs the steps: failures stay with their request; a device error, or a rank of several
+that died, raised or hangs (engine/workers.py), makes the engine unhealthy, `Engine.fatal`).
+
+With tp_size > 1 the engine starts the other ranks itself (ranks 1.., processes of this machine) and this
+process is rank 0; `shutdown()` stops them. Under torchrun (tp_size processes, one node or several) every process
+constructs the Engine: rank 0 gets the engine, the others serve it from inside the constructor and end their
+process when rank 0 shuts down.
 """
 from __future__ import annotations
 
@@ -14,11 +19,12 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import GenerationConfig
 
+from moelora.distributed.state import parallel_state
 from moelora.engine.config import EngineConfig
 from moelora.engine.detokenizer import IncrementalDetokenizer
 from moelora.engine.kv_pool import KVPool
 from moelora.engine.lora_manager import LoRAStats
-from moelora.engine.model_runner import ModelRunner
+from moelora.engine.model_runner import ModelRunner, serve_rank
 from moelora.engine.request import Req
 from moelora.engine.sampler import pack_bitmask
 from moelora.engine.sampling_params import SamplingParams, check_text
@@ -26,6 +32,7 @@ from moelora.engine.scheduler import Scheduler
 from moelora.engine.stepper import StepOutput, Stepper
 from moelora.engine.structured_output import GrammarBackend
 from moelora.engine.tokenizer import load_tokenizer
+from moelora.engine.workers import WorkerFailure, Workers, launched_rank, node_config
 from moelora.lora.canonical import Adapter
 
 Prompt = str | Sequence[int]
@@ -57,7 +64,20 @@ class GenerateOutput:
 class Engine:
     def __init__(self, model_path: str, lora_paths: dict[str, str] | None = None, **kwargs):
         self.config = EngineConfig(model_path, lora_paths=lora_paths or {}, **kwargs)
-        self.runner = ModelRunner(self.config)
+        rank = launched_rank(self.config) if self.config.tp_size > 1 else None
+        if rank:  # under torchrun, a rank other than 0: it follows rank 0's engine, then its process ends
+            serve_rank(rank, self.config, "env://")
+            raise SystemExit(0)
+        self.workers = Workers(self.config, serve_rank) if self.config.tp_size > 1 else None
+        if self.workers is None:
+            self.runner = ModelRunner(self.config)
+        else:
+            try:
+                with self.workers.guard("loading the model"), parallel_state(self.workers.state):
+                    self.runner = ModelRunner(node_config(self.config, 0), self.workers)
+            except BaseException:
+                self.workers.shutdown()
+                raise
         # None for a model directory without tokenizer files: token ids in and out, no text
         self.tokenizer, self.missing_tokenizer = load_tokenizer(self.config)
         self.eos_token_ids = _eos_token_ids(model_path, self.tokenizer)
@@ -79,12 +99,21 @@ class Engine:
 
     def load_lora(self, name: str, path: str, adapter: Adapter | None = None) -> None:
         """Serve the adapter at `path` as `name` from now on; `adapter`: what read_lora(path) gave, else
-        the file is read here."""
+        the file is read here. Every rank holds the adapter when this returns."""
         self.runner.lora.load_lora(name, path, adapter)
+        self._sync_lora()
 
     def unload_lora(self, name: str) -> None:
         """Requests in flight with the adapter finish; new ones naming it are refused."""
         self.runner.lora.unload_lora(name)
+        self._sync_lora()
+
+    def shutdown(self) -> None:
+        """Stop the other ranks (tp_size > 1); the engine runs no more steps. Nothing to do at one rank."""
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None
+            self.stepper.fatal = self.stepper.fatal or "the engine was shut down"
 
     # ---------------------------------------------------------------------------- offline API
 
@@ -152,7 +181,7 @@ class Engine:
 
     @property
     def fatal(self) -> str | None:
-        """Why the engine cannot run steps any more (a device error); None while it can."""
+        """Why the engine cannot run steps any more (a device error, a failed rank, shut down); None while it can."""
         return self.stepper.fatal
 
     # ------------------------------------------------------------------------------------ text
@@ -237,7 +266,10 @@ class Engine:
                 f"up to {config.max_running_requests} running requests",
                 f"tokenizer: {config.tokenizer_path or config.model_path}" if self.tokenizer is not None
                 else f"no tokenizer: {self.missing_tokenizer}",
-                *runner.lora.describe()]
+                *runner.lora.describe(),
+                *([f"parallel: {config.tp_size} ranks, tensor parallel with the experts over {config.ep_size} groups "
+                   f"({config.moe_dispatch} dispatch); per rank: weights {runner.weight_bytes() / 2**30:.2f} GiB, "
+                   "KV cache and LoRA slots as above"] if config.tp_size > 1 else [])]
 
     def accounting_error(self) -> str | None:
         """What does not add up between the KV cache pool and the requests holding it (None: all well)."""
@@ -299,6 +331,13 @@ class Engine:
         detokenizer = IncrementalDetokenizer(self.tokenizer if detokenize else None, ids, params, self.eos_token_ids)
         return Req(rid or uuid.uuid4().hex, ids, params, lora, seed, detokenizer, return_prompt_logprobs,
                    grammar=grammar, allowed_tokens=allowed)
+
+    def _sync_lora(self) -> None:
+        try:
+            self.runner.sync_lora()
+        except WorkerFailure as e:
+            self.stepper.fatal = str(e)
+            raise
 
     def _add(self, req: Req) -> None:
         if self.fatal is not None:

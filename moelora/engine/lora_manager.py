@@ -5,6 +5,12 @@ GPU slots (LRU, never evicting an adapter of a request that holds KV cache).
 The scheduler admits a request only when its adapter fits among the running batch's adapters, so
 `prepare` always finds a slot. Unloading an adapter with requests in flight lets them finish;
 new requests naming it are refused from then on.
+
+Under tensor parallelism rank 0's manager decides (record_events=True) and the others follow: every change it
+makes to what the ranks hold (an adapter registered or dropped, written to a slot, the rank tile of a step) is
+also recorded as an event, which the engine sends with the next step or at once, and the other ranks' managers
+`replay`, each reading the adapter from disk and writing its own shard. So every rank's slots hold the same
+adapters in the same places.
 """
 from __future__ import annotations
 
@@ -13,12 +19,11 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch import nn
 
-from moelora.core import ExpertLoRASlots, LinearLoRASlots
+from moelora.core import ExpertLoRASlots
 from moelora.engine.config import EngineConfig
-from moelora.engine.lora_slots import allocate_lora_slots, write_adapter_to_slot
+from moelora.engine.lora_slots import allocate_lora_slots, slot_bytes, write_adapter_to_slot
 from moelora.lora.adapter import load_adapter
 from moelora.lora.canonical import Adapter
 from moelora.lora.errors import AdapterError
@@ -73,9 +78,13 @@ class LoRAStats:
     disk_loads: int = 0      # read (and validated) from disk: at load_lora, or after leaving host memory
 
 
+Event = tuple  # ("load", name, path) | ("drop", name) | ("write", name, slot) | ("rank", experts' rank tile)
+
+
 class LoRAManager:
-    def __init__(self, config: EngineConfig, model: nn.Module):
+    def __init__(self, config: EngineConfig, model: nn.Module, record_events: bool = False):
         self.config, self.model = config, model
+        self._events: list[Event] | None = [] if record_events else None
         self.shapes = load_model_shapes(config.model_path)  # what adapters are checked against
         self.stats = LoRAStats()
         self._paths: dict[str, Path] = {}
@@ -109,10 +118,8 @@ class LoRAManager:
         """A line for the GPU slots and one per adapter (rank, host memory), for the server's startup log."""
         if not self.max_rank:
             return ["LoRA: no slots (start with max_lora_rank or lora_paths to load adapters)"]
-        slot_bytes = sum(t.numel() * t.element_size() for m in self.model.modules()
-                         if isinstance(getattr(m, "lora", None), (ExpertLoRASlots, LinearLoRASlots))
-                         for t in vars(m.lora).values() if isinstance(t, torch.Tensor))
-        lines = [f"LoRA: {self.pool.num_slots} GPU slots of rank {self.max_rank} ({slot_bytes / 2**20:.1f} MiB), host "
+        mib = slot_bytes(self.model) / 2**20
+        lines = [f"LoRA: {self.pool.num_slots} GPU slots of rank {self.max_rank} ({mib:.1f} MiB), host "
                  f"cache of {self.config.max_cpu_loras or 'unlimited'} adapters"]
         for name in self.names:
             adapter = self._host.get(name)
@@ -141,6 +148,7 @@ class LoRAManager:
                                "(start it with max_lora_rank, or with lora_paths)")
         self._register(name, Path(path), adapter if adapter is not None else self.read(path))
         self.stats.disk_loads += 1
+        self._record("load", name, str(path))
 
     def unload_lora(self, name: str) -> None:
         """New requests naming the adapter are refused from now on; it leaves memory once its
@@ -185,18 +193,48 @@ class LoRAManager:
                 except BaseException:  # the slot holds part of it: nobody may find it there
                     self.pool.release(name)
                     raise
+                self._record("write", name, slot)
                 self.stats.slot_loads += 1
                 self.stats.slot_evictions += evicted is not None
             else:
                 self.stats.slot_hits += 1
             slots[name] = slot
         if slots:
-            rank = max(self._expert_rank[n] for n in slots)
-            for lora in self.expert_loras:
-                lora.max_rank_in_use = max(rank, 1)  # 0 would mean "unknown": the buffers' full rank
+            rank = max(max(self._expert_rank[n] for n in slots), 1)  # 0 would mean "unknown": the buffers' full rank
+            self._set_rank_tile(rank)
+            self._record("rank", rank)
         return [-1 if a is None else slots[a] for a in adapters]
 
+    def take_events(self) -> list[Event]:
+        """What changed since the last call, for the other ranks to replay."""
+        events = self._events or []
+        if self._events is not None:
+            self._events = []
+        return events
+
+    def replay(self, events: list[Event]) -> None:
+        """Make the same changes as rank 0's manager did (on another rank, in its order)."""
+        for kind, *args in events:
+            if kind == "load":
+                name, path = args
+                self._register(name, Path(path), self.read(path))
+            elif kind == "drop":
+                self._drop(args[0])
+            elif kind == "write":
+                name, slot = args
+                write_adapter_to_slot(self.model, self._host_copy(name), slot)
+            else:
+                self._set_rank_tile(args[0])
+
     # --------------------------------------------------------------------------------- internals
+
+    def _record(self, *event: object) -> None:
+        if self._events is not None:
+            self._events.append(event)
+
+    def _set_rank_tile(self, rank: int) -> None:
+        for lora in self.expert_loras:
+            lora.max_rank_in_use = rank
 
     def _register(self, name: str, path: Path, adapter: Adapter) -> None:
         self._paths[name] = path
@@ -219,6 +257,7 @@ class LoRAManager:
         return adapter
 
     def _drop(self, name: str) -> None:
+        self._record("drop", name)
         del self._paths[name], self._expert_rank[name]
         self._unloading.discard(name)
         self._host.pop(name, None)

@@ -1,6 +1,11 @@
 """GPU slots of a model's LoRA layers: `allocate_lora_slots` gives every LoRA-able Linear and Runner
 layer zeroed buffers for `num_slots` adapters up to `max_rank`; `write_adapter_to_slot` puts one
-canonical adapter into one slot of all of them (the LoRA manager calls both)."""
+canonical adapter into one slot of all of them (the LoRA manager calls both).
+
+Under tensor and expert parallelism the buffers are this rank's: a layer's shard of each projection and the
+experts it holds, and the adapter's A and B are cut as the weights are (a column-parallel part's rows of B, a
+row-parallel layer's columns of A; the experts' rows likewise over their intermediate dimension). Adapters are
+still checked against the whole model's shapes."""
 from __future__ import annotations
 
 import torch
@@ -37,6 +42,12 @@ def allocate_lora_slots(model: nn.Module, num_slots: int, max_rank: int) -> None
                                      ranks=torch.zeros(s, parts, dtype=torch.int32, device=weight.device))
 
 
+def slot_bytes(model: nn.Module) -> int:
+    """Bytes of the model's LoRA slot buffers (this rank's, under tensor or expert parallelism)."""
+    return sum(t.numel() * t.element_size() for m in _lora_layers(model) if m.lora is not None
+               for t in vars(m.lora).values() if isinstance(t, torch.Tensor))
+
+
 def write_adapter_to_slot(model: nn.Module, adapter: Adapter, slot: int) -> None:
     """Slot `slot` of every LoRA layer holds `adapter` afterwards and nothing of what was there before.
     Raises AdapterError, before writing anything, if a module of the adapter is not in the model
@@ -65,7 +76,7 @@ def write_adapter_to_slot(model: nn.Module, adapter: Adapter, slot: int) -> None
     for m in layers:
         layer = adapter.layers.get(m.layer_id, LayerLoRA())
         if isinstance(m, Runner):
-            _write_experts(m.lora, layer, slot)
+            _write_experts(m, layer, slot)
         else:
             _write_linear(m, layer, slot)
 
@@ -76,10 +87,11 @@ def _fit_problems(m: Linear | Runner, name: str, lora: LinearLoRA | ExpertsLoRA)
     if lora.rank > max_rank:
         return [f"{where}: rank {lora.rank} exceeds the slots' max rank {max_rank}"]
     if isinstance(m, Runner):
-        d_in, d_out = (m.intermediate_size, m.hidden_size) if name == "down" else (m.hidden_size, m.intermediate_size)
-        expected = ((m.num_experts, lora.rank, d_in), (m.num_experts, d_out, lora.rank))
+        h, i, e = m.hidden_size, m.full_intermediate_size, m.total_experts
+        d_in, d_out = (i, h) if name == "down" else (h, i)
+        expected = ((e, lora.rank, d_in), (e, d_out, lora.rank))
     else:
-        expected = ((lora.rank, m.in_features), (m.out_sizes[m.part_names.index(name)], lora.rank))
+        expected = ((lora.rank, m.full_in_features), (m.full_out_sizes[m.part_names.index(name)], lora.rank))
     got = (tuple(lora.a.shape), tuple(lora.b.shape))
     return [] if got == expected else [f"{where}: A, B shapes {got}, expected {expected}"]
 
@@ -90,16 +102,17 @@ def _write_linear(m: Linear, layer: LayerLoRA, slot: int) -> None:
     buffers.b[slot].zero_()
     buffers.ranks[slot] = 0
     offset = 0
-    for part, (name, size) in enumerate(zip(m.part_names, m.out_sizes)):
+    for part, (name, size, rows) in enumerate(zip(m.part_names, m.out_sizes, m.out_shards)):
         lora = layer.modules.get(name)
         if lora is not None:
-            buffers.a[slot, part, :lora.rank].copy_(lora.a)
-            buffers.b[slot, :lora.rank, offset:offset + size].copy_(lora.b.T)
+            buffers.a[slot, part, :lora.rank].copy_(lora.a[:, m.in_shard])
+            buffers.b[slot, :lora.rank, offset:offset + size].copy_(lora.b[rows].T)
             buffers.ranks[slot, part] = lora.rank
         offset += size
 
 
-def _write_experts(buffers: ExpertLoRASlots, layer: LayerLoRA, slot: int) -> None:
+def _write_experts(m: Runner, layer: LayerLoRA, slot: int) -> None:
+    buffers, experts, rows = m.lora, m.experts, m.inter
     buffers.ranks[:, slot] = 0
     for p, name in enumerate(EXPERT_PROJECTIONS):
         a, b = getattr(buffers, f"a_{name}"), getattr(buffers, f"b_{name}")
@@ -107,8 +120,9 @@ def _write_experts(buffers: ExpertLoRASlots, layer: LayerLoRA, slot: int) -> Non
         b[slot].zero_()
         lora = layer.experts.get(name)
         if lora is not None:
-            a[slot, :, :lora.rank].copy_(lora.a)
-            b[slot, :, :lora.rank].copy_(lora.b.transpose(1, 2))
-            buffers.ranks[p, slot] = lora.ranks.to(buffers.ranks.device)
+            # down: this rank's columns of A (its intermediate rows); gate and up: its rows of B
+            a[slot, :, :lora.rank].copy_(lora.a[experts, :, rows] if name == "down" else lora.a[experts])
+            b[slot, :, :lora.rank].copy_((lora.b[experts] if name == "down" else lora.b[experts, rows]).transpose(1, 2))
+            buffers.ranks[p, slot] = lora.ranks[experts].to(buffers.ranks.device)
             # A host-side upper bound on the ranks in use sizes the kernels' rank tile.
             buffers.max_rank_in_use = max(buffers.max_rank_in_use or 0, lora.rank)

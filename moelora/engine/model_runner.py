@@ -1,19 +1,26 @@
 """Runs scheduled batches through the model: loads it, sizes the KV cache, builds each step's
-ForwardBatch, runs the model (decode steps from CUDA graphs where captured) and samples."""
+ForwardBatch, runs the model (decode steps from CUDA graphs where captured) and samples.
+
+Under tensor parallelism rank 0's runner sends each step's inputs to the other ranks (engine/workers.py),
+whose runners (`serve_rank`) run the same forward on their shares of the model; only rank 0 samples."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from moelora.core import ForwardBatch, KVCache, to_device
+from moelora.distributed.comm import barrier, broadcast_object, min_over_ranks
+from moelora.distributed.state import destroy_parallel, get_parallel, parallel_state
 from moelora.engine.config import CPU_KV_TOKENS, DTYPES, EngineConfig
 from moelora.engine.cuda_graph import CudaGraphs
 from moelora.engine.lora_manager import LoRAManager
 from moelora.engine.request import Req
 from moelora.engine.sampler import PenaltyState, SampleOutput, SamplingBatch, TokenMask, hold_back, sample
 from moelora.engine.scheduler import ScheduledBatch
+from moelora.engine.workers import Workers, join_world, node_config
 from moelora.models.config import ModelConfig
 from moelora.models.loader import load_model
 
@@ -34,9 +41,22 @@ class StepResult:
     prompt_entries: dict[int, tuple[int, list[dict[int, float]]]]
 
 
+class StepInputs(NamedTuple):
+    """ForwardBatch.build's arguments but the KV cache: a step as rank 0 sends it to the other ranks."""
+    rows: list[int]
+    new_tokens: list[list[int]]
+    prefix_lens: list[int]
+    out_cache_loc: torch.Tensor  # int64, host
+    logits_indices: list[int]
+    token_slots: list[int]
+    num_decode: int  # the first num_decode sequences are decode rows
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
-        self.config, self.device = config, config.torch_device
+    def __init__(self, config: EngineConfig, workers: Workers | None = None):
+        """workers: the other ranks, when this is rank 0 of several."""
+        self.config, self.device, self.workers = config, config.torch_device, workers
+        self.dist_state = get_parallel()  # the world it is built in: its model's, whatever is current later
         if not (Path(config.model_path) / "config.json").is_file():
             raise ValueError(f"EngineConfig.model_path {config.model_path!r} is not a local model directory (it has no "
                              "config.json); moelora reads local Hugging Face checkpoints, not Hub ids")
@@ -44,10 +64,12 @@ class ModelRunner:
         self.dtype = DTYPES[config.dtype] if config.dtype != "auto" else model_config.saved_dtype or torch.float32
         self.model = load_model(config.model_path, self.dtype, self.device, config.load_format, config.random_seed,
                                 model_config)
-        self.lora = LoRAManager(config, self.model)  # slots first: the KV cache gets what memory is left
+        # slots first: the KV cache gets what memory is left
+        self.lora = LoRAManager(config, self.model, record_events=workers is not None)
         context = config.context_length or model_config.max_position_embeddings
         shape = self.model.kv_cache_shape
         tokens = self._kv_tokens(shape.bytes_per_token(self.dtype), context)
+        tokens = min_over_ranks(self.dist_state, tokens)  # every rank's cache alike: rank 0 schedules for all
         # a request alone always fits, with a slot to spare for the scheduler's decode reserve
         self.context_len = min(context, tokens - 1)
         self.kv = KVCache(shape.num_layers, tokens + 1, shape.num_kv_heads, shape.k_head_dim, shape.v_head_dim,
@@ -66,12 +88,18 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch, lora_slots: list[int], pending: PendingTokens | None = None) -> StepResult:
         """One step: lora_slots[i] is request i's adapter slot (-1: none). The sampled tokens stay on the
         device (no host sync here, except for prompt log-probabilities). pending: where the tokens of
-        decode rows whose last token is not on the host yet (overlap scheduling) are on the device."""
-        forward_batch, rows = self._forward_batch(batch, lora_slots, pending)
-        if self.graphs is not None and self.graphs.can_run(forward_batch):
-            logits = self.graphs.replay(forward_batch)
+        decode rows whose last token is not on the host yet (overlap scheduling, one rank) are on the device."""
+        inputs, rows, future = self._step_inputs(batch, lora_slots, pending)
+        if self.workers is None:
+            fill = None
+            if future:  # one gather on the device, in stream order after the step that sampled them
+                at, source = (to_device(list(i), torch.int64, self.device) for i in zip(*future))
+                fill = (at, pending.token_ids[source])
+            logits = self.execute(inputs, fill)
         else:
-            logits = self.logits(forward_batch)
+            with self.workers.guard("a step"):
+                self.workers.send(("step", self.lora.take_events(), inputs))
+                logits = self.execute(inputs)
         prompt_logprobs, prompt_entries, sample_rows, sampled = {}, {}, [], []
         cursor = 0
         for i, (req, prefix, (num_prompt, num_rows)) in enumerate(zip(batch.reqs, batch.prefix_lens, rows)):
@@ -93,6 +121,28 @@ class ModelRunner:
             if sampling.penalties is not None:
                 self.penalties.count(sampling.penalties.state_rows, tokens.token_ids[sampling.penalties.rows])
         return StepResult(sampled, tokens, prompt_logprobs, prompt_entries)
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The step's logits (every rank runs it; a view of a graph's output: use before the next step).
+        fill: (input positions, token ids) on the device, put in the input ids before the forward."""
+        forward_batch = ForwardBatch.build(self.kv, *inputs)
+        if fill is not None:
+            forward_batch.input_ids[fill[0]] = fill[1]
+        if self.graphs is not None and self.graphs.can_run(forward_batch):
+            return self.graphs.replay(forward_batch)
+        return self.logits(forward_batch)
+
+    def weight_bytes(self) -> int:
+        """The model's parameters on this rank."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def sync_lora(self) -> None:
+        """Make the other ranks' adapters what rank 0's are now (after load_lora / unload_lora)."""
+        if self.workers is not None:
+            with self.workers.guard("changing adapters"):
+                self.workers.send(("lora", self.lora.take_events()))
+                self.workers.barrier()
 
     def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
         """The sampling options of the requests, with their penalties and token masks. The grammars'
@@ -119,14 +169,15 @@ class ModelRunner:
                                                        [params[i] for i in penalised])
         return sampling
 
-    def _forward_batch(self, batch: ScheduledBatch, lora_slots: list[int], pending: PendingTokens | None
-                       ) -> tuple[ForwardBatch, list[tuple[int, int]]]:
-        """The step's ForwardBatch, and per request (prompt tokens whose logits it returns, logits rows)."""
+    def _step_inputs(self, batch: ScheduledBatch, lora_slots: list[int], pending: PendingTokens | None
+                     ) -> tuple[StepInputs, list[tuple[int, int]], list[tuple[int, int]]]:
+        """The step's inputs; per request (prompt tokens whose logits it returns, logits rows); and (input
+        position, PendingTokens row) of each decode row whose token is still on the device (a 0 stands in)."""
         new_tokens, token_slots, logits_indices, rows, future = [], [], [], [], []
         start = 0
         for req, prefix, n, done, slot in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.completes,
                                               lora_slots):
-            if req.num_pending:  # a decode row whose token is still on the device: filled in below
+            if req.num_pending:  # a decode row whose token is still on the device: filled in by run
                 future.append((start, pending.rows[req]))
                 new_tokens.append([0])
             else:
@@ -138,12 +189,8 @@ class ModelRunner:
             logits_indices += own
             rows.append((num_prompt, len(own)))
             start += n
-        forward_batch = ForwardBatch.build(self.kv, [r.row for r in batch.reqs], new_tokens, batch.prefix_lens,
-                                           batch.out_slots, logits_indices, token_slots, batch.num_decode)
-        if future:  # one gather on the device, in stream order after the step that sampled them
-            at, source = (to_device(list(i), torch.int64, self.device) for i in zip(*future))
-            forward_batch.input_ids[at] = pending.token_ids[source]
-        return forward_batch, rows
+        return StepInputs([r.row for r in batch.reqs], new_tokens, list(batch.prefix_lens), batch.out_slots,
+                          logits_indices, token_slots, batch.num_decode), rows, future
 
     def _kv_tokens(self, bytes_per_token: int, context: int) -> int:
         """KV token slots: max_total_tokens when given (on GPUs it must fit in free memory), else on CPU
@@ -166,6 +213,23 @@ class ModelRunner:
                              f"{self.config.mem_fraction_static} after weights and LoRA slots): raise mem_fraction_static, "
                              "or lower max_loras_per_batch, max_lora_rank or max_running_requests")
         return tokens
+
+
+def serve_rank(rank: int, config: EngineConfig, init_method: str) -> None:
+    """A rank other than 0: load its share of the model, then run what rank 0 sends until it says stop."""
+    torch.set_num_threads(max(1, torch.get_num_threads() // config.tp_size))  # the ranks share the host's cores
+    with parallel_state(join_world(config, rank, init_method)) as state:
+        runner = ModelRunner(node_config(config, rank))
+    while True:
+        kind, *args = broadcast_object(state)
+        if kind == "shutdown":
+            break
+        runner.lora.replay(args[0])
+        if kind == "step":
+            runner.execute(args[1])
+        else:
+            barrier(state, runner.device)  # rank 0's Workers.barrier
+    destroy_parallel()
 
 
 def _prompt_entries(logits: torch.Tensor, req: Req, prefix: int) -> list[dict[int, float]]:

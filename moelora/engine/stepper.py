@@ -6,8 +6,8 @@ A failure stays with the request it belongs to. One that fails while its row and
 allocated, while its tokens are detokenized, or (found by running the step's batch again in
 halves) while the LoRA slots are prepared, the model runs or the batch samples, finishes that
 request with reason "error" and frees what it held; the rest of the step goes on. A device error
-(the accelerator's state is lost) cannot be isolated: it fails every request and the engine stays
-unhealthy (`fatal`).
+(the accelerator's state is lost) or a failed rank of several cannot be isolated: it fails every
+request and the engine stays unhealthy (`fatal`).
 
 Overlap scheduling: step n + 1 is scheduled and launched before step n's tokens are copied to the
 host, its decode rows' input tokens gathered on the device from step n's samples (PendingTokens), so
@@ -15,8 +15,8 @@ the host's work between two steps (scheduling, building the batch, reading and a
 while the device computes. Nothing on that path waits for the device: host-to-device copies go through
 pinned memory (core.to_device), and a step's tokens are copied to the host without blocking, the host
 waiting on an event recorded after that copy, not on the steps queued behind it (a blocking copy
-synchronises the whole stream). Loading an adapter into a GPU slot still does. What it costs: a request that step n ends with a stop token still has a row
-in step n + 1, whose token is dropped. A step reads the previous one first (no overlap) when a request
+synchronises the whole stream). Loading an adapter into a GPU slot still does. What it costs: a request
+that step n ends with a stop token still has a row in step n + 1, whose token is dropped. A step reads the previous one first (no overlap) when a request
 of it has a grammar (the next bitmask needs its token), and a launch that raises is run again after
 it, synchronously and isolated as above.
 """
@@ -31,6 +31,7 @@ from moelora.engine.model_runner import ModelRunner, PendingTokens, StepResult
 from moelora.engine.request import Req
 from moelora.engine.sampler import SampleOutput
 from moelora.engine.scheduler import ScheduledBatch, Scheduler
+from moelora.engine.workers import WorkerFailure
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ class Stepper:
                 + self._run_isolated(batch.subset(list(range(half, len(batch.reqs)))), step_reqs))
 
     def _device_failed(self, e: Exception, step_reqs: list[Req]) -> list[StepOutput]:
-        self.fatal = f"device error: {_describe(e)}"
+        self.fatal = str(e) if isinstance(e, WorkerFailure) else f"device error: {_describe(e)}"
         logger.exception("the device failed; failing every request")
         # the step's new prompts are in no queue of the scheduler until their part has run
         unfinished = [r for r in dict.fromkeys([*step_reqs, *self.scheduler.unfinished()]) if not r.finished]
@@ -242,6 +243,7 @@ def _describe(e: BaseException) -> str:
 
 
 def _is_device_error(e: BaseException) -> bool:
-    """An error of the accelerator itself (illegal address, launch failure): its context is lost."""
+    """An error of the accelerator itself (illegal address, launch failure: its context is lost), or a
+    rank of several that died, raised or hangs: no request can go on."""
     accelerator_error = getattr(torch, "AcceleratorError", ())  # torch >= 2.8
-    return isinstance(e, accelerator_error) or "CUDA error" in str(e)
+    return isinstance(e, (WorkerFailure, accelerator_error)) or "CUDA error" in str(e)

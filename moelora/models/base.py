@@ -15,8 +15,12 @@ import torch
 from torch import nn
 
 from moelora.core import ForwardBatch, KVCache
+from moelora.distributed.comm import all_gather
+from moelora.distributed.sharding import even_shard, kv_head_shard, scale, size_of
+from moelora.distributed.state import get_parallel
 from moelora.kernels.linear import linear
 from moelora.layers.attention import Attention
+from moelora.layers.embedding import VocabEmbedding
 from moelora.layers.linear import Linear
 from moelora.layers.norm import RMSNorm
 from moelora.layers.rotary import RotaryEmbedding
@@ -36,16 +40,25 @@ class KVCacheShape:
 
 class GQAttention(nn.Module):
     """Grouped-query self-attention: fused q/k/v projection, RoPE, paged attention, o_proj.
-    Families that normalise or clip q/k/v override `transform_qkv`."""
+    Families that normalise or clip q/k/v override `transform_qkv`.
+
+    Under tensor parallelism each rank holds its share of the query heads and the key/value heads they use
+    (one head held by several ranks alike when there are fewer than ranks): q/k/v is column-parallel, o_proj
+    row-parallel, and the KV cache holds the rank's heads only."""
 
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        state, self.head_dim = get_parallel(), config.head_dim
+        heads = even_shard(config.num_heads, state.tp_size, state.rank, "the attention heads")
+        kv_heads = kv_head_shard(config.num_kv_heads, state.tp_size, state.rank)
+        self.num_heads, self.num_kv_heads = size_of(heads), size_of(kv_heads)
+        q_size, kv_size = config.num_heads * self.head_dim, config.num_kv_heads * self.head_dim
+        kv_rows = scale(kv_heads, self.head_dim)
         self.qkv_proj = Linear(config.hidden_size, (q_size, kv_size, kv_size), bias=config.qkv_bias, layer_id=layer_id,
-                               part_names=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"))
+                               part_names=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                               parallel="column", out_shards=(scale(heads, self.head_dim), kv_rows, kv_rows))
         self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias, part_names=("self_attn.o_proj",),
-                             layer_id=layer_id)
+                             layer_id=layer_id, parallel="row")
         self.rotary = RotaryEmbedding(self.head_dim, config.rope_parameters, config.max_position_embeddings)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim, self.head_dim**-0.5, layer_id)
 
@@ -87,7 +100,7 @@ class DecoderLayer(nn.Module):
 class DecoderStack(nn.Module):
     def __init__(self, config: ModelConfig, layer_class: type[DecoderLayer]):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -110,18 +123,22 @@ class CausalLM(nn.Module):
             raise ValueError(f"sliding-window attention (sliding_window={config.sliding_window}) is not supported")
         self.config = config
         self.model = DecoderStack(config, layer_class)
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self.dist_state = get_parallel()
+        self.lm_head = (None if config.tie_word_embeddings else  # split by vocabulary rows, as the embedding
+                        Linear(config.hidden_size, config.vocab_size, parallel="column"))
         self.requires_grad_(False)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [N, vocab] on every rank (each computes its vocabulary rows; all-gathered)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()  # rounded to the model dtype first, as transformers does
+        return all_gather(self.dist_state, linear(hidden, weight).float())  # rounded to the model dtype first, as transformers does
 
     @property
     def kv_cache_shape(self) -> KVCacheShape:
+        """This rank's: the key/value heads it holds."""
         attn = self.model.layers[0].self_attn.attn
         return KVCacheShape(len(self.model.layers), attn.num_kv_heads, attn.k_head_dim, attn.v_head_dim)
 

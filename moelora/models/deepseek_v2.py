@@ -17,8 +17,10 @@ import torch
 from torch import nn
 
 from moelora.core import ForwardBatch
+from moelora.distributed.sharding import even_shard, size_of
+from moelora.distributed.state import get_parallel
 from moelora.layers.attention import Attention
-from moelora.layers.linear import Linear
+from moelora.layers.linear import Linear, Parallel
 from moelora.layers.mlp import MLP
 from moelora.layers.moe.layer import MoE
 from moelora.layers.norm import RMSNorm
@@ -28,27 +30,33 @@ from moelora.models.config import ModelConfig
 
 
 class MLAttention(nn.Module):
+    """Under tensor parallelism each rank holds its share of the heads: q_proj / q_b_proj and kv_b_proj are
+    column-parallel by heads, o_proj row-parallel; the low-rank q_a_proj and kv_a_proj_with_mqa (and their
+    norms) are replicated."""
+
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
-        mla, hidden, self.num_heads = config.mla, config.hidden_size, config.num_heads
+        mla, hidden, state = config.mla, config.hidden_size, get_parallel()
+        self.num_heads = size_of(even_shard(config.num_heads, state.tp_size, state.rank, "the attention heads"))
         self.nope_dim, self.rope_dim, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
         self.kv_lora_rank, self.q_lora_rank = mla.kv_lora_rank, mla.q_lora_rank
-        qk_dim = self.nope_dim + self.rope_dim
+        qk_dim, heads = self.nope_dim + self.rope_dim, config.num_heads
 
-        def linear(name: str, d_in: int, d_out: int, bias: bool = False) -> Linear:
-            return Linear(d_in, d_out, bias=bias, part_names=(f"self_attn.{name}",), layer_id=layer_id)
+        def linear(name: str, d_in: int, d_out: int, bias: bool = False, parallel: Parallel = "replicated") -> Linear:
+            return Linear(d_in, d_out, bias=bias, part_names=(f"self_attn.{name}",), layer_id=layer_id,
+                          parallel=parallel)
 
         if self.q_lora_rank is None:
-            self.q_proj = linear("q_proj", hidden, self.num_heads * qk_dim)
+            self.q_proj = linear("q_proj", hidden, heads * qk_dim, parallel="column")
         else:
             self.q_a_proj = linear("q_a_proj", hidden, self.q_lora_rank, config.qkv_bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank)  # transformers uses the default eps here
-            self.q_b_proj = linear("q_b_proj", self.q_lora_rank, self.num_heads * qk_dim)
+            self.q_b_proj = linear("q_b_proj", self.q_lora_rank, heads * qk_dim, parallel="column")
         self.kv_a_proj_with_mqa = linear("kv_a_proj_with_mqa", hidden, self.kv_lora_rank + self.rope_dim,
                                          config.qkv_bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
-        self.kv_b_proj = linear("kv_b_proj", self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim))
-        self.o_proj = linear("o_proj", self.num_heads * self.v_dim, hidden, config.o_bias)
+        self.kv_b_proj = linear("kv_b_proj", self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), parallel="column")
+        self.o_proj = linear("o_proj", heads * self.v_dim, hidden, config.o_bias, parallel="row")
         self.rotary = RotaryEmbedding(self.rope_dim, config.rope_parameters, config.max_position_embeddings,
                                       interleaved=mla.rope_interleave)
         scale = qk_dim**-0.5 * softmax_scale_factor(config.rope_parameters)
@@ -75,7 +83,8 @@ class DeepseekV2DecoderLayer(DecoderLayer):
         if layer_id in config.moe_layers:
             shared = None
             if config.shared_expert_intermediate_size:
-                shared = MLP(config.hidden_size, config.shared_expert_intermediate_size, "mlp.shared_experts", layer_id)
+                shared = MLP(config.hidden_size, config.shared_expert_intermediate_size, "mlp.shared_experts", layer_id,
+                             reduce_output=False)
             mlp = MoE(config.hidden_size, config.moe_intermediate_size, config.num_experts, config.topk, layer_id,
                       shared_experts=shared, correction_bias=config.correction_bias, backend=config.moe_backend)
         else:

@@ -21,6 +21,8 @@ from safetensors import safe_open
 from tqdm import tqdm
 from transformers import PretrainedConfig
 
+from moelora.distributed.state import get_parallel
+from moelora.layers.embedding import VocabEmbedding
 from moelora.layers.linear import Linear
 from moelora.layers.moe.runner import Runner
 from moelora.layers.norm import RMSNorm
@@ -37,10 +39,14 @@ class ModelLoadError(ValueError):
 
 @dataclass(frozen=True)
 class Target:
-    """Where one checkpoint tensor goes: param[index], counted as `shard` when checking coverage."""
+    """Where one checkpoint tensor goes: param[index], counted as `shard` when checking coverage. Under
+    tensor or expert parallelism a rank takes part of the tensor: `source` indexes it (empty: all of it), and
+    `shape` is the whole tensor's, which the checkpoint must have."""
     param: str
     index: tuple
     shard: str
+    shape: tuple[int, ...]
+    source: tuple = ()
 
 
 @contextlib.contextmanager
@@ -81,10 +87,18 @@ def load_model(model_path: str | Path, dtype: torch.dtype = torch.bfloat16, devi
 
 
 def fill_dummy_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> None:
+    """Norms 1, the rest normal(0, std). At one rank one generator draws every parameter in turn. Under
+    tensor parallelism each parameter has a generator of its own, seeded by its index and, for a rank's shard of
+    a tensor, the rank: replicated parameters (norms, routers) are equal on every rank, so every rank routes
+    alike, and the shards are not those of a one-rank model."""
     device = next(model.parameters()).device
     gen = torch.Generator(device).manual_seed(seed)
+    state = get_parallel()
+    sharded = {t.param for targets in checkpoint_targets(model).values() for t in targets if t.source}
     norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
-    for p in model.parameters():
+    for i, (name, p) in enumerate(model.named_parameters()):
+        if state.tp_size > 1:
+            gen.manual_seed(hash((seed, i, state.rank if name in sharded else -1)) % 2**63)
         if id(p) in norms:
             p.data.fill_(1.0)
         else:
@@ -100,36 +114,76 @@ def checkpoint_files(model_path: Path) -> list[Path]:
     raise ModelLoadError(f"{model_path}: neither model.safetensors nor model.safetensors.index.json")
 
 
-def checkpoint_targets(model: CausalLM) -> dict[str, Target]:
-    """Every checkpoint name the model can take (in its own naming, see CausalLM.checkpoint_name)."""
-    targets: dict[str, Target] = {}
+def checkpoint_targets(model: CausalLM) -> dict[str, list[Target]]:
+    """Every checkpoint name the model can take (in its own naming, see CausalLM.checkpoint_name) -> where it
+    goes on this rank (nowhere: an expert another rank holds)."""
+    targets: dict[str, list[Target]] = {}
     for path, module in model.named_modules():
-        if isinstance(module, Linear) and module.part_names:
-            offset = 0
-            for name, size in zip(module.part_names, module.out_sizes):
-                rows = (slice(offset, offset + size),)
-                targets[f"model.layers.{module.layer_id}.{name}.weight"] = Target(f"{path}.weight", rows, name)
-                if module.bias is not None:
-                    targets[f"model.layers.{module.layer_id}.{name}.bias"] = Target(f"{path}.bias", rows, name)
-                offset += size
+        if isinstance(module, Linear):
+            for name, target in _linear_targets(path, module):
+                targets.setdefault(name, []).append(target)
+        elif isinstance(module, VocabEmbedding):
+            whole = (module.vocab_size, module.weight.shape[1])
+            targets[f"{path}.weight"] = [Target(f"{path}.weight", (), WHOLE, whole, _source(whole, module.shard))]
         elif isinstance(module, Runner):
-            prefix, inter = f"model.layers.{module.layer_id}.mlp.experts", module.intermediate_size
-            targets[f"{prefix}.gate_up_proj"] = Target(f"{path}.w13", (), WHOLE)
-            targets[f"{prefix}.down_proj"] = Target(f"{path}.w2", (), WHOLE)
-            for e in range(module.num_experts):
-                for proj, param, index in (("gate_proj", "w13", (e, slice(0, inter))),
-                                           ("up_proj", "w13", (e, slice(inter, 2 * inter))),
-                                           ("down_proj", "w2", (e,))):
-                    targets[f"{prefix}.{e}.{proj}.weight"] = Target(f"{path}.{param}", index, f"{proj}.{e}")
-    targeted = {t.param for t in targets.values()}
-    for name, _ in model.named_parameters():
+            targets.update(_expert_targets(path, module))
+    targeted = {t.param for ts in targets.values() for t in ts}
+    for name, p in model.named_parameters():
         if name not in targeted:
-            targets[name] = Target(name, (), WHOLE)
+            targets[name] = [Target(name, (), WHOLE, tuple(p.shape))]
+    return targets
+
+
+def _source(shape: tuple[int, ...], *index: slice | torch.Tensor) -> tuple:
+    """index into a tensor of `shape`, or () where it takes all of it."""
+    whole = all(isinstance(i, slice) and (i.start or 0) == 0 and i.stop in (None, n) for i, n in zip(index, shape))
+    return () if whole else index
+
+
+def _linear_targets(path: str, m: Linear) -> list[tuple[str, Target]]:
+    """A part per part name (a Linear without them, lm_head, is one part under its own name): its rows
+    out_shards[p] and input columns in_shard go to the part's rows of this rank's weight."""
+    found, offset = [], 0
+    for p, (name, rows) in enumerate(zip(m.part_names or (None,), m.out_shards)):
+        prefix, key = (f"model.layers.{m.layer_id}.{name}", name) if name else (path, WHOLE)
+        local = slice(offset, offset + m.out_sizes[p])
+        shape = (m.full_out_sizes[p], m.full_in_features)
+        found.append((f"{prefix}.weight", Target(f"{path}.weight", (local,), key, shape, _source(shape, rows, m.in_shard))))
+        if m.bias is not None:
+            bias = (m.full_out_sizes[p],)
+            found.append((f"{prefix}.bias", Target(f"{path}.bias", (local,), key, bias, _source(bias, rows))))
+        offset += m.out_sizes[p]
+    return found
+
+
+def _expert_targets(path: str, m: Runner) -> dict[str, list[Target]]:
+    """The fused tensors (gate_up_proj [E, 2I, H], down_proj [E, H, I]) or one tensor per expert and
+    projection; this rank's experts and intermediate rows of each."""
+    prefix, local, whole = f"model.layers.{m.layer_id}.mlp.experts", m.intermediate_size, m.full_intermediate_size
+    h, rows = m.hidden_size, m.inter
+    fused_gate_up, fused_down = (m.total_experts, 2 * whole, h), (m.total_experts, h, whole)
+    # this rank's gate rows and up rows, which the fused tensor holds apart
+    gate_up_rows = slice(None) if local == whole else torch.cat([torch.arange(rows.start, rows.stop),
+                                                                 torch.arange(whole + rows.start, whole + rows.stop)])
+    targets = {
+        f"{prefix}.gate_up_proj": [Target(f"{path}.w13", (), WHOLE, fused_gate_up,
+                                          _source(fused_gate_up, m.experts, gate_up_rows))],
+        f"{prefix}.down_proj": [Target(f"{path}.w2", (), WHOLE, fused_down, _source(fused_down, m.experts, slice(None), rows))],
+    }
+    for e in range(m.total_experts):
+        held = m.experts.start <= e < m.experts.stop
+        for proj, param, index, shape, source in (
+                ("gate_proj", "w13", (e - m.experts.start, slice(0, local)), (whole, h), (rows,)),
+                ("up_proj", "w13", (e - m.experts.start, slice(local, 2 * local)), (whole, h), (rows,)),
+                ("down_proj", "w2", (e - m.experts.start,), (h, whole), (slice(None), rows))):
+            targets[f"{prefix}.{e}.{proj}.weight"] = (
+                [Target(f"{path}.{param}", index, f"{proj}.{e}", shape, _source(shape, *source))] if held else [])
     return targets
 
 
 def load_weights(model: CausalLM, files: list[Path]) -> None:
-    """Check the whole checkpoint against the model from names and shapes alone, then copy it in."""
+    """Check the whole checkpoint against the model from names and shapes alone, then copy in this rank's
+    part of it."""
     params = dict(model.named_parameters())
     targets = checkpoint_targets(model)
     plan: dict[Path, list[tuple[str, Target]]] = {}
@@ -141,20 +195,20 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
                 mapped = model.checkpoint_name(name)
                 if mapped is None:
                     continue
-                target = targets.get(mapped)
-                if target is None:
+                found = targets.get(mapped)
+                if found is None:
                     problems.append(f"unexpected tensor {name!r} ({file.name})")
                     continue
-                expected = params[target.param][target.index].shape
                 shape = tuple(f.get_slice(name).get_shape())
-                shards = loaded.setdefault(target.param, {})
-                if shape != tuple(expected):
-                    problems.append(f"tensor {name!r} has shape {shape}, expected {tuple(expected)} for {target.param}")
-                elif target.shard in shards or WHOLE in shards or (target.shard == WHOLE and shards):
-                    problems.append(f"tensor {name!r} fills a part of {target.param} that another tensor already fills")
-                else:
-                    shards[target.shard] = expected.numel()
-                    plan.setdefault(file, []).append((name, target))
+                for target in found:
+                    shards = loaded.setdefault(target.param, {})
+                    if shape != target.shape:
+                        problems.append(f"tensor {name!r} has shape {shape}, expected {target.shape} for {target.param}")
+                    elif target.shard in shards or WHOLE in shards or (target.shard == WHOLE and shards):
+                        problems.append(f"tensor {name!r} fills a part of {target.param} that another tensor already fills")
+                    else:
+                        shards[target.shard] = params[target.param][target.index].numel()
+                        plan.setdefault(file, []).append((name, target))
     problems += _missing(params, targets, loaded)
     if problems:
         raise ModelLoadError(f"checkpoint does not fit {type(model).__name__}:\n  " + "\n  ".join(problems))
@@ -163,11 +217,21 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
         for file, entries in plan.items():
             with safe_open(file, framework="pt") as f:
                 for name, target in entries:
-                    params[target.param].data[target.index].copy_(f.get_tensor(name))
+                    params[target.param].data[target.index].copy_(_read(f, name, target.source))
                     bar.update()
 
 
-def _missing(params: dict[str, torch.nn.Parameter], targets: dict[str, Target],
+def _read(f, name: str, source: tuple) -> torch.Tensor:
+    """The tensor, or the part `source` of it (read alone where it is slices)."""
+    if not source:
+        return f.get_tensor(name)
+    if all(isinstance(i, slice) for i in source):
+        return f.get_slice(name)[source]
+    first, rest = source[0], source[1:]  # a slice of experts, then an index tensor of rows
+    return f.get_slice(name)[first][(slice(None), *rest)]
+
+
+def _missing(params: dict[str, torch.nn.Parameter], targets: dict[str, list[Target]],
              loaded: dict[str, dict[str, int]]) -> list[str]:
     """A problem per parameter not completely filled, naming the checkpoint tensors it lacks."""
     problems = []
@@ -175,9 +239,9 @@ def _missing(params: dict[str, torch.nn.Parameter], targets: dict[str, Target],
         shards = loaded.get(param, {})
         if sum(shards.values()) == p.numel():
             continue
-        names = [n for n, t in targets.items() if t.param == param and t.shard not in shards]
-        whole = [n for n in names if targets[n].shard == WHOLE]
-        parts = [n for n in names if targets[n].shard != WHOLE]
+        names = {n: t for n, ts in targets.items() for t in ts if t.param == param and t.shard not in shards}
+        whole = [n for n, t in names.items() if t.shard == WHOLE]
+        parts = [n for n, t in names.items() if t.shard != WHOLE]
         if whole and not shards:  # nothing there: name the one tensor that would fill it
             shown = whole[0] + (" (or its per-part tensors)" if parts else "")
         else:

@@ -12,7 +12,8 @@ from moelora.models.config import ModelConfig
 class Qwen2MoeDecoderLayer(DecoderLayer):
     def __init__(self, config: ModelConfig, layer_id: int):
         if layer_id in config.moe_layers:
-            shared = MLP(config.hidden_size, config.shared_expert_intermediate_size, "mlp.shared_expert", layer_id)
+            shared = MLP(config.hidden_size, config.shared_expert_intermediate_size, "mlp.shared_expert", layer_id,
+                         reduce_output=False)
             mlp = MoE(config.hidden_size, config.moe_intermediate_size, config.num_experts, config.topk, layer_id,
                       shared_experts=shared, shared_expert_gate=True, backend=config.moe_backend)
         else:

@@ -13,8 +13,16 @@ def test_defaults_resolve():
     ("dtype", "float64"), ("device", "tpu"), ("load_format", "pt"), ("max_loras_per_batch", 0), ("max_lora_rank", 0),
     ("max_cpu_loras", 2), ("mem_fraction_static", 1.0), ("max_total_tokens", 1), ("max_running_requests", 0),
     ("chunked_prefill_size", 0), ("max_prefill_tokens", 0), ("cuda_graph_max_bs", 0), ("context_length", 1),
-    ("lora_paths", {"": "/x"}), ("tp_size", 2),
+    ("lora_paths", {"": "/x"}), ("tp_size", 0), ("ep_size", 3), ("moe_dispatch", "deepep"), ("dist_timeout", 0),
 ])
 def test_bad_field_is_named(field, value):
     with pytest.raises(ValueError, match=f"EngineConfig.{field} must be"):
         EngineConfig("model", **{"device": "cpu", "max_loras_per_batch": 4, field: value})
+
+
+def test_parallel_options():
+    assert EngineConfig("model", device="cpu", tp_size=4, enable_expert_parallel=True).ep_size == 4
+    assert EngineConfig("model", device="cpu", tp_size=4, ep_size=2).ep_size == 2
+    with pytest.raises(ValueError, match="EngineConfig.ep_size must be tp_size"):
+        EngineConfig("model", device="cpu", tp_size=4, ep_size=2, enable_expert_parallel=True)
+    assert not EngineConfig("model", device="cuda", tp_size=2, moe_dispatch="all_to_all").use_cuda_graph

@@ -117,7 +117,8 @@ def test_cli_errors_are_one_message_and_exit_status_1(demo_dir, other_model_adap
               "EngineConfig.tokenizer_path 'Qwen/Qwen3-8B' is not a local directory")
     one_error(moelora("serve", *model, "--lora-paths", f"x={tmp_path / 'nope'}", *CPU), "serve",
               "no adapter_config.json")
-    one_error(moelora("serve", *model, "--tensor-parallel-size", "2", *CPU), "serve", "EngineConfig.tp_size must be 1")
+    one_error(moelora("serve", *model, "--tensor-parallel-size", "3", "--ep-size", "2", *CPU), "serve",
+              "EngineConfig.ep_size must be a divisor of tp_size (3)")
     one_error(moelora("serve", *model, "--chat-template", "nope.jinja", *CPU), "serve",
               "EngineConfig.chat_template 'nope.jinja' is neither a readable file")
     bare = tmp_path / "bare"  # the model without its tokenizer

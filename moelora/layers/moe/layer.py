@@ -1,7 +1,12 @@
 """The MoE block of a decoder layer (its `mlp`), in the four stages every MoE engine has:
 
-    TopK (router + expert selection) -> Dispatcher (global -> this rank's expert ids)
-      -> Runner (grouped expert GEMMs with per-expert LoRA, weighted top-k sum) -> Combine (shared experts)
+    TopK (router + expert selection) -> Dispatcher (the pairs this rank's experts run)
+      -> Runner (grouped expert GEMMs with per-expert LoRA, weighted top-k sum) -> Combine (shared experts,
+      the ranks' partial sums reduced)
+
+Under expert parallelism (the current `moelora.distributed` state) the rank holds its group's share of the
+experts, and of each its share of the intermediate dimension; the router is replicated, so every rank
+routes every token alike.
 
 Parameter names: `gate.weight` and `gate.e_score_correction_bias` (the checkpoints' own), `experts.w13`,
 `experts.w2` (the routed experts, stacked), and the shared experts' Linears under `combine`.
@@ -12,7 +17,10 @@ import torch
 from torch import nn
 
 from moelora.core import LoRABatch, TopKConfig
+from moelora.distributed.sharding import even_shard, size_of
+from moelora.distributed.state import get_parallel
 from moelora.layers.mlp import MLP
+from moelora.layers.moe.all_to_all import AllToAllDispatcher
 from moelora.layers.moe.combine import Combine
 from moelora.layers.moe.dispatcher import Dispatcher
 from moelora.layers.moe.runner import Runner
@@ -25,11 +33,16 @@ class MoE(nn.Module):
                  backend: str = "auto"):
         super().__init__()
         self.layer_id = layer_id
+        state = get_parallel()
+        experts = even_shard(num_experts, state.ep_size, state.ep_rank, "the routed experts")
+        inter = even_shard(intermediate_size, state.moe_tp_size, state.moe_tp_rank, "the experts' intermediate size")
         self.gate = TopK(hidden_size, num_experts, topk, layer_id, correction_bias)
-        self.dispatcher = Dispatcher(num_experts)
-        self.experts = Runner(hidden_size, intermediate_size, self.dispatcher.num_local, layer_id, backend)
+        self.dispatcher = (AllToAllDispatcher(num_experts, state) if state.moe_dispatch == "all_to_all" and state.tp_size > 1
+                           else Dispatcher(num_experts, experts.start, size_of(experts)))
+        self.experts = Runner(hidden_size, intermediate_size, num_experts, layer_id, backend, experts, inter)
         self.combine = Combine(hidden_size, layer_id, shared_experts, shared_expert_gate)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
-        routed = self.experts(x, self.dispatcher(self.gate(x, lora)), lora)
+        dispatched = self.dispatcher.dispatch(x, self.gate(x, lora), lora)
+        routed = self.dispatcher.combine(self.experts(dispatched.x, dispatched.topk, dispatched.lora), dispatched)
         return self.combine(x, routed, lora)

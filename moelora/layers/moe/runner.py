@@ -11,24 +11,34 @@ import torch
 from torch import nn
 
 from moelora.core import ExpertLoRASlots, LoRABatch, TopKOutput
+from moelora.distributed.sharding import size_of
 from moelora.kernels.fused_moe import fused_moe
 
 BACKENDS = ("auto", "triton", "torch")
 
 
 class Runner(nn.Module):
-    """Experts stacked as w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], E the experts this rank
-    holds; `lora` (the experts' LoRA slot buffers) stays None until the LoRA manager allocates it."""
+    """The experts this rank holds, stacked as w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]:
+    experts `experts` of the layer's num_experts (by default all) and rows `inter` of each one's
+    intermediate_size (by default all; a share under expert-group tensor parallelism, when the output is a
+    partial sum). `lora` (the experts' LoRA slot buffers, of the same experts and rows) stays None until the
+    LoRA manager allocates it."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, layer_id: int,
-                 backend: str = "auto"):
+                 backend: str = "auto", experts: slice | None = None, inter: slice | None = None):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"MoE backend must be one of {BACKENDS}, got {backend!r}")
-        self.hidden_size, self.intermediate_size, self.num_experts = hidden_size, intermediate_size, num_experts
+        self.experts = experts or slice(0, num_experts)
+        self.inter = inter or slice(0, intermediate_size)
+        self.total_experts, self.full_intermediate_size = num_experts, intermediate_size
+        # what the kernels and slot buffers see: this rank's experts and rows
+        self.hidden_size, self.intermediate_size = hidden_size, size_of(self.inter)
+        self.num_experts = size_of(self.experts)
         self.layer_id, self.backend = layer_id, backend
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_size, hidden_size),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_experts, hidden_size, self.intermediate_size), requires_grad=False)
         self.lora: ExpertLoRASlots | None = None
 
     def forward(self, x: torch.Tensor, topk: TopKOutput, lora: LoRABatch | None) -> torch.Tensor:

@@ -51,11 +51,44 @@ def test_runners_on_disjoint_expert_ranges_sum_to_the_whole():
         want = whole(x, topk, batch if with_lora else None)
         parts = torch.zeros_like(want)
         for first, num in ((0, 3), (3, 4), (7, 1)):
-            rank = Runner(HIDDEN, INTER, num, layer_id=0, backend="torch")
+            rank = Runner(HIDDEN, INTER, EXPERTS, layer_id=0, backend="torch", experts=slice(first, first + num))
             rank.w13.data, rank.w2.data = w13[first:first + num], w2[first:first + num]
             rank.lora = _experts_of(lora, first, num)
             parts += rank(x, Dispatcher(EXPERTS, first, num)(topk), batch if with_lora else None)
         assert_rows_close(parts, want, rel_tolerance(dtype))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_other_ranks_experts_and_unused_slots_are_never_read(backend):
+    """Each rank's expert weights are a view into storage of all experts where the others are NaN, so a kernel
+    that took the -1 of another rank's expert for an index would read the NaN expert before the view (the
+    illegal read of SGLang's EP + LoRA bug); slot 1, which no token uses, is NaN with its full rank claimed.
+    Experts 6 and 7 get no token: the rank holding them returns zeros. The ranks' sum is the whole."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    dtype = torch.float32
+    x = torch.randn(TOKENS, HIDDEN, generator=gen)
+    w13, w2 = random_moe_weights(EXPERTS, HIDDEN, INTER, dtype, generator=gen)
+    topk = random_topk(TOKENS, EXPERTS - 2, TOP_K, generator=gen)
+    lora = random_expert_lora(2, EXPERTS, HIDDEN, INTER, [4, 8], dtype, generator=gen)
+    for name in ("a_gate", "b_gate", "a_up", "b_up", "a_down", "b_down"):
+        getattr(lora, name)[1] = float("nan")
+    batch = LoRABatch(torch.randint(-1, 1, (TOKENS,), generator=gen, dtype=torch.int32))
+    whole = Runner(HIDDEN, INTER, EXPERTS, layer_id=0, backend="torch")
+    whole.w13.data, whole.w2.data, whole.lora = w13, w2, lora
+    want = whole(x, topk, batch)
+    parts = torch.zeros_like(want)
+    for first, num in ((0, 3), (3, 3), (6, 2)):
+        rank = Runner(HIDDEN, INTER, EXPERTS, layer_id=0, backend=backend, experts=slice(first, first + num))
+        for param, w in ((rank.w13, w13), (rank.w2, w2)):
+            storage = torch.full_like(w, float("nan"))
+            storage[first:first + num] = w[first:first + num]
+            param.data = storage[first:first + num]
+        rank.lora = _experts_of(lora, first, num)
+        out = rank(x, Dispatcher(EXPERTS, first, num)(topk), batch)
+        if first == 6:
+            assert torch.equal(out, torch.zeros_like(out)), "a rank whose experts got no token"
+        parts += out
+    assert_rows_close(parts, want, rel_tolerance(dtype))
 
 
 def test_moe_block_is_its_stages():
@@ -63,7 +96,7 @@ def test_moe_block_is_its_stages():
     gated shared expert (Qwen2-MoE) and a correction bias (DeepSeek-V3)."""
     torch.manual_seed(torch.seed())
     config = TopKConfig(top_k=TOP_K, renormalize=True, scoring="sigmoid")
-    shared = MLP(HIDDEN, INTER, "mlp.shared_expert", 0)
+    shared = MLP(HIDDEN, INTER, "mlp.shared_expert", 0, reduce_output=False)
     moe = MoE(HIDDEN, INTER, EXPERTS, config, 0, shared_experts=shared, shared_expert_gate=True,
               correction_bias=True, backend="torch")
     for p in moe.parameters():
@@ -83,5 +116,7 @@ def test_stage_arguments_are_checked():
         Runner(HIDDEN, INTER, EXPERTS, 0, backend="cuda")
     with pytest.raises(ValueError, match="a shared_expert_gate needs shared_experts"):
         Combine(HIDDEN, 0, None, shared_expert_gate=True)
+    with pytest.raises(ValueError, match="shared experts must leave their partial sums to Combine"):
+        Combine(HIDDEN, 0, MLP(HIDDEN, INTER, "mlp.shared_expert", 0))
     assert isinstance(Dispatcher(EXPERTS)(TopKOutput(torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int32))),
                       TopKOutput)

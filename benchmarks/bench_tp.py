@@ -1,0 +1,86 @@
+"""Scaling benchmark (not a test): decode and prefill tokens/s of our engine over tp ranks with the experts in
+ep groups, LoRA off, one adapter, or 8 (rank 16 on attention and every routed expert), on dummy weights of
+Qwen3-30B-A3B's sizes or DeepSeek-V3's with fewer layers. Workloads and timing as bench_serving.py (decode:
+generate N tokens minus generate 1; prefill: the whole call after a warm-up). Layouts that need more GPUs than
+the machine has are skipped; on a CPU (--tiny) every layout runs, as CPU processes with gloo.
+
+    python3 benchmarks/bench_tp.py                                   # Qwen3-30B-A3B, tp 1/2/4 x ep 1/2/4
+    python3 benchmarks/bench_tp.py --model deepseek-v3 --layers 4    # DeepSeek-V3-shaped, 4 layers
+    python3 benchmarks/bench_tp.py --dispatch all_to_all             # experts reached by all-to-all
+    python3 benchmarks/bench_tp.py --tiny --layouts 1x1,2x2          # tiny model on the CPU, in seconds
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_moe import machine
+from bench_serving import RANK, Ours, run, workloads
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests/support.py
+
+from tests.support import deepseek_v3_config, qwen3_30b_a3b_config, write_dummy_checkpoint, write_random_peft_adapter
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=["qwen3-30b-a3b", "deepseek-v3"], default="qwen3-30b-a3b")
+    p.add_argument("--layers", type=int, default=4, help="DeepSeek-V3's decoder layers (default 4, the first dense)")
+    p.add_argument("--tiny", action="store_true", help="a tiny Qwen3-MoE and a small workload")
+    p.add_argument("--layouts", default="1x1,2x1,2x2,4x1,4x2,4x4", help="TPxEP pairs")
+    p.add_argument("--dispatch", default="all_reduce", choices=["all_reduce", "all_to_all"])
+    p.add_argument("--batch-sizes", default=None, help="decode batch sizes (default 1,32,128; tiny 1,8)")
+    p.add_argument("--adapters", default="0,1,8", help="distinct adapters per batch (0: LoRA off)")
+    p.add_argument("--prompt-len", type=int, default=None, help="decode prompts' length (default 128; tiny 16)")
+    p.add_argument("--decode-tokens", type=int, default=None, help="tokens each request makes (default 16; tiny 4)")
+    p.add_argument("--prefill", default=None, help="PxL: P prompts of L tokens (default 8x1024; tiny 8x32)")
+    args = p.parse_args()
+    defaults = ("1,8", 16, 4, "8x32") if args.tiny else ("1,32,128", 128, 16, "8x1024")
+    for name, value in zip(("batch_sizes", "prompt_len", "decode_tokens", "prefill"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    with tempfile.TemporaryDirectory() as tmp:
+        bench(args, Path(tmp))
+
+
+def bench(args: argparse.Namespace, workdir: Path) -> None:
+    device, dtype, name, _, _ = machine()
+    config = qwen3_30b_a3b_config(tiny=True) if args.tiny else \
+        qwen3_30b_a3b_config() if args.model == "qwen3-30b-a3b" else deepseek_v3_config(args.layers)
+    model_dir = write_dummy_checkpoint(config, workdir / "model")
+    adapters = {f"a{i}": write_random_peft_adapter(config, workdir / f"a{i}", RANK, seed=i)
+                for i in range(max(map(int, args.adapters.split(","))))}
+    layouts = [tuple(map(int, layout.split("x"))) for layout in args.layouts.split(",")]
+    gpus = torch.cuda.device_count() if device == "cuda" else None
+    model = "tiny Qwen3-MoE" if args.tiny else args.model + (f" ({args.layers} layers)" if args.model == "deepseek-v3" else "")
+    print(f"# moelora scaling benchmark, {name} x {gpus or 'CPU processes'}, {datetime.date.today()}, torch "
+          f"{torch.__version__}, {dtype}; {model}, dummy weights; adapters rank {RANK}; {args.dispatch} dispatch\n")
+    print("| tp | ep | phase | batch | adapters | tokens | s | tokens/s | ms/step |")
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    for tp, ep in layouts:
+        if gpus is not None and tp > gpus:
+            print(f"| {tp} | {ep} | skipped: {gpus} GPUs | | | | | | |", flush=True)
+            continue
+        t0 = time.perf_counter()
+        ours = Ours(model_dir, adapters, device, dtype, max(map(int, args.batch_sizes.split(","))), tp_size=tp,
+                    ep_size=ep, moe_dispatch=args.dispatch)
+        print(f"| {tp} | {ep} | start | | | | {time.perf_counter() - t0:.1f} | | |", flush=True)
+        try:
+            for w in workloads(args):
+                r = run(ours.generate, w, config.vocab_size, device)
+                print(f"| {tp} | {ep} | {w.phase} | {w.batch} | {w.adapters} | {r.tokens} | {r.seconds:.3f} "
+                      f"| {r.tokens / r.seconds:.0f} | {1e3 * r.seconds / r.steps:.2f} |", flush=True)
+        finally:
+            ours.engine.shutdown()
+        del ours
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

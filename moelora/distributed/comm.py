@@ -1,0 +1,76 @@
+"""The collectives the model and the engine use, over a ParallelState's groups. Layers keep the state they were
+built under and pass it here, so a model runs on its own world whatever state is current when it runs (a
+one-rank engine beside a several-rank one in one process). At one rank each is the identity (the tensor
+itself is returned, nothing copied), so single-process code runs as it did."""
+from __future__ import annotations
+
+import pickle
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moelora.distributed.state import ParallelState
+
+
+def all_reduce(state: ParallelState, x: torch.Tensor) -> torch.Tensor:
+    """Sum of x over the ranks, in place; returns x."""
+    if state.tp_size > 1:
+        dist.all_reduce(x, group=state.group)
+    return x
+
+
+def all_gather(state: ParallelState, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The ranks' x concatenated along dim, in rank order (every rank's x of one shape)."""
+    if state.tp_size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(state.tp_size)]
+    dist.all_gather(parts, x.contiguous(), group=state.group)
+    return torch.cat(parts, dim=dim)
+
+
+def all_to_all(state: ParallelState, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+    """Rows of x, send_counts[r] of them in turn to rank r; returns the rows received, recv_counts[r] from rank r
+    in rank order."""
+    out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=state.group)
+    return out
+
+
+def exchange_counts(state: ParallelState, send_counts: torch.Tensor) -> torch.Tensor:
+    """send_counts [world] int64 (rows this rank sends to each rank) -> the rows each rank sends to this one."""
+    recv = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv, send_counts, group=state.group)
+    return recv
+
+
+def broadcast_object(state: ParallelState, obj: Any = None, timeout: float | None = None) -> Any:
+    """Rank 0's obj on every rank (pickled, over the gloo control group); the others pass nothing. timeout:
+    seconds to wait for the other ranks (None: the control group's, as good as forever: a rank waiting for
+    the next command waits however idle rank 0 is; rank 0 sending one gives up on a rank that hangs)."""
+    wait = timedelta(0) if timeout is None else timedelta(seconds=timeout)  # 0: the group's own timeout
+    if state.rank == 0:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+    else:
+        size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, 0, group=state.control, async_op=True).wait(wait)
+    if state.rank != 0:
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(data, 0, group=state.control, async_op=True).wait(wait)
+    return obj if state.rank == 0 else pickle.loads(data.numpy().tobytes())
+
+
+def barrier(state: ParallelState, device: torch.device | str) -> None:
+    """Returns once every rank got here; over the model's group (on `device`), so it raises within its timeout."""
+    all_reduce(state, torch.zeros(1, device=device))
+
+
+def min_over_ranks(state: ParallelState, value: int) -> int:
+    """The smallest of the ranks' values (the KV cache size every rank can hold)."""
+    if state.tp_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=state.control)
+    return int(t.item())

@@ -1,0 +1,106 @@
+"""Which rank of which parallel layout this process is: tensor parallel over all `tp_size` ranks (attention
+and dense layers), and the routed experts split over `ep_size` groups of tp_size / ep_size consecutive ranks
+each (expert parallel), the ranks of one group splitting their experts' intermediate dimension (SGLang's
+layout: moe_tp_size = tp_size / ep_size, ep_rank = rank // moe_tp_size, moe_tp_rank = rank % moe_tp_size).
+
+Layers read the current state when they are built: their shard, and the groups of their collectives, which
+they keep (so a model runs on its own world whatever is current later). The default is one process: every
+shard is the whole and every collective the identity, so the single-process path stays what it was, bit for
+bit. `init_parallel` joins a torch.distributed world (gloo on CPUs, NCCL on GPUs) and returns its state;
+`parallel_state` makes a state current while a model is built (one of a world's, or one without groups, to
+build a rank's layers on the meta device and read their sizes).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DISPATCH_MODES = ("all_reduce", "all_to_all")
+CONTROL_TIMEOUT = timedelta(days=365)  # the control group waits for the next command however idle the engine is
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    rank: int = 0
+    tp_size: int = 1
+    ep_size: int = 1
+    # all_reduce: every rank runs its experts on every token, Combine sums over the ranks; all_to_all: each
+    # (token, expert) pair travels to the ranks holding its expert and back (see layers/moe/dispatcher.py)
+    moe_dispatch: str = "all_reduce"
+    group: dist.ProcessGroup | None = None    # the model's collectives (NCCL on GPUs, gloo on CPUs)
+    control: dist.ProcessGroup | None = None  # gloo: commands from rank 0 to the others, no timeout to speak of
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or self.ep_size < 1 or self.tp_size % self.ep_size:
+            raise ValueError(f"ep_size ({self.ep_size}) must divide tp_size ({self.tp_size}), both >= 1")
+        if not 0 <= self.rank < self.tp_size:
+            raise ValueError(f"rank {self.rank} is not in [0, tp_size={self.tp_size})")
+        if self.moe_dispatch not in DISPATCH_MODES:
+            raise ValueError(f"moe_dispatch must be one of {DISPATCH_MODES}, got {self.moe_dispatch!r}")
+
+    @property
+    def moe_tp_size(self) -> int:
+        """Ranks of one expert-parallel group, which split its experts' intermediate dimension."""
+        return self.tp_size // self.ep_size
+
+    @property
+    def ep_rank(self) -> int:
+        """The expert-parallel group of this rank: it holds that group's share of the experts."""
+        return self.rank // self.moe_tp_size
+
+    @property
+    def moe_tp_rank(self) -> int:
+        return self.rank % self.moe_tp_size
+
+
+_current = ParallelState()
+
+
+def get_parallel() -> ParallelState:
+    return _current
+
+
+@contextlib.contextmanager
+def parallel_state(state: ParallelState) -> Iterator[ParallelState]:
+    """Layers built inside take `state`'s shards (collectives need its groups: set by init_parallel)."""
+    global _current
+    previous, _current = _current, state
+    try:
+        yield state
+    finally:
+        _current = previous
+
+
+def init_parallel(tp_size: int, ep_size: int = 1, rank: int | None = None, init_method: str | None = None,
+                  backend: str | None = None, timeout: float = 300.0, moe_dispatch: str = "all_reduce",
+                  device: torch.device | str = "cpu") -> ParallelState:
+    """Join a world of tp_size processes; returns its state (build the model under parallel_state(it)). rank and init_method default to the
+    environment torchrun sets (RANK, MASTER_ADDR, MASTER_PORT); backend to NCCL on a CUDA device, else gloo.
+    timeout (seconds): how long a collective waits for the other ranks before it raises, which is how a rank
+    that hangs or died is noticed."""
+    rank = int(os.environ["RANK"]) if rank is None else rank
+    state = ParallelState(rank, tp_size, ep_size, moe_dispatch)  # checks the layout before joining anything
+    if tp_size == 1:
+        return state
+    device = torch.device(device)
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    kwargs = {"device_id": device} if backend == "nccl" else {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # Triton launches on the current device, NCCL binds to it
+    dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=tp_size,
+                            timeout=timedelta(seconds=timeout), **kwargs)
+    group = dist.group.WORLD
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return ParallelState(rank, tp_size, ep_size, moe_dispatch, group, control)
+
+
+def destroy_parallel() -> None:
+    """Leave the world, if this process joined one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

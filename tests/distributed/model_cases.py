@@ -1,0 +1,70 @@
+"""One model step pair (a prefill of several sequences with adapters mixed, then a decode step) run alike at
+one rank and on every rank of a world, so the tests can compare the logits."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from moelora.core import ExpertLoRASlots, LinearLoRASlots
+from moelora.distributed.state import get_parallel, parallel_state
+from moelora.engine.lora_slots import allocate_lora_slots, write_adapter_to_slot
+from moelora.lora import load_adapter, load_model_shapes
+from moelora.models.config import ModelConfig
+from moelora.models.loader import load_model
+from tests.support import batch_logits, extend_batch, toy_kv_cache
+
+SEQUENCES = [[5, 17, 2, 93, 41, 8, 8, 60, 3], [11, 4, 77], [30, 1, 2, 3, 4, 5, 6], [9, 9], [70, 2, 50, 1]]
+
+
+@dataclass(frozen=True)
+class Case:
+    checkpoint: str
+    adapters: tuple[str, ...] = ()  # in slots 0, 1, ...; one more slot, never used, is poisoned with NaN
+    slots: tuple[int, ...] = ()     # per sequence (-1: base model); none: all base
+    max_rank: int = 8
+
+
+def run_case(case: Case) -> list[torch.Tensor]:
+    """[prefill logits, decode logits] of SEQUENCES (all but the last token, then the last) with their slots."""
+    model = load_model(case.checkpoint, dtype=torch.float32, device="cpu")
+    slots = list(case.slots) or [-1] * len(SEQUENCES)
+    if case.adapters:
+        shapes = load_model_shapes(case.checkpoint)
+        allocate_lora_slots(model, len(case.adapters) + 1, case.max_rank)
+        for slot, path in enumerate(case.adapters):
+            write_adapter_to_slot(model, load_adapter(path, shapes), slot)
+        _poison_slot(model, len(case.adapters))
+    kv = toy_kv_cache(model, len(SEQUENCES), 16)
+    prefill = batch_logits(model, extend_batch(kv, [s[:-1] for s in SEQUENCES], lora_slots=slots))
+    decode = batch_logits(model, extend_batch(kv, [s[-1:] for s in SEQUENCES], [len(s) - 1 for s in SEQUENCES], slots))
+    return [prefill, decode]
+
+
+def _poison_slot(model: torch.nn.Module, slot: int) -> None:
+    """NaN in every buffer of the slot and its full rank claimed everywhere: a token of another slot that read
+    any of it would turn NaN."""
+    for m in model.modules():
+        lora = getattr(m, "lora", None)
+        if isinstance(lora, (ExpertLoRASlots, LinearLoRASlots)):
+            for name, t in vars(lora).items():
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    t[slot].fill_(float("nan"))
+            max_rank = (lora.a_gate if isinstance(lora, ExpertLoRASlots) else lora.a).shape[2]
+            if isinstance(lora, ExpertLoRASlots):
+                lora.ranks[:, slot] = max_rank
+            else:
+                lora.ranks[slot] = max_rank
+
+
+def run_layouts(layouts: list[tuple[int, str]], cases: list[Case]) -> dict | None:
+    """On each rank of the world: every case under every (ep_size, moe_dispatch) layout whose ep_size divides
+    the case's experts; rank 0 returns {(ep_size, dispatch, case index): logits}."""
+    world = get_parallel()
+    out = {}
+    for ep_size, dispatch in layouts:
+        with parallel_state(replace(world, ep_size=ep_size, moe_dispatch=dispatch)):
+            for i, case in enumerate(cases):
+                if ModelConfig.from_pretrained(case.checkpoint).num_experts % ep_size == 0:
+                    out[ep_size, dispatch, i] = run_case(case)
+    return out if world.rank == 0 else None

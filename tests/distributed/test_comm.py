@@ -1,0 +1,88 @@
+"""The parallel layout, the collectives (identity at one rank; sums, gathers and exchanges over gloo ranks)
+and what rank 0 learns of a rank that failed."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from moelora.distributed import comm
+from moelora.distributed.launch import LocalRanks
+from moelora.distributed.sharding import even_shard, kv_head_shard
+from moelora.distributed.state import ParallelState, get_parallel, parallel_state
+from tests.distributed.ranks import run_ranks
+
+
+def test_one_rank_collectives_are_the_identity():
+    assert get_parallel() == ParallelState()
+    x = torch.randn(3, 4)
+    one = get_parallel()
+    assert comm.all_reduce(one, x) is x and comm.all_gather(one, x) is x
+    assert comm.min_over_ranks(one, 7) == 7
+
+
+def test_layout():
+    layout = [ParallelState(r, 4, 2) for r in range(4)]
+    assert [(s.ep_rank, s.moe_tp_rank, s.moe_tp_size) for s in layout] == [(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2)]
+    assert [ParallelState(r, 4, 4).ep_rank for r in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match=r"ep_size \(3\) must divide tp_size \(4\)"):
+        ParallelState(0, 4, 3)
+    with pytest.raises(ValueError, match="moe_dispatch must be one of"):
+        ParallelState(0, 2, 2, "deepep")
+    with parallel_state(ParallelState(1, 2)):
+        assert get_parallel().rank == 1
+    assert get_parallel().rank == 0
+
+
+def test_shards():
+    assert even_shard(12, 4, 1, "heads") == slice(3, 6)
+    with pytest.raises(ValueError, match=r"intermediate size \(10\) does not split evenly over 4 ranks"):
+        even_shard(10, 4, 0, "intermediate size")
+    assert [kv_head_shard(2, 4, r) for r in range(4)] == [slice(0, 1), slice(0, 1), slice(1, 2), slice(1, 2)]
+    assert kv_head_shard(4, 2, 1) == slice(2, 4)
+
+
+def _collectives() -> dict:
+    state = get_parallel()
+    rank = state.rank
+    x = torch.full((2, 3), float(rank + 1))
+    # rank 0 sends 1 row to itself and 2 to rank 1; rank 1 sends none to rank 0 and 1 to itself
+    send = [1, 2] if rank == 0 else [0, 1]
+    rows = torch.arange(sum(send), dtype=torch.float32)[:, None] + 10 * rank
+    recv = comm.exchange_counts(state, torch.tensor(send))
+    comm.barrier(state, "cpu")
+    return dict(sum=comm.all_reduce(state, x.clone()), gathered=comm.all_gather(state, torch.tensor([rank, rank])),
+                recv_counts=recv.tolist(), received=comm.all_to_all(state, rows, send, recv.tolist()).flatten().tolist(),
+                obj=comm.broadcast_object(state, {"from": rank} if rank == 0 else None),
+                least=comm.min_over_ranks(state, 5 + rank))
+
+
+def test_two_ranks_collectives():
+    r0, r1 = run_ranks(2, _collectives)
+    for r in (r0, r1):
+        assert torch.equal(r["sum"], torch.full((2, 3), 3.0))
+        assert r["gathered"].tolist() == [0, 0, 1, 1]
+        assert r["obj"] == {"from": 0} and r["least"] == 5
+    assert (r0["recv_counts"], r0["received"]) == ([1, 0], [0.0])
+    assert (r1["recv_counts"], r1["received"]) == ([2, 1], [1.0, 2.0, 10.0])
+
+
+def _fail(rank: int) -> None:
+    if rank == 1:
+        raise RuntimeError("rank one gives up")
+    time.sleep(60)
+
+
+def test_a_failed_rank_is_described():
+    ranks = LocalRanks(_fail, range(1, 3), ())
+    try:
+        deadline = time.time() + 60
+        while 1 not in ranks.dead() and time.time() < deadline:
+            time.sleep(0.1)
+        os.kill(ranks.procs[2].pid, signal.SIGKILL)
+        text = ranks.describe()
+        assert "rank 1 failed" in text and "RuntimeError: rank one gives up" in text
+        assert "rank 2 exited with code -9 (signal 9)" in text
+    finally:
+        ranks.stop(timeout=1)

@@ -1,0 +1,125 @@
+"""The engine over several ranks (CPU processes with gloo, started by the engine, or by torchrun): the same
+tokens and log-probs as one rank, adapters loaded and unloaded at runtime with requests in flight on every rank,
+and a rank that dies or hangs stops the engine with an error naming it instead of hanging."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from moelora.distributed.launch import free_port
+from moelora.engine.engine import Engine, EngineDead, RequestFailed
+from moelora.engine.sampling_params import SamplingParams
+from moelora.lora import AdapterError
+from tests.models.families import assert_logprobs_close
+
+PROMPTS = [[(7 * i + 3 * j) % 90 + 3 for j in range(5 + i)] for i in range(4)]
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("family, options", [
+    ("qwen3_moe", dict(tp_size=2, ep_size=2)),
+    ("deepseek_v3", dict(tp_size=2, enable_expert_parallel=True, moe_dispatch="all_to_all")),
+])
+def test_same_tokens_and_logprobs_as_one_rank(family, options, start_engine):
+    one, many = start_engine(family), start_engine(family, **options)
+    loras = ["full", None, "partial", "full"]
+    assert [o.token_ids for o in many.generate(PROMPTS, GREEDY, lora=loras)] == \
+        [o.token_ids for o in one.generate(PROMPTS, GREEDY, lora=loras)]
+    for got, want in zip(many.prompt_logprobs(PROMPTS, lora=loras), one.prompt_logprobs(PROMPTS, lora=loras)):
+        assert_logprobs_close(got, want, f"{family} {options}", 2e-5)
+    assert any(line.startswith("parallel: 2 ranks") for line in many.summary())
+
+
+def _drive(engine, partial_path: str) -> list[list[int]]:
+    """Requests of "full" (long) and the base model; at step 2 "late" is loaded and a short request names it,
+    and "full" is unloaded with its request in flight; at step 6 "partial" needs a slot of the two: it evicts
+    "late", whose request is done, not "full"."""
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    rids = [engine.add_request(PROMPTS[0], params(12), "full"), engine.add_request(PROMPTS[1], params(8))]
+    tokens = {}
+    for step in range(40):
+        if step == 2:
+            engine.load_lora("late", partial_path)
+            rids.append(engine.add_request(PROMPTS[2], params(2), "late"))
+            engine.unload_lora("full")
+            with pytest.raises(AdapterError, match="being unloaded"):
+                engine.add_request(PROMPTS[3], params(2), "full")
+        if step == 6:
+            rids.append(engine.add_request(PROMPTS[3], params(4), "partial"))
+        for out in engine.step():
+            tokens.setdefault(out.rid, []).extend(out.token_ids)
+        if step > 6 and not engine.has_unfinished():
+            break
+    assert "full" not in engine.runner.lora.names
+    return [tokens[r] for r in rids]
+
+
+def test_load_and_unload_with_requests_in_flight(start_engine, adapters):
+    one, many = start_engine("qwen3_moe"), start_engine("qwen3_moe", tp_size=2, ep_size=2, moe_dispatch="all_to_all")
+    partial = str(adapters("qwen3_moe")["partial"].path)
+    assert _drive(many, partial) == _drive(one, partial)
+    assert many.lora_stats.slot_evictions == one.lora_stats.slot_evictions > 0
+
+
+def _wait_failed(engine: Engine, seconds: float) -> str:
+    start = time.time()
+    with pytest.raises(RequestFailed) as failed:
+        engine.generate(PROMPTS[:2], GREEDY)
+    assert time.time() - start < seconds
+    assert engine.fatal is not None
+    with pytest.raises(EngineDead):
+        engine.add_request(PROMPTS[0], GREEDY)
+    return str(failed.value)
+
+
+def test_a_rank_that_dies_stops_the_engine(start_engine):
+    many = start_engine("qwen3_moe", tp_size=2)
+    many.generate(PROMPTS[:1], GREEDY)
+    os.kill(many.workers.ranks.procs[1].pid, signal.SIGKILL)
+    error = _wait_failed(many, 20)
+    assert "rank 1 exited with code -9" in error and "a step failed on the tensor-parallel ranks" in error
+
+
+def test_a_rank_that_hangs_stops_the_engine_within_the_timeout(start_engine):
+    many = start_engine("qwen3_moe", tp_size=2, dist_timeout=3)
+    many.generate(PROMPTS[:1], GREEDY)
+    os.kill(many.workers.ranks.procs[1].pid, signal.SIGSTOP)
+    error = _wait_failed(many, 3 + 20)
+    assert "every rank is still running: one did not answer in time" in error
+    assert not many.workers.ranks.procs[1].is_alive()  # stopped, then killed
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+from moelora.engine.engine import Engine
+from moelora.engine.sampling_params import SamplingParams
+
+if __name__ == "__main__":
+    model, lora_paths, prompts, loras = json.loads(sys.argv[1])
+    engine = Engine(model, lora_paths=lora_paths, tp_size=2, ep_size=2, device="cpu", dtype="float32",
+                    max_loras_per_batch=2, max_lora_rank=8)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), lora=loras)
+    print("TOKENS", json.dumps([o.token_ids for o in outs]))
+    engine.shutdown()
+"""
+
+
+def test_under_torchrun(start_engine, checkpoint, adapters, tmp_path):
+    """Two processes torchrun started, each constructing the Engine: rank 0's generates, rank 1's serves it and
+    ends its process; the tokens are one rank's."""
+    script = tmp_path / "run.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    paths = {name: str(a.path) for name, a in adapters("qwen3_moe").items()}
+    loras = ["full", None, "partial", "full"]
+    spec = json.dumps([str(checkpoint("qwen3_moe")), paths, PROMPTS, loras])
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(free_port()), str(script), spec], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    tokens = [json.loads(line.removeprefix("TOKENS ")) for line in run.stdout.splitlines() if line.startswith("TOKENS ")]
+    assert tokens == [[o.token_ids for o in start_engine("qwen3_moe").generate(PROMPTS, GREEDY, lora=loras)]]

@@ -1,0 +1,46 @@
+"""Tensor and expert parallel on two GPUs (NCCL): decode replayed from CUDA graphs, whose capture includes the
+collectives, gives the bits of the same engine run eagerly; a request gets the same tokens alone as in a
+batch (two ranks sum in either order alike); log-probs of two GPUs, by all-reduce and by all-to-all, are
+those of one GPU within bf16 rounding."""
+import pytest
+import torch
+
+from moelora.engine.sampling_params import SamplingParams
+from tests.models.families import assert_logprobs_close
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
+
+FAMILY = "qwen3_moe"
+LORAS = [None, "full", "partial"]
+GPU = dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8, max_total_tokens=4096)
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=5, ignore_eos=True)
+
+
+def prompts(bs: int) -> list[list[int]]:
+    return [[(11 * i + 5 * j) % 90 + 3 for j in range(4 + i % 5)] for i in range(bs)]
+
+
+def _outputs(engine, sizes=(1, 3, 8)) -> list[tuple[list[int], list]]:
+    return [(o.token_ids, o.logprobs) for bs in sizes
+            for o in engine.generate(prompts(bs), PARAMS, lora=[LORAS[i % 3] for i in range(bs)])]
+
+
+def test_graphs_capture_the_collectives(start_engine):
+    graphed = start_engine(FAMILY, tp_size=2, ep_size=2, **GPU)
+    assert graphed.runner.graphs is not None
+    got = _outputs(graphed)
+    alone = [(o.token_ids, o.logprobs) for p, a in zip(prompts(8), [LORAS[i % 3] for i in range(8)])
+             for o in graphed.generate([p], PARAMS, lora=[a])]
+    assert [t for t, _ in got[-8:]] == [t for t, _ in alone], "a request's tokens depend on its batch"
+    graphed.shutdown()  # one world per process: the eager engine's comes next
+    eager = start_engine(FAMILY, tp_size=2, ep_size=2, disable_cuda_graph=True, **GPU)
+    assert _outputs(eager) == got
+
+
+@pytest.mark.parametrize("dispatch", ["all_reduce", "all_to_all"])
+def test_two_gpus_match_one(start_engine, dispatch):
+    one = start_engine(FAMILY, **GPU)
+    two = start_engine(FAMILY, tp_size=2, ep_size=2, moe_dispatch=dispatch, **GPU)
+    loras = [LORAS[i % 3] for i in range(6)]
+    for got, want in zip(two.prompt_logprobs(prompts(6), lora=loras), one.prompt_logprobs(prompts(6), lora=loras)):
+        assert_logprobs_close(got, want, dispatch, atol=0.05)  # bf16: the ranks' partial sums round apart

@@ -1,0 +1,57 @@
+"""Every family on 2 and 4 gloo ranks, tensor parallel with the experts whole (ep 1) or split (ep 2, and 4
+where the experts divide), dispatched by all-reduce or all-to-all, with and without LoRA (two adapters and the
+base model in one batch; an adapter on the experts of one rank with adapters of ranks 4, 16 and 64; a spare
+slot poisoned with NaN): fp32 log-probs of a prefill and a decode step equal
+the one-process run's within a few fp32 rounding errors of the reordered sums."""
+from tests.distributed.model_cases import Case, run_case, run_layouts
+from tests.distributed.ranks import run_ranks
+from tests.models.families import FAMILIES, assert_logprobs_close, family_config
+
+TOLERANCE = 2e-5  # fp32 log-probs; the ranks' partial sums add up in another order than one rank's sums
+
+
+def _cases(checkpoint, adapters, split_adapters, kinds: tuple[str, ...]) -> dict[tuple[str, str], Case]:
+    """kinds: "base" (no adapter), "lora" (two adapters and base-model sequences in one batch), "split" (an
+    adapter on the first half of the experts alone, which one expert-parallel rank of two holds, and adapters
+    of ranks 4, 16 and 64, all in one batch)."""
+    cases = {}
+    for family in FAMILIES:
+        found = adapters(family)
+        if "split" in kinds:
+            split = split_adapters(family)
+            cases[family, "split"] = Case(str(checkpoint(family)), tuple(split[n] for n in ("first_half", "r4", "r16", "r64")),
+                                          (0, 1, 2, 3, 0), max_rank=64)
+        if "base" in kinds:
+            cases[family, "base"] = Case(str(checkpoint(family)))
+        if "lora" in kinds:
+            cases[family, "lora"] = Case(str(checkpoint(family)), (str(found["full"].path), str(found["partial"].path)),
+                                     (0, -1, 1, 0, 1))
+    return cases
+
+
+def _num_experts(family: str) -> int:
+    config = family_config(family)
+    return next(getattr(config, n) for n in ("num_experts", "num_local_experts", "n_routed_experts") if hasattr(config, n))
+
+
+def _check(world: int, layouts: list[tuple[int, str]], fixtures: tuple, kinds: tuple[str, ...]) -> None:
+    cases = _cases(*fixtures, kinds)
+    got = run_ranks(world, run_layouts, layouts, list(cases.values()))[0]
+    for i, ((family, kind), case) in enumerate(cases.items()):
+        want = run_case(case)
+        for ep_size, dispatch in layouts:
+            if _num_experts(family) % ep_size:
+                continue  # run_layouts skipped it too
+            for step, g, w in zip(("prefill", "decode"), got[ep_size, dispatch, i], want):
+                assert_logprobs_close(g, w, f"tp {world} ep {ep_size} {dispatch}: {family} {kind} {step}", TOLERANCE)
+
+
+def test_two_ranks_equal_one(checkpoint, adapters, split_adapters):
+    _check(2, [(1, "all_reduce"), (2, "all_reduce"), (2, "all_to_all")], (checkpoint, adapters, split_adapters),
+           ("base", "lora", "split"))
+
+
+def test_four_ranks_equal_one(checkpoint, adapters, split_adapters):
+    # LoRA cases only (their batches have base-model sequences too): four ranks share two cores here
+    _check(4, [(1, "all_reduce"), (2, "all_to_all"), (4, "all_reduce"), (4, "all_to_all")],
+           (checkpoint, adapters, split_adapters), ("lora",))
