@@ -5,7 +5,9 @@ concurrent clients of the official `openai` client, streaming. Client i uses ada
 
 Reported per concurrency: time to first token (p50, p90), inter-token latency (the median over
 requests of (last token - first token) / (tokens - 1)), and aggregate generated tokens/s over the
-wall time of the whole run.
+wall time of the whole run. Then, in the same run, the offline engine on the same settings (the serve
+flags parsed by the CLI) on the same work: --requests waves of C prompts through `Engine.generate`,
+tokens/s over the waves' wall time; served / offline is the share of the engine the server delivers.
 
     python3 benchmarks/bench_server.py                    # on a GPU, concurrency 1 and 32
     python3 benchmarks/bench_server.py --tiny             # a tiny model on the CPU in seconds (CPU test)
@@ -44,12 +46,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir: Path, adapters: dict[str, Path], port: int, device: str, log: Path,
-                 extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "moelora.cli", "serve", "--model-path", str(model_dir), "--load-format", "dummy",
-           "--lora-paths", *[f"{n}={p}" for n, p in adapters.items()], "--max-loras-per-batch", str(ADAPTERS),
-           "--max-lora-rank", str(RANK), "--device", device, "--dtype", "bfloat16" if device == "cuda" else "float32", "--port", str(port), "--served-model-name", "base", *extra]
+def engine_argv(model_dir: Path, adapters: dict[str, Path], device: str, extra: list[str]) -> list[str]:
+    """The `moelora serve` engine flags of both the server and the offline engine."""
+    return ["--model-path", str(model_dir), "--load-format", "dummy",
+            "--lora-paths", *[f"{n}={p}" for n, p in adapters.items()], "--max-loras-per-batch", str(ADAPTERS),
+            "--max-lora-rank", str(RANK), "--device", device, "--dtype", "bfloat16" if device == "cuda" else "float32",
+            *extra]
+
+
+def start_server(argv: list[str], port: int, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "moelora.cli", "serve", *argv, "--port", str(port), "--served-model-name", "base"]
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=os.environ.copy())
+
+
+def client_prompt(i: int, r: int, prompt_len: int, vocab: int) -> list[int]:
+    """Client i's r-th prompt."""
+    return [(7 * i + 13 * r + j) % (vocab - 1) + 1 for j in range(prompt_len)]
+
+
+def offline_tokens_per_s(argv: list[str], concurrencies: list[int], requests: int, prompt_len: int, max_tokens: int,
+                         vocab: int) -> dict[int, float]:
+    """Tokens/s of the offline engine on the clients' work: per concurrency C, `requests` waves of the C
+    clients' prompts (client i with adapter i % ADAPTERS), each wave one generate call."""
+    from moelora.cli import engine_kwargs
+    from moelora.engine.engine import Engine
+    from moelora.engine.sampling_params import SamplingParams
+
+    engine = Engine(**engine_kwargs(argv))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    engine.generate([client_prompt(0, 0, prompt_len, vocab)], params, lora="a0")  # warm-up
+    rates = {}
+    for c in concurrencies:
+        adapters = [f"a{i % ADAPTERS}" for i in range(c)]
+        t0 = time.perf_counter()
+        tokens = 0
+        for r in range(requests):
+            outs = engine.generate([client_prompt(i, r, prompt_len, vocab) for i in range(c)], params, lora=adapters)
+            tokens += sum(len(o.token_ids) for o in outs)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        rates[c] = tokens / (time.perf_counter() - t0)
+    engine.shutdown()
+    return rates
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
@@ -87,8 +125,8 @@ async def run_clients(url: str, concurrency: int, requests: int, prompt_len: int
     async def client_loop(i: int) -> list[tuple[float, list[float]]]:
         out = []
         for r in range(requests):
-            prompt = [(7 * i + 13 * r + j) % (vocab - 1) + 1 for j in range(prompt_len)]
-            out.append(await one_request(client, f"a{i % ADAPTERS}", prompt, max_tokens))
+            out.append(await one_request(client, f"a{i % ADAPTERS}", client_prompt(i, r, prompt_len, vocab),
+                                         max_tokens))
         return out
 
     t0 = time.perf_counter()
@@ -122,7 +160,10 @@ def main() -> None:
                     for i in range(ADAPTERS)}
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        proc = start_server(model_dir, adapters, port, device, work / "server.log", shlex.split(args.server_args))
+        argv = engine_argv(model_dir, adapters, device, shlex.split(args.server_args))
+        concurrencies = [int(c) for c in args.concurrency.split(",")]
+        served = {}
+        proc = start_server(argv, port, work / "server.log")
         try:
             t0 = time.perf_counter()
             wait_healthy(url, proc, timeout=900)
@@ -137,17 +178,23 @@ def main() -> None:
             print("| concurrent clients | requests | TTFT p50 ms | TTFT p90 ms | inter-token ms (median) "
                   "| aggregate tokens/s |")
             print("|---|---|---|---|---|---|", flush=True)
-            for c in map(int, args.concurrency.split(",")):
+            for c in concurrencies:
                 r = asyncio.run(run_clients(url, c, requests, prompt_len, max_tokens, config.vocab_size))
                 assert r["tokens"] == c * requests * max_tokens, f"got {r['tokens']} tokens"
+                served[c] = r["tokens"] / r["wall"]
                 print(f"| {c} | {c * requests} | {1e3 * r['ttft_p50']:.1f} | {1e3 * r['ttft_p90']:.1f} "
-                      f"| {1e3 * r['itl']:.2f} | {r['tokens'] / r['wall']:.0f} |", flush=True)
+                      f"| {1e3 * r['itl']:.2f} | {served[c]:.0f} |", flush=True)
         except Exception:
             print((work / "server.log").read_text()[-4000:], file=sys.stderr)
             raise
         finally:
             proc.terminate()
             proc.wait(timeout=60)
+        offline = offline_tokens_per_s(argv, concurrencies, requests, prompt_len, max_tokens, config.vocab_size)
+        print("\n| concurrent clients | offline engine tokens/s (same waves) | served / offline |")
+        print("|---|---|---|")
+        for c in concurrencies:
+            print(f"| {c} | {offline[c]:.0f} | {served[c] / offline[c]:.2f} |")
 
 
 if __name__ == "__main__":

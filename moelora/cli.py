@@ -122,6 +122,12 @@ def _add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[
             parser.add_argument(*flags, type=scalar, **common)
 
 
+def engine_kwargs(serve_argv: list[str]) -> dict:
+    """The Engine keyword arguments a `moelora serve` command line (the arguments after "serve") makes: what a
+    benchmark gives an offline engine to compare it with the server on the same settings."""
+    return _fields_of(build_parser().parse_args(["serve", *serve_argv]), _engine_config())
+
+
 def _fields_of(args: argparse.Namespace, cls: type) -> dict:
     names = {f.name for f in dataclasses.fields(cls)}
     return {k: v for k, v in vars(args).items() if k in names}

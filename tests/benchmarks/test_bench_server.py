@@ -1,10 +1,12 @@
 """The HTTP serving benchmark runs end to end (--tiny: `moelora serve` on a tiny model with 8 adapters,
-streamed clients; scheduling ahead, a small step budget), so the GPU run cannot be the first to find it
-broken."""
+streamed clients; scheduling ahead, a small step budget; then the offline engine on the same flags), so the
+GPU run cannot be the first to find it broken."""
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -15,8 +17,12 @@ def test_tiny_server_benchmark_reports_each_concurrency():
                           "--server-args", "--enable-overlap-schedule --max-num-batched-tokens 16"], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    rows = [line.split("|")[1:-1] for line in run.stdout.splitlines() if line.startswith("| ") and "---" not in line]
-    data = [[float(v) for v in r] for r in rows[1:]]
-    assert [r[0] for r in data] == [1, 4] and [r[1] for r in data] == [2, 8]
-    for clients, _, ttft50, ttft90, itl, tps in data:
+    tables = [[[float(v) for v in line.split("|")[1:-1]] for line in block.splitlines()[2:]]
+              for block in run.stdout.split("\n\n") if block.startswith("| concurrent clients")]
+    served, offline = tables
+    assert [r[0] for r in served] == [1, 4] and [r[1] for r in served] == [2, 8]
+    for clients, _, ttft50, ttft90, itl, tps in served:
         assert 0 < ttft50 <= ttft90 and itl > 0 and tps > 0
+    assert [r[0] for r in offline] == [1, 4]
+    for (clients, offline_tps, ratio), served_row in zip(offline, served):
+        assert offline_tps > 0 and ratio == pytest.approx(served_row[-1] / offline_tps, rel=0.1, abs=0.01)
