@@ -11,7 +11,7 @@ tokens/s over the waves' wall time; served / offline is the share of the engine 
 
     python3 benchmarks/bench_server.py                    # on a GPU, concurrency 1 and 32
     python3 benchmarks/bench_server.py --tiny             # a tiny model on the CPU in seconds (CPU test)
-    python3 benchmarks/bench_server.py --server-args "--enable-overlap-schedule --max-num-batched-tokens 2048"
+    python3 benchmarks/bench_server.py --server-args="--enable-overlap-schedule --enable-mixed-chunk"
 """
 from __future__ import annotations
 
@@ -74,10 +74,10 @@ def offline_tokens_per_s(argv: list[str], concurrencies: list[int], requests: in
 
     engine = Engine(**engine_kwargs(argv))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    engine.generate([client_prompt(0, 0, prompt_len, vocab)], params, lora="a0")  # warm-up
     rates = {}
     for c in concurrencies:
         adapters = [f"a{i % ADAPTERS}" for i in range(c)]
+        engine.generate([client_prompt(i, 0, prompt_len, vocab) for i in range(c)], params, lora=adapters)  # warm-up
         t0 = time.perf_counter()
         tokens = 0
         for r in range(requests):
@@ -174,11 +174,12 @@ def main() -> None:
                   f"of rank {RANK} (client i uses adapter i % {ADAPTERS}); server up in {time.perf_counter() - t0:.0f} s; "
                   f"prompts of {prompt_len} tokens, {max_tokens} greedy tokens each (ignore_eos), streamed; server flags: "
                   f"{args.server_args or 'defaults'}\n")
-            asyncio.run(run_clients(url, 1, 1, prompt_len, max_tokens, config.vocab_size))  # warm-up
             print("| concurrent clients | requests | TTFT p50 ms | TTFT p90 ms | inter-token ms (median) "
                   "| aggregate tokens/s |")
             print("|---|---|---|---|---|---|", flush=True)
             for c in concurrencies:
+                # warm-up: one request per client, so the kernels of this batch's shapes are compiled
+                asyncio.run(run_clients(url, c, 1, prompt_len, max_tokens, config.vocab_size))
                 r = asyncio.run(run_clients(url, c, requests, prompt_len, max_tokens, config.vocab_size))
                 assert r["tokens"] == c * requests * max_tokens, f"got {r['tokens']} tokens"
                 served[c] = r["tokens"] / r["wall"]

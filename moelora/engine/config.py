@@ -63,6 +63,11 @@ class EngineConfig:
                                        ("--max-num-batched-tokens",))
     # a single prompt may exceed max_prefill_tokens only when chunking is disabled
     max_prefill_tokens: int = option(16384, "prompt tokens in one step")
+    # off by default, as in SGLang: a step with prompt pieces is no decode batch, so it runs eagerly, not from
+    # a CUDA graph, and with clients arriving all the time nearly every step would (see benchmarks/RESULTS.md)
+    enable_mixed_chunk: bool = option(False, "run the running requests' decode rows in the steps that prefill "
+                                             "prompt pieces (default: prompt pieces run in steps of their own, "
+                                             "before the decode steps)")
 
     enable_overlap_schedule: bool = option(False, "launch each step before the previous step's tokens are read, "
                                                   "so the host schedules while the GPU computes")

@@ -117,7 +117,8 @@ class ModelRunner:
         if sampled:
             sampling = self._sampling_batch(sampled)
             num_top = max(r.params.logprobs or 0 for r in sampled)
-            tokens = sample(logits[sample_rows], sampling, num_top)
+            # (a list index would be copied to the device blocking: the host would wait for the step)
+            tokens = sample(logits[to_device(sample_rows, torch.int64, self.device)], sampling, num_top)
             if sampling.penalties is not None:
                 self.penalties.count(sampling.penalties.state_rows, tokens.token_ids[sampling.penalties.rows])
         return StepResult(sampled, tokens, prompt_logprobs, prompt_entries)

@@ -74,9 +74,12 @@ class Scheduler:
         return {r.lora for r in self._holding() if r.lora is not None}
 
     def schedule(self) -> ScheduledBatch | None:
-        """The next step: the running requests' decode rows, then prompt pieces; None if nothing can run."""
+        """The next step: the running requests' decode rows, then prompt pieces (enable_mixed_chunk), or
+        prompt pieces alone while any can run, else the decode rows; None if nothing can run."""
         decode = self._decode_rows()
-        prefill, extend_lens = self._plan_prefill(len(decode))
+        prefill, extend_lens = self._plan_prefill(len(decode) if self.config.enable_mixed_chunk else 0)
+        if prefill and not self.config.enable_mixed_chunk:
+            decode = []
         if not decode and not prefill:
             return None
         return self._allocate(decode + prefill, [1] * len(decode) + extend_lens, len(decode))

@@ -58,14 +58,15 @@ def test_chunked_prefill_and_retraction_keep_outputs(family, make_engine, alone)
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])])
 def test_decode_rows_beside_chunked_prefills_keep_their_tokens_and_logprobs(make_engine, monkeypatch, device, overlap):
-    """Requests whose prompts are prefilled in chunks join the steps of a decoding request: it gets the
-    tokens and log-probabilities it gets alone, and so does each of them (prompt logprobs and penalties
+    """With enable_mixed_chunk, requests whose prompts are prefilled in chunks join the steps of a decoding
+    request: it gets the tokens and log-probabilities it gets alone, and so does each of them (prompt logprobs and penalties
     included); decode never waits for their prefills. On the GPU (bf16, CUDA graphs for its decode steps
     alone, its decode rows in eager mixed steps beside the chunks) bit for bit; on the CPU to float32
     rounding, torch's CPU matmul not being batch invariant."""
     options = dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8, max_total_tokens=4096) if device == "cuda" \
         else {}
-    engine = make_engine(FAMILY, chunked_prefill_size=6, enable_overlap_schedule=overlap, **options)
+    engine = make_engine(FAMILY, chunked_prefill_size=6, enable_mixed_chunk=True, enable_overlap_schedule=overlap,
+                         **options)
     approx = (lambda entries: entries) if device == "cuda" else approx_float32
     first = (PROMPTS[2], SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True), "full")
     long_prompts = [[(5 * i + 3 * j) % 90 + 3 for j in range(13 + 4 * i)] for i in range(3)]
@@ -123,7 +124,8 @@ def test_overlap_schedule_keeps_every_output(make_engine, device):
         assert [o.finish_reason for o in got] == [o.finish_reason for o in expected]
     assert any(o.finish_reason == "stop" and len(o.token_ids) < 16 for o in want_stopped)
     assert_idle(ahead)
-    tight = make_engine(FAMILY, enable_overlap_schedule=True, chunked_prefill_size=4, max_total_tokens=40, **options)
+    tight = make_engine(FAMILY, **{**options, "enable_overlap_schedule": True, "chunked_prefill_size": 4,
+                                   "max_total_tokens": 40})
     assert [o.token_ids for o in tight.generate(PROMPTS, params, lora=LORAS)] == [o.token_ids for o in want]
     assert tight.scheduler.num_retractions > 0
     assert_idle(tight)

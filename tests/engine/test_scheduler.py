@@ -10,7 +10,8 @@ from moelora.engine.scheduler import ScheduledBatch, Scheduler
 
 
 def make(num_slots=64, rows=8, **kw) -> Scheduler:
-    return Scheduler(EngineConfig("model", device="cpu", **kw), KVPool(num_slots, rows))
+    """Mixed steps unless told otherwise: most of these tests are about decode rows beside prompt pieces."""
+    return Scheduler(EngineConfig("model", device="cpu", **{"enable_mixed_chunk": True, **kw}), KVPool(num_slots, rows))
 
 
 def req(rid, prompt_len, max_new, lora=None) -> Req:
@@ -85,6 +86,18 @@ def test_requests_join_and_leave_every_step():
     assert step(s).reqs == [a]  # b finished with 2 tokens
     run(s)
     assert a.output_ids == [3, 4, 5, 6] and b.output_ids == [2, 3]
+
+
+def test_without_mixed_chunk_prompt_pieces_run_in_steps_of_their_own_first():
+    s = make(chunked_prefill_size=4, enable_mixed_chunk=False)
+    a, b = req("a", 3, 3), req("b", 6, 2)
+    s.add(a)
+    step(s)
+    s.add(b)
+    batches = run(s)
+    assert [(bt.num_decode, bt.reqs, bt.extend_lens) for bt in batches] == [
+        (0, [b], [4]), (0, [b], [2]), (2, [a, b], [1, 1]), (1, [a], [1])]  # a's decode waits for b's prompt
+    assert a.output_ids == [3, 4, 5] and b.output_ids == [6, 7]
 
 
 def test_mixed_steps_carry_every_decode_row_and_prompt_chunks_within_the_budget():
