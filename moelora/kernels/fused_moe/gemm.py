@@ -143,8 +143,8 @@ def _gate_up_lora(
             wait_shrunk(ready_ptr, tl.min(pair, axis=0), num_splits, tl.cdiv(I, BLOCK_N))  # row 0's pair
     stride = 2 * num_splits * BLOCK_R
     cache: tl.constexpr = ".cg" if PAIR_BLOCKS else ""
-    xa_g = sum_partials(xa_ptr, pair, slot >= 0, stride, num_splits, R, BLOCK_R, PARTS, cache)
-    xa_u = sum_partials(xa_ptr + num_splits * BLOCK_R, pair, slot >= 0, stride, num_splits, R, BLOCK_R, PARTS, cache)
+    xa_g = sum_partials(xa_ptr, pair, slot >= 0, R, stride, num_splits, R, BLOCK_R, PARTS, cache)
+    xa_u = sum_partials(xa_ptr + num_splits * BLOCK_R, pair, slot >= 0, R, stride, num_splits, R, BLOCK_R, PARTS, cache)
     if rank_g + rank_u > 0:  # slot lo (if any), on the tiles loaded above
         acc_g = lora_expand(acc_g, xa_g, slot == lo, rank_g, bg)
         acc_u = lora_expand(acc_u, xa_u, slot == lo, rank_u, bu)
@@ -270,7 +270,7 @@ def _down_lora(acc, pair, slot, lo, hi, e, offs_n, n_mask, ranks_ptr, hd_ptr, b_
     R: tl.constexpr = BLOCK_R if C == RANK_TILES - 1 else 16 << C
     rank_d = lora_rank(ranks_ptr, 2, lo, e, hi, num_slots, num_experts)  # slot lo's B: loads overlap hd's
     bd = lora_tile(b_ptr, lo, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_d, R)
-    hd = sum_partials(hd_ptr, pair, slot >= 0, num_hd_parts * BLOCK_R, num_hd_parts, R, BLOCK_R, PARTS, "")
+    hd = sum_partials(hd_ptr, pair, slot >= 0, R, num_hd_parts * BLOCK_R, num_hd_parts, R, BLOCK_R, PARTS, "")
     if rank_d > 0:
         acc = lora_expand(acc, hd, slot == lo, rank_d, bd)
     for s in range(lo + 1, hi + 1):

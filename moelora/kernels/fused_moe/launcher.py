@@ -98,8 +98,8 @@ def fused_moe_triton(
                 RANK_TILES=rank_tiles, num_warps=4,
             )
         if not cfg.pair_blocks:  # (with pair blocks xa is written in the gate_up launch that reads it)
-            xa, num_splits = reduce_partials(xa.view(num_pairs * 2, num_splits, block_r), 2 * top_k, slots,
-                                             num_slots, num_pairs >= cfg.reduce_partials_min_pairs)
+            xa, num_splits = reduce_partials(xa.view(num_pairs * 2, num_splits, block_r), topk.ids, slots, ranks, 0,
+                                             num_pairs >= cfg.reduce_partials_min_pairs)
     num_m = blocks.block_expert.numel()
     grid_gate_up = num_m * num_n_gate_up
     gate_up_kernel[(num_shrink + grid_gate_up,)](
@@ -112,7 +112,7 @@ def fused_moe_triton(
         RANK_TILES=rank_tiles, **common,
     )
     if lora is not None:
-        hd, num_hd_parts = reduce_partials(hd, top_k, slots, num_slots, num_pairs >= cfg.reduce_partials_min_pairs)
+        hd, num_hd_parts = reduce_partials(hd, topk.ids, slots, ranks, 2, num_pairs >= cfg.reduce_partials_min_pairs)
     down_kernel[(num_m * num_n_down,)](
         h, w2, out, topk.weights, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, slots,
         ranks, hd, bd, topk.ids, counters, y,

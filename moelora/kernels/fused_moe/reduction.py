@@ -88,31 +88,45 @@ def moe_sum_kernel(out_ptr, topk_ids_ptr, y_ptr, H, top_k, num_experts, stride_o
 
 
 @triton.jit
-def reduce_partials_kernel(part_ptr, out_ptr, token_slots_ptr, num_rows, rows_per_token, num_parts, num_slots,
+def reduce_partials_kernel(part_ptr, out_ptr, token_slots_ptr, topk_ids_ptr, ranks_ptr, num_rows, rows_per_pair,
+                            top_k, proj_lo, num_parts, num_slots, num_experts,
                             BLOCK_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr):
-    """out[row] = sum_partials of part[row, :num_parts] for the rows of tokens with an adapter: the
-    epilogues then read one part instead of every (block, n-tile) program summing them all again."""
+    """out[row, :rank] = sum_partials of part[row, :num_parts, :rank], where rank is the row's real rank (row
+    p * rows_per_pair + j holds projection proj_lo + j of pair p); the epilogues then read one part instead
+    of every (block, n-tile) program summing them all again. Rows of uncovered pairs and the columns past a
+    row's rank are neither read nor written: the epilogues do not read them."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    slot = tl.load(token_slots_ptr + rows // rows_per_token, mask=rows < num_rows, other=-1)
-    has = (rows < num_rows) & (slot >= 0) & (slot < num_slots)
-    total = sum_partials(part_ptr, rows, has, num_parts * BLOCK_R, num_parts, BLOCK_R, BLOCK_R, PARTS, "")
-    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * BLOCK_R + tl.arange(0, BLOCK_R)[None, :]
-    tl.store(out_ptrs, total, mask=has[:, None])
+    row_ok = rows < num_rows
+    pair = rows // rows_per_pair
+    slot = tl.load(token_slots_ptr + pair // top_k, mask=row_ok, other=-1)
+    e = tl.load(topk_ids_ptr + pair, mask=row_ok, other=-1)
+    has = row_ok & (slot >= 0) & (slot < num_slots) & (e >= 0) & (e < num_experts)
+    proj = proj_lo + rows % rows_per_pair
+    rank = tl.load(ranks_ptr + (proj * num_slots + slot) * num_experts + e, mask=has, other=0)
+    has = has & (rank > 0)
+    total = sum_partials(part_ptr, rows, has, rank[:, None], num_parts * BLOCK_R, num_parts, BLOCK_R, BLOCK_R,
+                         PARTS, "")
+    offs_r = tl.arange(0, BLOCK_R)
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * BLOCK_R + offs_r[None, :]
+    tl.store(out_ptrs, total, mask=has[:, None] & (offs_r[None, :] < rank[:, None]))
 
 
-def reduce_partials(parts: torch.Tensor, rows_per_token: int, token_slots: torch.Tensor, num_slots: int,
-                    once: bool) -> tuple[torch.Tensor, int]:
-    """parts [rows, P, R] (the rows of token t at t * rows_per_token ...) summed per row into [rows, 1, R]
-    when `once` (large batches); returns the buffer the GEMMs read and its number of parts."""
+def reduce_partials(parts: torch.Tensor, topk_ids: torch.Tensor, token_slots: torch.Tensor, ranks: torch.Tensor,
+                    proj_lo: int, once: bool) -> tuple[torch.Tensor, int]:
+    """parts [pairs * J, P, R] (row p * J + j: projection proj_lo + j of pair p, J = 1 or 2) summed per row into
+    [rows, 1, R] when `once` (large batches), in the columns below each row's rank (ranks [3, S, E]: per
+    projection, slot and expert); returns the buffer the GEMMs read and its number of parts."""
     rows, num_parts, block_r = parts.shape
     if num_parts == 1 or not once:
         return parts, num_parts
+    num_slots, num_experts = ranks.shape[1:]
     out = torch.empty(rows, 1, block_r, dtype=torch.float32, device=parts.device)
     # each row's sum is a chain of dependent adds, so: many programs (about REDUCE_PROGRAMS), each with
     # few rows and many loads in flight (the sum's order, hence its bits, does not depend on either)
     block_rows = min(64, triton.next_power_of_2(triton.cdiv(rows, REDUCE_PROGRAMS)))
     reduce_partials_kernel[(triton.cdiv(rows, block_rows),)](
-        parts, out, token_slots, rows, rows_per_token, num_parts, num_slots,
+        parts, out, token_slots, topk_ids, ranks, rows, rows // topk_ids.numel(), topk_ids.shape[1], proj_lo,
+        num_parts, num_slots, num_experts,
         BLOCK_ROWS=block_rows, BLOCK_R=block_r, PARTS=min(32, triton.next_power_of_2(num_parts)),
         num_warps=max(1, min(4, block_rows * block_r // 128)))
     return out, 1

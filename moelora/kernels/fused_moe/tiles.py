@@ -101,9 +101,10 @@ def lora_expand(acc, xa, rows, rank, bt):
 
 
 @triton.jit
-def sum_partials(part_ptr, pair, rows, row_stride, num_parts, R: tl.constexpr, STRIDE_R: tl.constexpr,
+def sum_partials(part_ptr, pair, rows, cols, row_stride, num_parts, R: tl.constexpr, STRIDE_R: tl.constexpr,
                   PARTS: tl.constexpr, CACHE: tl.constexpr):
-    """sum over i < num_parts of part[pair, i, :R] (parts STRIDE_R apart) for the rows in `rows`, added one part
+    """sum over i < num_parts of part[pair, i, :R] (parts STRIDE_R apart) for the rows in `rows`, in the columns
+    below `cols` (R, or each row's rank as a [rows, 1] tensor: the others are neither read nor 0), added one part
     after the other (an order no layout can change, so every kernel that sums the same parts gets the same
     bits); the loads go PARTS at a time, so their latencies overlap instead of forming a chain. CACHE ".cg": parts
     written by other programs of this launch, read from L2 (never a stale L1 line)."""
@@ -113,5 +114,6 @@ def sum_partials(part_ptr, pair, rows, row_stride, num_parts, R: tl.constexpr, S
     for i0 in range(0, num_parts, PARTS):
         for i in tl.static_range(PARTS):
             part_ok = rows & (tl.zeros_like(pair) + (i0 + i) < num_parts)
-            acc += tl.load(base + (i0 + i) * STRIDE_R, mask=part_ok[:, None], other=0.0, cache_modifier=CACHE)
+            acc += tl.load(base + (i0 + i) * STRIDE_R, mask=part_ok[:, None] & (offs_r[None, :] < cols), other=0.0,
+                           cache_modifier=CACHE)
     return acc
