@@ -7,8 +7,8 @@ import triton.language as tl
 
 from moelora.kernels.fused_moe.reduction import prepare_topk_sum, sum_topk_if_last
 from moelora.kernels.fused_moe.shrink import shrink_one_pair, wait_shrunk
-from moelora.kernels.fused_moe.tiles import (at_most_half_full, block_info, block_rank, block_rows, lora_expand,
-                                             lora_rank, lora_tile, row_slots, sum_partials, takes_rank_tile)
+from moelora.kernels.fused_moe.tiles import (at_most_half_full, block_info, block_rows, lora_expand, lora_tile,
+                                             row_ranks, row_slots, slot_rank, sum_partials, takes_rank_tile)
 from moelora.kernels.gemm_tiles import arrive, gemm_loop
 
 
@@ -85,12 +85,15 @@ def _gate_up_block(
                              ROWS, BLOCK_N, BLOCK_K)
     if HAS_LORA:
         slot, lo, hi = row_slots(token_slot, num_slots)
-        r = block_rank(ranks_ptr, slot, e, num_slots, num_experts, 0, 2)
+        rank_g = row_ranks(ranks_ptr, slot, e, num_slots, num_experts, 0)
+        rank_u = row_ranks(ranks_ptr, slot, e, num_slots, num_experts, 1)
+        rank_d = row_ranks(ranks_ptr, slot, e, num_slots, num_experts, 2)
+        r = tl.max(tl.maximum(tl.maximum(rank_g, rank_u), rank_d), axis=0)
         for c in tl.static_range(RANK_TILES):
             if takes_rank_tile(r, c, RANK_TILES, BLOCK_R):  # (returning the accumulators ends their old values)
                 acc_g, acc_u = _gate_up_lora(
-                    acc_g, acc_u, h_ptr, pair, row_ok, slot, lo, hi, e, pid_n, offs_n, n_mask, ranks_ptr, xa_ptr,
-                    bg_ptr, bu_ptr, ad_ptr, hd_ptr, ready_ptr, I, num_slots, num_experts, num_splits, stride_ht,
+                    acc_g, acc_u, h_ptr, pair, row_ok, slot, lo, hi, e, pid_n, offs_n, n_mask, rank_g, rank_u, rank_d,
+                    xa_ptr, bg_ptr, bu_ptr, ad_ptr, hd_ptr, ready_ptr, I, num_experts, num_splits, stride_ht,
                     stride_be, stride_br, stride_ade, stride_adr, ROWS, BLOCK_N, c, RANK_TILES, BLOCK_R, PARTS,
                     PAIR_BLOCKS, PART_N)
         if r == 0:  # no adapter in the block covers expert e: the plain result, no LoRA work
@@ -113,21 +116,21 @@ def _store_h(acc_g, acc_u, h_ptr, pair, row_ok, offs_n, n_mask, stride_ht):
 
 @triton.jit
 def _gate_up_lora(
-    acc_g, acc_u, h_ptr, pair, row_ok, slot, lo, hi, e, pid_n, offs_n, n_mask, ranks_ptr, xa_ptr, bg_ptr, bu_ptr,
-    ad_ptr, hd_ptr, ready_ptr, I, num_slots, num_experts, num_splits, stride_ht, stride_be, stride_br, stride_ade,
-    stride_adr,
+    acc_g, acc_u, h_ptr, pair, row_ok, slot, lo, hi, e, pid_n, offs_n, n_mask, row_rank_g, row_rank_u, row_rank_d,
+    xa_ptr, bg_ptr, bu_ptr, ad_ptr, hd_ptr, ready_ptr, I, num_experts, num_splits, stride_ht, stride_be, stride_br,
+    stride_ade, stride_adr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr, RANK_TILES: tl.constexpr, BLOCK_R: tl.constexpr,
     PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr, PART_N: tl.constexpr,
 ):
     """The epilogue of a gate_up program whose block's LoRA takes rank tile C (tiles.takes_rank_tile): the
     gate/up deltas, h stored, and this tile's parts of the down shrink (_down_shrink_part). The partials are
-    laid out BLOCK_R columns a part. Returns the accumulators with the deltas."""
+    laid out BLOCK_R columns a part; each row's are read and written below its rank (row_rank_*, per projection)
+    only. Returns the accumulators with the deltas."""
     R: tl.constexpr = BLOCK_R if C == RANK_TILES - 1 else 16 << C
     # slot lo's ranks and B and A_d tiles first: their loads overlap the xa loads and, with pair blocks (one
     # slot), the wait for the shrink. A decode step's LoRA cost is mostly such chains of round trips.
-    rank_g = lora_rank(ranks_ptr, 0, lo, e, hi, num_slots, num_experts)
-    rank_u = lora_rank(ranks_ptr, 1, lo, e, hi, num_slots, num_experts)
-    rank_d = lora_rank(ranks_ptr, 2, lo, e, hi, num_slots, num_experts)
+    first = slot == lo
+    rank_g, rank_u, rank_d = slot_rank(row_rank_g, first), slot_rank(row_rank_u, first), slot_rank(row_rank_d, first)
     bg = lora_tile(bg_ptr, lo, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_g, R)
     bu = lora_tile(bu_ptr, lo, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_u, R)
     offs_p0 = pid_n * BLOCK_N + tl.arange(0, PART_N)  # the tile's down-shrink parts: 1 or 2 (column halves)
@@ -143,16 +146,17 @@ def _gate_up_lora(
             wait_shrunk(ready_ptr, tl.min(pair, axis=0), num_splits, tl.cdiv(I, BLOCK_N))  # row 0's pair
     stride = 2 * num_splits * BLOCK_R
     cache: tl.constexpr = ".cg" if PAIR_BLOCKS else ""
-    xa_g = sum_partials(xa_ptr, pair, slot >= 0, R, stride, num_splits, R, BLOCK_R, PARTS, cache)
-    xa_u = sum_partials(xa_ptr + num_splits * BLOCK_R, pair, slot >= 0, R, stride, num_splits, R, BLOCK_R, PARTS, cache)
+    xa_g = sum_partials(xa_ptr, pair, row_rank_g > 0, row_rank_g[:, None], stride, num_splits, R, BLOCK_R, PARTS,
+                        cache)
+    xa_u = sum_partials(xa_ptr + num_splits * BLOCK_R, pair, row_rank_u > 0, row_rank_u[:, None], stride, num_splits,
+                        R, BLOCK_R, PARTS, cache)
     if rank_g + rank_u > 0:  # slot lo (if any), on the tiles loaded above
-        acc_g = lora_expand(acc_g, xa_g, slot == lo, rank_g, bg)
-        acc_u = lora_expand(acc_u, xa_u, slot == lo, rank_u, bu)
+        acc_g = lora_expand(acc_g, xa_g, first, rank_g, bg)
+        acc_u = lora_expand(acc_u, xa_u, first, rank_u, bu)
     for s in range(lo + 1, hi + 1):  # the block's other slots
         rows = slot == s
-        rank_g = lora_rank(ranks_ptr, 0, s, e, hi, num_slots, num_experts)
-        rank_u = lora_rank(ranks_ptr, 1, s, e, hi, num_slots, num_experts)
-        if (rank_g + rank_u > 0) & (tl.max(rows.to(tl.int32), axis=0) > 0):  # else xa was never written
+        rank_g, rank_u = slot_rank(row_rank_g, rows), slot_rank(row_rank_u, rows)
+        if rank_g + rank_u > 0:  # (0 also when no row has slot s)
             bg = lora_tile(bg_ptr, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_g, R)
             bu = lora_tile(bu_ptr, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_u, R)
             acc_g = lora_expand(acc_g, xa_g, rows, rank_g, bg)
@@ -160,37 +164,38 @@ def _gate_up_lora(
     h = _store_h(acc_g, acc_u, h_ptr, pair, row_ok, offs_n, n_mask, stride_ht)
     # this tile's parts of the down shrink, one per PART_N (DOWN_SHRINK_PART) columns of I
     if BLOCK_N == PART_N:
-        _down_shrink_part(h, pid_n, offs_p0, pair, slot, lo, hi, e, rank_d, ad0, ranks_ptr, ad_ptr, hd_ptr, I,
-                          num_slots, num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R, PART_N)
+        _down_shrink_part(h, pid_n, offs_p0, pair, slot, lo, hi, e, rank_d, row_rank_d, ad0, ad_ptr, hd_ptr, I,
+                          num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R, PART_N)
     else:  # two parts: the tile's column halves
         h0, h1 = tl.split(tl.permute(tl.reshape(h, (ROWS, 2, PART_N)), (0, 2, 1)))
-        _down_shrink_part(h0, 2 * pid_n, offs_p0, pair, slot, lo, hi, e, rank_d, ad0, ranks_ptr, ad_ptr, hd_ptr, I,
-                          num_slots, num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R, PART_N)
-        _down_shrink_part(h1, 2 * pid_n + 1, offs_p1, pair, slot, lo, hi, e, rank_d, ad1, ranks_ptr, ad_ptr, hd_ptr,
-                          I, num_slots, num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R, PART_N)
+        _down_shrink_part(h0, 2 * pid_n, offs_p0, pair, slot, lo, hi, e, rank_d, row_rank_d, ad0, ad_ptr, hd_ptr,
+                          I, num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R, PART_N)
+        _down_shrink_part(h1, 2 * pid_n + 1, offs_p1, pair, slot, lo, hi, e, rank_d, row_rank_d, ad1, ad_ptr, hd_ptr,
+                          I, num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R, PART_N)
     return acc_g, acc_u
 
 
 @triton.jit
-def _down_shrink_part(h, part, offs_n, pair, slot, lo, hi, e, rank_d, ad, ranks_ptr, ad_ptr, hd_ptr, I, num_slots,
-                      num_experts, stride_ade, stride_adr, ROWS: tl.constexpr, R: tl.constexpr,
-                      BLOCK_R: tl.constexpr, PART_N: tl.constexpr):
-    """hd[p, part, :R] = h[p, offs_n] @ A_d[:, offs_n]^T over the PART_N columns of this part, for each row's
-    slot (slot lo's rank_d and A_d tile `ad` come loaded): the down kernel adds the parts up in order, so a
-    part's columns never follow the tile. Parts are BLOCK_R columns apart."""
+def _down_shrink_part(h, part, offs_n, pair, slot, lo, hi, e, rank_d, row_rank_d, ad, ad_ptr, hd_ptr, I, num_experts,
+                      stride_ade, stride_adr, ROWS: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
+                      PART_N: tl.constexpr):
+    """hd[p, part, :rank] = h[p, offs_n] @ A_d[:, offs_n]^T over the PART_N columns of this part, for each row's
+    slot and its rank (row_rank_d; slot lo's rank_d and A_d tile `ad` come loaded): the down kernel adds the parts
+    up in order, so a part's columns never follow the tile. Parts are BLOCK_R columns apart."""
     offs_r = tl.arange(0, R)
     hd = tl.zeros((ROWS, R), dtype=tl.float32)
     if rank_d > 0:
         hd += tl.dot(tl.where((slot == lo)[:, None], h, 0.0), tl.trans(ad))
     for s in range(lo + 1, hi + 1):
         rows = slot == s
-        rank_d = lora_rank(ranks_ptr, 2, s, e, hi, num_slots, num_experts)
-        if (rank_d > 0) & (tl.max(rows.to(tl.int32), axis=0) > 0):
+        rank_d = slot_rank(row_rank_d, rows)
+        if rank_d > 0:
             ad = lora_tile(ad_ptr, s, e, num_experts, stride_ade, stride_adr, offs_n, offs_n < I, rank_d, R)
             hd += tl.dot(tl.where(rows[:, None], h, 0.0), tl.trans(ad))
     num_parts = tl.cdiv(I, PART_N)
     hd_ptrs = hd_ptr + (pair.to(tl.int64) * num_parts + part)[:, None] * BLOCK_R + offs_r[None, :]
-    tl.store(hd_ptrs, hd, mask=((slot >= 0) & (tl.zeros_like(slot) + part < num_parts))[:, None])
+    in_part = tl.zeros_like(slot) + part < num_parts
+    tl.store(hd_ptrs, hd, mask=in_part[:, None] & (offs_r[None, :] < row_rank_d[:, None]))
 
 
 @triton.jit
@@ -248,11 +253,11 @@ def _down_block(
     acc, _ = gemm_loop(h_ptrs, row_ok, I, w_ptrs, w_ptrs, n_mask, False, ROWS, BLOCK_N, BLOCK_K)
     if HAS_LORA:
         slot, lo, hi = row_slots(token_slot, num_slots)
-        r = block_rank(ranks_ptr, slot, e, num_slots, num_experts, 2, 2)
+        rank_d = row_ranks(ranks_ptr, slot, e, num_slots, num_experts, 2)
         for c in tl.static_range(RANK_TILES):
-            if takes_rank_tile(r, c, RANK_TILES, BLOCK_R):
-                acc = _down_lora(acc, pair, slot, lo, hi, e, offs_n, n_mask, ranks_ptr, hd_ptr, b_ptr, num_slots,
-                                 num_experts, num_hd_parts, stride_be, stride_br, c, RANK_TILES, BLOCK_R, PARTS)
+            if takes_rank_tile(tl.max(rank_d, axis=0), c, RANK_TILES, BLOCK_R):
+                acc = _down_lora(acc, pair, slot, lo, hi, e, offs_n, n_mask, rank_d, hd_ptr, b_ptr, num_experts,
+                                 num_hd_parts, stride_be, stride_br, c, RANK_TILES, BLOCK_R, PARTS)
     acc = acc * weight[:, None]
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_mask[None, :])
@@ -262,21 +267,23 @@ def _down_block(
 
 
 @triton.jit
-def _down_lora(acc, pair, slot, lo, hi, e, offs_n, n_mask, ranks_ptr, hd_ptr, b_ptr, num_slots, num_experts,
-               num_hd_parts, stride_be, stride_br, C: tl.constexpr, RANK_TILES: tl.constexpr, BLOCK_R: tl.constexpr,
+def _down_lora(acc, pair, slot, lo, hi, e, offs_n, n_mask, row_rank_d, hd_ptr, b_ptr, num_experts, num_hd_parts,
+               stride_be, stride_br, C: tl.constexpr, RANK_TILES: tl.constexpr, BLOCK_R: tl.constexpr,
                PARTS: tl.constexpr):
-    """acc + the down delta (the sum of the down-shrink parts) @ B_d^T of each row's slot, on rank tile C
-    (tiles.takes_rank_tile); the parts are BLOCK_R columns apart."""
+    """acc + the down delta (the sum of the down-shrink parts, below each row's rank row_rank_d) @ B_d^T of each
+    row's slot, on rank tile C (tiles.takes_rank_tile); the parts are BLOCK_R columns apart."""
     R: tl.constexpr = BLOCK_R if C == RANK_TILES - 1 else 16 << C
-    rank_d = lora_rank(ranks_ptr, 2, lo, e, hi, num_slots, num_experts)  # slot lo's B: loads overlap hd's
-    bd = lora_tile(b_ptr, lo, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_d, R)
-    hd = sum_partials(hd_ptr, pair, slot >= 0, R, num_hd_parts * BLOCK_R, num_hd_parts, R, BLOCK_R, PARTS, "")
+    first = slot == lo
+    rank_d = slot_rank(row_rank_d, first)
+    bd = lora_tile(b_ptr, lo, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_d, R)  # overlaps hd's loads
+    hd = sum_partials(hd_ptr, pair, row_rank_d > 0, row_rank_d[:, None], num_hd_parts * BLOCK_R, num_hd_parts, R,
+                      BLOCK_R, PARTS, "")
     if rank_d > 0:
-        acc = lora_expand(acc, hd, slot == lo, rank_d, bd)
+        acc = lora_expand(acc, hd, first, rank_d, bd)
     for s in range(lo + 1, hi + 1):
         rows = slot == s
-        rank_d = lora_rank(ranks_ptr, 2, s, e, hi, num_slots, num_experts)
-        if (rank_d > 0) & (tl.max(rows.to(tl.int32), axis=0) > 0):
+        rank_d = slot_rank(row_rank_d, rows)
+        if rank_d > 0:
             bd = lora_tile(b_ptr, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_d, R)
             acc = lora_expand(acc, hd, rows, rank_d, bd)
     return acc

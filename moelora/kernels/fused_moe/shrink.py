@@ -5,18 +5,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moelora.kernels.fused_moe.tiles import lora_rank, row_slots, takes_rank_tile
+from moelora.kernels.fused_moe.tiles import lora_rank, row_ranks, row_slots, slot_rank, takes_rank_tile
 from moelora.kernels.moe_align import moe_align_program
 
 
 @triton.jit
-def _shrink_rows(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, ranks_ptr, s, e, k_lo, k_hi, num_slots, num_experts,
+def _shrink_rows(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, k_lo, k_hi, num_experts,
                  num_splits, stride_ae, stride_ar, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                  BLOCK_R: tl.constexpr, RANK_TILES: tl.constexpr):
-    """xa_g, xa_u = x[rows] @ A[s, e][:, k_lo:k_hi]^T for gate and up, stored from xa_rows (column 0 of each
-    row's gate partial) for `rows`, on the smallest rank tile that holds both ranks (tiles.takes_rank_tile)."""
-    rank_g = lora_rank(ranks_ptr, 0, s, e, s, num_slots, num_experts)
-    rank_u = lora_rank(ranks_ptr, 1, s, e, s, num_slots, num_experts)
+    """xa_g, xa_u = x[rows] @ A[s, e][:, k_lo:k_hi]^T for gate and up (ranks rank_g, rank_u), stored from xa_rows
+    (column 0 of each row's gate partial) for `rows`, on the smallest rank tile that holds both ranks
+    (tiles.takes_rank_tile)."""
     for c in tl.static_range(RANK_TILES):
         if takes_rank_tile(tl.maximum(rank_g, rank_u), c, RANK_TILES, BLOCK_R):
             _shrink_tile(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, k_lo, k_hi, num_experts,
@@ -64,12 +63,15 @@ def shrink_kernel(
     slot, lo, hi = row_slots(tl.load(token_slots_ptr + pair // top_k, mask=pair < num_pairs, other=-1), num_slots)
     x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + tl.arange(0, BLOCK_K)[None, :]
     xa_rows = xa_ptr + ((pair.to(tl.int64) * 2) * num_splits + split) * BLOCK_R
+    row_rank_g = row_ranks(ranks_ptr, slot, e, num_slots, num_experts, 0)
+    row_rank_u = row_ranks(ranks_ptr, slot, e, num_slots, num_experts, 1)
     for s in range(lo, hi + 1):
         rows = slot == s
-        if tl.max(rows.to(tl.int32), axis=0) > 0:
-            _shrink_rows(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, ranks_ptr, s, e, split * SPLIT_K,
-                         tl.minimum(H, (split + 1) * SPLIT_K), num_slots, num_experts, num_splits, stride_ae,
-                         stride_ar, BLOCK_M, BLOCK_K, BLOCK_R, RANK_TILES)
+        rank_g, rank_u = slot_rank(row_rank_g, rows), slot_rank(row_rank_u, rows)
+        if rank_g + rank_u > 0:  # (0 also when no row has slot s)
+            _shrink_rows(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, split * SPLIT_K,
+                         tl.minimum(H, (split + 1) * SPLIT_K), num_experts, num_splits, stride_ae, stride_ar,
+                         BLOCK_M, BLOCK_K, BLOCK_R, RANK_TILES)
 
 
 @triton.jit
@@ -90,9 +92,11 @@ def shrink_one_pair(q, topk_ids_ptr, token_slots_ptr, x_ptr, xa_ptr, ranks_ptr, 
         pair = p + tl.zeros((BLOCK_M,), dtype=tl.int32)
         x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + tl.arange(0, BLOCK_K)[None, :]
         xa_rows = xa_ptr + ((pair.to(tl.int64) * 2) * num_splits + split) * BLOCK_R
-        _shrink_rows(x_ptrs, row0, xa_rows, ag_ptr, au_ptr, ranks_ptr, s, e, split * SPLIT_K,
-                     tl.minimum(H, (split + 1) * SPLIT_K), num_slots, num_experts, num_splits, stride_ae,
-                     stride_ar, BLOCK_M, BLOCK_K, BLOCK_R, RANK_TILES)
+        rank_g = lora_rank(ranks_ptr, 0, s, e, num_slots, num_experts)
+        rank_u = lora_rank(ranks_ptr, 1, s, e, num_slots, num_experts)
+        _shrink_rows(x_ptrs, row0, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, split * SPLIT_K,
+                     tl.minimum(H, (split + 1) * SPLIT_K), num_experts, num_splits, stride_ae, stride_ar,
+                     BLOCK_M, BLOCK_K, BLOCK_R, RANK_TILES)
     return lora_pair
 
 

@@ -54,21 +54,25 @@ def row_slots(token_slot, num_slots):
 
 
 @triton.jit
-def lora_rank(ranks_ptr, proj, s, e, hi, num_slots, num_experts):
-    """Real rank of projection `proj` (0 gate, 1 up, 2 down) for (slot s, expert e); 0 = not covered, or s
-    past hi, the block's last slot (none in the block: s = num_slots, hi = -1)."""
-    return tl.load(ranks_ptr + (proj * num_slots + s) * num_experts + e, mask=s <= hi, other=0)
+def lora_rank(ranks_ptr, proj, s, e, num_slots, num_experts):
+    """Real rank of projection `proj` (0 gate, 1 up, 2 down) for slot s and expert e, both in range (0: not
+    covered)."""
+    return tl.load(ranks_ptr + (proj * num_slots + s) * num_experts + e)
 
 
 @triton.jit
-def block_rank(ranks_ptr, slot, e, num_slots, num_experts, PROJ_LO: tl.constexpr, PROJ_HI: tl.constexpr):
-    """The largest rank of projections PROJ_LO..PROJ_HI of expert e over the rows' slots (-1: none): the block's
-    LoRA runs on the smallest rank tile that holds it (takes_rank_tile), none at all when it is 0. One gather
-    of every row's rank, in flight together (a loop over the block's slots would be a chain of round trips)."""
-    r = tl.zeros_like(slot)
-    for proj in tl.static_range(PROJ_LO, PROJ_HI + 1):
-        r = tl.maximum(r, tl.load(ranks_ptr + (proj * num_slots + slot) * num_experts + e, mask=slot >= 0, other=0))
-    return tl.max(r, axis=0)
+def row_ranks(ranks_ptr, slot, e, num_slots, num_experts, PROJ: tl.constexpr):
+    """Real rank of projection PROJ of expert e for each row's slot (0: no slot, or not covered). One gather,
+    in flight with the others: the LoRA loops over a block's slots then read each slot's rank from these
+    (slot_rank) instead of a round trip to memory per slot, and the largest picks the block's rank tile
+    (takes_rank_tile)."""
+    return tl.load(ranks_ptr + (PROJ * num_slots + slot) * num_experts + e, mask=slot >= 0, other=0)
+
+
+@triton.jit
+def slot_rank(row_rank, rows):
+    """The rank of the slot whose rows are `rows` (row_ranks' values there; 0 when there are none)."""
+    return tl.max(tl.where(rows, row_rank, 0), axis=0)
 
 
 @triton.jit
