@@ -124,8 +124,8 @@ def _gate_up_lora(
 ):
     """The epilogue of a gate_up program whose block's LoRA takes rank tile C (tiles.takes_rank_tile): the
     gate/up deltas, h stored, and this tile's parts of the down shrink (_down_shrink_part). The partials are
-    laid out BLOCK_R columns a part; each row's are read and written below its rank (row_rank_*, per projection)
-    only. Returns the accumulators with the deltas."""
+    laid out BLOCK_R columns a part; each row's down-shrink parts are written below its rank (row_rank_d) only.
+    Returns the accumulators with the deltas."""
     R: tl.constexpr = BLOCK_R if C == RANK_TILES - 1 else 16 << C
     # slot lo's ranks and B and A_d tiles first: their loads overlap the xa loads and, with pair blocks (one
     # slot), the wait for the shrink. A decode step's LoRA cost is mostly such chains of round trips.
@@ -146,10 +146,11 @@ def _gate_up_lora(
             wait_shrunk(ready_ptr, tl.min(pair, axis=0), num_splits, tl.cdiv(I, BLOCK_N))  # row 0's pair
     stride = 2 * num_splits * BLOCK_R
     cache: tl.constexpr = ".cg" if PAIR_BLOCKS else ""
-    xa_g = sum_partials(xa_ptr, pair, row_rank_g > 0, row_rank_g[:, None], stride, num_splits, R, BLOCK_R, PARTS,
+    # all R columns of every row with a slot: masking by each row's rank would put the rank gather before
+    # these loads (a round trip more at small batches); lora_expand drops what is past a row's rank
+    xa_g = sum_partials(xa_ptr, pair, slot >= 0, R, stride, num_splits, R, BLOCK_R, PARTS, cache)
+    xa_u = sum_partials(xa_ptr + num_splits * BLOCK_R, pair, slot >= 0, R, stride, num_splits, R, BLOCK_R, PARTS,
                         cache)
-    xa_u = sum_partials(xa_ptr + num_splits * BLOCK_R, pair, row_rank_u > 0, row_rank_u[:, None], stride, num_splits,
-                        R, BLOCK_R, PARTS, cache)
     if rank_g + rank_u > 0:  # slot lo (if any), on the tiles loaded above
         acc_g = lora_expand(acc_g, xa_g, first, rank_g, bg)
         acc_u = lora_expand(acc_u, xa_u, first, rank_u, bu)
@@ -270,14 +271,13 @@ def _down_block(
 def _down_lora(acc, pair, slot, lo, hi, e, offs_n, n_mask, row_rank_d, hd_ptr, b_ptr, num_experts, num_hd_parts,
                stride_be, stride_br, C: tl.constexpr, RANK_TILES: tl.constexpr, BLOCK_R: tl.constexpr,
                PARTS: tl.constexpr):
-    """acc + the down delta (the sum of the down-shrink parts, below each row's rank row_rank_d) @ B_d^T of each
-    row's slot, on rank tile C (tiles.takes_rank_tile); the parts are BLOCK_R columns apart."""
+    """acc + the down delta (the sum of the down-shrink parts) @ B_d^T of each row's slot (row_rank_d: each row's
+    rank), on rank tile C (tiles.takes_rank_tile); the parts are BLOCK_R columns apart."""
     R: tl.constexpr = BLOCK_R if C == RANK_TILES - 1 else 16 << C
     first = slot == lo
     rank_d = slot_rank(row_rank_d, first)
     bd = lora_tile(b_ptr, lo, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_d, R)  # overlaps hd's loads
-    hd = sum_partials(hd_ptr, pair, row_rank_d > 0, row_rank_d[:, None], num_hd_parts * BLOCK_R, num_hd_parts, R,
-                      BLOCK_R, PARTS, "")
+    hd = sum_partials(hd_ptr, pair, slot >= 0, R, num_hd_parts * BLOCK_R, num_hd_parts, R, BLOCK_R, PARTS, "")
     if rank_d > 0:
         acc = lora_expand(acc, hd, first, rank_d, bd)
     for s in range(lo + 1, hi + 1):
