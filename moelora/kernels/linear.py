@@ -22,12 +22,17 @@ them to finish (an arrival counter per tile) adds the partials up in split order
 one program runs its tile's splits one after the other, at no extra traffic (S x M x N fp32 partials
 would be). Both give the same bits.
 
+With a `LoRAEpilogue` (kernels/lora_linear.py) each tile adds its rows' LoRA deltas to the fp32 sum
+before the bias and the rounding (`add_linear_lora`), in a fixed order that leaves rows without an
+adapter with the plain GEMM's bits.
+
 `linear_reference` (torch's nn.functional.linear, i.e. cuBLAS) is the CPU backend and what the
 kernel is checked against.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import triton
@@ -35,6 +40,7 @@ import triton.language as tl
 from torch import nn
 
 from moelora.kernels.gemm_tiles import arrive, gemm_block_k, gemm_loop, grouped_tile, zeroed_counters
+from moelora.kernels.lora_tiles import add_linear_lora
 
 MIN_PROGRAMS = 120  # about one program per SM of an H100 / H200 (132): below it, a smaller tile is tried
 SPLIT_PROGRAMS = 256  # K splits aim at about two decode programs per SM: one loads while another waits
@@ -116,12 +122,16 @@ def _store_rows(acc, b_ptr, y_ptr, offs_m, offs_n, out_mask, N, HAS_BIAS: tl.con
 
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, SPLIT_K,
+                   xa_ptr, lora_b_ptr, lora_ranks_ptr, slots_ptr, num_slots, stride_lbs, stride_lbr,
                    HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, PARALLEL: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                   HAS_LORA: tl.constexpr, PART_BOUNDS: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_S: tl.constexpr):
     """y[m-tile, n-tile] = x[m-tile] @ W[n-tile]^T (+ b), the SPLITS K splits summed in order; W and y
     contiguous, offsets in int64 (prefill logits: M * N > 2^31). PARALLEL: program (tile, split) writes
     its split's fp32 partial to part [SPLITS, M, N] and the tile's last program to arrive adds them up;
-    else program (tile, 0) runs the splits one after the other."""
+    else program (tile, 0) runs the splits one after the other. HAS_LORA: each row's LoRA delta is added to
+    the sum before the bias and the rounding (`add_linear_lora`; the xa_ptr.. arguments are its)."""
     tile = tl.program_id(0)
     pid_m, pid_n = grouped_tile(tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -143,18 +153,35 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, str
             for s in tl.static_range(SPLITS):
                 acc += tl.load(part_ptr + (rows + s * M)[:, None] * N + offs_n[None, :], mask=out_mask,
                                cache_modifier=".cg")
+            if HAS_LORA:
+                acc = add_linear_lora(acc, offs_m, m_mask, pid_n * BLOCK_N, xa_ptr, lora_b_ptr, lora_ranks_ptr,
+                                      slots_ptr, num_slots, stride_lbs, stride_lbr, PART_BOUNDS,
+                                      BLOCK_N, BLOCK_R, BLOCK_S)
             _store_rows(acc, b_ptr, y_ptr, offs_m, offs_n, out_mask, N, HAS_BIAS)
     else:
         for s in range(SPLITS):
             acc += _split_sum(x_ptrs, m_mask, w_ptrs, n_mask, K, SPLIT_K, s, BLOCK_M, BLOCK_N, BLOCK_K)
+        if HAS_LORA:
+            acc = add_linear_lora(acc, offs_m, m_mask, pid_n * BLOCK_N, xa_ptr, lora_b_ptr, lora_ranks_ptr,
+                                  slots_ptr, num_slots, stride_lbs, stride_lbr, PART_BOUNDS,
+                                  BLOCK_N, BLOCK_R, BLOCK_S)
         _store_rows(acc, b_ptr, y_ptr, offs_m, offs_n, out_mask, N, HAS_BIAS)
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
+class LoRAEpilogue(NamedTuple):
+    """What `add_linear_lora` reads to add each row's LoRA delta in the GEMM's epilogue."""
+    xa: torch.Tensor           # [M, P, block_r] in b's dtype: x @ A^T of each row and part (rows of no adapter unread)
+    b: torch.Tensor            # [slots, rank, N]: B^T of each slot, the parts side by side
+    ranks: torch.Tensor        # [slots, P] int32
+    token_slots: torch.Tensor  # [M] int32, -1 (or out of range): no adapter
+    part_bounds: tuple[int, ...]  # the parts' first columns, then N
+
+
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: LinearConfig | None = None) -> torch.Tensor:
+                  config: LinearConfig | None = None, lora: LoRAEpilogue | None = None) -> torch.Tensor:
     (M, K), N = x.shape, weight.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
@@ -168,10 +195,15 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     # partials only where splits run in parallel; else y and W stand in, never touched
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if parallel else y
     counters = zeroed_counters(_counters, SPLIT_COUNTERS, x.device, "linear parallel K splits") if parallel else weight
+    # without LoRA its pointers are y's, never read
+    xa, lora_b, ranks, slots, bounds = lora if lora is not None else (y, y, y, y, (0, N))
     _linear_kernel[(tiles, splits if parallel else 1)](
         x, weight, weight if bias is None else bias, y, part, counters, M, N, K, x.stride(0), split_k,
+        xa, lora_b, ranks, slots, lora_b.shape[0] if lora is not None else 0, lora_b.stride(0), lora_b.stride(-2),
         HAS_BIAS=bias is not None, SPLITS=splits, PARALLEL=parallel,  # HAS_BIAS=False never reads b
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=gemm_block_k(x.dtype), GROUP_M=cfg.group_m,
+        HAS_LORA=lora is not None, PART_BOUNDS=bounds, BLOCK_R=xa.shape[2] if lora is not None else 16,
+        BLOCK_S=triton.next_power_of_2(lora_b.shape[0]) if lora is not None else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
@@ -193,7 +225,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """y [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]), a new contiguous tensor in x's dtype with
     fp32 accumulation. x's rows may be strided (last dimension contiguous); weight and bias are
     contiguous. impl: "triton", "torch" or "auto" (triton on CUDA)."""
-    _check_inputs(x, weight, bias)
+    check_linear_inputs(x, weight, bias)
     if impl == "auto":
         impl = "triton" if x.is_cuda else "torch"
     if impl == "torch":
@@ -203,7 +235,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
 
 
-def _check_inputs(x, weight, bias) -> None:
+def check_linear_inputs(x, weight, bias) -> None:
     """Shape and dtype checks only: nothing here reads device memory (CUDA-graph safe)."""
     if x.dim() != 2 or x.stride(-1) != 1 or not x.is_floating_point():
         raise ValueError(f"x must be floating point [M, K] and contiguous in its last dimension, got {x.dtype} "

@@ -1,23 +1,27 @@
-"""LoRA deltas of many adapters on a dense linear layer, one adapter slot per token.
+"""A dense linear layer with the LoRA deltas of many adapters, one adapter slot per token.
 
 A layer's output may be split into parts (a fused q/k/v projection: three parts), each adapted by
 its own module of the adapter: for token n in slot s and part p with out rows [o_p, o_p + n_p),
 
-    y[n, o_p : o_p + n_p] += B[s, o_p : o_p + n_p, :r] @ (A[s, p, :r] @ x[n]),  r = ranks[s, p]
+    y[n, o_p : o_p + n_p] = W[o_p : o_p + n_p] @ x[n] + B[s, o_p : o_p + n_p, :r] @ (A[s, p, :r] @ x[n]),
+    r = ranks[s, p]
 
-Triton kernels over blocks of BLOCK_M tokens of one slot (`moe_align` with the slots as experts sorts
-the tokens by slot on the GPU, no host synchronisation), so each A and B tile is read once per
-block, not once per token:
+Two Triton launches:
 
-    _shrink_kernel:  xa[n, p, split] = x[n, split's K range] @ A[s, p]^T    fp32, one program per
-                     (block, part, K split); parts of rank 0 and blocks without an adapter read nothing
-    _expand_kernel:  y[n, tile] (+)= sum_p xa[n, p] @ B[s, tile ∩ part p]^T  the K-split partials summed in
-                     a fixed order; writes the fp32 delta, or adds it in place into the layer output
+    _shrink_kernel  xa[n, p] = round(x[n] @ A[s, p]^T), one program per (block, part, K split) over blocks of
+                    BLOCK_M tokens of one slot (`moe_align` with the slots as experts sorts the tokens by slot
+                    on the GPU, no host synchronisation), so each A tile is read once per block; the last split
+                    to arrive sums the fp32 partials in split order and rounds once to the weights' dtype (as
+                    PEFT's shrink output is); parts of rank 0 and blocks without an adapter read nothing
+    linear's GEMM   y = x @ W^T with the expand in its epilogue (`add_linear_lora`): each output tile adds
+                    xa @ B[s, :r, tile] of its rows' slots before the bias and the one rounding, so the delta
+                    costs no launch and no pass over y of its own
 
-BLOCK_M and the K split are fixed (not chosen by the batch), so a token's delta is the same bits
-whatever it is batched with; in place, rows of tokens without an adapter are never written.
+BLOCK_M and the K split are fixed (not chosen by the batch) and the epilogue adds a row's products from its
+own slot only, so a token's output is the same bits whatever it is batched with; rows of tokens without an
+adapter are the plain GEMM's bits.
 
-`lora_linear_reference` is the plain-torch version and the CPU backend.
+`lora_linear_reference` (the delta in plain torch) with torch's linear is the CPU backend.
 """
 from __future__ import annotations
 
@@ -28,18 +32,23 @@ import triton
 import triton.language as tl
 
 from moelora.core import LinearLoRASlots
+from moelora.kernels.linear import LinearConfig, LoRAEpilogue, check_linear_inputs, linear_reference, linear_triton
+from moelora.kernels.gemm_tiles import arrive, zeroed_counters
 from moelora.kernels.lora_tiles import rank_tile, shrink_k_range
 from moelora.kernels.moe_align import AlignedBlocks, moe_align
+
+
+SHRINK_COUNTERS = 8192  # arrival counters per device, one per (block, part): 16-token blocks of 40k tokens, 3 parts
 
 
 @dataclass(frozen=True)
 class LoRALinearConfig:
     block_m: int = 16  # tokens of one slot per block; also the alignment's block size
-    block_n: int = 128  # output columns per expand program
     block_k: int = 64
     split_k: int = 256  # input columns per shrink program: parallelism for small batches
     num_warps: int = 4
     num_stages: int = 2
+    linear: LinearConfig | None = None  # the base GEMM's tiles (default: linear's choice for the shape)
 
 
 # ----------------------------------------------------------------------------------- Triton
@@ -56,13 +65,15 @@ def _block_tokens(sorted_ids_ptr, block_slot_ptr, num_tokens, BLOCK_M: tl.conste
 
 @triton.jit
 def _shrink_kernel(
-    x_ptr, a_ptr, ranks_ptr, xa_ptr, sorted_ids_ptr, block_slot_ptr,
+    x_ptr, a_ptr, ranks_ptr, part_ptr, xa_ptr, count_ptr, sorted_ids_ptr, block_slot_ptr,
     num_tokens, K, stride_xt, stride_as, stride_ap, stride_ar,
     P: tl.constexpr, SPLITS: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """xa[n, part, split, :] = x[n, K range of split] @ A[slot, part, :rank, same range]^T for one block."""
-    part, split = tl.program_id(1), tl.program_id(2)
+    """xa[n, part, :] = round(x[n] @ A[slot, part, :rank]^T) for the tokens of one block, K in SPLITS splits:
+    program (block, part, split) writes its fp32 partial to part [n, part, split, :], and the last of the
+    (block, part)'s programs to arrive adds them up in split order and rounds once to A's dtype."""
+    block, part, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot, tokens, row_ok = _block_tokens(sorted_ids_ptr, block_slot_ptr, num_tokens, BLOCK_M)
     if slot < 0:
         return
@@ -75,43 +86,19 @@ def _shrink_kernel(
     a_ptrs = a_ptr + slot.to(tl.int64) * stride_as + part * stride_ap + offs_r[None, :] * stride_ar + offs_k[:, None]
     k_lo = split * SPLIT_K
     xa = shrink_k_range(x_ptrs, a_ptrs, row_ok, rank, k_lo, tl.minimum(K, k_lo + SPLIT_K), BLOCK_M, BLOCK_K, BLOCK_R)
-    xa_ptrs = xa_ptr + ((tokens.to(tl.int64) * P + part) * SPLITS + split)[:, None] * BLOCK_R + offs_r[None, :]
-    tl.store(xa_ptrs, xa, mask=row_ok[:, None])
-
-
-@triton.jit
-def _expand_kernel(
-    xa_ptr, b_ptr, ranks_ptr, out_ptr, sorted_ids_ptr, block_slot_ptr,
-    num_tokens, N, stride_bs, stride_br, stride_ot,
-    PART_BOUNDS: tl.constexpr, SPLITS: tl.constexpr, ADD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-):
-    """out[n, tile] = delta (ADD: out + delta, in out's dtype) for the tokens of one block; a tile may
-    straddle parts, each column takes its own part's B."""
-    slot, tokens, row_ok = _block_tokens(sorted_ids_ptr, block_slot_ptr, num_tokens, BLOCK_M)
-    if slot < 0:
-        return
-    n0 = tl.program_id(1) * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_r = tl.arange(0, BLOCK_R)
-    b_ptrs = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br + offs_n[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    P: tl.constexpr = len(PART_BOUNDS) - 1
-    for p in tl.static_range(P):
-        lo, hi = PART_BOUNDS[p], PART_BOUNDS[p + 1]
-        rank = tl.load(ranks_ptr + slot * P + p)
-        if (rank > 0) & (n0 < hi) & (n0 + BLOCK_N > lo):
-            xa_ptrs = xa_ptr + ((tokens.to(tl.int64) * P + p) * SPLITS)[:, None] * BLOCK_R + offs_r[None, :]
-            xa = tl.load(xa_ptrs, mask=row_ok[:, None], other=0.0)
-            for split in tl.static_range(1, SPLITS):
-                xa += tl.load(xa_ptrs + split * BLOCK_R, mask=row_ok[:, None], other=0.0)
-            bt = tl.load(b_ptrs, mask=(offs_r < rank)[:, None] & ((offs_n >= lo) & (offs_n < hi))[None, :], other=0.0)
-            acc += tl.dot(xa.to(bt.dtype), bt)  # the shrink rounded to the weights' dtype, as PEFT does
-    out_ptrs = out_ptr + tokens.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
-    mask = row_ok[:, None] & (offs_n < N)[None, :]
-    if ADD:
-        acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    out_ptrs = xa_ptr + (tokens.to(tl.int64) * P + part)[:, None] * BLOCK_R + offs_r[None, :]
+    if SPLITS == 1:
+        tl.store(out_ptrs, xa.to(xa_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        part_ptrs = part_ptr + ((tokens.to(tl.int64) * P + part) * SPLITS)[:, None] * BLOCK_R + offs_r[None, :]
+        tl.store(part_ptrs + split * BLOCK_R, xa, mask=row_ok[:, None])
+        counter = count_ptr + block * P + part
+        if arrive(counter) == SPLITS - 1:
+            tl.store(counter, 0)  # no other program touches it in this launch: zero for the next
+            xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for s in tl.static_range(SPLITS):
+                xa += tl.load(part_ptrs + s * BLOCK_R, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, xa.to(xa_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 def align_tokens_by_slot(token_slots: torch.Tensor, num_slots: int,
@@ -122,35 +109,36 @@ def align_tokens_by_slot(token_slots: torch.Tensor, num_slots: int,
     return moe_align(token_slots.view(-1, 1), None, num_slots, 0, block_m)
 
 
-def lora_linear_triton(x: torch.Tensor, lora: LinearLoRASlots, out_sizes: tuple[int, ...], token_slots: torch.Tensor,
-                       out: torch.Tensor | None = None, blocks: AlignedBlocks | None = None,
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def lora_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora: LinearLoRASlots,
+                       out_sizes: tuple[int, ...], token_slots: torch.Tensor, blocks: AlignedBlocks | None = None,
                        config: LoRALinearConfig | None = None) -> torch.Tensor:
     cfg = config or LoRALinearConfig()
-    (num_tokens, in_features), num_parts, n_out = x.shape, len(out_sizes), sum(out_sizes)
-    target = out if out is not None else torch.zeros(num_tokens, n_out, dtype=torch.float32, device=x.device)
+    (num_tokens, in_features), num_parts = x.shape, len(out_sizes)
     if num_tokens == 0:
-        return target
+        return linear_triton(x, weight, bias)
     if blocks is None:
         blocks = align_tokens_by_slot(token_slots, lora.num_slots, cfg.block_m)
     elif blocks.block_m != cfg.block_m:
         raise ValueError(f"blocks were aligned to {blocks.block_m} rows, the kernels use {cfg.block_m}")
-    num_blocks = blocks.block_expert.numel()
     block_r = rank_tile(lora.max_rank_in_use or lora.a.shape[2])
-    splits = triton.cdiv(in_features, cfg.split_k)
-    xa = torch.empty(num_tokens, num_parts, splits, block_r, dtype=torch.float32, device=x.device)
-    launch = dict(BLOCK_M=cfg.block_m, BLOCK_R=block_r, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    splits, num_blocks = triton.cdiv(in_features, cfg.split_k), blocks.block_expert.numel()
+    if splits > 1 and num_blocks * num_parts > SHRINK_COUNTERS:
+        raise ValueError(f"{num_blocks} blocks of {num_parts} parts: more than the {SHRINK_COUNTERS} shrink counters")
+    # rows of tokens without an adapter are never written, nor read by the GEMM's epilogue
+    xa = torch.empty(num_tokens, num_parts, block_r, dtype=lora.b.dtype, device=x.device)
+    part = torch.empty(num_tokens, num_parts, splits, block_r, dtype=torch.float32, device=x.device) if splits > 1 else xa
+    counters = zeroed_counters(_counters, SHRINK_COUNTERS, x.device, "LoRA shrink K splits") if splits > 1 else xa
     _shrink_kernel[(num_blocks, num_parts, splits)](
-        x, lora.a, lora.ranks, xa, blocks.sorted_ids, blocks.block_expert,
+        x, lora.a, lora.ranks, part, xa, counters, blocks.sorted_ids, blocks.block_expert,
         num_tokens, in_features, x.stride(0), *lora.a.stride()[:3],
-        P=num_parts, SPLITS=splits, SPLIT_K=cfg.split_k, BLOCK_K=cfg.block_k, **launch,
+        P=num_parts, SPLITS=splits, SPLIT_K=cfg.split_k, BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_R=block_r, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    _expand_kernel[(num_blocks, triton.cdiv(n_out, cfg.block_n))](
-        xa, lora.b, lora.ranks, target, blocks.sorted_ids, blocks.block_expert,
-        num_tokens, n_out, *lora.b.stride()[:2], target.stride(0),
-        PART_BOUNDS=tuple(sum(out_sizes[:p]) for p in range(num_parts + 1)), SPLITS=splits, ADD=out is not None,
-        BLOCK_N=cfg.block_n, **launch,
-    )
-    return target
+    bounds = tuple(sum(out_sizes[:p]) for p in range(num_parts + 1))
+    return linear_triton(x, weight, bias, cfg.linear, LoRAEpilogue(xa, lora.b, lora.ranks, token_slots, bounds))
 
 
 # ------------------------------------------------------------------------------------ torch
@@ -182,26 +170,26 @@ def _add_reference(out: torch.Tensor, delta: torch.Tensor, token_slots: torch.Te
 # ------------------------------------------------------------------------------ entry point
 
 
-def lora_linear(x: torch.Tensor, lora: LinearLoRASlots, out_sizes: tuple[int, ...], token_slots: torch.Tensor, *,
-                out: torch.Tensor | None = None, blocks: AlignedBlocks | None = None, impl: str = "auto",
-                config: LoRALinearConfig | None = None) -> torch.Tensor:
-    """The fp32 LoRA delta [N, out] of x [N, in] for token_slots [N] int32 (-1: no adapter); with
-    `out` (the layer output [N, out]) the delta is added in place instead, in fp32 and rounded to out's
-    dtype, rows of tokens without an adapter left bit for bit as they were, and out is returned.
-    blocks: align_tokens_by_slot(token_slots, ...) computed once per step. impl: "triton", "torch" or
-    "auto" (triton on CUDA)."""
-    _check_inputs(x, lora, out_sizes, token_slots, out)
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora: LinearLoRASlots,
+                out_sizes: tuple[int, ...], token_slots: torch.Tensor, *, blocks: AlignedBlocks | None = None,
+                impl: str = "auto", config: LoRALinearConfig | None = None) -> torch.Tensor:
+    """y [N, out] = x [N, in] @ weight^T (+ bias) plus, for each token of an adapter slot (token_slots [N]
+    int32; -1 or out of range: none), its LoRA delta, summed in fp32 before the one rounding to x's dtype;
+    rows of tokens without an adapter are linear(x, weight, bias)'s bits. blocks: align_tokens_by_slot(
+    token_slots, ...) computed once per step. impl: "triton", "torch" or "auto" (triton on CUDA)."""
+    check_linear_inputs(x, weight, bias)
+    _check_inputs(x, lora, out_sizes, token_slots, weight)
     if impl == "auto":
         impl = "triton" if x.is_cuda else "torch"
     if impl == "torch":
         delta = lora_linear_reference(x, lora, out_sizes, token_slots)
-        return delta if out is None else _add_reference(out, delta, token_slots, lora.num_slots)
+        return _add_reference(linear_reference(x, weight, bias), delta, token_slots, lora.num_slots)
     if impl == "triton":
-        return lora_linear_triton(x, lora, out_sizes, token_slots, out, blocks, config)
+        return lora_linear_triton(x, weight, bias, lora, out_sizes, token_slots, blocks, config)
     raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
 
 
-def _check_inputs(x, lora, out_sizes, token_slots, out) -> None:
+def _check_inputs(x, lora, out_sizes, token_slots, weight) -> None:
     """Shape and dtype checks only: nothing here reads device memory (CUDA-graph safe)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [tokens, in] and contiguous in its last dimension, got {tuple(x.shape)}")
@@ -219,6 +207,5 @@ def _check_inputs(x, lora, out_sizes, token_slots, out) -> None:
     if token_slots.shape != (num_tokens,) or token_slots.dtype != torch.int32:
         raise ValueError(f"token_slots must be int32 of shape ({num_tokens},), got {token_slots.dtype} "
                          f"{tuple(token_slots.shape)}")
-    if out is not None and (out.shape != (num_tokens, n_out) or out.stride(1) != 1):
-        raise ValueError(f"out must be [{num_tokens}, {n_out}] and contiguous in its last dimension, "
-                         f"got {tuple(out.shape)}")
+    if weight.shape[0] != n_out:
+        raise ValueError(f"weight has {weight.shape[0]} output rows, the out sizes {tuple(out_sizes)} add up to {n_out}")

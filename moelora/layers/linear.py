@@ -63,12 +63,14 @@ class Linear(nn.Module):
         self.lora: LinearLoRASlots | None = None
 
     def forward(self, x: torch.Tensor, lora_batch: LoRABatch | None = None) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias if self._adds_bias else None)
+        bias = self.bias if self._adds_bias else None
         if self.lora is not None and lora_batch is not None:
-            # in place: adapter rows get y + delta summed in fp32; other rows keep the base bits
+            # adapter rows get their delta summed in fp32; other rows keep the base bits
             n = self.lora.num_slots  # the Triton path groups the tokens by slot, once for all layers of the step
             blocks = lora_batch.derived(("slot_blocks", n), lambda s: align_tokens_by_slot(s, n)) if x.is_cuda else None
-            lora_linear(x, self.lora, self.out_sizes, lora_batch.token_slots, out=y, blocks=blocks)
+            y = lora_linear(x, self.weight, bias, self.lora, self.out_sizes, lora_batch.token_slots, blocks=blocks)
+        else:
+            y = linear(x, self.weight, bias)
         if self.parallel == "row" and self.reduce_output:
             all_reduce(self.dist_state, y)
         return y

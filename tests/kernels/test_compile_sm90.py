@@ -35,7 +35,7 @@ HOPPER = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 227 * 1024
 INT_PTRS = {"sorted_ids_ptr", "block_expert_ptr", "block_slot_ptr", "num_rows_ptr", "ranks_ptr", "topk_ids_ptr",
             "token_slots_ptr", "cursor_ptr", "counter_ptr", "ready_ptr", "req_to_token_ptr", "req_pool_ptr", "seq_lens_ptr",
-            "extend_lens_ptr", "extend_starts_ptr", "ids_ptr"}
+            "extend_lens_ptr", "extend_starts_ptr", "ids_ptr", "lora_ranks_ptr", "slots_ptr"}
 FP32_PTRS = {"topk_weights_ptr", "xa_ptr", "hd_ptr", "mid_o_ptr", "mid_lse_ptr", "inv_freq_ptr", "bias_ptr",
              "weights_ptr"}
 FP32_SCALARS = {"qk_scale", "scale", "routed_scaling_factor", "eps"}
@@ -57,6 +57,8 @@ RMS_NORMS = ((1, 2048), (1, 4096), (1, 7168), (32, 128), (4, 128), (1, 512))  # 
 # decode, one after the other at prefill), qkv (1) and router (16, in parallel at decode, serial at prefill)
 LINEARS = ((1, 2048, 4096), (1, 5120, 2048), (100, 5120, 2048), (512, 2048, 4096), (4096, 5120, 2048),
            (1, 128, 2048), (4096, 128, 2048))
+# M, N, K, out parts of the GEMM with the LoRA epilogue: Qwen3-30B-A3B's qkv at decode and prefill, o_proj at decode
+LORA_EPILOGUES = ((1, 5120, 2048, (4096, 512, 512)), (4096, 5120, 2048, (4096, 512, 512)), (1, 2048, 4096, (2048,)))
 KV_STORES = ((4, 128, 128), (1, 192, 128), (16, 192, 128), (128, 192, 128), (2, 80, 80))  # kv heads, Dk, Dv: Qwen3,
 #           MLA as one head, DeepSeek-V2-Lite and -V3 (a kv head per query head), non-power-of-two dims
 
@@ -150,9 +152,9 @@ def compiled():
 
 
 def test_all_kernels_fit_shared_memory(compiled):
-    assert len(compiled) == (10 * 2 * 2 + 8 + 2 * len(ATTENTION_HEADS) + 1 + 3 * len(LORA_LINEARS)
+    assert len(compiled) == (10 * 2 * 2 + 8 + 2 * len(ATTENTION_HEADS) + 1 + len(LORA_LINEARS)
                              + len(ROTARY_HEADS) + len(ROUTERS) + 2 * len(RMS_NORMS) + 1 + len(KV_STORES) + 1
-                             + 2 * len(LINEARS) + 1)
+                             + 2 * len(LINEARS) + 1 + len(LORA_EPILOGUES))
     for r in compiled:
         assert r["shared"] <= SMEM_LIMIT, f"{r}: {r['shared']} B of shared memory"
 
@@ -182,16 +184,15 @@ def compile_lora_linear() -> list[dict]:
     results, cfg = [], ll.LoRALinearConfig()
     for in_features, out_sizes, block_r in LORA_LINEARS:
         common = dict(SPLITS=-(-in_features // cfg.split_k), BLOCK_M=cfg.block_m, BLOCK_R=block_r)
-        bounds = tuple(sum(out_sizes[:p]) for p in range(len(out_sizes) + 1))
         for kernel, constexprs, types in (
-            (ll._shrink_kernel, dict(P=len(out_sizes), SPLIT_K=cfg.split_k, BLOCK_K=cfg.block_k, **common), None),
-            (ll._expand_kernel, dict(PART_BOUNDS=bounds, ADD=True, BLOCK_N=cfg.block_n, **common), None),
-            (ll._expand_kernel, dict(PART_BOUNDS=bounds, ADD=False, BLOCK_N=cfg.block_n, **common),
-             {"out_ptr": "*fp32"}),
+            (ll._shrink_kernel, dict(P=len(out_sizes), SPLIT_K=cfg.split_k, BLOCK_K=cfg.block_k, **common),
+             {"xa_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}),
         ):
             compiled = compile_sm90(kernel, constexprs, "bf16", cfg.num_warps, cfg.num_stages, types)
-            results.append(dict(kernel=kernel.fn.__name__, dtype="bf16", block_r=block_r,
-                                shared=compiled.metadata.shared, ttgir=compiled.asm["ttgir"]))
+            ptx = compiled.asm["ptx"]
+            results.append(dict(kernel=kernel.fn.__name__, dtype="bf16", block_r=block_r, splits=common["SPLITS"],
+                                shared=compiled.metadata.shared, ttgir=compiled.asm["ttgir"],
+                                arrive="atom.global.gpu.acq_rel.add" in ptx, cg_loads="ld.global.cg" in ptx))
     return results
 
 
@@ -222,6 +223,8 @@ def test_lora_linear_main_loops_pipeline(compiled):
     for r in compiled:
         if r["kernel"] == "_shrink_kernel" and "block_r" in r:
             assert "async_copy_global_to_local" in r["ttgir"], f"{r['kernel']} {r['dtype']}: loads not pipelined"
+            # the last K split to arrive sums the partials: a gpu-scope acq_rel count, the partials read from L2
+            assert r["splits"] > 1 and r["arrive"] and r["cg_loads"], f"{r['kernel']} block_r={r['block_r']}"
 
 
 def compile_rotary() -> list[dict]:
@@ -261,19 +264,22 @@ def compile_kv_store() -> list[dict]:
 
 def compile_linear() -> list[dict]:
     """Each default config in bf16 and fp16 without bias; o_proj at decode (bias after parallel K splits) in
-    bf16 with one."""
-    cases = [(*shape, dtype, False) for shape in LINEARS for dtype in ("bf16", "fp16")] + [(*LINEARS[0], "bf16", True)]
+    bf16 with one; and bf16 with the LoRA epilogue (8 slots, rank tile 16) at LORA_EPILOGUES."""
+    cases = ([(*shape, dtype, False, None) for shape in LINEARS for dtype in ("bf16", "fp16")]
+             + [(*LINEARS[0], "bf16", True, None)] + [(*shape, "bf16", False, parts) for *shape, parts in LORA_EPILOGUES])
     results = []
-    for m, n, k, dtype, has_bias in cases:
+    for m, n, k, dtype, has_bias, parts in cases:
         cfg = li.default_config(m, n)
         splits, _ = li.k_splits(n, k, torch.bfloat16)  # fp16's too
         parallel = cfg.parallel_splits and splits > 1
+        lora = dict(HAS_LORA=False, PART_BOUNDS=(0, n), BLOCK_R=16, BLOCK_S=1) if parts is None else dict(
+            HAS_LORA=True, PART_BOUNDS=tuple(sum(parts[:p]) for p in range(len(parts) + 1)), BLOCK_R=16, BLOCK_S=8)
         constexprs = dict(HAS_BIAS=has_bias, SPLITS=splits, PARALLEL=parallel, BLOCK_M=cfg.block_m,
-                          BLOCK_N=cfg.block_n, BLOCK_K=gemm_block_k(torch.bfloat16), GROUP_M=cfg.group_m)
+                          BLOCK_N=cfg.block_n, BLOCK_K=gemm_block_k(torch.bfloat16), GROUP_M=cfg.group_m, **lora)
         compiled = compile_sm90(li._linear_kernel, constexprs, dtype, cfg.num_warps, cfg.num_stages,
-                                {"part_ptr": "*fp32", "count_ptr": "*i32"})
+                                {"part_ptr": "*fp32", "count_ptr": "*i32", "xa_ptr": f"*{dtype}"})
         ptx = compiled.asm["ptx"]
-        results.append(dict(kernel="_linear_kernel", dtype=dtype, m=m, n=n, block_m=cfg.block_m, bias=has_bias,
+        results.append(dict(kernel="_linear_kernel", dtype=dtype, m=m, n=n, block_m=cfg.block_m, bias=has_bias, lora=bool(parts),
                             splits=splits, parallel=parallel, shared=compiled.metadata.shared,
                             ttgir=compiled.asm["ttgir"], arrive="atom.global.gpu.acq_rel.add" in ptx,
                             cg_loads="ld.global.cg" in ptx))
@@ -288,7 +294,7 @@ def test_linear_pipelines_on_wgmma(compiled):
     assert {r["block_m"] for r in linears} == {16, 64, 128}
     assert {(r["splits"] > 1, r["parallel"]) for r in linears} == {(False, False), (True, False), (True, True)}
     for r in linears:
-        where = f"_linear_kernel {r['dtype']} M={r['m']} N={r['n']} bias={r['bias']} splits={r['splits']}"
+        where = f"_linear_kernel {r['dtype']} M={r['m']} N={r['n']} bias={r['bias']} lora={r['lora']} splits={r['splits']}"
         assert "async_copy_global_to_local" in r["ttgir"], f"{where}: main loop is not software-pipelined"
         if r["block_m"] >= 64:
             assert "warp_group_dot" in r["ttgir"], f"{where}: does not use wgmma"

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from moelora.kernels.linear import linear
 from moelora.kernels.lora_linear import lora_linear
 from tests.support import assert_rows_close, random_linear_lora, rel_tolerance
 
@@ -19,50 +20,47 @@ def _layer(layer, tokens, gen):
     lora = random_linear_lora(in_features, out_sizes, [r[:len(out_sizes)] for r in SLOT_RANKS], torch.bfloat16,
                               "cuda", poison_unused=True, generator=gen)
     x = torch.randn(tokens, in_features, generator=gen).to("cuda", torch.bfloat16)
+    weight = (torch.randn(sum(out_sizes), in_features, generator=gen) / in_features**0.5).to("cuda", torch.bfloat16)
     slots = torch.randint(-1, len(SLOT_RANKS), (tokens,), generator=gen, dtype=torch.int32).cuda()
-    y = torch.randn(tokens, sum(out_sizes), generator=gen).to("cuda", torch.bfloat16)
-    return x, lora, out_sizes, slots, y
+    return x, weight, lora, out_sizes, slots
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 64, 513, 4096])
 @pytest.mark.parametrize("layer", list(LAYERS))
 def test_real_shape_matches_reference(layer, tokens, poison):
     gen = torch.Generator().manual_seed(torch.seed())
-    x, lora, out_sizes, slots, y = _layer(layer, tokens, gen)
-    tol = rel_tolerance(torch.bfloat16, "cuda")
-    delta = lora_linear(x, lora, out_sizes, slots)
-    assert_rows_close(delta, lora_linear(x, lora, out_sizes, slots, impl="torch"), tol, f"{layer} T={tokens} delta")
-    before = y.clone()
-    lora_linear(x, lora, out_sizes, slots, out=y)
+    x, weight, lora, out_sizes, slots = _layer(layer, tokens, gen)
+    got = lora_linear(x, weight, None, lora, out_sizes, slots)
+    expected = lora_linear(x, weight, None, lora, out_sizes, slots, impl="torch")
+    assert_rows_close(got, expected, rel_tolerance(torch.bfloat16, "cuda"), f"{layer} T={tokens}")
     base = slots < 0
-    assert torch.equal(y[base].view(torch.int16), before[base].view(torch.int16)), "base rows must keep their bits"
-    expected = lora_linear(x, lora, out_sizes, slots, out=before, impl="torch")
-    assert_rows_close(y[~base], expected[~base], tol, f"{layer} T={tokens} in place")
+    assert torch.equal(got[base].view(torch.int16), linear(x, weight)[base].view(torch.int16)), \
+        "base rows must be the plain GEMM's bits"
 
 
 @pytest.mark.parametrize("layer", list(LAYERS))
 def test_row_does_not_depend_on_batch(layer, poison):
     gen = torch.Generator().manual_seed(torch.seed())
-    x, lora, out_sizes, slots, _ = _layer(layer, 4096, gen)
-    batch = lora_linear(x, lora, out_sizes, slots)
+    x, weight, lora, out_sizes, slots = _layer(layer, 4096, gen)
+    batch = lora_linear(x, weight, None, lora, out_sizes, slots)
     for t in (0, 1, 2, 2049, 4095):
-        alone = lora_linear(x[t:t + 1], lora, out_sizes, slots[t:t + 1])
+        alone = lora_linear(x[t:t + 1], weight, None, lora, out_sizes, slots[t:t + 1])
         assert torch.equal(alone[0], batch[t]), f"token {t} (slot {int(slots[t])}) differs alone vs in the batch"
 
 
-def test_in_place_replays_in_a_cuda_graph():
-    """Sorting by slot, shrink and expand are captured once and replayed with other slots: no host sync."""
+def test_replays_in_a_cuda_graph():
+    """Sorting by slot, shrink and the GEMM with its LoRA epilogue are captured once and replayed with other
+    slots: no host sync."""
     gen = torch.Generator().manual_seed(torch.seed())
-    x, lora, out_sizes, slots, y = _layer("qkv", 48, gen)
-    y0, slots_buf = y.clone(), slots.clone()
-    lora_linear(x, lora, out_sizes, slots_buf, out=y.clone())  # compile outside capture
+    x, weight, lora, out_sizes, slots = _layer("qkv", 48, gen)
+    slots_buf = slots.clone()
+    lora_linear(x, weight, None, lora, out_sizes, slots_buf)  # compile outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        lora_linear(x, lora, out_sizes, slots_buf, out=y)
+        y = lora_linear(x, weight, None, lora, out_sizes, slots_buf)
     for new_slots in (slots, torch.randint(-1, len(SLOT_RANKS), slots.shape, generator=gen, dtype=torch.int32).cuda()):
         slots_buf.copy_(new_slots)
-        y.copy_(y0)
         graph.replay()
-        expected = lora_linear(x, lora, out_sizes, new_slots, out=y0.clone(), impl="torch")
+        expected = lora_linear(x, weight, None, lora, out_sizes, new_slots, impl="torch")
         assert_rows_close(y, expected, rel_tolerance(torch.bfloat16, "cuda"), "graph replay")
