@@ -1,4 +1,6 @@
 """The MoE block's four stages: TopK -> Dispatcher -> Runner -> Combine."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -59,20 +61,22 @@ def test_runners_on_disjoint_expert_ranges_sum_to_the_whole():
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_other_ranks_experts_and_unused_slots_are_never_read(backend):
+def test_other_ranks_experts_and_unused_slots_are_never_read(backend, device):
     """Each rank's expert weights are a view into storage of all experts where the others are NaN, so a kernel
     that took the -1 of another rank's expert for an index would read the NaN expert before the view (the
     illegal read of SGLang's EP + LoRA bug); slot 1, which no token uses, is NaN with its full rank claimed.
-    Experts 6 and 7 get no token: the rank holding them returns zeros. The ranks' sum is the whole."""
+    Experts 6 and 7 get no token: the rank holding them returns zeros. The ranks' sum is the whole. (On a GPU
+    machine the Triton backend runs on the GPU, elsewhere in the interpreter.)"""
     gen = torch.Generator().manual_seed(torch.seed())
     dtype = torch.float32
-    x = torch.randn(TOKENS, HIDDEN, generator=gen)
-    w13, w2 = random_moe_weights(EXPERTS, HIDDEN, INTER, dtype, generator=gen)
-    topk = random_topk(TOKENS, EXPERTS - 2, TOP_K, generator=gen)
+    x = torch.randn(TOKENS, HIDDEN, generator=gen).to(device)
+    w13, w2 = (w.to(device) for w in random_moe_weights(EXPERTS, HIDDEN, INTER, dtype, generator=gen))
+    topk = TopKOutput(*(t.to(device) for t in random_topk(TOKENS, EXPERTS - 2, TOP_K, generator=gen)))
     lora = random_expert_lora(2, EXPERTS, HIDDEN, INTER, [4, 8], dtype, generator=gen)
+    lora = dataclasses.replace(lora, **{n: t.to(device) for n, t in vars(lora).items() if isinstance(t, torch.Tensor)})
     for name in ("a_gate", "b_gate", "a_up", "b_up", "a_down", "b_down"):
         getattr(lora, name)[1] = float("nan")
-    batch = LoRABatch(torch.randint(-1, 1, (TOKENS,), generator=gen, dtype=torch.int32))
+    batch = LoRABatch(torch.randint(-1, 1, (TOKENS,), generator=gen, dtype=torch.int32).to(device))
     whole = Runner(HIDDEN, INTER, EXPERTS, layer_id=0, backend="torch")
     whole.w13.data, whole.w2.data, whole.lora = w13, w2, lora
     want = whole(x, topk, batch)
