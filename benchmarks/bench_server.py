@@ -11,7 +11,7 @@ tokens/s over the waves' wall time; served / offline is the share of the engine 
 
     python3 benchmarks/bench_server.py                    # on a GPU, concurrency 1 and 32
     python3 benchmarks/bench_server.py --tiny             # a tiny model on the CPU in seconds (CPU test)
-    python3 benchmarks/bench_server.py --server-args="--enable-overlap-schedule --enable-mixed-chunk"
+    python3 benchmarks/bench_server.py --server-args="--disable-overlap-schedule --enable-mixed-chunk"
 """
 from __future__ import annotations
 

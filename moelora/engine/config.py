@@ -69,11 +69,13 @@ class EngineConfig:
                                              "prompt pieces (default: prompt pieces run in steps of their own, "
                                              "before the decode steps)")
 
-    enable_overlap_schedule: bool = option(False, "launch each step before the previous step's tokens are read, "
-                                                  "so the host schedules while the GPU computes")
+    # on by default as in SGLang: the host's work between two steps hides behind the device's (benchmarks/RESULTS.md)
+    disable_overlap_schedule: bool = option(False, "read each step's tokens before the next step is launched (by "
+                                                   "default the next step is scheduled and launched while the device "
+                                                   "computes; always so with tp_size > 1)")
 
     # CUDA graphs (decode)
-    cuda_graph_max_bs: int = option(32, "largest decode batch run from a captured CUDA graph")
+    cuda_graph_max_bs: int = option(128, "largest decode batch run from a captured CUDA graph")
     disable_cuda_graph: bool = option(False, "run every decode step eagerly")
 
     def __post_init__(self) -> None:
@@ -104,9 +106,6 @@ class EngineConfig:
                     ">= 1, or -1 to disable chunked prefill")
         self._check(self.max_prefill_tokens >= 1, "max_prefill_tokens", ">= 1")
         self._check(self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", ">= 1")
-        # the other ranks would need the previous step's tokens, which only rank 0 samples
-        self._check(not (self.enable_overlap_schedule and self.tp_size > 1), "enable_overlap_schedule",
-                    f"False with tp_size > 1 (tp_size={self.tp_size})")
         for name in self.lora_paths:
             self._check(isinstance(name, str) and name != "", "lora_paths", "non-empty adapter names")
 
@@ -117,6 +116,12 @@ class EngineConfig:
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+    @property
+    def overlap_schedule(self) -> bool:
+        """Launch each step before the previous one's tokens are read: not over several ranks, whose other ranks
+        would need the previous step's tokens, which only rank 0 samples."""
+        return not self.disable_overlap_schedule and self.tp_size == 1
 
     @property
     def prefill_chunk(self) -> int | None:

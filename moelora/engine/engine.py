@@ -84,7 +84,7 @@ class Engine:
         self.vocab_size = self.runner.model.config.vocab_size
         self.scheduler = Scheduler(self.config, KVPool(self.runner.kv.num_slots, self.config.max_running_requests))
         self._seeds = random.Random(self.config.random_seed)  # for requests without a seed
-        self.stepper = Stepper(self.scheduler, self.runner, self.config.enable_overlap_schedule)
+        self.stepper = Stepper(self.scheduler, self.runner, self.config.overlap_schedule)
         self._aborted: list[StepOutput] = []
         self._token_texts: dict[int, str] = {}
         # thread-safe: a server may compile a request's grammar in a worker thread before adding it
@@ -161,7 +161,7 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """Run one step; the new tokens and text of every request in it, and the end of aborted and
-        failed ones. With enable_overlap_schedule, the tokens of the step launched by the previous call
+        failed ones. With overlap scheduling (the default), the tokens of the step launched by the previous call
         (the first call launches one and returns none of its tokens)."""
         outputs, self._aborted = self._aborted, []
         return outputs + self.stepper.step()

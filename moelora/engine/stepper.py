@@ -1,5 +1,5 @@
 """Running the scheduler's steps: each batch through the model runner, its sampled tokens appended
-to their requests, finished requests released; failures isolated; and, with enable_overlap_schedule,
+to their requests, finished requests released; failures isolated; and, with overlap scheduling (EngineConfig.overlap_schedule),
 each step launched before the previous step's tokens are read.
 
 A failure stays with the request it belongs to. One that fails while its row and KV slots are

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_tiny_server_benchmark_reports_each_concurrency():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, "benchmarks/bench_server.py", "--tiny", "--concurrency", "1,4",
-                          "--server-args=--enable-overlap-schedule --enable-mixed-chunk --max-num-batched-tokens 16"], cwd=ROOT,
+                          "--server-args=--disable-overlap-schedule --enable-mixed-chunk --max-num-batched-tokens 16"], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     tables = [[[float(v) for v in line.split("|")[1:-1]] for line in block.splitlines()[2:]]

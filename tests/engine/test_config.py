@@ -26,5 +26,7 @@ def test_parallel_options():
     with pytest.raises(ValueError, match="EngineConfig.ep_size must be tp_size"):
         EngineConfig("model", device="cpu", tp_size=4, ep_size=2, enable_expert_parallel=True)
     assert not EngineConfig("model", device="cuda", tp_size=2, moe_dispatch="all_to_all").use_cuda_graph
-    with pytest.raises(ValueError, match="EngineConfig.enable_overlap_schedule must be False with tp_size > 1"):
-        EngineConfig("model", device="cpu", tp_size=2, enable_overlap_schedule=True)
+    # overlap scheduling is the default on one rank, off over several (only rank 0 has the sampled tokens)
+    assert EngineConfig("model", device="cpu").overlap_schedule
+    assert not EngineConfig("model", device="cpu", disable_overlap_schedule=True).overlap_schedule
+    assert not EngineConfig("model", device="cpu", tp_size=2).overlap_schedule

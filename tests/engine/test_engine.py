@@ -65,7 +65,7 @@ def test_decode_rows_beside_chunked_prefills_keep_their_tokens_and_logprobs(make
     rounding, torch's CPU matmul not being batch invariant."""
     options = dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8, max_total_tokens=4096) if device == "cuda" \
         else {}
-    engine = make_engine(FAMILY, chunked_prefill_size=6, enable_mixed_chunk=True, enable_overlap_schedule=overlap,
+    engine = make_engine(FAMILY, chunked_prefill_size=6, enable_mixed_chunk=True, disable_overlap_schedule=not overlap,
                          **options)
     approx = (lambda entries: entries) if device == "cuda" else approx_float32
     first = (PROMPTS[2], SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True), "full")
@@ -111,7 +111,7 @@ def test_overlap_schedule_keeps_every_output(make_engine, device):
     an abort while it does."""
     options = dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8, max_total_tokens=4096) if device == "cuda" \
         else {}
-    sync, ahead = (make_engine(FAMILY, enable_overlap_schedule=o, **options) for o in (False, True))
+    sync, ahead = (make_engine(FAMILY, disable_overlap_schedule=not o, **options) for o in (False, True))
     params = [replace(p, logprobs=2) for p in PARAMS]
     want = sync.generate(PROMPTS, params, lora=LORAS)
     stops = [replace(p, stop_token_ids=[w.token_ids[5]]) for p, w in zip(params, want)]
@@ -124,7 +124,7 @@ def test_overlap_schedule_keeps_every_output(make_engine, device):
         assert [o.finish_reason for o in got] == [o.finish_reason for o in expected]
     assert any(o.finish_reason == "stop" and len(o.token_ids) < 16 for o in want_stopped)
     assert_idle(ahead)
-    tight = make_engine(FAMILY, **{**options, "enable_overlap_schedule": True, "chunked_prefill_size": 4,
+    tight = make_engine(FAMILY, **{**options, "disable_overlap_schedule": False, "chunked_prefill_size": 4,
                                    "max_total_tokens": 40})
     assert [o.token_ids for o in tight.generate(PROMPTS, params, lora=LORAS)] == [o.token_ids for o in want]
     assert tight.scheduler.num_retractions > 0
@@ -176,7 +176,7 @@ def test_abort_frees_the_request_and_spares_the_others(engine, alone):
 
 def test_bad_requests_fail_alone(engine, alone):
     good = engine.add_request(PROMPTS[0], PARAMS[0])
-    engine.step()
+    outputs = engine.step()  # (with overlap scheduling, the first call launches a step and returns nothing)
     with pytest.raises(AdapterError, match="unknown adapter 'nope'"):
         engine.add_request([1, 2], lora="nope")
     with pytest.raises(ValueError, match="prompt has 20000 tokens"):
@@ -189,10 +189,9 @@ def test_bad_requests_fail_alone(engine, alone):
         engine.add_request([1, 2], bad)
     with pytest.raises(ValueError, match="prompt 1: unknown adapter"):  # generate checks all before running any
         engine.generate([[1, 2], [3, 4]], lora=[None, "nope"])
-    outputs = []
     while engine.has_unfinished():
         outputs += engine.step()
-    assert [t for o in outputs if o.rid == good for t in o.token_ids] == alone(FAMILY)[0][1:]
+    assert [t for o in outputs if o.rid == good for t in o.token_ids] == alone(FAMILY)[0]
     assert_idle(engine)
 
 
@@ -241,14 +240,15 @@ def test_outputs_the_caller_detokenizes(engine):
         engine.add_request(prompt, sp, detokenize=False)
         detokenizer, got = engine.output_detokenizer(prompt, sp), ""
         while not detokenizer.finished:
-            (out,) = engine.step()
-            assert out.text == ""
-            got += "".join(detokenizer.add(t) for t in out.token_ids)
-            if out.finished and not detokenizer.finished:
-                got += detokenizer.finish(out.finish_reason)
+            for out in engine.step():  # (none from the first call, with overlap scheduling)
+                assert out.text == ""
+                got += "".join(detokenizer.add(t) for t in out.token_ids)
+                if out.finished and not detokenizer.finished:
+                    got += detokenizer.finish(out.finish_reason)
         assert got == text and detokenizer.finish_reason == ("length" if sp is params else "stop")
         engine.abort(out.rid)
-        engine.step()
+        while engine.has_unfinished():
+            engine.step()
     assert_idle(engine)
 
 

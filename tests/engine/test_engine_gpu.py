@@ -65,7 +65,7 @@ def test_a_step_launched_ahead_does_not_wait_for_the_device(make_engine):
     device: with it busy for tens of milliseconds after the step in flight, Engine.step returns long
     before the device is done (a blocking copy anywhere would wait for the busy work)."""
     engine = make_engine(FAMILY, device="cuda", dtype="bfloat16", cuda_graph_max_bs=8, max_total_tokens=4096,
-                         enable_overlap_schedule=True)
+                         disable_overlap_schedule=False)
     params = [SamplingParams(max_tokens=8, temperature=0.8, seed=i, presence_penalty=0.5, logit_bias={7: 1.0},
                              min_tokens=2, allowed_token_ids=list(range(3, 80)) if i == 1 else None, ignore_eos=True)
               for i in range(3)]

@@ -101,7 +101,7 @@ def test_mixed_batch_with_adapters_equals_each_alone_also_when_retracted(demo, e
     alone = [engine.generate(p, sp, lora=a)[0] for p, sp, a in zip(prompts, params, loras)]
     assert [o.token_ids for o in engine.generate(prompts, params, lora=loras)] == [o.token_ids for o in alone]
     for overlap in (False, True):  # decode rows leave prompts a few tokens a step
-        tight = make(demo, chunked_prefill_size=8, max_total_tokens=64, enable_overlap_schedule=overlap)
+        tight = make(demo, chunked_prefill_size=8, max_total_tokens=64, disable_overlap_schedule=not overlap)
         assert [o.token_ids for o in tight.generate(prompts, params, lora=loras)] == [o.token_ids for o in alone]
         assert tight.scheduler.num_retractions > 0
         assert_idle(tight)

@@ -80,7 +80,7 @@ def inject(engine, victim, stage: str, when: str, monkeypatch) -> None:
 @pytest.mark.parametrize("when", ["prefill", "decode"])
 @pytest.mark.parametrize("stage", STAGES)
 def test_a_fault_fails_only_its_request(make_engine, solo, stage, when, overlap, monkeypatch):
-    engine = make_engine(FAMILY, enable_overlap_schedule=overlap)
+    engine = make_engine(FAMILY, disable_overlap_schedule=not overlap)
     rids = [engine.add_request(p, sp, lora=a) for p, sp, a in zip(PROMPTS, PARAMS, LORAS)]
     victim = engine.scheduler.find(rids[VICTIM])
     inject(engine, victim, stage, when, monkeypatch)
@@ -135,7 +135,7 @@ def test_a_failed_slot_write_leaves_no_adapter_in_the_slot(make_engine, solo, mo
 @pytest.mark.parametrize("after", [0, 1], ids=["at-once", "while-isolating"])
 def test_a_device_error_fails_everything_and_the_engine_says_so(make_engine, monkeypatch, after, overlap):
     """`after`: plain failures before the device error, which then strikes a half of the batch."""
-    engine = make_engine(FAMILY, enable_overlap_schedule=overlap)
+    engine = make_engine(FAMILY, disable_overlap_schedule=not overlap)
     rids = [engine.add_request(p, sp, lora=a) for p, sp, a in zip(PROMPTS, PARAMS, LORAS)]
     calls = []
 

@@ -93,10 +93,10 @@ def test_slow_file_or_text_work_does_not_hold_up_the_steps(server, demo_dir, mon
 
 
 def test_an_engine_scheduling_ahead_serves_the_same_completions(demo_dir, reference):
-    """enable_overlap_schedule behind the server: streamed and whole completions, a stop string among
+    """overlap scheduling behind the server: streamed and whole completions, a stop string among
     them, as the engine gives them alone."""
     engine = Engine(str(demo_dir / "model"), lora_paths={n: str(demo_dir / n) for n in SERVED},
-                    enable_overlap_schedule=True, **ENGINE_OPTIONS)
+                    disable_overlap_schedule=False, **ENGINE_OPTIONS)
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     with serving(create_app(engine, MODEL_NAME)) as server:
         for model, prompt in [("alpha", "Hello world"), (MODEL_NAME, "the quick brown fox"), ("beta", "Hello")]:
