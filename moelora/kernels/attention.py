@@ -319,7 +319,7 @@ def _check_inputs(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
     if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
         raise ValueError(f"q [N, Hq, Dk], k_cache [slots, Hkv, Dk], v_cache [slots, Hkv, Dv] expected, got "
                          f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    (_, num_q_heads, k_dim), (slots, num_kv_heads, _) = q.shape, k_cache.shape
+    (_, num_q_heads, k_dim), (_, num_kv_heads, _) = q.shape, k_cache.shape
     if k_cache.shape[2] != k_dim or v_cache.shape[:2] != k_cache.shape[:2] or num_q_heads % num_kv_heads:
         raise ValueError(f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} do "
                          "not fit: same key head size, same slots and kv heads, Hq a multiple of Hkv")
