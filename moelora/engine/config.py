@@ -49,6 +49,13 @@ class EngineConfig:
                                              "lora_paths)")
     max_cpu_loras: int | None = option(None, "adapters kept in host memory, least recently used dropped and re-read "
                                              "from disk (default: no limit)")
+    # layers without slots run their plain GEMM and no LoRA kernels: the router's LoRA, which adapters seldom
+    # target, ran in every layer of every step
+    lora_target_modules: list[str] | str | None = option(
+        None, "modules given LoRA slots, by their last name: q_proj, k_proj, v_proj, o_proj, gate (the router), "
+              "gate_proj, up_proj, down_proj (dense MLPs, shared and routed experts), DeepSeek's q_a_proj, "
+              "kv_a_proj_with_mqa, ..., qkv_proj and gate_up_proj (their parts), or all; adapters targeting other "
+              "modules are refused (default: the modules the lora_paths adapters target; all without lora_paths)")
 
     # Memory and scheduling
     mem_fraction_static: float = option(0.85, "share of GPU memory for weights, LoRA slots and KV cache",
@@ -108,6 +115,14 @@ class EngineConfig:
         self._check(self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", ">= 1")
         for name in self.lora_paths:
             self._check(isinstance(name, str) and name != "", "lora_paths", "non-empty adapter names")
+        if self.lora_target_modules is not None:
+            names = [self.lora_target_modules] if isinstance(self.lora_target_modules, str) else \
+                list(self.lora_target_modules)
+            self._check(bool(names) and all(isinstance(n, str) and n for n in names) and
+                        ("all" not in names or names == ["all"]), "lora_target_modules",
+                        "'all' or a non-empty list of module names without 'all'")
+            # the model's names are checked once it is loaded (LoRAManager)
+            self.lora_target_modules = "all" if names == ["all"] else list(dict.fromkeys(names))
 
     def _check(self, ok: bool, name: str, expected: str) -> None:
         if not ok:

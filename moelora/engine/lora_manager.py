@@ -2,6 +2,9 @@
 memory (LRU, at most max_cpu_loras; re-read from disk when needed again), and max_loras_per_batch
 GPU slots (LRU, never evicting an adapter of a request that holds KV cache).
 
+Only the target modules (EngineConfig.lora_target_modules; by default those the adapters given at start
+adapt) get slot buffers; an adapter of other modules is refused when it is read, before it is registered.
+
 The scheduler admits a request only when its adapter fits among the running batch's adapters, so
 `prepare` always finds a slot. Unloading an adapter with requests in flight lets them finish;
 new requests naming it are refused from then on.
@@ -23,7 +26,8 @@ from torch import nn
 
 from moelora.core import ExpertLoRASlots
 from moelora.engine.config import EngineConfig
-from moelora.engine.lora_slots import allocate_lora_slots, slot_bytes, write_adapter_to_slot
+from moelora.engine.lora_slots import (allocate_lora_slots, model_modules, resolve_targets, slot_bytes,
+                                       slot_problems, slotted_modules, write_adapter_to_slot)
 from moelora.lora.adapter import load_adapter
 from moelora.lora.canonical import Adapter
 from moelora.lora.errors import AdapterError
@@ -98,10 +102,12 @@ class LoRAManager:
                    for name, path in config.lora_paths.items()}
         self.stats.disk_loads += len(initial)
         self.max_rank = config.max_lora_rank or max((a.max_rank for a in initial.values()), default=0)
+        targets = resolve_targets(config.lora_target_modules, model, initial.values())
         if self.max_rank:
-            allocate_lora_slots(model, config.max_loras_per_batch, self.max_rank)
+            allocate_lora_slots(model, config.max_loras_per_batch, self.max_rank, targets)
         self.expert_loras = [m.lora for m in model.modules() if isinstance(getattr(m, "lora", None), ExpertLoRASlots)]
         for name, adapter in initial.items():
+            self._check_slots(adapter, f"adapter {name!r} ({adapter.path})")
             self._register(name, Path(config.lora_paths[name]), adapter)
 
     @property
@@ -119,8 +125,12 @@ class LoRAManager:
         if not self.max_rank:
             return ["LoRA: no slots (start with max_lora_rank or lora_paths to load adapters)"]
         mib = slot_bytes(self.model) / 2**20
+        slotted = slotted_modules(self.model)
+        without = [m for m in model_modules(self.model) if m not in slotted]
         lines = [f"LoRA: {self.pool.num_slots} GPU slots of rank {self.max_rank} ({mib:.1f} MiB), host "
-                 f"cache of {self.config.max_cpu_loras or 'unlimited'} adapters"]
+                 f"cache of {self.config.max_cpu_loras or 'unlimited'} adapters",
+                 f"LoRA slots on {', '.join(slotted)}" + (f"; none on {', '.join(without)}" if without else "")
+                 + " (--lora-target-modules)"]
         for name in self.names:
             adapter = self._host.get(name)
             held = f"{adapter.max_rank}, {adapter.num_bytes() / 2**20:.1f} MiB in host memory" if adapter else \
@@ -129,13 +139,15 @@ class LoRAManager:
         return lines
 
     def read(self, path: str | Path) -> Adapter:
-        """The adapter at `path`, read and validated against the model for the slots' rank. Reads only
-        what never changes after start (the model's shapes, the rank), so it may run in another thread
-        while the engine steps."""
+        """The adapter at `path`, read and validated against the model for the slots' rank and target modules.
+        Reads only what never changes after start (the model's shapes, its layers' slot buffers, the rank), so
+        it may run in another thread while the engine steps."""
         if not self.max_rank:
             raise AdapterError("cannot load an adapter: the engine has no LoRA slots (start it with max_lora_rank, "
                                "or with lora_paths)")
-        return load_adapter(path, self.shapes, self.max_rank)
+        adapter = load_adapter(path, self.shapes, self.max_rank)
+        self._check_slots(adapter, f"adapter {path}")
+        return adapter
 
     def load_lora(self, name: str, path: str | Path, adapter: Adapter | None = None) -> None:
         """Serve the adapter at `path` (`adapter`: what read(path) gave, else it is read here) as `name`."""
@@ -231,6 +243,13 @@ class LoRAManager:
     def _record(self, *event: object) -> None:
         if self._events is not None:
             self._events.append(event)
+
+    def _check_slots(self, adapter: Adapter, what: str) -> None:
+        """AdapterError unless the adapter fits the slots: here, not when a request first puts it in a slot."""
+        problems = slot_problems(self.model, adapter)
+        if problems:
+            raise AdapterError(f"{what} cannot be served by this engine: {len(problems)} problem(s):\n  - "
+                               + "\n  - ".join(problems), problems)
 
     def _set_rank_tile(self, rank: int) -> None:
         for lora in self.expert_loras:

@@ -1,12 +1,21 @@
-"""GPU slots of a model's LoRA layers: `allocate_lora_slots` gives every LoRA-able Linear and Runner
-layer zeroed buffers for `num_slots` adapters up to `max_rank`; `write_adapter_to_slot` puts one
-canonical adapter into one slot of all of them (the LoRA manager calls both).
+"""GPU slots of a model's LoRA layers: `allocate_lora_slots` gives the LoRA-able Linear and Runner layers of
+the target modules zeroed buffers for `num_slots` adapters up to `max_rank`; `write_adapter_to_slot` puts one
+canonical adapter into one slot of all of them (the LoRA manager calls both). A layer without buffers keeps
+`lora = None` and launches no LoRA kernels.
+
+Target modules are named as the decoder layer names them ("self_attn.q_proj", "mlp.gate" the router,
+"mlp.shared_expert.gate_proj"), the routed experts' projections "mlp.experts.gate_proj" / "up_proj" /
+"down_proj"; EngineConfig.lora_target_modules names them by their last name, as SGLang's
+--lora-target-modules does ("gate_proj" is every gate_proj: dense MLPs, shared and routed experts).
 
 Under tensor and expert parallelism the buffers are this rank's: a layer's shard of each projection and the
 experts it holds, and the adapter's A and B are cut as the weights are (a column-parallel part's rows of B, a
 row-parallel layer's columns of A; the experts' rows likewise over their intermediate dimension). Adapters are
 still checked against the whole model's shapes."""
 from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Collection, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -16,15 +25,69 @@ from moelora.layers.linear import Linear
 from moelora.layers.moe.runner import Runner
 from moelora.lora.canonical import Adapter, ExpertsLoRA, LayerLoRA, LinearLoRA
 from moelora.lora.errors import AdapterError
-from moelora.lora.model_shapes import EXPERT_PROJECTIONS
+from moelora.lora.model_shapes import EXPERT_PROJECTIONS, FUSED_MODULES, format_ranges
+
+# the canonical adapter's expert projection -> its target module name
+EXPERT_MODULES = {p: f"mlp.experts.{p}_proj" for p in EXPERT_PROJECTIONS}
 
 
 def _lora_layers(model: nn.Module) -> list[Linear | Runner]:
     return [m for m in model.modules() if isinstance(m, Runner) or (isinstance(m, Linear) and m.part_names)]
 
 
-def allocate_lora_slots(model: nn.Module, num_slots: int, max_rank: int) -> None:
+def _modules_of(m: Linear | Runner) -> tuple[str, ...]:
+    """The target modules a LoRA layer serves: its parts."""
+    return tuple(EXPERT_MODULES.values()) if isinstance(m, Runner) else m.part_names
+
+
+def _short(module: str) -> str:
+    """The --lora-target-modules name of a module: its last name."""
+    return module.rpartition(".")[2]
+
+
+def model_modules(model: nn.Module) -> list[str]:
+    """The model's LoRA-able target modules, in the order of its layers."""
+    return list(dict.fromkeys(name for m in _lora_layers(model) for name in _modules_of(m)))
+
+
+def slotted_modules(model: nn.Module) -> list[str]:
+    """The target modules that have slot buffers (every part of a Linear that has them, targeted or not)."""
+    return list(dict.fromkeys(name for m in _lora_layers(model) if m.lora is not None for name in _modules_of(m)))
+
+
+def adapter_modules(adapter: Adapter) -> set[str]:
+    """The target modules an adapter adapts in any layer."""
+    return {name for layer in adapter.layers.values()
+            for name in (*(EXPERT_MODULES[p] for p in layer.experts), *layer.modules)}
+
+
+def resolve_targets(requested: Sequence[str] | str | None, model: nn.Module, adapters: Iterable[Adapter]
+                    ) -> frozenset[str]:
+    """The target modules that get slot buffers, from EngineConfig.lora_target_modules: "all"; names (the last
+    name of modules, SGLang's qkv_proj and gate_up_proj for their parts); or None: the modules `adapters` adapt,
+    all of them when they adapt none (no adapters at start: any may be loaded later). ValueError for a name the
+    model lacks."""
+    modules, adapted = model_modules(model), frozenset().union(*map(adapter_modules, adapters))
+    if requested == "all" or (requested is None and not adapted):
+        return frozenset(modules)
+    if requested is None:  # by module, not last name: an experts-only adapter gives dense MLPs no slots
+        return adapted
+    short = set(map(_short, modules))
+    valid = short | {fused for fused, parts in FUSED_MODULES.items() if set(parts) <= short}
+    unknown = [n for n in requested if n not in valid]
+    if unknown:
+        raise ValueError(f"EngineConfig.lora_target_modules (--lora-target-modules): the model has no module "
+                         f"{', '.join(map(repr, unknown))}; its modules are {', '.join(sorted(valid))}, or all")
+    names = {part for n in requested for part in FUSED_MODULES.get(n, (n,))}
+    return frozenset(m for m in modules if _short(m) in names)
+
+
+def allocate_lora_slots(model: nn.Module, num_slots: int, max_rank: int, targets: Collection[str] | None = None
+                        ) -> None:
+    """Slot buffers for every layer with a part among `targets` (target modules, see resolve_targets; None: all)."""
     for m in _lora_layers(model):
+        if targets is not None and not any(name in targets for name in _modules_of(m)):
+            continue
         weight = m.w13 if isinstance(m, Runner) else m.weight
         zeros = dict(dtype=weight.dtype, device=weight.device)
         s, r = num_slots, max_rank
@@ -49,28 +112,15 @@ def slot_bytes(model: nn.Module) -> int:
 
 
 def write_adapter_to_slot(model: nn.Module, adapter: Adapter, slot: int) -> None:
-    """Slot `slot` of every LoRA layer holds `adapter` afterwards and nothing of what was there before.
-    Raises AdapterError, before writing anything, if a module of the adapter is not in the model
-    or does not fit its slot buffers."""
-    layers = _lora_layers(model)
-    if any(m.lora is None for m in layers):
+    """Slot `slot` of every LoRA layer with buffers holds `adapter` afterwards and nothing of what was there
+    before. Raises AdapterError, before writing anything, for the problems `slot_problems` finds."""
+    layers = [m for m in _lora_layers(model) if m.lora is not None]
+    if not layers:
         raise RuntimeError("allocate_lora_slots(model, ...) first")
-    num_slots = layers[0].lora.ranks.shape[-2] if layers else 0
+    num_slots = layers[0].lora.ranks.shape[-2]
     if not 0 <= slot < num_slots:
         raise ValueError(f"slot {slot} out of range [0, {num_slots})")
-    problems, used = [], set()
-    for m in layers:
-        layer = adapter.layers.get(m.layer_id, LayerLoRA())
-        names = EXPERT_PROJECTIONS if isinstance(m, Runner) else m.part_names
-        for name in names:
-            lora = (layer.experts if isinstance(m, Runner) else layer.modules).get(name)
-            if lora is not None:
-                used.add((m.layer_id, name))
-                problems += _fit_problems(m, name, lora)
-    for layer_id, layer in adapter.layers.items():
-        for name in [*layer.experts, *layer.modules]:
-            if (layer_id, name) not in used:
-                problems.append(f"layer {layer_id} {name}: the model has no such LoRA-able module")
+    problems = slot_problems(model, adapter)
     if problems:
         raise AdapterError(f"{adapter.path}: cannot be put in slot {slot}: {'; '.join(problems)}", problems)
     for m in layers:
@@ -79,6 +129,32 @@ def write_adapter_to_slot(model: nn.Module, adapter: Adapter, slot: int) -> None
             _write_experts(m, layer, slot)
         else:
             _write_linear(m, layer, slot)
+
+
+def slot_problems(model: nn.Module, adapter: Adapter) -> list[str]:
+    """Why the adapter cannot be put in the model's slots (none: it can): modules the model does not have,
+    modules without slot buffers (not among the engine's target modules), ranks or shapes that do not fit."""
+    problems, used = [], set()
+    unslotted: dict[str, list[int]] = defaultdict(list)  # target module -> layers
+    for m in _lora_layers(model):
+        layer = adapter.layers.get(m.layer_id, LayerLoRA())
+        for name, module in zip(EXPERT_PROJECTIONS if isinstance(m, Runner) else m.part_names, _modules_of(m)):
+            lora = (layer.experts if isinstance(m, Runner) else layer.modules).get(name)
+            if lora is not None:
+                used.add((m.layer_id, name))
+                if m.lora is None:
+                    unslotted[module].append(m.layer_id)
+                else:
+                    problems += _fit_problems(m, name, lora)
+    for layer_id, layer in adapter.layers.items():
+        for name in [*layer.experts, *layer.modules]:
+            if (layer_id, name) not in used:
+                problems.append(f"layer {layer_id} {name}: the model has no such LoRA-able module")
+    for module, layer_ids in unslotted.items():
+        where = f"layer{'s' if len(layer_ids) > 1 else ''} {format_ranges(layer_ids)}"
+        problems.append(f"{module} ({where}): this engine has no LoRA slots for it; start the engine with "
+                        f"--lora-target-modules including {_short(module)} (or all)")
+    return problems
 
 
 def _fit_problems(m: Linear | Runner, name: str, lora: LinearLoRA | ExpertsLoRA) -> list[str]:

@@ -14,6 +14,7 @@ def test_defaults_resolve():
     ("max_cpu_loras", 2), ("mem_fraction_static", 1.0), ("max_total_tokens", 1), ("max_running_requests", 0),
     ("chunked_prefill_size", 0), ("max_prefill_tokens", 0), ("cuda_graph_max_bs", 0), ("context_length", 1),
     ("lora_paths", {"": "/x"}), ("tp_size", 0), ("ep_size", 3), ("moe_dispatch", "deepep"), ("dist_timeout", 0),
+    ("lora_target_modules", []), ("lora_target_modules", ["all", "q_proj"]), ("lora_target_modules", ["q_proj", ""]),
 ])
 def test_bad_field_is_named(field, value):
     with pytest.raises(ValueError, match=f"EngineConfig.{field} must be"):
@@ -30,3 +31,12 @@ def test_parallel_options():
     assert EngineConfig("model", device="cpu").overlap_schedule
     assert not EngineConfig("model", device="cpu", disable_overlap_schedule=True).overlap_schedule
     assert not EngineConfig("model", device="cpu", tp_size=2).overlap_schedule
+
+
+def test_lora_target_modules():
+    """'all' alone, or names (checked against the model once it is loaded); None: inferred at start."""
+    assert EngineConfig("model", device="cpu").lora_target_modules is None
+    assert EngineConfig("model", device="cpu", lora_target_modules=["all"]).lora_target_modules == "all"
+    assert EngineConfig("model", device="cpu", lora_target_modules="q_proj").lora_target_modules == ["q_proj"]
+    targets = EngineConfig("model", device="cpu", lora_target_modules=("qkv_proj", "gate", "qkv_proj"))
+    assert targets.lora_target_modules == ["qkv_proj", "gate"]

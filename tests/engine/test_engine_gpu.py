@@ -59,6 +59,20 @@ def test_penalties_biases_and_masks_on_the_gpu(engines):
     assert all(9 not in o.token_ids for o in graphed) and set(graphed[3].token_ids) <= set(range(3, 80))
 
 
+def test_slots_on_the_adapters_modules_alone_give_the_same_bits(make_engine, adapters):
+    """lora_target_modules by default (partial's modules: no slots, no LoRA kernels, on o_proj, the router and
+    the dense MLP) against slots on every module: the same tokens and logprobs, from CUDA graphs and eagerly."""
+    kwargs = dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8, max_total_tokens=4096,
+                  lora_paths={"partial": str(adapters(FAMILY)["partial"].path)})
+    default, everything = (make_engine(FAMILY, lora_target_modules=t, **kwargs) for t in (None, "all"))
+    router = [e.runner.model.model.layers[0].mlp.gate.lora for e in (default, everything)]
+    assert router[0] is None and router[1] is not None and default.runner.graphs is not None
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=5, ignore_eos=True)
+    loras = ["partial" if i % 2 else None for i in range(5)]
+    got, want = (e.generate(prompts(5), params, lora=loras) for e in (default, everything))
+    assert [(o.token_ids, o.logprobs) for o in got] == [(o.token_ids, o.logprobs) for o in want]
+
+
 def test_a_step_launched_ahead_does_not_wait_for_the_device(make_engine):
     """With overlap scheduling a step's host work (scheduling, the batch's and the sampler's
     host-to-device copies, penalties, a token mask, reading the step before) must not wait for the

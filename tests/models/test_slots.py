@@ -39,3 +39,19 @@ def test_slot_out_of_range_and_unknown_module(model, adapters):
     adapter.layers[0].modules["self_attn.qkv_fused"] = adapter.layers[0].modules["self_attn.q_proj"]
     with pytest.raises(AdapterError, match="layer 0 self_attn.qkv_fused: the model has no such LoRA-able module"):
         write_adapter_to_slot(model, adapter, 0)
+
+
+def test_only_target_modules_get_slots_and_adapters_of_others_are_refused(checkpoint, adapters):
+    model = load_model(checkpoint("qwen3_moe"), dtype=torch.float32, device="cpu")
+    allocate_lora_slots(model, num_slots=2, max_rank=8, targets={"self_attn.q_proj", "mlp.experts.down_proj"})
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.lora is not None and layer.mlp.experts.lora is not None
+    assert layer.self_attn.o_proj.lora is None and layer.mlp.gate.lora is None
+    assert model.model.layers[1].mlp.gate_up_proj.lora is None  # the dense MLP's gate_proj is no expert's
+    full = load_adapter(adapters("qwen3_moe")["full"].path, family_config("qwen3_moe"))
+    with pytest.raises(AdapterError, match=r"cannot be put in slot 0: self_attn.o_proj \(layers 0-2\): this engine has "
+                                           r"no LoRA slots for it; .*; mlp.gate \(layers 0, 2\): "):
+        write_adapter_to_slot(model, full, 0)
+    assert all((m.lora.ranks == 0).all() for m in model.modules() if getattr(m, "lora", None) is not None)
+    write_adapter_to_slot(model, load_adapter(adapters("qwen3_moe")["partial"].path, family_config("qwen3_moe")), 0)
+    assert layer.self_attn.qkv_proj.lora.ranks[0].tolist() == [2, 0, 2]

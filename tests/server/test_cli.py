@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from moelora.cli import build_parser, main
+from moelora.cli import build_parser, engine_kwargs, main
 from moelora.engine.config import EngineConfig
 from moelora.engine.sampling_params import SamplingParams
 from tests.server.conftest import free_port
@@ -37,6 +37,8 @@ def test_flags_follow_the_config_fields(capsys):
                               "--disable-cuda-graph", "--mem-fraction-static", "0.5", "--port", "1234"])
     assert args.lora_paths == {"a": "/x", "/y": "/y"} and args.max_lora_rank == 8 and args.disable_cuda_graph is True
     assert args.mem_fraction_static == 0.5 and args.port == 1234 and not hasattr(args, "max_total_tokens")  # unset
+    for targets in (["q_proj", "gate_up_proj"], ["all"]):
+        assert engine_kwargs(["--model-path", "m", "--lora-target-modules", *targets])["lora_target_modules"] == targets
     serve_help = help_of("serve", capsys)
     assert all("--" + f.name.replace("_", "-") in serve_help for f in dataclasses.fields(EngineConfig))
     gen = parser.parse_args(["generate", "--model-path", "m", "--prompt", "p", "--stop", "a", "b", "--top-k", "5",
@@ -117,6 +119,8 @@ def test_cli_errors_are_one_message_and_exit_status_1(demo_dir, other_model_adap
               "EngineConfig.tokenizer_path 'Qwen/Qwen3-8B' is not a local directory")
     one_error(moelora("serve", *model, "--lora-paths", f"x={tmp_path / 'nope'}", *CPU), "serve",
               "no adapter_config.json")
+    one_error(moelora("serve", *model, "--lora-target-modules", "q_proj", "w1", *CPU), "serve",
+              "EngineConfig.lora_target_modules (--lora-target-modules): the model has no module 'w1'")
     one_error(moelora("serve", *model, "--tensor-parallel-size", "3", "--ep-size", "2", *CPU), "serve",
               "EngineConfig.ep_size must be a divisor of tp_size (3)")
     one_error(moelora("serve", *model, "--chat-template", "nope.jinja", *CPU), "serve",
@@ -178,6 +182,8 @@ def test_serve_starts_a_server(demo_dir, reference, tmp_path):
         logged = log.read_text()
         for line in [f"moelora.server.app: model {demo_dir / 'model'}: Qwen3MoeForCausalLM, float32 on cpu",
                      "context 64 tokens; up to 4 running requests", "LoRA: 1 GPU slots of rank 8",
+                     "LoRA slots on self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, self_attn.o_proj, "
+                     "mlp.experts.gate_proj, mlp.experts.up_proj, mlp.experts.down_proj; none on mlp.gate",
                      f"adapter alpha: {demo_dir / 'alpha'} (rank 8, "]:
             assert line in logged, logged
     finally:

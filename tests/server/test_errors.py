@@ -9,7 +9,9 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL_NAME
+from moelora.engine.engine import Engine
+from moelora.server.app import create_app
+from tests.server.conftest import ENGINE_OPTIONS, MODEL_NAME, serving
 
 OK = {"model": "alpha", "prompt": "Hello world", "max_tokens": 2}
 CHAT = {"model": "beta", "messages": [{"role": "user", "content": "Hello world"}], "max_tokens": 2}
@@ -106,6 +108,21 @@ def test_adapters_that_cannot_load(server, demo_dir):
     error(post(server, "/v1/load_lora_adapter", {"lora_name": MODEL_NAME, "lora_path": str(demo_dir / "gamma")}),
           400, "lora_name")
     assert {m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]} == {MODEL_NAME, "alpha", "beta"}
+
+
+def test_an_adapter_of_modules_without_slots_is_a_400(demo_dir):
+    """A server with LoRA slots on attention alone refuses gamma (attention and experts), every module
+    without slots named, and goes on serving."""
+    engine = Engine(str(demo_dir / "model"), lora_target_modules=["qkv_proj", "o_proj"], **ENGINE_OPTIONS)
+    with serving(create_app(engine, MODEL_NAME)) as other:
+        err = error(post(other, "/v1/load_lora_adapter", {"lora_name": "gamma", "lora_path": str(demo_dir / "gamma")}),
+                    400, "lora_path", f"adapter {demo_dir / 'gamma'} cannot be served by this engine: 3 problem(s)")
+        assert err["problems"] == [f"mlp.experts.{p} (layers 0-1): this engine has no LoRA slots for it; start the "
+                                   f"engine with --lora-target-modules including {p} (or all)"
+                                   for p in ("gate_proj", "up_proj", "down_proj")]
+        assert [m["id"] for m in httpx.get(f"{other.url}/v1/models").json()["data"]] == [MODEL_NAME]
+        r = post(other, "/v1/completions", {**OK, "model": MODEL_NAME})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
 def test_prompts_the_context_cannot_hold(server):

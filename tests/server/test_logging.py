@@ -22,7 +22,10 @@ def test_startup_summary_and_stats_line(demo_dir, caplog):
                             start[2]), start[2]
         assert start[3] == f"tokenizer: {demo_dir / 'model'}"
         assert re.fullmatch(r"LoRA: 2 GPU slots of rank 8 \(\d+\.\d MiB\), host cache of unlimited adapters", start[4])
-        for line, name in zip(start[5:7], ["alpha", "beta"]):
+        assert start[5] == ("LoRA slots on self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, self_attn.o_proj, "
+                            "mlp.experts.gate_proj, mlp.experts.up_proj, mlp.experts.down_proj; none on mlp.gate "
+                            "(--lora-target-modules)")  # what alpha and beta adapt
+        for line, name in zip(start[6:8], ["alpha", "beta"]):
             assert re.fullmatch(rf"adapter {name}: {demo_dir / name} \(rank 8, \d+\.\d MiB in host memory\)", line)
         caplog.clear()
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
