@@ -67,10 +67,11 @@ def barrier(state: ParallelState, device: torch.device | str) -> None:
     all_reduce(state, torch.zeros(1, device=device))
 
 
-def min_over_ranks(state: ParallelState, value: int) -> int:
-    """The smallest of the ranks' values (the KV cache size every rank can hold)."""
+def min_over_ranks(state: ParallelState, value: int, timeout: float) -> int:
+    """The smallest of the ranks' values (the KV cache size every rank can hold); raises after `timeout` seconds
+    without every rank's (one hangs, or died, while loading)."""
     if state.tp_size == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=state.control)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=state.control, async_op=True).wait(timedelta(seconds=timeout))
     return int(t.item())

@@ -7,8 +7,9 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -18,8 +19,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(target: Callable[..., Any], rank: int, messages: Any, args: tuple) -> None:
-    messages.put((rank, None))  # started: its imports (unpickling target) went well
+# a rank's imports (torch, Triton, transformers) take tens of seconds on a busy machine: starting one is given
+# at least this long, whatever short timeout its collectives have
+START_TIMEOUT = 120.0
+
+
+def _entry(target: Callable[..., Any], rank: int, started: Any, messages: Any, args: tuple) -> None:
+    started.set()  # its imports (unpickling target) went well; at once, as a queue's feeder thread might not
     try:
         target(rank, *args)
     except BaseException:  # noqa: BLE001  (whatever it was, rank 0 hears of it)
@@ -34,31 +40,32 @@ class LocalRanks:
 
     def __init__(self, target: Callable[..., Any], ranks: range, args: tuple):
         ctx = mp.get_context("spawn")
-        self.messages = ctx.Queue()  # (rank, None) once started, (rank, traceback) when it raised
-        self.procs = {r: ctx.Process(target=_entry, args=(target, r, self.messages, args), daemon=True,
-                                     name=f"moelora-rank{r}") for r in ranks}
+        self.messages = ctx.Queue()  # (rank, traceback) when it raised
+        self.started = {r: ctx.Event() for r in ranks}
+        self.procs = {r: ctx.Process(target=_entry, args=(target, r, self.started[r], self.messages, args),
+                                     daemon=True, name=f"moelora-rank{r}") for r in ranks}
         for p in self.procs.values():
             p.start()
-        self._started: set[int] = set()
         self._errors: dict[int, str] = {}
 
-    def wait_started(self) -> None:
+    def wait_started(self, timeout: float) -> None:
         """Return once every rank runs its target; raise RuntimeError if one ended before (so rank 0 does not
-        wait for it to join a world)."""
-        while len(self._started) < len(self.procs):
-            self._read(timeout=0.2)
-            if any(r not in self._started for r in self.dead()):
-                raise RuntimeError(f"a rank ended before it started: {self.describe(wait=0)} (spawned ranks import "
-                                   "the main module again: start the engine under `if __name__ == '__main__':`)")
+        wait for it to join a world), or did not start within `timeout` seconds (at least START_TIMEOUT: it hangs
+        in its imports)."""
+        deadline = time.monotonic() + max(timeout, START_TIMEOUT)
+        while waiting := [r for r, started in self.started.items() if not started.is_set()]:
+            if any(r in self.dead() for r in waiting):
+                raise RuntimeError("a rank ended before it started (spawned ranks import the main module again: "
+                                   "start the engine under `if __name__ == '__main__':`)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name_ranks(waiting)} did not start within {max(timeout, START_TIMEOUT):g} s")
+            time.sleep(0.05)
 
     def _read(self, timeout: float) -> None:
         try:
             while True:
                 rank, text = self.messages.get(timeout=timeout)
-                if text is None:
-                    self._started.add(rank)
-                else:
-                    self._errors[rank] = text
+                self._errors[rank] = text
                 timeout = 0
         except queue.Empty:
             pass
@@ -67,19 +74,27 @@ class LocalRanks:
         """Ranks whose process has ended -> exit code (negative: killed by that signal)."""
         return {r: p.exitcode for r, p in self.procs.items() if p.exitcode is not None}
 
+    def fate(self, rank: int) -> str:
+        """What became of one rank, in a line: "raised <the traceback's last line>", "exited with code N"."""
+        if rank in self._errors:
+            return "raised " + self._errors[rank].strip().splitlines()[-1]
+        code = self.procs[rank].exitcode
+        if code is None:
+            return "is still running"
+        return f"exited with code {code}" + (f" (signal {-code})" if code < 0 else "")
+
     def describe(self, wait: float = 2.0) -> str:
         """What became of the ranks, for an error message: the traceback of a rank that raised, or the exit
-        code of one that ended, or that all still run (one hangs, or a collective timed out). Waits up to
+        code of one that ended, or which still run (one hangs, or a collective timed out). Waits up to
         `wait` seconds for a failing rank's process to end."""
         for p in self.procs.values():
             p.join(wait / len(self.procs))
         self._read(timeout=0)
-        lines = []
-        for r, code in sorted(self.dead().items()):
-            why = self._errors.get(r)
-            lines.append(f"rank {r} failed:\n{why}" if why else f"rank {r} exited with code {code}"
-                         + (f" (signal {-code})" if code < 0 else ""))
-        return "\n".join(lines) or "every rank is still running: one did not answer in time"
+        lines = [f"rank {r} failed:\n{self._errors[r]}" if r in self._errors else f"rank {r} {self.fate(r)}"
+                 for r in sorted(self.dead())]
+        alive = sorted(set(self.procs) - set(self.dead()))
+        return "\n".join(lines) or f"{name_ranks(alive)} {'is' if len(alive) == 1 else 'are'} still running: " \
+            f"{'it' if len(alive) == 1 else 'one'} did not answer in time"
 
     def stop(self, timeout: float = 10.0) -> None:
         """Wait for the ranks to end (after a shutdown command), then kill what is left."""
@@ -89,3 +104,9 @@ class LocalRanks:
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def name_ranks(ranks: Iterable[int]) -> str:
+    """For messages: "rank 1", "ranks 2, 3"."""
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))

@@ -20,9 +20,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 DISPATCH_MODES = ("all_reduce", "all_to_all")
-CONTROL_TIMEOUT = timedelta(days=365)  # the control group waits for the next command however idle the engine is
+# the control group waits for the next command however idle the engine is; its other waits are bounded each
+CONTROL_TIMEOUT = timedelta(days=365)
 
 
 @dataclass(frozen=True)
@@ -93,10 +95,19 @@ def init_parallel(tp_size: int, ep_size: int = 1, rank: int | None = None, init_
     kwargs = {"device_id": device} if backend == "nccl" else {}
     if device.type == "cuda":
         torch.cuda.set_device(device)  # Triton launches on the current device, NCCL binds to it
-    dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=tp_size,
-                            timeout=timedelta(seconds=timeout), **kwargs)
+    try:
+        dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=tp_size,
+                                timeout=timedelta(seconds=timeout), **kwargs)
+    except BaseException:
+        # torch counted the default group it failed to make: this process's next world would name its groups
+        # one up from its fresh ranks' and never meet them (destroy_process_group resets it, when there is a group)
+        distributed_c10d._world.group_count = 0
+        raise
     group = dist.group.WORLD
-    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    # connecting waits for every rank as long as a collective would (a rank that hangs here is noticed), then
+    # its ops get CONTROL_TIMEOUT (torchtitan changes a group's timeout the same way once its world is up)
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+    distributed_c10d._set_pg_timeout(CONTROL_TIMEOUT, control)
     return ParallelState(rank, tp_size, ep_size, moe_dispatch, group, control)
 
 

@@ -73,8 +73,10 @@ class Engine:
             self.runner = ModelRunner(self.config)
         else:
             try:
-                with self.workers.guard("loading the model"), parallel_state(self.workers.state):
-                    self.runner = ModelRunner(node_config(self.config, 0), self.workers)
+                with self.workers.guard("loading the model"):
+                    with parallel_state(self.workers.state):
+                        self.runner = ModelRunner(node_config(self.config, 0), self.workers)
+                    self.workers.barrier()  # every rank loaded (serve_rank's barrier), or an error naming one
             except BaseException:
                 self.workers.shutdown()
                 raise

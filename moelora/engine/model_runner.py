@@ -69,7 +69,8 @@ class ModelRunner:
         context = config.context_length or model_config.max_position_embeddings
         shape = self.model.kv_cache_shape
         tokens = self._kv_tokens(shape.bytes_per_token(self.dtype), context)
-        tokens = min_over_ranks(self.dist_state, tokens)  # every rank's cache alike: rank 0 schedules for all
+        # every rank's cache alike: rank 0 schedules for all
+        tokens = min_over_ranks(self.dist_state, tokens, config.dist_timeout)
         # a request alone always fits, with a slot to spare for the scheduler's decode reserve
         self.context_len = min(context, tokens - 1)
         self.kv = KVCache(shape.num_layers, tokens + 1, shape.num_kv_heads, shape.k_head_dim, shape.v_head_dim,
@@ -221,6 +222,7 @@ def serve_rank(rank: int, config: EngineConfig, init_method: str) -> None:
     torch.set_num_threads(max(1, torch.get_num_threads() // config.tp_size))  # the ranks share the host's cores
     with parallel_state(join_world(config, rank, init_method)) as state:
         runner = ModelRunner(node_config(config, rank))
+    barrier(state, runner.device)  # loaded: rank 0's Engine waits for every rank's (within dist_timeout)
     while True:
         kind, *args = broadcast_object(state)
         if kind == "shutdown":

@@ -12,8 +12,9 @@ nothing is started: every process constructs the Engine, rank 0's is the engine 
 runs serve_rank until rank 0 shuts down, then exits the process.
 
 A rank that raises sends its traceback to rank 0 and exits; one killed or hung makes rank 0's next collective
-fail at once (a closed connection) or after dist_timeout seconds. Rank 0 then raises `WorkerFailure` naming the
-rank and what became of it, stops the other ranks, and the engine stops taking requests (Engine.fatal).
+fail at once (a closed connection) or after dist_timeout seconds, while loading as while serving. Rank 0 then
+raises `WorkerFailure` naming the rank and what became of it, stops the other ranks, and the engine stops taking
+requests (Engine.fatal).
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def join_world(config: EngineConfig, rank: int, init_method: str) -> ParallelSta
 class _LaunchedRanks:
     """Ranks torchrun started: nothing to start, wait for or stop from here."""
 
-    def wait_started(self) -> None:
+    def wait_started(self, timeout: float) -> None:
         pass
 
     def describe(self, wait: float = 0.0) -> str:
@@ -83,9 +84,10 @@ class Workers:
         self.ranks = _LaunchedRanks() if launched else LocalRanks(serve, range(1, config.tp_size), (config, init_method))
         self.failure: str | None = None
         try:
-            self.ranks.wait_started()
-            self.state = join_world(config, 0, init_method)
-        except BaseException:
+            with self.guard("starting the ranks"):
+                self.ranks.wait_started(config.dist_timeout)
+                self.state = join_world(config, 0, init_method)
+        except BaseException:  # an interrupt too (the guard stopped them on an error)
             self.ranks.stop(timeout=0)
             raise
 

@@ -19,7 +19,7 @@ def test_one_rank_collectives_are_the_identity():
     x = torch.randn(3, 4)
     one = get_parallel()
     assert comm.all_reduce(one, x) is x and comm.all_gather(one, x) is x
-    assert comm.min_over_ranks(one, 7) == 7
+    assert comm.min_over_ranks(one, 7, timeout=1) == 7
 
 
 def test_layout():
@@ -55,7 +55,7 @@ def _collectives() -> dict:
     return dict(sum=comm.all_reduce(state, x.clone()), gathered=comm.all_gather(state, torch.tensor([rank, rank])),
                 recv_counts=recv.tolist(), received=comm.all_to_all(state, rows, send, recv.tolist()).flatten().tolist(),
                 obj=comm.broadcast_object(state, {"from": rank} if rank == 0 else None),
-                least=comm.min_over_ranks(state, 5 + rank))
+                least=comm.min_over_ranks(state, 5 + rank, timeout=60))
 
 
 def test_two_ranks_collectives():

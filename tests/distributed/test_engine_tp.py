@@ -1,7 +1,9 @@
 """The engine over several ranks (CPU processes with gloo, started by the engine, or by torchrun): the same
 tokens and log-probs as one rank, adapters loaded and unloaded at runtime with requests in flight on every rank,
-and a rank that dies or hangs stops the engine with an error naming it instead of hanging."""
+and a rank that dies or hangs, while loading or serving, stops the engine with an error naming it instead of
+hanging."""
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -10,9 +12,12 @@ import time
 
 import pytest
 
+import moelora.engine.engine as engine_module
+import moelora.engine.model_runner as model_runner
 from moelora.distributed.launch import free_port
 from moelora.engine.engine import Engine, EngineDead, RequestFailed
 from moelora.engine.sampling_params import SamplingParams
+from moelora.engine.workers import WorkerFailure
 from moelora.lora import AdapterError
 from tests.models.families import assert_logprobs_close
 
@@ -90,7 +95,7 @@ def test_a_rank_that_hangs_stops_the_engine_within_the_timeout(start_engine):
     many.generate(PROMPTS[:1], GREEDY)
     os.kill(many.workers.ranks.procs[1].pid, signal.SIGSTOP)
     error = _wait_failed(many, 3 + 20)
-    assert "every rank is still running: one did not answer in time" in error
+    assert "rank 1 is still running: it did not answer in time" in error
     assert not many.workers.ranks.procs[1].is_alive()  # stopped, then killed
 
 
@@ -123,3 +128,47 @@ def test_under_torchrun(start_engine, checkpoint, adapters, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     tokens = [json.loads(line.removeprefix("TOKENS ")) for line in run.stdout.splitlines() if line.startswith("TOKENS ")]
     assert tokens == [[o.token_ids for o in start_engine("qwen3_moe").generate(PROMPTS, GREEDY, lora=loras)]]
+
+
+def _stop(*args, **kwargs) -> None:
+    os.kill(os.getpid(), signal.SIGSTOP)  # as a rank that hangs
+
+
+def _kill(*args, **kwargs) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _stops_before_joining(rank, config, init_method):
+    _stop()
+    model_runner.serve_rank(rank, config, init_method)
+
+
+def _stops_while_loading(rank, config, init_method):
+    model_runner.load_model = _stop
+    model_runner.serve_rank(rank, config, init_method)
+
+
+def _dies_while_loading(rank, config, init_method):
+    model_runner.load_model = _kill
+    model_runner.serve_rank(rank, config, init_method)
+
+
+@pytest.mark.parametrize("serve, stage, fate", [
+    (_stops_before_joining, "starting the ranks", "rank 1 is still running: it did not answer in time"),
+    (_stops_while_loading, "loading the model", "rank 1 is still running: it did not answer in time"),
+    (_dies_while_loading, "loading the model", "rank 1 exited with code -9 (signal 9)"),
+], ids=["hangs-before-joining", "hangs-while-loading", "dies-while-loading"])
+def test_a_rank_that_hangs_or_dies_while_loading_fails_the_construction(serve, stage, fate, start_engine,
+                                                                        monkeypatch):
+    """The spawned rank 1 runs serve_rank through a wrapper that stops (hangs) or kills it at one stage; the
+    construction fails within dist_timeout (after the ranks' start, seconds here) naming it, stops it, and leaves
+    no world behind: the next engine over two ranks starts."""
+    monkeypatch.setattr(engine_module, "serve_rank", serve)
+    start = time.time()
+    with pytest.raises(WorkerFailure) as failed:
+        start_engine("qwen3_moe", tp_size=2, dist_timeout=3)
+    assert time.time() - start < 3 + 20
+    assert str(failed.value).startswith(f"{stage} failed on the tensor-parallel ranks") and fate in str(failed.value)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("moelora-rank")]
+    monkeypatch.undo()
+    assert start_engine("qwen3_moe", tp_size=2, dist_timeout=20).generate(PROMPTS[:1], GREEDY)[0].token_ids
