@@ -50,11 +50,18 @@ def demo(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from moelora.distributed.launch import name_ranks
     from moelora.engine.engine import Engine
+    from moelora.engine.workers import node_ranks
     from moelora.server.app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    engine = Engine(**_fields_of(args, _engine_config()))
+    fields = _fields_of(args, _engine_config())
+    config = _engine_config()(**fields)
+    if config.node_rank > 0:  # the Engine below serves node 0's and ends the process once it shut down: no HTTP here
+        print(f"moelora serve: node {config.node_rank} of {config.nnodes} runs {name_ranks(node_ranks(config))} of "
+              f"node 0's engine at {config.dist_init_addr} (node 0 serves HTTP) until it shuts down", flush=True)
+    engine = Engine(**fields)
     name = args.served_model_name or Path(args.model_path.rstrip("/")).name
     app = create_app(engine, name, args.max_queued_requests, args.api_key, args.log_stats_interval)
     try:
@@ -193,13 +200,15 @@ class _DictAction(argparse.Action):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit status 0, 1 for an error of the input (one line on stderr, no traceback), 2 for a usage error."""
+    """Exit status 0, 1 for an error of the input or of a rank (one line on stderr, no traceback), 2 for a usage
+    error."""
     args = build_parser().parse_args(argv)
     from moelora.engine.engine import EngineDead, RequestFailed  # imports torch: after --help and --version
+    from moelora.engine.workers import WorkerFailure
 
     try:
         return args.run(args)
-    except (ValueError, OSError, RequestFailed, EngineDead) as e:  # AdapterError is a ValueError
+    except (ValueError, OSError, RequestFailed, EngineDead, WorkerFailure) as e:  # AdapterError is a ValueError
         print(f"moelora {args.command}: error: {e}", file=sys.stderr)
         return 1
 

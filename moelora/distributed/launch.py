@@ -1,8 +1,13 @@
-"""Starting the other ranks of a world on this machine and telling what became of them: each runs
+"""Starting the ranks of a world on this machine and telling what became of them: each runs
 `target(rank, *args)` in a fresh (spawned) process; an exception there is sent back with its traceback
-before the process exits, so rank 0 can say why a rank stopped, not only that it did."""
+before the process exits, so the process that started it can say why a rank stopped, not only that it did.
+
+Ranks of other machines are not seen from here: the process that started them reports their failures
+(`report_failures`) to the world's rendezvous store, which rank 0's process holds, so that rank 0 can name them
+(`reported_failures`)."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -10,7 +15,10 @@ import socket
 import time
 import traceback
 from collections.abc import Callable, Iterable
+from datetime import timedelta
 from typing import Any
+
+import torch.distributed as dist
 
 
 def free_port() -> int:
@@ -61,6 +69,16 @@ class LocalRanks:
                 raise RuntimeError(f"{name_ranks(waiting)} did not start within {max(timeout, START_TIMEOUT):g} s")
             time.sleep(0.05)
 
+    def wait_ended(self) -> dict[int, str]:
+        """Block until every rank ended, or one failed (an exception, or an exit code other than 0): then each rank
+        that did not end well (failed, or still running) -> what became of it (`fate`); empty when all ended well."""
+        while len(self.dead()) < len(self.procs) and not any(self.dead().values()):
+            self._read(timeout=0.5)  # reading as it waits: a rank sending a long traceback is not held up
+        for p in self.procs.values():  # a moment for those that lost a peer to fail too: all of them are told
+            p.join(0.5 / len(self.procs))
+        self._read(timeout=0)
+        return {r: self.fate(r) for r, p in self.procs.items() if p.exitcode != 0}
+
     def _read(self, timeout: float) -> None:
         try:
             while True:
@@ -110,3 +128,38 @@ def name_ranks(ranks: Iterable[int]) -> str:
     """For messages: "rank 1", "ranks 2, 3"."""
     ranks = sorted(ranks)
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _failure_key(rank: int) -> str:
+    return f"moelora/failed/{rank}"
+
+
+def _store(addr: str, timeout: float) -> dist.TCPStore:
+    """A client of the rendezvous store at addr (host:port, the init_method tcp:// address rank 0 listens on);
+    OSError at once where nothing listens there (rank 0's world is gone), not after TCPStore's retries."""
+    host, _, port = addr.rpartition(":")
+    socket.create_connection((host, int(port)), timeout=timeout).close()
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+
+
+def report_failures(addr: str, fates: dict[int, str], timeout: float = 5.0) -> None:
+    """Tell rank 0 what became of ranks of this machine (`LocalRanks.fate`), through the rendezvous store at addr."""
+    with contextlib.suppress(Exception):  # rank 0's process, and its store with it, is gone: nobody to tell
+        store = _store(addr, timeout)
+        for rank, fate in fates.items():
+            store.set(_failure_key(rank), fate)
+
+
+def reported_failures(addr: str, ranks: Iterable[int], wait: float) -> dict[int, str]:
+    """What the other machines reported (`report_failures`) of `ranks`: rank -> fate. Waits up to `wait` seconds
+    for a first report (the other machine notices a failed rank a moment after rank 0 lost it)."""
+    keys = {rank: _failure_key(rank) for rank in ranks}
+    deadline = time.monotonic() + wait
+    with contextlib.suppress(Exception):  # the store is gone (the world was never formed): nothing was reported
+        store = _store(addr, wait)
+        while True:
+            got = {rank: store.get(key).decode() for rank, key in keys.items() if store.check([key])}
+            if got or time.monotonic() > deadline:
+                return got
+            time.sleep(0.1)
+    return {}

@@ -41,6 +41,12 @@ class EngineConfig:
                                              "expert's ranks and back; runs without CUDA graphs)")
     dist_timeout: float = option(300.0, "seconds a collective waits for the other ranks before the engine stops with "
                                         "an error naming the rank that died or hangs")
+    # several nodes without torchrun, as SGLang: the same command on each node, but for --node-rank
+    nnodes: int = option(1, "machines the tp_size ranks run on, tp_size / nnodes ranks each (one process per GPU)")
+    node_rank: int = option(0, "this machine's place among the nnodes: node 0 serves the engine (rank 0, HTTP), node k "
+                               "runs ranks k * tp_size / nnodes .. and ends when node 0's engine shuts down")
+    dist_init_addr: str | None = option(None, "host:port where the ranks meet: node 0's address and a free port "
+                                              "(default: 127.0.0.1 and any free port, one node only)")
 
     # LoRA
     max_loras_per_batch: int = option(8, "GPU adapter slots: distinct adapters in one running batch",
@@ -101,6 +107,14 @@ class EngineConfig:
         self._check(self.ep_size >= 1 and self.tp_size % self.ep_size == 0, "ep_size", f"a divisor of tp_size ({self.tp_size})")
         self._check(self.moe_dispatch in DISPATCH_MODES, "moe_dispatch", f"one of {DISPATCH_MODES}")
         self._check(self.dist_timeout > 0, "dist_timeout", "> 0")
+        self._check(self.nnodes >= 1, "nnodes", ">= 1")
+        self._check(0 <= self.node_rank < self.nnodes, "node_rank", f"in [0, nnodes={self.nnodes})")
+        self._check(self.tp_size % self.nnodes == 0, "tp_size", f"a multiple of nnodes ({self.nnodes}): as many ranks "
+                                                                "on every node")
+        self._check(self.dist_init_addr is not None or self.nnodes == 1, "dist_init_addr",
+                    f"node 0's host:port with nnodes={self.nnodes}")
+        self._check(self.dist_init_addr is None or _is_host_port(self.dist_init_addr), "dist_init_addr",
+                    "host:port (a port in 1..65535)")
         self._check(self.context_length is None or self.context_length > 1, "context_length", "> 1")
         self._check(self.max_loras_per_batch >= 1, "max_loras_per_batch", ">= 1")
         self._check(self.max_lora_rank is None or self.max_lora_rank >= 1, "max_lora_rank", ">= 1")
@@ -148,3 +162,8 @@ class EngineConfig:
         """The all-to-all dispatch reads its counts on the host: not inside a graph."""
         all_to_all = self.tp_size > 1 and self.moe_dispatch == "all_to_all"
         return self.torch_device.type == "cuda" and not self.disable_cuda_graph and not all_to_all
+
+
+def _is_host_port(addr: object) -> bool:
+    host, _, port = addr.rpartition(":") if isinstance(addr, str) else ("", "", "")
+    return host != "" and port.isdigit() and 0 < int(port) < 65536

@@ -5,9 +5,11 @@ unloaded at runtime, and the step API an HTTP server drives from its own loop (`
 that died, raised or hangs (engine/workers.py), makes the engine unhealthy, `Engine.fatal`).
 
 With tp_size > 1 the engine starts the other ranks itself (ranks 1.., processes of this machine) and this
-process is rank 0; `shutdown()` stops them. Under torchrun (tp_size processes, one node or several) every process
-constructs the Engine: rank 0 gets the engine, the others serve it from inside the constructor and end their
-process when rank 0 shuts down.
+process is rank 0; `shutdown()` stops them. Over several nodes (nnodes, node_rank, dist_init_addr) node 0's process
+is rank 0 and starts its node's other ranks; on node k > 0 the constructor starts that node's ranks, which serve
+rank 0's engine, and ends the process when they end (rank 0 shut down). Under torchrun (tp_size processes, one node
+or several) every process constructs the Engine: rank 0 gets the engine, the others serve it from inside the
+constructor and end their process when rank 0 shuts down.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from moelora.engine.scheduler import Scheduler
 from moelora.engine.stepper import StepOutput, Stepper
 from moelora.engine.structured_output import GrammarBackend
 from moelora.engine.tokenizer import load_tokenizer
-from moelora.engine.workers import WorkerFailure, Workers, launched_rank, node_config
+from moelora.engine.workers import WorkerFailure, Workers, follow, node_config, serves_engine
 from moelora.lora.canonical import Adapter
 
 Prompt = str | Sequence[int]
@@ -64,10 +66,9 @@ class GenerateOutput:
 class Engine:
     def __init__(self, model_path: str, lora_paths: dict[str, str] | None = None, **kwargs):
         self.config = EngineConfig(model_path, lora_paths=lora_paths or {}, **kwargs)
-        rank = launched_rank(self.config) if self.config.tp_size > 1 else None
-        if rank:  # under torchrun, a rank other than 0: it follows rank 0's engine, then its process ends
-            serve_rank(rank, self.config, "env://")
-            raise SystemExit(0)
+        if not serves_engine(self.config):  # torchrun's rank r > 0, or node k > 0: it serves rank 0's engine
+            follow(self.config, serve_rank)
+            raise SystemExit(0)  # rank 0 shut down: this process is done
         self.workers = Workers(self.config, serve_rank) if self.config.tp_size > 1 else None
         if self.workers is None:
             self.runner = ModelRunner(self.config)

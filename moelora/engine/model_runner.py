@@ -20,7 +20,7 @@ from moelora.engine.lora_manager import LoRAManager
 from moelora.engine.request import Req
 from moelora.engine.sampler import PenaltyState, SampleOutput, SamplingBatch, TokenMask, hold_back, sample
 from moelora.engine.scheduler import ScheduledBatch
-from moelora.engine.workers import Workers, join_world, node_config
+from moelora.engine.workers import Workers, join_world, node_config, node_ranks
 from moelora.models.config import ModelConfig
 from moelora.models.loader import load_model
 
@@ -219,7 +219,8 @@ class ModelRunner:
 
 def serve_rank(rank: int, config: EngineConfig, init_method: str) -> None:
     """A rank other than 0: load its share of the model, then run what rank 0 sends until it says stop."""
-    torch.set_num_threads(max(1, torch.get_num_threads() // config.tp_size))  # the ranks share the host's cores
+    # the ranks of a node share its cores
+    torch.set_num_threads(max(1, torch.get_num_threads() // len(node_ranks(config))))
     with parallel_state(join_world(config, rank, init_method)) as state:
         runner = ModelRunner(node_config(config, rank))
     barrier(state, runner.device)  # loaded: rank 0's Engine waits for every rank's (within dist_timeout)

@@ -2,33 +2,41 @@
 samples, and runs its share of the model); ranks 1.. run their shares of the model on the steps rank 0
 sends them.
 
-`Workers` is rank 0's side: it starts the other ranks (spawned CPU processes with gloo, or one process per GPU
-with NCCL), joins their world, and sends each command over the gloo control group: ("step", LoRA events,
+`Workers` is rank 0's side: it starts the other ranks of its node (spawned CPU processes with gloo, or one process
+per GPU with NCCL), joins their world, and sends each command over the gloo control group: ("step", LoRA events,
 StepInputs), ("lora", LoRA events) (followed by a barrier, so a runtime load_lora or unload_lora returns once
 every rank has it) and ("shutdown",). The other ranks run ModelRunner's `serve_rank`.
 
-Under torchrun (RANK and WORLD_SIZE = tp_size in the environment, one process per GPU, on one node or several)
-nothing is started: every process constructs the Engine, rank 0's is the engine and the others' construction
-runs serve_rank until rank 0 shuts down, then exits the process.
+Where the ranks run, three ways, each process constructing the Engine with the same arguments:
+- one node (nnodes 1): rank 0's process starts ranks 1..tp_size-1;
+- nnodes > 1 (SGLang's flags): node 0's process is rank 0 and starts its node's ranks 1..tp_size/nnodes-1; node k's
+  process (`follow`, from the Engine's constructor) starts ranks k*tp_size/nnodes.. , which serve rank 0's engine,
+  and ends when they do (rank 0 shut down); the ranks meet at dist_init_addr, node 0's;
+- under torchrun (RANK and WORLD_SIZE = tp_size in the environment, one process per GPU, on one node or several)
+  nothing is started: rank 0's process is the engine, the others' construction runs serve_rank until rank 0 shuts
+  down, then exits the process.
 
-A rank that raises sends its traceback to rank 0 and exits; one killed or hung makes rank 0's next collective
-fail at once (a closed connection) or after dist_timeout seconds, while loading as while serving. Rank 0 then
-raises `WorkerFailure` naming the rank and what became of it, stops the other ranks, and the engine stops taking
-requests (Engine.fatal).
+A rank that raises sends its traceback to the process that started it and exits; one killed or hung makes rank
+0's next collective fail at once (a closed connection) or after dist_timeout seconds, while loading as while
+serving. Rank 0 then raises `WorkerFailure` naming the rank and what became of it (of another node's rank, what its
+node reported), stops the ranks it started, and the engine stops taking requests (Engine.fatal).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 from collections.abc import Callable, Iterator
 
 import torch
 
 from moelora.distributed.comm import barrier, broadcast_object
-from moelora.distributed.launch import LocalRanks, free_port
+from moelora.distributed.launch import LocalRanks, free_port, name_ranks, report_failures, reported_failures
 from moelora.distributed.state import ParallelState, destroy_parallel, init_parallel
 from moelora.engine.config import EngineConfig
+
+_log = logging.getLogger(__name__)
 
 
 class WorkerFailure(RuntimeError):
@@ -39,22 +47,61 @@ def launched_rank(config: EngineConfig) -> int | None:
     """This process's rank when torchrun started the engine's tp_size processes, else None."""
     if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) != config.tp_size:
         return None
+    if config.nnodes > 1:
+        raise ValueError(f"EngineConfig.nnodes must be 1 under torchrun (its own --nnodes places the ranks), got "
+                         f"{config.nnodes}")
     return int(os.environ["RANK"])
+
+
+def node_ranks(config: EngineConfig) -> range:
+    """The ranks node_rank runs: tp_size / nnodes consecutive ones."""
+    per_node = config.tp_size // config.nnodes
+    return range(config.node_rank * per_node, (config.node_rank + 1) * per_node)
 
 
 def node_config(config: EngineConfig, rank: int) -> EngineConfig:
     """The config of one rank: on GPUs its own device, cuda:N+i for device cuda:N, i being torchrun's LOCAL_RANK
-    where torchrun started the ranks (one node or several), else the rank (the engine started them all here)."""
+    where torchrun started the ranks (one node or several), else the rank's place on its node."""
     device = torch.device(config.device)
     if device.type != "cuda":
         return config
-    i = int(os.environ.get("LOCAL_RANK", rank)) if launched_rank(config) is not None else rank
+    i = int(os.environ.get("LOCAL_RANK", rank)) if launched_rank(config) is not None else rank % len(node_ranks(config))
     return dataclasses.replace(config, device=f"cuda:{(device.index or 0) + i}")
 
 
 def join_world(config: EngineConfig, rank: int, init_method: str) -> ParallelState:
     return init_parallel(config.tp_size, config.ep_size, rank, init_method, timeout=config.dist_timeout,
                          moe_dispatch=config.moe_dispatch, device=node_config(config, rank).device)
+
+
+def serves_engine(config: EngineConfig) -> bool:
+    """Whether this process holds the engine (rank 0's, or the only one), not ranks that serve another's."""
+    return config.tp_size == 1 or ((launched_rank(config) or 0) == 0 and config.node_rank == 0)
+
+
+def follow(config: EngineConfig, serve: Callable[[int, EngineConfig, str], None]) -> None:
+    """Serve rank 0's engine from a process that does not hold it (serves_engine is False), until rank 0 shuts
+    down: as torchrun's rank, or as node node_rank's ranks, started here. WorkerFailure, naming them, when ranks of
+    this node failed (rank 0 is told too, through the world's rendezvous store)."""
+    rank = launched_rank(config)
+    if rank is not None:
+        serve(rank, config, "env://")
+        return
+    ranks = LocalRanks(serve, node_ranks(config), (config, f"tcp://{config.dist_init_addr}"))
+    try:
+        ranks.wait_started(config.dist_timeout)
+    except RuntimeError as e:  # one ended before it started, or hangs in its imports
+        failed, problem = {}, str(e)
+    else:
+        failed = ranks.wait_ended()
+        problem = "; ".join(f"rank {r} {fate}" for r, fate in failed.items())
+    if problem:
+        if failed:
+            report_failures(config.dist_init_addr, failed)
+        # the tracebacks, which rank 0 does not get: this node's output has them
+        _log.error("node %d's ranks failed:\n%s", config.node_rank, ranks.describe(wait=0))
+        ranks.stop(timeout=0)
+        raise WorkerFailure(f"node {config.node_rank} of the engine at {config.dist_init_addr}: {problem}")
 
 
 class _LaunchedRanks:
@@ -70,19 +117,48 @@ class _LaunchedRanks:
         pass
 
 
+class _NodeRanks:
+    """The ranks of an engine over several nodes, as rank 0 sees them: its node's others, which it started, and
+    the other nodes' ranks, which their nodes started (`follow`) and of which it knows what those nodes report."""
+
+    def __init__(self, local: LocalRanks, remote: range, addr: str):
+        self.local, self.remote, self.addr = local, remote, addr
+
+    def wait_started(self, timeout: float) -> None:
+        self.local.wait_started(timeout)
+
+    def describe(self, wait: float = 2.0) -> str:
+        local = self.local.describe(wait) if self.local.procs else ""
+        # the rendezvous store lives in the world of this process: none, none reported (joining it failed)
+        reported = reported_failures(self.addr, self.remote, wait) if torch.distributed.is_initialized() else {}
+        remote = "\n".join(f"rank {r} {fate} (on another node: its node's output says why)"
+                           for r, fate in reported.items())
+        return "\n".join(filter(None, [local, remote or f"{name_ranks(self.remote)} of the other nodes: none "
+                                                        "reported a failure (one that hangs, or whose node died, "
+                                                        "cannot: their nodes' output says)"]))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.local.stop(timeout)
+
+
 class Workers:
-    """Ranks 1..tp_size-1 (processes of this machine, or torchrun's), and this process as rank 0 of their world."""
+    """Ranks 1..tp_size-1 (processes of this machine and of the other nodes, or torchrun's), and this process as rank
+    0 of their world."""
 
     def __init__(self, config: EngineConfig, serve: Callable[[int, EngineConfig, str], None]):
         """serve(rank, config, init_method): what the other ranks run (join_world, then follow rank 0)."""
         if torch.distributed.is_initialized():
             raise RuntimeError("this process is in a torch.distributed world already (another engine's that was not "
                                "shut down?): an engine over several ranks starts its own")
-        launched = launched_rank(config) is not None
-        init_method = "env://" if launched else f"tcp://127.0.0.1:{free_port()}"
         self.device, self.timeout = torch.device(node_config(config, 0).device), config.dist_timeout
-        self.ranks = _LaunchedRanks() if launched else LocalRanks(serve, range(1, config.tp_size), (config, init_method))
         self.failure: str | None = None
+        if launched_rank(config) is not None:
+            init_method, self.ranks = "env://", _LaunchedRanks()
+        else:
+            addr = config.dist_init_addr or f"127.0.0.1:{free_port()}"
+            init_method, own = f"tcp://{addr}", node_ranks(config)
+            local = LocalRanks(serve, own[1:], (config, init_method))
+            self.ranks = local if config.nnodes == 1 else _NodeRanks(local, range(own.stop, config.tp_size), addr)
         try:
             with self.guard("starting the ranks"):
                 self.ranks.wait_started(config.dist_timeout)

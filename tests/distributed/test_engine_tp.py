@@ -1,7 +1,7 @@
-"""The engine over several ranks (CPU processes with gloo, started by the engine, or by torchrun): the same
-tokens and log-probs as one rank, adapters loaded and unloaded at runtime with requests in flight on every rank,
-and a rank that dies or hangs, while loading or serving, stops the engine with an error naming it instead of
-hanging."""
+"""The engine over several ranks (CPU processes with gloo, started by the engine, over two "nodes" of this
+machine, or by torchrun): the same tokens and log-probs as one rank, adapters loaded and unloaded at runtime with
+requests in flight on every rank, and a rank that dies or hangs, while loading or serving, stops the engine with
+an error naming it instead of hanging."""
 import json
 import multiprocessing
 import os
@@ -15,9 +15,10 @@ import pytest
 import moelora.engine.engine as engine_module
 import moelora.engine.model_runner as model_runner
 from moelora.distributed.launch import free_port
+from moelora.engine.config import EngineConfig
 from moelora.engine.engine import Engine, EngineDead, RequestFailed
 from moelora.engine.sampling_params import SamplingParams
-from moelora.engine.workers import WorkerFailure
+from moelora.engine.workers import WorkerFailure, node_config, node_ranks, serves_engine
 from moelora.lora import AdapterError
 from tests.models.families import assert_logprobs_close
 
@@ -172,3 +173,55 @@ def test_a_rank_that_hangs_or_dies_while_loading_fails_the_construction(serve, s
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("moelora-rank")]
     monkeypatch.undo()
     assert start_engine("qwen3_moe", tp_size=2, dist_timeout=20).generate(PROMPTS[:1], GREEDY)[0].token_ids
+
+
+def test_the_ranks_of_each_node(monkeypatch):
+    """Node k runs ranks k*tp/nnodes..; on GPUs a rank's device is cuda:N + its place on its node; only rank 0's
+    process holds the engine; under torchrun (which places the ranks itself) nnodes > 1 is refused."""
+    def config(**options):
+        return EngineConfig("model", device="cuda:2", tp_size=8, nnodes=4, dist_init_addr="10.0.0.1:5000", **options)
+    assert [list(node_ranks(config(node_rank=k))) for k in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [node_config(config(node_rank=3), r).device for r in (6, 7)] == ["cuda:2", "cuda:3"]
+    assert serves_engine(config()) and not serves_engine(config(node_rank=1))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(ValueError, match="EngineConfig.nnodes must be 1 under torchrun"):
+        serves_engine(config())
+
+
+NODE_SCRIPT = """
+import json, sys
+from moelora.engine.engine import Engine
+
+if __name__ == "__main__":
+    model, lora_paths, options = json.loads(sys.argv[1])
+    Engine(model, lora_paths=lora_paths, **options)  # serves node 0's engine, then exits the process with 0
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("options", [dict(tp_size=2), dict(tp_size=4, ep_size=2)], ids=["tp2", "tp4-ep2"])
+def test_two_nodes(options, start_engine, checkpoint, adapters, tmp_path):
+    """Node 1 (a process constructing the Engine with node_rank=1) runs ranks tp_size/2.., node 0 (this one) is
+    rank 0 with the ranks before; the tokens are one rank's, and node 1's process ends with 0 once node 0 shut
+    down."""
+    script = tmp_path / "node.py"
+    script.write_text(NODE_SCRIPT)
+    paths = {name: str(a.path) for name, a in adapters("qwen3_moe").items()}
+    nodes = dict(nnodes=2, dist_init_addr=f"127.0.0.1:{free_port()}", **options)
+    node1_options = dict(device="cpu", dtype="float32", max_loras_per_batch=2, max_lora_rank=8, node_rank=1, **nodes)
+    node1 = subprocess.Popen([sys.executable, str(script), json.dumps([str(checkpoint("qwen3_moe")), paths,
+                                                                       node1_options])],
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        many = start_engine("qwen3_moe", **nodes)
+        assert many.workers.ranks.local.procs.keys() == set(range(1, options["tp_size"] // 2))
+        loras = ["full", None, "partial", "full"]
+        tokens = [o.token_ids for o in many.generate(PROMPTS, GREEDY, lora=loras)]
+        many.shutdown()
+        _, err = node1.communicate(timeout=60)
+        assert node1.returncode == 0, err[-3000:]
+    finally:
+        node1.kill()
+    assert tokens == [o.token_ids for o in start_engine("qwen3_moe").generate(PROMPTS, GREEDY, lora=loras)]

@@ -15,6 +15,8 @@ def test_defaults_resolve():
     ("chunked_prefill_size", 0), ("max_prefill_tokens", 0), ("cuda_graph_max_bs", 0), ("context_length", 1),
     ("lora_paths", {"": "/x"}), ("tp_size", 0), ("ep_size", 3), ("moe_dispatch", "deepep"), ("dist_timeout", 0),
     ("lora_target_modules", []), ("lora_target_modules", ["all", "q_proj"]), ("lora_target_modules", ["q_proj", ""]),
+    ("nnodes", 0), ("node_rank", -1), ("node_rank", 1), ("dist_init_addr", "node0"), ("dist_init_addr", ":5000"),
+    ("dist_init_addr", "node0:http"), ("dist_init_addr", "node0:0"), ("dist_init_addr", "node0:65536"),
 ])
 def test_bad_field_is_named(field, value):
     with pytest.raises(ValueError, match=f"EngineConfig.{field} must be"):
@@ -40,3 +42,16 @@ def test_lora_target_modules():
     assert EngineConfig("model", device="cpu", lora_target_modules="q_proj").lora_target_modules == ["q_proj"]
     targets = EngineConfig("model", device="cpu", lora_target_modules=("qkv_proj", "gate", "qkv_proj"))
     assert targets.lora_target_modules == ["qkv_proj", "gate"]
+
+
+def test_several_nodes():
+    addr = dict(dist_init_addr="10.0.0.1:5000")
+    config = EngineConfig("model", device="cpu", tp_size=8, ep_size=8, nnodes=2, node_rank=1, **addr)
+    assert (config.nnodes, config.node_rank, config.dist_init_addr) == (2, 1, "10.0.0.1:5000")
+    assert EngineConfig("model", device="cpu", tp_size=2, dist_init_addr="[::1]:5000").nnodes == 1
+    with pytest.raises(ValueError, match="EngineConfig.tp_size must be a multiple of nnodes \\(2\\)"):
+        EngineConfig("model", device="cpu", tp_size=3, nnodes=2, **addr)
+    with pytest.raises(ValueError, match="EngineConfig.node_rank must be in \\[0, nnodes=2\\), got 2"):
+        EngineConfig("model", device="cpu", tp_size=2, nnodes=2, node_rank=2, **addr)
+    with pytest.raises(ValueError, match="EngineConfig.dist_init_addr must be node 0's host:port with nnodes=2, got None"):
+        EngineConfig("model", device="cpu", tp_size=2, nnodes=2)
