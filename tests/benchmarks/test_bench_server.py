@@ -25,4 +25,6 @@ def test_tiny_server_benchmark_reports_each_concurrency():
         assert 0 < ttft50 <= ttft90 and itl > 0 and tps > 0
     assert [r[0] for r in offline] == [1, 4]
     for (clients, offline_tps, ratio), served_row in zip(offline, served):
-        assert offline_tps > 0 and ratio == pytest.approx(served_row[-1] / offline_tps, rel=0.1, abs=0.01)
+        # the table's tokens/s are rounded to integers: on a loaded CPU the offline rate may be 1-2 tokens/s
+        rounding = 0.5 / offline_tps + 0.5 / served_row[-1]
+        assert offline_tps > 0 and ratio == pytest.approx(served_row[-1] / offline_tps, rel=0.1 + rounding, abs=0.01)
