@@ -144,27 +144,25 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, str
     out_mask = m_mask[:, None] & n_mask[None, :]
     # both paths: (((0 + part_0) + part_1) + ...), each part summed from its own zero accumulator
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    last = True  # this program finishes the tile
     if PARALLEL:
         split = tl.program_id(1)
         part = _split_sum(x_ptrs, m_mask, w_ptrs, n_mask, K, SPLIT_K, split, BLOCK_M, BLOCK_N, BLOCK_K)
         tl.store(part_ptr + (rows + split * M)[:, None] * N + offs_n[None, :], part, mask=out_mask)
-        if arrive(count_ptr + tile) == SPLITS - 1:
+        last = arrive(count_ptr + tile) == SPLITS - 1
+        if last:
             tl.store(count_ptr + tile, 0)  # no other program touches it in this launch: zero for the next
             for s in tl.static_range(SPLITS):
                 acc += tl.load(part_ptr + (rows + s * M)[:, None] * N + offs_n[None, :], mask=out_mask,
                                cache_modifier=".cg")
-            if HAS_LORA:
-                acc = add_linear_lora(acc, offs_m, m_mask, pid_n * BLOCK_N, xa_ptr, lora_b_ptr, lora_ranks_ptr,
-                                      slots_ptr, num_slots, stride_lbs, stride_lbr, PART_BOUNDS,
-                                      BLOCK_N, BLOCK_R, BLOCK_S)
-            _store_rows(acc, b_ptr, y_ptr, offs_m, offs_n, out_mask, N, HAS_BIAS)
     else:
         for s in range(SPLITS):
             acc += _split_sum(x_ptrs, m_mask, w_ptrs, n_mask, K, SPLIT_K, s, BLOCK_M, BLOCK_N, BLOCK_K)
+    if last:
         if HAS_LORA:
             acc = add_linear_lora(acc, offs_m, m_mask, pid_n * BLOCK_N, xa_ptr, lora_b_ptr, lora_ranks_ptr,
-                                  slots_ptr, num_slots, stride_lbs, stride_lbr, PART_BOUNDS,
-                                  BLOCK_N, BLOCK_R, BLOCK_S)
+                                  slots_ptr, num_slots, stride_lbs, stride_lbr, PART_BOUNDS, BLOCK_N, BLOCK_R,
+                                  BLOCK_S)
         _store_rows(acc, b_ptr, y_ptr, offs_m, offs_n, out_mask, N, HAS_BIAS)
 
 

@@ -118,7 +118,7 @@ def lora_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     cfg = config or LoRALinearConfig()
     (num_tokens, in_features), num_parts = x.shape, len(out_sizes)
     if num_tokens == 0:
-        return linear_triton(x, weight, bias)
+        return linear_triton(x, weight, bias, cfg.linear)
     if blocks is None:
         blocks = align_tokens_by_slot(token_slots, lora.num_slots, cfg.block_m)
     elif blocks.block_m != cfg.block_m:
@@ -190,9 +190,8 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def _check_inputs(x, lora, out_sizes, token_slots, weight) -> None:
-    """Shape and dtype checks only: nothing here reads device memory (CUDA-graph safe)."""
-    if x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"x must be [tokens, in] and contiguous in its last dimension, got {tuple(x.shape)}")
+    """The LoRA inputs' shapes and dtypes (x's and weight's: check_linear_inputs); nothing here reads device
+    memory (CUDA-graph safe)."""
     (num_tokens, in_features), n_out = x.shape, sum(out_sizes)
     slots, parts, rank = lora.a.shape[:3]
     expected = {"a": (slots, len(out_sizes), rank, in_features), "b": (slots, rank, n_out)}
