@@ -71,3 +71,18 @@ def arrive(counter_ptrs, mask=None):
     before = tl.atomic_add(counter_ptrs, 1, mask=mask, sem="acq_rel", scope="gpu")
     tl.debug_barrier()
     return before
+
+
+@triton.jit
+def wait_arrivals(counter_ptr, arrivals, num_readers):
+    """Wait until `arrivals` programs have counted in at counter_ptr with `arrive` (acquire; the barrier puts
+    every thread's later loads after it: read what they wrote with cache_modifier=".cg"). The counting
+    programs must have lower program ids than every waiting one: the hardware dispatches them first and they
+    never wait, so they finish whatever the waiting programs do. Then each of the num_readers waiting programs
+    counts itself in; the last one, after which no program of the launch touches the counter, puts it back
+    to 0 for the next launch (no memset launch)."""
+    while tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu") < arrivals:
+        pass
+    if tl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu") == arrivals + num_readers - 1:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+    tl.debug_barrier()

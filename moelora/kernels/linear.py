@@ -22,9 +22,12 @@ them to finish (an arrival counter per tile) adds the partials up in split order
 one program runs its tile's splits one after the other, at no extra traffic (S x M x N fp32 partials
 would be). Both give the same bits.
 
-With a `LoRAEpilogue` (kernels/lora_linear.py) each tile adds its rows' LoRA deltas to the fp32 sum
+With a `LinearLoRA` (kernels/lora_linear.py) each tile adds its rows' LoRA deltas to the fp32 sum
 before the bias and the rounding (`add_linear_lora`), in a fixed order that leaves rows without an
-adapter with the plain GEMM's bits.
+adapter with the plain GEMM's bits. With its `shrink` the launch also computes the xa those deltas
+read: its first programs are the shrink's (`shrink_linear_block`), which the hardware dispatches
+first, and each tile waits for all of them only in its epilogue (`wait_arrivals`), after its own K
+loop; at decode sizes a launch of its own would cost more than the shrink's work.
 
 `linear_reference` (torch's nn.functional.linear, i.e. cuBLAS) is the CPU backend and what the
 kernel is checked against.
@@ -39,8 +42,9 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from moelora.kernels.gemm_tiles import arrive, gemm_block_k, gemm_loop, grouped_tile, zeroed_counters
-from moelora.kernels.lora_tiles import add_linear_lora
+from moelora.kernels.gemm_tiles import (arrive, gemm_block_k, gemm_loop, grouped_tile, wait_arrivals,
+                                       zeroed_counters)
+from moelora.kernels.lora_tiles import add_linear_lora, shrink_linear_block
 
 MIN_PROGRAMS = 120  # about one program per SM of an H100 / H200 (132): below it, a smaller tile is tried
 SPLIT_PROGRAMS = 256  # K splits aim at about two decode programs per SM: one loads while another waits
@@ -123,16 +127,31 @@ def _store_rows(acc, b_ptr, y_ptr, offs_m, offs_n, out_mask, N, HAS_BIAS: tl.con
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, SPLIT_K,
                    xa_ptr, lora_b_ptr, lora_ranks_ptr, slots_ptr, num_slots, stride_lbs, stride_lbr,
+                   a_ptr, xa_part_ptr, shrink_count_ptr, sorted_ids_ptr, block_slot_ptr, done_ptr, num_shrink,
+                   stride_as, stride_ap, stride_ar,
                    HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, PARALLEL: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                    HAS_LORA: tl.constexpr, PART_BOUNDS: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_S: tl.constexpr):
+                   BLOCK_S: tl.constexpr, HAS_SHRINK: tl.constexpr, SHRINK_SPLITS: tl.constexpr,
+                   SHRINK_SPLIT_K: tl.constexpr, SHRINK_BLOCK_M: tl.constexpr, SHRINK_BLOCK_K: tl.constexpr):
     """y[m-tile, n-tile] = x[m-tile] @ W[n-tile]^T (+ b), the SPLITS K splits summed in order; W and y
     contiguous, offsets in int64 (prefill logits: M * N > 2^31). PARALLEL: program (tile, split) writes
     its split's fp32 partial to part [SPLITS, M, N] and the tile's last program to arrive adds them up;
     else program (tile, 0) runs the splits one after the other. HAS_LORA: each row's LoRA delta is added to
-    the sum before the bias and the rounding (`add_linear_lora`; the xa_ptr.. arguments are its)."""
+    the sum before the bias and the rounding (`add_linear_lora`; the xa_ptr.. arguments are its).
+    HAS_SHRINK: programs (0..num_shrink - 1, 0) are the shrink that writes xa (`shrink_linear_block`; the
+    a_ptr.. arguments), each counting itself in at done_ptr, and the tiles' programs come after them."""
     tile = tl.program_id(0)
+    if HAS_SHRINK:
+        if tile < num_shrink:
+            if tl.program_id(1) == 0:  # the split axis of parallel tiles: one program per shrink block
+                shrink_linear_block(tile, x_ptr, a_ptr, lora_ranks_ptr, xa_part_ptr, xa_ptr, shrink_count_ptr,
+                                    sorted_ids_ptr, block_slot_ptr, M, K, stride_xm, stride_as, stride_ap, stride_ar,
+                                    len(PART_BOUNDS) - 1, SHRINK_SPLITS, SHRINK_SPLIT_K, SHRINK_BLOCK_M,
+                                    SHRINK_BLOCK_K, BLOCK_R)
+                arrive(done_ptr)  # after the xa stores of its block if it was the last split
+            return
+        tile -= num_shrink
     pid_m, pid_n = grouped_tile(tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -160,6 +179,8 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, str
             acc += _split_sum(x_ptrs, m_mask, w_ptrs, n_mask, K, SPLIT_K, s, BLOCK_M, BLOCK_N, BLOCK_K)
     if last:
         if HAS_LORA:
+            if HAS_SHRINK:  # every tile's finishing program counts in: the last puts the counter back to 0
+                wait_arrivals(done_ptr, num_shrink, tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N))
             acc = add_linear_lora(acc, offs_m, m_mask, pid_n * BLOCK_N, xa_ptr, lora_b_ptr, lora_ranks_ptr,
                                   slots_ptr, num_slots, stride_lbs, stride_lbr, PART_BOUNDS, BLOCK_N, BLOCK_R,
                                   BLOCK_S)
@@ -167,19 +188,35 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, str
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
+_shrink_done: dict[torch.device, torch.Tensor] = {}
 
 
-class LoRAEpilogue(NamedTuple):
-    """What `add_linear_lora` reads to add each row's LoRA delta in the GEMM's epilogue."""
+class LinearShrink(NamedTuple):
+    """What `shrink_linear_block` reads and writes to compute LinearLoRA.xa in the GEMM's launch."""
+    a: torch.Tensor            # [slots, P, rank, K]: A of each slot and part
+    part: torch.Tensor         # [M, P, splits, block_r] fp32 partials of the K splits (splits > 1; else unread)
+    counters: torch.Tensor     # arrival counters, one per (block, part), zero (splits > 1; else unread)
+    sorted_ids: torch.Tensor   # align_tokens_by_slot's blocks of block_m tokens of one slot
+    block_slot: torch.Tensor
+    splits: int
+    split_k: int
+    block_m: int
+    block_k: int
+
+
+class LinearLoRA(NamedTuple):
+    """What `add_linear_lora` reads to add each row's LoRA delta in the GEMM's epilogue; with `shrink`, the
+    launch computes xa itself first."""
     xa: torch.Tensor           # [M, P, block_r] in b's dtype: x @ A^T of each row and part (rows of no adapter unread)
     b: torch.Tensor            # [slots, rank, N]: B^T of each slot, the parts side by side
     ranks: torch.Tensor        # [slots, P] int32
     token_slots: torch.Tensor  # [M] int32, -1 (or out of range): no adapter
     part_bounds: tuple[int, ...]  # the parts' first columns, then N
+    shrink: LinearShrink | None = None
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: LinearConfig | None = None, lora: LoRAEpilogue | None = None) -> torch.Tensor:
+                  config: LinearConfig | None = None, lora: LinearLoRA | None = None) -> torch.Tensor:
     (M, K), N = x.shape, weight.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
@@ -193,15 +230,27 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     # partials only where splits run in parallel; else y and W stand in, never touched
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if parallel else y
     counters = zeroed_counters(_counters, SPLIT_COUNTERS, x.device, "linear parallel K splits") if parallel else weight
-    # without LoRA its pointers are y's, never read
-    xa, lora_b, ranks, slots, bounds = lora if lora is not None else (y, y, y, y, (0, N))
-    _linear_kernel[(tiles, splits if parallel else 1)](
+    # without LoRA (or its shrink) the pointers are y's and weight's, never read
+    xa, lora_b, ranks, slots, bounds, shrink = lora if lora is not None else (y, y, y, y, (0, N), None)
+    if shrink is None:
+        a, xa_part, shrink_counters, sorted_ids, block_slot, num_shrink, done = y, y, y, y, y, 0, y
+        shrink_splits, shrink_split_k, shrink_block_m, shrink_block_k = 1, 1, 16, 16
+    else:
+        a, xa_part, shrink_counters, sorted_ids, block_slot, shrink_splits, shrink_split_k, shrink_block_m, \
+            shrink_block_k = shrink
+        num_shrink = block_slot.numel() * (len(bounds) - 1) * shrink_splits
+        done = zeroed_counters(_shrink_done, 1, x.device, "linear LoRA shrink in the GEMM launch")
+    _linear_kernel[(num_shrink + tiles, splits if parallel else 1)](
         x, weight, weight if bias is None else bias, y, part, counters, M, N, K, x.stride(0), split_k,
         xa, lora_b, ranks, slots, lora_b.shape[0] if lora is not None else 0, lora_b.stride(0), lora_b.stride(-2),
+        a, xa_part, shrink_counters, sorted_ids, block_slot, done, num_shrink,
+        *(a.stride()[:3] if shrink is not None else (0, 0, 0)),
         HAS_BIAS=bias is not None, SPLITS=splits, PARALLEL=parallel,  # HAS_BIAS=False never reads b
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=gemm_block_k(x.dtype), GROUP_M=cfg.group_m,
         HAS_LORA=lora is not None, PART_BOUNDS=bounds, BLOCK_R=xa.shape[2] if lora is not None else 16,
         BLOCK_S=triton.next_power_of_2(lora_b.shape[0]) if lora is not None else 1,
+        HAS_SHRINK=shrink is not None, SHRINK_SPLITS=shrink_splits, SHRINK_SPLIT_K=shrink_split_k,
+        SHRINK_BLOCK_M=shrink_block_m, SHRINK_BLOCK_K=shrink_block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y

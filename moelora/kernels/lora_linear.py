@@ -6,13 +6,17 @@ its own module of the adapter: for token n in slot s and part p with out rows [o
     y[n, o_p : o_p + n_p] = W[o_p : o_p + n_p] @ x[n] + B[s, o_p : o_p + n_p, :r] @ (A[s, p, :r] @ x[n]),
     r = ranks[s, p]
 
-Two Triton launches:
+The shrink and the GEMM with the expand in its epilogue:
 
-    _shrink_kernel  xa[n, p] = round(x[n] @ A[s, p]^T), one program per (block, part, K split) over blocks of
-                    BLOCK_M tokens of one slot (`moe_align` with the slots as experts sorts the tokens by slot
-                    on the GPU, no host synchronisation), so each A tile is read once per block; the last split
-                    to arrive sums the fp32 partials in split order and rounds once to the weights' dtype (as
-                    PEFT's shrink output is); parts of rank 0 and blocks without an adapter read nothing
+    shrink          xa[n, p] = round(x[n] @ A[s, p]^T) (`shrink_linear_block`), one program per (block, part,
+                    K split) over blocks of BLOCK_M tokens of one slot (`moe_align` with the slots as experts
+                    sorts the tokens by slot on the GPU, no host synchronisation), so each A tile is read once
+                    per block; the last split to arrive sums the fp32 partials in split order and rounds once
+                    to the weights' dtype (as PEFT's shrink output is); parts of rank 0 and blocks without an
+                    adapter read nothing. Up to FUSED_SHRINK_MAX_TOKENS tokens these are the first programs of
+                    the GEMM's launch (a launch of its own costs a decode step more than its work); above, where
+                    the GEMM's prefill tiles (8 warps, deep pipelines) would hold the many shrink programs to
+                    their occupancy, a launch of its own (`_shrink_kernel`)
     linear's GEMM   y = x @ W^T with the expand in its epilogue (`add_linear_lora`): each output tile adds
                     xa @ B[s, :r, tile] of its rows' slots before the bias and the one rounding, so the delta
                     costs no launch and no pass over y of its own
@@ -32,13 +36,15 @@ import triton
 import triton.language as tl
 
 from moelora.core import LinearLoRASlots
-from moelora.kernels.linear import LinearConfig, LoRAEpilogue, check_linear_inputs, linear_reference, linear_triton
-from moelora.kernels.gemm_tiles import arrive, zeroed_counters
-from moelora.kernels.lora_tiles import rank_tile, shrink_k_range
+from moelora.kernels.gemm_tiles import zeroed_counters
+from moelora.kernels.linear import (LinearConfig, LinearLoRA, LinearShrink, check_linear_inputs, linear_reference,
+                                    linear_triton)
+from moelora.kernels.lora_tiles import rank_tile, shrink_linear_block
 from moelora.kernels.moe_align import AlignedBlocks, moe_align
 
 
 SHRINK_COUNTERS = 8192  # arrival counters per device, one per (block, part): 16-token blocks of 40k tokens, 3 parts
+FUSED_SHRINK_MAX_TOKENS = 256  # up to here the shrink runs in the GEMM's launch (linear's parallel-split sizes)
 
 
 @dataclass(frozen=True)
@@ -55,50 +61,16 @@ class LoRALinearConfig:
 
 
 @triton.jit
-def _block_tokens(sorted_ids_ptr, block_slot_ptr, num_tokens, BLOCK_M: tl.constexpr):
-    """This program's block: its slot (-1: no adapter, or past the rows in use), tokens and their mask."""
-    block = tl.program_id(0)
-    slot = tl.load(block_slot_ptr + block)
-    tokens = tl.load(sorted_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    return slot, tokens, tokens < num_tokens
-
-
-@triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, ranks_ptr, part_ptr, xa_ptr, count_ptr, sorted_ids_ptr, block_slot_ptr,
     num_tokens, K, stride_xt, stride_as, stride_ap, stride_ar,
     P: tl.constexpr, SPLITS: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """xa[n, part, :] = round(x[n] @ A[slot, part, :rank]^T) for the tokens of one block, K in SPLITS splits:
-    program (block, part, split) writes its fp32 partial to part [n, part, split, :], and the last of the
-    (block, part)'s programs to arrive adds them up in split order and rounds once to A's dtype."""
-    block, part, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    slot, tokens, row_ok = _block_tokens(sorted_ids_ptr, block_slot_ptr, num_tokens, BLOCK_M)
-    if slot < 0:
-        return
-    rank = tl.load(ranks_ptr + slot * P + part)
-    if rank == 0:
-        return
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_r = tl.arange(0, BLOCK_R)
-    x_ptrs = x_ptr + tokens.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
-    a_ptrs = a_ptr + slot.to(tl.int64) * stride_as + part * stride_ap + offs_r[None, :] * stride_ar + offs_k[:, None]
-    k_lo = split * SPLIT_K
-    xa = shrink_k_range(x_ptrs, a_ptrs, row_ok, rank, k_lo, tl.minimum(K, k_lo + SPLIT_K), BLOCK_M, BLOCK_K, BLOCK_R)
-    out_ptrs = xa_ptr + (tokens.to(tl.int64) * P + part)[:, None] * BLOCK_R + offs_r[None, :]
-    if SPLITS == 1:
-        tl.store(out_ptrs, xa.to(xa_ptr.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        part_ptrs = part_ptr + ((tokens.to(tl.int64) * P + part) * SPLITS)[:, None] * BLOCK_R + offs_r[None, :]
-        tl.store(part_ptrs + split * BLOCK_R, xa, mask=row_ok[:, None])
-        counter = count_ptr + block * P + part
-        if arrive(counter) == SPLITS - 1:
-            tl.store(counter, 0)  # no other program touches it in this launch: zero for the next
-            xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for s in tl.static_range(SPLITS):
-                xa += tl.load(part_ptrs + s * BLOCK_R, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-            tl.store(out_ptrs, xa.to(xa_ptr.dtype.element_ty), mask=row_ok[:, None])
+    """The shrink in a launch of its own: program (block, part, split) in one dimension."""
+    shrink_linear_block(tl.program_id(0), x_ptr, a_ptr, ranks_ptr, part_ptr, xa_ptr, count_ptr, sorted_ids_ptr,
+                        block_slot_ptr, num_tokens, K, stride_xt, stride_as, stride_ap, stride_ar,
+                        P, SPLITS, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R)
 
 
 def align_tokens_by_slot(token_slots: torch.Tensor, num_slots: int,
@@ -131,14 +103,18 @@ def lora_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     xa = torch.empty(num_tokens, num_parts, block_r, dtype=lora.b.dtype, device=x.device)
     part = torch.empty(num_tokens, num_parts, splits, block_r, dtype=torch.float32, device=x.device) if splits > 1 else xa
     counters = zeroed_counters(_counters, SHRINK_COUNTERS, x.device, "LoRA shrink K splits") if splits > 1 else xa
-    _shrink_kernel[(num_blocks, num_parts, splits)](
-        x, lora.a, lora.ranks, part, xa, counters, blocks.sorted_ids, blocks.block_expert,
-        num_tokens, in_features, x.stride(0), *lora.a.stride()[:3],
-        P=num_parts, SPLITS=splits, SPLIT_K=cfg.split_k, BLOCK_K=cfg.block_k,
-        BLOCK_M=cfg.block_m, BLOCK_R=block_r, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    shrink = LinearShrink(lora.a, part, counters, blocks.sorted_ids, blocks.block_expert, splits, cfg.split_k,
+                          cfg.block_m, cfg.block_k)
+    if num_tokens > FUSED_SHRINK_MAX_TOKENS:
+        _shrink_kernel[(num_blocks * num_parts * splits,)](
+            x, lora.a, lora.ranks, part, xa, counters, blocks.sorted_ids, blocks.block_expert,
+            num_tokens, in_features, x.stride(0), *lora.a.stride()[:3],
+            P=num_parts, SPLITS=splits, SPLIT_K=cfg.split_k, BLOCK_K=cfg.block_k,
+            BLOCK_M=cfg.block_m, BLOCK_R=block_r, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        shrink = None
     bounds = tuple(sum(out_sizes[:p]) for p in range(num_parts + 1))
-    return linear_triton(x, weight, bias, cfg.linear, LoRAEpilogue(xa, lora.b, lora.ranks, token_slots, bounds))
+    return linear_triton(x, weight, bias, cfg.linear, LinearLoRA(xa, lora.b, lora.ranks, token_slots, bounds, shrink))
 
 
 # ------------------------------------------------------------------------------------ torch

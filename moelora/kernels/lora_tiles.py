@@ -1,8 +1,11 @@
-"""Pieces shared by the LoRA kernels of dense layers (lora_linear) and of experts (fused_moe)."""
+"""Pieces of the LoRA kernels of dense layers (lora_linear, and linear's GEMM, which runs their shrink in its
+first programs and their expand in its epilogue) and of experts (fused_moe)."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from moelora.kernels.gemm_tiles import arrive
 
 LORA_RANK_CHUNK = 16  # tl.dot needs >= 16: the smallest rank tile
 
@@ -28,12 +31,52 @@ def shrink_k_range(x_ptrs, a_ptrs, row_ok, rank, k_lo, k_hi,
 
 
 @triton.jit
+def shrink_linear_block(pid, x_ptr, a_ptr, ranks_ptr, part_ptr, xa_ptr, count_ptr, sorted_ids_ptr, block_slot_ptr,
+                        num_tokens, K, stride_xt, stride_as, stride_ap, stride_ar,
+                        P: tl.constexpr, SPLITS: tl.constexpr, SPLIT_K: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Program pid = (block, part, split) of a dense layer's shrink: xa[n, part, :] = round(x[n] @ A[slot, part,
+    :rank]^T) for the BLOCK_M tokens of one block of `align_tokens_by_slot`, K in SPLITS splits of SPLIT_K. With
+    more than one split each program writes its fp32 partial to part [n, part, split, :] and the last of the
+    (block, part)'s programs to arrive adds them up in split order and rounds once to xa's dtype. Blocks of no
+    slot (-1) and parts of rank 0 read and write nothing."""
+    block, part, split = pid // (P * SPLITS), pid // SPLITS % P, pid % SPLITS
+    slot = tl.load(block_slot_ptr + block)
+    if slot >= 0:
+        rank = tl.load(ranks_ptr + slot * P + part)
+        if rank > 0:
+            tokens = tl.load(sorted_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+            row_ok = tokens < num_tokens
+            offs_k, offs_r = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_R)
+            x_ptrs = x_ptr + tokens.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
+            a_ptrs = (a_ptr + slot.to(tl.int64) * stride_as + part * stride_ap + offs_r[None, :] * stride_ar
+                      + offs_k[:, None])
+            k_lo = split * SPLIT_K
+            xa = shrink_k_range(x_ptrs, a_ptrs, row_ok, rank, k_lo, tl.minimum(K, k_lo + SPLIT_K),
+                                BLOCK_M, BLOCK_K, BLOCK_R)
+            out_ptrs = xa_ptr + (tokens.to(tl.int64) * P + part)[:, None] * BLOCK_R + offs_r[None, :]
+            if SPLITS == 1:
+                tl.store(out_ptrs, xa.to(xa_ptr.dtype.element_ty), mask=row_ok[:, None])
+            else:
+                part_ptrs = (part_ptr + ((tokens.to(tl.int64) * P + part) * SPLITS)[:, None] * BLOCK_R
+                             + offs_r[None, :])
+                tl.store(part_ptrs + split * BLOCK_R, xa, mask=row_ok[:, None])
+                counter = count_ptr + block * P + part
+                if arrive(counter) == SPLITS - 1:
+                    tl.store(counter, 0)  # no other program touches it in this launch: zero for the next
+                    xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                    for s in tl.static_range(SPLITS):
+                        xa += tl.load(part_ptrs + s * BLOCK_R, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+                    tl.store(out_ptrs, xa.to(xa_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
 def add_linear_lora(acc, offs_m, m_mask, n0, xa_ptr, b_ptr, ranks_ptr, slots_ptr, num_slots, stride_bs, stride_br,
                     PART_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] (rows offs_m, columns n0..) plus each row's LoRA delta, the epilogue of a dense
     GEMM: for row m of slot s = slots[m] and each part p whose columns meet the tile,
     xa[m, p] @ B[s, :ranks[s, p], part p's columns], where xa [M, P, BLOCK_R] is the shrink's output in B's
-    dtype.
+    dtype, read from L2 (.cg: the shrink may have written it in this launch).
 
     One tl.dot per part for all the tile's slots together: the slots' B tiles stacked along K (BLOCK_S slots
     of BLOCK_R rows, BLOCK_S >= num_slots) and each row's xa placed in its own slot's BLOCK_R columns, zero in
@@ -54,7 +97,7 @@ def add_linear_lora(acc, offs_m, m_mask, n0, xa_ptr, b_ptr, ranks_ptr, slots_ptr
             if (n0 < hi) & (n0 + BLOCK_N > lo):
                 use = used & (col_r < tl.load(ranks_ptr + col_slot * P + p, mask=used, other=0))
                 xa_ptrs = xa_ptr + (offs_m.to(tl.int64) * P + p)[:, None] * BLOCK_R + col_r[None, :]
-                xa = tl.load(xa_ptrs, mask=mine & use[None, :], other=0.0)
+                xa = tl.load(xa_ptrs, mask=mine & use[None, :], other=0.0, cache_modifier=".cg")
                 b_ptrs = b_ptr + col_slot[:, None] * stride_bs + col_r[:, None] * stride_br + offs_n[None, :]
                 in_part = (offs_n >= lo) & (offs_n < hi)
                 bt = tl.load(b_ptrs, mask=use[:, None] & in_part[None, :], other=0.0)

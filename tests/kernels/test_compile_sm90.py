@@ -274,15 +274,20 @@ def compile_linear() -> list[dict]:
         parallel = cfg.parallel_splits and splits > 1
         lora = dict(HAS_LORA=False, PART_BOUNDS=(0, n), BLOCK_R=16, BLOCK_S=1) if parts is None else dict(
             HAS_LORA=True, PART_BOUNDS=tuple(sum(parts[:p]) for p in range(len(parts) + 1)), BLOCK_R=16, BLOCK_S=8)
+        shrink = parts is not None and m <= ll.FUSED_SHRINK_MAX_TOKENS  # in the GEMM's launch, as lora_linear has it
+        shrink_cfg = ll.LoRALinearConfig()
         constexprs = dict(HAS_BIAS=has_bias, SPLITS=splits, PARALLEL=parallel, BLOCK_M=cfg.block_m,
-                          BLOCK_N=cfg.block_n, BLOCK_K=gemm_block_k(torch.bfloat16), GROUP_M=cfg.group_m, **lora)
+                          BLOCK_N=cfg.block_n, BLOCK_K=gemm_block_k(torch.bfloat16), GROUP_M=cfg.group_m,
+                          HAS_SHRINK=shrink, SHRINK_SPLITS=-(-k // shrink_cfg.split_k), SHRINK_SPLIT_K=shrink_cfg.split_k,
+                          SHRINK_BLOCK_M=shrink_cfg.block_m, SHRINK_BLOCK_K=shrink_cfg.block_k, **lora)
         compiled = compile_sm90(li._linear_kernel, constexprs, dtype, cfg.num_warps, cfg.num_stages,
-                                {"part_ptr": "*fp32", "count_ptr": "*i32", "xa_ptr": f"*{dtype}"})
+                                {"part_ptr": "*fp32", "count_ptr": "*i32", "xa_ptr": f"*{dtype}",
+                                 "xa_part_ptr": "*fp32", "shrink_count_ptr": "*i32", "done_ptr": "*i32"})
         ptx = compiled.asm["ptx"]
         results.append(dict(kernel="_linear_kernel", dtype=dtype, m=m, n=n, block_m=cfg.block_m, bias=has_bias, lora=bool(parts),
-                            splits=splits, parallel=parallel, shared=compiled.metadata.shared,
+                            shrink=shrink, splits=splits, parallel=parallel, shared=compiled.metadata.shared,
                             ttgir=compiled.asm["ttgir"], arrive="atom.global.gpu.acq_rel.add" in ptx,
-                            cg_loads="ld.global.cg" in ptx))
+                            acquire="global.gpu.acquire" in ptx, cg_loads="ld.global.cg" in ptx))
     return results
 
 
@@ -306,3 +311,16 @@ def test_rotary_uses_accurate_sin_cos(compiled):
     """Positions run to 10^5 radians and more, where sin.approx/cos.approx lose every digit; libdevice's
     sinf/cosf reduce the argument exactly, as torch's CUDA kernels do."""
     assert all(not r["approx_trig"] for r in compiled if r["kernel"] == "_rotary_kernel")
+
+
+def test_linear_shrink_in_gemm_synchronises(compiled):
+    """At decode sizes the LoRA shrink runs in the GEMM's first programs: they signal with a gpu-scope acq_rel
+    add, the tiles' epilogues spin on a gpu-scope acquire and read xa from L2 (.cg); no GEMM without it
+    spins."""
+    linears = [r for r in compiled if r["kernel"] == "_linear_kernel"]
+    assert {(r["lora"], r["shrink"]) for r in linears} == {(False, False), (True, False), (True, True)}
+    for r in linears:
+        where = f"_linear_kernel {r['dtype']} M={r['m']} N={r['n']} lora={r['lora']} shrink={r['shrink']}"
+        assert r["acquire"] == r["shrink"], where
+        if r["shrink"]:
+            assert r["arrive"] and r["cg_loads"], where

@@ -2,6 +2,8 @@ import pytest
 import torch
 
 from moelora.core import LinearLoRASlots
+from moelora.kernels import linear as linear_module
+from moelora.kernels import lora_linear as lora_linear_module
 from moelora.kernels.linear import LinearConfig, linear
 from moelora.kernels.lora_linear import LoRALinearConfig, align_tokens_by_slot, lora_linear
 from tests.support import assert_rows_close, random_linear_lora, rel_tolerance
@@ -64,25 +66,41 @@ def test_reference_matches_naive_formula(case, dtype, device):
     assert_rows_close(got.cpu(), _naive(x, weight, bias, lora, out_sizes, slots), rel_tolerance(dtype), "reference")
 
 
+def _shrink_in_own_launch(monkeypatch, tokens: int = 0):
+    """Batches of more than `tokens` tokens run the shrink in a launch of its own, as prefill batches do."""
+    monkeypatch.setattr(lora_linear_module, "FUSED_SHRINK_MAX_TOKENS", tokens)
+
+
+@pytest.mark.parametrize("fused_shrink", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_triton_matches_reference_and_keeps_base_rows(case, dtype, bias, device, poison):
+def test_triton_matches_reference_and_keeps_base_rows(case, dtype, bias, fused_shrink, device, poison, monkeypatch):
     """Adapter rows: the reference within the dtype's tolerance. Every other row: the bits of the plain GEMM
-    (whose unused xa rows are NaN here, as are A and B past each rank and parts of rank 0)."""
+    (whose unused xa rows are NaN here, as are A and B past each rank and parts of rank 0). The shrink in the
+    GEMM's launch or in its own; either way the launch leaves its counters at 0 for the next."""
+    if not fused_shrink:
+        _shrink_in_own_launch(monkeypatch)
     x, weight, b, lora, out_sizes, slots = _case(*case, dtype, device, bias=bias)
     got = lora_linear(x, weight, b, lora, out_sizes, slots, impl="triton", config=SMALL)
     expected = lora_linear(x, weight, b, lora, out_sizes, slots, impl="torch")
     assert_rows_close(got, expected, rel_tolerance(dtype, device))
     base = ~_has_adapter(slots, lora)
     assert torch.equal(_bits(got[base]), _bits(linear(x, weight, b, impl="triton")[base]))
+    counters = [lora_linear_module._counters, linear_module._counters] + [linear_module._shrink_done] * fused_shrink
+    for store in counters:
+        assert not store.get(x.device, torch.zeros(1)).any(), "a launch left a counter above 0"
 
 
+@pytest.mark.parametrize("batch_shrink_fused", [True, False])
 @pytest.mark.parametrize("linear_config", [None, LinearConfig(16, 16, 8, 4, 2, parallel_splits=True)])
-def test_row_does_not_depend_on_batch(linear_config, device, poison):
+def test_row_does_not_depend_on_batch(linear_config, batch_shrink_fused, device, poison, monkeypatch):
     """Fixed block and K split, and the epilogue adds a row's products from its own slot only: a token's
     output is the same bits alone and in a batch (blocks passed in, as the engine does once per step, or aligned
-    inside), on the default tiles and on narrow tiles whose K splits run in parallel programs."""
+    inside), on the default tiles and on narrow tiles whose K splits run in parallel programs, and with the
+    batch's shrink in its own launch while the token alone has it in the GEMM's."""
+    if not batch_shrink_fused:
+        _shrink_in_own_launch(monkeypatch, tokens=1)
     dtype = DTYPES[0]
     x, weight, bias, lora, out_sizes, slots = _case(40, 80, (24, 40, 40), dtype, device)
     config = LoRALinearConfig(linear=linear_config)

@@ -6,10 +6,10 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.fused_moe.reduction import prepare_topk_sum, sum_topk_if_last
-from moelora.kernels.fused_moe.shrink import shrink_one_pair, wait_shrunk
+from moelora.kernels.fused_moe.shrink import shrink_one_pair
 from moelora.kernels.fused_moe.tiles import (at_most_half_full, block_info, block_rows, lora_expand, lora_tile,
                                              row_ranks, row_slots, slot_rank, sum_partials, takes_rank_tile)
-from moelora.kernels.gemm_tiles import arrive, gemm_loop
+from moelora.kernels.gemm_tiles import arrive, gemm_loop, wait_arrivals
 
 
 @triton.jit
@@ -99,7 +99,7 @@ def _gate_up_block(
         if r == 0:  # no adapter in the block covers expert e: the plain result, no LoRA work
             if PAIR_BLOCKS:
                 if hi >= 0:  # row 0 has an adapter, so its pair's shrink programs signal: count in
-                    wait_shrunk(ready_ptr, tl.min(pair, axis=0), num_splits, tl.cdiv(I, BLOCK_N))
+                    wait_arrivals(ready_ptr + tl.min(pair, axis=0), num_splits, tl.cdiv(I, BLOCK_N))
             _store_h(acc_g, acc_u, h_ptr, pair, row_ok, offs_n, n_mask, stride_ht)
     else:
         _store_h(acc_g, acc_u, h_ptr, pair, row_ok, offs_n, n_mask, stride_ht)
@@ -143,7 +143,7 @@ def _gate_up_lora(
     # the shrink x @ A^T, summed once for all rows; each slot's loop picks its rows
     if PAIR_BLOCKS:
         if hi >= 0:  # row 0 has an adapter: exactly then its pair's shrink programs signal
-            wait_shrunk(ready_ptr, tl.min(pair, axis=0), num_splits, tl.cdiv(I, BLOCK_N))  # row 0's pair
+            wait_arrivals(ready_ptr + tl.min(pair, axis=0), num_splits, tl.cdiv(I, BLOCK_N))  # row 0's pair
     stride = 2 * num_splits * BLOCK_R
     cache: tl.constexpr = ".cg" if PAIR_BLOCKS else ""
     # all R columns of every row with a slot: masking by each row's rank would put the rank gather before

@@ -119,17 +119,3 @@ def pair_shrink_kernel(
         shrink_one_pair(pid - 1, topk_ids_ptr, token_slots_ptr, x_ptr, xa_ptr, ranks_ptr, ag_ptr, au_ptr, top_k,
                          H, num_slots, num_experts, num_splits, stride_xt, stride_ae, stride_ar, BLOCK_M, BLOCK_K,
                          BLOCK_R, SPLIT_K, RANK_TILES)
-
-
-@triton.jit
-def wait_shrunk(ready_ptr, p, num_splits, num_readers):
-    """Wait until the num_splits shrink programs of pair p have signalled (acquire; the barrier puts every
-    thread's xa loads after it, and they read L2). The shrink programs have the lowest program ids, so the
-    hardware dispatched them first and they never wait on anything: they finish whatever this program does.
-    Then each of the pair's num_readers gate_up programs counts itself in; the last one, after which no
-    program of this launch touches the counter, puts it back to 0 for the next launch (no memset launch)."""
-    while tl.atomic_add(ready_ptr + p, 0, sem="acquire", scope="gpu") < num_splits:
-        pass
-    if tl.atomic_add(ready_ptr + p, 1, sem="relaxed", scope="gpu") == num_splits + num_readers - 1:
-        tl.atomic_xchg(ready_ptr + p, 0, sem="relaxed", scope="gpu")
-    tl.debug_barrier()
