@@ -115,13 +115,14 @@ def candidates(m: int, n: int) -> list[LinearConfig]:
     for bm in (bm for bm in (16, 32, 64, 128) if min(64, m_p) // 2 <= bm <= m_p):
         for bn in (bn for bn in (16, 32, 64, 128, 256) if bn <= n_p):
             for warps in (4, 8) if bm * bn >= 128 * 128 else (4,):
-                out += [LinearConfig(bm, bn, 8, warps, stages, parallel) for stages in (3, 4, 5, 6)]
+                out += [LinearConfig(bm, bn, 8, warps, stages, parallel) for stages in (3, 4, 5, 6, 8)]
     return out
 
 
 def sweep(weights, m, shape, device, dtype, bw):
     x = torch.randn(m, shape[0], device=device, dtype=dtype)
-    floor, default, results = floor_seconds(m, shape, dtype, bw), default_config(m, shape[1]), []
+    floor, results = floor_seconds(m, shape, dtype, bw), []
+    default = default_config(m, shape[1], k_splits(shape[1], shape[0], dtype)[0])
     for cfg in candidates(m, shape[1]):
         try:
             t = time_per_copy(lambda x, w: linear(x, w, config=cfg), x, weights)

@@ -7,10 +7,10 @@ batch invariant by construction: the order of a row's fp32 sums is a function of
 
 - BLOCK_K is the dtype's (64 for bf16/fp16, 32 for fp32, `gemm_block_k`) in every config.
 - K is cut into S splits of `split_k` columns (a multiple of BLOCK_K; the last may be shorter),
-  `k_splits(N, K, dtype)`: S is the most that keeps cdiv(N, 16) * S <= SPLIT_PROGRAMS (256, about
-  two decode programs per SM on 16-column tiles) and every split SPLIT_MIN_BLOCKS (4) BLOCK_K steps
-  long or more; so S = 1 for N > 2048 (the tiles alone fill the SMs) and for short K. Qwen3-30B-A3B:
-  router (N 128, K 2048) 8 splits, o_proj (2048, 4096) 2, qkv and lm_head 1.
+  `k_splits(N, K, dtype)`: S is the most that keeps cdiv(N, 16) * S <= SPLIT_PROGRAMS (512, about
+  four decode programs per SM on 16-column tiles) and every split SPLIT_MIN_BLOCKS (4) BLOCK_K steps
+  long or more; so S = 1 for N > 4096 (the tiles alone fill the SMs) and for short K. Qwen3-30B-A3B:
+  router (N 128, K 2048) 8 splits, o_proj (2048, 4096) 4, qkv and lm_head 1.
 - Each split sums its columns in BLOCK_K steps, `acc += tl.dot(x_tile, w_tile)`, into its own fp32
   accumulator from zero; the result is (((0 + part_0) + part_1) + ...) in split order, plus the bias,
   then the one rounding to the output dtype (as cuBLAS's addmm adds the bias).
@@ -47,7 +47,8 @@ from moelora.kernels.gemm_tiles import (arrive, gemm_block_k, gemm_loop, grouped
 from moelora.kernels.lora_tiles import add_linear_lora, shrink_linear_block
 
 MIN_PROGRAMS = 120  # about one program per SM of an H100 / H200 (132): below it, a smaller tile is tried
-SPLIT_PROGRAMS = 256  # K splits aim at about two decode programs per SM: one loads while another waits
+SPLIT_PROGRAMS = 512  # K splits aim at about four decode programs per SM: some load while others wait
+ONE_SPLIT_STAGES = 8  # decode tiles (M <= 32) of a shape without K splits: more W tiles in flight per program
 # BLOCK_K steps per split at least: each split on prefill tiles refills the pipeline
 SPLIT_MIN_BLOCKS = 4
 PARALLEL_SPLITS_MAX_M = 256  # up to here the GEMM is bound by reading W: splits run in parallel programs
@@ -74,8 +75,8 @@ _LARGE = (LinearConfig(128, 256, 8, 8, 3), LinearConfig(128, 128, 8, 8, 4), Line
           LinearConfig(64, 64, 8, 4, 4))  # the last: narrow N (the router's 128 columns at prefill)
 
 
-def default_config(M: int, N: int) -> LinearConfig:
-    """Tiles for M rows and N output columns (K and the dtype do not change the choice; BLOCK_K is
+def default_config(M: int, N: int, splits: int = 1) -> LinearConfig:
+    """Tiles for M rows and N output columns of a shape with `splits` K splits (`k_splits`; BLOCK_K is
     the dtype's, not the config's).
 
     Up to 256 rows (decode: M <= 16, BLOCK_M 16) the GEMM is bound by reading W, so the tile is the
@@ -83,10 +84,12 @@ def default_config(M: int, N: int) -> LinearConfig:
     K splits, where N and K have them, run in parallel programs; from BLOCK_M 64 tl.dot is a Hopper
     wgmma. Prefill (M > 256) is bound by the tensor cores: 128 x 256 or 128 x 128 tiles with 8 warps
     and GROUP_M 8 for L2 reuse of W, as Triton's matmul tutorial has them on Hopper, while they still
-    fill the SMs."""
+    fill the SMs. Up to 32 rows a shape without K splits has fewer programs for the same bytes, so each
+    keeps ONE_SPLIT_STAGES W tiles in flight (with splits, deeper pipelines measured slower)."""
     candidates = _DECODE if M <= 16 else _SMALL if M <= 32 else _MEDIUM if M <= 256 else _LARGE
     narrow_n = max(16, triton.next_power_of_2(N))  # tl.dot needs 16; a tile wider than N only reads masks
-    tiles = [replace(c, block_n=min(c.block_n, narrow_n), parallel_splits=M <= PARALLEL_SPLITS_MAX_M)
+    stages = {"num_stages": ONE_SPLIT_STAGES} if M <= 32 and splits == 1 else {}
+    tiles = [replace(c, block_n=min(c.block_n, narrow_n), parallel_splits=M <= PARALLEL_SPLITS_MAX_M, **stages)
              for c in candidates]
     return next((c for c in tiles if triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n) >= MIN_PROGRAMS), tiles[-1])
 
@@ -221,8 +224,8 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
-    cfg = config or default_config(M, N)
     splits, split_k = k_splits(N, K, x.dtype)
+    cfg = config or default_config(M, N, splits)
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     parallel = cfg.parallel_splits and splits > 1
     if parallel and tiles > SPLIT_COUNTERS:

@@ -111,18 +111,25 @@ def test_split_rows_do_not_depend_on_the_batch(dtype, device, poison):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_k_splits_rule(dtype):
-    """S of (N, K, dtype) alone: whole BLOCK_K steps, at least four a split, about 256 programs on 16-column
-    tiles; one split from N = 2049 or where K has fewer than 8 BLOCK_K steps. Qwen3-30B-A3B's router
-    (N 128, K 2048) has 8 (fp16/bf16), o_proj (2048, 4096) 2, qkv (5120, 2048) and lm_head 1."""
+    """S of (N, K, dtype) alone: whole BLOCK_K steps, at least four a split, about 512 programs on 16-column
+    tiles; one split from N = 4097 or where K has fewer than 8 BLOCK_K steps. Qwen3-30B-A3B's router
+    (N 128, K 2048) has 8 (fp16/bf16), o_proj (2048, 4096) 4, qkv (5120, 2048) and lm_head 1."""
     block_k = gemm_block_k(dtype)
-    for n in (1, 20, 128, 2048, 2049, 5120, 151936):
+    for n in (1, 20, 128, 2048, 4096, 4097, 5120, 151936):
         for k in (1, 100, 7 * block_k, 7 * block_k + 1, 2048, 4096, 10944):
             splits, split_k = k_splits(n, k, dtype)
             assert split_k % block_k == 0 and (splits - 1) * split_k < k <= splits * split_k, (n, k)
-            assert splits == 1 or (split_k >= 4 * block_k and -(-n // 16) * splits <= 256), (n, k)
-            assert (splits > 1) == (n <= 2048 and k > 7 * block_k), (n, k)
+            assert splits == 1 or (split_k >= 4 * block_k and -(-n // 16) * splits <= 512), (n, k)
+            assert (splits > 1) == (n <= 4096 and k > 7 * block_k), (n, k)
     if dtype != torch.float32:
-        assert [k_splits(n, k, dtype)[0] for k, n in ((2048, 128), (4096, 2048), (2048, 5120))] == [8, 2, 1]
+        assert [k_splits(n, k, dtype)[0] for k, n in ((2048, 128), (4096, 2048), (2048, 5120))] == [8, 4, 1]
+
+
+def test_decode_tiles_of_one_split_shapes_pipeline_deeper():
+    """Up to 32 rows a shape without K splits keeps more W tiles in flight; with splits, or above, not."""
+    for m in (1, 16, 32, 33, 4096):
+        assert (default_config(m, 5120, splits=1).num_stages == linear_module.ONE_SPLIT_STAGES) == (m <= 32)
+        assert default_config(m, 2048, splits=4).num_stages < linear_module.ONE_SPLIT_STAGES
 
 
 def test_parallel_splits_past_the_counters(device):
