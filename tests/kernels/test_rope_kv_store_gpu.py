@@ -1,15 +1,20 @@
 """The fused q/k norm, RoPE and KV-cache store at real model shapes in bf16 on a GPU (scripts/gpu_check.sh),
-bit for bit against the unfused chain it replaces (rms_norm -> rotary_embedding -> store_kv). Skipped on
-CPU machines."""
+bit for bit against the unfused chain it replaces (rms_norm -> rotary_embedding -> store_kv); and a model
+step through it against the same step through the chain. Skipped on CPU machines."""
 import pytest
 import torch
 
+from moelora.kernels import kv_store, rope_kv_store, rotary
 from moelora.kernels.kv_store import store_kv
 from moelora.kernels.rms_norm import rms_norm
 from moelora.kernels.rope_kv_store import rope_store_kv
 from moelora.kernels.rotary import rotary_embedding
+from moelora.layers import attention as attention_layer
+from moelora.layers.norm import RMSNorm
 from moelora.layers.rotary import rope_frequencies
-from tests.support import assert_rows_close, rel_tolerance
+from moelora.models.loader import build_model, fill_dummy_weights
+from tests.models.families import family_config
+from tests.support import assert_rows_close, extend_batch, rel_tolerance, toy_kv_cache
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -123,3 +128,40 @@ def test_replays_in_a_cuda_graph():
             c.fill_(float("nan"))
         graph.replay()
         _assert_same_bits((q_out, caches), want, "graph replay")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
+def test_model_steps_match_the_unfused_chain(family, monkeypatch):
+    """A tiny model in bf16, prefill, decode, then a mixed step: the same hidden states and KV cache, bit for
+    bit, through the fused kernel (one launch a layer, no rotary or store_kv launch) as through the chain."""
+    model = build_model(family_config(family), torch.bfloat16, "cuda")
+    fill_dummy_weights(model)
+    gen = torch.Generator("cuda").manual_seed(torch.seed())
+    for m in model.modules():  # norms (Qwen3's per-head ones) with weights that are not all ones
+        if isinstance(m, RMSNorm):
+            m.weight.copy_(1 + 0.5 * torch.randn(m.weight.shape, generator=gen, device="cuda"))
+    launches = dict.fromkeys(("fused", "rotary", "store_kv"), 0)
+
+    def count(module, name, key):
+        fn = getattr(module, name)
+
+        def call(*args, **kwargs):
+            launches[key] += 1
+            return fn(*args, **kwargs)
+        monkeypatch.setattr(module, name, call)
+
+    count(rope_kv_store, "rope_store_kv_triton", "fused")
+    count(rotary, "rotary_embedding_triton", "rotary")
+    count(kv_store, "store_kv_triton", "store_kv")
+    fused_kv, chain_kv = toy_kv_cache(model, 2, 16), toy_kv_cache(model, 2, 16)
+    steps = [([[5, 17, 2, 93, 41], [11, 4, 77]], [0, 0], 0), ([[8], [60]], [5, 3], 2), ([[9], [1, 2, 3]], [6, 4], 1)]
+    for tokens, prefix_lens, num_decode in steps:
+        launches.update(fused=0, rotary=0, store_kv=0)
+        got = model(extend_batch(fused_kv, tokens, prefix_lens, num_decode=num_decode))
+        assert launches == dict(fused=len(model.model.layers), rotary=0, store_kv=0), launches
+        with monkeypatch.context() as m:
+            m.setattr(attention_layer, "rope_store_kv", _unfused)
+            want = model(extend_batch(chain_kv, tokens, prefix_lens, num_decode=num_decode))
+        assert torch.equal(got, want), f"{family}: hidden states of the step after {prefix_lens}"
+        for layer, (k, want_k, v, want_v) in enumerate(zip(fused_kv.k, chain_kv.k, fused_kv.v, chain_kv.v)):
+            assert torch.equal(k, want_k) and torch.equal(v, want_v), f"{family}: layer {layer}'s cache"
