@@ -13,7 +13,8 @@ CUDA graphs. Unlike torch's index-put, slots are not bounds-checked (that would 
 assert); as with it, tokens that share a slot (the padded rows of a graph batch all write slot 0)
 leave one of their values there.
 
-`store_kv_reference` is the torch version and the CPU backend.
+`store_kv_reference` is the torch version and the CPU backend. kernels/rope_kv_store.py stores the
+values of GQA layers with `copy_heads` too, in the launch that rotates their keys.
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ TILE = 4096  # elements per program at most, of the wider of k and v: several he
 
 
 @triton.jit
-def _copy_heads(src_ptr, dst_ptr, t, slot, offs_h, num_heads, stride_t, stride_h,
-                D: tl.constexpr, BLOCK_D: tl.constexpr):
+def copy_heads(src_ptr, dst_ptr, t, slot, offs_h, num_heads, stride_t, stride_h,
+               D: tl.constexpr, BLOCK_D: tl.constexpr):
     """dst[slot, offs_h, :] = src[t, offs_h, :] in dst's dtype; dst is contiguous [slots, num_heads, D]."""
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h < num_heads)[:, None] & (offs_d < D)[None, :]
@@ -46,8 +47,8 @@ def _store_kv_kernel(
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(loc_ptr + t).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    _copy_heads(k_ptr, k_cache_ptr, t, slot, offs_h, num_heads, stride_kt, stride_kh, DK, BLOCK_DK)
-    _copy_heads(v_ptr, v_cache_ptr, t, slot, offs_h, num_heads, stride_vt, stride_vh, DV, BLOCK_DV)
+    copy_heads(k_ptr, k_cache_ptr, t, slot, offs_h, num_heads, stride_kt, stride_kh, DK, BLOCK_DK)
+    copy_heads(v_ptr, v_cache_ptr, t, slot, offs_h, num_heads, stride_vt, stride_vh, DV, BLOCK_DV)
 
 
 def launch_config(heads: int, k_dim: int, v_dim: int) -> tuple[int, int, int, int]:
@@ -88,7 +89,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
     """k_cache[loc] = k and v_cache[loc] = v, in the caches' dtype. k_cache [slots, heads, Dk] and v_cache
     [slots, heads, Dv] contiguous, loc [N] int32 or int64, k [N, heads, Dk], v [N, heads, Dv].
     impl: "triton", "torch" or "auto" (triton on CUDA)."""
-    _check_inputs(k_cache, v_cache, loc, k, v)
+    check_kv_store_inputs(k_cache, v_cache, loc, k, v)
     if impl == "auto":
         impl = "triton" if k_cache.is_cuda else "torch"
     if impl == "torch":
@@ -99,7 +100,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
         raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
 
 
-def _check_inputs(k_cache, v_cache, loc, k, v) -> None:
+def check_kv_store_inputs(k_cache, v_cache, loc, k, v) -> None:
     """Shapes, dtypes and devices only: nothing here reads device memory (CUDA-graph safe)."""
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.dim() != 3 or not cache.is_contiguous() or not cache.is_floating_point():

@@ -9,8 +9,12 @@ strides, so the per-head q/k norm of a column slice of the fused qkv output (q.v
 row stride != heads * D) needs no copy. One program per row and block of heads normalises a
 [BLOCK_H, BLOCK_D] tile held in registers: x is read once, with no second pass over memory, and
 BLOCK_D = next power of two of D covers every hidden size we serve (7168 at most) up to MAX_D.
-Reductions run over a fixed tile whatever the batch, so a row's result does not depend on what
-it is batched with.
+
+The tile and the warps depend on D alone (`launch_config`), not on the batch or the number of
+heads: the order of a row's fp32 sum of squares follows from them, so a row's result does not
+depend on what it is batched with, and kernels/rope_kv_store.py, which normalises q's and k's heads
+in tiles of the same shape and warps with the same pieces (`load_rows`, `inv_rms`, `rms_scaled`),
+gets the same bits as this kernel.
 
 The outputs are new contiguous tensors, not written in place into x and residual (vLLM's
 fused_add_rms_norm): that would save no memory traffic, only an allocation, and would make the
@@ -25,10 +29,31 @@ import triton
 import triton.language as tl
 
 MAX_D = 16384  # register tile limit: 16 warps x 32 lanes x 32 fp32 values
-TILE = 4096  # elements per program when several heads share one (head_dim 128: 32 heads)
+TILE = 512  # elements per warp: 16 fp32 values a lane; rows shorter than a warp's tile share one (head_dim 128: 4)
 
 
 # ----------------------------------------------------------------------------------- Triton
+
+
+@triton.jit
+def load_rows(x_ptr, offs_h, num_heads, stride_h, D, BLOCK_D: tl.constexpr):
+    """The [BLOCK_H, BLOCK_D] tile of heads offs_h of one row (x_ptr at the row), 0 past D and num_heads."""
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h < num_heads)[:, None] & (offs_d < D)[None, :]
+    return tl.load(x_ptr + offs_h[:, None] * stride_h + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def inv_rms(h, D, eps):
+    """1 / sqrt(mean(h^2) + eps) of each row of the fp32 tile h [BLOCK_H, BLOCK_D] (zeros past D)."""
+    return tl.math.rsqrt(tl.sum(h * h, axis=1) / D + eps)
+
+
+@triton.jit
+def rms_scaled(h, inv, w, dtype: tl.constexpr):
+    """weight * (h * inv) in fp32, h * inv rounded to `dtype` (x's) first, as transformers rounds it;
+    h [BLOCK_H, n] (fp32), inv [BLOCK_H], w [n] (fp32): whole rows or any columns of them."""
+    return w[None, :] * (h * inv[:, None]).to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -42,24 +67,24 @@ def _rms_norm_kernel(
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h < num_heads)[:, None] & (offs_d < D)[None, :]
-    s = tl.load(x_ptr + row * stride_xr + offs_h[:, None] * stride_xh + offs_d[None, :], mask=mask, other=0.0)
+    s = load_rows(x_ptr + row * stride_xr, offs_h, num_heads, stride_xh, D, BLOCK_D)
     out_offs = (row * num_heads + offs_h[:, None]) * D + offs_d[None, :]
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_rr + offs_h[:, None] * stride_rh + offs_d[None, :], mask=mask, other=0.0)
+        r = load_rows(res_ptr + row * stride_rr, offs_h, num_heads, stride_rh, D, BLOCK_D)
         s = (s.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(sum_ptr + out_offs, s, mask=mask)
     h = s.to(tl.float32)
-    h = h * tl.math.rsqrt(tl.sum(h * h, axis=1) / D + eps)[:, None]
     w = tl.load(w_ptr + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-    out = w[None, :] * h.to(x_ptr.dtype.element_ty).to(tl.float32)
+    out = rms_scaled(h, inv_rms(h, D, eps), w, x_ptr.dtype.element_ty)
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def launch_config(heads: int, dim: int) -> tuple[int, int, int]:
-    """BLOCK_H, BLOCK_D and num_warps for rows of `heads` x `dim`: up to 16 fp32 values per lane below MAX_D."""
+def launch_config(dim: int) -> tuple[int, int, int]:
+    """BLOCK_H, BLOCK_D and num_warps for rows of `dim`, whatever their number of heads: 16 fp32 values a
+    lane, TILE elements a warp (several heads share one below TILE)."""
     block_d = triton.next_power_of_2(dim)
-    block_h = min(triton.next_power_of_2(heads), max(1, TILE // block_d))
-    return block_h, block_d, min(16, max(1, block_h * block_d // 512))
+    block_h = max(1, TILE // block_d)
+    return block_h, block_d, min(16, block_h * block_d // TILE)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -76,7 +101,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     else:
         res3, summed = residual.reshape(x3.shape), torch.empty(x.shape, dtype=x.dtype, device=x.device)
         res_strides = res3.stride()[:2]
-    block_h, block_d, num_warps = launch_config(heads, dim)
+    block_h, block_d, num_warps = launch_config(dim)
     if out.numel():
         _rms_norm_kernel[(rows, triton.cdiv(heads, block_h))](
             x3, res3, weight, out, summed, heads, dim, eps, *x3.stride()[:2], *res_strides,

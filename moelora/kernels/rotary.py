@@ -12,7 +12,8 @@ _rotary_kernel: one program per token for all its q and k heads. cos/sin are com
 positions on the fly (no cache to size, any position works); every product and sum is rounded to
 the dtype as torch's elementwise ops round it, so the result matches the torch code, not just the
 math. q and k may be strided views (e.g. of a fused qkv output) with a contiguous last dimension;
-the results are new contiguous tensors.
+the results are new contiguous tensors. kernels/rope_kv_store.py rotates with the same pieces
+(`cos_sin`, `load_halves`, `rotate`, `store_halves`), in the launch that stores the keys.
 
 `rotary_embedding_reference` is the plain-torch version and the CPU backend.
 """
@@ -30,24 +31,50 @@ def _round_mul(a, b, dtype: tl.constexpr):
 
 
 @triton.jit
+def cos_sin(positions_ptr, inv_freq_ptr, t, scale, offs_f, f_mask, dtype: tl.constexpr):
+    """cos and sin [1, BLOCK_F] of token t's angles, times `scale`, rounded to `dtype` (as fp32 values)."""
+    freqs = tl.load(positions_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + offs_f, mask=f_mask, other=0.0)
+    cos = (tl.cos(freqs) * scale).to(dtype).to(tl.float32)[None, :]
+    sin = (tl.sin(freqs) * scale).to(dtype).to(tl.float32)[None, :]
+    return cos, sin
+
+
+@triton.jit
+def load_halves(ptrs, offs_f, mask, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """(x[i], x[D/2 + i]) at offs_f of the heads at ptrs, in fp32; interleaved, the pairs (x[2i], x[2i + 1])."""
+    if INTERLEAVED:
+        first, second = ptrs + 2 * offs_f, ptrs + 2 * offs_f + 1
+    else:
+        first, second = ptrs + offs_f, ptrs + HALF + offs_f
+    return (tl.load(first, mask=mask, other=0.0).to(tl.float32),
+            tl.load(second, mask=mask, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def rotate(x1, x2, cos, sin, dtype: tl.constexpr):
+    """The rotated halves, each product and sum rounded to `dtype` as torch's elementwise ops round them."""
+    out1 = _round_mul(x1, cos, dtype) - _round_mul(x2, sin, dtype)
+    out2 = _round_mul(x2, cos, dtype) + _round_mul(x1, sin, dtype)
+    return out1.to(dtype), out2.to(dtype)
+
+
+@triton.jit
+def store_halves(ptrs, out1, out2, mask, HALF: tl.constexpr):
+    """out1 and out2 to the first and second halves of contiguous heads (ptrs at their column offs_f), in
+    the destination's dtype."""
+    tl.store(ptrs, out1.to(ptrs.dtype.element_ty), mask=mask)
+    tl.store(ptrs + HALF, out2.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rotate_heads(x_ptr, out_ptr, stride_h, num_heads, cos, sin, offs_f, f_mask,
                   HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr):
     """Rotates the num_heads heads of one token: x_ptr/out_ptr point at its first head."""
     heads = tl.arange(0, BLOCK_H)
     mask = (heads < num_heads)[:, None] & f_mask[None, :]
-    x_ptrs = x_ptr + heads[:, None] * stride_h
-    if INTERLEAVED:  # pairs (2i, 2i + 1) play the halves' (i, D/2 + i)
-        x1 = tl.load(x_ptrs + 2 * offs_f[None, :], mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptrs + 2 * offs_f[None, :] + 1, mask=mask, other=0.0).to(tl.float32)
-    else:
-        x1 = tl.load(x_ptrs + offs_f[None, :], mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptrs + HALF + offs_f[None, :], mask=mask, other=0.0).to(tl.float32)
-    dtype: tl.constexpr = out_ptr.dtype.element_ty
-    out1 = _round_mul(x1, cos, dtype) - _round_mul(x2, sin, dtype)
-    out2 = _round_mul(x2, cos, dtype) + _round_mul(x1, sin, dtype)
-    out_ptrs = out_ptr + heads[:, None] * (2 * HALF) + offs_f[None, :]
-    tl.store(out_ptrs, out1.to(dtype), mask=mask)
-    tl.store(out_ptrs + HALF, out2.to(dtype), mask=mask)
+    x1, x2 = load_halves(x_ptr + heads[:, None] * stride_h, offs_f[None, :], mask, HALF, INTERLEAVED)
+    out1, out2 = rotate(x1, x2, cos, sin, out_ptr.dtype.element_ty)
+    store_halves(out_ptr + heads[:, None] * (2 * HALF) + offs_f[None, :], out1, out2, mask, HALF)
 
 
 @triton.jit
@@ -60,10 +87,7 @@ def _rotary_kernel(
     t = tl.program_id(0).to(tl.int64)
     offs_f = tl.arange(0, BLOCK_F)
     f_mask = offs_f < HALF
-    freqs = tl.load(positions_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + offs_f, mask=f_mask, other=0.0)
-    dtype: tl.constexpr = q_out_ptr.dtype.element_ty
-    cos = (tl.cos(freqs) * scale).to(dtype).to(tl.float32)[None, :]
-    sin = (tl.sin(freqs) * scale).to(dtype).to(tl.float32)[None, :]
+    cos, sin = cos_sin(positions_ptr, inv_freq_ptr, t, scale, offs_f, f_mask, q_out_ptr.dtype.element_ty)
     _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * num_q_heads * (2 * HALF), stride_qh, num_q_heads,
                   cos, sin, offs_f, f_mask, HALF, INTERLEAVED, BLOCK_HQ)
     _rotate_heads(k_ptr + t * stride_kt, k_out_ptr + t * num_k_heads * (2 * HALF), stride_kh, num_k_heads,
@@ -113,7 +137,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     """positions [N] (integers), q [N, Hq, D], k [N, Hk, D] (same dtype, last dimension contiguous),
     inv_freq [D/2] (fp32), cos and sin multiplied by `scale` -> rotated (q, k), in the half-split order
     even when `interleaved`. impl: "triton", "torch" or "auto" (triton on CUDA)."""
-    _check_inputs(positions, q, k, inv_freq)
+    check_rotary_inputs(positions, q, k, inv_freq)
     if impl == "auto":
         impl = "triton" if q.is_cuda else "torch"
     if impl == "torch":
@@ -123,7 +147,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
 
 
-def _check_inputs(positions, q, k, inv_freq) -> None:
+def check_rotary_inputs(positions, q, k, inv_freq) -> None:
     """Shape and dtype checks only: nothing here reads device memory (CUDA-graph safe)."""
     if q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(f"q and k must be [tokens, heads, head_dim] with the same tokens and head_dim, "

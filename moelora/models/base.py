@@ -39,14 +39,16 @@ class KVCacheShape:
 
 
 class GQAttention(nn.Module):
-    """Grouped-query self-attention: fused q/k/v projection, RoPE, paged attention, o_proj.
-    Families that normalise or clip q/k/v override `transform_qkv`.
+    """Grouped-query self-attention: fused q/k/v projection, RoPE, paged attention, o_proj. With
+    `head_norm` q and k are RMS-normalised per head before RoPE (Qwen3: q_norm, k_norm); families
+    that normalise or clip q/k/v otherwise override `transform_qkv`. The head norms, RoPE and the
+    store of k and v into the KV cache are one kernel launch on CUDA (Attention.rotate_and_store).
 
     Under tensor parallelism each rank holds its share of the query heads and the key/value heads they use
     (one head held by several ranks alike when there are fewer than ranks): q/k/v is column-parallel, o_proj
     row-parallel, and the KV cache holds the rank's heads only."""
 
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, config: ModelConfig, layer_id: int, head_norm: bool = False):
         super().__init__()
         state, self.head_dim = get_parallel(), config.head_dim
         heads = even_shard(config.num_heads, state.tp_size, state.rank, "the attention heads")
@@ -59,6 +61,10 @@ class GQAttention(nn.Module):
                                parallel="column", out_shards=(scale(heads, self.head_dim), kv_rows, kv_rows))
         self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias, part_names=("self_attn.o_proj",),
                              layer_id=layer_id, parallel="row")
+        self.head_norm = head_norm
+        if head_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(self.head_dim, config.rope_parameters, config.max_position_embeddings)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim, self.head_dim**-0.5, layer_id)
 
@@ -68,11 +74,11 @@ class GQAttention(nn.Module):
         return q, k, v
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.transform_qkv(*self.qkv_proj(x, batch.lora).split(self.qkv_proj.out_sizes, dim=-1))
-        n = x.shape[0]
-        q, k = self.rotary(positions, q.view(n, -1, self.head_dim), k.view(n, -1, self.head_dim))
-        out = self.attn(q, k, v.view(n, -1, self.head_dim), batch)
-        return self.o_proj(out, batch.lora)
+        qkv = self.transform_qkv(*self.qkv_proj(x, batch.lora).split(self.qkv_proj.out_sizes, dim=-1))
+        q, k, v = (t.view(x.shape[0], -1, self.head_dim) for t in qkv)
+        norms = (self.q_norm, self.k_norm) if self.head_norm else ()
+        q = self.attn.rotate_and_store(positions, q, k, v, self.rotary, batch, *norms)
+        return self.o_proj(self.attn(q, batch), batch.lora)
 
 
 class DecoderLayer(nn.Module):

@@ -75,7 +75,8 @@ class MLAttention(nn.Module):
         q_rope, k_rope = self.rotary(positions, q_rope, k_rope.unsqueeze(1))
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, self.num_heads, -1)], dim=-1)
-        return self.o_proj(self.attn(q, k, v, batch), lora)
+        self.attn.store(k, v, batch)
+        return self.o_proj(self.attn(q, batch), lora)
 
 
 class DeepseekV2DecoderLayer(DecoderLayer):

@@ -2,7 +2,8 @@
 and optional clipping of q/k/v to [-clip_qkv, clip_qkv]; every layer MoE, no shared expert.
 
 Under tensor parallelism the norm needs the whole projection: q and k are all-gathered, normalised and
-cut back to the rank's heads (the same rows, so the same bits, as at one rank)."""
+cut back to the rank's heads (the same rows, so the same bits, as at one rank). RoPE and the KV-cache
+store then run fused as in every GQAttention, without the per-head norm."""
 from __future__ import annotations
 
 import torch

@@ -8,6 +8,7 @@ interpreter mode.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -28,6 +29,7 @@ from moelora.kernels import linear as li
 from moelora.kernels import lora_linear as ll
 from moelora.kernels import moe_align as ma
 from moelora.kernels import rms_norm as rn
+from moelora.kernels import rope_kv_store as rk
 from moelora.kernels import rotary as ro
 from moelora.kernels import topk as tk
 
@@ -38,10 +40,11 @@ INT_PTRS = {"sorted_ids_ptr", "block_expert_ptr", "block_slot_ptr", "num_rows_pt
             "extend_lens_ptr", "extend_starts_ptr", "ids_ptr", "lora_ranks_ptr", "slots_ptr"}
 FP32_PTRS = {"topk_weights_ptr", "xa_ptr", "hd_ptr", "mid_o_ptr", "mid_lse_ptr", "inv_freq_ptr", "bias_ptr",
              "weights_ptr"}
-FP32_SCALARS = {"qk_scale", "scale", "routed_scaling_factor", "eps"}
+FP32_SCALARS = {"qk_scale", "scale", "routed_scaling_factor", "eps", "q_eps", "k_eps"}
 NOT_DIVISIBLE = {"num_pairs", "top_k", "num_slots", "num_experts", "max_rows", "group", "num_q_heads", "max_splits",
                  "qk_scale", "num_tokens", "num_splits", "num_hd_parts", "num_k_heads", "stride_lt", "scale",
-                 "rows_per_token", "num_parts", "num_n_down", "tokens_per_program", "routed_scaling_factor", "num_heads", "eps", "M"}
+                 "rows_per_token", "num_parts", "num_n_down", "tokens_per_program", "routed_scaling_factor", "num_heads", "eps", "M",
+                 "num_kv_heads", "q_eps", "k_eps"}
 ATTENTION_HEADS = ((128, 128, 8), (192, 128, 1), (64, 64, 4))  # Dk, Dv, q heads per kv head: Qwen3, MLA, small
 LORA_LINEARS = ((2048, (4096, 512, 512), 16), (2048, (4096, 512, 512), 64), (4096, (2048,), 16))  # Qwen3-30B-A3B
 #                 qkv and o: in features, out sizes, rank tile
@@ -50,8 +53,10 @@ ROTARY_HEADS = ((32, 4, 128, False), (128, 1, 64, True))
 # experts, k, sigmoid, correction bias, groups, topk_group: Qwen3-30B-A3B, DeepSeek-V2-Lite grouped, -V2, -V3
 ROUTERS = ((128, 8, False, False, 1, 1), (64, 6, False, False, 8, 3), (160, 6, False, False, 8, 3),
            (256, 8, True, True, 8, 4))
-RMS_NORMS = ((1, 2048), (1, 4096), (1, 7168), (32, 128), (4, 128), (1, 512))  # heads, D: hidden of Qwen3-30B-A3B,
+RMS_NORMS = (2048, 4096, 7168, 128, 512)  # D (the config depends on nothing else): hidden of Qwen3-30B-A3B,
 #           Mixtral, DeepSeek-V3 (the largest block); Qwen3's per-head q and k; the MLA kv latent
+# head_dim, per-head q/k norm, interleaved: Qwen3-30B-A3B; Mixtral, Qwen2-MoE, OLMoE; a small interleaved one
+ROPE_KV_STORES = ((128, True, False), (128, False, False), (64, True, True))
 # M, N, K: the dense GEMM's default tiles: decode (16 x 16, 16 x 32), medium (64 x 64), prefill on 4 warps
 # (64 x 128, o_proj's N = 2048) and on 8 (128 x 256); Qwen3-30B-A3B's o_proj (2 K splits: in parallel at
 # decode, one after the other at prefill), qkv (1) and router (16, in parallel at decode, serial at prefill)
@@ -117,7 +122,7 @@ def compile_all() -> list[dict]:
         compiled = compile_sm90(kernel, constexprs, "bf16", 8, 1)
         results.append(dict(kernel=kernel.fn.__name__, shared=compiled.metadata.shared, ttgir=""))
     results += (compile_attention() + compile_lora_linear() + compile_rotary() + compile_topk() + compile_rms_norm()
-                + compile_kv_store() + compile_linear())
+                + compile_kv_store() + compile_rope_kv_store() + compile_linear())
     return results
 
 
@@ -154,6 +159,7 @@ def compiled():
 def test_all_kernels_fit_shared_memory(compiled):
     assert len(compiled) == (10 * 2 * 2 + 8 + 2 * len(ATTENTION_HEADS) + 1 + len(LORA_LINEARS)
                              + len(ROTARY_HEADS) + len(ROUTERS) + 2 * len(RMS_NORMS) + 1 + len(KV_STORES) + 1
+                             + len(ROPE_KV_STORES) + 1
                              + 2 * len(LINEARS) + 1 + len(LORA_EPILOGUES))
     for r in compiled:
         assert r["shared"] <= SMEM_LIMIT, f"{r}: {r['shared']} B of shared memory"
@@ -196,18 +202,58 @@ def compile_lora_linear() -> list[dict]:
     return results
 
 
+def reduce_layouts(ttgir: str) -> list[str]:
+    """The layout of each tt.reduce's operand, in the order of the TTGIR."""
+    layouts = dict(re.findall(r"^(#\w+) = (#ttg\.[^\n]*)$", ttgir, re.M))
+    operands = re.findall(r'"tt\.reduce"\(%\w+\) <\{axis = \d : i32\}> \(\{.*?\}\) : \(tensor<[^,]*, (#\w+)>\)', ttgir, re.S)
+    return [layouts[name] for name in operands]
+
+
 def compile_rms_norm() -> list[dict]:
     """bf16 with and without the residual add; and fp32 weight and output on bf16 activations."""
     fp32 = {"w_ptr": "*fp32", "out_ptr": "*fp32"}
-    cases = [(shape, r, None) for shape in RMS_NORMS for r in (False, True)] + [((1, 2048), True, fp32)]
+    cases = [(dim, r, None) for dim in RMS_NORMS for r in (False, True)] + [(2048, True, fp32)]
     results = []
-    for (heads, dim), has_residual, types in cases:
-        block_h, block_d, num_warps = rn.launch_config(heads, dim)
+    for dim, has_residual, types in cases:
+        block_h, block_d, num_warps = rn.launch_config(dim)
         constexprs = dict(HAS_RESIDUAL=has_residual, BLOCK_H=block_h, BLOCK_D=block_d)
         compiled = compile_sm90(rn._rms_norm_kernel, constexprs, "bf16", num_warps, 1, types)
-        results.append(dict(kernel="_rms_norm_kernel", dtype="bf16", heads=heads, dim=dim, residual=has_residual,
+        results.append(dict(kernel="_rms_norm_kernel", dtype="bf16", dim=dim, residual=has_residual,
                             fp32_weight=types is not None, shared=compiled.metadata.shared, ttgir=""))
     return results
+
+
+def compile_rope_kv_store() -> list[dict]:
+    """bf16 q, k, v and caches (int64 positions and slots); and fp32 norm weights, so an fp32 rotation
+    of bf16 inputs stored into a bf16 cache. With each, the layouts _rms_norm_kernel reduces in for its
+    head_dim (bf16, no residual)."""
+    common = {"positions_ptr": "*i64", "loc_ptr": "*i64"}
+    fp32 = {**common, "q_w_ptr": "*fp32", "k_w_ptr": "*fp32", "q_out_ptr": "*fp32"}
+    results = []
+    for (dim, norm, interleaved), types in [(case, common) for case in ROPE_KV_STORES] + [(ROPE_KV_STORES[0], fp32)]:
+        block_h, block_d, num_warps = rn.launch_config(dim)
+        constexprs = dict(HALF=dim // 2, HAS_NORM=norm, INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_D=block_d,
+                          BLOCK_F=triton.next_power_of_2(dim // 2))
+        compiled = compile_sm90(rk._rope_kv_store_kernel, constexprs, "bf16", num_warps, 1, types)
+        rms = compile_sm90(rn._rms_norm_kernel, dict(HAS_RESIDUAL=False, BLOCK_H=block_h, BLOCK_D=block_d), "bf16",
+                           num_warps, 1, None if types is common else {"w_ptr": "*fp32", "out_ptr": "*fp32"})
+        ptx = compiled.asm["ptx"]
+        results.append(dict(kernel="_rope_kv_store_kernel", dim=dim, norm=norm, shared=compiled.metadata.shared,
+                            ttgir="", reduces=reduce_layouts(compiled.asm["ttgir"]),
+                            rms_norm_reduces=reduce_layouts(rms.asm["ttgir"]),
+                            approx_trig="sin.approx" in ptx or "cos.approx" in ptx))
+    return results
+
+
+def test_rope_kv_store_sums_squares_as_rms_norm(compiled):
+    """The fused q/k norm gets rms_norm's bits only if it sums each head's squares in the same order: its
+    two reductions (q's heads, k's) must run on _rms_norm_kernel's layout for that head_dim, which the same
+    tile shape, warps and load give them."""
+    fused = [r for r in compiled if r["kernel"] == "_rope_kv_store_kernel"]
+    assert any(r["norm"] for r in fused)
+    for r in fused:
+        assert len(r["rms_norm_reduces"]) == 1, r
+        assert r["reduces"] == (2 * r["rms_norm_reduces"] if r["norm"] else []), r
 
 
 def test_attention_pipelines_key_loads(compiled):
@@ -310,7 +356,7 @@ def test_linear_pipelines_on_wgmma(compiled):
 def test_rotary_uses_accurate_sin_cos(compiled):
     """Positions run to 10^5 radians and more, where sin.approx/cos.approx lose every digit; libdevice's
     sinf/cosf reduce the argument exactly, as torch's CUDA kernels do."""
-    assert all(not r["approx_trig"] for r in compiled if r["kernel"] == "_rotary_kernel")
+    assert all(not r["approx_trig"] for r in compiled if r["kernel"] in ("_rotary_kernel", "_rope_kv_store_kernel"))
 
 
 def test_linear_shrink_in_gemm_synchronises(compiled):

@@ -69,7 +69,8 @@ def test_matches_reference(case, dtype, with_residual, device, poison):
 @pytest.mark.parametrize("head_dim", [48, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_per_head_norm_of_qkv_slices(head_dim, dtype, device, poison):
-    """Strided 3D views, no copy; 40 heads of 128 span two programs of 32 heads, the second part masked."""
+    """Strided 3D views, no copy; 40 heads of 128 fill ten programs of four, 4 heads of 48 half of one of
+    eight (the other half masked)."""
     gen = torch.Generator().manual_seed(torch.seed())
     q, k = _qkv_views(3, 40, 4, head_dim, dtype, device, gen)
     assert q.stride(0) != 40 * head_dim
