@@ -53,10 +53,31 @@ class Submission:
 
 @dataclass
 class Delta:
-    """One step's output of one sequence, as its queue receives it."""
+    """One step's output of one sequence, as its queue receives it (or several steps' merged: merge_deltas)."""
     index: int               # the sequence's position in its submit call
     out: StepOutput
     pieces: dict[int, str]   # text of every token in out.logprobs, out.prompt_token_ids and out.prompt_logprobs
+
+    def then(self, later: Delta) -> Delta:
+        """This output followed by the same sequence's next one, as one."""
+        a, b = self.out, later.out
+        out = replace(b, token_ids=a.token_ids + b.token_ids, text=a.text + b.text, logprobs=a.logprobs + b.logprobs,
+                      prompt_token_ids=a.prompt_token_ids or b.prompt_token_ids,
+                      prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs)
+        return Delta(self.index, out, self.pieces | later.pieces)
+
+
+def merge_deltas(items: list[Delta | Exception]) -> list[Delta | Exception]:
+    """The items a queue held at once, each sequence's Deltas merged into one (in the order the sequences first
+    appear), up to the first exception, which ends the list. A consumer that fell behind the steps (the event
+    loop busy) then sends one chunk per sequence for what it missed instead of one per step, as vLLM merges a
+    request's outputs its consumer has not taken yet: its work per token shrinks as its load grows."""
+    merged: dict[int, Delta] = {}
+    for item in items:
+        if isinstance(item, Exception):
+            return [*merged.values(), item]
+        merged[item.index] = merged[item.index].then(item) if item.index in merged else item
+    return list(merged.values())
 
 
 @dataclass
