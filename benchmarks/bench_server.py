@@ -8,10 +8,14 @@ requests of (last token - first token) / (tokens - 1)), and aggregate generated 
 wall time of the whole run. Then, in the same run, the offline engine on the same settings (the serve
 flags parsed by the CLI) on the same work: --requests waves of C prompts through `Engine.generate`,
 tokens/s over the waves' wall time; served / offline is the share of the engine the server delivers.
+Last, how the steps of each measured run formed and where their host time went (the engine's StepStats,
+from the server's /metrics and from the offline engine; moelora/engine/step_stats.py says what each
+counts), and where the server's threads spent the run.
 
     python3 benchmarks/bench_server.py                    # on a GPU, concurrency 1 and 32
     python3 benchmarks/bench_server.py --tiny             # a tiny model on the CPU in seconds (CPU test)
     python3 benchmarks/bench_server.py --server-args="--disable-overlap-schedule --enable-mixed-chunk"
+    python3 benchmarks/bench_server.py --step-trace /tmp/steps   # and every step of both, one JSON line each
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from pathlib import Path
 import httpx
 import openai
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests/support.py
 
@@ -54,9 +59,11 @@ def engine_argv(model_dir: Path, adapters: dict[str, Path], device: str, extra: 
             *extra]
 
 
-def start_server(argv: list[str], port: int, log: Path) -> subprocess.Popen:
+def start_server(argv: list[str], port: int, log: Path, trace: Path | None) -> subprocess.Popen:
+    """trace: where the server's engine writes its step trace (MOELORA_STEP_TRACE), if anywhere."""
     cmd = [sys.executable, "-m", "moelora.cli", "serve", *argv, "--port", str(port), "--served-model-name", "base"]
-    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=os.environ.copy())
+    env = os.environ | ({"MOELORA_STEP_TRACE": str(trace)} if trace is not None else {})
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 
 
 def client_prompt(i: int, r: int, prompt_len: int, vocab: int) -> list[int]:
@@ -65,19 +72,20 @@ def client_prompt(i: int, r: int, prompt_len: int, vocab: int) -> list[int]:
 
 
 def offline_tokens_per_s(argv: list[str], concurrencies: list[int], requests: int, prompt_len: int, max_tokens: int,
-                         vocab: int) -> dict[int, float]:
-    """Tokens/s of the offline engine on the clients' work: per concurrency C, `requests` waves of the C
-    clients' prompts (client i with adapter i % ADAPTERS), each wave one generate call."""
+                         vocab: int) -> tuple[dict[int, float], dict[int, dict[str, float]]]:
+    """Tokens/s of the offline engine on the clients' work, and its step counters over it: per concurrency C,
+    `requests` waves of the C clients' prompts (client i with adapter i % ADAPTERS), each wave one generate call."""
     from moelora.cli import engine_kwargs
     from moelora.engine.engine import Engine
     from moelora.engine.sampling_params import SamplingParams
 
     engine = Engine(**engine_kwargs(argv))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    rates = {}
+    rates, stats = {}, {}
     for c in concurrencies:
         adapters = [f"a{i % ADAPTERS}" for i in range(c)]
         engine.generate([client_prompt(i, 0, prompt_len, vocab) for i in range(c)], params, lora=adapters)  # warm-up
+        before = engine.step_stats.as_dict()
         t0 = time.perf_counter()
         tokens = 0
         for r in range(requests):
@@ -86,8 +94,61 @@ def offline_tokens_per_s(argv: list[str], concurrencies: list[int], requests: in
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         rates[c] = tokens / (time.perf_counter() - t0)
+        stats[c] = difference(engine.step_stats.as_dict(), before)
     engine.shutdown()
-    return rates
+    return rates, stats
+
+
+def server_counters(url: str) -> dict[str, float]:
+    """The server's step and thread counters (moelora:engine_* and moelora:server_* in /metrics) by their names in
+    StepStats.as_dict and the engine loop's thread counters, and its TTFT histogram's ttft_sum and ttft_count."""
+    counters = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for prefix in ("moelora:engine_", "moelora:server_"):
+            if family.name.startswith(prefix):
+                counters |= {sample.name.removeprefix(prefix).removesuffix("_total"): sample.value
+                             for sample in family.samples if sample.name.endswith("_total")}
+        if family.name == "moelora:time_to_first_token_seconds":
+            counters |= {f"ttft{sample.name.removeprefix(family.name)}": sample.value for sample in family.samples
+                         if sample.name.endswith(("_sum", "_count"))}
+    return counters
+
+
+def difference(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {name: value - before.get(name, 0) for name, value in after.items()}
+
+
+def step_row(run: str, clients: int, d: dict[str, float]) -> str:
+    """One run's steps: how many of each kind, how full, what a prompt step stalls, the wait for admission,
+    and host ms per step by phase."""
+    steps = d["prefill_steps"] + d["decode_steps"] + d["mixed_steps"]
+    prompt_steps, decode_steps = d["prefill_steps"] + d["mixed_steps"], d["decode_steps"] + d["mixed_steps"]
+    per_step = " / ".join(f"{1e3 * d[f'{phase}_seconds'] / max(steps, 1):.2f}"
+                          for phase in ("schedule", "launch", "wait", "postprocess"))
+    return (f"| {run} | {clients} | {d['prefill_steps']:.0f} | {d['mixed_steps']:.0f} | {d['decode_steps']:.0f} "
+            f"| {d['prompt_pieces'] / max(prompt_steps, 1):.1f} | {d['decode_rows'] / max(decode_steps, 1):.1f} "
+            f"| {d['stalled_rows'] / max(d['prefill_steps'], 1):.1f} "
+            f"| {1e3 * d['admission_wait_seconds'] / max(d['admitted'], 1):.1f} | {per_step} |")
+
+
+def print_step_tables(served: dict[int, dict[str, float]], offline: dict[int, dict[str, float]], walls: dict[int, float]
+                      ) -> None:
+    print("\n| run | clients | prompt steps | mixed steps | decode steps | prompts per prompt step "
+          "| decode batch (mean) | running requests stalled per prompt step | arrival to admission ms (mean) "
+          "| host ms per step: schedule / launch / wait / postprocess |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for c in served:
+        print(step_row("server", c, served[c]))
+        print(step_row("offline", c, offline[c]))
+    print("\n| clients | HTTP arrival to engine add ms (mean) | server's TTFT ms (mean) | engine thread idle s "
+          "| engine commands s | engine steps s | text thread s | CPU s: event loop / engine / text thread | run wall s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for c, d in served.items():
+        cpu = " / ".join(f"{d.get(f'{thread}_cpu_seconds', math.nan):.2f}" for thread in ("event_loop", "engine", "text"))
+        print(f"| {c} | {1e3 * d['add_delay_seconds'] / max(d['added'], 1):.1f} "
+              f"| {1e3 * d['ttft_sum'] / max(d['ttft_count'], 1):.1f} | {d['idle_seconds']:.2f} "
+              f"| {d['commands_seconds']:.2f} | {d['steps_seconds']:.2f} | {d['text_seconds']:.2f} | {cpu} "
+              f"| {walls[c]:.2f} |")
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
@@ -148,6 +209,9 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=None, help="default 128; tiny 8")
     p.add_argument("--max-tokens", type=int, default=None, help="default 64; tiny 4")
     p.add_argument("--server-args", default="", help="more `moelora serve` flags, one string")
+    p.add_argument("--step-trace", type=Path, default=None,
+                   help="a folder for the step traces of the server (server.jsonl) and the offline engine (offline.jsonl), "
+                        "warm-ups included: one JSON line per step (moelora/engine/step_stats.py)")
     args = p.parse_args()
     requests = args.requests or (2 if args.tiny else 4)
     prompt_len, max_tokens = args.prompt_len or (8 if args.tiny else 128), args.max_tokens or (4 if args.tiny else 64)
@@ -162,8 +226,10 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         argv = engine_argv(model_dir, adapters, device, shlex.split(args.server_args))
         concurrencies = [int(c) for c in args.concurrency.split(",")]
-        served = {}
-        proc = start_server(argv, port, work / "server.log")
+        served, served_stats, walls = {}, {}, {}
+        if args.step_trace is not None:
+            args.step_trace.mkdir(parents=True, exist_ok=True)
+        proc = start_server(argv, port, work / "server.log", args.step_trace and args.step_trace / "server.jsonl")
         try:
             t0 = time.perf_counter()
             wait_healthy(url, proc, timeout=900)
@@ -180,9 +246,11 @@ def main() -> None:
             for c in concurrencies:
                 # warm-up: one request per client, so the kernels of this batch's shapes are compiled
                 asyncio.run(run_clients(url, c, 1, prompt_len, max_tokens, config.vocab_size))
+                before = server_counters(url)
                 r = asyncio.run(run_clients(url, c, requests, prompt_len, max_tokens, config.vocab_size))
+                served_stats[c] = difference(server_counters(url), before)
                 assert r["tokens"] == c * requests * max_tokens, f"got {r['tokens']} tokens"
-                served[c] = r["tokens"] / r["wall"]
+                served[c], walls[c] = r["tokens"] / r["wall"], r["wall"]
                 print(f"| {c} | {c * requests} | {1e3 * r['ttft_p50']:.1f} | {1e3 * r['ttft_p90']:.1f} "
                       f"| {1e3 * r['itl']:.2f} | {served[c]:.0f} |", flush=True)
         except Exception:
@@ -191,11 +259,15 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(timeout=60)
-        offline = offline_tokens_per_s(argv, concurrencies, requests, prompt_len, max_tokens, config.vocab_size)
+        if args.step_trace is not None:  # read when the offline engine is constructed
+            os.environ["MOELORA_STEP_TRACE"] = str(args.step_trace / "offline.jsonl")
+        offline, offline_stats = offline_tokens_per_s(argv, concurrencies, requests, prompt_len, max_tokens,
+                                                      config.vocab_size)
         print("\n| concurrent clients | offline engine tokens/s (same waves) | served / offline |")
         print("|---|---|---|")
         for c in concurrencies:
             print(f"| {c} | {offline[c]:.0f} | {served[c] / offline[c]:.2f} |")
+        print_step_tables(served_stats, offline_stats, walls)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ constructor and end their process when rank 0 shuts down.
 from __future__ import annotations
 
 import random
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -31,6 +32,7 @@ from moelora.engine.request import Req
 from moelora.engine.sampler import pack_bitmask
 from moelora.engine.sampling_params import SamplingParams, check_text
 from moelora.engine.scheduler import Scheduler
+from moelora.engine.step_stats import StepStats
 from moelora.engine.stepper import StepOutput, Stepper
 from moelora.engine.structured_output import GrammarBackend
 from moelora.engine.tokenizer import load_tokenizer
@@ -149,16 +151,20 @@ class Engine:
     # ------------------------------------------------------------------------------- step API
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, lora: str | None = None,
-                    rid: str | None = None, add_special_tokens: bool = True, detokenize: bool = True) -> str:
+                    rid: str | None = None, add_special_tokens: bool = True, detokenize: bool = True,
+                    arrival_time: float | None = None) -> str:
         """Queue one request (n must be 1); raises ValueError (AdapterError for the adapter) naming the problem.
         add_special_tokens: False for a text prompt that has them already (one `chat_prompt` made).
         detokenize: False leaves its outputs' text empty and its stop strings unlooked-for, for a caller
         that detokenizes them outside the engine's thread (`output_detokenizer`) and aborts the request
-        where a stop string ends it."""
+        where a stop string ends it. arrival_time: time.perf_counter() when the request arrived (a server's
+        HTTP arrival), from which step_stats counts its wait for admission; default now."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         if params.n != 1:
             raise ValueError(f"add_request takes one sequence per request (SamplingParams.n=1), got n={params.n}")
         req = self._make(prompt, params, lora, False, rid, add_special_tokens, detokenize)
+        if arrival_time is not None:
+            req.arrival = arrival_time
         self._add(req)
         return req.rid
 
@@ -231,6 +237,11 @@ class Engine:
     def context_len(self) -> int:
         """Tokens one request may hold: prompt + generated."""
         return self.runner.context_len
+
+    @property
+    def step_stats(self) -> StepStats:
+        """Counters of the steps run so far (engine/step_stats.py), updated in place."""
+        return self.stepper.stats
 
     @property
     def num_waiting(self) -> int:
@@ -333,7 +344,7 @@ class Engine:
         # without the tokenizer it decides only the stop-token and length finishes
         detokenizer = IncrementalDetokenizer(self.tokenizer if detokenize else None, ids, params, self.eos_token_ids)
         return Req(rid or uuid.uuid4().hex, ids, params, lora, seed, detokenizer, return_prompt_logprobs,
-                   grammar=grammar, allowed_tokens=allowed)
+                   grammar=grammar, allowed_tokens=allowed, arrival=time.perf_counter())
 
     def _sync_lora(self) -> None:
         try:

@@ -33,6 +33,7 @@ class Req:
     allowed_tokens: torch.Tensor | None = None  # [ceil(vocab / 32)] int32 host bitmask of allowed_token_ids
     # prompt_logprob_entries[k]: prompt token k + 1's log-probability and the top ones (params.prompt_logprobs)
     prompt_logprob_entries: list[dict[int, float]] = field(default_factory=list)
+    arrival: float = 0.0                     # time.perf_counter() at arrival: its wait for admission counts from here
 
     @property
     def masked(self) -> bool:

@@ -39,6 +39,7 @@ class ScheduledBatch:
     num_decode: int          # reqs[:num_decode] are decode rows (running requests), the rest prompt pieces
     completes: list[bool]    # request reaches the end of its tokens this step, so samples the next one
     failed: list[tuple[Req, Exception]] = field(default_factory=list)  # dropped while allocating: not in reqs
+    num_stalled: int = 0     # running requests with tokens to go that the step leaves out (a prompt step of its own)
 
     @property
     def is_decode(self) -> bool:
@@ -78,11 +79,14 @@ class Scheduler:
         prompt pieces alone while any can run, else the decode rows; None if nothing can run."""
         decode = self._decode_rows()
         prefill, extend_lens = self._plan_prefill(len(decode) if self.config.enable_mixed_chunk else 0)
+        stalled = 0
         if prefill and not self.config.enable_mixed_chunk:
-            decode = []
+            decode, stalled = [], len(decode)
         if not decode and not prefill:
             return None
-        return self._allocate(decode + prefill, [1] * len(decode) + extend_lens, len(decode))
+        batch = self._allocate(decode + prefill, [1] * len(decode) + extend_lens, len(decode))
+        batch.num_stalled = stalled
+        return batch
 
     def start_decoding(self, batch: ScheduledBatch) -> None:
         """Once the step has run: requests whose prompt it finished decode from the next step on."""

@@ -23,6 +23,8 @@ it, synchronously and isolated as above.
 from __future__ import annotations
 
 import logging
+import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +33,7 @@ from moelora.engine.model_runner import ModelRunner, PendingTokens, StepResult
 from moelora.engine.request import Req
 from moelora.engine.sampler import SampleOutput
 from moelora.engine.scheduler import ScheduledBatch, Scheduler
+from moelora.engine.step_stats import StepStats, StepTrace
 from moelora.engine.workers import WorkerFailure
 
 logger = logging.getLogger(__name__)
@@ -68,6 +71,9 @@ class Stepper:
         self.scheduler, self.runner, self.overlap = scheduler, runner, overlap
         self.fatal: str | None = None  # why the engine cannot go on, once it cannot
         self._in_flight: _Launched | None = None  # overlap scheduling: the step launched last
+        self.stats = StepStats()
+        trace = os.environ.get("MOELORA_STEP_TRACE")
+        self._trace = StepTrace(trace) if trace else None
 
     @property
     def in_flight(self) -> bool:
@@ -76,18 +82,32 @@ class Stepper:
 
     def step(self) -> list[StepOutput]:
         """Run (or, overlapping, launch) the next step; the outputs of the step that finished."""
+        if self._trace is None:
+            return self._step()
+        started, before = time.perf_counter(), self.stats.as_dict()
+        outputs = self._step()
+        self._trace.write(started, before, self.stats.as_dict(), len(outputs), len(self.scheduler.waiting),
+                          len(self.scheduler.running))
+        return outputs
+
+    def _step(self) -> list[StepOutput]:
         prev, self._in_flight = self._in_flight, None
         if self.fatal is not None:
             return [self.fail(r, self.fatal) for r in self.scheduler.unfinished()]
         outputs = []
         if prev is not None and any(r.grammar is not None for r in prev.result.sampled):
             outputs, prev = self._read(prev), None  # their next bitmasks need these tokens
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
+        scheduled = time.perf_counter()
+        self.stats.seconds["schedule"] += scheduled - start
         if batch is None:
             assert prev is not None or not self.scheduler.has_unfinished(), \
                 "the scheduler found nothing to run for its unfinished requests"
             return outputs + (self._read(prev) if prev is not None else [])
         outputs += [self.fail(req, f"allocating its KV cache failed: {_describe(e)}") for req, e in batch.failed]
+        if batch.reqs:
+            self._count(batch, scheduled)
         if self.overlap and batch.reqs:
             try:
                 self._in_flight = self._launch(batch, prev)
@@ -115,6 +135,14 @@ class Stepper:
         return StepOutput(req.rid, [], "", True, "error", [], len(req.prompt_ids), len(req.output_ids), error)
 
     # --------------------------------------------------------------------------------- internals
+
+    def _count(self, batch: ScheduledBatch, scheduled: float) -> None:
+        """The step's shape in the stats, and the wait of each request it starts (scheduled: when it was planned)."""
+        self.stats.count_step(batch.num_decode, batch.extend_lens, batch.num_stalled)
+        for i in range(batch.num_decode, len(batch.reqs)):
+            req = batch.reqs[i]
+            if batch.prefix_lens[i] == 0 and req.num_retractions == 0:  # its start, not a recomputation
+                self.stats.count_admission(scheduled - req.arrival)
 
     def _run_isolated(self, batch: ScheduledBatch, step_reqs: list[Req]) -> list[StepOutput]:
         """Run the batch (part of the step's `step_reqs`); if that raises, run its halves the same way,
@@ -149,8 +177,10 @@ class Stepper:
         pending = None
         if prev is not None and prev.result.tokens is not None:
             pending = PendingTokens(prev.result.tokens.token_ids, {r: i for i, r in enumerate(prev.result.sampled)})
+        start = time.perf_counter()
         result = self.runner.run(batch, lora.prepare([r.lora for r in batch.reqs], in_use), pending)
         tokens, copied = _copy_to_host(result.tokens) if result.tokens is not None else (None, None)
+        self.stats.seconds["launch"] += time.perf_counter() - start
         for req in result.sampled:
             req.num_pending += 1
         self.scheduler.start_decoding(batch)
@@ -171,8 +201,11 @@ class Stepper:
         """Read the step's tokens (the host waits for its device work here), append them, release the
         requests that end."""
         batch, result = launched.batch, launched.result
+        start = time.perf_counter()
         if launched.copied is not None:
             launched.copied.synchronize()
+        copied = time.perf_counter()
+        self.stats.seconds["wait"] += copied - start
         ended = {r for r in batch.reqs if r.finished}  # aborted while it ran ahead: released already
         for req in result.sampled:
             req.num_pending -= 1
@@ -189,6 +222,7 @@ class Stepper:
                 req.grammar = None
                 if req.lora is not None:
                     self.runner.lora.release(req.lora)
+        self.stats.seconds["postprocess"] += time.perf_counter() - copied
         return outputs
 
     def _append_tokens(self, reqs: list[Req], tokens: SampleOutput) -> list[StepOutput]:

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 from moelora.engine.engine import Engine, EngineDead
 from moelora.engine.sampling_params import StructuredOutput
 from moelora.lora.errors import AdapterError
-from moelora.server.engine_loop import Delta, EngineError, EngineLoop, Overloaded, Submission
+from moelora.server.engine_loop import Delta, EngineError, EngineLoop, Overloaded, Submission, merge_deltas
 from moelora.server.errors import APIError, bad_value, error_response, not_found, validation_error
 from moelora.server.metrics import Metrics
 from moelora.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -308,13 +308,17 @@ class OpenAIServing:
 
     @staticmethod
     async def _deltas(queue: asyncio.Queue, count: int) -> AsyncIterator[Delta]:
-        """Deltas of `count` sequences until every one has finished."""
+        """Deltas of `count` sequences until every one has finished; those that queued up while the
+        consumer was busy come merged, one per sequence."""
         while count:
-            item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            count -= item.out.finished
-            yield item
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            for item in merge_deltas(items):
+                if isinstance(item, Exception):
+                    raise item
+                count -= item.out.finished
+                yield item
 
     async def _collect(self, request: Request, rids: list[str], queue: asyncio.Queue, choices: list[_Choice]) -> None:
         """Wait for every sequence, aborting them if the client leaves first."""

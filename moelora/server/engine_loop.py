@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
 from moelora.engine.detokenizer import IncrementalDetokenizer
@@ -53,10 +53,46 @@ class Submission:
 
 @dataclass
 class Delta:
-    """One step's output of one sequence, as its queue receives it."""
+    """One step's output of one sequence, as its queue receives it (or several steps' merged: merge_deltas)."""
     index: int               # the sequence's position in its submit call
     out: StepOutput
     pieces: dict[int, str]   # text of every token in out.logprobs, out.prompt_token_ids and out.prompt_logprobs
+
+    def then(self, later: Delta) -> Delta:
+        """This output followed by the same sequence's next one, as one."""
+        a, b = self.out, later.out
+        out = replace(b, token_ids=a.token_ids + b.token_ids, text=a.text + b.text, logprobs=a.logprobs + b.logprobs,
+                      prompt_token_ids=a.prompt_token_ids or b.prompt_token_ids,
+                      prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs)
+        return Delta(self.index, out, self.pieces | later.pieces)
+
+
+def merge_deltas(items: list[Delta | Exception]) -> list[Delta | Exception]:
+    """The items a queue held at once, each sequence's Deltas merged into one (in the order the sequences first
+    appear), up to the first exception, which ends the list. A consumer that fell behind the steps (the event
+    loop busy) then sends one chunk per sequence for what it missed instead of one per step, as vLLM merges a
+    request's outputs its consumer has not taken yet: its work per token shrinks as its load grows."""
+    merged: dict[int, Delta] = {}
+    for item in items:
+        if isinstance(item, Exception):
+            return [*merged.values(), item]
+        merged[item.index] = merged[item.index].then(item) if item.index in merged else item
+    return list(merged.values())
+
+
+@dataclass
+class ThreadStats:
+    """Where the server's threads spend their time (seconds, summed), beside the engine's own StepStats;
+    /metrics exposes them as moelora:server_<name>."""
+    idle_seconds: float = 0.0       # engine thread: waiting for work (nothing to step)
+    commands_seconds: float = 0.0   # engine thread: running commands (adding and aborting requests, adapters)
+    steps_seconds: float = 0.0      # engine thread: in Engine.step (StepStats breaks it down)
+    text_seconds: float = 0.0       # text thread: tokenizing, detokenizing, handing outputs to the event loop
+    added: int = 0                  # requests added
+    add_delay_seconds: float = 0.0  # from each one's HTTP arrival to its add in the engine thread, summed
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
 
 
 class EngineError(RuntimeError):
@@ -82,6 +118,10 @@ class EngineLoop:
                  stats_interval: float = 10.0):
         self.engine, self.metrics, self.max_queued_requests = engine, metrics, max_queued_requests
         self.stats = StatsLog(stats_interval)
+        self.thread_stats = ThreadStats()
+        metrics.expose("moelora:engine_", engine.step_stats.as_dict)
+        self._thread_ids: dict[str, int] = {}  # the threads whose CPU time /metrics reports, once started
+        metrics.expose("moelora:server_", self._thread_counters)
         self.context_len = engine.context_len
         # published by the engine thread for the event loop; replaced whole, never mutated
         self.adapters: dict[str, str] = {n: str(p) for n, p in engine.config.lora_paths.items()}
@@ -99,7 +139,10 @@ class EngineLoop:
     # ------------------------------------------------------------------------- event-loop side
 
     def start(self) -> None:
+        """Start the engine thread; called from the server's event loop (whose thread's CPU time /metrics reports)."""
         self._thread.start()
+        self._thread_ids = {"event_loop": threading.get_ident(), "engine": self._thread.ident,
+                            "text": self._text.submit(threading.get_ident).result()}
 
     def stop(self) -> None:
         with self._cv:
@@ -123,6 +166,17 @@ class EngineLoop:
             self._cv.notify()
         return future
 
+    def _thread_counters(self) -> dict[str, float]:
+        """ThreadStats, and the CPU seconds of the event loop's, engine's and text threads so far: how much of
+        the one GIL each takes (read when scraped, nothing per step)."""
+        cpu = {}
+        for name, ident in self._thread_ids.items():
+            try:
+                cpu[f"{name}_cpu_seconds"] = time.clock_gettime(time.pthread_getcpuclockid(ident))
+            except OSError:  # the thread has ended
+                pass
+        return self.thread_stats.as_dict() | cpu
+
     async def run(self, fn: Callable[[], T]) -> T:
         return await asyncio.wrap_future(self.call(fn))
 
@@ -145,7 +199,7 @@ class EngineLoop:
         loop, arrival, rids = asyncio.get_running_loop(), time.perf_counter(), [uuid.uuid4().hex for _ in subs]
         try:
             prompts = await self.run_text(lambda: self._register(rids, subs, loop, queue, arrival))
-            future = self.call(lambda: self._add(rids, subs, prompts))
+            future = self.call(lambda: self._add(rids, subs, prompts, arrival))
         except BaseException:  # refused before any reached the engine (or the client left meanwhile)
             self._unpend(len(subs))
             self._text.submit(self._forget, rids)
@@ -178,21 +232,28 @@ class EngineLoop:
     # ---------------------------------------------------------------------------- engine thread
 
     def _run(self) -> None:
+        times = self.thread_stats
         while True:
             with self._cv:
                 if not (self._commands or self._stopping or self.engine.has_unfinished()):
+                    start = time.perf_counter()
                     self._cv.wait(self.stats.interval or None)  # woken by work, or for the stats line
+                    times.idle_seconds += time.perf_counter() - start
                 if self._stopping:
                     break
                 commands, self._commands = self._commands, []
+            start = time.perf_counter()
             for fn, future in commands:
                 if future.set_running_or_notify_cancel():
                     try:
                         future.set_result(fn())
                     except Exception as e:  # the caller's error, not the engine's
                         future.set_exception(e)
+            stepped = time.perf_counter()
+            times.commands_seconds += stepped - start
             if self.engine.has_unfinished():
                 self._step()
+                times.steps_seconds += time.perf_counter() - stepped
             self.num_waiting = self.engine.num_waiting
             self.metrics.set_queues(len(self._rids) - self.num_waiting, self.num_waiting)
             self.stats.tick(self.engine, self.engine.num_running, self.num_waiting)
@@ -206,11 +267,11 @@ class EngineLoop:
         with self._cv:
             self._pending -= n
 
-    def _add(self, rids: list[str], subs: list[Submission], prompts: list[list[int]]) -> list[str]:
+    def _add(self, rids: list[str], subs: list[Submission], prompts: list[list[int]], arrival: float) -> list[str]:
         added: list[str] = []
         try:
             for rid, sub, prompt in zip(rids, subs, prompts):
-                self.engine.add_request(prompt, sub.params, sub.lora, rid=rid, detokenize=False)
+                self.engine.add_request(prompt, sub.params, sub.lora, rid=rid, detokenize=False, arrival_time=arrival)
                 added.append(rid)
         except Exception:
             for rid in added:
@@ -218,6 +279,8 @@ class EngineLoop:
             self._text.submit(self._forget, rids)  # before the aborts' outputs reach the text thread
             raise
         self._rids.update(added)
+        self.thread_stats.added += len(added)
+        self.thread_stats.add_delay_seconds += len(added) * (time.perf_counter() - arrival)
         return rids
 
     def _load_lora(self, name: str, path: str, adapter: Adapter) -> None:
@@ -261,11 +324,15 @@ class EngineLoop:
     def _register(self, rids: list[str], subs: list[Submission], loop: asyncio.AbstractEventLoop,
                   queue: asyncio.Queue, arrival: float) -> list[list[int]]:
         """Each sequence's prompt ids, its stream registered (all or none)."""
-        prompts = [self.engine.tokenize(sub.prompt, sub.add_special_tokens) for sub in subs]
-        for index, (rid, sub, prompt) in enumerate(zip(rids, subs, prompts)):
-            detokenizer = self.engine.output_detokenizer(prompt, sub.params)
-            self._streams[rid] = _Stream(loop, queue, index, arrival, detokenizer)
-        return prompts
+        start = time.perf_counter()
+        try:
+            prompts = [self.engine.tokenize(sub.prompt, sub.add_special_tokens) for sub in subs]
+            for index, (rid, sub, prompt) in enumerate(zip(rids, subs, prompts)):
+                detokenizer = self.engine.output_detokenizer(prompt, sub.params)
+                self._streams[rid] = _Stream(loop, queue, index, arrival, detokenizer)
+            return prompts
+        finally:
+            self.thread_stats.text_seconds += time.perf_counter() - start
 
     def _forget(self, rids: list[str]) -> None:
         for rid in rids:
@@ -273,6 +340,7 @@ class EngineLoop:
 
     def _deliver_outputs(self, outputs: list[StepOutput], now: float) -> None:
         """Detokenize one step's outputs (now: when it ended) and hand each to its request's queue."""
+        start = time.perf_counter()
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
         for out in outputs:
             stream = self._streams.get(out.rid)
@@ -290,6 +358,7 @@ class EngineLoop:
             deliveries.setdefault(stream.loop, []).append((stream.queue, item))
         for loop, items in deliveries.items():
             _deliver(loop, items)
+        self.thread_stats.text_seconds += time.perf_counter() - start
 
     def _delta(self, stream: _Stream, out: StepOutput, now: float) -> Delta | EngineError:
         """What the request's queue gets of one output: its text and the text of its logprob tokens."""

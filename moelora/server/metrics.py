@@ -3,6 +3,8 @@ tests). Names follow SGLang's, under the moelora: prefix. The engine thread upda
 manager's counters are read when scraped."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
@@ -28,6 +30,11 @@ class Metrics:
         self.itl = Histogram("moelora:inter_token_latency_seconds", "Between consecutive tokens of a request",
                              buckets=_LATENCY_BUCKETS, registry=r)
         r.register(_LoRACollector(lora_stats))
+
+    def expose(self, prefix: str, read: Callable[[], dict[str, float]]) -> None:
+        """Counters read when scraped: prefix + each name of read()'s (moelora/engine/step_stats.py and
+        the engine loop's ThreadStats say what they count)."""
+        self.registry.register(_CountersCollector(prefix, read))
 
     def set_queues(self, running: int, waiting: int) -> None:
         self.running.set(running)
@@ -63,3 +70,14 @@ class _LoRACollector(Collector):
                           ("slot_evictions", "GPU slots taken over from another adapter"),
                           ("disk_loads", "Adapters read and validated from disk")]:
             yield CounterMetricFamily(f"moelora:lora_{name}", doc, value=getattr(self.stats, name))
+
+
+class _CountersCollector(Collector):
+    """Counters kept elsewhere (plain numbers the engine thread adds to), as counters."""
+
+    def __init__(self, prefix: str, read: Callable[[], dict[str, float]]):
+        self.prefix, self.read = prefix, read
+
+    def collect(self):
+        for name, value in self.read().items():
+            yield CounterMetricFamily(f"{self.prefix}{name}", f"{name} (see the module that counts it)", value=value)

@@ -1,6 +1,6 @@
 """The HTTP serving benchmark runs end to end (--tiny: `moelora serve` on a tiny model with 8 adapters,
-streamed clients; scheduling ahead, a small step budget; then the offline engine on the same flags), so the
-GPU run cannot be the first to find it broken."""
+streamed clients; scheduling ahead, a small step budget; then the offline engine on the same flags), and
+summarises the steps of both and the server's threads, so the GPU run cannot be the first to find it broken."""
 import os
 import subprocess
 import sys
@@ -17,8 +17,9 @@ def test_tiny_server_benchmark_reports_each_concurrency():
                           "--server-args=--disable-overlap-schedule --enable-mixed-chunk --max-num-batched-tokens 16"], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
+    blocks = run.stdout.split("\n\n")
     tables = [[[float(v) for v in line.split("|")[1:-1]] for line in block.splitlines()[2:]]
-              for block in run.stdout.split("\n\n") if block.startswith("| concurrent clients")]
+              for block in blocks if block.startswith("| concurrent clients")]
     served, offline = tables
     assert [r[0] for r in served] == [1, 4] and [r[1] for r in served] == [2, 8]
     for clients, _, ttft50, ttft90, itl, tps in served:
@@ -28,3 +29,19 @@ def test_tiny_server_benchmark_reports_each_concurrency():
         # the table's tokens/s are rounded to integers: on a loaded CPU the offline rate may be 1-2 tokens/s
         rounding = 0.5 / offline_tps + 0.5 / served_row[-1]
         assert offline_tps > 0 and ratio == pytest.approx(served_row[-1] / offline_tps, rel=0.1 + rounding, abs=0.01)
+
+    steps = next(block for block in blocks if block.startswith("| run |")).splitlines()[2:]
+    rows = {(cells[0], int(cells[1])): [float(v) for v in cells[2:8]] + [float(v) for v in cells[9].split(" / ")]
+            for cells in ([c.strip() for c in line.split("|")[1:-1]] for line in steps)}
+    assert set(rows) == {(run, c) for run in ("server", "offline") for c in (1, 4)}
+    for (_, clients), (prompt, mixed, decode, prompts_per_step, batch, stalled, *host_ms) in rows.items():
+        # each of the 2 waves' prompts (8 tokens) runs in pieces of the 16-token budget beside the decode rows
+        assert prompt + mixed >= 2 and decode > 0 and 0 < prompts_per_step <= clients and 0 < batch <= clients
+        assert stalled == 0 and len(host_ms) == 4 and all(ms >= 0 for ms in host_ms) and host_ms[1] > 0
+    threads = next(block for block in blocks if block.startswith("| clients |")).splitlines()[2:]
+    for line, clients in zip(threads, (1, 4), strict=True):
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        add_ms, ttft_ms, idle, commands, stepping, text = map(float, cells[1:7])
+        cpu, wall = [float(v) for v in cells[7].split(" / ")], float(cells[8])
+        assert int(cells[0]) == clients and 0 < add_ms < ttft_ms and 0 < stepping < wall
+        assert min(idle, commands, text) >= 0 and len(cpu) == 3 and cpu[1] > 0

@@ -11,7 +11,9 @@ import pytest
 
 from moelora.engine.engine import Engine
 from moelora.engine.sampling_params import SamplingParams
+from moelora.engine.stepper import StepOutput
 from moelora.server.app import create_app
+from moelora.server.engine_loop import Delta, EngineError, merge_deltas
 from tests.server.conftest import ENGINE_OPTIONS, MODEL_NAME, SERVED, serving
 
 IDS = [5, 6, 7, 8]
@@ -111,3 +113,41 @@ def test_an_engine_scheduling_ahead_serves_the_same_completions(demo_dir, refere
             out = post(server, "/v1/completions", {**body, "stop": [stop]}).json()["choices"][0]
             assert out["text"] == want[:want.index(stop)] and out["finish_reason"] == "stop"
         assert server.idle()
+
+
+def delta(index: int, tokens: list[int], finished: bool = False, prompt: list[int] | None = None) -> Delta:
+    out = StepOutput("rid", tokens, "".join(f"<{t}>" for t in tokens), finished, "length" if finished else None,
+                     [{t: -1.0} for t in tokens], 4, tokens[-1] if tokens else 0, cumulative_logprob=-float(len(tokens)),
+                     prompt_token_ids=prompt, prompt_logprobs=[None, *({t: -2.0} for t in prompt[1:])] if prompt else None)
+    return Delta(index, out, {t: f"<{t}>" for t in [*tokens, *(prompt or ())]})
+
+
+def test_outputs_that_queued_up_are_merged_per_sequence_up_to_an_error():
+    items = [delta(0, [1], prompt=[7, 8]), delta(1, [1]), delta(0, [2]), delta(1, [2], finished=True), delta(0, [3])]
+    first, second = merge_deltas(items)
+    assert (first.index, first.out.token_ids, first.out.text) == (0, [1, 2, 3], "<1><2><3>")
+    assert first.out.logprobs == [{1: -1.0}, {2: -1.0}, {3: -1.0}] and first.out.completion_tokens == 3
+    assert first.out.prompt_token_ids == [7, 8] and first.out.prompt_logprobs == [None, {8: -2.0}]
+    assert set(first.pieces) == {1, 2, 3, 7, 8} and first.out.cumulative_logprob == -1.0  # the latest output's
+    assert (second.index, second.out.token_ids, second.out.finished, second.out.finish_reason) == (1, [1, 2], True,
+                                                                                                     "length")
+    error = EngineError("the engine failed")
+    merged = merge_deltas([delta(0, [1]), delta(0, [2]), error, delta(0, [3])])
+    assert [d.out.token_ids for d in merged[:-1]] == [[1, 2]] and merged[-1] is error
+
+
+def test_a_stream_that_falls_behind_gets_what_it_missed_in_one_chunk(server):
+    """The server's event loop is held up (a busy moment) while the engine goes on stepping: the tokens of
+    the steps it missed come in one chunk, none lost."""
+    body = {"model": "alpha", "prompt": IDS, "max_tokens": 12, "temperature": 0, "logprobs": 0, "stream": True,
+            "ignore_eos": True}
+    chunks = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunks.append(json.loads(line.removeprefix("data: "))["choices"][0]["logprobs"]["tokens"])
+            if len(chunks) == 1:  # hold the event loop while the engine steps the rest
+                event_loop = next(iter(server.loop._streams.values())).loop
+                event_loop.call_soon_threadsafe(time.sleep, 1.0)
+    assert sum(map(len, chunks)) == 12 and len(chunks) < 12 and max(map(len, chunks)) > 1

@@ -232,6 +232,16 @@ def test_health_and_metrics(server, client, reference):
     for name, count in stats.items():
         assert value(after, f"moelora:lora_{name}_total") == count
     assert value(after, "moelora:num_running_reqs") == 0 and value(after, "moelora:num_queue_reqs") == 0
+    # the engine's step counters and the server threads' (moelora/engine/step_stats.py, EngineLoop's ThreadStats):
+    # one prompt step, then a decode step for each of the two tokens after the first
+    assert (grew("moelora:engine_prefill_steps_total"), grew("moelora:engine_decode_steps_total")) == (1, 2)
+    assert grew("moelora:engine_decode_rows_total") == 2 and grew("moelora:engine_admitted_total") == 1
+    assert grew("moelora:engine_prompt_tokens_total") == len(reference.tokenizer.encode(PROMPTS[0]))
+    assert grew("moelora:server_added_total") == 1
+    assert 0 < grew("moelora:server_add_delay_seconds_total") <= grew("moelora:engine_admission_wait_seconds_total")
+    for name in ("engine_launch_seconds", "server_steps_seconds", "server_text_seconds", "server_event_loop_cpu_seconds",
+                 "server_engine_cpu_seconds", "server_text_cpu_seconds"):
+        assert grew(f"moelora:{name}_total") > 0, name
 
 
 def test_the_served_name_cannot_be_an_adapters(reference):
