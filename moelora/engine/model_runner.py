@@ -52,6 +52,18 @@ class StepInputs(NamedTuple):
     num_decode: int  # the first num_decode sequences are decode rows
 
 
+def warm_up_sizes(max_tokens: int) -> list[int]:
+    """1, 2, 3, then 2^i and 2^i + 1 up to max_tokens: every class of token counts whose bounds are at least a
+    factor of two apart holds a power of two, and a class that starts at a power of two holds 2^i + 1; both
+    kinds of Triton's integer specialisation (multiples of 16 and not) come up."""
+    sizes = {n for n in (1, 2, 3) if n <= max_tokens}
+    power = 4
+    while power <= max_tokens:
+        sizes |= {n for n in (power, power + 1) if n <= max_tokens}
+        power *= 2
+    return sorted(sizes)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, workers: Workers | None = None):
         """workers: the other ranks, when this is rank 0 of several."""
@@ -75,11 +87,28 @@ class ModelRunner:
         self.context_len = min(context, tokens - 1)
         self.kv = KVCache(shape.num_layers, tokens + 1, shape.num_kv_heads, shape.k_head_dim, shape.v_head_dim,
                           config.max_running_requests, self.context_len, self.dtype, self.device)
+        if self.device.type == "cuda":
+            self.warm_up(min(config.max_prefill_tokens, config.chunked_prefill_size or config.max_prefill_tokens,
+                             self.context_len))
         max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
         self.graphs = (CudaGraphs(self.logits, self.kv, max_bs, self.lora.expert_loras, self.lora.max_rank)
                        if config.use_cuda_graph else None)
         self.vocab_size = self.model.config.vocab_size
         self.penalties = PenaltyState(config.max_running_requests, self.vocab_size, self.device)
+
+    @torch.inference_mode()
+    def warm_up(self, max_tokens: int) -> None:
+        """Run a prompt step of each of `warm_up_sizes(max_tokens)` tokens, without and with an adapter slot, so
+        that Triton compiles every kernel variant a prompt step can pick now, not while serving: the kernels'
+        tiles follow the number of tokens in classes (linear's by rows, fused_moe's by rows per expert and
+        pairs) and Triton specialises integer arguments that are 1 or multiples of 16; a request that first
+        brings a new class otherwise stalls every running request for the seconds of a compile. The steps
+        write only slot 0, which no request ever holds, and record it in request row 0, as padded graph rows do."""
+        for tokens in warm_up_sizes(max_tokens):
+            for slot in (-1, 0) if self.lora.max_rank else (-1,):
+                batch = ForwardBatch.build(self.kv, [0], [[0] * tokens], [0], [0] * tokens, [tokens - 1],
+                                           [slot] * tokens, 0)
+                self.logits(batch)
 
     def logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits of the rows batch.logits_indices; what CUDA graphs capture too."""

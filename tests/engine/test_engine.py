@@ -272,3 +272,23 @@ def test_chat_prompt_is_tokenized_once_by_the_engine(engine, monkeypatch):
     with pytest.raises(ValueError, match="has no chat template"):
         engine.chat_prompt([{"role": "user", "content": "Hello world"}])
     assert_idle(engine)
+
+
+def test_warm_up_sizes_reach_every_size_class():
+    from moelora.engine.model_runner import warm_up_sizes
+    sizes = warm_up_sizes(4096)
+    assert sizes[:5] == [1, 2, 3, 4, 5] and sizes[-2:] == [2049, 4096] and max(warm_up_sizes(100)) == 65
+    # any class of token counts (lo, hi] with hi >= 2 lo holds a size: fused_moe's rows per expert, linear's rows
+    for lo in range(1, 2049):
+        assert any(lo < n <= 2 * lo for n in sizes), lo
+
+
+def test_warm_up_leaves_no_trace(make_engine, alone):
+    """The start's prompt steps of every size class (run on GPUs only; here by hand) write only slot 0 and row
+    0: requests after them get the tokens they get without, and every slot and row is free."""
+    engine = make_engine(FAMILY)
+    engine.runner.warm_up(engine.runner.context_len)
+    assert not engine.runner.kv.req_to_token[0].any()
+    assert_idle(engine)
+    assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS, lora=LORAS)] == alone(FAMILY)
+    assert_idle(engine)
