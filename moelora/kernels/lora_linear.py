@@ -103,9 +103,10 @@ def lora_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     xa = torch.empty(num_tokens, num_parts, block_r, dtype=lora.b.dtype, device=x.device)
     part = torch.empty(num_tokens, num_parts, splits, block_r, dtype=torch.float32, device=x.device) if splits > 1 else xa
     counters = zeroed_counters(_counters, SHRINK_COUNTERS, x.device, "LoRA shrink K splits") if splits > 1 else xa
-    shrink = LinearShrink(lora.a, part, counters, blocks.sorted_ids, blocks.block_expert, splits, cfg.split_k,
-                          cfg.block_m, cfg.block_k)
-    if num_tokens > FUSED_SHRINK_MAX_TOKENS:
+    if num_tokens <= FUSED_SHRINK_MAX_TOKENS:  # the GEMM's launch runs it
+        shrink = LinearShrink(lora.a, part, counters, blocks.sorted_ids, blocks.block_expert, splits, cfg.split_k,
+                              cfg.block_m, cfg.block_k)
+    else:
         _shrink_kernel[(num_blocks * num_parts * splits,)](
             x, lora.a, lora.ranks, part, xa, counters, blocks.sorted_ids, blocks.block_expert,
             num_tokens, in_features, x.stride(0), *lora.a.stride()[:3],
