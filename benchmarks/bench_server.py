@@ -1,7 +1,8 @@
 """HTTP serving benchmark (not a test): `moelora serve` in its own process on a dummy-weight model of
 Qwen3-30B-A3B's sizes with 8 adapters of rank 16 (q/k/v/o and every routed expert), driven by C
-concurrent clients of the official `openai` client, streaming. Client i uses adapter i % 8; each sends
---requests completions of --prompt-len token ids and gets --max-tokens greedy tokens (ignore_eos).
+concurrent clients of the official `openai` client, streaming, in processes of --clients-per-process
+(benchmarks/http_clients.py). Client i uses adapter i % 8; each sends --requests completions of --prompt-len
+token ids and gets --max-tokens greedy tokens (ignore_eos).
 
 Reported per concurrency: time to first token (p50, p90), inter-token latency (the median over
 requests of (last token - first token) / (tokens - 1)), and aggregate generated tokens/s over the
@@ -20,8 +21,8 @@ counts), and where the server's threads spent the run.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
+import json
 import math
 import os
 import shlex
@@ -40,9 +41,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests/support.py
 
+from http_clients import client_prompt
+
 from tests.support import qwen3_30b_a3b_config, write_dummy_checkpoint, write_random_peft_adapter
 
 ADAPTERS, RANK = 8, 16
+CLIENTS = Path(__file__).with_name("http_clients.py")
 
 
 def free_port() -> int:
@@ -64,11 +68,6 @@ def start_server(argv: list[str], port: int, log: Path, trace: Path | None) -> s
     cmd = [sys.executable, "-m", "moelora.cli", "serve", *argv, "--port", str(port), "--served-model-name", "base"]
     env = os.environ | ({"MOELORA_STEP_TRACE": str(trace)} if trace is not None else {})
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-
-
-def client_prompt(i: int, r: int, prompt_len: int, vocab: int) -> list[int]:
-    """Client i's r-th prompt."""
-    return [(7 * i + 13 * r + j) % (vocab - 1) + 1 for j in range(prompt_len)]
 
 
 def offline_tokens_per_s(argv: list[str], concurrencies: list[int], requests: int, prompt_len: int, max_tokens: int,
@@ -165,35 +164,32 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"the server was not healthy after {timeout:.0f} s")
 
 
-async def one_request(client: openai.AsyncOpenAI, model: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
-    """(seconds to the first token, arrival time of every token). logprobs=0 makes the server send a
-    chunk for every token: dummy weights mostly pick ids past the tiny tokenizer's vocabulary, which
-    decode to no text, and text-less chunks are otherwise skipped."""
-    t0 = time.perf_counter()
-    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
-                                             stream=True, logprobs=0, extra_body={"ignore_eos": True})
-    arrivals = []
-    async for chunk in stream:
-        for choice in chunk.choices:
-            tokens = choice.logprobs.tokens if choice.logprobs and choice.logprobs.tokens else []
-            arrivals += [time.perf_counter()] * len(tokens)
-    return arrivals[0] - t0, arrivals
-
-
-async def run_clients(url: str, concurrency: int, requests: int, prompt_len: int, max_tokens: int, vocab: int) -> dict:
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
-
-    async def client_loop(i: int) -> list[tuple[float, list[float]]]:
-        out = []
-        for r in range(requests):
-            out.append(await one_request(client, f"a{i % ADAPTERS}", client_prompt(i, r, prompt_len, vocab),
-                                         max_tokens))
-        return out
-
-    t0 = time.perf_counter()
-    results = [r for rs in await asyncio.gather(*(client_loop(i) for i in range(concurrency))) for r in rs]
-    wall = time.perf_counter() - t0
-    await client.close()
+def run_clients(url: str, concurrency: int, requests: int, prompt_len: int, max_tokens: int, vocab: int,
+                processes: int) -> dict:
+    """The clients in `processes` groups (benchmarks/http_clients.py, one process each), started together; TTFT,
+    inter-token latency and tokens over the wall time from the first group's start to the last one's end."""
+    groups = [list(range(p, concurrency, processes)) for p in range(min(processes, concurrency))]
+    work = [str(v) for v in (requests, prompt_len, max_tokens, vocab, ADAPTERS)]
+    procs = [subprocess.Popen([sys.executable, str(CLIENTS), url, ",".join(map(str, g)), *work], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for g in groups]
+    try:
+        for proc in procs:
+            if proc.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a client process failed to start (exit code {proc.wait()})")
+        for proc in procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        outs = []
+        for proc in procs:
+            out, _ = proc.communicate(timeout=1800)
+            if proc.returncode != 0:
+                raise RuntimeError(f"a client process failed (exit code {proc.returncode})")
+            outs.append(json.loads(out))
+    finally:
+        for proc in procs:
+            proc.kill()
+    results = [r for out in outs for r in out["results"]]
+    wall = max(out["end"] for out in outs) - min(out["start"] for out in outs)
     ttft = sorted(t for t, _ in results)
     itl = [(a[-1] - a[0]) / (len(a) - 1) for _, a in results if len(a) > 1]
     tokens = sum(len(a) for _, a in results)
@@ -208,6 +204,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=None, help="requests per client (default 4; tiny 2)")
     p.add_argument("--prompt-len", type=int, default=None, help="default 128; tiny 8")
     p.add_argument("--max-tokens", type=int, default=None, help="default 64; tiny 4")
+    p.add_argument("--clients-per-process", type=int, default=8,
+                   help="clients one client process runs (benchmarks/http_clients.py; default 8)")
     p.add_argument("--server-args", default="", help="more `moelora serve` flags, one string")
     p.add_argument("--step-trace", type=Path, default=None,
                    help="a folder for the step traces of the server (server.jsonl) and the offline engine (offline.jsonl), "
@@ -216,6 +214,10 @@ def main() -> None:
     requests = args.requests or (2 if args.tiny else 4)
     prompt_len, max_tokens = args.prompt_len or (8 if args.tiny else 128), args.max_tokens or (4 if args.tiny else 64)
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+
+    def processes(clients: int) -> int:
+        return math.ceil(clients / args.clients_per_process)
+
     config = qwen3_30b_a3b_config(tiny=args.tiny)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -238,16 +240,17 @@ def main() -> None:
                   f"openai {openai.__version__}")
             print(f"model: {'tiny Qwen3-MoE' if args.tiny else 'Qwen3-30B-A3B'} sizes, dummy weights, {ADAPTERS} adapters "
                   f"of rank {RANK} (client i uses adapter i % {ADAPTERS}); server up in {time.perf_counter() - t0:.0f} s; "
-                  f"prompts of {prompt_len} tokens, {max_tokens} greedy tokens each (ignore_eos), streamed; server flags: "
+                  f"prompts of {prompt_len} tokens, {max_tokens} greedy tokens each (ignore_eos), streamed; clients in processes "
+                  f"of {args.clients_per_process}; server flags: "
                   f"{args.server_args or 'defaults'}\n")
             print("| concurrent clients | requests | TTFT p50 ms | TTFT p90 ms | inter-token ms (median) "
                   "| aggregate tokens/s |")
             print("|---|---|---|---|---|---|", flush=True)
             for c in concurrencies:
                 # warm-up: one request per client, so the kernels of this batch's shapes are compiled
-                asyncio.run(run_clients(url, c, 1, prompt_len, max_tokens, config.vocab_size))
+                run_clients(url, c, 1, prompt_len, max_tokens, config.vocab_size, processes(c))
                 before = server_counters(url)
-                r = asyncio.run(run_clients(url, c, requests, prompt_len, max_tokens, config.vocab_size))
+                r = run_clients(url, c, requests, prompt_len, max_tokens, config.vocab_size, processes(c))
                 served_stats[c] = difference(server_counters(url), before)
                 assert r["tokens"] == c * requests * max_tokens, f"got {r['tokens']} tokens"
                 served[c], walls[c] = r["tokens"] / r["wall"], r["wall"]
