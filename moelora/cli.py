@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -64,6 +65,10 @@ def serve(args: argparse.Namespace) -> int:
     engine = Engine(**fields)
     name = args.served_model_name or Path(args.model_path.rstrip("/")).name
     app = create_app(engine, name, args.max_queued_requests, args.api_key, args.log_stats_interval)
+    # the model's, tokenizer's and kernels' objects live as long as the process: out of the cyclic collector's
+    # scans, whose full collections would otherwise walk them all while every thread waits (as vLLM does)
+    gc.collect()
+    gc.freeze()
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

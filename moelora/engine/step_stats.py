@@ -9,6 +9,9 @@ Host time per step, by phase (time.perf_counter, the engine's thread):
   wait         waiting for the device's sampled tokens (the host is idle: the device works)
   postprocess  appending the tokens to their requests, finishing and releasing them
 
+Beside them, the process's pauses so far (engine/pauses.py: garbage collections, Triton compiles), which stall
+a step from whichever thread they come.
+
 With MOELORA_STEP_TRACE=<file> in the environment, the engine also appends one JSON line per Engine.step call
 to the file (StepTrace): off by default; for looking at a run's steps one by one.
 """
@@ -17,6 +20,8 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field, fields
+
+from moelora.engine import pauses
 
 PHASES = ("schedule", "launch", "wait", "postprocess")
 
@@ -33,6 +38,9 @@ class StepStats:
     admitted: int = 0              # requests that started (their first prompt piece ran)
     admission_wait_seconds: float = 0.0  # from each one's arrival (add_request's arrival_time) to that step, summed
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))  # host time per phase
+
+    def __post_init__(self) -> None:
+        self._pauses = pauses.install()
 
     @property
     def steps(self) -> int:
@@ -57,9 +65,10 @@ class StepStats:
         self.admission_wait_seconds += wait_s
 
     def as_dict(self) -> dict[str, float]:
-        """Every counter by name (the phases' seconds as `<phase>_seconds`): what a server exports, a report diffs."""
+        """Every counter by name (the phases' seconds as `<phase>_seconds`) and the process's pauses: what a server
+        exports, a report diffs."""
         counters = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "seconds"}
-        return counters | {f"{phase}_seconds": s for phase, s in self.seconds.items()}
+        return counters | {f"{phase}_seconds": s for phase, s in self.seconds.items()} | self._pauses.as_dict()
 
 
 class StepTrace:

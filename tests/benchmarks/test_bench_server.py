@@ -42,6 +42,8 @@ def test_tiny_server_benchmark_reports_each_concurrency():
     for line, clients in zip(threads, (1, 4), strict=True):
         cells = [c.strip() for c in line.split("|")[1:-1]]
         add_ms, ttft_ms, idle, commands, stepping, text = map(float, cells[1:7])
-        cpu, wall = [float(v) for v in cells[7].split(" / ")], float(cells[8])
+        cpu, wall = [float(v) for v in cells[7].split(" / ")], float(cells[9])
+        gc_s, compiles = cells[8].split(" / ")
+        assert float(gc_s) >= 0 and int(compiles.split(" (")[0]) >= 0
         assert int(cells[0]) == clients and 0 < add_ms < ttft_ms and 0 < stepping < wall
         assert min(idle, commands, text) >= 0 and len(cpu) == 3 and cpu[1] > 0

@@ -1,0 +1,68 @@
+"""Process pauses (moelora/engine/pauses.py): garbage collections and Triton compiles are counted, and reach
+StepStats (a step trace, a server's /metrics)."""
+import gc
+
+import pytest
+import torch
+
+from moelora.engine import pauses
+from moelora.engine.step_stats import StepStats
+
+
+def test_collections_are_counted_and_timed():
+    counted = pauses.install()
+    before = counted.as_dict()
+    gc.collect()
+    gc.collect()
+    assert counted.gc_collections == before["gc_collections"] + 2
+    assert counted.gc_seconds > before["gc_seconds"]
+
+
+def test_install_is_once_per_process():
+    callbacks = len(gc.callbacks)
+    assert pauses.install() is pauses.install() is pauses.PAUSES
+    assert len(gc.callbacks) == callbacks
+
+
+def test_step_stats_carry_the_pauses():
+    stats = StepStats()
+    before = stats.as_dict()
+    gc.collect()
+    after = stats.as_dict()
+    assert after["gc_collections"] == before["gc_collections"] + 1
+    assert set(pauses.Pauses().as_dict()) <= set(after)
+
+
+def test_compile_hooks_count_a_compile_and_chain_to_earlier_hooks(monkeypatch):
+    knobs = pytest.importorskip("triton").knobs
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: seen.append("cache"))
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: seen.append("post"))
+    pauses._hook_triton()
+    before = pauses.PAUSES.as_dict()
+    assert knobs.runtime.jit_cache_hook(key="k") is None  # None: Triton goes on to compile
+    knobs.runtime.jit_post_compile_hook(key="k")
+    assert pauses.PAUSES.kernel_compiles == before["kernel_compiles"] + 1
+    assert pauses.PAUSES.compile_seconds > before["compile_seconds"]
+    assert seen == ["cache", "post"]
+    knobs.runtime.jit_post_compile_hook(key="k")  # no start seen on this thread: not a compile of ours
+    assert pauses.PAUSES.kernel_compiles == before["kernel_compiles"] + 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton compiles only on a GPU (the CPU interprets)")
+def test_a_new_kernel_is_a_counted_compile():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_one(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+    counted = pauses.install()
+    before = counted.kernel_compiles
+    x = torch.zeros(8, device="cuda")
+    add_one[(1,)](x, 8, BLOCK=8)
+    add_one[(1,)](x, 8, BLOCK=8)  # the same variant: no compile
+    assert counted.kernel_compiles == before + 1 and x.tolist() == [2.0] * 8
