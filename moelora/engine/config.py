@@ -87,9 +87,12 @@ class EngineConfig:
                                                    "default the next step is scheduled and launched while the device "
                                                    "computes; always so with tp_size > 1)")
 
-    # CUDA graphs (decode)
+    # CUDA graphs
     cuda_graph_max_bs: int = option(128, "largest decode batch run from a captured CUDA graph")
-    disable_cuda_graph: bool = option(False, "run every decode step eagerly")
+    cuda_graph_max_prefill_tokens: int = option(1024, "largest prompt step (prompt pieces of fewer than 64 requests, no "
+                                                      "decode rows) run from a captured CUDA graph, padded to the next "
+                                                      "of 64, 128, 256, ... tokens; 0: prompt steps run eagerly")
+    disable_cuda_graph: bool = option(False, "run every step eagerly")
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -127,6 +130,7 @@ class EngineConfig:
                     ">= 1, or -1 to disable chunked prefill")
         self._check(self.max_prefill_tokens >= 1, "max_prefill_tokens", ">= 1")
         self._check(self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", ">= 1")
+        self._check(self.cuda_graph_max_prefill_tokens >= 0, "cuda_graph_max_prefill_tokens", ">= 0")
         for name in self.lora_paths:
             self._check(isinstance(name, str) and name != "", "lora_paths", "non-empty adapter names")
         if self.lora_target_modules is not None:

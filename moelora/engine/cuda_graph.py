@@ -1,8 +1,17 @@
-"""Decode steps replayed from CUDA graphs, captured once at start on static input buffers: one
-graph per padded batch size (1, 2, 4, 8, then every 8 up to cuda_graph_max_bs), with and without
-LoRA. A batch runs in the graph of the next size up; its padded rows read token 0 at position 0,
-write their key and value to slot 0 (never handed out) and use no adapter, so real rows see nothing
-of them. The experts' LoRA rank tile is baked into the graphs at the slots' full rank."""
+"""Steps replayed from CUDA graphs, captured once at start on static input buffers, with and without LoRA.
+
+Decode steps (`CudaGraphs`): one graph per padded batch size (1, 2, 4, 8, then every 8 up to
+cuda_graph_max_bs). A batch runs in the graph of the next size up; its padded rows read token 0 at
+position 0, write their key and value to slot 0 (never handed out) and use no adapter, so real rows see
+nothing of them.
+
+Prompt steps (`PromptGraphs`): steps of prompt pieces only, up to cuda_graph_max_prefill_tokens new tokens.
+Eager, such a step spends longer queueing its ~700 kernels than the device takes to run them (a 128-token
+prompt: ~45 ms of launches), which is every newcomer's time to first token and, in a server, time the
+running requests wait. One graph per padded token count (64, 128, 256, ...), for fewer than PROMPT_ROWS
+sequences (PaddedPrompt says how a step is padded).
+
+The experts' LoRA rank tile is baked into the graphs at the slots' full rank."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -11,10 +20,28 @@ import torch
 
 from moelora.core import ExpertLoRASlots, ForwardBatch, KVCache, LoRABatch
 
+PROMPT_ROWS = 64  # sequences (real ones, the padding one, empty ones) of a prompt graph with at least as many tokens
+Logits = Callable[[ForwardBatch], torch.Tensor]
+
+
+def capture(run: Callable[[], torch.Tensor], pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """The graph of run() and its output. run builds its batch itself: what a step derives once from its inputs
+    (LoRABatch.derived) is then inside the graph."""
+    # warm up on a side stream, as torch.cuda.graphs asks: Triton compiles outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
+
 
 class CudaGraphs:
-    def __init__(self, logits: Callable[[ForwardBatch], torch.Tensor], kv: KVCache, max_bs: int,
-                 expert_loras: list[ExpertLoRASlots], lora_rank: int):
+    def __init__(self, logits: Logits, kv: KVCache, max_bs: int, expert_loras: list[ExpertLoRASlots], lora_rank: int):
         """logits(batch): the step the graphs capture; lora_rank: the slots' rank (0: no LoRA graphs)."""
         self.logits, self.kv, self.max_bs = logits, kv, max_bs
         self.sizes = sorted({s for s in (1, 2, 4, 8, *range(16, self.max_bs, 8), self.max_bs) if s <= self.max_bs})
@@ -36,7 +63,7 @@ class CudaGraphs:
         with torch.inference_mode():
             for bs in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory
                 for with_lora in (False, True) if lora_rank else (False,):
-                    self.graphs[bs, with_lora] = self._capture(bs, with_lora, pool)
+                    self.graphs[bs, with_lora] = capture(lambda: self.logits(self._batch(bs, with_lora)), pool)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.is_decode and batch.batch_size <= self.max_bs
@@ -64,16 +91,110 @@ class CudaGraphs:
             out_cache_loc=self.out_cache_loc[:bs], logits_indices=self.arange64[:bs], kv=self.kv,
             lora=LoRABatch(self.token_slots[:bs]) if with_lora else None, num_decode=bs, max_extend_len=1)
 
-    def _capture(self, bs: int, with_lora: bool, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        # warm up on a side stream, as torch.cuda.graphs asks: Triton compiles outside the capture
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.logits(self._batch(bs, with_lora))
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            # a batch of its own: what a step derives once from the slots (LoRABatch.derived) is then in the graph
-            logits = self.logits(self._batch(bs, with_lora))
-        return graph, logits
+
+def prompt_graph_sizes(max_tokens: int) -> list[int]:
+    """The padded token counts of the prompt graphs: 64, 128, 256, ... below max_tokens, then max_tokens."""
+    sizes = [64 << i for i in range(max(max_tokens, 64).bit_length()) if 64 << i < max_tokens]
+    return [*sizes, max_tokens]
+
+
+class PaddedPrompt:
+    """Static input buffers of the prompt graphs, and a prompt step padded into them. A step of T tokens in S
+    sequences becomes one of `size` tokens in rows(size) sequences: the size - T padding tokens form sequence
+    S, of request row 0 (never a request's) at positions 0.., writing their keys and values to slot 0 (never
+    handed out) with no adapter, so every row the layers see holds finite values computed apart from the real
+    ones; the sequences after it are empty (no new tokens, no keys), and the logits rows past the step's read
+    row 0."""
+
+    def __init__(self, kv: KVCache, max_tokens: int):
+        device = kv.req_to_token.device
+        self.kv, rows = kv, self.rows(max_tokens)
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.out_cache_loc = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        self.arange = torch.arange(max_tokens, dtype=torch.int64, device=device)
+        self.req_pool_indices = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.extend_lens = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.extend_starts = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.logits_indices = torch.zeros(rows, dtype=torch.int64, device=device)
+
+    @staticmethod
+    def rows(size: int) -> int:
+        return min(size, PROMPT_ROWS)
+
+    def fits(self, batch: ForwardBatch, size: int) -> bool:
+        """The step pads to `size` tokens: prompt pieces only, at most size tokens, a row to spare for the padding
+        sequence, a logits row for each of its own."""
+        rows = self.rows(size)
+        return (batch.num_decode == 0 and batch.num_tokens <= size and batch.batch_size < rows
+                and batch.logits_indices.shape[0] <= rows)
+
+    def batch(self, size: int, with_lora: bool) -> ForwardBatch:
+        """The padded step of `size` tokens on the buffers (as they are filled)."""
+        rows = self.rows(size)
+        return ForwardBatch(
+            input_ids=self.input_ids[:size], positions=self.positions[:size],
+            req_pool_indices=self.req_pool_indices[:rows], seq_lens=self.seq_lens[:rows],
+            extend_lens=self.extend_lens[:rows], extend_starts=self.extend_starts[:rows],
+            out_cache_loc=self.out_cache_loc[:size], logits_indices=self.logits_indices[:rows], kv=self.kv,
+            lora=LoRABatch(self.token_slots[:size]) if with_lora else None, num_decode=0, max_extend_len=size)
+
+    def fill(self, batch: ForwardBatch | None, size: int) -> None:
+        """Copy the step into the buffers, padded to `size` tokens (fits(batch, size)); None: a step of padding
+        only (what captures run). Device copies and fills, no sync."""
+        def given(name: str) -> torch.Tensor | None:
+            return getattr(batch, name) if batch is not None else None
+
+        slots = batch.lora.token_slots if batch is not None and batch.lora is not None else None
+        tokens, seqs, outs = (batch.num_tokens, batch.batch_size, batch.logits_indices.shape[0]) if batch else (0, 0, 0)
+        rows, pad = self.rows(size), size - tokens
+        for buf, value, count, end, fill in (
+                (self.input_ids, given("input_ids"), tokens, size, 0),
+                (self.out_cache_loc, given("out_cache_loc"), tokens, size, 0), (self.token_slots, slots, tokens, size, -1),
+                (self.req_pool_indices, given("req_pool_indices"), seqs, rows, 0),
+                (self.seq_lens, given("seq_lens"), seqs, rows, 0), (self.extend_lens, given("extend_lens"), seqs, rows, 0),
+                (self.extend_starts, given("extend_starts"), seqs, rows, tokens),
+                (self.logits_indices, given("logits_indices"), outs, rows, 0)):
+            if value is not None:
+                buf[:count].copy_(value)
+            buf[count:end].fill_(fill)
+        if batch is not None:
+            self.positions[:tokens].copy_(batch.positions)
+        self.positions[tokens:size].copy_(self.arange[:pad])
+        self.seq_lens[seqs:seqs + 1].fill_(pad)  # the padding sequence
+        self.extend_lens[seqs:seqs + 1].fill_(pad)
+
+
+class PromptGraphs:
+    def __init__(self, logits: Logits, kv: KVCache, max_tokens: int, lora_rank: int):
+        """logits(batch): the step the graphs capture; lora_rank: the slots' rank (0: no LoRA graphs)."""
+        self.sizes = prompt_graph_sizes(max_tokens)
+        self.inputs = PaddedPrompt(kv, max_tokens)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            # one output for every graph, each copying its logits there: a graph's own would hold memory per graph
+            self.inputs.fill(None, self.sizes[0])
+            vocab = logits(self.inputs.batch(self.sizes[0], False)).shape[-1]
+            self.logits = torch.empty(PaddedPrompt.rows(max_tokens), vocab, dtype=torch.float32,
+                                      device=kv.req_to_token.device)
+            for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory
+                self.inputs.fill(None, size)  # before the capture: the graph must not contain these fills
+                for with_lora in (False, True) if lora_rank else (False,):
+                    def run(size: int = size, with_lora: bool = with_lora) -> torch.Tensor:
+                        out = logits(self.inputs.batch(size, with_lora))
+                        return self.logits[:out.shape[0]].copy_(out)
+                    self.graphs[size, with_lora] = capture(run, pool)[0]
+
+    def size(self, batch: ForwardBatch) -> int | None:
+        """The padded token count of the graph the step runs in; None: it runs eagerly."""
+        size = next((s for s in self.sizes if s >= batch.num_tokens), None)
+        return size if size is not None and self.inputs.fits(batch, size) else None
+
+    def replay(self, batch: ForwardBatch, size: int) -> torch.Tensor:
+        """Logits [len(logits_indices), vocab] of the step (a view of the graphs' output: use before the next step)."""
+        self.inputs.fill(batch, size)
+        self.graphs[size, batch.lora is not None].replay()
+        return self.logits[:batch.logits_indices.shape[0]]

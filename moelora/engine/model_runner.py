@@ -15,7 +15,7 @@ from moelora.core import ForwardBatch, KVCache, to_device
 from moelora.distributed.comm import barrier, broadcast_object, min_over_ranks
 from moelora.distributed.state import destroy_parallel, get_parallel, parallel_state
 from moelora.engine.config import CPU_KV_TOKENS, DTYPES, EngineConfig
-from moelora.engine.cuda_graph import CudaGraphs
+from moelora.engine.cuda_graph import CudaGraphs, PromptGraphs
 from moelora.engine.lora_manager import LoRAManager
 from moelora.engine.request import Req
 from moelora.engine.sampler import PenaltyState, SampleOutput, SamplingBatch, TokenMask, hold_back, sample
@@ -87,12 +87,16 @@ class ModelRunner:
         self.context_len = min(context, tokens - 1)
         self.kv = KVCache(shape.num_layers, tokens + 1, shape.num_kv_heads, shape.k_head_dim, shape.v_head_dim,
                           config.max_running_requests, self.context_len, self.dtype, self.device)
+        max_step_tokens = min(config.max_prefill_tokens, config.chunked_prefill_size or config.max_prefill_tokens,
+                              self.context_len)
         if self.device.type == "cuda":
-            self.warm_up(min(config.max_prefill_tokens, config.chunked_prefill_size or config.max_prefill_tokens,
-                             self.context_len))
+            self.warm_up(max_step_tokens)
         max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
         self.graphs = (CudaGraphs(self.logits, self.kv, max_bs, self.lora.expert_loras, self.lora.max_rank)
                        if config.use_cuda_graph else None)
+        prompt_graph_tokens = min(config.cuda_graph_max_prefill_tokens, max_step_tokens)
+        self.prompt_graphs = (PromptGraphs(self.logits, self.kv, prompt_graph_tokens, self.lora.max_rank)
+                              if config.use_cuda_graph and prompt_graph_tokens > 0 else None)
         self.vocab_size = self.model.config.vocab_size
         self.penalties = PenaltyState(config.max_running_requests, self.vocab_size, self.device)
 
@@ -162,6 +166,8 @@ class ModelRunner:
             forward_batch.input_ids[fill[0]] = fill[1]
         if self.graphs is not None and self.graphs.can_run(forward_batch):
             return self.graphs.replay(forward_batch)
+        if self.prompt_graphs is not None and (size := self.prompt_graphs.size(forward_batch)) is not None:
+            return self.prompt_graphs.replay(forward_batch, size)
         return self.logits(forward_batch)
 
     def weight_bytes(self) -> int:

@@ -1,0 +1,91 @@
+"""Prompt-step CUDA graphs (moelora/engine/cuda_graph.py). On the CPU: a prompt step padded the way the graphs
+pad it (PaddedPrompt) gives its real rows the logits and cache entries of the step run as it is, its padding
+rows stay finite, and it writes no cache slot but its own and slot 0. On a GPU: prompt steps replayed from the
+graphs give the bits of the same engine run eagerly."""
+import pytest
+import torch
+
+from moelora.core import ForwardBatch
+from moelora.engine.cuda_graph import PROMPT_ROWS, PaddedPrompt, PromptGraphs, prompt_graph_sizes
+from moelora.engine.sampling_params import SamplingParams
+
+FAMILY = "qwen3_moe"
+
+
+def test_prompt_graph_sizes_double_from_64_up_to_the_largest():
+    assert prompt_graph_sizes(1024) == [64, 128, 256, 512, 1024]
+    assert prompt_graph_sizes(300) == [64, 128, 256, 300]
+    assert prompt_graph_sizes(64) == [64] and prompt_graph_sizes(10) == [10]
+
+
+def prompt_step(runner, lengths: list[int], slots: list[int]) -> ForwardBatch:
+    """Prompts of `lengths` tokens on request rows 1.. and cache slots 1.., adapter slot slots[i] each."""
+    new_tokens = [[(7 * i + 3 * j) % 90 + 3 for j in range(n)] for i, n in enumerate(lengths)]
+    ends = torch.tensor(lengths).cumsum(0)
+    return ForwardBatch.build(runner.kv, list(range(1, len(lengths) + 1)), new_tokens, [0] * len(lengths),
+                              torch.arange(1, sum(lengths) + 1), (ends - 1).tolist(),
+                              [s for s, n in zip(slots, lengths) for _ in range(n)], 0)
+
+
+@pytest.mark.parametrize("slots", [[-1, -1, -1], [0, -1, 1]], ids=["base", "adapters"])
+def test_a_padded_prompt_step_matches_the_step_as_it_is(make_engine, poison, slots):
+    runner = make_engine(FAMILY).runner
+    batch = prompt_step(runner, [5, 9, 14], slots)
+    kv = runner.kv
+    with torch.inference_mode():
+        eager = runner.logits(batch)
+        keys = [k.clone() for k in kv.k]
+        table = kv.req_to_token.clone()
+        padded = PaddedPrompt(kv, 64)
+        assert padded.fits(batch, 64)
+        padded.fill(batch, 64)
+        step = padded.batch(64, batch.lora is not None)
+        hidden = runner.model(step)
+        logits = runner.model.compute_logits(hidden[step.logits_indices])
+    # every token is some sequence's (the padding ones the padding sequence's): attention writes every row
+    covered = [t for start, n in zip(step.extend_starts.tolist(), step.extend_lens.tolist()) for t in range(start, start + n)]
+    assert sorted(covered) == list(range(64)) and (step.seq_lens >= step.extend_lens).all()
+    assert torch.isfinite(hidden).all()
+    torch.testing.assert_close(logits[:3], eager)
+    assert torch.isfinite(logits).all()
+    real = set(range(1, batch.num_tokens + 1))
+    for before, after in zip(keys, kv.k):
+        changed = set((before != after).flatten(1).any(1).nonzero().flatten().tolist())
+        assert changed <= real | {0}
+        torch.testing.assert_close(after[sorted(real)], before[sorted(real)])
+    assert torch.equal(kv.req_to_token, table) and not kv.req_to_token[0].any()
+
+
+def test_which_steps_fit(make_engine):
+    runner = make_engine(FAMILY).runner
+    padded = PaddedPrompt(runner.kv, 128)
+    assert padded.fits(prompt_step(runner, [30, 34], [-1, -1]), 64)
+    assert not padded.fits(prompt_step(runner, [30, 35], [-1, -1]), 64)  # 65 tokens
+    assert not padded.fits(prompt_step(runner, [1] * PROMPT_ROWS, [-1] * PROMPT_ROWS), 128)  # no row for the padding
+    assert padded.fits(prompt_step(runner, [1] * (PROMPT_ROWS - 1), [-1] * (PROMPT_ROWS - 1)), 128)
+    mixed = ForwardBatch.build(runner.kv, [1, 2], [[5], [6, 7]], [3, 0], torch.arange(1, 4), [0, 2], [-1] * 3, 1)
+    assert not padded.fits(mixed, 64)  # a decode row: eager
+
+
+GPU = dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8, max_total_tokens=4096,
+           cuda_graph_max_prefill_tokens=256)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("lengths", [[4], [5, 9, 14], [100, 37], [60, 90, 100]], ids=["1", "3", "137", "250"])
+def test_prompt_graphs_give_the_eager_bits(make_engine, monkeypatch, lengths):
+    graphed, eager = make_engine(FAMILY, **GPU), make_engine(FAMILY, disable_cuda_graph=True, **GPU)
+    assert graphed.runner.prompt_graphs.sizes == [64, 128, 256] and eager.runner.prompt_graphs is None
+    replays = []
+    real_replay = PromptGraphs.replay
+    monkeypatch.setattr(PromptGraphs, "replay", lambda self, batch, size: replays.append(size) or real_replay(self, batch, size))
+    prompts = [[(11 * i + 5 * j) % 90 + 3 for j in range(n)] for i, n in enumerate(lengths)]
+    # prompt log-probabilities need a logits row per prompt token: only a short step has rows for them all
+    prompt_logprobs = 2 if sum(lengths) < PROMPT_ROWS else None
+    params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=5, prompt_logprobs=prompt_logprobs, ignore_eos=True)
+    loras = [[None, "full", "partial"][i % 3] for i in range(len(lengths))]
+    outs = [e.generate(prompts, params, lora=loras) for e in (graphed, eager)]
+    assert replays == [next(s for s in (64, 128, 256) if s >= sum(lengths))]  # the prompt step; decode: CudaGraphs
+    for g, e in zip(*outs):
+        assert g.token_ids == e.token_ids and g.logprobs == e.logprobs and g.prompt_logprobs == e.prompt_logprobs
