@@ -89,9 +89,10 @@ class EngineConfig:
 
     # CUDA graphs
     cuda_graph_max_bs: int = option(128, "largest decode batch run from a captured CUDA graph")
-    cuda_graph_max_prefill_tokens: int = option(1024, "largest prompt step (prompt pieces of fewer than 64 requests, no "
+    cuda_graph_max_prefill_tokens: int = option(4096, "largest prompt step (prompt pieces of fewer than 64 requests, no "
                                                       "decode rows) run from a captured CUDA graph, padded to the next "
-                                                      "of 64, 128, 256, ... tokens; 0: prompt steps run eagerly")
+                                                      "of 64, 128, ..., 1024, 1536, 2048, 3072, 4096, ... tokens; 0: "
+                                                      "prompt steps run eagerly")
     disable_cuda_graph: bool = option(False, "run every step eagerly")
 
     def __post_init__(self) -> None:

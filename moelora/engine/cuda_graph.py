@@ -6,10 +6,11 @@ position 0, write their key and value to slot 0 (never handed out) and use no ad
 nothing of them.
 
 Prompt steps (`PromptGraphs`): steps of prompt pieces only, up to cuda_graph_max_prefill_tokens new tokens.
-Eager, such a step spends longer queueing its ~700 kernels than the device takes to run them (a 128-token
-prompt: ~45 ms of launches), which is every newcomer's time to first token and, in a server, time the
-running requests wait. One graph per padded token count (64, 128, 256, ...), for fewer than PROMPT_ROWS
-sequences (PaddedPrompt says how a step is padded).
+Eager, such a step spends 45-60 ms queueing its ~700 kernels, longer than the device takes to run them up to
+~2000 tokens: every newcomer's time to first token, and in a server time the running requests wait (the
+engine thread shares the GIL with the event loop there, so the launches take longer still). One graph per
+padded token count (64, 128, ..., 1024, 1536, 2048, 3072, ...), for fewer than PROMPT_ROWS sequences
+(PaddedPrompt says how a step is padded).
 
 The experts' LoRA rank tile is baked into the graphs at the slots' full rank."""
 from __future__ import annotations
@@ -93,9 +94,11 @@ class CudaGraphs:
 
 
 def prompt_graph_sizes(max_tokens: int) -> list[int]:
-    """The padded token counts of the prompt graphs: 64, 128, 256, ... below max_tokens, then max_tokens."""
-    sizes = [64 << i for i in range(max(max_tokens, 64).bit_length()) if 64 << i < max_tokens]
-    return [*sizes, max_tokens]
+    """The padded token counts of the prompt graphs below max_tokens, then max_tokens: doubling from 64 to 1024,
+    then 1.5 and 2 times each power of two (1536, 2048, 3072, 4096, ...), so that above 1024 tokens, where the
+    device's work grows with the tokens, padding adds at most half."""
+    sizes = {64 << i for i in range(5)} | {s << i for s in (1536, 2048) for i in range(max(max_tokens, 1).bit_length())}
+    return [*sorted(s for s in sizes if s < max_tokens), max_tokens]
 
 
 class PaddedPrompt:

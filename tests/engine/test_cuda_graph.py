@@ -12,8 +12,10 @@ from moelora.engine.sampling_params import SamplingParams
 FAMILY = "qwen3_moe"
 
 
-def test_prompt_graph_sizes_double_from_64_up_to_the_largest():
+def test_prompt_graph_sizes_double_from_64_then_pad_by_at_most_half():
     assert prompt_graph_sizes(1024) == [64, 128, 256, 512, 1024]
+    assert prompt_graph_sizes(4096) == [64, 128, 256, 512, 1024, 1536, 2048, 3072, 4096]
+    assert prompt_graph_sizes(5000) == [64, 128, 256, 512, 1024, 1536, 2048, 3072, 4096, 5000]
     assert prompt_graph_sizes(300) == [64, 128, 256, 300]
     assert prompt_graph_sizes(64) == [64] and prompt_graph_sizes(10) == [10]
 
