@@ -21,6 +21,13 @@ def all_reduce(state: ParallelState, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def broadcast(state: ParallelState, x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's x on every rank, in place (over the model's group: device tensors); returns x."""
+    if state.tp_size > 1:
+        dist.broadcast(x, 0, group=state.group)
+    return x
+
+
 def all_gather(state: ParallelState, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """The ranks' x concatenated along dim, in rank order (every rank's x of one shape)."""
     if state.tp_size == 1:

@@ -85,7 +85,7 @@ class EngineConfig:
     # on by default as in SGLang: the host's work between two steps hides behind the device's (benchmarks/RESULTS.md)
     disable_overlap_schedule: bool = option(False, "read each step's tokens before the next step is launched (by "
                                                    "default the next step is scheduled and launched while the device "
-                                                   "computes; always so with tp_size > 1)")
+                                                   "computes)")
 
     # CUDA graphs
     cuda_graph_max_bs: int = option(128, "largest decode batch run from a captured CUDA graph")
@@ -153,9 +153,9 @@ class EngineConfig:
 
     @property
     def overlap_schedule(self) -> bool:
-        """Launch each step before the previous one's tokens are read: not over several ranks, whose other ranks
-        would need the previous step's tokens, which only rank 0 samples."""
-        return not self.disable_overlap_schedule and self.tp_size == 1
+        """Launch each step before the previous one's tokens are read (over several ranks too: rank 0, which
+        samples, broadcasts the tokens the next step needs on the device)."""
+        return not self.disable_overlap_schedule
 
     @property
     def prefill_chunk(self) -> int | None:

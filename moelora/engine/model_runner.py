@@ -2,7 +2,8 @@
 ForwardBatch, runs the model (decode steps from CUDA graphs where captured) and samples.
 
 Under tensor parallelism rank 0's runner sends each step's inputs to the other ranks (engine/workers.py),
-whose runners (`serve_rank`) run the same forward on their shares of the model; only rank 0 samples."""
+whose runners (`serve_rank`) run the same forward on their shares of the model; only rank 0 samples (with overlap
+scheduling it broadcasts the sampled tokens the next step's decode rows need, on the device, as that step starts)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from moelora.core import ForwardBatch, KVCache, to_device
-from moelora.distributed.comm import barrier, broadcast_object, min_over_ranks
+from moelora.distributed.comm import barrier, broadcast, broadcast_object, min_over_ranks
 from moelora.distributed.state import destroy_parallel, get_parallel, parallel_state
 from moelora.engine.config import CPU_KV_TOKENS, DTYPES, EngineConfig
 from moelora.engine.cuda_graph import CudaGraphs, PromptGraphs
@@ -42,14 +43,17 @@ class StepResult:
 
 
 class StepInputs(NamedTuple):
-    """ForwardBatch.build's arguments but the KV cache: a step as rank 0 sends it to the other ranks."""
+    """A step as rank 0 sends it to the other ranks: ForwardBatch.build's arguments but the KV cache, and the
+    decode rows whose tokens the step before sampled and are on the device only (overlap scheduling)."""
     rows: list[int]
-    new_tokens: list[list[int]]
+    new_tokens: list[list[int]]  # a pending decode row's token stands in as 0
     prefix_lens: list[int]
     out_cache_loc: torch.Tensor  # int64, host
     logits_indices: list[int]
     token_slots: list[int]
     num_decode: int  # the first num_decode sequences are decode rows
+    pending: list[tuple[int, int]]  # (input position, row of the previous step's sampled tokens) of each pending row
+    num_sampled: int  # rows the previous step sampled (what rank 0 broadcasts when any row is pending)
 
 
 def warm_up_sizes(max_tokens: int) -> list[int]:
@@ -122,18 +126,15 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch, lora_slots: list[int], pending: PendingTokens | None = None) -> StepResult:
         """One step: lora_slots[i] is request i's adapter slot (-1: none). The sampled tokens stay on the
         device (no host sync here, except for prompt log-probabilities). pending: where the tokens of
-        decode rows whose last token is not on the host yet (overlap scheduling, one rank) are on the device."""
-        inputs, rows, future = self._step_inputs(batch, lora_slots, pending)
+        decode rows whose last token is not on the host yet (overlap scheduling) are on the device."""
+        inputs, rows = self._step_inputs(batch, lora_slots, pending)
+        sampled_before = pending.token_ids if inputs.pending else None
         if self.workers is None:
-            fill = None
-            if future:  # one gather on the device, in stream order after the step that sampled them
-                at, source = (to_device(list(i), torch.int64, self.device) for i in zip(*future))
-                fill = (at, pending.token_ids[source])
-            logits = self.execute(inputs, fill)
+            logits = self.execute(inputs, sampled_before)
         else:
             with self.workers.guard("a step"):
                 self.workers.send(("step", self.lora.take_events(), inputs))
-                logits = self.execute(inputs)
+                logits = self.execute(inputs, sampled_before)
         prompt_logprobs, prompt_entries, sample_rows, sampled = {}, {}, [], []
         cursor = 0
         for i, (req, prefix, (num_prompt, num_rows)) in enumerate(zip(batch.reqs, batch.prefix_lens, rows)):
@@ -158,12 +159,19 @@ class ModelRunner:
         return StepResult(sampled, tokens, prompt_logprobs, prompt_entries)
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def execute(self, inputs: StepInputs, sampled_before: torch.Tensor | None = None) -> torch.Tensor:
         """The step's logits (every rank runs it; a view of a graph's output: use before the next step).
-        fill: (input positions, token ids) on the device, put in the input ids before the forward."""
-        forward_batch = ForwardBatch.build(self.kv, *inputs)
-        if fill is not None:
-            forward_batch.input_ids[fill[0]] = fill[1]
+        sampled_before: on rank 0, the previous step's sampled tokens (on the device) when inputs.pending; the
+        other ranks get them from rank 0 here, over the model's group, in stream order after that step."""
+        forward_batch = ForwardBatch.build(self.kv, inputs.rows, inputs.new_tokens, inputs.prefix_lens,
+                                           inputs.out_cache_loc, inputs.logits_indices, inputs.token_slots,
+                                           inputs.num_decode)
+        if inputs.pending:
+            if sampled_before is None:
+                sampled_before = torch.empty(inputs.num_sampled, dtype=torch.int64, device=self.device)
+            broadcast(self.dist_state, sampled_before)
+            at, source = (to_device(list(i), torch.int64, self.device) for i in zip(*inputs.pending))
+            forward_batch.input_ids[at] = sampled_before[source]  # one gather on the device
         if self.graphs is not None and self.graphs.can_run(forward_batch):
             return self.graphs.replay(forward_batch)
         if self.prompt_graphs is not None and (size := self.prompt_graphs.size(forward_batch)) is not None:
@@ -207,15 +215,14 @@ class ModelRunner:
         return sampling
 
     def _step_inputs(self, batch: ScheduledBatch, lora_slots: list[int], pending: PendingTokens | None
-                     ) -> tuple[StepInputs, list[tuple[int, int]], list[tuple[int, int]]]:
-        """The step's inputs; per request (prompt tokens whose logits it returns, logits rows); and (input
-        position, PendingTokens row) of each decode row whose token is still on the device (a 0 stands in)."""
-        new_tokens, token_slots, logits_indices, rows, future = [], [], [], [], []
+                     ) -> tuple[StepInputs, list[tuple[int, int]]]:
+        """The step's inputs, and per request (prompt tokens whose logits it returns, logits rows)."""
+        new_tokens, token_slots, logits_indices, rows, pending_rows = [], [], [], [], []
         start = 0
         for req, prefix, n, done, slot in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.completes,
                                               lora_slots):
             if req.num_pending:  # a decode row whose token is still on the device: filled in by run
-                future.append((start, pending.rows[req]))
+                pending_rows.append((start, pending.rows[req]))
                 new_tokens.append([0])
             else:
                 new_tokens.append(req.token_ids(prefix, prefix + n))
@@ -226,8 +233,9 @@ class ModelRunner:
             logits_indices += own
             rows.append((num_prompt, len(own)))
             start += n
+        num_sampled = pending.token_ids.shape[0] if pending is not None else 0
         return StepInputs([r.row for r in batch.reqs], new_tokens, list(batch.prefix_lens), batch.out_slots,
-                          logits_indices, token_slots, batch.num_decode), rows, future
+                          logits_indices, token_slots, batch.num_decode, pending_rows, num_sampled), rows
 
     def _kv_tokens(self, bytes_per_token: int, context: int) -> int:
         """KV token slots: max_total_tokens when given (on GPUs it must fit in free memory), else on CPU

@@ -28,10 +28,14 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 @pytest.mark.parametrize("family, options", [
     ("qwen3_moe", dict(tp_size=2, ep_size=2)),
+    ("qwen3_moe", dict(tp_size=2, disable_overlap_schedule=True)),
     ("deepseek_v3", dict(tp_size=2, enable_expert_parallel=True, moe_dispatch="all_to_all")),
 ])
 def test_same_tokens_and_logprobs_as_one_rank(family, options, start_engine):
+    """With overlap scheduling (the default) the decode rows' tokens reach ranks 1.. from rank 0's device: a row
+    whose token did not arrive would decode token 0's continuation."""
     one, many = start_engine(family), start_engine(family, **options)
+    assert many.stepper.overlap == (not options.get("disable_overlap_schedule", False))
     loras = ["full", None, "partial", "full"]
     assert [o.token_ids for o in many.generate(PROMPTS, GREEDY, lora=loras)] == \
         [o.token_ids for o in one.generate(PROMPTS, GREEDY, lora=loras)]
