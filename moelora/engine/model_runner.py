@@ -22,6 +22,7 @@ from moelora.engine.request import Req
 from moelora.engine.sampler import PenaltyState, SampleOutput, SamplingBatch, TokenMask, hold_back, sample
 from moelora.engine.scheduler import ScheduledBatch
 from moelora.engine.workers import Workers, join_world, node_config, node_ranks
+from moelora.layers.moe.all_to_all import FIXED_MAX_TOKENS
 from moelora.models.config import ModelConfig
 from moelora.models.loader import load_model
 
@@ -96,9 +97,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.warm_up(max_step_tokens)
         max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
+        prompt_graph_tokens = min(config.cuda_graph_max_prefill_tokens, max_step_tokens)
+        if config.tp_size > 1 and config.moe_dispatch == "all_to_all":  # it reads counts on the host above that
+            max_bs, prompt_graph_tokens = min(max_bs, FIXED_MAX_TOKENS), min(prompt_graph_tokens, FIXED_MAX_TOKENS)
         self.graphs = (CudaGraphs(self.logits, self.kv, max_bs, self.lora.expert_loras, self.lora.max_rank)
                        if config.use_cuda_graph else None)
-        prompt_graph_tokens = min(config.cuda_graph_max_prefill_tokens, max_step_tokens)
         self.prompt_graphs = (PromptGraphs(self.logits, self.kv, prompt_graph_tokens, self.lora.max_rank)
                               if config.use_cuda_graph and prompt_graph_tokens > 0 else None)
         self.vocab_size = self.model.config.vocab_size

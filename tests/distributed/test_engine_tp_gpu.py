@@ -1,5 +1,5 @@
-"""Tensor and expert parallel on two GPUs (NCCL): decode replayed from CUDA graphs, whose capture includes the
-collectives, gives the bits of the same engine run eagerly; a request gets the same tokens alone as in a
+"""Tensor and expert parallel on two GPUs (NCCL): decode and prompt steps replayed from CUDA graphs, whose capture
+includes the collectives (the all-to-all dispatch's at fixed capacity too), give the bits of the same engine run eagerly; a request gets the same tokens alone as in a
 batch (two ranks sum in either order alike); log-probs of two GPUs, by all-reduce and by all-to-all, are
 those of one GPU within bf16 rounding."""
 import pytest
@@ -25,15 +25,16 @@ def _outputs(engine, sizes=(1, 3, 8)) -> list[tuple[list[int], list]]:
             for o in engine.generate(prompts(bs), PARAMS, lora=[LORAS[i % 3] for i in range(bs)])]
 
 
-def test_graphs_capture_the_collectives(start_engine):
-    graphed = start_engine(FAMILY, tp_size=2, ep_size=2, **GPU)
+@pytest.mark.parametrize("dispatch", ["all_reduce", "all_to_all"])
+def test_graphs_capture_the_collectives(start_engine, dispatch):
+    graphed = start_engine(FAMILY, tp_size=2, ep_size=2, moe_dispatch=dispatch, **GPU)
     assert graphed.runner.graphs is not None
     got = _outputs(graphed)
     alone = [(o.token_ids, o.logprobs) for p, a in zip(prompts(8), [LORAS[i % 3] for i in range(8)])
              for o in graphed.generate([p], PARAMS, lora=[a])]
     assert [t for t, _ in got[-8:]] == [t for t, _ in alone], "a request's tokens depend on its batch"
     graphed.shutdown()  # one world per process: the eager engine's comes next
-    eager = start_engine(FAMILY, tp_size=2, ep_size=2, disable_cuda_graph=True, **GPU)
+    eager = start_engine(FAMILY, tp_size=2, ep_size=2, moe_dispatch=dispatch, disable_cuda_graph=True, **GPU)
     assert _outputs(eager) == got
 
 

@@ -28,11 +28,12 @@ def test_parallel_options():
     assert EngineConfig("model", device="cpu", tp_size=4, ep_size=2).ep_size == 2
     with pytest.raises(ValueError, match="EngineConfig.ep_size must be tp_size"):
         EngineConfig("model", device="cpu", tp_size=4, ep_size=2, enable_expert_parallel=True)
-    assert not EngineConfig("model", device="cuda", tp_size=2, moe_dispatch="all_to_all").use_cuda_graph
-    # overlap scheduling is the default on one rank, off over several (only rank 0 has the sampled tokens)
+    # the all-to-all dispatch runs inside graphs too (at fixed capacity: ModelRunner caps their sizes)
+    assert EngineConfig("model", device="cuda", tp_size=2, moe_dispatch="all_to_all").use_cuda_graph
+    # overlap scheduling is the default, on one rank and over several (rank 0 broadcasts the sampled tokens)
     assert EngineConfig("model", device="cpu").overlap_schedule
     assert not EngineConfig("model", device="cpu", disable_overlap_schedule=True).overlap_schedule
-    assert not EngineConfig("model", device="cpu", tp_size=2).overlap_schedule
+    assert EngineConfig("model", device="cpu", tp_size=2).overlap_schedule
 
 
 def test_lora_target_modules():
