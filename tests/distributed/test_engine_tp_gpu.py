@@ -1,7 +1,7 @@
 """Tensor and expert parallel on two GPUs (NCCL): decode and prompt steps replayed from CUDA graphs, whose capture
-includes the collectives (the all-to-all dispatch's at fixed capacity too), give the bits of the same engine run eagerly; a request gets the same tokens alone as in a
-batch (two ranks sum in either order alike); log-probs of two GPUs, by all-reduce and by all-to-all, are
-those of one GPU within bf16 rounding."""
+includes the collectives (the all-to-all dispatch's at fixed capacity too), give the bits of the same engine run
+eagerly; a request gets the same tokens alone as in a batch (two ranks sum in either order alike); log-probs of
+two GPUs, by all-reduce and by all-to-all, are those of one GPU within bf16 rounding."""
 import pytest
 import torch
 
