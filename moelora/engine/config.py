@@ -90,6 +90,11 @@ class EngineConfig:
     # CUDA graphs (decode)
     cuda_graph_max_bs: int = option(128, "largest decode batch run from a captured CUDA graph")
     disable_cuda_graph: bool = option(False, "run every decode step eagerly")
+    # SGLang's --skip-server-warmup
+    skip_server_warmup: bool = option(False, "skip the prompt steps a GPU engine's start runs to compile every "
+                                             "prompt-step kernel variant: the start is faster, but the first request "
+                                             "of each new size class stalls the running requests for the seconds of "
+                                             "a compile (for tests and benchmarks that measure no latency)")
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -156,6 +161,12 @@ class EngineConfig:
     def prefill_chunk(self) -> int | None:
         """Tokens of one prompt per step, None when prompts are never split."""
         return None if self.chunked_prefill_size == -1 else self.chunked_prefill_size
+
+    @property
+    def warm_up_at_start(self) -> bool:
+        """Run the start-time prompt steps (ModelRunner.warm_up): on CUDA, where they compile Triton's kernels,
+        unless skip_server_warmup."""
+        return self.torch_device.type == "cuda" and not self.skip_server_warmup
 
     @property
     def use_cuda_graph(self) -> bool:

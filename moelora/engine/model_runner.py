@@ -87,7 +87,7 @@ class ModelRunner:
         self.context_len = min(context, tokens - 1)
         self.kv = KVCache(shape.num_layers, tokens + 1, shape.num_kv_heads, shape.k_head_dim, shape.v_head_dim,
                           config.max_running_requests, self.context_len, self.dtype, self.device)
-        if self.device.type == "cuda":
+        if config.warm_up_at_start:
             self.warm_up(min(config.max_prefill_tokens, config.chunked_prefill_size or config.max_prefill_tokens,
                              self.context_len))
         max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)

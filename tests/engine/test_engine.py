@@ -292,3 +292,17 @@ def test_warm_up_leaves_no_trace(make_engine, alone):
     assert_idle(engine)
     assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS, lora=LORAS)] == alone(FAMILY)
     assert_idle(engine)
+
+
+@pytest.mark.parametrize("warm_up", [False, True])
+def test_the_start_warms_up_as_the_config_says(make_engine, monkeypatch, warm_up):
+    """The runner's start runs the prompt steps exactly when EngineConfig.warm_up_at_start says so (on CUDA, unless
+    skip_server_warmup: test_config.py); the answer is faked here, where the steps would never run."""
+    from moelora.engine.config import EngineConfig
+    from moelora.engine.model_runner import ModelRunner
+    calls, real = [], ModelRunner.warm_up
+    monkeypatch.setattr(EngineConfig, "warm_up_at_start", property(lambda self: warm_up))
+    monkeypatch.setattr(ModelRunner, "warm_up", lambda self, max_tokens: calls.append(max_tokens) or real(self, max_tokens))
+    engine = make_engine(FAMILY, max_prefill_tokens=20)
+    assert calls == ([20] if warm_up else [])
+    assert_idle(engine)
