@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import sys
 import tempfile
 import time
@@ -80,6 +81,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
             ours.engine.shutdown()
         del ours
         if device == "cuda":
+            gc.collect()  # reference cycles would keep this layout's engine, and its GPU memory, for the next one
             torch.cuda.empty_cache()
 
 

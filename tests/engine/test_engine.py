@@ -1,5 +1,7 @@
 """Engine behaviour on the tiny Qwen3-MoE: batch invariance (with chunked prefill and retraction),
 the step API, aborts, per-request errors, n > 1, logprobs and stop tokens."""
+import gc
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -306,3 +308,21 @@ def test_the_start_warms_up_as_the_config_says(make_engine, monkeypatch, warm_up
     engine = make_engine(FAMILY, max_prefill_tokens=20)
     assert calls == ([20] if warm_up else [])
     assert_idle(engine)
+
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_a_shut_down_engine_is_collected(make_engine, device):
+    """Once shut down and dropped, an engine and its model go with the cyclic GC (on a GPU its CUDA graphs hold
+    the runner's bound method: a cycle): nothing global keeps them, so a process that builds engines one after
+    the other (benchmarks/bench_tp.py) gets each one's memory back."""
+    options = dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8, max_total_tokens=4096) if device == "cuda" \
+        else {}
+    engine = make_engine(FAMILY, **options)
+    assert engine.generate(PROMPTS[:2], PARAMS[:2], lora=LORAS[:2])
+    model, runner = weakref.ref(engine.runner.model), weakref.ref(engine.runner)
+    engine.shutdown()
+    del engine
+    gc.collect()
+    assert model() is None and runner() is None
