@@ -5,6 +5,7 @@ Under tensor parallelism rank 0's runner sends each step's inputs to the other r
 whose runners (`serve_rank`) run the same forward on their shares of the model; only rank 0 samples."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -12,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from moelora.core import ForwardBatch, KVCache, to_device
-from moelora.distributed.comm import barrier, broadcast_object, min_over_ranks
+from moelora.distributed.comm import barrier, broadcast_object, control_barrier, min_over_ranks
 from moelora.distributed.state import destroy_parallel, get_parallel, parallel_state
 from moelora.engine.config import CPU_KV_TOKENS, DTYPES, EngineConfig
 from moelora.engine.cuda_graph import CudaGraphs
@@ -256,6 +257,9 @@ def serve_rank(rank: int, config: EngineConfig, init_method: str) -> None:
     while True:
         kind, *args = broadcast_object(state)
         if kind == "shutdown":
+            # rank 0's Workers.shutdown: no rank leaves the world while another still reads the command
+            with contextlib.suppress(Exception):  # rank 0 gave up on a rank that hangs: leave all the same
+                control_barrier(state, config.dist_timeout)
             break
         runner.lora.replay(args[0])
         if kind == "step":
