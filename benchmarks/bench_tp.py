@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import sys
 import tempfile
 import time
@@ -67,8 +68,9 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
             print(f"| {tp} | {ep} | skipped: {gpus} GPUs | | | | | | |", flush=True)
             continue
         t0 = time.perf_counter()
+        # no start-time prompt steps: `run` warms each workload up (and compiles its kernels) before timing it
         ours = Ours(model_dir, adapters, device, dtype, max(map(int, args.batch_sizes.split(","))), tp_size=tp,
-                    ep_size=ep, moe_dispatch=args.dispatch)
+                    ep_size=ep, moe_dispatch=args.dispatch, skip_server_warmup=True)
         print(f"| {tp} | {ep} | start | | | | {time.perf_counter() - t0:.1f} | | |", flush=True)
         try:
             for w in workloads(args):
@@ -79,6 +81,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
             ours.engine.shutdown()
         del ours
         if device == "cuda":
+            gc.collect()  # reference cycles would keep this layout's engine, and its GPU memory, for the next one
             torch.cuda.empty_cache()
 
 

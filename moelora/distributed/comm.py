@@ -5,6 +5,7 @@ itself is returned, nothing copied), so single-process code runs as it did."""
 from __future__ import annotations
 
 import pickle
+from collections import deque
 from datetime import timedelta
 from typing import Any
 
@@ -52,6 +53,21 @@ def exchange_counts(state: ParallelState, send_counts: torch.Tensor) -> torch.Te
     return recv
 
 
+# The handles of the last control-group works. A gloo worker thread drops its own reference to a work just after
+# the work completes; were that the last reference, the thread would free the work's tensors, which Python made, and
+# that takes the GIL: in a process whose interpreter is finalizing by then (rank 0's script ending right after
+# Engine.shutdown, a rank ending after the shutdown command) the thread is made to exit inside C++ and the process
+# aborts ("terminate called without an active exception"). Held here, the handle is the last reference, dropped by a
+# Python thread several collectives later or as the interpreter clears this module.
+_recent_works: deque = deque(maxlen=8)
+
+
+def _wait(work: dist.Work, timeout: timedelta) -> None:
+    """A control-group work's wait (timeout 0: the group's own), its handle kept (_recent_works)."""
+    _recent_works.append(work)
+    work.wait(timeout)
+
+
 def broadcast_object(state: ParallelState, obj: Any = None, timeout: float | None = None) -> Any:
     """Rank 0's obj on every rank (pickled, over the gloo control group); the others pass nothing. timeout:
     seconds to wait for the other ranks (None: the control group's, as good as forever: a rank waiting for
@@ -62,10 +78,10 @@ def broadcast_object(state: ParallelState, obj: Any = None, timeout: float | Non
         size = torch.tensor([data.numel()], dtype=torch.int64)
     else:
         size = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(size, 0, group=state.control, async_op=True).wait(wait)
+    _wait(dist.broadcast(size, 0, group=state.control, async_op=True), wait)
     if state.rank != 0:
         data = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.broadcast(data, 0, group=state.control, async_op=True).wait(wait)
+    _wait(dist.broadcast(data, 0, group=state.control, async_op=True), wait)
     return obj if state.rank == 0 else pickle.loads(data.numpy().tobytes())
 
 
@@ -74,11 +90,18 @@ def barrier(state: ParallelState, device: torch.device | str) -> None:
     all_reduce(state, torch.zeros(1, device=device))
 
 
+def control_barrier(state: ParallelState, timeout: float) -> None:
+    """Returns once every rank got here, the host waiting whatever the device (over the gloo control group: an
+    NCCL `barrier` only queues on the stream); raises after `timeout` seconds without every rank's."""
+    if state.tp_size > 1:
+        _wait(dist.all_reduce(torch.zeros(1), group=state.control, async_op=True), timedelta(seconds=timeout))
+
+
 def min_over_ranks(state: ParallelState, value: int, timeout: float) -> int:
     """The smallest of the ranks' values (the KV cache size every rank can hold); raises after `timeout` seconds
     without every rank's (one hangs, or died, while loading)."""
     if state.tp_size == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=state.control, async_op=True).wait(timedelta(seconds=timeout))
+    _wait(dist.all_reduce(t, op=dist.ReduceOp.MIN, group=state.control, async_op=True), timedelta(seconds=timeout))
     return int(t.item())

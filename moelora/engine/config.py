@@ -95,6 +95,11 @@ class EngineConfig:
                                                       "of 64, 128, ..., 1024, 1536, 2048, 3072, 4096, ... tokens; 0: "
                                                       "prompt steps run eagerly")
     disable_cuda_graph: bool = option(False, "run every step eagerly")
+    # SGLang's --skip-server-warmup
+    skip_server_warmup: bool = option(False, "skip the prompt steps a GPU engine's start runs to compile every "
+                                             "prompt-step kernel variant: the start is faster, but the first request "
+                                             "of each new size class stalls the running requests for the seconds of "
+                                             "a compile (for tests and benchmarks that measure no latency)")
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -162,6 +167,12 @@ class EngineConfig:
     def prefill_chunk(self) -> int | None:
         """Tokens of one prompt per step, None when prompts are never split."""
         return None if self.chunked_prefill_size == -1 else self.chunked_prefill_size
+
+    @property
+    def warm_up_at_start(self) -> bool:
+        """Run the start-time prompt steps (ModelRunner.warm_up): on CUDA, where they compile Triton's kernels,
+        unless skip_server_warmup."""
+        return self.torch_device.type == "cuda" and not self.skip_server_warmup
 
     @property
     def use_cuda_graph(self) -> bool:

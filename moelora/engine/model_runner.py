@@ -6,6 +6,7 @@ whose runners (`serve_rank`) run the same forward on their shares of the model; 
 scheduling it broadcasts the sampled tokens the next step's decode rows need, on the device, as that step starts)."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -13,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from moelora.core import ForwardBatch, KVCache, to_device
-from moelora.distributed.comm import barrier, broadcast, broadcast_object, min_over_ranks
+from moelora.distributed.comm import barrier, broadcast, broadcast_object, control_barrier, min_over_ranks
 from moelora.distributed.state import destroy_parallel, get_parallel, parallel_state
 from moelora.engine.config import CPU_KV_TOKENS, DTYPES, EngineConfig
 from moelora.engine.cuda_graph import CudaGraphs, PromptGraphs
@@ -94,7 +95,7 @@ class ModelRunner:
                           config.max_running_requests, self.context_len, self.dtype, self.device)
         max_step_tokens = min(config.max_prefill_tokens, config.chunked_prefill_size or config.max_prefill_tokens,
                               self.context_len)
-        if self.device.type == "cuda":
+        if config.warm_up_at_start:
             self.warm_up(max_step_tokens)
         max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
         prompt_graph_tokens = min(config.cuda_graph_max_prefill_tokens, max_step_tokens)
@@ -273,6 +274,9 @@ def serve_rank(rank: int, config: EngineConfig, init_method: str) -> None:
     while True:
         kind, *args = broadcast_object(state)
         if kind == "shutdown":
+            # rank 0's Workers.shutdown: no rank leaves the world while another still reads the command
+            with contextlib.suppress(Exception):  # rank 0 gave up on a rank that hangs: leave all the same
+                control_barrier(state, config.dist_timeout)
             break
         runner.lora.replay(args[0])
         if kind == "step":

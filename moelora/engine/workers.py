@@ -5,7 +5,8 @@ sends them.
 `Workers` is rank 0's side: it starts the other ranks of its node (spawned CPU processes with gloo, or one process
 per GPU with NCCL), joins their world, and sends each command over the gloo control group: ("step", LoRA events,
 StepInputs), ("lora", LoRA events) (followed by a barrier, so a runtime load_lora or unload_lora returns once
-every rank has it) and ("shutdown",). The other ranks run ModelRunner's `serve_rank`.
+every rank has it) and ("shutdown",) (followed by a barrier on the control group, so no rank leaves the world before
+every rank has the command). The other ranks run ModelRunner's `serve_rank`.
 
 Where the ranks run, three ways, each process constructing the Engine with the same arguments:
 - one node (nnodes 1): rank 0's process starts ranks 1..tp_size-1;
@@ -31,7 +32,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from moelora.distributed.comm import barrier, broadcast_object
+from moelora.distributed.comm import barrier, broadcast_object, control_barrier
 from moelora.distributed.launch import LocalRanks, free_port, name_ranks, report_failures, reported_failures
 from moelora.distributed.state import ParallelState, destroy_parallel, init_parallel
 from moelora.engine.config import EngineConfig
@@ -190,8 +191,12 @@ class Workers:
     def shutdown(self) -> None:
         """Stop the other ranks (and leave their world)."""
         if self.failure is None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # a rank that died or hangs: stopped below all the same
                 self.send(("shutdown",))
+                # no rank leaves the world before every rank has the command (serve_rank meets this barrier): rank
+                # 0's broadcast returns once its bytes are sent, not once they are read; within dist_timeout, so a
+                # rank that hangs holds the shutdown up no longer than that
+                control_barrier(self.state, self.timeout)
         self.ranks.stop()
         destroy_parallel()
         self.failure = self.failure or "shut down"

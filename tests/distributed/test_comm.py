@@ -20,6 +20,7 @@ def test_one_rank_collectives_are_the_identity():
     one = get_parallel()
     assert comm.all_reduce(one, x) is x and comm.all_gather(one, x) is x
     assert comm.min_over_ranks(one, 7, timeout=1) == 7
+    comm.control_barrier(one, timeout=1)
 
 
 def test_layout():
@@ -52,10 +53,14 @@ def _collectives() -> dict:
     rows = torch.arange(sum(send), dtype=torch.float32)[:, None] + 10 * rank
     recv = comm.exchange_counts(state, torch.tensor(send))
     comm.barrier(state, "cpu")
+    comm.control_barrier(state, timeout=60)
     return dict(sum=comm.all_reduce(state, x.clone()), gathered=comm.all_gather(state, torch.tensor([rank, rank])),
                 recv_counts=recv.tolist(), received=comm.all_to_all(state, rows, send, recv.tolist()).flatten().tolist(),
                 obj=comm.broadcast_object(state, {"from": rank} if rank == 0 else None),
-                least=comm.min_over_ranks(state, 5 + rank, timeout=60))
+                least=comm.min_over_ranks(state, 5 + rank, timeout=60),
+                # the control-group works' handles outlive their calls: no gloo thread frees their tensors (a
+                # process that ends right after them would abort if one did while the interpreter finalizes)
+                held=len(comm._recent_works))
 
 
 def test_two_ranks_collectives():
@@ -63,9 +68,31 @@ def test_two_ranks_collectives():
     for r in (r0, r1):
         assert torch.equal(r["sum"], torch.full((2, 3), 3.0))
         assert r["gathered"].tolist() == [0, 0, 1, 1]
-        assert r["obj"] == {"from": 0} and r["least"] == 5
+        assert r["obj"] == {"from": 0} and r["least"] == 5 and r["held"] == 4  # control_barrier, 2 broadcasts, min
     assert (r0["recv_counts"], r0["received"]) == ([1, 0], [0.0])
     assert (r1["recv_counts"], r1["received"]) == ([2, 1], [1.0, 2.0, 10.0])
+
+
+def _late_control_barrier(timeout: float) -> tuple[float, str]:
+    """Rank 1 comes to the control barrier 5 s after rank 0's gave up: rank 0's raises after `timeout` seconds
+    (the control group's own timeout is a year), and rank 1's late arrival completes it."""
+    state = get_parallel()
+    start, error = time.time(), ""
+    if state.rank == 1:
+        time.sleep(timeout + 5)
+        comm.control_barrier(state, timeout=60)
+    else:
+        try:
+            comm.control_barrier(state, timeout)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+    return time.time() - start, error
+
+
+def test_the_control_barrier_gives_up_after_its_timeout():
+    (waited, error), (_, late) = run_ranks(2, _late_control_barrier, 2.0)
+    assert 2.0 <= waited < 2.0 + 4 and "timed out" in error.lower(), (waited, error)
+    assert late == ""
 
 
 def _fail(rank: int) -> None:

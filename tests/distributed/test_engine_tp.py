@@ -104,6 +104,29 @@ def test_a_rank_that_hangs_stops_the_engine_within_the_timeout(start_engine):
     assert not many.workers.ranks.procs[1].is_alive()  # stopped, then killed
 
 
+def test_shutdown_ends_the_ranks_together(start_engine):
+    """Every rank meets rank 0 at shutdown's barrier, then leaves the world and ends with 0."""
+    many = start_engine("qwen3_moe", tp_size=2)
+    many.generate(PROMPTS[:1], GREEDY)
+    rank1 = many.workers.ranks.procs[1]
+    many.shutdown()
+    assert rank1.exitcode == 0
+
+
+def test_shutdown_gives_up_on_a_rank_that_hangs(start_engine):
+    """Shutdown's barrier waits dist_timeout for a rank that hangs, which is then killed: no shutdown hangs, and
+    the next engine over two ranks starts."""
+    many = start_engine("qwen3_moe", tp_size=2, dist_timeout=3)
+    many.generate(PROMPTS[:1], GREEDY)
+    rank1 = many.workers.ranks.procs[1]
+    os.kill(rank1.pid, signal.SIGSTOP)
+    start = time.time()
+    many.shutdown()
+    assert time.time() - start < 3 + 10 + 10  # the barrier's timeout, then LocalRanks.stop's wait before it kills
+    assert rank1.exitcode == -signal.SIGKILL
+    assert start_engine("qwen3_moe", tp_size=2, dist_timeout=20).generate(PROMPTS[:1], GREEDY)[0].token_ids
+
+
 TORCHRUN_SCRIPT = """
 import json, sys
 from moelora.engine.engine import Engine

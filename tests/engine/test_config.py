@@ -9,6 +9,14 @@ def test_defaults_resolve():
     assert EngineConfig("model", device="cpu", chunked_prefill_size=-1).prefill_chunk is None
 
 
+def test_the_start_warms_up_on_cuda_unless_skipped():
+    """The prompt steps of each size class compile Triton's kernels: on CUDA only, unless skip_server_warmup."""
+    assert EngineConfig("model", device="cuda").warm_up_at_start
+    assert EngineConfig("model", device="cuda:1").warm_up_at_start
+    assert not EngineConfig("model", device="cuda", skip_server_warmup=True).warm_up_at_start
+    assert not EngineConfig("model", device="cpu").warm_up_at_start
+
+
 @pytest.mark.parametrize("field, value", [
     ("dtype", "float64"), ("device", "tpu"), ("load_format", "pt"), ("max_loras_per_batch", 0), ("max_lora_rank", 0),
     ("max_cpu_loras", 2), ("mem_fraction_static", 1.0), ("max_total_tokens", 1), ("max_running_requests", 0),

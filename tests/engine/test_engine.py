@@ -1,5 +1,7 @@
 """Engine behaviour on the tiny Qwen3-MoE: batch invariance (with chunked prefill and retraction),
 the step API, aborts, per-request errors, n > 1, logprobs and stop tokens."""
+import gc
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -292,3 +294,35 @@ def test_warm_up_leaves_no_trace(make_engine, alone):
     assert_idle(engine)
     assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS, lora=LORAS)] == alone(FAMILY)
     assert_idle(engine)
+
+
+@pytest.mark.parametrize("warm_up", [False, True])
+def test_the_start_warms_up_as_the_config_says(make_engine, monkeypatch, warm_up):
+    """The runner's start runs the prompt steps exactly when EngineConfig.warm_up_at_start says so (on CUDA, unless
+    skip_server_warmup: test_config.py); the answer is faked here, where the steps would never run."""
+    from moelora.engine.config import EngineConfig
+    from moelora.engine.model_runner import ModelRunner
+    calls, real = [], ModelRunner.warm_up
+    monkeypatch.setattr(EngineConfig, "warm_up_at_start", property(lambda self: warm_up))
+    monkeypatch.setattr(ModelRunner, "warm_up", lambda self, max_tokens: calls.append(max_tokens) or real(self, max_tokens))
+    engine = make_engine(FAMILY, max_prefill_tokens=20)
+    assert calls == ([20] if warm_up else [])
+    assert_idle(engine)
+
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_a_shut_down_engine_is_collected(make_engine, device):
+    """Once shut down and dropped, an engine and its model go with the cyclic GC (on a GPU its CUDA graphs hold
+    the runner's bound method: a cycle): nothing global keeps them, so a process that builds engines one after
+    the other (benchmarks/bench_tp.py) gets each one's memory back."""
+    options = dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8, max_total_tokens=4096) if device == "cuda" \
+        else {}
+    engine = make_engine(FAMILY, **options)
+    assert engine.generate(PROMPTS[:2], PARAMS[:2], lora=LORAS[:2])
+    model, runner = weakref.ref(engine.runner.model), weakref.ref(engine.runner)
+    engine.shutdown()
+    del engine
+    gc.collect()
+    assert model() is None and runner() is None

@@ -39,6 +39,8 @@ def test_flags_follow_the_config_fields(capsys):
     assert args.mem_fraction_static == 0.5 and args.port == 1234 and not hasattr(args, "max_total_tokens")  # unset
     for targets in (["q_proj", "gate_up_proj"], ["all"]):
         assert engine_kwargs(["--model-path", "m", "--lora-target-modules", *targets])["lora_target_modules"] == targets
+    assert engine_kwargs(["--model-path", "m", "--skip-server-warmup"])["skip_server_warmup"] is True  # SGLang's flag
+    assert "skip_server_warmup" not in engine_kwargs(["--model-path", "m"])  # the config's default, False
     serve_help = help_of("serve", capsys)
     assert all("--" + f.name.replace("_", "-") in serve_help for f in dataclasses.fields(EngineConfig))
     gen = parser.parse_args(["generate", "--model-path", "m", "--prompt", "p", "--stop", "a", "b", "--top-k", "5",
