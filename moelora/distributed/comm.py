@@ -85,14 +85,9 @@ def broadcast_object(state: ParallelState, obj: Any = None, timeout: float | Non
     return obj if state.rank == 0 else pickle.loads(data.numpy().tobytes())
 
 
-def barrier(state: ParallelState, device: torch.device | str) -> None:
-    """Returns once every rank got here; over the model's group (on `device`), so it raises within its timeout."""
-    all_reduce(state, torch.zeros(1, device=device))
-
-
 def control_barrier(state: ParallelState, timeout: float) -> None:
     """Returns once every rank got here, the host waiting whatever the device (over the gloo control group: an
-    NCCL `barrier` only queues on the stream); raises after `timeout` seconds without every rank's."""
+    NCCL collective would only queue on the stream); raises after `timeout` seconds without every rank's."""
     if state.tp_size > 1:
         _wait(dist.all_reduce(torch.zeros(1), group=state.control, async_op=True), timedelta(seconds=timeout))
 

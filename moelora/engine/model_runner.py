@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from moelora.core import ForwardBatch, KVCache, to_device
-from moelora.distributed.comm import barrier, broadcast, broadcast_object, control_barrier, min_over_ranks
+from moelora.distributed.comm import broadcast, broadcast_object, control_barrier, min_over_ranks
 from moelora.distributed.state import destroy_parallel, get_parallel, parallel_state
 from moelora.engine.config import CPU_KV_TOKENS, DTYPES, EngineConfig
 from moelora.engine.cuda_graph import CudaGraphs, PromptGraphs
@@ -270,7 +270,7 @@ def serve_rank(rank: int, config: EngineConfig, init_method: str) -> None:
     torch.set_num_threads(max(1, torch.get_num_threads() // len(node_ranks(config))))
     with parallel_state(join_world(config, rank, init_method)) as state:
         runner = ModelRunner(node_config(config, rank))
-    barrier(state, runner.device)  # loaded: rank 0's Engine waits for every rank's (within dist_timeout)
+    control_barrier(state, config.dist_timeout)  # loaded: rank 0's Engine waits for every rank's (Workers.barrier)
     while True:
         kind, *args = broadcast_object(state)
         if kind == "shutdown":
@@ -282,7 +282,7 @@ def serve_rank(rank: int, config: EngineConfig, init_method: str) -> None:
         if kind == "step":
             runner.execute(args[1])
         else:
-            barrier(state, runner.device)  # rank 0's Workers.barrier
+            control_barrier(state, config.dist_timeout)  # rank 0's Workers.barrier
     destroy_parallel()
 
 

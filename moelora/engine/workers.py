@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from moelora.distributed.comm import barrier, broadcast_object, control_barrier
+from moelora.distributed.comm import broadcast_object, control_barrier
 from moelora.distributed.launch import LocalRanks, free_port, name_ranks, report_failures, reported_failures
 from moelora.distributed.state import ParallelState, destroy_parallel, init_parallel
 from moelora.engine.config import EngineConfig
@@ -185,8 +185,9 @@ class Workers:
         broadcast_object(self.state, command, self.timeout)
 
     def barrier(self) -> None:
-        """Returns once every rank got here (or raises within dist_timeout)."""
-        barrier(self.state, self.device)
+        """Returns once every rank got here (or raises within dist_timeout); over the control group, so the host
+        waits whatever the backend (an NCCL barrier would only queue on the stream)."""
+        control_barrier(self.state, self.timeout)
 
     def shutdown(self) -> None:
         """Stop the other ranks (and leave their world)."""

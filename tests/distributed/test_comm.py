@@ -52,7 +52,6 @@ def _collectives() -> dict:
     send = [1, 2] if rank == 0 else [0, 1]
     rows = torch.arange(sum(send), dtype=torch.float32)[:, None] + 10 * rank
     recv = comm.exchange_counts(state, torch.tensor(send))
-    comm.barrier(state, "cpu")
     comm.control_barrier(state, timeout=60)
     return dict(sum=comm.all_reduce(state, x.clone()), gathered=comm.all_gather(state, torch.tensor([rank, rank])),
                 recv_counts=recv.tolist(), received=comm.all_to_all(state, rows, send, recv.tolist()).flatten().tolist(),
