@@ -151,7 +151,8 @@ class PaddedPrompt:
             return getattr(batch, name) if batch is not None else None
 
         slots = batch.lora.token_slots if batch is not None and batch.lora is not None else None
-        tokens, seqs, outs = (batch.num_tokens, batch.batch_size, batch.logits_indices.shape[0]) if batch else (0, 0, 0)
+        tokens, seqs, outs = (batch.num_tokens, batch.batch_size, batch.logits_indices.shape[0]) if batch is not None \
+            else (0, 0, 0)
         rows, pad = self.rows(size), size - tokens
         for buf, value, count, end, fill in (
                 (self.input_ids, given("input_ids"), tokens, size, 0),
