@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_tiny_decode_profile_lists_each_case():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, "benchmarks/profile_decode.py", "--tiny", "--batch-sizes", "1,2",
-                          "--adapters", "0,2", "--decode-tokens", "3", "--top", "5"], cwd=ROOT, env=env,
+                          "--adapters", "0,2", "--decode-tokens", "6", "--top", "5"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in run.stdout.splitlines() if line.startswith("| ")]
