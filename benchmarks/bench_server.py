@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -124,7 +125,8 @@ def step_row(run: str, clients: int, d: dict[str, float]) -> str:
     prompt_steps, decode_steps = d["prefill_steps"] + d["mixed_steps"], d["decode_steps"] + d["mixed_steps"]
     per_step = " / ".join(f"{1e3 * d[f'{phase}_seconds'] / max(steps, 1):.2f}"
                           for phase in ("schedule", "launch", "wait", "postprocess"))
-    return (f"| {run} | {clients} | {d['prefill_steps']:.0f} | {d['mixed_steps']:.0f} | {d['decode_steps']:.0f} "
+    return (f"| {run} | {clients} | {d['admitted']:.0f} | {d['prefill_steps']:.0f} | {d['mixed_steps']:.0f} "
+            f"| {d['decode_steps']:.0f} "
             f"| {d['prompt_pieces'] / max(prompt_steps, 1):.1f} | {d['decode_rows'] / max(decode_steps, 1):.1f} "
             f"| {d['stalled_rows'] / max(d['prefill_steps'], 1):.1f} "
             f"| {1e3 * d['admission_wait_seconds'] / max(d['admitted'], 1):.1f} | {per_step} |")
@@ -132,10 +134,10 @@ def step_row(run: str, clients: int, d: dict[str, float]) -> str:
 
 def print_step_tables(served: dict[int, dict[str, float]], offline: dict[int, dict[str, float]], walls: dict[int, float]
                       ) -> None:
-    print("\n| run | clients | prompt steps | mixed steps | decode steps | prompts per prompt step "
+    print("\n| run | clients | requests admitted | prompt steps | mixed steps | decode steps | prompts per prompt step "
           "| decode batch (mean) | running requests stalled per prompt step | arrival to admission ms (mean) "
           "| host ms per step: schedule / launch / wait / postprocess |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for c in served:
         print(step_row("server", c, served[c]))
         print(step_row("offline", c, offline[c]))
@@ -166,9 +168,11 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 
 def run_clients(url: str, concurrency: int, requests: int, prompt_len: int, max_tokens: int, vocab: int,
-                processes: int) -> dict:
-    """The clients in `processes` groups (benchmarks/http_clients.py, one process each), started together; TTFT,
-    inter-token latency and tokens over the wall time from the first group's start to the last one's end."""
+                processes: int, when_warm: Callable[[], None]) -> dict:
+    """The clients in `processes` groups (benchmarks/http_clients.py, one process each): every client's warm-up
+    request (which also compiles the kernels of this batch's shapes), `when_warm()`, then the measured requests,
+    started together; TTFT, inter-token latency and tokens over the wall time from the first group's start to the
+    last one's end."""
     groups = [list(range(p, concurrency, processes)) for p in range(min(processes, concurrency))]
     work = [str(v) for v in (requests, prompt_len, max_tokens, vocab, ADAPTERS)]
     procs = [subprocess.Popen([sys.executable, str(CLIENTS), url, ",".join(map(str, g)), *work], stdin=subprocess.PIPE,
@@ -176,7 +180,8 @@ def run_clients(url: str, concurrency: int, requests: int, prompt_len: int, max_
     try:
         for proc in procs:
             if proc.stdout.readline().strip() != "ready":
-                raise RuntimeError(f"a client process failed to start (exit code {proc.wait()})")
+                raise RuntimeError(f"a client process failed to start or warm up (exit code {proc.wait()})")
+        when_warm()
         for proc in procs:
             proc.stdin.write("go\n")
             proc.stdin.flush()
@@ -248,10 +253,9 @@ def main() -> None:
                   "| aggregate tokens/s |")
             print("|---|---|---|---|---|---|", flush=True)
             for c in concurrencies:
-                # warm-up: one request per client, so the kernels of this batch's shapes are compiled
-                run_clients(url, c, 1, prompt_len, max_tokens, config.vocab_size, processes(c))
-                before = server_counters(url)
-                r = run_clients(url, c, requests, prompt_len, max_tokens, config.vocab_size, processes(c))
+                before = {}
+                r = run_clients(url, c, requests, prompt_len, max_tokens, config.vocab_size, processes(c),
+                                when_warm=lambda: before.update(server_counters(url)))
                 served_stats[c] = difference(server_counters(url), before)
                 assert r["tokens"] == c * requests * max_tokens, f"got {r['tokens']} tokens"
                 served[c], walls[c] = r["tokens"] / r["wall"], r["wall"]

@@ -31,10 +31,11 @@ def test_tiny_server_benchmark_reports_each_concurrency():
         assert offline_tps > 0 and ratio == pytest.approx(served_row[-1] / offline_tps, rel=0.1 + rounding, abs=0.01)
 
     steps = next(block for block in blocks if block.startswith("| run |")).splitlines()[2:]
-    rows = {(cells[0], int(cells[1])): [float(v) for v in cells[2:8]] + [float(v) for v in cells[9].split(" / ")]
+    rows = {(cells[0], int(cells[1])): [float(v) for v in cells[2:9]] + [float(v) for v in cells[10].split(" / ")]
             for cells in ([c.strip() for c in line.split("|")[1:-1]] for line in steps)}
     assert set(rows) == {(run, c) for run in ("server", "offline") for c in (1, 4)}
-    for (_, clients), (prompt, mixed, decode, prompts_per_step, batch, stalled, *host_ms) in rows.items():
+    for (_, clients), (admitted, prompt, mixed, decode, prompts_per_step, batch, stalled, *host_ms) in rows.items():
+        assert admitted == 2 * clients  # the measured requests only: the warm-ups are not counted
         # each of the 2 waves' prompts (8 tokens) runs in pieces of the 16-token budget beside the decode rows
         assert prompt + mixed >= 2 and decode > 0 and 0 < prompts_per_step <= clients and 0 < batch <= clients
         assert stalled == 0 and len(host_ms) == 4 and all(ms >= 0 for ms in host_ms) and host_ms[1] > 0
