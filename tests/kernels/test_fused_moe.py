@@ -268,3 +268,28 @@ def test_pair_blocks_past_the_ready_counters(device, monkeypatch):
     with pytest.raises(ValueError, match="pair blocks with LoRA on 6 pairs: more than the 5 counters"):
         fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
                   config=dataclasses.replace(default_config(1, 2, 4, DTYPES[0]), pair_blocks=True))
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_register_cap_reaches_the_gemm_launches(tokens, device, monkeypatch):
+    """Pair blocks cap the GEMM kernels' registers (MoEKernelConfig.max_registers), so the epilogues of large rank
+    tiles do not set every program's occupancy; aligned blocks leave the compiler's choice."""
+    launches = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(kwargs.get("maxnreg"))
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    for name in ("gate_up_kernel", "down_kernel"):
+        monkeypatch.setattr(launcher, name, Recorder(getattr(launcher, name)))
+    x, w13, w2, topk, lora, slots = _case(tokens, 64, 32, 4, 2, DTYPES[0], device)
+    cfg = default_config(tokens, 2, 4, DTYPES[0])
+    got = fused_moe(x, w13, w2, topk, lora, slots, impl="triton", config=cfg)
+    assert_rows_close(got, fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(DTYPES[0], device))
+    assert launches == [128, 128] if tokens == 1 else launches == [None, None]

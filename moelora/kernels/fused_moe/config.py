@@ -43,13 +43,17 @@ class MoEKernelConfig:
     # from this many pairs on, one launch sums the LoRA partials per row before the GEMMs read them, instead
     # of every (block, n-tile) program summing its rows' partials itself
     reduce_partials_min_pairs: int = 512
+    # registers per thread the GEMM kernels may use (None: the compiler's choice). The kernels hold a LoRA
+    # epilogue per rank tile up to the slot buffers' (tiles.takes_rank_tile); the largest one's registers would
+    # set the occupancy of every program, also of blocks whose ranks take a small tile
+    max_registers: int | None = None
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> MoEKernelConfig:
     """Tile sizes by rows per expert, with LoRA and without."""
     block_k = gemm_block_k(dtype)
     if num_tokens <= PAIR_BLOCKS_MAX_TOKENS:
-        return MoEKernelConfig(16, 64, 64, block_k, 8, 4, 4, pair_blocks=True)
+        return MoEKernelConfig(16, 64, 64, block_k, 8, 4, 4, pair_blocks=True, max_registers=128)
     num_pairs = num_tokens * top_k
     rows_per_expert = num_pairs / num_experts
     if rows_per_expert <= 16:
