@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import moelora.engine.engine as engine_module
+import moelora.engine.lora_manager as lora_manager
 import moelora.engine.model_runner as model_runner
 from moelora.distributed.launch import free_port
 from moelora.distributed.state import ParallelState
@@ -224,6 +225,43 @@ def test_a_rank_that_hangs_or_dies_while_loading_fails_the_construction(serve, s
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("moelora-rank")]
     monkeypatch.undo()
     assert start_engine("qwen3_moe", tp_size=2, dist_timeout=20).generate(PROMPTS[:1], GREEDY)[0].token_ids
+
+
+def _cannot_read_adapters(*args, **kwargs) -> None:
+    raise OSError("no such adapter on this rank's node")
+
+
+def _raises_reading_adapters(rank, config, init_method):
+    lora_manager.LoRAManager.read = _cannot_read_adapters
+    model_runner.serve_rank(rank, config, init_method)
+
+
+def _stops_reading_adapters(rank, config, init_method):
+    lora_manager.LoRAManager.read = _stop
+    model_runner.serve_rank(rank, config, init_method)
+
+
+@pytest.mark.parametrize("serve, fate", [
+    (_raises_reading_adapters, "rank 1 failed:\n"),
+    (_stops_reading_adapters, "rank 1 is still running: it did not answer in time"),
+], ids=["raises", "hangs"])
+def test_a_rank_that_fails_in_load_lora_stops_the_engine(serve, fate, start_engine, adapters, monkeypatch):
+    """Rank 1 raises (as on a node without the adapter's files) or hangs where it reads the adapter a runtime
+    load_lora sends it (the adapters given at start it read otherwise): load_lora raises WorkerFailure naming it
+    within dist_timeout, and the engine takes no more requests."""
+    monkeypatch.setattr(engine_module, "serve_rank", serve)
+    many = start_engine("qwen3_moe", tp_size=2, dist_timeout=3)
+    many.generate(PROMPTS[:1], GREEDY, lora="full")
+    start = time.time()
+    with pytest.raises(WorkerFailure) as failed:
+        many.load_lora("late", str(adapters("qwen3_moe")["partial"].path))
+    assert time.time() - start < 3 + 20
+    error = str(failed.value)
+    assert error.startswith("changing adapters failed on the tensor-parallel ranks") and fate in error, error
+    assert serve is _stops_reading_adapters or "OSError: no such adapter on this rank's node" in error
+    assert many.fatal == error
+    with pytest.raises(EngineDead):
+        many.add_request(PROMPTS[0], GREEDY)
 
 
 def test_the_ranks_of_each_node(monkeypatch):
