@@ -3,10 +3,13 @@ logits, LoRA slot buffers (experts and dense layers) and paged-attention batches
 tolerances, a tiny byte-level BPE tokenizer (built offline), a random-weight tiny Qwen3-MoE with
 random PEFT adapters (`build_random_demo`), tiny transformers models of every family with PEFT adapters on them, a
 Qwen3-30B-A3B-shaped dummy checkpoint with random PEFT adapters at its real shapes, DeepSeek-V3's and
-Qwen3-235B-A22B's configs, and ForwardBatches over a KV cache."""
+Qwen3-235B-A22B's configs, what one rank of a parallel layout holds (`rank_memory`), and ForwardBatches over a KV
+cache."""
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -16,6 +19,11 @@ from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Conf
                           PretrainedConfig, Qwen2MoeConfig, Qwen3MoeConfig)
 
 from moelora.core import ExpertLoRASlots, ForwardBatch, KVCache, LinearLoRASlots, TopKConfig, TopKOutput
+from moelora.distributed.state import ParallelState, parallel_state
+from moelora.engine.lora_slots import allocate_lora_slots, slot_bytes
+from moelora.layers.moe.runner import Runner
+from moelora.models.config import ModelConfig
+from moelora.models.loader import build_model
 
 
 def random_moe_weights(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device="cpu",
@@ -362,6 +370,26 @@ def write_random_peft_adapter(config: PretrainedConfig, out_dir: Path, rank: int
 
 
 # ------------------------------------------------------------------ batches over a KV cache
+
+
+@dataclass
+class RankMemory:
+    weights: int
+    lora_slots: int
+    kv_per_token: int
+    experts: list[range]  # per MoE layer, the routed experts the rank holds
+
+
+def rank_memory(config: ModelConfig, state: ParallelState, dtype: torch.dtype, num_slots: int, max_rank: int,
+                targets: Collection[str] | None = None) -> RankMemory:
+    """What one rank of `state`'s layout holds, built on the meta device (nothing allocated), with `num_slots`
+    LoRA slots of `max_rank` on `targets` (target modules; None: all)."""
+    with parallel_state(state):
+        model = build_model(config, dtype, "meta")
+    allocate_lora_slots(model, num_slots, max_rank, targets)
+    return RankMemory(sum(p.numel() * p.element_size() for p in model.parameters()), slot_bytes(model),
+                      model.kv_cache_shape.bytes_per_token(dtype),
+                      [range(m.experts.start, m.experts.stop) for m in model.modules() if isinstance(m, Runner)])
 
 
 def toy_kv_cache(model, max_requests: int, max_context: int, dtype: torch.dtype | None = None) -> KVCache:

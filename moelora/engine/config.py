@@ -1,5 +1,6 @@
 """EngineConfig: every knob of the engine in one place, threaded through scheduler, LoRA manager and
-model runner. Names follow SGLang's server arguments where one exists."""
+model runner. Names follow SGLang's server arguments where one exists; the constructor takes the flags' other
+spellings (vLLM's tensor_parallel_size, max_model_len, ...) as keywords too."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,13 +8,14 @@ from dataclasses import dataclass
 import torch
 
 from moelora.distributed.state import DISPATCH_MODES
-from moelora.engine.fields import option
+from moelora.engine.fields import keyword_aliases, option
 from moelora.layers.moe.runner import BACKENDS as MOE_BACKENDS
 
 CPU_KV_TOKENS = 16384  # KV cache size on CPU without max_total_tokens (no free-memory query there)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+@keyword_aliases
 @dataclass
 class EngineConfig:
     model_path: str = option(help="local Hugging Face model directory (config.json, safetensors)")

@@ -276,13 +276,13 @@ class Engine:
         family = ", ".join(model.architectures or (model.model_type,))
         tokens, kv_bytes = runner.kv.num_slots - 1, runner.model.kv_cache_shape.bytes_per_token(runner.dtype)
         return [f"model {config.model_path}: {family}, {str(runner.dtype).removeprefix('torch.')} on {runner.device}",
-                f"KV cache: {tokens} tokens ({tokens * kv_bytes / 2**30:.2f} GiB); context {self.context_len} tokens; "
+                f"KV cache: {tokens} tokens ({_size(tokens * kv_bytes)}); context {self.context_len} tokens; "
                 f"up to {config.max_running_requests} running requests",
                 f"tokenizer: {config.tokenizer_path or config.model_path}" if self.tokenizer is not None
                 else f"no tokenizer: {self.missing_tokenizer}",
                 *runner.lora.describe(),
                 *([f"parallel: {config.tp_size} ranks, tensor parallel with the experts over {config.ep_size} groups "
-                   f"({config.moe_dispatch} dispatch); per rank: weights {runner.weight_bytes() / 2**30:.2f} GiB, "
+                   f"({config.moe_dispatch} dispatch); per rank: weights {_size(runner.weight_bytes())}, "
                    "KV cache and LoRA slots as above"] if config.tp_size > 1 else [])]
 
     def accounting_error(self) -> str | None:
@@ -379,6 +379,11 @@ def _per_prompt(value, prompts: Sequence, name: str) -> list:
             raise ValueError(f"{name} has {len(value)} entries for {len(prompts)} prompts")
         return list(value)
     return [value] * len(prompts)
+
+
+def _size(num_bytes: int) -> str:
+    """GiB from 1 GiB up, else MiB: a small model's weights and KV cache showed as 0.00 GiB."""
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
 
 
 def _eos_token_ids(model_path: str, tokenizer) -> list[int]:

@@ -14,7 +14,7 @@ from moelora.models.config import ModelConfig
 from moelora.models.loader import load_model
 from tests.support import batch_logits, extend_batch, toy_kv_cache
 
-SEQUENCES = [[5, 17, 2, 93, 41, 8, 8, 60, 3], [11, 4, 77], [30, 1, 2, 3, 4, 5, 6], [9, 9], [70, 2, 50, 1]]
+SEQUENCES = ((5, 17, 2, 93, 41, 8, 8, 60, 3), (11, 4, 77), (30, 1, 2, 3, 4, 5, 6), (9, 9), (70, 2, 50, 1))
 
 
 @dataclass(frozen=True)
@@ -23,21 +23,24 @@ class Case:
     adapters: tuple[str, ...] = ()  # in slots 0, 1, ...; one more slot, never used, is poisoned with NaN
     slots: tuple[int, ...] = ()     # per sequence (-1: base model); none: all base
     max_rank: int = 8
+    sequences: tuple[tuple[int, ...], ...] = SEQUENCES
 
 
 def run_case(case: Case) -> list[torch.Tensor]:
-    """[prefill logits, decode logits] of SEQUENCES (all but the last token, then the last) with their slots."""
+    """[prefill logits, decode logits] of the case's sequences (all but the last token, then the last) with their
+    slots."""
     model = load_model(case.checkpoint, dtype=torch.float32, device="cpu")
-    slots = list(case.slots) or [-1] * len(SEQUENCES)
+    sequences = [list(s) for s in case.sequences]
+    slots = list(case.slots) or [-1] * len(sequences)
     if case.adapters:
         shapes = load_model_shapes(case.checkpoint)
         allocate_lora_slots(model, len(case.adapters) + 1, case.max_rank)
         for slot, path in enumerate(case.adapters):
             write_adapter_to_slot(model, load_adapter(path, shapes), slot)
         _poison_slot(model, len(case.adapters))
-    kv = toy_kv_cache(model, len(SEQUENCES), 16)
-    prefill = batch_logits(model, extend_batch(kv, [s[:-1] for s in SEQUENCES], lora_slots=slots))
-    decode = batch_logits(model, extend_batch(kv, [s[-1:] for s in SEQUENCES], [len(s) - 1 for s in SEQUENCES], slots))
+    kv = toy_kv_cache(model, len(sequences), 16)
+    prefill = batch_logits(model, extend_batch(kv, [s[:-1] for s in sequences], lora_slots=slots))
+    decode = batch_logits(model, extend_batch(kv, [s[-1:] for s in sequences], [len(s) - 1 for s in sequences], slots))
     return [prefill, decode]
 
 

@@ -11,16 +11,22 @@ import sys
 import time
 
 import pytest
+import torch
 
 import moelora.engine.engine as engine_module
+import moelora.engine.lora_manager as lora_manager
 import moelora.engine.model_runner as model_runner
 from moelora.distributed.launch import free_port
+from moelora.distributed.state import ParallelState
 from moelora.engine.config import EngineConfig
 from moelora.engine.engine import Engine, EngineDead, RequestFailed
+from moelora.engine.lora_slots import slotted_modules
 from moelora.engine.sampling_params import SamplingParams
 from moelora.engine.workers import WorkerFailure, node_config, node_ranks, serves_engine
 from moelora.lora import AdapterError
+from moelora.models.config import ModelConfig
 from tests.models.families import assert_logprobs_close
+from tests.support import rank_memory
 
 PROMPTS = [[(7 * i + 3 * j) % 90 + 3 for j in range(5 + i)] for i in range(4)]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -31,9 +37,9 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     ("qwen3_moe", dict(tp_size=2, disable_overlap_schedule=True)),
     ("deepseek_v3", dict(tp_size=2, enable_expert_parallel=True, moe_dispatch="all_to_all")),
 ])
-def test_same_tokens_and_logprobs_as_one_rank(family, options, start_engine):
+def test_same_tokens_and_logprobs_as_one_rank(family, options, start_engine, checkpoint):
     """With overlap scheduling (the default) the decode rows' tokens reach ranks 1.. from rank 0's device: a row
-    whose token did not arrive would decode token 0's continuation."""
+    whose token did not arrive would decode token 0's continuation. The start's memory lines are each rank's."""
     one, many = start_engine(family), start_engine(family, **options)
     assert many.stepper.overlap == (not options.get("disable_overlap_schedule", False))
     loras = ["full", None, "partial", "full"]
@@ -41,7 +47,26 @@ def test_same_tokens_and_logprobs_as_one_rank(family, options, start_engine):
         [o.token_ids for o in one.generate(PROMPTS, GREEDY, lora=loras)]
     for got, want in zip(many.prompt_logprobs(PROMPTS, lora=loras), one.prompt_logprobs(PROMPTS, lora=loras)):
         assert_logprobs_close(got, want, f"{family} {options}", 2e-5)
-    assert any(line.startswith("parallel: 2 ranks") for line in many.summary())
+    _assert_memory_per_rank(many, one, checkpoint(family))
+
+
+def _assert_memory_per_rank(many: Engine, one: Engine, model_path) -> None:
+    """The summary's weights, KV cache and LoRA slots at tp_size ranks are, within its rounding, what every rank
+    holds (the rank's model built on the meta device, as rank r builds it), about 1 / tp_size of one process's
+    weights."""
+    config, lines, max_rank = many.config, many.summary(), many.runner.lora.max_rank
+    tokens, slotted = many.runner.kv.num_slots - 1, slotted_modules(many.runner.model)
+    parallel = [line for line in lines if line.startswith(f"parallel: {config.tp_size} ranks")]
+    kv = [line for line in lines if line.startswith(f"KV cache: {tokens} tokens")]
+    slots = [line for line in lines if line.startswith(f"LoRA: {config.max_loras_per_batch} GPU slots ")]
+    assert len(parallel) == len(kv) == len(slots) == 1, lines
+    for rank in range(config.tp_size):
+        held = rank_memory(ModelConfig.from_pretrained(model_path), ParallelState(rank, config.tp_size, config.ep_size),
+                           torch.float32, config.max_loras_per_batch, max_rank, slotted)
+        assert f"per rank: weights {held.weights / 2**20:.1f} MiB," in parallel[0], (rank, parallel[0])
+        assert f"({tokens * held.kv_per_token / 2**20:.1f} MiB)" in kv[0], (rank, kv[0])
+        assert f"({held.lora_slots / 2**20:.1f} MiB)" in slots[0], (rank, slots[0])
+        assert held.weights < 0.6 * one.runner.weight_bytes()
 
 
 def _drive(engine, partial_path: str) -> list[list[int]]:
@@ -200,6 +225,43 @@ def test_a_rank_that_hangs_or_dies_while_loading_fails_the_construction(serve, s
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("moelora-rank")]
     monkeypatch.undo()
     assert start_engine("qwen3_moe", tp_size=2, dist_timeout=20).generate(PROMPTS[:1], GREEDY)[0].token_ids
+
+
+def _cannot_read_adapters(*args, **kwargs) -> None:
+    raise OSError("no such adapter on this rank's node")
+
+
+def _raises_reading_adapters(rank, config, init_method):
+    lora_manager.LoRAManager.read = _cannot_read_adapters
+    model_runner.serve_rank(rank, config, init_method)
+
+
+def _stops_reading_adapters(rank, config, init_method):
+    lora_manager.LoRAManager.read = _stop
+    model_runner.serve_rank(rank, config, init_method)
+
+
+@pytest.mark.parametrize("serve, fate", [
+    (_raises_reading_adapters, "rank 1 failed:\n"),
+    (_stops_reading_adapters, "rank 1 is still running: it did not answer in time"),
+], ids=["raises", "hangs"])
+def test_a_rank_that_fails_in_load_lora_stops_the_engine(serve, fate, start_engine, adapters, monkeypatch):
+    """Rank 1 raises (as on a node without the adapter's files) or hangs where it reads the adapter a runtime
+    load_lora sends it (the adapters given at start it read otherwise): load_lora raises WorkerFailure naming it
+    within dist_timeout, and the engine takes no more requests."""
+    monkeypatch.setattr(engine_module, "serve_rank", serve)
+    many = start_engine("qwen3_moe", tp_size=2, dist_timeout=3)
+    many.generate(PROMPTS[:1], GREEDY, lora="full")
+    start = time.time()
+    with pytest.raises(WorkerFailure) as failed:
+        many.load_lora("late", str(adapters("qwen3_moe")["partial"].path))
+    assert time.time() - start < 3 + 20
+    error = str(failed.value)
+    assert error.startswith("changing adapters failed on the tensor-parallel ranks") and fate in error, error
+    assert serve is _stops_reading_adapters or "OSError: no such adapter on this rank's node" in error
+    assert many.fatal == error
+    with pytest.raises(EngineDead):
+        many.add_request(PROMPTS[0], GREEDY)
 
 
 def test_the_ranks_of_each_node(monkeypatch):

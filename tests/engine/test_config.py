@@ -64,3 +64,21 @@ def test_several_nodes():
         EngineConfig("model", device="cpu", tp_size=2, nnodes=2, node_rank=2, **addr)
     with pytest.raises(ValueError, match="EngineConfig.dist_init_addr must be node 0's host:port with nnodes=2, got None"):
         EngineConfig("model", device="cpu", tp_size=2, nnodes=2)
+
+
+def test_flag_aliases_are_keywords():
+    """vLLM's keywords, the Python spelling of the flags' aliases, name the same fields; a field under two spellings
+    with different values is refused, naming both."""
+    config = EngineConfig("model", device="cpu", tensor_parallel_size=4, enable_expert_parallel=True, max_model_len=64,
+                          gpu_memory_utilization=0.5, max_num_seqs=3, max_loras=2, max_num_batched_tokens=32)
+    assert (config.tp_size, config.ep_size, config.context_length, config.mem_fraction_static) == (4, 4, 64, 0.5)
+    assert (config.max_running_requests, config.max_loras_per_batch, config.chunked_prefill_size) == (3, 2, 32)
+    assert EngineConfig("model", device="cpu", tp=4, ep=2).ep_size == 2  # --tp, --ep
+    assert EngineConfig("model", device="cpu", tp_size=2, tensor_parallel_size=2).tp_size == 2  # agreeing: fine
+    with pytest.raises(ValueError, match="EngineConfig.tp_size is given twice, as tp_size=4 and as "
+                                         "tensor_parallel_size=2: give one"):
+        EngineConfig("model", device="cpu", tp_size=4, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="EngineConfig.ep_size is given twice, as ep=2 and as expert_parallel_size=1"):
+        EngineConfig("model", device="cpu", tp_size=2, ep=2, expert_parallel_size=1)
+    with pytest.raises(TypeError, match="tensor_parallel"):  # no flag spells it so
+        EngineConfig("model", device="cpu", tensor_parallel=2)

@@ -18,7 +18,7 @@ def test_startup_summary_and_stats_line(demo_dir, caplog):
         start = [r.getMessage() for r in caplog.records]
         assert start[0] == f"serving {demo_dir / 'model'} as {MODEL_NAME!r}"
         assert start[1] == f"model {demo_dir / 'model'}: Qwen3MoeForCausalLM, float32 on cpu"
-        assert re.fullmatch(r"KV cache: 16384 tokens \(\d+\.\d\d GiB\); context 512 tokens; up to 256 running requests",
+        assert re.fullmatch(r"KV cache: 16384 tokens \(\d+\.\d MiB\); context 512 tokens; up to 256 running requests",
                             start[2]), start[2]
         assert start[3] == f"tokenizer: {demo_dir / 'model'}"
         assert re.fullmatch(r"LoRA: 2 GPU slots of rank 8 \(\d+\.\d MiB\), host cache of unlimited adapters", start[4])
