@@ -1,7 +1,8 @@
 """Test and benchmark support, outside the installed package: random MoE layers, tie-free router
-logits, LoRA slot buffers (experts and dense layers) and paged-attention batches, dtype-derived
-tolerances, a tiny byte-level BPE tokenizer (built offline), a random-weight tiny Qwen3-MoE with
-random PEFT adapters (`build_random_demo`), tiny transformers models of every family with PEFT adapters on them, a
+logits, LoRA slot buffers (experts and dense layers), one expert-parallel rank's Runner with NaN wherever it
+must not read, paged-attention batches, dtype-derived tolerances, a tiny
+byte-level BPE tokenizer (built offline), a random-weight tiny Qwen3-MoE with random PEFT adapters
+(`build_random_demo`), tiny transformers models of every family with PEFT adapters on them, a
 Qwen3-30B-A3B-shaped dummy checkpoint with random PEFT adapters at its real shapes, DeepSeek-V3's and
 Qwen3-235B-A22B's configs, and ForwardBatches over a KV cache."""
 from __future__ import annotations
@@ -16,6 +17,7 @@ from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Conf
                           PretrainedConfig, Qwen2MoeConfig, Qwen3MoeConfig)
 
 from moelora.core import ExpertLoRASlots, ForwardBatch, KVCache, LinearLoRASlots, TopKConfig, TopKOutput
+from moelora.layers.moe.runner import Runner
 
 
 def random_moe_weights(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device="cpu",
@@ -119,6 +121,52 @@ def random_linear_lora(in_features: int, out_sizes: tuple[int, ...], slot_ranks:
     fill = float("nan") if poison_unused else 0.0
     a, b = a.masked_fill(unused_a.unsqueeze(-1), fill), b.masked_fill(unused_b, fill)
     return LinearLoRASlots(a.to(device, dtype), b.to(device, dtype), ranks.to(device), int(ranks.max()))
+
+
+def expert_share(lora: ExpertLoRASlots, experts: slice, inter: slice = slice(None)) -> ExpertLoRASlots:
+    """The slot buffers of `experts` alone, and of each its rows `inter` of the intermediate dimension (B of
+    gate and up, A of down), as the engine allocates them on a rank that holds that share (contiguous)."""
+    def cut(t: torch.Tensor, rows: slice) -> torch.Tensor:
+        return t[:, experts, :, rows].contiguous()
+    return ExpertLoRASlots(cut(lora.a_gate, slice(None)), cut(lora.b_gate, inter), cut(lora.a_up, slice(None)),
+                           cut(lora.b_up, inter), cut(lora.a_down, inter), cut(lora.b_down, slice(None)),
+                           lora.ranks[:, :, experts].contiguous(), lora.max_rank_in_use)
+
+
+def surrounded(t: torch.Tensor, pad: int, fill: float) -> torch.Tensor:
+    """A contiguous copy of t that lies in storage `pad` elements longer at both ends, filled with `fill`
+    there: a kernel that indexes past either end of t (a slot or expert -1, an expert id past the local
+    ones) reads `fill`."""
+    storage = torch.full((t.numel() + 2 * pad,), fill, dtype=t.dtype, device=t.device)
+    inner = storage[pad:pad + t.numel()].view(t.shape)
+    inner.copy_(t)
+    return inner
+
+
+def rank_runner(w13: torch.Tensor, w2: torch.Tensor, lora: ExpertLoRASlots | None, experts: slice,
+                inter: slice = slice(None), backend: str = "torch") -> Runner:
+    """The Runner of a rank holding `experts` of the whole layer w13 [E, 2I, H], w2 [E, H, I], lora, and of
+    each the rows `inter` of the intermediate dimension, laid out so that any read beyond them shows up in the
+    output: its weights are views into storage of all E experts where the others are NaN, and its LoRA slot
+    buffers (this rank's experts only, as the engine has them) lie between NaN as large as a slot of all E
+    experts at both ends, their ranks between claims of the full rank (a stray rank read then reads NaN rows)."""
+    num_experts, hidden, full_inter = w2.shape
+    rows = range(full_inter)[inter]
+    runner = Runner(hidden, full_inter, num_experts, layer_id=0, backend=backend, experts=experts,
+                    inter=slice(rows.start, rows.stop))
+    gate_up = torch.cat([w13[:, :full_inter][:, inter], w13[:, full_inter:][:, inter]], dim=1)
+    for param, w in ((runner.w13, gate_up), (runner.w2, w2[:, :, inter])):
+        storage = torch.full_like(w, float("nan"))
+        storage[experts] = w[experts]
+        param.data = storage[experts]
+    if lora is not None:
+        mine = expert_share(lora, experts, inter)
+        max_rank = lora.a_gate.shape[2]
+        runner.lora = ExpertLoRASlots(
+            **{n: surrounded(getattr(mine, n), num_experts * max_rank * getattr(mine, n).shape[-1], float("nan"))
+               for n in ("a_gate", "b_gate", "a_up", "b_up", "a_down", "b_down")},
+            ranks=surrounded(mine.ranks, lora.num_slots * num_experts, max_rank), max_rank_in_use=mine.max_rank_in_use)
+    return runner
 
 
 def rel_tolerance(dtype: torch.dtype, device: torch.device | str = "cpu") -> float:

@@ -1,7 +1,7 @@
 """Every family on 2 and 4 gloo ranks, tensor parallel with the experts whole (ep 1) or split (ep 2, and 4
 where the experts divide), dispatched by all-reduce or all-to-all, with and without LoRA (two adapters and the
 base model in one batch; an adapter on the experts of one rank with adapters of ranks 4, 16 and 64; a spare
-slot poisoned with NaN): fp32 log-probs of a prefill and a decode step equal
+slot and the experts' rows past each rank poisoned with NaN): fp32 log-probs of a prefill and a decode step equal
 the one-process run's within a few fp32 rounding errors of the reordered sums."""
 from tests.distributed.model_cases import Case, run_case, run_layouts
 from tests.distributed.ranks import run_ranks
