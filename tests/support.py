@@ -1,7 +1,7 @@
 """Test and benchmark support, outside the installed package: random MoE layers, tie-free router
 logits, LoRA slot buffers (experts and dense layers), one expert-parallel rank's Runner with NaN wherever it
-must not read, paged-attention batches, dtype-derived tolerances, a tiny
-byte-level BPE tokenizer (built offline), a random-weight tiny Qwen3-MoE with random PEFT adapters
+must not read, paged-attention batches, dtype-derived tolerances and the fp32 tolerance of reordered sums, a
+tiny byte-level BPE tokenizer (built offline), a random-weight tiny Qwen3-MoE with random PEFT adapters
 (`build_random_demo`), tiny transformers models of every family with PEFT adapters on them, a
 Qwen3-30B-A3B-shaped dummy checkpoint with random PEFT adapters at its real shapes, DeepSeek-V3's and
 Qwen3-235B-A22B's configs, and ForwardBatches over a KV cache."""
@@ -174,6 +174,26 @@ def rel_tolerance(dtype: torch.dtype, device: torch.device | str = "cpu") -> flo
     if dtype == torch.float32:
         return 1e-5 if torch.device(device).type == "cpu" else 2 * 2.0**-10
     return 2 * torch.finfo(dtype).eps
+
+
+def reordered_sums_tolerance(config: PretrainedConfig, logprobs: torch.Tensor) -> float:
+    """The largest difference between fp32 log-probs `logprobs` of a model of `config` and those of a run that
+    adds the same terms in other orders, as tensor and expert parallel ranks do (each rank sums its share of a
+    projection's inputs, of an expert's intermediate rows or of a token's experts, and the all-reduce adds the
+    shares): anything more is not rounding (a rank's partial sum lost or counted twice moves them by far more).
+    - A sum of n terms, reordered, rounds differently by about sqrt(n) roundings of fp32 eps (the differences
+      of its n - 1 independent roundings add as a random walk); n is the longest sum the ranks split.
+    - Each of the L layers adds its output, so rounded, to the residual stream: the differences of all layers
+      add up likewise, sqrt(n * L) roundings in the final hidden state.
+    - Relative to the scale of what is summed: the logits' range, which a row of log-probs spans (their
+      largest magnitude is at least it); log_softmax moves a log-prob by up to twice its row's largest logit
+      change.
+    The tiny test models' differences stay under 0.3 of this, one engine prompt's at 0.4; a rank's partial sum
+    of the routed experts off by 1e-4 of itself already exceeds it."""
+    n = max(getattr(config, name, None) or 0 for name in ("hidden_size", "intermediate_size", "moe_intermediate_size",
+                                                          "shared_expert_intermediate_size"))
+    scale = logprobs.abs().max().item()
+    return 2 * scale * torch.finfo(torch.float32).eps * (n * config.num_hidden_layers) ** 0.5
 
 
 def assert_rows_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "output") -> None:
