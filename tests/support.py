@@ -1,7 +1,8 @@
 """Test and benchmark support, outside the installed package: random MoE layers, tie-free router
-logits, LoRA slot buffers (experts and dense layers) and paged-attention batches, dtype-derived
-tolerances, a tiny byte-level BPE tokenizer (built offline), a random-weight tiny Qwen3-MoE with
-random PEFT adapters (`build_random_demo`), tiny transformers models of every family with PEFT adapters on them, a
+logits, LoRA slot buffers (experts and dense layers), one expert-parallel rank's Runner with NaN wherever it
+must not read, paged-attention batches, dtype-derived tolerances and the fp32 tolerance of reordered sums, a
+tiny byte-level BPE tokenizer (built offline), a random-weight tiny Qwen3-MoE with random PEFT adapters
+(`build_random_demo`), tiny transformers models of every family with PEFT adapters on them, a
 Qwen3-30B-A3B-shaped dummy checkpoint with random PEFT adapters at its real shapes, DeepSeek-V3's and
 Qwen3-235B-A22B's configs, what one rank of a parallel layout holds (`rank_memory`), and ForwardBatches over a KV
 cache."""
@@ -129,11 +130,77 @@ def random_linear_lora(in_features: int, out_sizes: tuple[int, ...], slot_ranks:
     return LinearLoRASlots(a.to(device, dtype), b.to(device, dtype), ranks.to(device), int(ranks.max()))
 
 
+def expert_share(lora: ExpertLoRASlots, experts: slice, inter: slice = slice(None)) -> ExpertLoRASlots:
+    """The slot buffers of `experts` alone, and of each its rows `inter` of the intermediate dimension (B of
+    gate and up, A of down), as the engine allocates them on a rank that holds that share (contiguous)."""
+    def cut(t: torch.Tensor, rows: slice) -> torch.Tensor:
+        return t[:, experts, :, rows].contiguous()
+    return ExpertLoRASlots(cut(lora.a_gate, slice(None)), cut(lora.b_gate, inter), cut(lora.a_up, slice(None)),
+                           cut(lora.b_up, inter), cut(lora.a_down, inter), cut(lora.b_down, slice(None)),
+                           lora.ranks[:, :, experts].contiguous(), lora.max_rank_in_use)
+
+
+def surrounded(t: torch.Tensor, pad: int, fill: float) -> torch.Tensor:
+    """A contiguous copy of t that lies in storage `pad` elements longer at both ends, filled with `fill`
+    there: a kernel that indexes past either end of t (a slot or expert -1, an expert id past the local
+    ones) reads `fill`."""
+    storage = torch.full((t.numel() + 2 * pad,), fill, dtype=t.dtype, device=t.device)
+    inner = storage[pad:pad + t.numel()].view(t.shape)
+    inner.copy_(t)
+    return inner
+
+
+def rank_runner(w13: torch.Tensor, w2: torch.Tensor, lora: ExpertLoRASlots | None, experts: slice,
+                inter: slice = slice(None), backend: str = "torch") -> Runner:
+    """The Runner of a rank holding `experts` of the whole layer w13 [E, 2I, H], w2 [E, H, I], lora, and of
+    each the rows `inter` of the intermediate dimension, laid out so that any read beyond them shows up in the
+    output: its weights are views into storage of all E experts where the others are NaN, and its LoRA slot
+    buffers (this rank's experts only, as the engine has them) lie between NaN as large as a slot of all E
+    experts at both ends, their ranks between claims of the full rank (a stray rank read then reads NaN rows)."""
+    num_experts, hidden, full_inter = w2.shape
+    rows = range(full_inter)[inter]
+    runner = Runner(hidden, full_inter, num_experts, layer_id=0, backend=backend, experts=experts,
+                    inter=slice(rows.start, rows.stop))
+    gate_up = torch.cat([w13[:, :full_inter][:, inter], w13[:, full_inter:][:, inter]], dim=1)
+    for param, w in ((runner.w13, gate_up), (runner.w2, w2[:, :, inter])):
+        storage = torch.full_like(w, float("nan"))
+        storage[experts] = w[experts]
+        param.data = storage[experts]
+    if lora is not None:
+        mine = expert_share(lora, experts, inter)
+        max_rank = lora.a_gate.shape[2]
+        runner.lora = ExpertLoRASlots(
+            **{n: surrounded(getattr(mine, n), num_experts * max_rank * getattr(mine, n).shape[-1], float("nan"))
+               for n in ("a_gate", "b_gate", "a_up", "b_up", "a_down", "b_down")},
+            ranks=surrounded(mine.ranks, lora.num_slots * num_experts, max_rank), max_rank_in_use=mine.max_rank_in_use)
+    return runner
+
+
 def rel_tolerance(dtype: torch.dtype, device: torch.device | str = "cpu") -> float:
     """Relative error allowed for a few roundings in `dtype` (fp32 tl.dot runs as tf32 on GPUs)."""
     if dtype == torch.float32:
         return 1e-5 if torch.device(device).type == "cpu" else 2 * 2.0**-10
     return 2 * torch.finfo(dtype).eps
+
+
+def reordered_sums_tolerance(config: PretrainedConfig, logprobs: torch.Tensor) -> float:
+    """The largest difference between fp32 log-probs `logprobs` of a model of `config` and those of a run that
+    adds the same terms in other orders, as tensor and expert parallel ranks do (each rank sums its share of a
+    projection's inputs, of an expert's intermediate rows or of a token's experts, and the all-reduce adds the
+    shares): anything more is not rounding (a rank's partial sum lost or counted twice moves them by far more).
+    - A sum of n terms, reordered, rounds differently by about sqrt(n) roundings of fp32 eps (the differences
+      of its n - 1 independent roundings add as a random walk); n is the longest sum the ranks split.
+    - Each of the L layers adds its output, so rounded, to the residual stream: the differences of all layers
+      add up likewise, sqrt(n * L) roundings in the final hidden state.
+    - Relative to the scale of what is summed: the logits' range, which a row of log-probs spans (their
+      largest magnitude is at least it); log_softmax moves a log-prob by up to twice its row's largest logit
+      change.
+    The tiny test models' differences stay under 0.3 of this, one engine prompt's at 0.4; a rank's partial sum
+    of the routed experts off by 1e-4 of itself already exceeds it."""
+    n = max(getattr(config, name, None) or 0 for name in ("hidden_size", "intermediate_size", "moe_intermediate_size",
+                                                          "shared_expert_intermediate_size"))
+    scale = logprobs.abs().max().item()
+    return 2 * scale * torch.finfo(torch.float32).eps * (n * config.num_hidden_layers) ** 0.5
 
 
 def assert_rows_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "output") -> None:

@@ -20,7 +20,8 @@ SEQUENCES = ((5, 17, 2, 93, 41, 8, 8, 60, 3), (11, 4, 77), (30, 1, 2, 3, 4, 5, 6
 @dataclass(frozen=True)
 class Case:
     checkpoint: str
-    adapters: tuple[str, ...] = ()  # in slots 0, 1, ...; one more slot, never used, is poisoned with NaN
+    adapters: tuple[str, ...] = ()  # in slots 0, 1, ...; one more slot, never used, is poisoned with NaN, and so
+    #                                 are the experts' rows past each adapter's rank
     slots: tuple[int, ...] = ()     # per sequence (-1: base model); none: all base
     max_rank: int = 8
     sequences: tuple[tuple[int, ...], ...] = SEQUENCES
@@ -37,11 +38,27 @@ def run_case(case: Case) -> list[torch.Tensor]:
         allocate_lora_slots(model, len(case.adapters) + 1, case.max_rank)
         for slot, path in enumerate(case.adapters):
             write_adapter_to_slot(model, load_adapter(path, shapes), slot)
+        _poison_past_ranks(model)
         _poison_slot(model, len(case.adapters))
     kv = toy_kv_cache(model, len(sequences), 16)
     prefill = batch_logits(model, extend_batch(kv, [s[:-1] for s in sequences], lora_slots=slots))
     decode = batch_logits(model, extend_batch(kv, [s[-1:] for s in sequences], [len(s) - 1 for s in sequences], slots))
     return [prefill, decode]
+
+
+def _poison_past_ranks(model: torch.nn.Module) -> None:
+    """NaN in the rows of the experts' slot buffers past each (slot, expert)'s rank (all of them for the experts
+    an adapter leaves out), on each rank in the buffers of its share of the experts and rows as written there:
+    a read past the rank a (slot, expert) claims, or a claim above what was written for it there, turns NaN.
+    (Dense layers' buffers stay zero there, as LinearLoRASlots promises.)"""
+    for m in model.modules():
+        lora = getattr(m, "lora", None)
+        if isinstance(lora, ExpertLoRASlots):
+            rows = torch.arange(lora.a_gate.shape[2])
+            for p, name in enumerate(("gate", "up", "down")):
+                past = (rows >= lora.ranks[p, :, :, None])[..., None]  # [S, E, R, 1]
+                for t in (getattr(lora, f"a_{name}"), getattr(lora, f"b_{name}")):
+                    t.masked_fill_(past, float("nan"))
 
 
 def _poison_slot(model: torch.nn.Module, slot: int) -> None:

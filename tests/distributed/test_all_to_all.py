@@ -1,17 +1,24 @@
 """The all-to-all dispatch's two ways (moelora/layers/moe/all_to_all.py) over gloo ranks: at fixed capacity (no
 count read on the host) and by exchanged counts, each pair reaches its expert's ranks with its routing weight and
 adapter slot and comes back summed into its token, as one process computes it; ranks with no tokens, a share
-shorter than the others', and experts split over the ranks of a group (moe_tp_size 2) included."""
+shorter than the others', and experts split over the ranks of a group (moe_tp_size 2) included. Then the same
+with each rank's real Runner and LoRA laid out so that what it must not read is NaN (tests.support.rank_runner),
+the rows of pairs not for the rank (fixed capacity's padding) NaN too: the whole layer's output."""
 import pytest
 import torch
 
 from moelora.core import LoRABatch, TopKOutput
 from moelora.distributed import comm
 from moelora.distributed.state import get_parallel
+from moelora.distributed.sharding import even_shard
+from moelora.kernels.fused_moe import fused_moe_reference
 from moelora.layers.moe.all_to_all import AllToAllDispatcher
+from moelora.layers.moe.dispatcher import Dispatched
 from tests.distributed.ranks import run_ranks
+from tests.support import assert_rows_close, random_expert_lora, random_moe_weights, rank_runner, rel_tolerance
 
 EXPERTS, HIDDEN, TOP_K = 8, 4, 3
+INTER, SLOT_RANKS = 6, [2, 4, 8]  # the inputs' slots -1..2; one more slot, never named, is all NaN
 
 
 def _inputs(num_tokens: int) -> tuple[torch.Tensor, TopKOutput, LoRABatch]:
@@ -28,24 +35,49 @@ def _expert(x: torch.Tensor, global_ids: torch.Tensor, weights: torch.Tensor, sl
     return x * (weights * ((global_ids + 1) + 10 * (slots + 1)).to(x.dtype))[:, None]
 
 
-def _dispatch_both(token_counts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _layer():
+    """The whole MoE layer's weights and LoRA slot buffers (rows past each rank NaN, and the spare slot)."""
+    g = torch.Generator().manual_seed(0)
+    w13, w2 = random_moe_weights(EXPERTS, HIDDEN, INTER, torch.float32, generator=g)
+    lora = random_expert_lora(len(SLOT_RANKS) + 1, EXPERTS, HIDDEN, INTER, [*SLOT_RANKS, 8], torch.float32,
+                              coverage=0.75, poison_unused=True, generator=g)
+    for name in ("a_gate", "b_gate", "a_up", "b_up", "a_down", "b_down"):
+        getattr(lora, name)[len(SLOT_RANKS)] = float("nan")
+    return w13, w2, lora
+
+
+def _dispatch_both(token_counts: list[int]) -> list[tuple[torch.Tensor, ...]]:
     return [_dispatch_both_once(n) for n in token_counts]
 
 
-def _dispatch_both_once(num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _dispatch_both_once(num_tokens: int) -> tuple[torch.Tensor, ...]:
+    """(fixed, counted) with the stand-in experts, then (fixed, counted) with the rank's Runner."""
     state = get_parallel()
     x, topk, lora = _inputs(num_tokens)
     dispatcher = AllToAllDispatcher(EXPERTS, state)
     split = state.moe_tp_size  # a group's ranks each return a share: each returns 1 / moe_tp_size of the output
-    outs = []
-    for dispatch, combine in ((dispatcher._dispatch_fixed, dispatcher._combine_fixed),
-                              (dispatcher._dispatch_counted, dispatcher._combine_counted)):
-        sent = dispatch(x, topk, lora)
+    experts = slice(dispatcher.first_local, dispatcher.first_local + dispatcher.num_local)
+    runner = rank_runner(*_layer(), experts, even_shard(INTER, split, state.moe_tp_rank, "inter"))
+
+    def stand_in(sent: Dispatched) -> torch.Tensor:
         local = sent.topk.ids[:, 0]
-        y = torch.where((local >= 0)[:, None],
-                        _expert(sent.x, local + dispatcher.first_local, sent.topk.weights[:, 0], sent.lora.token_slots) / split,
-                        torch.zeros_like(sent.x))  # as the Runner: a row of no expert here gives 0
-        outs.append(comm.all_reduce(state, combine(y, sent)))
+        y = _expert(sent.x, local + dispatcher.first_local, sent.topk.weights[:, 0], sent.lora.token_slots) / split
+        return torch.where((local >= 0)[:, None], y, torch.zeros_like(sent.x))  # as the Runner: a row of no expert here gives 0
+
+    def run(sent: Dispatched) -> torch.Tensor:
+        # a pair that is not this rank's (at fixed capacity: every pair of the other ranks' experts, and the
+        # padding rows past a short share) must not be read: its hidden state NaN, its slot the NaN one
+        elsewhere = sent.topk.ids[:, 0] < 0
+        x_here = sent.x.masked_fill(elsewhere[:, None], float("nan"))
+        slots = sent.lora.token_slots.masked_fill(elsewhere, len(SLOT_RANKS))
+        return runner(x_here, sent.topk, LoRABatch(slots))
+
+    outs = []
+    for experts_of in (stand_in, run):
+        for dispatch, combine in ((dispatcher._dispatch_fixed, dispatcher._combine_fixed),
+                                  (dispatcher._dispatch_counted, dispatcher._combine_counted)):
+            sent = dispatch(x, topk, lora)
+            outs.append(comm.all_reduce(state, combine(experts_of(sent), sent)))
     return tuple(outs)
 
 
@@ -56,7 +88,12 @@ def test_fixed_and_counted_dispatch_give_each_token_its_experts(world, ep_size):
     for i, num_tokens in enumerate(counts):
         x, topk, lora = _inputs(num_tokens)
         want = sum(_expert(x, topk.ids[:, j], topk.weights[:, j], lora.token_slots) for j in range(TOP_K))
+        w13, w2, buffers = _layer()
+        whole = fused_moe_reference(x, w13, w2, topk, buffers, lora.token_slots)
         for rank, results in enumerate(per_rank):
-            fixed, counted = results[i]
+            fixed, counted, fixed_runner, counted_runner = results[i]
             torch.testing.assert_close(fixed, want, msg=f"fixed capacity, {num_tokens} tokens, rank {rank}")
             torch.testing.assert_close(counted, want, msg=f"counted, {num_tokens} tokens, rank {rank}")
+            for way, got in (("fixed capacity", fixed_runner), ("counted", counted_runner)):
+                assert_rows_close(got, whole, rel_tolerance(torch.float32),
+                                  f"Runner, {way}, {num_tokens} tokens, rank {rank}")

@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 import torch
 
-from moelora.core import ExpertLoRASlots, LoRABatch, TopKConfig, TopKOutput
+from moelora.core import LoRABatch, TopKConfig, TopKOutput
 from moelora.kernels.fused_moe import fused_moe_reference
 from moelora.layers.mlp import MLP
 from moelora.layers.moe.combine import Combine
@@ -12,7 +12,8 @@ from moelora.layers.moe.dispatcher import Dispatcher
 from moelora.layers.moe.layer import MoE
 from moelora.layers.moe.runner import Runner
 from moelora.layers.moe.topk import select_experts_reference
-from tests.support import assert_rows_close, random_expert_lora, random_moe_weights, random_topk, rel_tolerance
+from tests.support import (assert_rows_close, expert_share, random_expert_lora, random_moe_weights, random_topk,
+                           rank_runner, rel_tolerance)
 
 HIDDEN, INTER, EXPERTS, TOP_K, TOKENS = 48, 32, 8, 3, 11
 
@@ -27,13 +28,6 @@ def test_dispatcher_keeps_local_experts_and_drops_the_others():
     assert got.weights is topk.weights
     with pytest.raises(ValueError, match=r"local experts \[6, 9\) are not within the 8 experts"):
         Dispatcher(EXPERTS, first_local=6, num_local=3)
-
-
-def _experts_of(lora: ExpertLoRASlots, first: int, num: int) -> ExpertLoRASlots:
-    """The slot buffers of experts [first, first + num) alone, as a rank holding them would have them."""
-    names = ("a_gate", "b_gate", "a_up", "b_up", "a_down", "b_down", "ranks")
-    return ExpertLoRASlots(**{n: getattr(lora, n)[..., first:first + num, :, :].contiguous() if n != "ranks"
-                              else lora.ranks[:, :, first:first + num].contiguous() for n in names})
 
 
 def test_runners_on_disjoint_expert_ranges_sum_to_the_whole():
@@ -55,7 +49,7 @@ def test_runners_on_disjoint_expert_ranges_sum_to_the_whole():
         for first, num in ((0, 3), (3, 4), (7, 1)):
             rank = Runner(HIDDEN, INTER, EXPERTS, layer_id=0, backend="torch", experts=slice(first, first + num))
             rank.w13.data, rank.w2.data = w13[first:first + num], w2[first:first + num]
-            rank.lora = _experts_of(lora, first, num)
+            rank.lora = expert_share(lora, slice(first, first + num))
             parts += rank(x, Dispatcher(EXPERTS, first, num)(topk), batch if with_lora else None)
         assert_rows_close(parts, want, rel_tolerance(dtype))
 
@@ -64,15 +58,19 @@ def test_runners_on_disjoint_expert_ranges_sum_to_the_whole():
 def test_other_ranks_experts_and_unused_slots_are_never_read(backend, device):
     """Each rank's expert weights are a view into storage of all experts where the others are NaN, so a kernel
     that took the -1 of another rank's expert for an index would read the NaN expert before the view (the
-    illegal read of SGLang's EP + LoRA bug); slot 1, which no token uses, is NaN with its full rank claimed.
-    Experts 6 and 7 get no token: the rank holding them returns zeros. The ranks' sum is the whole. (On a GPU
-    machine the Triton backend runs on the GPU, elsewhere in the interpreter.)"""
+    illegal read of SGLang's EP + LoRA bug). Its LoRA slot buffers hold its experts alone (as the engine's do),
+    so they lie between NaN as large as a slot of all experts (what expert -1 of slot 0, slot -1 or a global
+    expert id would read); slot 1, which no token uses, is NaN with its full rank claimed, and so are the rows
+    past each expert's rank in slot 0 and the experts it leaves uncovered. Experts 6 and 7 get no token: the
+    rank holding them returns zeros. The ranks' sum is the whole. (On a GPU machine the Triton backend runs on
+    the GPU, elsewhere in the interpreter.)"""
     gen = torch.Generator().manual_seed(torch.seed())
     dtype = torch.float16 if device == "cuda" else torch.float32  # (fp32 tl.dot is tf32 on a GPU)
     x = torch.randn(TOKENS, HIDDEN, generator=gen).to(device, dtype)
     w13, w2 = (w.to(device) for w in random_moe_weights(EXPERTS, HIDDEN, INTER, dtype, generator=gen))
     topk = TopKOutput(*(t.to(device) for t in random_topk(TOKENS, EXPERTS - 2, TOP_K, generator=gen)))
-    lora = random_expert_lora(2, EXPERTS, HIDDEN, INTER, [4, 8], dtype, generator=gen)
+    lora = random_expert_lora(2, EXPERTS, HIDDEN, INTER, [4, 8], dtype, coverage=0.75, poison_unused=True,
+                              generator=gen)
     lora = dataclasses.replace(lora, **{n: t.to(device) for n, t in vars(lora).items() if isinstance(t, torch.Tensor)})
     for name in ("a_gate", "b_gate", "a_up", "b_up", "a_down", "b_down"):
         getattr(lora, name)[1] = float("nan")
@@ -82,12 +80,7 @@ def test_other_ranks_experts_and_unused_slots_are_never_read(backend, device):
     want = whole(x, topk, batch)
     parts = torch.zeros_like(want)
     for first, num in ((0, 3), (3, 3), (6, 2)):
-        rank = Runner(HIDDEN, INTER, EXPERTS, layer_id=0, backend=backend, experts=slice(first, first + num))
-        for param, w in ((rank.w13, w13), (rank.w2, w2)):
-            storage = torch.full_like(w, float("nan"))
-            storage[first:first + num] = w[first:first + num]
-            param.data = storage[first:first + num]
-        rank.lora = _experts_of(lora, first, num)
+        rank = rank_runner(w13, w2, lora, slice(first, first + num), backend=backend)
         out = rank(x, Dispatcher(EXPERTS, first, num)(topk), batch)
         if first == 6:
             assert torch.equal(out, torch.zeros_like(out)), "a rank whose experts got no token"
