@@ -36,6 +36,11 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     ("qwen3_moe", dict(tp_size=2, ep_size=2)),
     ("qwen3_moe", dict(tp_size=2, disable_overlap_schedule=True)),
     ("deepseek_v3", dict(tp_size=2, enable_expert_parallel=True, moe_dispatch="all_to_all")),
+    # the other families, experts split over two groups: each dispatch on a family with shared experts and one without
+    ("qwen2_moe", dict(tp_size=2, ep_size=2, moe_dispatch="all_to_all")),
+    ("mixtral", dict(tp_size=2, ep_size=2)),
+    ("olmoe", dict(tp_size=2, ep_size=2, moe_dispatch="all_to_all")),
+    ("deepseek_v2", dict(tp_size=2, ep_size=2)),
 ])
 def test_same_tokens_and_logprobs_as_one_rank(family, options, start_engine, checkpoint):
     """With overlap scheduling (the default) the decode rows' tokens reach ranks 1.. from rank 0's device: a row
