@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -257,16 +258,54 @@ def test_a_rank_that_fails_in_load_lora_stops_the_engine(serve, fate, start_engi
     monkeypatch.setattr(engine_module, "serve_rank", serve)
     many = start_engine("qwen3_moe", tp_size=2, dist_timeout=3)
     many.generate(PROMPTS[:1], GREEDY, lora="full")
+    error = _fails_changing_adapters(many, lambda: many.load_lora("late", str(adapters("qwen3_moe")["partial"].path)),
+                                     fate)
+    assert serve is _stops_reading_adapters or "OSError: no such adapter on this rank's node" in error
+
+
+def _cannot_drop_adapters(*args, **kwargs) -> None:
+    raise RuntimeError("this rank cannot free the adapter's slot")
+
+
+def _raises_dropping_adapters(rank, config, init_method):
+    lora_manager.LoRAManager._drop = _cannot_drop_adapters
+    model_runner.serve_rank(rank, config, init_method)
+
+
+def _stops_dropping_adapters(rank, config, init_method):
+    lora_manager.LoRAManager._drop = _stop
+    model_runner.serve_rank(rank, config, init_method)
+
+
+@pytest.mark.parametrize("serve, fate", [
+    (_raises_dropping_adapters, "rank 1 failed:\n"),
+    (_stops_dropping_adapters, "rank 1 is still running: it did not answer in time"),
+], ids=["raises", "hangs"])
+def test_a_rank_that_fails_in_unload_lora_stops_the_engine(serve, fate, start_engine, monkeypatch):
+    """Rank 1 raises or hangs where it drops the adapter (host copy and slot) a runtime unload_lora sends it (at
+    once: no request of it is in flight; with some the drop goes to the ranks with a later step, a step's failure):
+    unload_lora raises WorkerFailure naming it within dist_timeout, and the engine takes no more requests."""
+    monkeypatch.setattr(engine_module, "serve_rank", serve)
+    many = start_engine("qwen3_moe", tp_size=2, dist_timeout=3)
+    many.generate(PROMPTS[:1], GREEDY, lora="full")  # in a slot on every rank
+    error = _fails_changing_adapters(many, lambda: many.unload_lora("full"), fate)
+    assert serve is _stops_dropping_adapters or "RuntimeError: this rank cannot free the adapter's slot" in error
+
+
+def _fails_changing_adapters(many: Engine, change: Callable[[], None], fate: str) -> str:
+    """change() (a runtime load_lora or unload_lora) raises WorkerFailure within dist_timeout (3 s), its error
+    naming `fate`; the engine is then fatal with that error, has stopped rank 1 and refuses requests. Returns the
+    error."""
     start = time.time()
     with pytest.raises(WorkerFailure) as failed:
-        many.load_lora("late", str(adapters("qwen3_moe")["partial"].path))
+        change()
     assert time.time() - start < 3 + 20
     error = str(failed.value)
     assert error.startswith("changing adapters failed on the tensor-parallel ranks") and fate in error, error
-    assert serve is _stops_reading_adapters or "OSError: no such adapter on this rank's node" in error
-    assert many.fatal == error
+    assert many.fatal == error and not many.workers.ranks.procs[1].is_alive()  # one that hangs is killed
     with pytest.raises(EngineDead):
         many.add_request(PROMPTS[0], GREEDY)
+    return error
 
 
 def test_the_ranks_of_each_node(monkeypatch):
