@@ -1,5 +1,5 @@
 """One model step pair (a prefill of several sequences with adapters mixed, then a decode step) run alike at
-one rank and on every rank of a world, so the tests can compare the logits."""
+one rank and on every rank of a world, and the check that every layout's logits equal one process's."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -12,7 +12,9 @@ from moelora.engine.lora_slots import allocate_lora_slots, write_adapter_to_slot
 from moelora.lora import load_adapter, load_model_shapes
 from moelora.models.config import ModelConfig
 from moelora.models.loader import load_model
-from tests.support import batch_logits, extend_batch, toy_kv_cache
+from tests.distributed.ranks import run_ranks
+from tests.models.families import assert_logprobs_close, family_config
+from tests.support import batch_logits, extend_batch, reordered_sums_tolerance, toy_kv_cache
 
 SEQUENCES = ((5, 17, 2, 93, 41, 8, 8, 60, 3), (11, 4, 77), (30, 1, 2, 3, 4, 5, 6), (9, 9), (70, 2, 50, 1))
 
@@ -25,6 +27,8 @@ class Case:
     slots: tuple[int, ...] = ()     # per sequence (-1: base model); none: all base
     max_rank: int = 8
     sequences: tuple[tuple[int, ...], ...] = SEQUENCES
+    routed_experts: bool = True     # False: the adapters without their routed experts' LoRA, as a loader that
+    #                                 dropped it would serve them
 
 
 def run_case(case: Case) -> list[torch.Tensor]:
@@ -37,7 +41,11 @@ def run_case(case: Case) -> list[torch.Tensor]:
         shapes = load_model_shapes(case.checkpoint)
         allocate_lora_slots(model, len(case.adapters) + 1, case.max_rank)
         for slot, path in enumerate(case.adapters):
-            write_adapter_to_slot(model, load_adapter(path, shapes), slot)
+            adapter = load_adapter(path, shapes)
+            if not case.routed_experts:
+                for layer in adapter.layers.values():
+                    layer.experts.clear()
+            write_adapter_to_slot(model, adapter, slot)
         _poison_past_ranks(model)
         _poison_slot(model, len(case.adapters))
     kv = toy_kv_cache(model, len(sequences), 16)
@@ -88,3 +96,27 @@ def run_layouts(layouts: list[tuple[int, str]], cases: list[Case]) -> dict | Non
                 if ModelConfig.from_pretrained(case.checkpoint).num_experts % ep_size == 0:
                     out[ep_size, dispatch, i] = run_case(case)
     return out if world.rank == 0 else None
+
+
+def num_experts(family: str) -> int:
+    config = family_config(family)
+    return next(getattr(config, n) for n in ("num_experts", "num_local_experts", "n_routed_experts") if hasattr(config, n))
+
+
+def check_layouts(world: int, layouts: list[tuple[int, str]], cases: dict[tuple[str, str], Case]
+                  ) -> dict[tuple[str, str], list[torch.Tensor]]:
+    """Every case (keyed by family and what it is) on `world` gloo ranks under every (ep_size, moe_dispatch)
+    layout whose ep_size divides the family's experts (some of which must split them): fp32 log-probs of the
+    prefill and the decode step equal the one-process run's within reordered_sums_tolerance. Returns the
+    one-process logits."""
+    got = run_ranks(world, run_layouts, layouts, list(cases.values()))[0]
+    wants = {}
+    for i, ((family, kind), case) in enumerate(cases.items()):
+        wants[family, kind] = want = run_case(case)
+        split = [(ep_size, dispatch) for ep_size, dispatch in layouts if num_experts(family) % ep_size == 0]
+        assert any(ep_size > 1 for ep_size, _ in split), f"tp {world}: {family}'s experts are never split"
+        for ep_size, dispatch in split:  # (run_layouts skipped the others too)
+            for step, g, w in zip(("prefill", "decode"), got[ep_size, dispatch, i], want):
+                tolerance = reordered_sums_tolerance(family_config(family), w.log_softmax(-1))
+                assert_logprobs_close(g, w, f"tp {world} ep {ep_size} {dispatch}: {family} {kind} {step}", tolerance)
+    return wants

@@ -13,10 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from moelora.layers.moe.topk import TopK
 from moelora.models.loader import load_model
-from tests.distributed.model_cases import SEQUENCES, Case, run_case, run_layouts
-from tests.distributed.ranks import run_ranks
-from tests.models.families import FAMILIES, assert_logprobs_close, family_config
-from tests.support import reordered_sums_tolerance
+from tests.distributed.model_cases import SEQUENCES, Case, check_layouts, num_experts
+from tests.models.families import FAMILIES
 
 
 def _cases(checkpoint, adapters, split_adapters, kinds: tuple[str, ...]) -> dict[tuple[str, str], Case]:
@@ -38,33 +36,16 @@ def _cases(checkpoint, adapters, split_adapters, kinds: tuple[str, ...]) -> dict
     return cases
 
 
-def _num_experts(family: str) -> int:
-    config = family_config(family)
-    return next(getattr(config, n) for n in ("num_experts", "num_local_experts", "n_routed_experts") if hasattr(config, n))
-
-
-def _check(world: int, layouts: list[tuple[int, str]], cases: dict[tuple[str, str], Case]) -> None:
-    got = run_ranks(world, run_layouts, layouts, list(cases.values()))[0]
-    for i, ((family, kind), case) in enumerate(cases.items()):
-        want = run_case(case)
-        split = [(ep_size, dispatch) for ep_size, dispatch in layouts if _num_experts(family) % ep_size == 0]
-        assert any(ep_size > 1 for ep_size, _ in split), f"tp {world}: {family}'s experts are never split"
-        for ep_size, dispatch in split:  # (run_layouts skipped the others too)
-            for step, g, w in zip(("prefill", "decode"), got[ep_size, dispatch, i], want):
-                tolerance = reordered_sums_tolerance(family_config(family), w.log_softmax(-1))
-                assert_logprobs_close(g, w, f"tp {world} ep {ep_size} {dispatch}: {family} {kind} {step}", tolerance)
-
-
 def test_two_ranks_equal_one(checkpoint, adapters, split_adapters):
-    _check(2, [(1, "all_reduce"), (2, "all_reduce"), (2, "all_to_all")],
-           _cases(checkpoint, adapters, split_adapters, ("base", "lora", "split")))
+    check_layouts(2, [(1, "all_reduce"), (2, "all_reduce"), (2, "all_to_all")],
+                  _cases(checkpoint, adapters, split_adapters, ("base", "lora", "split")))
 
 
 def test_four_ranks_equal_one(checkpoint, adapters, split_adapters):
     # not the split adapters (four ranks share two cores here); the base model alone too: a LoRA batch's
     # base-model sequences still take the kernels' LoRA paths (slot -1), a model without slot buffers the others
-    _check(4, [(1, "all_reduce"), (2, "all_to_all"), (4, "all_reduce"), (4, "all_to_all")],
-           _cases(checkpoint, adapters, split_adapters, ("base", "lora")))
+    check_layouts(4, [(1, "all_reduce"), (2, "all_to_all"), (4, "all_reduce"), (4, "all_to_all")],
+                  _cases(checkpoint, adapters, split_adapters, ("base", "lora")))
 
 
 def _routed_to_first_half(checkpoint: Path, out: Path) -> str:
@@ -87,8 +68,8 @@ def test_a_rank_whose_experts_get_no_tokens(checkpoint, adapters, tmp_path):
     path = _routed_to_first_half(checkpoint("deepseek_v3"), tmp_path / "model")
     gates = [m for m in load_model(path, torch.float32, "cpu").modules() if isinstance(m, TopK)]
     hidden = torch.randn(64, gates[0].in_features, generator=torch.Generator().manual_seed(0)) * 10
-    assert gates and all(g(hidden).ids.max() < _num_experts("deepseek_v3") // 2 for g in gates)
+    assert gates and all(g(hidden).ids.max() < num_experts("deepseek_v3") // 2 for g in gates)
     full = str(adapters("deepseek_v3")["full"].path)
-    _check(2, [(2, "all_reduce"), (2, "all_to_all")], {
+    check_layouts(2, [(2, "all_reduce"), (2, "all_to_all")], {
         ("deepseek_v3", "rank 1 idle"): Case(path, (full,), (0, -1, 0, -1, 0)),
         ("deepseek_v3", "rank 1 idle, one token"): Case(path, (full,), (0,), sequences=SEQUENCES[:1])})
