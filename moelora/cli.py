@@ -72,7 +72,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
-        engine.shutdown()  # the other ranks, with tp_size > 1
+        engine.shutdown()  # the other ranks, with tp_size > 1, if the app's shutdown did not (it failed first)
     return 0
 
 
