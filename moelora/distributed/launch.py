@@ -16,6 +16,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 from datetime import timedelta
+from multiprocessing.queues import Queue
 from typing import Any
 
 import torch.distributed as dist
@@ -48,7 +49,7 @@ class LocalRanks:
 
     def __init__(self, target: Callable[..., Any], ranks: range, args: tuple):
         ctx = mp.get_context("spawn")
-        self.messages = ctx.Queue()  # (rank, traceback) when it raised
+        self.messages: Queue | None = ctx.Queue()  # (rank, traceback) when it raised; None once stopped
         self.started = {r: ctx.Event() for r in ranks}
         self.procs = {r: ctx.Process(target=_entry, args=(target, r, self.started[r], self.messages, args),
                                      daemon=True, name=f"moelora-rank{r}") for r in ranks}
@@ -80,6 +81,8 @@ class LocalRanks:
         return {r: self.fate(r) for r, p in self.procs.items() if p.exitcode != 0}
 
     def _read(self, timeout: float) -> None:
+        if self.messages is None:  # stopped: what they sent was read then
+            return
         try:
             while True:
                 rank, text = self.messages.get(timeout=timeout)
@@ -115,13 +118,20 @@ class LocalRanks:
             f"{'it' if len(alive) == 1 else 'one'} did not answer in time"
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Wait for the ranks to end (after a shutdown command), then kill what is left."""
+        """Wait for the ranks to end (after a shutdown command), then kill what is left, and let go of the queue and
+        events shared with them (describe() still says what became of the ranks)."""
         for p in self.procs.values():
             p.join(timeout)
         for p in self.procs.values():
             if p.is_alive():
                 p.kill()
                 p.join()
+        self._read(timeout=0)
+        # let go of here, their named semaphores are unlinked now rather than at this process's exit: a process that a
+        # signal ends (`moelora serve` by SIGTERM) runs no finalizers, and the resource tracker then unlinks them itself
+        # with a warning of "leaked semaphore objects"
+        self.messages = None
+        self.started.clear()
 
 
 def name_ranks(ranks: Iterable[int]) -> str:

@@ -421,8 +421,9 @@ class _Route(APIRoute):
 def create_app(engine: Engine, served_model_name: str, max_queued_requests: int | None = None,
                api_key: str | None = None, stats_interval: float = 10.0) -> FastAPI:
     """The app; its engine thread starts and stops with the app's lifespan, which logs what it serves
-    first. With an api_key, every route but /health and /metrics answers 401 unless the request carries
-    'Authorization: Bearer <key>'. stats_interval: seconds between the stats log lines (0: none)."""
+    first and shuts the engine down (its other ranks, with tp_size > 1) last. With an api_key, every route but
+    /health and /metrics answers 401 unless the request carries 'Authorization: Bearer <key>'. stats_interval:
+    seconds between the stats log lines (0: none)."""
     if served_model_name in engine.config.lora_paths:
         raise ValueError(f"the served model name {served_model_name!r} is also an adapter's name")
     loop = EngineLoop(engine, Metrics(engine.lora_stats), max_queued_requests, stats_interval)
@@ -436,6 +437,9 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
         loop.start()
         yield
         loop.stop()
+        # its other ranks end with the server, here: uvicorn ends a server stopped by SIGTERM by raising the signal
+        # again once the app shut down, which kills the process before any code after uvicorn.run could stop them
+        engine.shutdown()
 
     app = FastAPI(title="moelora", lifespan=lifespan)
     app.router.route_class = _Route

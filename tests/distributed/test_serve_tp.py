@@ -1,24 +1,30 @@
 """`moelora serve --tp-size 2 --ep-size 2` on the demo's tiny Qwen3-MoE: the flags parse into an engine that
-starts its second rank, and completions (an adapter loaded over HTTP among them) are those of one rank. Over two
+starts its second rank, and completions (an adapter loaded over HTTP among them) are those of one rank; the real
+command, a process of its own, serves them over HTTP and stops with its rank on SIGTERM or SIGINT. Over two
 "nodes" of this machine, `moelora serve --nnodes 2 --node-rank 1` serves node 0's engine and ends with it, or with
 a one-line error when its rank fails, which node 0's error names."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
+import httpx
+import openai
 import pytest
 from fastapi.testclient import TestClient
 
 import moelora.engine.model_runner as model_runner
 from moelora.cli import _fields_of, build_parser
-from moelora.distributed.launch import free_port
+from moelora.distributed.launch import START_TIMEOUT, free_port
 from moelora.engine.config import EngineConfig
 from moelora.engine.engine import Engine, RequestFailed
 from moelora.engine.sampling_params import SamplingParams
 from moelora.server.app import create_app
-from tests.server.conftest import ENGINE_OPTIONS, demo_dir  # noqa: F401  (session fixture, shared)
+from tests.server.conftest import ENGINE_OPTIONS, demo_dir, env, reference, start_serve  # noqa: F401  (fixtures)
 
 PROMPT = "the quick brown fox"
 
@@ -52,9 +58,97 @@ def _serve_argv(root, *flags: str) -> list[str]:
             "--device", "cpu", "--dtype", "float32", "--max-lora-rank", "8", "--max-loras-per-batch", "2", *flags]
 
 
+def _children(pid: int) -> dict[int, str]:
+    """The processes whose parent is `pid` -> their command lines (read from /proc: psutil is no dependency)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            # after the command's name, in parentheses that may hold anything: the state, then the parent's pid
+            if entry.name.isdigit() and int((entry / "stat").read_text().rpartition(")")[2].split()[1]) == pid:
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # it ended as we looked
+            pass
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Whether the process exists and has not ended (a zombie has: it waits to be reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _greedy(engine: Engine, model: str) -> str:
+    """One rank's greedy completion of PROMPT by `model` (the base model's served name, or an adapter's)."""
+    lora = None if model == "tiny-moe" else model
+    return engine.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.0), lora=lora)[0].text
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_the_moelora_serve_process(demo_dir, reference, tmp_path, stop):  # noqa: F811
+    """`moelora serve --tp-size 2 --ep-size 2` run as the command it is, over HTTP: completions (streamed too) of the
+    base model, of an adapter given at start and of one loaded over HTTP are one rank's, and the log names the layout.
+    `stop` (what a process manager sends, or Ctrl-C) ends it at once with its rank, which it stops itself: none runs
+    once it exited, and its log ends with uvicorn's shutdown, no traceback or warning after it."""
+    port, log = free_port(), tmp_path / "serve.log"
+    command = [sys.executable, "-m", "moelora.cli",
+               *_serve_argv(demo_dir, "--tp-size", "2", "--ep-size", "2", "--served-model-name", "tiny-moe",
+                            "--port", str(port))]
+    proc = start_serve(command, port, log, timeout=START_TIMEOUT + 60)  # the rank's imports may take that long
+    started: dict[int, str] = {}  # what the server started: its rank, multiprocessing's resource tracker
+    try:
+        url = f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        for model in ("tiny-moe", "alpha"):
+            out = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
+            assert out.choices[0].text == _greedy(reference, model), model
+        stream = client.completions.create(model="alpha", prompt=PROMPT, max_tokens=8, temperature=0, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in stream) == _greedy(reference, "alpha")
+        loaded = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "gamma",
+                                                                 "lora_path": str(demo_dir / "gamma")})
+        assert loaded.status_code == 200, loaded.text
+        out = client.completions.create(model="gamma", prompt=PROMPT, max_tokens=8, temperature=0)
+        assert out.choices[0].text == _greedy(reference, "gamma")
+        unloaded = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "gamma"})
+        assert unloaded.status_code == 200, unloaded.text
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="gamma", prompt=PROMPT, max_tokens=2)
+        assert [m.id for m in client.models.list().data] == ["tiny-moe", "alpha"]
+        assert "moelora.server.app: parallel: 2 ranks, tensor parallel with the experts over 2 groups " \
+               "(all_reduce dispatch); per rank: weights " in log.read_text()
+
+        started.update(_children(proc.pid))
+        ranks = [pid for pid, cmdline in started.items() if "spawn_main" in cmdline]  # multiprocessing's spawned
+        assert len(ranks) == 1, started  # rank 1 (rank 0 is the server's own process)
+        proc.send_signal(stop)
+        assert proc.wait(timeout=60) in (0, -stop)  # uvicorn raises SIGTERM again once it shut down: -SIGTERM
+        # its shutdown joined the rank: none outlives it (one orphaned, or hanging, would still run here)
+        assert not [pid for pid in ranks if _running(pid)], started
+        deadline = time.monotonic() + 10  # multiprocessing's resource tracker ends once every process holding it did
+        while alive := [pid for pid in started if _running(pid)]:
+            assert time.monotonic() < deadline, {pid: started[pid] for pid in alive}
+            time.sleep(0.1)
+        logged = log.read_text()  # the resource tracker's last words included
+        assert "Traceback" not in logged, logged
+        after = logged.partition("INFO:     Shutting down\n")[2].splitlines()
+        assert "INFO:     Application shutdown complete." in after, logged
+        assert not [line for line in after if not line.startswith("INFO:")], "\n".join(after)
+    finally:  # after a failed check: nothing left running
+        if proc.poll() is None:  # stopped as a user would, its rank with it
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for pid in started:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def _second_node(code: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-c", code], env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
 def test_serve_on_a_second_node(demo_dir):  # noqa: F811

@@ -1,10 +1,14 @@
 """One real server per test module: uvicorn in a background thread on 127.0.0.1, over the demo's tiny
-Qwen3-MoE (fp32, CPU) with adapters alpha and beta; gamma is built too, for loading over HTTP."""
+Qwen3-MoE (fp32, CPU) with adapters alpha and beta; gamma is built too, for loading over HTTP. And `moelora serve`
+as a process of its own (`start_serve`)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -12,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
@@ -71,6 +76,32 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def env() -> dict[str, str]:
+    """This process's import path for a child python (this worktree's moelora first)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+
+def start_serve(command: list[str], port: int, log: Path, timeout: float = 60.0) -> subprocess.Popen:
+    """`command`, a `moelora serve` on 127.0.0.1:port, started with its stderr (its log) to the file `log`; returned
+    once /health answers 200. Fails the test, the process killed, if it exits or is not up within `timeout` s."""
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(command, env=env(), stderr=stderr)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert proc.poll() is None, f"the server exited:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"the server did not come up:\n{log.read_text()[-3000:]}"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    return proc
+            except httpx.TransportError:
+                time.sleep(0.2)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
 
 
 @contextmanager

@@ -5,21 +5,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 
-import httpx
 import openai
 import pytest
 
 from moelora.cli import build_parser, engine_kwargs, main
 from moelora.engine.config import EngineConfig
 from moelora.engine.sampling_params import SamplingParams
-from tests.server.conftest import free_port
+from tests.server.conftest import env, free_port, start_serve
 from tests.support import tiny_config, write_random_peft_adapter
 
 CPU = ["--device", "cpu", "--dtype", "float32"]
@@ -83,11 +80,6 @@ def test_generate_prints_the_completion(demo_dir, reference, capsys):
     assert main(argv) == 0
     want = reference.generate("Hello world", SamplingParams(max_tokens=6, temperature=0.0), lora="beta")[0].text
     assert capsys.readouterr().out == want + "\n"
-
-
-def env() -> dict[str, str]:
-    """This process's import path for a child python (this worktree's moelora first)."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
 
 
 def moelora(*argv: str) -> subprocess.CompletedProcess:
@@ -157,21 +149,10 @@ def test_serve_starts_a_server(demo_dir, reference, tmp_path):
     """With vLLM's flag names; the log says what it serves."""
     port, log = free_port(), tmp_path / "serve.log"
     alpha = json.dumps({"name": "alpha", "path": str(demo_dir / "alpha")})
-    with log.open("w") as stderr:
-        proc = subprocess.Popen([shutil.which("moelora"), "serve", "--model-path", str(demo_dir / "model"),
-                                 "--lora-modules", alpha, "--served-model-name", "base", "--max-loras", "1",
-                                 "--max-model-len", "64", "--max-num-seqs", "4", "--port", str(port), *CPU],
-                                env=env(), stderr=stderr)
+    proc = start_serve([shutil.which("moelora"), "serve", "--model-path", str(demo_dir / "model"), "--lora-modules",
+                        alpha, "--served-model-name", "base", "--max-loras", "1", "--max-model-len", "64",
+                        "--max-num-seqs", "4", "--port", str(port), *CPU], port, log)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, "the server exited"
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["base", "alpha"]
         out = client.completions.create(model="alpha", prompt="Hello world", max_tokens=5, temperature=0)
