@@ -90,9 +90,10 @@ def compile_sm90(kernel, constexprs: dict, dtype: str, num_warps: int, num_stage
 def compile_all() -> list[dict]:
     """Every kernel in every default config; one summary per compiled kernel."""
     results = []
-    # pair blocks (T=1), blocks of 16, 32, 64 and 128 rows; with LoRA and without
-    configs = {(fm_config.default_config(tokens, 8, 128, torch.bfloat16), lora)
-               for tokens in (1, 32, 1024, 2048, 4096) for lora in (False, True)}
+    # every row of the tile table, with LoRA (pair blocks, blocks of 16, 32, 64 rows, prefill) and without (pair
+    # blocks, 16, 64, 128 rows, prefill)
+    configs = {(fm_config.default_config(tokens, 8, 128, torch.bfloat16, lora=lora), lora)
+               for tokens in (1, 32, 512, 1024, 2048, 4096) for lora in (False, True)}
     for cfg, has_lora in sorted(configs, key=lambda c: (c[0].block_m, c[1])):
         for dtype in ("bf16", "fp16"):
             for kernel, block_n, own in ((fm_gemm.gate_up_kernel, cfg.block_n_gate_up,

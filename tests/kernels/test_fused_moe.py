@@ -14,6 +14,7 @@ SHAPES = [  # tokens, hidden, inter, experts, top_k
     (37, 80, 56, 6, 3),  # non-powers of two; T*k > BLOCK_M
     (20, 48, 40, 9, 4),
     (70, 48, 40, 9, 4),  # T*k > pair_shrink_max_pairs: shrink per block, after the alignment
+    (90, 48, 40, 6, 4),  # 60 rows an expert: the base MoE on 128-row blocks as half tiles, LoRA on 32-row ones
 ]
 SLOT_RANKS = [4, 8, 16, 64]  # rank tile 64
 SMALL_RANKS = [16, 4, 16, 8, 12, 16]  # rank tile 16; six slots, so blocks hold runs of several slots
@@ -150,7 +151,7 @@ def test_partials_summed_once_equal_partials_summed_per_program(dtype, device, p
     """Large batches sum the shrink's K-split and down-shrink partials once per row before the GEMMs read
     them; the bits must equal every program summing them itself (2 K splits, 4 down-shrink parts here)."""
     x, w13, w2, topk, lora, slots = _case(19, 600, 200, 5, 2, dtype, device, slot_ranks=SMALL_RANKS)
-    cfg = default_config(19, 2, 5, dtype)
+    cfg = default_config(19, 2, 5, dtype, lora=True)
     per_program = fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
                             config=dataclasses.replace(cfg, reduce_partials_min_pairs=10**9))
     once = fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
@@ -164,7 +165,7 @@ def test_shrink_per_pair_equals_shrink_per_block(dtype, device, poison):
     """Small batches shrink per pair inside the alignment's launch, large ones per block: a row's
     bits must not depend on which one its batch size picks."""
     x, w13, w2, topk, lora, slots = _case(45, 72, 40, 5, 2, dtype, device, slot_ranks=SMALL_RANKS)
-    cfg = default_config(45, 2, 5, dtype)
+    cfg = default_config(45, 2, 5, dtype, lora=True)
     per_block = fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
                           config=dataclasses.replace(cfg, pair_shrink_max_pairs=0))
     per_pair = fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
@@ -193,7 +194,7 @@ def test_pair_blocks_lora_equal_aligned_blocks(token_slots, dtype, device, poiso
     uncovered = (int(topk.ids[0, 0]) + 1) % 5  # topk.ids[0, 0] is covered by slot 5 (see _case)
     topk.ids[0, 1:] = torch.tensor([uncovered, -1])
     _uncover(lora, 5, uncovered)
-    cfg = default_config(tokens, 3, 5, dtype)
+    cfg = default_config(tokens, 3, 5, dtype, lora=True)
     assert cfg.pair_blocks
     got = fused_moe(x, w13, w2, topk, lora, slots, impl="triton", config=cfg)
     assert not launcher._ready[x.device].any(), "ready counters not put back to 0"
@@ -267,7 +268,7 @@ def test_pair_blocks_past_the_ready_counters(device, monkeypatch):
     monkeypatch.setattr(launcher, "READY_COUNTERS", 5)
     with pytest.raises(ValueError, match="pair blocks with LoRA on 6 pairs: more than the 5 counters"):
         fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
-                  config=dataclasses.replace(default_config(1, 2, 4, DTYPES[0]), pair_blocks=True))
+                  config=dataclasses.replace(default_config(1, 2, 4, DTYPES[0], lora=True), pair_blocks=True))
 
 
 @pytest.mark.parametrize("tokens", [1, 8])
@@ -289,7 +290,7 @@ def test_register_cap_reaches_the_gemm_launches(tokens, device, monkeypatch):
     for name in ("gate_up_kernel", "down_kernel"):
         monkeypatch.setattr(launcher, name, Recorder(getattr(launcher, name)))
     x, w13, w2, topk, lora, slots = _case(tokens, 64, 32, 4, 2, DTYPES[0], device)
-    cfg = default_config(tokens, 2, 4, DTYPES[0])
+    cfg = default_config(tokens, 2, 4, DTYPES[0], lora=True)
     got = fused_moe(x, w13, w2, topk, lora, slots, impl="triton", config=cfg)
     assert_rows_close(got, fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(DTYPES[0], device))
     assert launches == [128, 128] if tokens == 1 else launches == [None, None]

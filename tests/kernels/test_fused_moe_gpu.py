@@ -65,7 +65,7 @@ def test_prefill_tiles_agree(shape, poison):
     gen = torch.Generator("cuda").manual_seed(torch.seed())
     x, w13, w2, topk, lora, slots = _layer(shape, 1024, gen)
     for with_lora in (False, True):
-        cfg = default_config(1 << 20, topk.ids.shape[1], w2.shape[0], x.dtype)
+        cfg = default_config(1 << 20, topk.ids.shape[1], w2.shape[0], x.dtype, lora=with_lora)
         assert cfg.half_tiles and cfg.block_m == 128
         adapters = (lora, slots) if with_lora else ()
         got = fused_moe(x, w13, w2, topk, *adapters, config=cfg)
@@ -84,7 +84,7 @@ def test_pair_blocks_shrink_in_gate_up_has_no_race(shape, tokens, poison):
     gen = torch.Generator("cuda").manual_seed(torch.seed())
     x, w13, w2, topk, lora, _ = _layer(shape, tokens, gen)
     slots = torch.randint(0, len(SLOT_RANKS), (tokens,), generator=gen, device="cuda", dtype=torch.int32)
-    cfg = default_config(tokens, topk.ids.shape[1], w2.shape[0], x.dtype)
+    cfg = default_config(tokens, topk.ids.shape[1], w2.shape[0], x.dtype, lora=True)
     assert cfg.pair_blocks
     aligned_cfg = dataclasses.replace(cfg, pair_blocks=False)
     expected = fused_moe(x, w13, w2, topk, lora, slots, config=aligned_cfg)

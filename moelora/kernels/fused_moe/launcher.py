@@ -34,7 +34,7 @@ def fused_moe_triton(
     num_experts, inter = w2.shape[0], w2.shape[2]
     top_k = topk.ids.shape[1]
     num_pairs = num_tokens * top_k
-    cfg = config or default_config(num_tokens, top_k, num_experts, x.dtype)
+    cfg = config or default_config(num_tokens, top_k, num_experts, x.dtype, lora=lora is not None)
     if lora is not None and cfg.block_n_gate_up not in (DOWN_SHRINK_PART, 2 * DOWN_SHRINK_PART):
         raise ValueError(f"with LoRA the gate_up n tile must be {DOWN_SHRINK_PART} or {2 * DOWN_SHRINK_PART} "
                          f"columns (one or two down-shrink parts), got {cfg.block_n_gate_up}")
