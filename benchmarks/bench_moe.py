@@ -4,8 +4,9 @@ For each model shape, token count T and number of distinct adapters (rank 16, to
 round-robin) it reports, all measured in one run on one device:
   base      time of fused_moe without LoRA, and % of its floor: bytes of the expert weights it must
             read (distinct experts touched) / measured copy bandwidth
-  lora      extra time with LoRA on, and % of its floor: bytes of A and B of every touched
-            (adapter, expert) pair / measured copy bandwidth
+  lora      extra time with LoRA on (each on its own tile table: what turning LoRA on costs), and % of
+            its floor: bytes of A and B of every touched (adapter, expert) pair / measured copy bandwidth
+            (--rank-cases times both on the LoRA table: the LoRA work alone)
   block     (router GEMM + top-k + fused_moe) with LoRA over without, both under a CUDA graph
   TFLOP/s   of the base MoE at T >= 512 against the measured bf16 matmul rate
 Timings are CUDA-graph replays over several layer copies, so weights come from HBM, not L2.
@@ -29,7 +30,8 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests/support.py
 
 from moelora.core import TopKConfig
-from moelora.kernels.fused_moe import MoEKernelConfig, fused_moe
+from moelora.kernels.fused_moe import MoEKernelConfig, default_config, fused_moe
+from moelora.kernels.lora_tiles import step_rank_bound
 from moelora.layers.moe.topk import select_experts
 from tests.support import assert_rows_close, random_expert_lora, random_moe_weights, rel_tolerance
 
@@ -229,7 +231,7 @@ def rank_cases(args, device, dtype, name, bw) -> None:
     print(f"# moelora MoE LoRA cost by rank, {name}, {datetime.date.today()}, torch {torch.__version__}, {dtype}")
     print(f"measured copy bandwidth {bw / 1e12:.2f} TB/s; {SLOTS} adapters in slot buffers of rank {MAX_RANK}, "
           "tokens round-robin over them unless the case says otherwise\n")
-    print("| shape | T | case | base us | LoRA delta us | LoRA floor us |")
+    print("| shape | T | case | base us (LoRA tiles) | LoRA delta us | LoRA floor us |")
     print("|---|---|---|---|---|---|")
     for shape_name in args.shapes.split(","):
         shape = SHAPES[shape_name]
@@ -240,13 +242,19 @@ def rank_cases(args, device, dtype, name, bw) -> None:
         for case, (slot_ranks, coverage, first_slot_only) in RANK_CASES.items():
             layers.lora = [random_expert_lora(SLOTS, experts, hidden, inter, slot_ranks, dtype, device,
                                               coverage=coverage, max_rank=MAX_RANK) for _ in range(copies)]
+            # the bound the engine runs such a step with (LoRAManager.prepare): from the ranks of the slots it uses
+            batch_rank = slot_ranks[0] if first_slot_only else max(slot_ranks)
+            for lora in layers.lora:
+                lora.max_rank_in_use = step_rank_bound(batch_rank, MAX_RANK)
             for tokens in map(int, args.tokens.split(",")):
                 x = torch.randn(tokens, hidden, device=device, dtype=dtype)
                 topk = select_experts(x @ layers.router[0].T, layers.topk_config)
                 slots = torch.zeros(tokens, dtype=torch.int32, device=device) if first_slot_only else \
                     (torch.arange(tokens, device=device) % SLOTS).to(torch.int32)
-                t_base, t_lora = (t / copies for t in measure_pair(lambda: layers.moe(x, topk, slots, False),
-                                                                   lambda: layers.moe(x, topk, slots, True), device))
+                # both on the LoRA tile table: the delta is the LoRA work, not also the base table's other tiles
+                cfg = default_config(tokens, layers.top_k, experts, dtype, lora=True)
+                t_base, t_lora = (t / copies for t in measure_pair(lambda: layers.moe(x, topk, slots, False, cfg),
+                                                                   lambda: layers.moe(x, topk, slots, True, cfg), device))
                 ranks = layers.lora[0].ranks.long()  # [3, S, E]
                 pairs = torch.unique(slots.long().repeat_interleave(layers.top_k) * experts + topk.ids.flatten().long())
                 rank_sum = ranks[:, pairs // experts, pairs % experts].sum().item()

@@ -12,7 +12,9 @@ engine thread shares the GIL with the event loop there, so the launches take lon
 padded token count (64, 128, ..., 1024, 1536, 2048, 3072, ...), for fewer than PROMPT_ROWS sequences
 (PaddedPrompt says how a step is padded).
 
-The experts' LoRA rank tile is baked into the graphs at the slots' full rank."""
+A graph bakes in the experts' LoRA rank tile, so with LoRA there is one for each rank bound a step can run with
+(lora_tiles.step_rank_bounds: the smallest tile's and the slots' rank), and a step replays the one that
+LoRAManager.prepare set for its adapters."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -20,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from moelora.core import ExpertLoRASlots, ForwardBatch, KVCache, LoRABatch
+from moelora.kernels.lora_tiles import step_rank_bounds
 
 PROMPT_ROWS = 64  # sequences (real ones, the padding one, empty ones) of a prompt graph with at least as many tokens
 Logits = Callable[[ForwardBatch], torch.Tensor]
@@ -41,10 +44,32 @@ def capture(run: Callable[[], torch.Tensor], pool) -> tuple[torch.cuda.CUDAGraph
     return graph, out
 
 
+class RankBounds:
+    """The graphs' keys beside their size: 0 for a step without LoRA, else the experts' rank bound it runs with."""
+
+    def __init__(self, expert_loras: list[ExpertLoRASlots], lora_rank: int):
+        """lora_rank: the slots' rank (0: no LoRA graphs)."""
+        self.expert_loras, self.lora_rank = expert_loras, lora_rank
+        self.keys = [0, *(step_rank_bounds(lora_rank) if expert_loras else [lora_rank] if lora_rank else [])]
+
+    def set(self, key: int) -> bool:
+        """Make the layers run with the key's rank bound (for a capture); whether the key is a LoRA step's."""
+        for lora in self.expert_loras:
+            lora.max_rank_in_use = key or self.lora_rank
+        return key > 0
+
+    def key(self, batch: ForwardBatch) -> int:
+        """The key of the graph the step replays."""
+        if batch.lora is None:
+            return 0
+        return (self.expert_loras[0].max_rank_in_use or self.lora_rank) if self.expert_loras else self.lora_rank
+
+
 class CudaGraphs:
     def __init__(self, logits: Logits, kv: KVCache, max_bs: int, expert_loras: list[ExpertLoRASlots], lora_rank: int):
         """logits(batch): the step the graphs capture; lora_rank: the slots' rank (0: no LoRA graphs)."""
         self.logits, self.kv, self.max_bs = logits, kv, max_bs
+        self.bounds = RankBounds(expert_loras, lora_rank)
         self.sizes = sorted({s for s in (1, 2, 4, 8, *range(16, self.max_bs, 8), self.max_bs) if s <= self.max_bs})
         n, device = self.max_bs, kv.req_to_token.device
         # static inputs: the graphs read these addresses, so they live as long as the graphs
@@ -57,14 +82,14 @@ class CudaGraphs:
         self.ones = torch.ones(n, dtype=torch.int32, device=device)
         self.arange = torch.arange(n, dtype=torch.int32, device=device)
         self.arange64 = torch.arange(n, dtype=torch.int64, device=device)
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        for expert_lora in expert_loras:
-            expert_lora.max_rank_in_use = lora_rank
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             for bs in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory
-                for with_lora in (False, True) if lora_rank else (False,):
-                    self.graphs[bs, with_lora] = capture(lambda: self.logits(self._batch(bs, with_lora)), pool)
+                for key in self.bounds.keys:
+                    with_lora = self.bounds.set(key)
+                    self.graphs[bs, key] = capture(lambda: self.logits(self._batch(bs, with_lora)), pool)
+        self.bounds.set(0)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.is_decode and batch.batch_size <= self.max_bs
@@ -81,7 +106,7 @@ class CudaGraphs:
         for buf, value, pad in inputs:  # pad: what padded rows read
             buf[:bs].copy_(value)
             buf[bs:padded].fill_(pad)
-        graph, logits = self.graphs[padded, batch.lora is not None]
+        graph, logits = self.graphs[padded, self.bounds.key(batch)]
         graph.replay()
         return logits[:bs]
 
@@ -172,11 +197,13 @@ class PaddedPrompt:
 
 
 class PromptGraphs:
-    def __init__(self, logits: Logits, kv: KVCache, max_tokens: int, lora_rank: int):
+    def __init__(self, logits: Logits, kv: KVCache, max_tokens: int, expert_loras: list[ExpertLoRASlots],
+                 lora_rank: int):
         """logits(batch): the step the graphs capture; lora_rank: the slots' rank (0: no LoRA graphs)."""
         self.sizes = prompt_graph_sizes(max_tokens)
         self.inputs = PaddedPrompt(kv, max_tokens)
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.bounds = RankBounds(expert_loras, lora_rank)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             # one output for every graph, each copying its logits there: a graph's own would hold memory per graph
@@ -186,11 +213,14 @@ class PromptGraphs:
                                       device=kv.req_to_token.device)
             for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory
                 self.inputs.fill(None, size)  # before the capture: the graph must not contain these fills
-                for with_lora in (False, True) if lora_rank else (False,):
+                for key in self.bounds.keys:
+                    with_lora = self.bounds.set(key)
+
                     def run(size: int = size, with_lora: bool = with_lora) -> torch.Tensor:
                         out = logits(self.inputs.batch(size, with_lora))
                         return self.logits[:out.shape[0]].copy_(out)
-                    self.graphs[size, with_lora] = capture(run, pool)[0]
+                    self.graphs[size, key] = capture(run, pool)[0]
+            self.bounds.set(0)
 
     def size(self, batch: ForwardBatch) -> int | None:
         """The padded token count of the graph the step runs in; None: it runs eagerly."""
@@ -200,5 +230,5 @@ class PromptGraphs:
     def replay(self, batch: ForwardBatch, size: int) -> torch.Tensor:
         """Logits [len(logits_indices), vocab] of the step (a view of the graphs' output: use before the next step)."""
         self.inputs.fill(batch, size)
-        self.graphs[size, batch.lora is not None].replay()
+        self.graphs[size, self.bounds.key(batch)].replay()
         return self.logits[:batch.logits_indices.shape[0]]

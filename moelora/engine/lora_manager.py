@@ -28,6 +28,7 @@ from moelora.core import ExpertLoRASlots
 from moelora.engine.config import EngineConfig
 from moelora.engine.lora_slots import (allocate_lora_slots, model_modules, resolve_targets, slot_bytes,
                                        slot_problems, slotted_modules, write_adapter_to_slot)
+from moelora.kernels.lora_tiles import step_rank_bound
 from moelora.lora.adapter import load_adapter
 from moelora.lora.canonical import Adapter
 from moelora.lora.errors import AdapterError
@@ -212,7 +213,7 @@ class LoRAManager:
                 self.stats.slot_hits += 1
             slots[name] = slot
         if slots:
-            rank = max(max(self._expert_rank[n] for n in slots), 1)  # 0 would mean "unknown": the buffers' full rank
+            rank = step_rank_bound(max(self._expert_rank[n] for n in slots), self.max_rank)
             self._set_rank_tile(rank)
             self._record("rank", rank)
         return [-1 if a is None else slots[a] for a in adapters]

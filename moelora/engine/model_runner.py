@@ -17,7 +17,7 @@ from moelora.core import ForwardBatch, KVCache, to_device
 from moelora.distributed.comm import broadcast, broadcast_object, control_barrier, min_over_ranks
 from moelora.distributed.state import destroy_parallel, get_parallel, parallel_state
 from moelora.engine.config import CPU_KV_TOKENS, DTYPES, EngineConfig
-from moelora.engine.cuda_graph import CudaGraphs, PromptGraphs
+from moelora.engine.cuda_graph import CudaGraphs, PromptGraphs, RankBounds
 from moelora.engine.lora_manager import LoRAManager
 from moelora.engine.request import Req
 from moelora.engine.sampler import PenaltyState, SampleOutput, SamplingBatch, TokenMask, hold_back, sample
@@ -103,7 +103,7 @@ class ModelRunner:
             max_bs, prompt_graph_tokens = min(max_bs, FIXED_MAX_TOKENS), min(prompt_graph_tokens, FIXED_MAX_TOKENS)
         self.graphs = (CudaGraphs(self.logits, self.kv, max_bs, self.lora.expert_loras, self.lora.max_rank)
                        if config.use_cuda_graph else None)
-        self.prompt_graphs = (PromptGraphs(self.logits, self.kv, prompt_graph_tokens, self.lora.max_rank)
+        self.prompt_graphs = (PromptGraphs(self.logits, self.kv, prompt_graph_tokens, self.lora.expert_loras, self.lora.max_rank)
                               if config.use_cuda_graph and prompt_graph_tokens > 0 else None)
         self.vocab_size = self.model.config.vocab_size
         self.penalties = PenaltyState(config.max_running_requests, self.vocab_size, self.device)
@@ -115,12 +115,16 @@ class ModelRunner:
         tiles follow the number of tokens in classes (linear's by rows, fused_moe's by rows per expert and
         pairs) and Triton specialises integer arguments that are 1 or multiples of 16; a request that first
         brings a new class otherwise stalls every running request for the seconds of a compile. The steps
-        write only slot 0, which no request ever holds, and record it in request row 0, as padded graph rows do."""
+        write only slot 0, which no request ever holds, and record it in request row 0, as padded graph rows do.
+        With an adapter slot, once with each experts' rank bound a step can run with (their tile is a variant too)."""
+        bounds = RankBounds(self.lora.expert_loras, self.lora.max_rank)
         for tokens in warm_up_sizes(max_tokens):
-            for slot in (-1, 0) if self.lora.max_rank else (-1,):
+            for key in bounds.keys:
+                slot = 0 if bounds.set(key) else -1
                 batch = ForwardBatch.build(self.kv, [0], [[0] * tokens], [0], [0] * tokens, [tokens - 1],
                                            [slot] * tokens, 0)
                 self.logits(batch)
+        bounds.set(0)
 
     def logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits of the rows batch.logits_indices; what CUDA graphs capture too."""

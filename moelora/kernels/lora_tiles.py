@@ -15,6 +15,20 @@ def rank_tile(max_rank: int) -> int:
     return max(LORA_RANK_CHUNK, triton.next_power_of_2(max_rank))
 
 
+def step_rank_bound(batch_rank: int, slots_rank: int) -> int:
+    """The bound on the experts' ranks (ExpertLoRASlots.max_rank_in_use) a step runs fused_moe with, for a step
+    whose adapters' experts have ranks <= batch_rank in slots of rank slots_rank: the smallest rank tile's when
+    they fit it, else the slots'. The kernels' registers follow the largest tile they are compiled for, which
+    slows every program of a small-rank step beside large-rank adapters; two classes, not one per tile, since
+    each is a compiled variant of every kernel and a CUDA graph of every captured size."""
+    return LORA_RANK_CHUNK if batch_rank <= LORA_RANK_CHUNK < slots_rank else slots_rank
+
+
+def step_rank_bounds(slots_rank: int) -> list[int]:
+    """Every step_rank_bound for slots of rank slots_rank, smallest first."""
+    return sorted({step_rank_bound(1, slots_rank), slots_rank})
+
+
 @triton.jit
 def shrink_k_range(x_ptrs, a_ptrs, row_ok, rank, k_lo, k_hi,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):

@@ -3,9 +3,22 @@ from __future__ import annotations
 
 import pytest
 
+from peft import LoraConfig
+
 from moelora.engine.engine import Engine
-from tests.models.conftest import adapters, checkpoint  # noqa: F401  (session fixtures, shared)
-from tests.support import tiny_tokenizer
+from tests.models.conftest import EXPERT_PARAMS, adapters, checkpoint  # noqa: F401  (session fixtures, shared)
+from tests.models.families import family_config, hf_model
+from tests.support import peft_adapter, tiny_tokenizer
+
+
+@pytest.fixture(scope="session")
+def wide_adapter(tmp_path_factory) -> str:
+    """A rank-20 PEFT adapter of the tiny Qwen3-MoE on q_proj and every expert: its experts' rank is above the
+    smallest rank tile's (16), so a step with it runs the experts' LoRA with the slots' rank bound."""
+    path = tmp_path_factory.mktemp("qwen3_moe-wide")
+    peft_adapter(hf_model(family_config("qwen3_moe")), LoraConfig(r=20, lora_alpha=20, target_modules=["q_proj"],
+                                                                  target_parameters=EXPERT_PARAMS), path, seed=7)
+    return str(path)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """CUDA graphs: decode replayed from graphs gives bit-identical logprobs and tokens to the same
-engine run eagerly, for batch sizes that are capture sizes, with adapters and the base model mixed;
+engine run eagerly, for batch sizes that are capture sizes, with adapters and the base model mixed, from the
+graph of each experts' rank bound (slots of rank 32: steps of rank <= 16 adapters and steps with a rank-20 one);
 a batch padded up to a captured size gives the same tokens. Overlap scheduling: launching a step
 never waits for the device."""
 import time
@@ -7,12 +8,13 @@ import time
 import pytest
 import torch
 
+from moelora.engine.cuda_graph import RankBounds
 from moelora.engine.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 FAMILY = "qwen3_moe"
-LORAS = [None, "full", "partial"]
+LORAS = [None, "full", "partial", "wide"]  # a batch of fewer than 4 requests runs with rank bound 16, else 32
 
 
 def prompts(bs: int) -> list[list[int]]:
@@ -20,21 +22,27 @@ def prompts(bs: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def engines(make_engine):
-    kwargs = dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8, max_total_tokens=4096)  # two engines share the GPU
+def engines(make_engine, adapters, wide_adapter):
+    kwargs = dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8, max_total_tokens=4096,  # two engines share the GPU
+                  max_lora_rank=32, max_loras_per_batch=3,
+                  lora_paths={**{n: str(a.path) for n, a in adapters(FAMILY).items()}, "wide": wide_adapter})
     graphed, eager = make_engine(FAMILY, **kwargs), make_engine(FAMILY, disable_cuda_graph=True, **kwargs)
     assert graphed.runner.graphs is not None and eager.runner.graphs is None
     assert graphed.runner.graphs.sizes == [1, 2, 4, 8]
+    assert sorted(graphed.runner.graphs.graphs) == [(bs, key) for bs in (1, 2, 4, 8) for key in (0, 16, 32)]
     return graphed, eager
 
 
 @pytest.mark.parametrize("bs", [1, 2, 4, 8])
-def test_graph_decode_is_bitwise_eager(engines, bs):
+def test_graph_decode_is_bitwise_eager(engines, bs, monkeypatch):
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=5, ignore_eos=True)
-    loras = [LORAS[i % 3] for i in range(bs)]
+    loras = [LORAS[i % 4] for i in range(bs)]
+    keys, real_key = [], RankBounds.key
+    monkeypatch.setattr(RankBounds, "key", lambda self, batch: keys.append(real_key(self, batch)) or keys[-1])
     graphed, eager = (e.generate(prompts(bs), params, lora=loras) for e in engines)
     for g, e in zip(graphed, eager):
         assert g.token_ids == e.token_ids and g.logprobs == e.logprobs
+    assert set(keys) == {0 if bs == 1 else 16 if bs < 4 else 32}  # the graphs replayed: no LoRA, rank bound 16, 32
 
 
 def test_padded_batch_gives_the_same_tokens(engines):

@@ -53,16 +53,27 @@ def expert_rank(path) -> int:
 def test_prepare_never_evicts_what_running_requests_use(make_engine, adapters):
     engine = make_engine(FAMILY, max_loras_per_batch=1)
     manager = engine.runner.lora
-    ranks = {name: expert_rank(a.path) for name, a in adapters(FAMILY).items()}
-    assert ranks["full"] != ranks["partial"]
     assert manager.prepare(["full", None], in_use={"full"}) == [0, -1]
-    # the experts' rank tile follows the adapters of the step
-    assert {lora.max_rank_in_use for lora in manager.expert_loras} == {ranks["full"]}
     with pytest.raises(RuntimeError, match="in use"):
         manager.prepare(["partial"], in_use={"full", "partial"})
     assert manager.prepare(["partial"], in_use={"partial"}) == [0]
-    assert {lora.max_rank_in_use for lora in manager.expert_loras} == {ranks["partial"]}
     assert manager.pool.names == ["partial"]
+
+
+def test_the_experts_rank_bound_follows_the_adapters_of_the_step(make_engine, adapters, wide_adapter):
+    """In slots of rank 32: a step whose adapters' experts fit the smallest rank tile (16) runs the experts' LoRA
+    with that bound, one with a rank-20 adapter among them with the slots' (lora_tiles.step_rank_bound); a step
+    without adapters leaves it as it was. Slots of rank 8: always 8."""
+    manager = make_engine(FAMILY, max_lora_rank=32, lora_paths={**{n: str(a.path) for n, a in adapters(FAMILY).items()},
+                                                                "wide": wide_adapter}, max_loras_per_batch=3).runner.lora
+    assert expert_rank(wide_adapter) == 20 and max(expert_rank(a.path) for a in adapters(FAMILY).values()) <= 16
+    for step, bound in ((["full", None], 16), (["partial", "wide"], 32), ([None], 32), (["partial"], 16)):
+        manager.prepare(step, in_use=set(step) - {None})
+        assert {lora.max_rank_in_use for lora in manager.expert_loras} == {bound}, step
+    small = make_engine(FAMILY, max_loras_per_batch=2).runner.lora
+    for step in (["full"], ["partial", None]):
+        small.prepare(step, in_use=set(step) - {None})
+        assert {lora.max_rank_in_use for lora in small.expert_loras} == {8}
 
 
 def test_load_and_unload_at_runtime(make_engine, adapters, reference, tmp_path):
