@@ -42,7 +42,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     ("mixtral", dict(tp_size=2, ep_size=2)),
     ("olmoe", dict(tp_size=2, ep_size=2, moe_dispatch="all_to_all")),
     ("deepseek_v2", dict(tp_size=2, ep_size=2)),
-])
+], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={w}" for k, w in v.items()))
 def test_same_tokens_and_logprobs_as_one_rank(family, options, start_engine, checkpoint):
     """With overlap scheduling (the default) the decode rows' tokens reach ranks 1.. from rank 0's device: a row
     whose token did not arrive would decode token 0's continuation. The start's memory lines are each rank's."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
+from moelora.distributed.launch import free_port
 from moelora.engine.engine import Engine
 from moelora.server.app import create_app
 from moelora.server.engine_loop import EngineLoop
@@ -70,12 +70,6 @@ class Server:
                 return False
             time.sleep(0.02)
         return True
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env() -> dict[str, str]:

@@ -14,9 +14,10 @@ import openai
 import pytest
 
 from moelora.cli import build_parser, engine_kwargs, main
+from moelora.distributed.launch import free_port
 from moelora.engine.config import EngineConfig
 from moelora.engine.sampling_params import SamplingParams
-from tests.server.conftest import env, free_port, start_serve
+from tests.server.conftest import env, start_serve
 from tests.support import tiny_config, write_random_peft_adapter
 
 CPU = ["--device", "cpu", "--dtype", "float32"]
