@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moelora.core import ForwardBatch
-from moelora.engine.cuda_graph import PROMPT_ROWS, PaddedPrompt, PromptGraphs, prompt_graph_sizes
+from moelora.engine.cuda_graph import PROMPT_ROWS, PaddedPrompt, PromptGraphs, RankBounds, prompt_graph_sizes
 from moelora.engine.sampling_params import SamplingParams
 
 FAMILY = "qwen3_moe"
@@ -18,6 +18,23 @@ def test_prompt_graph_sizes_double_from_64_then_pad_by_at_most_half():
     assert prompt_graph_sizes(5000) == [64, 128, 256, 512, 1024, 1536, 2048, 3072, 4096, 5000]
     assert prompt_graph_sizes(300) == [64, 128, 256, 300]
     assert prompt_graph_sizes(64) == [64] and prompt_graph_sizes(10) == [10]
+
+
+@pytest.mark.parametrize("slots_rank, experts, keys", [(64, True, [0, 16, 64]), (32, True, [0, 16, 32]),
+                                                      (16, True, [0, 16]), (8, True, [0, 8]), (64, False, [0, 64]),
+                                                      (0, False, [0])])
+def test_a_graph_for_each_rank_bound(make_engine, slots_rank, experts, keys):
+    """The graphs' keys: no LoRA (0) and, with LoRA, each experts' rank bound a step can run with (one, the slots'
+    rank, when the experts have no slots); a step replays the graph of the bound LoRAManager.prepare set for it."""
+    loras = make_engine(FAMILY, max_lora_rank=64).runner.lora.expert_loras[:2] if experts else []
+    bounds = RankBounds(loras, slots_rank)
+    assert bounds.keys == keys
+    runner = make_engine(FAMILY).runner
+    base, adapted = prompt_step(runner, [3], [-1]), prompt_step(runner, [3], [0])
+    for key in keys:
+        assert bounds.set(key) == (key > 0)
+        assert all(lora.max_rank_in_use == (key or slots_rank) for lora in loras)
+        assert bounds.key(base) == 0 and bounds.key(adapted) == (key or slots_rank if slots_rank else 0)
 
 
 def prompt_step(runner, lengths: list[int], slots: list[int]) -> ForwardBatch:

@@ -296,6 +296,20 @@ def test_warm_up_leaves_no_trace(make_engine, alone):
     assert_idle(engine)
 
 
+def test_warm_up_runs_each_rank_bound(make_engine, adapters, wide_adapter, monkeypatch):
+    """In slots of rank 32, each warm-up size runs without an adapter slot and with one at each experts' rank bound a
+    step can run with (16 and 32: each is a compiled variant of fused_moe); the bound is the slots' afterwards."""
+    engine = make_engine(FAMILY, max_lora_rank=32, lora_paths={"wide": wide_adapter})
+    runner, seen = engine.runner, []
+    experts = runner.lora.expert_loras
+    real = runner.logits
+    monkeypatch.setattr(runner, "logits", lambda batch: seen.append(
+        (batch.num_tokens, batch.lora is not None, experts[0].max_rank_in_use)) or real(batch))
+    runner.warm_up(5)
+    assert seen == [(n, lora, bound) for n in (1, 2, 3, 4, 5) for lora, bound in ((False, 32), (True, 16), (True, 32))]
+    assert {lora.max_rank_in_use for lora in experts} == {32}
+
+
 @pytest.mark.parametrize("warm_up", [False, True])
 def test_the_start_warms_up_as_the_config_says(make_engine, monkeypatch, warm_up):
     """The runner's start runs the prompt steps exactly when EngineConfig.warm_up_at_start says so (on CUDA, unless
