@@ -49,12 +49,10 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from moelora.distributed.launch import name_ranks
     from moelora.engine.engine import Engine
     from moelora.engine.workers import node_ranks
-    from moelora.server.app import create_app
+    from moelora.server.app import create_app, run_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     fields = _fields_of(args, _engine_config())
@@ -70,7 +68,7 @@ def serve(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        run_server(app, args.host, args.port, args.log_level, args.shutdown_timeout)
     finally:
         engine.shutdown()  # the other ranks, with tp_size > 1, if the app's shutdown did not (it failed first)
         # collectable again for the interpreter's exit: frozen, Triton's objects outlived it and nanobind printed a
@@ -97,6 +95,14 @@ def generate(args: argparse.Namespace) -> int:
 def _engine_config() -> type:
     from moelora.engine.config import EngineConfig  # imports torch: only for the commands that run the engine
     return EngineConfig
+
+
+def _seconds(value: str) -> float:
+    """A duration in seconds, 0 or more."""
+    seconds = float(value)
+    if not seconds >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {value}")
+    return seconds
 
 
 def _name_path(value: str) -> tuple[str, str]:
@@ -188,6 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between the log lines of running/waiting requests, tokens/s, KV cache and LoRA "
                         "slot use; 0 turns them off (default: 10)")
+    p.add_argument("--shutdown-timeout", type=_seconds, default=0.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C, seconds the requests in flight get to finish (new ones refused, "
+                        "/health 503) before they are ended: a stream with an error event, others with a 500; 0 ends "
+                        "them at once (vLLM's flag; default: 0)")
     p.set_defaults(run=serve)
 
     from moelora.engine.sampling_params import SamplingParams

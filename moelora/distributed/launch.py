@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import queue
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -33,7 +35,21 @@ def free_port() -> int:
 START_TIMEOUT = 120.0
 
 
+def _end_with_parent() -> None:
+    """End this process as soon as the one that started it has ended. A process that a signal ends (`moelora serve`
+    by SIGTERM while it starts, or any SIGKILL) runs no cleanup: multiprocessing does not terminate its daemon
+    processes then, and a rank left behind would wait for its world, or for rank 0's next command, for good. The
+    parent's sentinel (a pipe the parent holds open) becomes ready once the parent is gone, whatever ended it."""
+    parent = mp.parent_process()
+
+    def watch() -> None:
+        mp.connection.wait([parent.sentinel])
+        os._exit(1)  # nobody is left to tell, or to wait for: as abruptly as its parent ended
+    threading.Thread(target=watch, name="moelora-parent-watch", daemon=True).start()
+
+
 def _entry(target: Callable[..., Any], rank: int, started: Any, messages: Any, args: tuple) -> None:
+    _end_with_parent()
     started.set()  # its imports (unpickling target) went well; at once, as a queue's feeder thread might not
     try:
         target(rank, *args)
@@ -45,7 +61,7 @@ def _entry(target: Callable[..., Any], rank: int, started: Any, messages: Any, a
 
 
 class LocalRanks:
-    """`ranks` as daemon processes of this machine (they end with this process)."""
+    """`ranks` as daemon processes of this machine: they end with this process, however it ends (_end_with_parent)."""
 
     def __init__(self, target: Callable[..., Any], ranks: range, args: tuple):
         ctx = mp.get_context("spawn")

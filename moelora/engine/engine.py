@@ -80,8 +80,8 @@ class Engine:
                     with parallel_state(self.workers.state):
                         self.runner = ModelRunner(node_config(self.config, 0), self.workers)
                     self.workers.barrier()  # every rank loaded (serve_rank's barrier), or an error naming one
-            except BaseException:
-                self.workers.shutdown()
+            except BaseException:  # the guard stopped them on an error; an interrupt left them loading
+                self.workers.shutdown(orderly=False)
                 raise
         # None for a model directory without tokenizer files: token ids in and out, no text
         self.tokenizer, self.missing_tokenizer = load_tokenizer(self.config)

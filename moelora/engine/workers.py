@@ -189,15 +189,20 @@ class Workers:
         waits whatever the backend (an NCCL barrier would only queue on the stream)."""
         control_barrier(self.state, self.timeout)
 
-    def shutdown(self) -> None:
-        """Stop the other ranks (and leave their world)."""
-        if self.failure is None:
+    def shutdown(self, orderly: bool = True) -> None:
+        """Stop the other ranks (and leave their world). orderly=False kills them without the shutdown command: a
+        start interrupted (Ctrl-C) left them anywhere in it, loading or at its barrier, where none reads a command and
+        the command's send would wait dist_timeout for them."""
+        if self.failure is None and orderly:
             with contextlib.suppress(Exception):  # a rank that died or hangs: stopped below all the same
                 self.send(("shutdown",))
                 # no rank leaves the world before every rank has the command (serve_rank meets this barrier): rank
                 # 0's broadcast returns once its bytes are sent, not once they are read; within dist_timeout, so a
                 # rank that hangs holds the shutdown up no longer than that
                 control_barrier(self.state, self.timeout)
-        self.ranks.stop()
+        if orderly:
+            self.ranks.stop()
+        else:
+            self.ranks.stop(timeout=0)
         destroy_parallel()
         self.failure = self.failure or "shut down"

@@ -4,23 +4,32 @@ its own thread (EngineLoop); handlers only parse, queue and format.
 
 Errors take OpenAI's shape {"error": {"message", "type", "param", "code"}} (server/errors.py):
 unknown model 404, bad request 400 (validation errors too, naming the field), queue full 503.
+
+`run_server` serves the app with uvicorn; SIGTERM or Ctrl-C ends the requests in flight (after a drain of
+shutdown_timeout seconds), then the server, then the engine.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
 import logging
+import signal
+import socket
+import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
+from types import FrameType
 
+import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
+from uvicorn.config import STARTUP_FAILURE
 
 from moelora.engine.engine import Engine, EngineDead
 from moelora.engine.sampling_params import StructuredOutput
@@ -475,3 +484,44 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
 
     return app
 
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, whose shutdown (SIGTERM, Ctrl-C) ends the requests in flight first (EngineLoop.drain):
+    uvicorn alone waits for every response under way to end, a stream of thousands of tokens included, before the
+    app, and the engine's other ranks with it, shut down."""
+
+    def __init__(self, config: uvicorn.Config, loop: EngineLoop, shutdown_timeout: float):
+        super().__init__(config)
+        self.engine_loop, self.shutdown_timeout = loop, shutdown_timeout
+        self.draining = False
+        self.cut = False  # a second Ctrl-C came while the requests in flight drained
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # a second Ctrl-C during the drain ends the requests now, and the shutdown goes on, the app's and the ranks':
+        # uvicorn's force_exit would skip them, leaving the engine thread stepping as the process ends
+        if self.draining and sig == signal.SIGINT:
+            self.cut = True
+        else:
+            super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:  # uvicorn's first step, taken before the drain: no new connections meanwhile
+            server.close()
+        self.draining = True
+        await self.engine_loop.drain(self.shutdown_timeout, lambda: self.cut)
+        self.draining = False
+        await super().shutdown(sockets)
+
+
+def run_server(app: FastAPI, host: str, port: int, log_level: str = "info", shutdown_timeout: float = 0.0) -> None:
+    """Serve create_app's app with uvicorn until SIGTERM or Ctrl-C, as uvicorn.run does (its exit status 3 when the
+    server could not start), but on the signal the requests in flight get shutdown_timeout seconds to finish before
+    they are ended (vLLM's --shutdown-timeout; 0: ended at once), so that the server stops within that time."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level)
+    server = _Server(config, app.state.engine_loop, shutdown_timeout)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn raises Ctrl-C's SIGINT again once it shut down
+        pass
+    if not server.started:
+        sys.exit(STARTUP_FAILURE)

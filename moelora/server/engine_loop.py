@@ -18,6 +18,9 @@ device-to-host copy of the sampled tokens that waits for the GPU), which is when
 A request the engine fails gets an EngineError in its queue; a step that raises past the engine's
 own isolation fails the requests in flight and the thread goes on, unless the engine's books no
 longer balance or its device failed: then `healthy` turns False (and /health says 503).
+
+When the server shuts down, `drain` refuses new requests, gives those in flight a while to finish, and fails the
+rest ("the server is shutting down"), so that their responses end and the server can stop.
 """
 from __future__ import annotations
 
@@ -132,6 +135,7 @@ class EngineLoop:
         self._commands: list[tuple[Callable[[], Any], Future]] = []
         self._pending = 0  # sequences submitted and not yet added to the engine
         self._cv = threading.Condition()
+        self._draining = False  # the server shuts down: no request is added any more
         self._stopping = False
         self.failure: str | None = None  # why the engine cannot serve any more
         self._thread = threading.Thread(target=self._run, name="moelora-engine", daemon=True)
@@ -151,10 +155,32 @@ class EngineLoop:
         self._thread.join()
         self._text.shutdown()  # after the engine thread's last deliveries
 
+    async def drain(self, timeout: float, cut: Callable[[], bool]) -> None:
+        """The server shuts down: refuse new requests (/health says 503), wait up to `timeout` seconds for those in
+        flight to finish (or until cut(): a second Ctrl-C), then fail the rest with "the server is shutting down"
+        (a streamed response ends with that error event, another gets a 500), so that their connections close."""
+        with self._cv:
+            self._draining = True
+        deadline = time.monotonic() + timeout
+        if self._in_flight():
+            logger.info("shutting down: %d requests in flight; %s", self._in_flight(),
+                        f"waiting up to {timeout:g} s for them (--shutdown-timeout)" if timeout > 0 else
+                        "ending them (--shutdown-timeout 0)")
+        while self._in_flight() and time.monotonic() < deadline and not cut():
+            await asyncio.sleep(0.1)
+        if self._in_flight() and self._thread.is_alive():  # (a dead engine thread would never run the command)
+            if timeout > 0:
+                logger.info("shutting down: ending the %d requests still in flight", self._in_flight())
+            await self.run(lambda: self._fail_all(EngineError("the server is shutting down")))
+
+    def _in_flight(self) -> int:
+        """Sequences submitted and not yet finished (read outside the engine thread: a moment's count)."""
+        return self._pending + len(self._rids)
+
     @property
     def healthy(self) -> bool:
-        """The engine thread runs and the engine can serve."""
-        return self._thread.is_alive() and self.failure is None and self.engine.fatal is None
+        """The engine thread runs, the engine can serve, and the server is not shutting down."""
+        return self._thread.is_alive() and self.failure is None and self.engine.fatal is None and not self._draining
 
     def call(self, fn: Callable[[], T]) -> Future:
         """Run fn in the engine thread; its result or exception comes back in the Future."""
@@ -190,7 +216,7 @@ class EngineLoop:
         if self.failure is not None:
             raise EngineError(f"the engine cannot serve any more: {self.failure}")
         with self._cv:
-            if self._stopping:
+            if self._stopping or self._draining:
                 raise EngineError("the server is shutting down")
             waiting = self._pending + self.num_waiting
             if self.max_queued_requests is not None and waiting + len(subs) > self.max_queued_requests:
@@ -270,6 +296,8 @@ class EngineLoop:
     def _add(self, rids: list[str], subs: list[Submission], prompts: list[list[int]], arrival: float) -> list[str]:
         added: list[str] = []
         try:
+            if self._draining:  # submitted as the shutdown began: it never starts (its client gets a 503)
+                raise EngineError("the server is shutting down")
             for rid, sub, prompt in zip(rids, subs, prompts):
                 self.engine.add_request(prompt, sub.params, sub.lora, rid=rid, detokenize=False, arrival_time=arrival)
                 added.append(rid)

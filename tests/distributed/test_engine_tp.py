@@ -233,6 +233,27 @@ def test_a_rank_that_hangs_or_dies_while_loading_fails_the_construction(serve, s
     assert start_engine("qwen3_moe", tp_size=2, dist_timeout=20).generate(PROMPTS[:1], GREEDY)[0].token_ids
 
 
+def _interrupted(interrupts: list[float]) -> Callable[..., None]:
+    """Rank 0's ModelRunner interrupted (Ctrl-C) as it starts loading; when, in `interrupts`."""
+    def runner(*args, **kwargs) -> None:
+        interrupts.append(time.monotonic())
+        raise KeyboardInterrupt
+    return runner
+
+
+def test_an_interrupt_while_loading_stops_the_ranks_at_once(start_engine, monkeypatch):
+    """Ctrl-C while rank 0 loads its share: the construction ends at once, the rank stopped and no world left behind,
+    rather than after dist_timeout, which the shutdown command's send would wait for a rank that loads or waits at
+    the loading's barrier (it reads no command there)."""
+    interrupts: list[float] = []
+    monkeypatch.setattr(engine_module, "ModelRunner", _interrupted(interrupts))  # rank 0's: this process's
+    with pytest.raises(KeyboardInterrupt):
+        start_engine("qwen3_moe", tp_size=2, dist_timeout=60)
+    assert time.monotonic() - interrupts[0] < 20
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("moelora-rank")]
+    assert not torch.distributed.is_initialized()
+
+
 def _cannot_read_adapters(*args, **kwargs) -> None:
     raise OSError("no such adapter on this rank's node")
 

@@ -9,8 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -24,7 +22,8 @@ from moelora.engine.config import EngineConfig
 from moelora.engine.engine import Engine, RequestFailed
 from moelora.engine.sampling_params import SamplingParams
 from moelora.server.app import create_app
-from tests.server.conftest import ENGINE_OPTIONS, demo_dir, env, reference, start_serve  # noqa: F401  (fixtures)
+from tests.server.conftest import (ENGINE_OPTIONS, assert_clean_shutdown, children, demo_dir, env,  # noqa: F401
+                                   reference, running, serve_argv, start_serve, stop_all, wait_ended)
 
 PROMPT = "the quick brown fox"
 
@@ -53,32 +52,6 @@ def test_serve_over_two_ranks(demo_dir):  # noqa: F811
         engine.shutdown()
 
 
-def _serve_argv(root, *flags: str) -> list[str]:
-    return ["serve", "--model-path", str(root / "model"), "--lora-paths", f"alpha={root / 'alpha'}",
-            "--device", "cpu", "--dtype", "float32", "--max-lora-rank", "8", "--max-loras-per-batch", "2", *flags]
-
-
-def _children(pid: int) -> dict[int, str]:
-    """The processes whose parent is `pid` -> their command lines (read from /proc: psutil is no dependency)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        try:
-            # after the command's name, in parentheses that may hold anything: the state, then the parent's pid
-            if entry.name.isdigit() and int((entry / "stat").read_text().rpartition(")")[2].split()[1]) == pid:
-                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:  # it ended as we looked
-            pass
-    return found
-
-
-def _running(pid: int) -> bool:
-    """Whether the process exists and has not ended (a zombie has: it waits to be reaped)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
 def _greedy(engine: Engine, model: str) -> str:
     """One rank's greedy completion of PROMPT by `model` (the base model's served name, or an adapter's)."""
     lora = None if model == "tiny-moe" else model
@@ -93,7 +66,7 @@ def test_the_moelora_serve_process(demo_dir, reference, tmp_path, stop):  # noqa
     once it exited, and its log ends with uvicorn's shutdown, no traceback or warning after it."""
     port, log = free_port(), tmp_path / "serve.log"
     command = [sys.executable, "-m", "moelora.cli",
-               *_serve_argv(demo_dir, "--tp-size", "2", "--ep-size", "2", "--served-model-name", "tiny-moe",
+               *serve_argv(demo_dir, "--tp-size", "2", "--ep-size", "2", "--served-model-name", "tiny-moe",
                             "--port", str(port))]
     proc = start_serve(command, port, log, timeout=START_TIMEOUT + 60)  # the rank's imports may take that long
     started: dict[int, str] = {}  # what the server started: its rank, multiprocessing's resource tracker
@@ -118,32 +91,17 @@ def test_the_moelora_serve_process(demo_dir, reference, tmp_path, stop):  # noqa
         assert "moelora.server.app: parallel: 2 ranks, tensor parallel with the experts over 2 groups " \
                "(all_reduce dispatch); per rank: weights " in log.read_text()
 
-        started.update(_children(proc.pid))
+        started.update(children(proc.pid))
         ranks = [pid for pid, cmdline in started.items() if "spawn_main" in cmdline]  # multiprocessing's spawned
         assert len(ranks) == 1, started  # rank 1 (rank 0 is the server's own process)
         proc.send_signal(stop)
         assert proc.wait(timeout=60) in (0, -stop)  # uvicorn raises SIGTERM again once it shut down: -SIGTERM
         # its shutdown joined the rank: none outlives it (one orphaned, or hanging, would still run here)
-        assert not [pid for pid in ranks if _running(pid)], started
-        deadline = time.monotonic() + 10  # multiprocessing's resource tracker ends once every process holding it did
-        while alive := [pid for pid in started if _running(pid)]:
-            assert time.monotonic() < deadline, {pid: started[pid] for pid in alive}
-            time.sleep(0.1)
-        logged = log.read_text()  # the resource tracker's last words included
-        assert "Traceback" not in logged, logged
-        after = logged.partition("INFO:     Shutting down\n")[2].splitlines()
-        assert "INFO:     Application shutdown complete." in after, logged
-        assert not [line for line in after if not line.startswith("INFO:")], "\n".join(after)
+        assert not [pid for pid in ranks if running(pid)], started
+        wait_ended(started, 10)  # multiprocessing's resource tracker ends once every process holding it did
+        assert_clean_shutdown(log)  # the resource tracker's last words included
     finally:  # after a failed check: nothing left running
-        if proc.poll() is None:  # stopped as a user would, its rank with it
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for pid in started:
-            if _running(pid):
-                os.kill(pid, signal.SIGKILL)
+        stop_all(proc, started)
 
 
 def _second_node(code: str) -> subprocess.Popen:
@@ -156,9 +114,9 @@ def test_serve_on_a_second_node(demo_dir):  # noqa: F811
     addr = f"127.0.0.1:{free_port()}"
     nodes = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr]
     node1 = _second_node(f"import sys\nfrom moelora.cli import main\n"
-                         f"sys.exit(main({_serve_argv(demo_dir, *nodes, '--node-rank', '1')!r}))")
+                         f"sys.exit(main({serve_argv(demo_dir, *nodes, '--node-rank', '1')!r}))")
     try:
-        engine = Engine(**_fields_of(build_parser().parse_args(_serve_argv(demo_dir, *nodes)), EngineConfig))
+        engine = Engine(**_fields_of(build_parser().parse_args(serve_argv(demo_dir, *nodes)), EngineConfig))
         with TestClient(create_app(engine, "tiny-moe")) as client:
             reply = client.post("/v1/completions", json={"model": "alpha", "prompt": PROMPT, "max_tokens": 8,
                                                           "temperature": 0})
@@ -195,9 +153,9 @@ def test_a_rank_of_the_second_node_that_dies(demo_dir):  # noqa: F811
     node1 = _second_node("import sys\nimport moelora.engine.engine\nfrom moelora.cli import main\n"
                          "from tests.distributed.test_serve_tp import _dies_at_its_second_step\n"
                          "moelora.engine.engine.serve_rank = _dies_at_its_second_step\n"
-                         f"sys.exit(main({_serve_argv(demo_dir, *nodes, '--node-rank', '1')!r}))")
+                         f"sys.exit(main({serve_argv(demo_dir, *nodes, '--node-rank', '1')!r}))")
     try:
-        engine = Engine(**_fields_of(build_parser().parse_args(_serve_argv(demo_dir, *nodes)), EngineConfig))
+        engine = Engine(**_fields_of(build_parser().parse_args(serve_argv(demo_dir, *nodes)), EngineConfig))
         with pytest.raises(RequestFailed) as failed:
             engine.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0.0))
         engine.shutdown()

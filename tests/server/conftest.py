@@ -1,11 +1,13 @@
 """One real server per test module: uvicorn in a background thread on 127.0.0.1, over the demo's tiny
 Qwen3-MoE (fp32, CPU) with adapters alpha and beta; gamma is built too, for loading over HTTP. And `moelora serve`
-as a process of its own (`start_serve`)."""
+as a process of its own (`start_serve`), with what tells how it stopped: the processes it started (`children`),
+whether they still run, and its log's end (`assert_clean_shutdown`)."""
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -77,6 +79,12 @@ def env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
 
 
+def serve_argv(root: Path, *flags: str) -> list[str]:
+    """`moelora serve`'s arguments (after the program): the demo's model, fp32 on the CPU, alpha served, and `flags`."""
+    return ["serve", "--model-path", str(root / "model"), "--lora-paths", f"alpha={root / 'alpha'}",
+            "--device", "cpu", "--dtype", "float32", "--max-lora-rank", "8", "--max-loras-per-batch", "2", *flags]
+
+
 def start_serve(command: list[str], port: int, log: Path, timeout: float = 60.0) -> subprocess.Popen:
     """`command`, a `moelora serve` on 127.0.0.1:port, started with its stderr (its log) to the file `log`; returned
     once /health answers 200. Fails the test, the process killed, if it exits or is not up within `timeout` s."""
@@ -96,6 +104,60 @@ def start_serve(command: list[str], port: int, log: Path, timeout: float = 60.0)
         proc.kill()
         proc.wait()
         raise
+
+
+def children(pid: int) -> dict[int, str]:
+    """The processes whose parent is `pid` -> their command lines (read from /proc: psutil is no dependency). A
+    `moelora serve` of several ranks has its ranks ("spawn_main" in the command line) and multiprocessing's resource
+    tracker."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            # after the command's name, in parentheses that may hold anything: the state, then the parent's pid
+            if entry.name.isdigit() and int((entry / "stat").read_text().rpartition(")")[2].split()[1]) == pid:
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # it ended as we looked
+            pass
+    return found
+
+
+def running(pid: int) -> bool:
+    """Whether the process exists and has not ended (a zombie has: it waits to be reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def wait_ended(started: dict[int, str], timeout: float) -> None:
+    """Fails unless every process of `started` (pid -> command line) has ended within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while alive := [pid for pid in started if running(pid)]:
+        assert time.monotonic() < deadline, f"still running after {timeout:g} s: {[started[pid] for pid in alive]}"
+        time.sleep(0.1)
+
+
+def assert_clean_shutdown(log: Path) -> None:
+    """A `moelora serve` log that ends with uvicorn's shutdown, completed, and no traceback or warning after it."""
+    logged = log.read_text()
+    assert "Traceback" not in logged, logged
+    after = logged.partition("INFO:     Shutting down\n")[2].splitlines()
+    assert "INFO:     Application shutdown complete." in after, logged
+    assert not [line for line in after if not line.startswith("INFO:")], "\n".join(after)
+
+
+def stop_all(proc: subprocess.Popen, started: dict[int, str]) -> None:
+    """After a test of a `moelora serve` process, whatever its checks found: nothing of it left running."""
+    if proc.poll() is None:  # stopped as a user would, its ranks with it
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for pid in started:
+        if running(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 @contextmanager
