@@ -2,6 +2,7 @@
 machine, or by torchrun): the same tokens and log-probs as one rank, adapters loaded and unloaded at runtime with
 requests in flight on every rank, and a rank that dies or hangs, while loading or serving, stops the engine with
 an error naming it instead of hanging."""
+import functools
 import json
 import multiprocessing
 import os
@@ -258,59 +259,45 @@ def _cannot_read_adapters(*args, **kwargs) -> None:
     raise OSError("no such adapter on this rank's node")
 
 
-def _raises_reading_adapters(rank, config, init_method):
-    lora_manager.LoRAManager.read = _cannot_read_adapters
-    model_runner.serve_rank(rank, config, init_method)
-
-
-def _stops_reading_adapters(rank, config, init_method):
-    lora_manager.LoRAManager.read = _stop
-    model_runner.serve_rank(rank, config, init_method)
-
-
-@pytest.mark.parametrize("serve, fate", [
-    (_raises_reading_adapters, "rank 1 failed:\n"),
-    (_stops_reading_adapters, "rank 1 is still running: it did not answer in time"),
-], ids=["raises", "hangs"])
-def test_a_rank_that_fails_in_load_lora_stops_the_engine(serve, fate, start_engine, adapters, monkeypatch):
-    """Rank 1 raises (as on a node without the adapter's files) or hangs where it reads the adapter a runtime
-    load_lora sends it (the adapters given at start it read otherwise): load_lora raises WorkerFailure naming it
-    within dist_timeout, and the engine takes no more requests."""
-    monkeypatch.setattr(engine_module, "serve_rank", serve)
-    many = start_engine("qwen3_moe", tp_size=2, dist_timeout=3)
-    many.generate(PROMPTS[:1], GREEDY, lora="full")
-    error = _fails_changing_adapters(many, lambda: many.load_lora("late", str(adapters("qwen3_moe")["partial"].path)),
-                                     fate)
-    assert serve is _stops_reading_adapters or "OSError: no such adapter on this rank's node" in error
-
-
 def _cannot_drop_adapters(*args, **kwargs) -> None:
     raise RuntimeError("this rank cannot free the adapter's slot")
 
 
-def _raises_dropping_adapters(rank, config, init_method):
-    lora_manager.LoRAManager._drop = _cannot_drop_adapters
+def _serve_with(method: str, replacement: Callable[..., None], rank, config, init_method) -> None:
+    """serve_rank with LoRAManager.<method> replaced on this rank (functools.partial of it pickles for the spawn)."""
+    setattr(lora_manager.LoRAManager, method, replacement)
     model_runner.serve_rank(rank, config, init_method)
 
 
-def _stops_dropping_adapters(rank, config, init_method):
-    lora_manager.LoRAManager._drop = _stop
-    model_runner.serve_rank(rank, config, init_method)
-
-
-@pytest.mark.parametrize("serve, fate", [
-    (_raises_dropping_adapters, "rank 1 failed:\n"),
-    (_stops_dropping_adapters, "rank 1 is still running: it did not answer in time"),
+@pytest.mark.parametrize("failure, fate", [
+    (_cannot_read_adapters, "rank 1 failed:\n"),
+    (_stop, "rank 1 is still running: it did not answer in time"),
 ], ids=["raises", "hangs"])
-def test_a_rank_that_fails_in_unload_lora_stops_the_engine(serve, fate, start_engine, monkeypatch):
+def test_a_rank_that_fails_in_load_lora_stops_the_engine(failure, fate, start_engine, adapters, monkeypatch):
+    """Rank 1 raises (as on a node without the adapter's files) or hangs where it reads the adapter a runtime
+    load_lora sends it (the adapters given at start it read otherwise): load_lora raises WorkerFailure naming it
+    within dist_timeout, and the engine takes no more requests."""
+    monkeypatch.setattr(engine_module, "serve_rank", functools.partial(_serve_with, "read", failure))
+    many = start_engine("qwen3_moe", tp_size=2, dist_timeout=3)
+    many.generate(PROMPTS[:1], GREEDY, lora="full")
+    error = _fails_changing_adapters(many, lambda: many.load_lora("late", str(adapters("qwen3_moe")["partial"].path)),
+                                     fate)
+    assert failure is _stop or "OSError: no such adapter on this rank's node" in error
+
+
+@pytest.mark.parametrize("failure, fate", [
+    (_cannot_drop_adapters, "rank 1 failed:\n"),
+    (_stop, "rank 1 is still running: it did not answer in time"),
+], ids=["raises", "hangs"])
+def test_a_rank_that_fails_in_unload_lora_stops_the_engine(failure, fate, start_engine, monkeypatch):
     """Rank 1 raises or hangs where it drops the adapter (host copy and slot) a runtime unload_lora sends it (at
     once: no request of it is in flight; with some the drop goes to the ranks with a later step, a step's failure):
     unload_lora raises WorkerFailure naming it within dist_timeout, and the engine takes no more requests."""
-    monkeypatch.setattr(engine_module, "serve_rank", serve)
+    monkeypatch.setattr(engine_module, "serve_rank", functools.partial(_serve_with, "_drop", failure))
     many = start_engine("qwen3_moe", tp_size=2, dist_timeout=3)
     many.generate(PROMPTS[:1], GREEDY, lora="full")  # in a slot on every rank
     error = _fails_changing_adapters(many, lambda: many.unload_lora("full"), fate)
-    assert serve is _stops_dropping_adapters or "RuntimeError: this rank cannot free the adapter's slot" in error
+    assert failure is _stop or "RuntimeError: this rank cannot free the adapter's slot" in error
 
 
 def _fails_changing_adapters(many: Engine, change: Callable[[], None], fate: str) -> str:
