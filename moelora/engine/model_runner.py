@@ -103,7 +103,8 @@ class ModelRunner:
             max_bs, prompt_graph_tokens = min(max_bs, FIXED_MAX_TOKENS), min(prompt_graph_tokens, FIXED_MAX_TOKENS)
         self.graphs = (CudaGraphs(self.logits, self.kv, max_bs, self.lora.expert_loras, self.lora.max_rank)
                        if config.use_cuda_graph else None)
-        self.prompt_graphs = (PromptGraphs(self.logits, self.kv, prompt_graph_tokens, self.lora.expert_loras, self.lora.max_rank)
+        self.prompt_graphs = (PromptGraphs(self.logits, self.kv, prompt_graph_tokens, self.lora.expert_loras,
+                                           self.lora.max_rank)
                               if config.use_cuda_graph and prompt_graph_tokens > 0 else None)
         self.vocab_size = self.model.config.vocab_size
         self.penalties = PenaltyState(config.max_running_requests, self.vocab_size, self.device)
