@@ -2,6 +2,7 @@
 thread, adapter files are read in a worker, so none of them holds up the steps of running requests."""
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -14,7 +15,7 @@ from moelora.engine.sampling_params import SamplingParams
 from moelora.engine.stepper import StepOutput
 from moelora.server.app import create_app
 from moelora.server.engine_loop import Delta, EngineError, merge_deltas
-from tests.server.conftest import ENGINE_OPTIONS, MODEL_NAME, SERVED, serving
+from tests.server.conftest import ENGINE_OPTIONS, MODEL_NAME, SERVED, make_engine, serving
 
 IDS = [5, 6, 7, 8]
 
@@ -37,6 +38,30 @@ def test_tokenizer_work_runs_in_the_text_thread(server, monkeypatch):
     assert chat.status_code == echo.status_code == 200
     assert {name for name, _ in calls} == {"encode", "decode", "apply_chat_template"}
     assert {thread for _, thread in calls} == {"moelora-text_0"}
+
+
+def test_the_shutdown_drain_ends_the_requests_in_flight_and_frees_them(demo_dir):
+    """The server's shutdown (EngineLoop.drain, no time to finish): a stream in flight ends with the shutdown's
+    error event and [DONE], its KV slots and request row are free again, and /health says 503."""
+    with serving(create_app(make_engine(demo_dir, SERVED), MODEL_NAME)) as server:
+        lines: list[str] = []
+
+        def stream() -> None:
+            body = {"model": "alpha", "prompt": IDS, "max_tokens": 400, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as reply:
+                lines.extend(line for line in reply.iter_lines() if line)
+        client = threading.Thread(target=stream)
+        client.start()
+        deadline = time.monotonic() + 30
+        while not server.on_engine(server.loop.engine.has_unfinished):
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.02)
+        asyncio.run(server.loop.drain(0, lambda: False))
+        client.join(timeout=30)
+        assert not client.is_alive() and lines[-1] == "data: [DONE]"
+        assert "the server is shutting down" in lines[-2], lines[-3:]
+        assert server.idle()
+        assert httpx.get(f"{server.url}/health").status_code == 503
 
 
 def test_a_stop_string_ends_the_request_and_frees_it(server):
