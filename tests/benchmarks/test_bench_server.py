@@ -46,5 +46,6 @@ def test_tiny_server_benchmark_reports_each_concurrency():
         cpu, wall = [float(v) for v in cells[7].split(" / ")], float(cells[9])
         gc_s, compiles = cells[8].split(" / ")
         assert float(gc_s) >= 0 and int(compiles.split(" (")[0]) >= 0
-        assert int(cells[0]) == clients and 0 < add_ms < ttft_ms and 0 < stepping < wall
+        # both printed to 0.01 s: a short run's stepping time can round to its wall time
+        assert int(cells[0]) == clients and 0 < add_ms < ttft_ms and 0 < stepping <= wall
         assert min(idle, commands, text) >= 0 and len(cpu) == 3 and cpu[1] > 0
