@@ -7,6 +7,7 @@ uncounted."""
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -36,6 +37,7 @@ def install() -> Pauses:
     with _lock:
         if not _installed:
             gc.callbacks.append(_on_gc)
+            sys.unraisablehook = _redeliver_interrupts(sys.unraisablehook)
             _hook_triton()
             _installed = True
     return PAUSES
@@ -48,6 +50,36 @@ def _on_gc(phase: str, info: dict) -> None:
     else:
         PAUSES.gc_collections += 1
         PAUSES.gc_seconds += time.perf_counter() - _gc_started
+
+
+def _redeliver_interrupts(previous):
+    """sys.unraisablehook that delivers again a Ctrl-C lost in _on_gc. Python runs signal handlers between bytecodes,
+    so a SIGINT that arrives during a collection raises KeyboardInterrupt as _on_gc starts, and Python discards
+    what a gc callback raises: a process busy collecting (a large model's load) ignored Ctrl-C. Any other report
+    goes on to the previous hook."""
+    def hook(unraisable) -> None:
+        if unraisable.object is _on_gc and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            if sys.getprofile() is None:  # (a profiler running keeps its place: the Ctrl-C stays lost)
+                sys.setprofile(_raise_outside_callbacks)
+        else:
+            previous(unraisable)
+    _callback_code.add(hook.__code__)
+    return hook
+
+
+_callback_code = {_on_gc.__code__}  # and the hook's: where a KeyboardInterrupt would be lost again
+
+
+def _raise_outside_callbacks(frame, event: str, arg) -> None:
+    """Profile function that raises KeyboardInterrupt at the first call or return in the main thread's own code:
+    not in a gc callback (this module's or another's) or the hook. Raised by a profile function, it goes to the
+    code being run, and Python removes the profile function."""
+    callbacks = _callback_code | {cb.__code__ for cb in gc.callbacks if hasattr(cb, "__code__")}
+    while frame is not None:
+        if frame.f_code in callbacks:
+            return
+        frame = frame.f_back
+    raise KeyboardInterrupt
 
 
 def _hook_triton() -> None:
