@@ -220,6 +220,8 @@ RANK_CASES = {
     "rank 64": ([64] * SLOTS, 1.0, False),
     "ranks 8,8,16,16,16,32,64,64": ([8, 8, 16, 16, 16, 32, 64, 64], 1.0, False),
     "rank 16 on 25% of experts": ([16] * SLOTS, 0.25, False),
+    # attention-only adapters (PEFT's default targets): what the experts' LoRA path costs with no LoRA work
+    "rank 16 on no expert": ([16] * SLOTS, 0.0, False),
     "rank-8 tokens, rank 64 resident": ([8] + [64] * (SLOTS - 1), 1.0, True),
     "rank-8 tokens, rank 8 resident": ([8] * SLOTS, 1.0, True),
 }

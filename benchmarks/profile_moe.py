@@ -2,6 +2,7 @@
 time goes, to guide kernel work. Not a test.
 
     python3 benchmarks/profile_moe.py --shape qwen3-30b-a3b --tokens 1,32 --adapters 1,8
+    python3 benchmarks/profile_moe.py --tokens 32 --adapters 8 --coverage 0.25   # adapters on a quarter of the experts
 """
 from __future__ import annotations
 
@@ -43,11 +44,13 @@ def main():
     p.add_argument("--shape", default="qwen3-30b-a3b")
     p.add_argument("--tokens", default="1,32,4096")
     p.add_argument("--adapters", default="1,8")
+    p.add_argument("--coverage", type=float, default=1.0, help="share of the experts each adapter covers (0: none)")
     args = p.parse_args()
     hidden, inter, experts, top_k = SHAPES[args.shape]
     dtype, device = torch.bfloat16, "cuda"
     w13, w2 = random_moe_weights(experts, hidden, inter, dtype, device)
-    lora = random_expert_lora(SLOTS, experts, hidden, inter, [RANK] * SLOTS, dtype, device, max_rank=MAX_RANK)
+    lora = random_expert_lora(SLOTS, experts, hidden, inter, [RANK] * SLOTS, dtype, device, coverage=args.coverage,
+                              max_rank=MAX_RANK)
     router = torch.randn(experts, hidden, device=device, dtype=dtype) / hidden**0.5
     for tokens in map(int, args.tokens.split(",")):
         x = torch.randn(tokens, hidden, device=device, dtype=dtype)
