@@ -6,6 +6,7 @@ delayed and a server's /metrics their totals. Triton older than 3.5 has no compi
 uncounted."""
 from __future__ import annotations
 
+import functools
 import gc
 import sys
 import threading
@@ -53,33 +54,32 @@ def _on_gc(phase: str, info: dict) -> None:
 
 
 def _redeliver_interrupts(previous):
-    """sys.unraisablehook that delivers again a Ctrl-C lost in _on_gc. Python runs signal handlers between bytecodes,
-    so a SIGINT that arrives during a collection raises KeyboardInterrupt as _on_gc starts, and Python discards
-    what a gc callback raises: a process busy collecting (a large model's load) ignored Ctrl-C. Any other report
-    goes on to the previous hook."""
+    """sys.unraisablehook that raises again what a signal handler raised in _on_gc. Python runs signal handlers
+    between bytecodes, so a SIGINT that arrives during a collection raises KeyboardInterrupt as _on_gc starts (as
+    would a SIGTERM handler's SystemExit), and Python discards what a gc callback raises: a process busy collecting
+    (a large model's load) ignored Ctrl-C. _on_gc itself raises nothing. Other reports go on to the previous hook."""
     def hook(unraisable) -> None:
-        if unraisable.object is _on_gc and issubclass(unraisable.exc_type, KeyboardInterrupt):
-            if sys.getprofile() is None:  # (a profiler running keeps its place: the Ctrl-C stays lost)
-                sys.setprofile(_raise_outside_callbacks)
+        if unraisable.object is _on_gc and sys.getprofile() is None:  # (a profiler keeps its place)
+            sys.setprofile(functools.partial(_raise_outside_callbacks, unraisable.exc_value))
         else:
             previous(unraisable)
     _callback_code.add(hook.__code__)
     return hook
 
 
-_callback_code = {_on_gc.__code__}  # and the hook's: where a KeyboardInterrupt would be lost again
+_callback_code = {_on_gc.__code__}  # and the hook's: where the exception would be lost again
 
 
-def _raise_outside_callbacks(frame, event: str, arg) -> None:
-    """Profile function that raises KeyboardInterrupt at the first call or return in the main thread's own code:
-    not in a gc callback (this module's or another's) or the hook. Raised by a profile function, it goes to the
-    code being run, and Python removes the profile function."""
+def _raise_outside_callbacks(exception: BaseException, frame, event: str, arg) -> None:
+    """Profile function (of the main thread: signal handlers run there) that raises `exception` at the first call
+    or return in the thread's own code, not in a gc callback (this module's or another's) or the hook. Raised by a
+    profile function, it goes to the code being run, and Python removes the profile function."""
     callbacks = _callback_code | {cb.__code__ for cb in gc.callbacks if hasattr(cb, "__code__")}
     while frame is not None:
         if frame.f_code in callbacks:
             return
         frame = frame.f_back
-    raise KeyboardInterrupt
+    raise exception
 
 
 def _hook_triton() -> None:
