@@ -157,10 +157,23 @@ def test_module_outside_decoder_layers(tmp_path):
     ("trainable_token_indices", [5, 7], "added or retrained tokens"),
     ("peft_type", "LOHA", "only LORA"),
     ("lora_B_layout", "interleaved", "unknown lora_B_layout"),
+    ("init_lora_weights", "pissa", "init_lora_weights='pissa' (PiSSA changes the base model's weights"),
+    ("init_lora_weights", "pissa_niter_4", "init_lora_weights='pissa_niter_4' (PiSSA changes"),
+    ("init_lora_weights", "olora", "OLoRA changes"),
+    ("init_lora_weights", "corda", "CorDA changes"),
+    ("init_lora_weights", "lora_ga", "LoRA-GA changes"),
+    ("init_lora_weights", "loftq", "LoftQ changes"),
 ])
 def test_refused_config(tmp_path, field, value, reason):
     message = refused(tmp_path, good(), **{field: value})
     assert "adapter_config.json" in message and reason in message
+
+
+@pytest.mark.parametrize("init", [True, False, "gaussian", "eva", "orthogonal", "mica"])
+def test_initializations_that_leave_the_base_model_alone_load(tmp_path, init):
+    """Only how A and B started differs: the saved adapter is plain LoRA on the unchanged base model."""
+    adapter = load_adapter(write_adapter(tmp_path, good(), init_lora_weights=init), tiny_config("qwen3_moe"))
+    assert adapter.layers[1].modules["self_attn.q_proj"].rank == R
 
 
 @pytest.mark.parametrize("field, value", [("lora_alpha", "16"), ("lora_alpha", True), ("rank_pattern", [1]),
