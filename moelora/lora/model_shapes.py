@@ -25,6 +25,7 @@ class ModelShapes:
     moe_intermediate_size: int
     moe_layers: frozenset[int]
     modules: tuple[dict[str, tuple[int, int]], ...]  # per layer: module name -> (in_features, out_features)
+    vocab_size: int  # rows of the embedding: token ids an adapter's added_tokens.json may use
 
     def expert_shape(self, projection: str) -> tuple[int, int]:
         """(in, out) of one routed expert's gate, up or down projection."""
@@ -99,7 +100,8 @@ def _build(c: PretrainedConfig, attention: dict, num_experts: int, moe_inter: in
         else:
             modules.update(_mlp("mlp", h, dense_inter))
         layers.append(modules)
-    return ModelShapes(c.model_type, c.num_hidden_layers, h, num_experts, moe_inter, frozenset(moe_layers), tuple(layers))
+    return ModelShapes(c.model_type, c.num_hidden_layers, h, num_experts, moe_inter, frozenset(moe_layers), tuple(layers),
+                       c.vocab_size)
 
 
 def _qwen_moe(c: PretrainedConfig) -> ModelShapes:

@@ -240,9 +240,29 @@ def test_config_that_is_not_an_object(tmp_path):
         load_adapter(tmp_path, tiny_config("qwen3_moe"))
 
 
-def test_added_tokens_file(tmp_path):
-    (tmp_path / "added_tokens.json").write_text(json.dumps({"<sql>": 32}))
-    assert "added_tokens.json: added tokens are not served" in refused(tmp_path, good())
+def test_added_tokens_past_the_vocabulary(tmp_path):
+    """A token past the base model's 32 embedding rows needs resized embeddings, which are not served."""
+    (tmp_path / "added_tokens.json").write_text(json.dumps({"<|im_end|>": 31, "<sql>": 32, "<table>": 40}))
+    message = refused(tmp_path, good())
+    assert ("added_tokens.json: '<sql>' (id 32), '<table>' (id 40) lie outside the base model's vocabulary of 32 tokens"
+            in message), message
+    assert "<|im_end|>" not in message
+
+
+def test_added_tokens_of_the_base_vocabulary_load(tmp_path):
+    """transformers 4 tokenizers save every special token past their BPE vocabulary in added_tokens.json, the base
+    model's own ones too (Qwen's <|endoftext|>, <|im_start|>, ... at 151643-151668 of the model's 151936): an
+    adapter saved with its tokenizer lists them, and adds nothing to the model."""
+    (tmp_path / "added_tokens.json").write_text(json.dumps({"<|endoftext|>": 29, "<|im_start|>": 30, "<|im_end|>": 31}))
+    adapter = load_adapter(write_adapter(tmp_path, good()), tiny_config("qwen3_moe"))
+    assert adapter.layers[1].modules["self_attn.q_proj"].rank == R
+
+
+@pytest.mark.parametrize("text, expected", [("{not json", "not valid JSON"), ("[32]", "must map each token to its id (an integer), got [32]"),
+                                            ('{"<sql>": "32"}', "must map each token to its id (an integer), got {'<sql>': '32'}")])
+def test_added_tokens_file_unreadable(tmp_path, text, expected):
+    (tmp_path / "added_tokens.json").write_text(text)
+    assert f"added_tokens.json: {expected}" in refused(tmp_path, good())
 
 
 def test_defined_twice(tmp_path):
