@@ -131,3 +131,17 @@ def test_pissa_adapter_is_refused(tmp_path):
     assert (peft_delta - plain_delta).abs().max() > 1e-2
     with pytest.raises(AdapterError, match="init_lora_weights='pissa' \\(PiSSA changes the base model's weights"):
         load_adapter(tmp_path, config)
+
+
+@pytest.mark.parametrize("bias", ["lora_only", "all"])
+def test_trained_base_biases_are_refused(bias, tmp_path):
+    """PEFT's bias='lora_only' / 'all' trains the base model's biases and saves them with the adapter
+    ('q_proj.base_layer.bias', 'k_proj.bias'): each is refused, saying what it is."""
+    config = tiny_config("qwen2_moe")  # q, k and v have biases
+    peft_adapter(tiny_model(config), LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], bias=bias), tmp_path)
+    biases = sorted(k for k in load_file(tmp_path / "adapter_model.safetensors") if k.endswith(".bias"))
+    assert len(biases) == (2 if bias == "lora_only" else 6)
+    with pytest.raises(AdapterError) as e:
+        load_adapter(tmp_path, config)
+    assert e.value.problems == [f"{k}: a bias of the base model, trained with adapter_config.json's bias='lora_only' "
+                                "or 'all' (only the LoRA weights are served)" for k in biases]
