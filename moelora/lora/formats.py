@@ -118,8 +118,10 @@ def pair_tensors(tensors: dict[str, torch.Tensor], problems: list[str]) -> list[
         elif not torch.isfinite(t).all():
             problems.append(f"{key}: contains {int((~torch.isfinite(t)).sum())} NaN/Inf values")
             refused_modules.add(match["module"])
+        elif (side := match["side"]) in (sides := halves.setdefault(match["module"], {})):  # 'x.lora_A', 'x.lora_A.weight'
+            problems.append(f"{key}: lora_{side} of {match['module']} is given twice, also by {sides[side][0]}")
         else:
-            halves.setdefault(match["module"], {})[match["side"]] = (key, t)
+            sides[side] = (key, t)
 
     pairs = []
     for module, sides in halves.items():

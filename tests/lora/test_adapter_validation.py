@@ -272,6 +272,13 @@ def test_defined_twice(tmp_path):
     assert re.search(r"experts\.(2\.)?gate_proj\.lora_A(\.weight)?: expert 2 gate is already given by", refused(tmp_path, tensors))
 
 
+def test_half_given_twice(tmp_path):
+    """A bare 'lora_A' and a 'lora_A.weight' of the same module: neither is dropped silently."""
+    bare = Q_A.removesuffix(".weight")
+    message = refused(tmp_path, good() | {bare: torch.randn(R, HIDDEN)})
+    assert f"{Q_A}: lora_A of {bare.removesuffix('.lora_A')} is given twice, also by {bare}" in message
+
+
 def test_all_problems_reported_together(tmp_path):
     tensors = good()
     tensors[Q_B] = torch.randn(16, 4)
