@@ -130,15 +130,21 @@ def _read_added_tokens(path: Path, problems: list[str]) -> dict[str, int]:
 
 
 def _added_token_problems(file: AdapterFile, shapes: ModelShapes) -> list[str]:
-    """Tokens past the model's embedding rows: the adapter was trained with resized embeddings. transformers 4
-    tokenizers list the base model's own special tokens there too (ids past their BPE vocabulary, within the
-    model's): those add nothing."""
-    past = sorted((i, t) for t, i in file.added_tokens.items() if not 0 <= i < shapes.vocab_size)
-    if not past:
+    """Tokens the base model does not have: the adapter was trained with a vocabulary of its own, which is not
+    served. transformers 4 tokenizers list the base model's own special tokens there too (Qwen's <|im_start|>, ...):
+    those add nothing. With the base tokenizer's added tokens known, a token must be one of them at the same id (else
+    the served tokenizer would split its text); without, its id must be an embedding row."""
+    known = shapes.added_tokens
+    if known is None:
+        foreign = sorted((i, t) for t, i in file.added_tokens.items() if not 0 <= i < shapes.vocab_size)
+        where = f"lie outside the base model's vocabulary of {shapes.vocab_size} tokens"
+    else:
+        foreign = sorted((i, t) for t, i in file.added_tokens.items() if known.get(t) != i)
+        where = "are not tokens of the base model's tokenizer at those ids"
+    if not foreign:
         return []
-    return [f"{file.path / 'added_tokens.json'}: {', '.join(f'{t!r} (id {i})' for i, t in past)} lie outside the base "
-            f"model's vocabulary of {shapes.vocab_size} tokens (added tokens change its vocabulary and embeddings, "
-            "which are not served)"]
+    return [f"{file.path / 'added_tokens.json'}: {', '.join(f'{t!r} (id {i})' for i, t in foreign)} {where} (added "
+            "tokens change the model's vocabulary and embeddings, which are not served)"]
 
 
 def _scaling(key: str, rank: int, peft_path: str, config: AdapterConfig, max_lora_rank: int | None) -> float:

@@ -258,6 +258,28 @@ def test_added_tokens_of_the_base_vocabulary_load(tmp_path):
     assert adapter.layers[1].modules["self_attn.q_proj"].rank == R
 
 
+@pytest.mark.parametrize("tokenizer_file", ["tokenizer_config.json", "tokenizer.json"])
+def test_added_tokens_against_the_base_tokenizer(tmp_path, tokenizer_file):
+    """With the base model's tokenizer files at hand an added token must be the base tokenizer's own, at its id: a new
+    token inside the embedding's rows (vocabularies are padded) would be split into other tokens by the served
+    tokenizer, so the adapter would see other ids than in its training."""
+    model = tmp_path / "model"
+    tiny_config("qwen3_moe").save_pretrained(model)
+    base = {"<|endoftext|>": 29, "<|im_start|>": 30}
+    (model / tokenizer_file).write_text(json.dumps(
+        {"added_tokens_decoder": {str(i): {"content": t, "special": True} for t, i in base.items()}}
+        if tokenizer_file == "tokenizer_config.json" else {"added_tokens": [{"id": i, "content": t} for t, i in base.items()]}))
+    adapter = tmp_path / "adapter"
+    (adapter / "added_tokens.json").parent.mkdir()
+    (adapter / "added_tokens.json").write_text(json.dumps(base))
+    assert load_adapter(write_adapter(adapter, good()), model).layers[1].modules["self_attn.q_proj"].rank == R
+    (adapter / "added_tokens.json").write_text(json.dumps({"<|endoftext|>": 29, "<sql>": 20, "<|im_start|>": 31}))
+    with pytest.raises(AdapterError) as e:
+        load_adapter(adapter, model)
+    assert ("added_tokens.json: '<sql>' (id 20), '<|im_start|>' (id 31) are not tokens of the base model's tokenizer "
+            "at those ids") in str(e.value), str(e.value)
+
+
 @pytest.mark.parametrize("text, expected", [("{not json", "not valid JSON"), ("[32]", "must map each token to its id (an integer), got [32]"),
                                             ('{"<sql>": "32"}', "must map each token to its id (an integer), got {'<sql>': '32'}")])
 def test_added_tokens_file_unreadable(tmp_path, text, expected):
