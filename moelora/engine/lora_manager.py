@@ -90,7 +90,7 @@ class LoRAManager:
     def __init__(self, config: EngineConfig, model: nn.Module, record_events: bool = False):
         self.config, self.model = config, model
         self._events: list[Event] | None = [] if record_events else None
-        self.shapes = load_model_shapes(config.model_path)  # what adapters are checked against
+        self.shapes = load_model_shapes(config.model_path, config.tokenizer_path)  # what adapters are checked against
         self.stats = LoRAStats()
         self._paths: dict[str, Path] = {}
         self._host: OrderedDict[str, Adapter] = OrderedDict()  # least recently used first

@@ -30,6 +30,7 @@ class AdapterFile:
     config: AdapterConfig
     pairs: list[LoRAPair]
     problems: list[str]
+    added_tokens: dict[str, int]  # added_tokens.json: token -> id, checked against the model's vocabulary
 
     @property
     def formats(self) -> tuple[str, ...]:
@@ -43,11 +44,12 @@ def read_adapter(path: str | Path) -> AdapterFile:
     try:
         config = AdapterConfig.read(path)
         tensors, file_name = read_tensors(path)
-        problems = _added_tokens(path)
+        problems = []
+        added_tokens = _read_added_tokens(path, problems)
     except OSError as e:
         raise AdapterError(f"{path}: cannot be read: {e.strerror or e}") from None
     pairs = pair_tensors(tensors, problems)
-    return AdapterFile(path, file_name, config, pairs, problems)
+    return AdapterFile(path, file_name, config, pairs, problems, added_tokens)
 
 
 def _checked_path(path: str | Path) -> Path:
@@ -76,7 +78,7 @@ def load_adapter(path: str | Path, model: str | Path | PretrainedConfig | ModelS
 
 def canonicalize(file: AdapterFile, shapes: ModelShapes, max_lora_rank: int | None = None) -> Adapter:
     """The canonical adapter of an adapter file read by `read_adapter`; raises AdapterError listing every problem."""
-    problems = list(file.problems)
+    problems = list(file.problems) + _added_token_problems(file, shapes)
     layers: dict[int, LayerLoRA] = defaultdict(LayerLoRA)
     pieces: dict[tuple[int, str], list[ExpertPiece]] = defaultdict(list)
     wrapper_names = defaultdict(set)  # layer -> 'inner'/'outer' ParamWrapper pairs present
@@ -111,17 +113,38 @@ def canonicalize(file: AdapterFile, shapes: ModelShapes, max_lora_rank: int | No
     return Adapter(file.path, file.config, file.formats, dict(sorted(layers.items())))
 
 
-def _added_tokens(path: Path) -> list[str]:
+def _read_added_tokens(path: Path, problems: list[str]) -> dict[str, int]:
+    """added_tokens.json's token -> id, if the directory has one (tokenizers save it with the adapter)."""
     added = path / "added_tokens.json"
     if not added.is_file():
-        return []
+        return {}
     try:
         tokens = json.loads(added.read_bytes() or b"{}")
     except ValueError as e:
-        return [f"{added}: not valid JSON ({e})"]
-    if tokens:
-        return [f"{added}: added tokens are not served (they change the base model's vocabulary and embeddings)"]
-    return []
+        problems.append(f"{added}: not valid JSON ({e})")
+        return {}
+    if not isinstance(tokens, dict) or not all(type(i) is int for i in tokens.values()):
+        problems.append(f"{added}: must map each token to its id (an integer), got {str(tokens)[:200]}")
+        return {}
+    return tokens
+
+
+def _added_token_problems(file: AdapterFile, shapes: ModelShapes) -> list[str]:
+    """Tokens the base model does not have: the adapter was trained with a vocabulary of its own, which is not
+    served. transformers 4 tokenizers list the base model's own special tokens there too (Qwen's <|im_start|>, ...):
+    those add nothing. With the base tokenizer's added tokens known, a token must be one of them at the same id (else
+    the served tokenizer would split its text); without, its id must be an embedding row."""
+    known = shapes.added_tokens
+    if known is None:
+        foreign = sorted((i, t) for t, i in file.added_tokens.items() if not 0 <= i < shapes.vocab_size)
+        where = f"lie outside the base model's vocabulary of {shapes.vocab_size} tokens"
+    else:
+        foreign = sorted((i, t) for t, i in file.added_tokens.items() if known.get(t) != i)
+        where = "are not tokens of the base model's tokenizer at those ids"
+    if not foreign:
+        return []
+    return [f"{file.path / 'added_tokens.json'}: {', '.join(f'{t!r} (id {i})' for i, t in foreign)} {where} (added "
+            "tokens change the model's vocabulary and embeddings, which are not served)"]
 
 
 def _scaling(key: str, rank: int, peft_path: str, config: AdapterConfig, max_lora_rank: int | None) -> float:

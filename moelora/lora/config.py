@@ -143,9 +143,27 @@ def unsupported_features(raw: dict) -> list[str]:
         reasons.append("alora_invocation_tokens (activated LoRA applies only after an invocation sequence)")
     if raw.get("layer_replication"):
         reasons.append("layer_replication (the adapter expects a model with duplicated layers)")
+    base_changing_init = _base_changing_init(raw.get("init_lora_weights"))
+    if base_changing_init:
+        reasons.append(f"init_lora_weights={raw['init_lora_weights']!r} ({base_changing_init} changes the base model's "
+                       "weights, and PEFT does so whenever it loads the adapter; only LoRA on the unchanged base "
+                       "model is served: save the adapter with save_pretrained(path_initial_model_for_weight_conversion=...), "
+                       "which converts PiSSA, CorDA, OLoRA and LoRA-GA adapters to plain LoRA)")
     if raw.get("fan_in_fan_out"):
         reasons.append("fan_in_fan_out=true (Conv1D-style transposed weights; the served models use nn.Linear layout)")
     targets = raw.get("target_modules") or []
     if isinstance(targets, list) and {"embed_tokens", "lm_head"} & set(targets):
         reasons.append("LoRA on embed_tokens/lm_head (only decoder-layer projections are served)")
     return reasons
+
+
+# init_lora_weights values (prefixes: 'pissa_niter_16') with which PEFT takes the initial adapter out of the base
+# weights (LoftQ: quantizes them), when the adapter is created and again on every load of one saved that way
+_BASE_CHANGING_INITS = {"pissa": "PiSSA", "corda": "CorDA", "olora": "OLoRA", "lora_ga": "LoRA-GA", "loftq": "LoftQ"}
+
+
+def _base_changing_init(init: object) -> str | None:
+    """The name of the method, if `init` (init_lora_weights) is one that changes the base model's weights."""
+    if not isinstance(init, str):
+        return None
+    return next((name for prefix, name in _BASE_CHANGING_INITS.items() if init.lower().startswith(prefix)), None)

@@ -70,6 +70,9 @@ _STACKED = re.compile(r"^mlp\.experts\.(?P<proj>gate_up_proj|gate_proj|up_proj|d
 _REFUSED = (
     (re.compile(r"\.lora_magnitude_vector\b"), "DoRA magnitude vector (only plain LoRA is served)"),
     (re.compile(r"\.lora_B(\.[^.]+)?\.bias$"), "lora_bias (a trained bias on lora_B is not served)"),
+    (re.compile(r"bias$"),  # any other bias (after lora_B's above): PEFT saves the base model's with bias != 'none'
+     "a bias of the base model, trained with adapter_config.json's bias='lora_only' or 'all' (only the LoRA weights "
+     "are served)"),
     (re.compile(r"\.lora_embedding_[AB]\b"), "LoRA on an embedding (only decoder-layer projections are served)"),
     (re.compile(r"trainable_tokens"), "trainable/added tokens (they change the base model's embeddings)"),
     (re.compile(r"modules_to_save|(^|\.)(embed_tokens|lm_head)\.weight$"),
@@ -115,8 +118,10 @@ def pair_tensors(tensors: dict[str, torch.Tensor], problems: list[str]) -> list[
         elif not torch.isfinite(t).all():
             problems.append(f"{key}: contains {int((~torch.isfinite(t)).sum())} NaN/Inf values")
             refused_modules.add(match["module"])
+        elif (side := match["side"]) in (sides := halves.setdefault(match["module"], {})):  # 'x.lora_A', 'x.lora_A.weight'
+            problems.append(f"{key}: lora_{side} of {match['module']} is given twice, also by {sides[side][0]}")
         else:
-            halves.setdefault(match["module"], {})[match["side"]] = (key, t)
+            sides[side] = (key, t)
 
     pairs = []
     for module, sides in halves.items():

@@ -3,6 +3,8 @@ projection per decoder layer, and the routed experts' shapes. Module names follo
 v5 (`mlp.experts` fused, `mlp.gate` router), relative to the decoder layer."""
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,10 @@ class ModelShapes:
     moe_intermediate_size: int
     moe_layers: frozenset[int]
     modules: tuple[dict[str, tuple[int, int]], ...]  # per layer: module name -> (in_features, out_features)
+    vocab_size: int  # rows of the embedding: token ids an adapter's added_tokens.json may use
+    # the served tokenizer's added (special) tokens, content -> id, from its directory's tokenizer files; None
+    # when there are none (or shapes from a config object): then only the ids can be checked
+    added_tokens: dict[str, int] | None = None
 
     def expert_shape(self, projection: str) -> tuple[int, int]:
         """(in, out) of one routed expert's gate, up or down projection."""
@@ -32,13 +38,17 @@ class ModelShapes:
         return (i, h) if projection == "down" else (h, i)
 
 
-def load_model_shapes(model: str | Path | PretrainedConfig) -> ModelShapes:
-    """Shapes from a transformers config object or a local model directory (config.json)."""
+def load_model_shapes(model: str | Path | PretrainedConfig, tokenizer: str | Path | None = None) -> ModelShapes:
+    """Shapes from a transformers config object or a local model directory (config.json); the added tokens from the
+    tokenizer directory the model is served with (default: the model directory)."""
     config = model if isinstance(model, PretrainedConfig) else _read_config(Path(model))
     family = _FAMILIES.get(config.model_type)
     if family is None:
         raise AdapterError(f"model_type {config.model_type!r} is not served (supported: {', '.join(sorted(_FAMILIES))})")
-    return family(config)
+    shapes = family(config)
+    if isinstance(model, PretrainedConfig):
+        return shapes
+    return dataclasses.replace(shapes, added_tokens=_tokenizer_added_tokens(Path(tokenizer or model)))
 
 
 def format_ranges(indices) -> str:
@@ -50,6 +60,21 @@ def format_ranges(indices) -> str:
         else:
             runs.append([i, i])
     return ", ".join(f"{lo}-{hi}" if hi > lo else str(lo) for lo, hi in runs) or "none"
+
+
+def _tokenizer_added_tokens(model_dir: Path) -> dict[str, int] | None:
+    """content -> id of the tokenizer's added tokens: tokenizer_config.json's added_tokens_decoder (transformers
+    >= 4.34 writes it), else tokenizer.json's added_tokens; None without either file."""
+    try:
+        config = json.loads((model_dir / "tokenizer_config.json").read_bytes())
+        return {token["content"]: int(i) for i, token in config["added_tokens_decoder"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    try:
+        tokenizer = json.loads((model_dir / "tokenizer.json").read_bytes())
+        return {token["content"]: int(token["id"]) for token in tokenizer["added_tokens"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _read_config(model_dir: Path) -> PretrainedConfig:
@@ -99,7 +124,8 @@ def _build(c: PretrainedConfig, attention: dict, num_experts: int, moe_inter: in
         else:
             modules.update(_mlp("mlp", h, dense_inter))
         layers.append(modules)
-    return ModelShapes(c.model_type, c.num_hidden_layers, h, num_experts, moe_inter, frozenset(moe_layers), tuple(layers))
+    return ModelShapes(c.model_type, c.num_hidden_layers, h, num_experts, moe_inter, frozenset(moe_layers), tuple(layers),
+                       c.vocab_size)
 
 
 def _qwen_moe(c: PretrainedConfig) -> ModelShapes:

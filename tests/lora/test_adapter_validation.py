@@ -157,10 +157,23 @@ def test_module_outside_decoder_layers(tmp_path):
     ("trainable_token_indices", [5, 7], "added or retrained tokens"),
     ("peft_type", "LOHA", "only LORA"),
     ("lora_B_layout", "interleaved", "unknown lora_B_layout"),
+    ("init_lora_weights", "pissa", "init_lora_weights='pissa' (PiSSA changes the base model's weights"),
+    ("init_lora_weights", "pissa_niter_4", "init_lora_weights='pissa_niter_4' (PiSSA changes"),
+    ("init_lora_weights", "olora", "OLoRA changes"),
+    ("init_lora_weights", "corda", "CorDA changes"),
+    ("init_lora_weights", "lora_ga", "LoRA-GA changes"),
+    ("init_lora_weights", "loftq", "LoftQ changes"),
 ])
 def test_refused_config(tmp_path, field, value, reason):
     message = refused(tmp_path, good(), **{field: value})
     assert "adapter_config.json" in message and reason in message
+
+
+@pytest.mark.parametrize("init", [True, False, "gaussian", "eva", "orthogonal", "mica"])
+def test_initializations_that_leave_the_base_model_alone_load(tmp_path, init):
+    """Only how A and B started differs: the saved adapter is plain LoRA on the unchanged base model."""
+    adapter = load_adapter(write_adapter(tmp_path, good(), init_lora_weights=init), tiny_config("qwen3_moe"))
+    assert adapter.layers[1].modules["self_attn.q_proj"].rank == R
 
 
 @pytest.mark.parametrize("field, value", [("lora_alpha", "16"), ("lora_alpha", True), ("rank_pattern", [1]),
@@ -227,9 +240,51 @@ def test_config_that_is_not_an_object(tmp_path):
         load_adapter(tmp_path, tiny_config("qwen3_moe"))
 
 
-def test_added_tokens_file(tmp_path):
-    (tmp_path / "added_tokens.json").write_text(json.dumps({"<sql>": 32}))
-    assert "added_tokens.json: added tokens are not served" in refused(tmp_path, good())
+def test_added_tokens_past_the_vocabulary(tmp_path):
+    """A token past the base model's 32 embedding rows needs resized embeddings, which are not served."""
+    (tmp_path / "added_tokens.json").write_text(json.dumps({"<|im_end|>": 31, "<sql>": 32, "<table>": 40}))
+    message = refused(tmp_path, good())
+    assert ("added_tokens.json: '<sql>' (id 32), '<table>' (id 40) lie outside the base model's vocabulary of 32 tokens"
+            in message), message
+    assert "<|im_end|>" not in message
+
+
+def test_added_tokens_of_the_base_vocabulary_load(tmp_path):
+    """transformers 4 tokenizers save every special token past their BPE vocabulary in added_tokens.json, the base
+    model's own ones too (Qwen's <|endoftext|>, <|im_start|>, ... at 151643-151668 of the model's 151936): an
+    adapter saved with its tokenizer lists them, and adds nothing to the model."""
+    (tmp_path / "added_tokens.json").write_text(json.dumps({"<|endoftext|>": 29, "<|im_start|>": 30, "<|im_end|>": 31}))
+    adapter = load_adapter(write_adapter(tmp_path, good()), tiny_config("qwen3_moe"))
+    assert adapter.layers[1].modules["self_attn.q_proj"].rank == R
+
+
+@pytest.mark.parametrize("tokenizer_file", ["tokenizer_config.json", "tokenizer.json"])
+def test_added_tokens_against_the_base_tokenizer(tmp_path, tokenizer_file):
+    """With the base model's tokenizer files at hand an added token must be the base tokenizer's own, at its id: a new
+    token inside the embedding's rows (vocabularies are padded) would be split into other tokens by the served
+    tokenizer, so the adapter would see other ids than in its training."""
+    model = tmp_path / "model"
+    tiny_config("qwen3_moe").save_pretrained(model)
+    base = {"<|endoftext|>": 29, "<|im_start|>": 30}
+    (model / tokenizer_file).write_text(json.dumps(
+        {"added_tokens_decoder": {str(i): {"content": t, "special": True} for t, i in base.items()}}
+        if tokenizer_file == "tokenizer_config.json" else {"added_tokens": [{"id": i, "content": t} for t, i in base.items()]}))
+    adapter = tmp_path / "adapter"
+    (adapter / "added_tokens.json").parent.mkdir()
+    (adapter / "added_tokens.json").write_text(json.dumps(base))
+    assert load_adapter(write_adapter(adapter, good()), model).layers[1].modules["self_attn.q_proj"].rank == R
+    (adapter / "added_tokens.json").write_text(json.dumps({"<|endoftext|>": 29, "<sql>": 20, "<|im_start|>": 31}))
+    with pytest.raises(AdapterError) as e:
+        load_adapter(adapter, model)
+    assert ("added_tokens.json: '<sql>' (id 20), '<|im_start|>' (id 31) are not tokens of the base model's tokenizer "
+            "at those ids") in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("text, expected", [("{not json", "not valid JSON"), ("[32]", "must map each token to its id (an integer), got [32]"),
+                                            ('{"<sql>": "32"}', "must map each token to its id (an integer), got {'<sql>': '32'}")])
+def test_added_tokens_file_unreadable(tmp_path, text, expected):
+    (tmp_path / "added_tokens.json").write_text(text)
+    assert f"added_tokens.json: {expected}" in refused(tmp_path, good())
 
 
 def test_defined_twice(tmp_path):
@@ -237,6 +292,13 @@ def test_defined_twice(tmp_path):
     stacked = f"{LAYER1}.mlp.experts.gate_proj.lora_A"
     tensors = good() | {stacked: torch.randn(EXPERTS, R, HIDDEN), stacked.replace("lora_A", "lora_B"): torch.randn(EXPERTS, MOE_INTER, R)}
     assert re.search(r"experts\.(2\.)?gate_proj\.lora_A(\.weight)?: expert 2 gate is already given by", refused(tmp_path, tensors))
+
+
+def test_half_given_twice(tmp_path):
+    """A bare 'lora_A' and a 'lora_A.weight' of the same module: neither is dropped silently."""
+    bare = Q_A.removesuffix(".weight")
+    message = refused(tmp_path, good() | {bare: torch.randn(R, HIDDEN)})
+    assert f"{Q_A}: lora_A of {bare.removesuffix('.lora_A')} is given twice, also by {bare}" in message
 
 
 def test_all_problems_reported_together(tmp_path):

@@ -2,11 +2,12 @@
 PEFT's merge_and_unload() adds to that weight, in every supported model family."""
 import pytest
 import torch
-from peft import LoraConfig
+from peft import LoraConfig, PeftModel
+from safetensors.torch import load_file
 
 from lora_builders import (EXPERTS, FAMILIES, PerExpertModel, assert_deltas_equal, canonical_deltas,
                            linear_suffixes, peft_adapter, per_expert_deltas_as_v5, tiny_config, tiny_model)
-from moelora.lora import load_adapter
+from moelora.lora import AdapterError, load_adapter
 
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
@@ -112,3 +113,35 @@ def test_per_expert_modules_partial_coverage(tmp_path):
             want = expected.get(f"model.layers.1.mlp.experts.{e}.{name}.weight", torch.zeros(experts.b.shape[1], experts.a.shape[2]))
             torch.testing.assert_close(experts.delta(e), want, atol=1e-5, rtol=1e-5)
     assert set(adapter.layers) == {1}
+
+
+def test_pissa_adapter_is_refused(tmp_path):
+    """PEFT saves a PiSSA adapter as it was trained, against the base weights less their initial principal
+    components, and PeftModel.from_pretrained takes those out of the base model again: its delta is not the
+    adapter's B @ A, so serving it as plain LoRA on the unchanged base model would be wrong."""
+    config = tiny_config("qwen3_moe")
+    peft_adapter(tiny_model(config), LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], init_lora_weights="pissa"),
+                 tmp_path)
+    base = tiny_model(config)
+    before = base.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    peft_delta = PeftModel.from_pretrained(base, tmp_path).merge_and_unload().model.layers[0].self_attn.q_proj.weight - before
+    plain = load_file(tmp_path / "adapter_model.safetensors")
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+    plain_delta = 4 / 2 * plain[key.format("B")] @ plain[key.format("A")]
+    assert (peft_delta - plain_delta).abs().max() > 1e-2
+    with pytest.raises(AdapterError, match="init_lora_weights='pissa' \\(PiSSA changes the base model's weights"):
+        load_adapter(tmp_path, config)
+
+
+@pytest.mark.parametrize("bias", ["lora_only", "all"])
+def test_trained_base_biases_are_refused(bias, tmp_path):
+    """PEFT's bias='lora_only' / 'all' trains the base model's biases and saves them with the adapter
+    ('q_proj.base_layer.bias', 'k_proj.bias'): each is refused, saying what it is."""
+    config = tiny_config("qwen2_moe")  # q, k and v have biases
+    peft_adapter(tiny_model(config), LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], bias=bias), tmp_path)
+    biases = sorted(k for k in load_file(tmp_path / "adapter_model.safetensors") if k.endswith(".bias"))
+    assert len(biases) == (2 if bias == "lora_only" else 6)
+    with pytest.raises(AdapterError) as e:
+        load_adapter(tmp_path, config)
+    assert e.value.problems == [f"{k}: a bias of the base model, trained with adapter_config.json's bias='lora_only' "
+                                "or 'all' (only the LoRA weights are served)" for k in biases]
