@@ -330,7 +330,8 @@ class OpenAIServing:
                 yield item
 
     async def _collect(self, request: Request, rids: list[str], queue: asyncio.Queue, choices: list[_Choice]) -> None:
-        """Wait for every sequence, aborting them if the client leaves first."""
+        """Wait for every sequence, aborting them if the client leaves first or one of them fails (the
+        response is then an error: the others' tokens would go nowhere)."""
         async def consume() -> None:
             async for d in self._deltas(queue, len(rids)):
                 choices[d.index].add(d)
@@ -340,7 +341,7 @@ class OpenAIServing:
             await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not task.done():  # the client left (or the server stops)
+            if not task.done() or task.exception() is not None:  # the client left (or the server stops), or a failure
                 task.cancel()
                 self.loop.abort(rids)
         if not task.done():
