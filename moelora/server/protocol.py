@@ -379,7 +379,7 @@ class CompletionChoice(BaseModel):
 class _Response(BaseModel):
     """What every OpenAI response and stream chunk carries."""
     id: str
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int  # Unix seconds, when the request came: the same in every chunk of a stream
     model: str
 
 
