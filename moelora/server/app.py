@@ -16,6 +16,7 @@ import logging
 import signal
 import socket
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -161,7 +162,7 @@ class OpenAIServing:
         await self._compile_grammar(body, subs)
         echoes = await self._prompt_texts(prompts) if body.echo else [""] * len(prompts)
         rids, queue = await self._submit(subs)
-        rid, model = f"cmpl-{uuid.uuid4().hex}", body.model or self.served_model_name
+        head = self._head("cmpl", body.model)
         choices = [_Choice(text=echoes[i // per_prompt]) for i in range(len(subs))]
         with_ids = self.loop.engine.tokenizer is None  # no text: the choices carry their token ids
 
@@ -173,12 +174,12 @@ class OpenAIServing:
             if not (text or d.out.finished or entries or with_ids and d.out.token_ids):
                 return None
             logprobs = _completion_logprobs(entries, offset) if body.logprobs is not None else None
-            return CompletionResponse(id=rid, model=model, choices=[CompletionChoice(
+            return CompletionResponse(**head, choices=[CompletionChoice(
                 index=d.index, text=text, logprobs=logprobs, finish_reason=d.out.finish_reason,
                 token_ids=d.out.token_ids if with_ids else None)])
 
         def usage_chunk() -> CompletionResponse:
-            return CompletionResponse(id=rid, model=model, choices=[], usage=_usage(choices, per_prompt))
+            return CompletionResponse(**head, choices=[], usage=_usage(choices, per_prompt))
 
         if body.stream:
             return self._stream(rids, queue, chunk, [], usage_chunk if body.include_usage else None)
@@ -187,7 +188,7 @@ class OpenAIServing:
         best = choices if per_prompt == body.n else [
             c for p in range(len(prompts))
             for c in sorted(choices[p * per_prompt:(p + 1) * per_prompt], key=lambda c: -c.cumulative_logprob)[:body.n]]
-        return self._json(CompletionResponse(id=rid, model=model, usage=_usage(choices, per_prompt), choices=[
+        return self._json(CompletionResponse(**head, usage=_usage(choices, per_prompt), choices=[
             CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
                              token_ids=c.token_ids if with_ids else None,
                              logprobs=_completion_logprobs(c.logprobs, 0) if body.logprobs is not None else None)
@@ -206,7 +207,7 @@ class OpenAIServing:
                                  add_special_tokens=False, aliases=aliases, grammar=tools.grammar)
         await self._compile_grammar(body, subs)
         rids, queue = await self._submit(subs, aliases)
-        rid, model = f"chatcmpl-{uuid.uuid4().hex}", body.model or self.served_model_name
+        head = self._head("chatcmpl", body.model)
         choices = [_Choice() for _ in subs]
         outputs = [tools.output() for _ in subs]
 
@@ -215,25 +216,31 @@ class OpenAIServing:
             delta, reason = outputs[d.index].delta(d.out.text, d.out.finish_reason if d.out.finished else None)
             if not (delta.content or delta.tool_calls or d.out.finished or entries):
                 return None
-            return ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(
+            return ChatCompletionChunk(**head, choices=[ChatChunkChoice(
                 index=d.index, delta=delta, logprobs=_chat_logprobs(entries, k) if body.logprobs else None,
                 finish_reason=reason)])
 
         def usage_chunk() -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=rid, model=model, choices=[], usage=_usage(choices, body.n))
+            return ChatCompletionChunk(**head, choices=[], usage=_usage(choices, body.n))
 
         if body.stream:
-            roles = [ChatCompletionChunk(id=rid, model=model, choices=[
+            roles = [ChatCompletionChunk(**head, choices=[
                 ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]) for i in range(len(subs))]
             return self._stream(rids, queue, chunk, roles, usage_chunk if body.include_usage else None)
         await self._collect(request, rids, queue, choices)
         messages = [out.message(c.text, c.finish_reason) for out, c in zip(outputs, choices)]
-        return self._json(ChatCompletionResponse(id=rid, model=model, usage=_usage(choices, body.n), choices=[
+        return self._json(ChatCompletionResponse(**head, usage=_usage(choices, body.n), choices=[
             ChatChoice(index=i, message=message, finish_reason=reason,
                        logprobs=_chat_logprobs(c.logprobs, k) if body.logprobs else None)
             for i, (c, (message, reason)) in enumerate(zip(choices, messages))]))
 
     # ---------------------------------------------------------------------------- internals
+
+    def _head(self, prefix: str, model: str | None) -> dict:
+        """The fields every response and stream chunk of one request carries: its id, its creation time (one for
+        all the chunks of a stream, as OpenAI's) and the model it names."""
+        return {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": model or self.served_model_name}
 
     def _adapter(self, model: str | None) -> str | None:
         """The adapter a request's model field names; None for the base model."""
@@ -330,7 +337,8 @@ class OpenAIServing:
                 yield item
 
     async def _collect(self, request: Request, rids: list[str], queue: asyncio.Queue, choices: list[_Choice]) -> None:
-        """Wait for every sequence, aborting them if the client leaves first."""
+        """Wait for every sequence, aborting them if the client leaves first or one of them fails (the
+        response is then an error: the others' tokens would go nowhere)."""
         async def consume() -> None:
             async for d in self._deltas(queue, len(rids)):
                 choices[d.index].add(d)
@@ -340,7 +348,7 @@ class OpenAIServing:
             await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not task.done():  # the client left (or the server stops)
+            if not task.done() or task.exception() is not None:  # the client left (or the server stops), or a failure
                 task.cancel()
                 self.loop.abort(rids)
         if not task.done():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -65,7 +65,20 @@ class StructuredOutputs(BaseModel):
 
 
 class RequestBody(BaseModel):
-    """A request body: every string in it, at any depth, must encode as UTF-8."""
+    """A request body: every string in it, at any depth, must encode as UTF-8; a null stands for the field's
+    default."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """OpenAI's API takes null for its optional fields ("n": null is n=1), as vLLM does; a field that cannot hold
+        None takes its default then (a field that can keeps the None, which means something: max_tokens null is up
+        to the context)."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if not (v is None and k in fields and not fields[k].is_required()
+                                                      and type(None) not in get_args(fields[k].annotation))}
 
     @model_validator(mode="before")
     @classmethod
@@ -379,7 +392,7 @@ class CompletionChoice(BaseModel):
 class _Response(BaseModel):
     """What every OpenAI response and stream chunk carries."""
     id: str
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int  # Unix seconds, when the request came: the same in every chunk of a stream
     model: str
 
 

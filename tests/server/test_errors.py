@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 
+from moelora.engine import model_runner
 from moelora.engine.engine import Engine
 from moelora.server.app import create_app
 from tests.server.conftest import ENGINE_OPTIONS, MODEL_NAME, serving
@@ -205,3 +206,25 @@ def test_a_failing_step_fails_only_the_requests_in_it(server, monkeypatch):
     assert json.loads(events[-2])["error"]["message"] == "the engine failed: boom"
     r = post(server, "/v1/completions", OK)  # steps work again
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_failed_sequence_aborts_its_siblings(server, monkeypatch, stream):
+    """n=2: sampling fails for the batches holding the first sequence's seed (the engine isolates the fault to it);
+    the request fails, and its second sequence (seed + 1) is aborted at once rather than run to max_tokens."""
+    victim_seed, real = 987654321, model_runner.sample
+
+    def sample(logits, batch, k=0):
+        if victim_seed in batch.seed.tolist():
+            raise RuntimeError("injected sampling fault")
+        return real(logits, batch, k)
+    monkeypatch.setattr(model_runner, "sample", sample)
+    aborts, lengths = finished(server, "abort"), finished(server, "length")
+    body = {**LONG, "n": 2, "seed": victim_seed, "temperature": 1.0, "stream": stream}
+    r = post(server, "/v1/completions", body, timeout=60)
+    if stream:
+        assert r.status_code == 200 and "injected sampling fault" in r.text
+    else:
+        assert r.status_code == 500 and "injected sampling fault" in r.json()["error"]["message"]
+    assert server.idle()
+    assert (finished(server, "abort"), finished(server, "length")) == (aborts + 1, lengths)

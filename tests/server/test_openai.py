@@ -4,6 +4,8 @@ also under concurrent traffic; metrics and health."""
 from __future__ import annotations
 
 import asyncio
+import itertools
+import time
 
 import httpx
 import openai
@@ -65,6 +67,16 @@ def test_streamed_completion_equals_engine_generate(client, reference, model):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
     assert len({c.id for c in chunks}) == 1
+
+
+def test_every_chunk_of_a_stream_has_the_same_id_and_created(client, monkeypatch):
+    """As OpenAI's: the chunks of one completion share its id and its creation time, however long the stream."""
+    clock = itertools.count(int(time.time()))  # a second later at every reading
+    monkeypatch.setattr(time, "time", lambda: float(next(clock)))
+    kwargs = dict(model="alpha", max_tokens=4, temperature=0, n=2, stream=True, stream_options={"include_usage": True})
+    for chunks in (list(client.completions.create(prompt=PROMPTS[0], **kwargs)),
+                   list(client.chat.completions.create(messages=MESSAGES, **kwargs))):
+        assert len(chunks) > 4 and len({(c.id, c.created) for c in chunks}) == 1, chunks
 
 
 @pytest.mark.parametrize("model", MODELS)

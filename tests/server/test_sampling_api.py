@@ -215,6 +215,21 @@ def test_harmless_values_of_refused_fields_are_accepted(server):
     assert httpx.post(f"{server.url}/v1/chat/completions", json=chat).status_code == 200
 
 
+@pytest.mark.parametrize("path, field", [("/v1/completions", "n"), ("/v1/completions", "stream"),
+                                         ("/v1/completions", "echo"), ("/v1/completions", "ignore_eos"),
+                                         ("/v1/chat/completions", "n"), ("/v1/chat/completions", "stream"),
+                                         ("/v1/chat/completions", "logprobs")])
+def test_a_null_is_the_fields_default(server, path, field):
+    """OpenAI's API takes null for its optional fields (n, stream, echo, logprobs: "or null"), as vLLM does: the
+    response is the one without the field."""
+    body = {"model": "alpha", "max_tokens": 4, "temperature": 0,
+            **({"prompt": PROMPT} if path == "/v1/completions" else {"messages": MESSAGES})}
+    plain = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+    r = httpx.post(f"{server.url}{path}", json={**body, field: None}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"] == plain.json()["choices"] and r.json()["usage"] == plain.json()["usage"]
+
+
 @pytest.mark.parametrize("fields, want", [
     ({"response_format": {"type": "text"}}, None),
     ({"response_format": {"type": "json_object"}}, StructuredOutput("json_object")),
