@@ -301,7 +301,7 @@ class OpenAIServing:
             if isinstance(m.content, list):
                 if any(p.type != "text" or p.text is None for p in m.content):
                     raise APIError(400, f"messages[{i}]: only text content parts are supported", param="messages")
-                msg["content"] = "".join(p.text for p in m.content)
+                msg["content"] = "\n".join(p.text for p in m.content)  # as vLLM gives a template the parts
             messages.append(msg)
         try:
             return await self.loop.run_text(lambda: self.loop.engine.chat_prompt(messages, tools))

@@ -95,8 +95,10 @@ def test_chat_equals_engine_generate_on_the_chat_template(client, reference, mod
 def test_chat_content_parts_and_max_completion_tokens(client, reference):
     parts = [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "world"}]}]
     out = client.chat.completions.create(model="alpha", messages=parts, max_completion_tokens=3, temperature=0)
-    plain = [{"role": "user", "content": "Hello world"}]
+    plain = [{"role": "user", "content": "Hello \nworld"}]  # the parts one a line, as vLLM joins them
     assert out.choices[0].message.content == alone(reference, chat_ids(reference, plain), "alpha", 3).text
+    assert out.usage.prompt_tokens == len(chat_ids(reference, plain)) != len(chat_ids(reference, [
+        {"role": "user", "content": "Hello world"}]))
 
 
 def test_completion_logprobs(client, reference):
