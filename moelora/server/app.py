@@ -129,8 +129,9 @@ class OpenAIServing:
         return Response(body, media_type=content_type)
 
     async def models(self) -> ModelList:
-        base = ModelCard(id=self.served_model_name, root=self.loop.engine.config.model_path)
-        return ModelList(data=[base, *(ModelCard(id=name, root=path, parent=base.id)
+        context = self.loop.engine.context_len
+        base = ModelCard(id=self.served_model_name, root=self.loop.engine.config.model_path, max_model_len=context)
+        return ModelList(data=[base, *(ModelCard(id=name, root=path, parent=base.id, max_model_len=context)
                                        for name, path in sorted(self.loop.adapters.items()))])
 
     async def load_lora_adapter(self, body: LoadLoRARequest) -> dict:

@@ -191,6 +191,13 @@ class SamplingRequest(RequestBody):
                                           {"name": name, "why": why, "param": name})
         return {k: v for k, v in data.items() if k not in cls.unsupported}
 
+    @model_validator(mode="after")
+    def _stream_options_with_stream(self) -> SamplingRequest:
+        if self.stream_options is not None and not self.stream:  # as vLLM: nothing would read them
+            raise PydanticCustomError("stream_options_without_stream", "stream_options is only allowed with stream: "
+                                      "true", {"param": "stream_options"})
+        return self
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
                         ) -> SamplingParams:
         """ValueError names the bad field (SamplingParams.<field>); max_tokens None: up to the context."""
@@ -367,6 +374,7 @@ class ModelCard(BaseModel):
     owned_by: str = "moelora"
     root: str | None = None    # where it was loaded from
     parent: str | None = None  # adapters: the base model's id
+    max_model_len: int | None = None  # tokens one request may hold, prompt and output (vLLM's field)
 
 
 class ModelList(BaseModel):

@@ -41,11 +41,12 @@ def chat_ids(reference, messages) -> list[int]:
     return reference.tokenizer.encode(text, add_special_tokens=False)
 
 
-def test_models_lists_the_base_model_and_every_adapter(client, demo_dir):
+def test_models_lists_the_base_model_and_every_adapter(client, demo_dir, reference):
     cards = {m.id: m for m in client.models.list().data}
     assert list(cards) == MODELS
     assert cards[MODEL_NAME].parent is None and cards[MODEL_NAME].root == str(demo_dir / "model")
     assert all(cards[a].parent == MODEL_NAME and cards[a].root == str(demo_dir / a) for a in ("alpha", "beta"))
+    assert {card.max_model_len for card in cards.values()} == {reference.context_len}
 
 
 @pytest.mark.parametrize("model", MODELS)

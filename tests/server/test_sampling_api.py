@@ -172,6 +172,7 @@ def test_json_object(client):
     ("/v1/completions", {"an_unknown_field": 1}, "an_unknown_field", "unknown field"),
     ("/v1/chat/completions", {"functions_x": []}, "functions_x", "unknown field"),
     ("/v1/completions", {"stream_options": {"include_usage": True, "x": 1}}, "stream_options", "stream_options.x"),
+    ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream"),
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search", "beam search"),
     ("/v1/completions", {"length_penalty": 0.5}, "length_penalty", "beam search"),
     ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs", "echo"),
