@@ -116,8 +116,8 @@ class Stepper:
                     return outputs + self._device_failed(e, batch.reqs)
         if prev is not None:
             outputs += self._read(prev)
-        if batch.reqs and self._in_flight is None:
-            live = [i for i, r in enumerate(batch.reqs) if not r.finished]  # not ended by the step just read
+        live = [i for i, r in enumerate(batch.reqs) if not r.finished]  # not ended by the step just read
+        if live and self._in_flight is None:  # (that step may have ended every one of them)
             outputs += self._run_isolated(batch if len(live) == len(batch.reqs) else batch.subset(live), batch.reqs)
         return outputs
 

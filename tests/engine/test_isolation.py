@@ -2,6 +2,8 @@
 (allocating its cache, preparing LoRA slots, the forward pass, sampling, detokenizing), at prefill
 and at decode, for one request of a mixed batch fails that request alone. The others finish with
 the tokens they get alone, and every request row, KV slot and adapter reference is back."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -153,3 +155,25 @@ def test_a_device_error_fails_everything_and_the_engine_says_so(make_engine, mon
     assert_released(engine)
     with pytest.raises(EngineDead, match="cannot run any more"):
         engine.add_request(PROMPTS[0])
+
+
+def test_a_failed_launch_after_a_step_that_ended_all_its_requests(make_engine, solo, monkeypatch):
+    """Overlap scheduling: the step launched after a request's stop token raises (say a transient out-of-memory),
+    and reading the step before ends every request of it. Nothing is left to run again: the request ends with
+    its stop token, and the engine goes on (the empty rerun raised out of Engine.step, losing that output)."""
+    engine = make_engine(FAMILY)
+    tokens = solo[1]
+    stop = tokens.index(tokens[2])  # its first occurrence ends the request
+    rid = engine.add_request(PROMPTS[1], replace(PARAMS[1], stop_token_ids=[tokens[2]]), lora=LORAS[1])
+    req = engine.scheduler.find(rid)
+    logits = engine.runner.logits
+
+    def out_of_memory_after_the_stop(batch):
+        if req.num_pending and len(req.output_ids) == stop:  # its pending token is the stop token
+            raise Injected("out of memory")
+        return logits(batch)
+    monkeypatch.setattr(engine.runner, "logits", out_of_memory_after_the_stop)
+    outputs = drain(engine)
+    assert [t for o in outputs[rid] for t in o.token_ids] == tokens[:stop + 1]
+    assert outputs[rid][-1].finish_reason == "stop"
+    assert_released(engine)
