@@ -96,7 +96,7 @@ class Stepper:
             return [self.fail(r, self.fatal) for r in self.scheduler.unfinished()]
         outputs = []
         if prev is not None and any(r.grammar is not None for r in prev.result.sampled):
-            outputs, prev = self._read(prev), None  # their next bitmasks need these tokens
+            outputs, prev = self._read(prev, []), None  # their next bitmasks need these tokens
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         scheduled = time.perf_counter()
@@ -104,7 +104,7 @@ class Stepper:
         if batch is None:
             assert prev is not None or not self.scheduler.has_unfinished(), \
                 "the scheduler found nothing to run for its unfinished requests"
-            return outputs + (self._read(prev) if prev is not None else [])
+            return outputs + (self._read(prev, []) if prev is not None else [])
         outputs += [self.fail(req, f"allocating its KV cache failed: {_describe(e)}") for req, e in batch.failed]
         if batch.reqs:
             self._count(batch, scheduled)
@@ -115,7 +115,7 @@ class Stepper:
                 if _is_device_error(e):
                     return outputs + self._device_failed(e, batch.reqs)
         if prev is not None:
-            outputs += self._read(prev)
+            outputs += self._read(prev, batch.reqs)
         live = [i for i, r in enumerate(batch.reqs) if not r.finished]  # not ended by the step just read
         if live and self._in_flight is None:  # (that step may have ended every one of them)
             outputs += self._run_isolated(batch if len(live) == len(batch.reqs) else batch.subset(live), batch.reqs)
@@ -186,14 +186,15 @@ class Stepper:
         self.scheduler.start_decoding(batch)
         return _Launched(batch, result, tokens, copied)
 
-    def _read(self, launched: _Launched) -> list[StepOutput]:
-        """_finish of a step launched ahead: a device error there fails everything; any other fails the
-        step's requests (their device work is done: nothing to run again)."""
+    def _read(self, launched: _Launched, step_reqs: list[Req]) -> list[StepOutput]:
+        """_finish of a launched step: a device error there fails everything, the requests of the step
+        being run (`step_reqs`) included; any other fails the launched step's requests (their device work
+        is done and their launch has changed them: nothing to run again)."""
         try:
             return self._finish(launched)
         except Exception as e:
             if _is_device_error(e):
-                return self._device_failed(e, launched.batch.reqs)
+                return self._device_failed(e, step_reqs)
             logger.exception("reading a step's tokens failed")
             return [self.fail(r, _describe(e)) for r in launched.batch.reqs if not r.finished]
 

@@ -177,3 +177,30 @@ def test_a_failed_launch_after_a_step_that_ended_all_its_requests(make_engine, s
     assert [t for o in outputs[rid] for t in o.token_ids] == tokens[:stop + 1]
     assert outputs[rid][-1].finish_reason == "stop"
     assert_released(engine)
+
+
+def test_a_device_error_reading_a_step_fails_the_prompts_of_a_launch_that_failed(make_engine, monkeypatch):
+    """Overlap scheduling: a step of new prompts fails to launch, and reading the step before it then meets a device
+    error. The new prompts, which are in no queue of the scheduler until their step has run, fail with every other
+    request (they were left holding their rows, KV slots and adapter references, never to end)."""
+    engine = make_engine(FAMILY)
+    running = engine.add_request(PROMPTS[0], PARAMS[0], lora=LORAS[0])
+    assert engine.step() == []  # its prompt launched
+    new = [engine.add_request(p, sp, lora=a) for p, sp, a in zip(PROMPTS[1:3], PARAMS[1:3], LORAS[1:3])]
+    rows = [engine.scheduler.find(rid) for rid in new]
+    logits, append_tokens = engine.runner.logits, engine.stepper._append_tokens
+
+    def failing_launch(batch):
+        if rows[0].row in batch.req_pool_indices.tolist():
+            raise Injected("launch fault")
+        return logits(batch)
+
+    def device_error(reqs, tokens):
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(engine.runner, "logits", failing_launch)
+    monkeypatch.setattr(engine.stepper, "_append_tokens", device_error)
+    outputs = drain(engine)
+    for rid in [running, *new]:
+        assert [o.finish_reason for o in outputs[rid]] == ["error"] and "illegal memory" in outputs[rid][0].error
+    assert engine.fatal is not None
+    assert_released(engine)
