@@ -5,9 +5,10 @@ each step launched before the previous step's tokens are read.
 A failure stays with the request it belongs to. One that fails while its row and KV slots are
 allocated, while its tokens are detokenized, or (found by running the step's batch again in
 halves) while the LoRA slots are prepared, the model runs or the batch samples, finishes that
-request with reason "error" and frees what it held; the rest of the step goes on. A device error
-(the accelerator's state is lost) or a failed rank of several cannot be isolated: it fails every
-request and the engine stays unhealthy (`fatal`).
+request with reason "error" and frees what it held; the rest of the step goes on. Reading a step's
+tokens is not retried (its launch has started its prompts decoding): a failure there fails the step's
+requests. A device error (the accelerator's state is lost) or a failed rank of several cannot be
+isolated: it fails every request and the engine stays unhealthy (`fatal`).
 
 Overlap scheduling: step n + 1 is scheduled and launched before step n's tokens are copied to the
 host, its decode rows' input tokens gathered on the device from step n's samples (PendingTokens), so
@@ -145,22 +146,23 @@ class Stepper:
                 self.stats.count_admission(scheduled - req.arrival)
 
     def _run_isolated(self, batch: ScheduledBatch, step_reqs: list[Req]) -> list[StepOutput]:
-        """Run the batch (part of the step's `step_reqs`); if that raises, run its halves the same way,
-        down to the request that fails. Nothing of a request changes before its part of the batch has
-        run and sampled, so running it again is safe."""
+        """Run the batch (part of the step's `step_reqs`); if its launch raises, run its halves the same
+        way, down to the request that fails. Nothing of a request changes before its part of the batch has
+        launched, so launching it again is safe; reading its tokens is not retried (see _read)."""
         if self.fatal is not None:  # failed already, with every other request
             return []
         try:
-            return self._finish(self._launch(batch, None))
+            launched = self._launch(batch, None)
         except Exception as e:
             if _is_device_error(e):
                 return self._device_failed(e, step_reqs)
             if len(batch.reqs) == 1:
                 logger.exception("request %s failed", batch.reqs[0].rid)
                 return [self.fail(batch.reqs[0], _describe(e))]
-        half = len(batch.reqs) // 2
-        return (self._run_isolated(batch.subset(list(range(half))), step_reqs)
-                + self._run_isolated(batch.subset(list(range(half, len(batch.reqs)))), step_reqs))
+            half = len(batch.reqs) // 2
+            return (self._run_isolated(batch.subset(list(range(half))), step_reqs)
+                    + self._run_isolated(batch.subset(list(range(half, len(batch.reqs)))), step_reqs))
+        return self._read(launched, step_reqs)
 
     def _device_failed(self, e: Exception, step_reqs: list[Req]) -> list[StepOutput]:
         self.fatal = str(e) if isinstance(e, WorkerFailure) else f"device error: {_describe(e)}"

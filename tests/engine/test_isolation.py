@@ -179,6 +179,33 @@ def test_a_failed_launch_after_a_step_that_ended_all_its_requests(make_engine, s
     assert_released(engine)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_step_whose_tokens_cannot_be_read_fails_its_requests_and_is_not_run_again(make_engine, solo, monkeypatch,
+                                                                                     overlap):
+    """Reading a step's sampled tokens raises once its device work is done: the requests of that step fail (their
+    prompts started decoding, their pending tokens were counted: running the step again repeated that and put
+    them in the running batch twice); the requests running beside them go on."""
+    engine = make_engine(FAMILY, disable_overlap_schedule=not overlap)
+    rids = [engine.add_request(p, sp, lora=a) for p, sp, a in zip(PROMPTS[:2], PARAMS, LORAS)]
+    outputs = engine.step() + engine.step()  # both prefilled and decoding
+    victims = [engine.add_request(p, sp, lora=a) for p, sp, a in zip(PROMPTS[2:4], PARAMS[2:4], LORAS[2:4])]
+    first = engine.scheduler.find(victims[0])
+    append_tokens = engine.stepper._append_tokens
+
+    def unreadable(reqs, tokens):
+        if first in reqs and not first.finished:  # the step of the new prompts, which run in a step of their own
+            raise Injected("reading the tokens failed")
+        return append_tokens(reqs, tokens)
+    monkeypatch.setattr(engine.stepper, "_append_tokens", unreadable)
+    drained = drain(engine)
+    for rid in victims:
+        assert [(o.finish_reason, o.error) for o in drained[rid]] == [("error", "Injected: reading the tokens failed")]
+    for i, rid in enumerate(rids):
+        mine = [o for o in outputs if o.rid == rid] + drained[rid]
+        assert [t for o in mine for t in o.token_ids] == solo[i] and mine[-1].finish_reason == "length"
+    assert_released(engine)
+
+
 def test_a_device_error_reading_a_step_fails_the_prompts_of_a_launch_that_failed(make_engine, monkeypatch):
     """Overlap scheduling: a step of new prompts fails to launch, and reading the step before it then meets a device
     error. The new prompts, which are in no queue of the scheduler until their step has run, fail with every other
