@@ -5,9 +5,10 @@ each step launched before the previous step's tokens are read.
 A failure stays with the request it belongs to. One that fails while its row and KV slots are
 allocated, while its tokens are detokenized, or (found by running the step's batch again in
 halves) while the LoRA slots are prepared, the model runs or the batch samples, finishes that
-request with reason "error" and frees what it held; the rest of the step goes on. A device error
-(the accelerator's state is lost) or a failed rank of several cannot be isolated: it fails every
-request and the engine stays unhealthy (`fatal`).
+request with reason "error" and frees what it held; the rest of the step goes on. Reading a step's
+tokens is not retried (its launch has started its prompts decoding): a failure there fails the step's
+requests. A device error (the accelerator's state is lost) or a failed rank of several cannot be
+isolated: it fails every request and the engine stays unhealthy (`fatal`).
 
 Overlap scheduling: step n + 1 is scheduled and launched before step n's tokens are copied to the
 host, its decode rows' input tokens gathered on the device from step n's samples (PendingTokens), so
@@ -96,7 +97,7 @@ class Stepper:
             return [self.fail(r, self.fatal) for r in self.scheduler.unfinished()]
         outputs = []
         if prev is not None and any(r.grammar is not None for r in prev.result.sampled):
-            outputs, prev = self._read(prev), None  # their next bitmasks need these tokens
+            outputs, prev = self._read(prev, []), None  # their next bitmasks need these tokens
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         scheduled = time.perf_counter()
@@ -104,7 +105,7 @@ class Stepper:
         if batch is None:
             assert prev is not None or not self.scheduler.has_unfinished(), \
                 "the scheduler found nothing to run for its unfinished requests"
-            return outputs + (self._read(prev) if prev is not None else [])
+            return outputs + (self._read(prev, []) if prev is not None else [])
         outputs += [self.fail(req, f"allocating its KV cache failed: {_describe(e)}") for req, e in batch.failed]
         if batch.reqs:
             self._count(batch, scheduled)
@@ -115,9 +116,9 @@ class Stepper:
                 if _is_device_error(e):
                     return outputs + self._device_failed(e, batch.reqs)
         if prev is not None:
-            outputs += self._read(prev)
-        if batch.reqs and self._in_flight is None:
-            live = [i for i, r in enumerate(batch.reqs) if not r.finished]  # not ended by the step just read
+            outputs += self._read(prev, batch.reqs)
+        live = [i for i, r in enumerate(batch.reqs) if not r.finished]  # not ended by the step just read
+        if live and self._in_flight is None:  # (that step may have ended every one of them)
             outputs += self._run_isolated(batch if len(live) == len(batch.reqs) else batch.subset(live), batch.reqs)
         return outputs
 
@@ -145,22 +146,23 @@ class Stepper:
                 self.stats.count_admission(scheduled - req.arrival)
 
     def _run_isolated(self, batch: ScheduledBatch, step_reqs: list[Req]) -> list[StepOutput]:
-        """Run the batch (part of the step's `step_reqs`); if that raises, run its halves the same way,
-        down to the request that fails. Nothing of a request changes before its part of the batch has
-        run and sampled, so running it again is safe."""
+        """Run the batch (part of the step's `step_reqs`); if its launch raises, run its halves the same
+        way, down to the request that fails. Nothing of a request changes before its part of the batch has
+        launched, so launching it again is safe; reading its tokens is not retried (see _read)."""
         if self.fatal is not None:  # failed already, with every other request
             return []
         try:
-            return self._finish(self._launch(batch, None))
+            launched = self._launch(batch, None)
         except Exception as e:
             if _is_device_error(e):
                 return self._device_failed(e, step_reqs)
             if len(batch.reqs) == 1:
                 logger.exception("request %s failed", batch.reqs[0].rid)
                 return [self.fail(batch.reqs[0], _describe(e))]
-        half = len(batch.reqs) // 2
-        return (self._run_isolated(batch.subset(list(range(half))), step_reqs)
-                + self._run_isolated(batch.subset(list(range(half, len(batch.reqs)))), step_reqs))
+            half = len(batch.reqs) // 2
+            return (self._run_isolated(batch.subset(list(range(half))), step_reqs)
+                    + self._run_isolated(batch.subset(list(range(half, len(batch.reqs)))), step_reqs))
+        return self._read(launched, step_reqs)
 
     def _device_failed(self, e: Exception, step_reqs: list[Req]) -> list[StepOutput]:
         self.fatal = str(e) if isinstance(e, WorkerFailure) else f"device error: {_describe(e)}"
@@ -186,14 +188,15 @@ class Stepper:
         self.scheduler.start_decoding(batch)
         return _Launched(batch, result, tokens, copied)
 
-    def _read(self, launched: _Launched) -> list[StepOutput]:
-        """_finish of a step launched ahead: a device error there fails everything; any other fails the
-        step's requests (their device work is done: nothing to run again)."""
+    def _read(self, launched: _Launched, step_reqs: list[Req]) -> list[StepOutput]:
+        """_finish of a launched step: a device error there fails everything, the requests of the step
+        being run (`step_reqs`) included; any other fails the launched step's requests (their device work
+        is done and their launch has changed them: nothing to run again)."""
         try:
             return self._finish(launched)
         except Exception as e:
             if _is_device_error(e):
-                return self._device_failed(e, launched.batch.reqs)
+                return self._device_failed(e, step_reqs)
             logger.exception("reading a step's tokens failed")
             return [self.fail(r, _describe(e)) for r in launched.batch.reqs if not r.finished]
 

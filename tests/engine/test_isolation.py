@@ -2,6 +2,8 @@
 (allocating its cache, preparing LoRA slots, the forward pass, sampling, detokenizing), at prefill
 and at decode, for one request of a mixed batch fails that request alone. The others finish with
 the tokens they get alone, and every request row, KV slot and adapter reference is back."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -153,3 +155,79 @@ def test_a_device_error_fails_everything_and_the_engine_says_so(make_engine, mon
     assert_released(engine)
     with pytest.raises(EngineDead, match="cannot run any more"):
         engine.add_request(PROMPTS[0])
+
+
+def test_a_failed_launch_after_a_step_that_ended_all_its_requests(make_engine, solo, monkeypatch):
+    """Overlap scheduling: the step launched after a request's stop token raises (say a transient out-of-memory),
+    and reading the step before ends every request of it. Nothing is left to run again: the request ends with
+    its stop token, and the engine goes on (the empty rerun raised out of Engine.step, losing that output)."""
+    engine = make_engine(FAMILY)
+    tokens = solo[1]
+    stop = tokens.index(tokens[2])  # its first occurrence ends the request
+    rid = engine.add_request(PROMPTS[1], replace(PARAMS[1], stop_token_ids=[tokens[2]]), lora=LORAS[1])
+    req = engine.scheduler.find(rid)
+    logits = engine.runner.logits
+
+    def out_of_memory_after_the_stop(batch):
+        if req.num_pending and len(req.output_ids) == stop:  # its pending token is the stop token
+            raise Injected("out of memory")
+        return logits(batch)
+    monkeypatch.setattr(engine.runner, "logits", out_of_memory_after_the_stop)
+    outputs = drain(engine)
+    assert [t for o in outputs[rid] for t in o.token_ids] == tokens[:stop + 1]
+    assert outputs[rid][-1].finish_reason == "stop"
+    assert_released(engine)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_step_whose_tokens_cannot_be_read_fails_its_requests_and_is_not_run_again(make_engine, solo, monkeypatch,
+                                                                                     overlap):
+    """Reading a step's sampled tokens raises once its device work is done: the requests of that step fail (their
+    prompts started decoding, their pending tokens were counted: running the step again repeated that and put
+    them in the running batch twice); the requests running beside them go on."""
+    engine = make_engine(FAMILY, disable_overlap_schedule=not overlap)
+    rids = [engine.add_request(p, sp, lora=a) for p, sp, a in zip(PROMPTS[:2], PARAMS, LORAS)]
+    outputs = engine.step() + engine.step()  # both prefilled and decoding
+    victims = [engine.add_request(p, sp, lora=a) for p, sp, a in zip(PROMPTS[2:4], PARAMS[2:4], LORAS[2:4])]
+    first = engine.scheduler.find(victims[0])
+    append_tokens = engine.stepper._append_tokens
+
+    def unreadable(reqs, tokens):
+        if first in reqs and not first.finished:  # the step of the new prompts, which run in a step of their own
+            raise Injected("reading the tokens failed")
+        return append_tokens(reqs, tokens)
+    monkeypatch.setattr(engine.stepper, "_append_tokens", unreadable)
+    drained = drain(engine)
+    for rid in victims:
+        assert [(o.finish_reason, o.error) for o in drained[rid]] == [("error", "Injected: reading the tokens failed")]
+    for i, rid in enumerate(rids):
+        mine = [o for o in outputs if o.rid == rid] + drained[rid]
+        assert [t for o in mine for t in o.token_ids] == solo[i] and mine[-1].finish_reason == "length"
+    assert_released(engine)
+
+
+def test_a_device_error_reading_a_step_fails_the_prompts_of_a_launch_that_failed(make_engine, monkeypatch):
+    """Overlap scheduling: a step of new prompts fails to launch, and reading the step before it then meets a device
+    error. The new prompts, which are in no queue of the scheduler until their step has run, fail with every other
+    request (they were left holding their rows, KV slots and adapter references, never to end)."""
+    engine = make_engine(FAMILY)
+    running = engine.add_request(PROMPTS[0], PARAMS[0], lora=LORAS[0])
+    assert engine.step() == []  # its prompt launched
+    new = [engine.add_request(p, sp, lora=a) for p, sp, a in zip(PROMPTS[1:3], PARAMS[1:3], LORAS[1:3])]
+    rows = [engine.scheduler.find(rid) for rid in new]
+    logits, append_tokens = engine.runner.logits, engine.stepper._append_tokens
+
+    def failing_launch(batch):
+        if rows[0].row in batch.req_pool_indices.tolist():
+            raise Injected("launch fault")
+        return logits(batch)
+
+    def device_error(reqs, tokens):
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(engine.runner, "logits", failing_launch)
+    monkeypatch.setattr(engine.stepper, "_append_tokens", device_error)
+    outputs = drain(engine)
+    for rid in [running, *new]:
+        assert [o.finish_reason for o in outputs[rid]] == ["error"] and "illegal memory" in outputs[rid][0].error
+    assert engine.fatal is not None
+    assert_released(engine)
