@@ -21,9 +21,10 @@ class IncrementalDetokenizer:
     add(token) returns the text that can be released now: bytes of a character split over several
     tokens wait until it is complete (no U+FFFD while incomplete), and text that may be the start
     of a stop string waits until that is decided. Stop tokens are not part of the text, nor are stop
-    strings unless include_stop_str_in_output. Once finished, the text released is decode(generated
-    tokens, skip_special_tokens) cut where the stop string that completed first begins (or ends)
-    (exactly so for byte-level BPE tokenizers).
+    strings unless include_stop_str_in_output; stop strings count only in the text of the tokens after
+    the first min_tokens. Once finished, the text released is decode(generated tokens,
+    skip_special_tokens) cut where the stop string that completed first begins (or ends) (exactly so
+    for byte-level BPE tokenizers).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, prompt_ids: Sequence[int], params: SamplingParams,
@@ -98,9 +99,13 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
 
     def _append(self, piece: str) -> None:
-        """Add decoded text; finish at the earliest stop string, which only the new text can complete."""
+        """Add decoded text; finish at the earliest stop string, which only the new text can complete.
+        As in vLLM, none can before the output has more than min_tokens tokens (one that begins in their
+        text still can after)."""
         start = len(self._text)
         self._text += piece
+        if self.num_tokens <= self.params.min_tokens:
+            return
         hits = [(i, len(s)) for s in self.params.stop if (i := self._text.find(s, max(0, start - len(s) + 1))) >= 0]
         if hits:
             i, n = min(hits)  # the earliest; of two starting there, the shorter completed first

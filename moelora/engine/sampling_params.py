@@ -69,7 +69,8 @@ class SamplingParams:
                                             "tokens in the prompt or the output; 1 is off")
     logit_bias: dict[int, float] = option(help=f"token id -> added to its logit, in [-{MAX_LOGIT_BIAS:g}, "
                                                f"{MAX_LOGIT_BIAS:g}] (OpenAI's)", factory=dict)
-    min_tokens: int = option(0, "EOS and stop_token_ids cannot be sampled before the output has this many tokens")
+    min_tokens: int = option(0, "EOS and stop_token_ids cannot be sampled, nor stop strings end the output, before "
+                                "it has this many tokens")
     allowed_token_ids: list[int] | tuple[int, ...] | None = option(None, "only these tokens can be sampled")
     structured_output: StructuredOutput | None = option(None, "a grammar the output follows (JSON schema, JSON "
                                                               "object, regex, choice or EBNF)")

@@ -69,6 +69,18 @@ def test_include_stop_str_in_output_ends_the_text_after_it(tok, stop, text):
     assert "".join(pieces) == det.text == text and det.finish_reason == "stop"
 
 
+# TEXT's tokens: "hé", "llo", " w", <half of ö>, <its other half>, "rld", ...
+@pytest.mark.parametrize("stop,min_tokens,text,reason", [
+    ("é", 2, TEXT[:-1], "stop"),  # the é of "héllo" is in the first two tokens; café's ends the output
+    ("lo wö", 5, TEXT, "length"),  # completed by the fifth token: not a stop
+    ("lo wö", 4, "hél", "stop"),  # begins in the first four tokens, completed by the fifth: a stop
+])
+def test_stop_strings_count_only_after_min_tokens(tok, stop, min_tokens, text, reason):
+    # vLLM: the text of the first min_tokens tokens is not searched, a stop string that ends after it is
+    det, pieces, _ = _stream(tok, tok.encode(TEXT), stop=stop, min_tokens=min_tokens)
+    assert "".join(pieces) == det.text == text and det.finish_reason == reason
+
+
 def test_possible_stop_start_is_held_back_then_released(tok):
     ids = tok.encode(TEXT)
     det = IncrementalDetokenizer(tok, [], SamplingParams(max_tokens=len(ids), stop=["wörx"]))
