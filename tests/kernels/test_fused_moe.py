@@ -239,6 +239,17 @@ def test_all_pairs_dropped_gives_zero(device, poison):
     assert torch.equal(y, torch.zeros_like(y))
 
 
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_no_tokens_gives_an_empty_output(with_lora, device, poison):
+    """An expert-parallel rank that receives no pairs runs its experts on 0 tokens (top-1, local ids)."""
+    dtype = DTYPES[0]
+    x, w13, w2, topk, lora, slots = _case(1, 64, 32, 4, 1, dtype, device)
+    empty = TopKOutput(topk.weights[:0], topk.ids[:0])
+    lora, slots = (lora, slots[:0]) if with_lora else (None, None)
+    y = fused_moe(x[:0], w13, w2, empty, lora, slots, impl="triton")
+    assert y.shape == (0, 64) and y.dtype == dtype
+
+
 def test_uncovered_and_empty_slots_cost_nothing_and_give_base(device, poison):
     """Slots whose adapter covers no expert (rank 0 everywhere, weights NaN) give the base result."""
     dtype = DTYPES[0]

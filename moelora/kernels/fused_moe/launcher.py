@@ -38,6 +38,8 @@ def fused_moe_triton(
     if lora is not None and cfg.block_n_gate_up not in (DOWN_SHRINK_PART, 2 * DOWN_SHRINK_PART):
         raise ValueError(f"with LoRA the gate_up n tile must be {DOWN_SHRINK_PART} or {2 * DOWN_SHRINK_PART} "
                          f"columns (one or two down-shrink parts), got {cfg.block_n_gate_up}")
+    if num_tokens == 0:  # a rank that receives no pairs (expert parallelism): nothing to launch, and the
+        return torch.empty_like(x)  # launches' sizes below divide by the number of pairs and programs
     num_slots = lora.num_slots if lora is not None else 0
     num_n_gate_up = triton.cdiv(inter, cfg.block_n_gate_up)
     num_hd_parts = triton.cdiv(inter, DOWN_SHRINK_PART)
