@@ -4,6 +4,7 @@ spellings (vLLM's tensor_parallel_size, max_model_len, ...) as keywords too."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -29,6 +30,10 @@ class EngineConfig:
     context_length: int | None = option(None, "tokens one request may hold, prompt + generated (default: the "
                                               "model's max_position_embeddings)", ("--max-model-len",))
     random_seed: int = option(0, "seeds dummy weights and the draws of requests without a seed")
+    generation_config: str = option("auto", "defaults for the sampling fields a server request leaves unset: 'auto' "
+                                            "(the model's generation_config.json: temperature, top_p, top_k, min_p, "
+                                            "repetition_penalty, max_new_tokens), 'vllm' (none: the API's defaults), "
+                                            "or a directory holding a generation_config.json")
     moe_runner_backend: str = option("auto", "how the routed experts run: 'triton', 'torch' (the reference), "
                                              "'auto' (triton on CUDA, torch elsewhere)")
 
@@ -128,6 +133,9 @@ class EngineConfig:
         self._check(self.dist_init_addr is None or _is_host_port(self.dist_init_addr), "dist_init_addr",
                     "host:port (a port in 1..65535)")
         self._check(self.context_length is None or self.context_length > 1, "context_length", "> 1")
+        self._check(self.generation_config in ("auto", "vllm") or (Path(self.generation_config) /
+                                                                  "generation_config.json").is_file(),
+                    "generation_config", "'auto', 'vllm' or a directory holding a generation_config.json")
         self._check(self.max_loras_per_batch >= 1, "max_loras_per_batch", ">= 1")
         self._check(self.max_lora_rank is None or self.max_lora_rank >= 1, "max_lora_rank", ">= 1")
         self._check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras_per_batch, "max_cpu_loras",

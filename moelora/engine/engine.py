@@ -30,7 +30,7 @@ from moelora.engine.lora_manager import LoRAStats
 from moelora.engine.model_runner import ModelRunner, serve_rank
 from moelora.engine.request import Req
 from moelora.engine.sampler import pack_bitmask
-from moelora.engine.sampling_params import SamplingParams, check_text
+from moelora.engine.sampling_params import SamplingParams, check_text, generation_defaults
 from moelora.engine.scheduler import Scheduler
 from moelora.engine.step_stats import StepStats
 from moelora.engine.stepper import StepOutput, Stepper
@@ -68,6 +68,10 @@ class GenerateOutput:
 class Engine:
     def __init__(self, model_path: str, lora_paths: dict[str, str] | None = None, **kwargs):
         self.config = EngineConfig(model_path, lora_paths=lora_paths or {}, **kwargs)
+        # what a server request that leaves a sampling field unset gets (vLLM's --generation-config); read before
+        # the model, so a bad file ends the start at once
+        self.sampling_defaults = ({} if self.config.generation_config == "vllm" else generation_defaults(
+            model_path if self.config.generation_config == "auto" else self.config.generation_config))
         if not serves_engine(self.config):  # torchrun's rank r > 0, or node k > 0: it serves rank 0's engine
             follow(self.config, serve_rank)
             raise SystemExit(0)  # rank 0 shut down: this process is done
@@ -281,6 +285,8 @@ class Engine:
                 f"tokenizer: {config.tokenizer_path or config.model_path}" if self.tokenizer is not None
                 else f"no tokenizer: {self.missing_tokenizer}",
                 *runner.lora.describe(),
+                *([f"sampling defaults for requests (generation_config.json): "
+                   + ", ".join(f"{k}={v}" for k, v in self.sampling_defaults.items())] if self.sampling_defaults else []),
                 *([f"parallel: {config.tp_size} ranks, tensor parallel with the experts over {config.ep_size} groups "
                    f"({config.moe_dispatch} dispatch); per rank: weights {_size(runner.weight_bytes())}, "
                    "KV cache and LoRA slots as above"] if config.tp_size > 1 else [])]

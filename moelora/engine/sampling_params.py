@@ -1,8 +1,10 @@
 """Per-request sampling options, with vLLM/SGLang semantics."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from moelora.engine.fields import option
 
@@ -164,3 +166,28 @@ def _is_int64(v: object) -> bool:
 
 def _is_real(v: object) -> bool:
     return _is_int(v) or isinstance(v, float) and math.isfinite(v)
+
+
+# generation_config.json's name -> SamplingParams field: what vLLM's --generation-config takes from it
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(directory: str | Path) -> dict[str, float | int]:
+    """The sampling defaults a model's generation_config.json sets (SamplingParams field -> value; {} without the
+    file). ValueError names the file and the field whose value SamplingParams refuses."""
+    path = Path(directory) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_bytes())
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: must be a JSON object")
+    defaults = {field: config[key] for key, field in GENERATION_DEFAULTS.items() if config.get(key) is not None}
+    try:
+        SamplingParams(**defaults)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    return defaults
