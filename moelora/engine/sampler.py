@@ -225,18 +225,18 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, num_top_logprobs: int = 0
 
 
 def _filter(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Zero what top-k, then top-p (on what top-k left), then min-p remove; rows with a filter off
-    are untouched by it, so a row samples the same whether or not its batch needs filtering."""
+    """Zero what min-p, then top-k, then top-p (of the mass the other two left) remove, in vLLM's order; rows
+    with a filter off are untouched by it, so a row samples the same whether or not its batch needs filtering."""
     # stable: equal probabilities rank by token id, so top_k=1 is exactly greedy
     sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(probs.shape[1], device=probs.device)
-    drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])
+    drop = sorted_p < min_p[:, None] * sorted_p[:, :1]
+    drop |= (top_k[:, None] > 0) & (rank >= top_k[:, None])
     kept = sorted_p.masked_fill(drop, 0.0)
     cum = kept.cumsum(dim=-1)
     # a token goes once the tokens before it reach top_p of the mass; the first one always stays.
     # Guarded: at top_p=1 the float32 cumsum can stop growing and would cut tiny tokens
     drop |= (top_p[:, None] < 1) & (cum - kept >= top_p[:, None] * cum[:, -1:])
-    drop |= sorted_p < min_p[:, None] * sorted_p[:, :1]
     return probs.masked_fill(torch.zeros_like(drop).scatter_(-1, order, drop), 0.0)
 
 
@@ -308,14 +308,13 @@ def sample_reference(logits: torch.Tensor, batch: SamplingBatch, num_top_logprob
             continue
         probs = torch.softmax(row / batch.temperature[i], dim=-1)
         sorted_p, order = probs.sort(descending=True, stable=True)
-        keep = torch.ones_like(sorted_p, dtype=torch.bool)
+        keep = sorted_p >= batch.min_p[i] * sorted_p[0]
         if batch.top_k[i] > 0:
             keep[batch.top_k[i]:] = False
         if batch.top_p[i] < 1:
             kept = sorted_p * keep
             mass_before = kept.cumsum(0) - kept
             keep &= mass_before < batch.top_p[i] * kept.cumsum(0)[-1]
-        keep &= sorted_p >= batch.min_p[i] * sorted_p[0]
         filtered = torch.zeros_like(probs)
         filtered[order[keep]] = probs[order[keep]]
         noise = exponential_noise(batch.seed[i:i + 1], batch.step[i:i + 1], row.shape[0])[0]

@@ -136,16 +136,18 @@ def test_noise_is_splitmix64_of_seed_step_and_token(device):
 # (temperature, top_k, top_p, min_p); distinct probabilities far from every cut-off
 PROBS = [0.35, 0.25, 0.15, 0.1, 0.07, 0.05, 0.03]
 FILTERS = [(1.0, -1, 1.0, 0.0), (0.5, -1, 1.0, 0.0), (1.0, 3, 1.0, 0.0), (1.0, 0, 0.7, 0.0), (1.0, -1, 1.0, 0.3),
-           (0.8, 5, 0.9, 0.25), (2.0, -1, 0.5, 0.0)]
+           (0.8, 5, 0.9, 0.25), (2.0, -1, 0.5, 0.0),
+           (1.0, -1, 0.7, 0.4)]  # vLLM's order: top-p of the 0.75 min-p left keeps 2 tokens (after min-p: 3)
 
 
 def _filtered_distribution(temperature, top_k, top_p, min_p):
-    """PROBS after temperature, top-k, top-p and min-p, renormalised (PROBS is sorted)."""
+    """PROBS after temperature, min-p, top-k and top-p (of the mass min-p and top-k left), renormalised (PROBS is
+    sorted)."""
     weights = [p ** (1 / temperature) for p in PROBS]
     q = [w / sum(weights) for w in weights]
-    keep = len(q) if top_k <= 0 else top_k
+    keep = sum(1 for x in q if x >= min_p * q[0])
+    keep = keep if top_k <= 0 else min(keep, top_k)
     keep = next(i for i in range(1, keep + 1) if sum(q[:i]) >= top_p * sum(q[:keep]) or i == keep)
-    keep = sum(1 for x in q[:keep] if x >= min_p * q[0])
     return [x / sum(q[:keep]) if i < keep else 0.0 for i, x in enumerate(q)]
 
 
