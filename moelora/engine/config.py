@@ -32,7 +32,7 @@ class EngineConfig:
     random_seed: int = option(0, "seeds dummy weights and the draws of requests without a seed")
     generation_config: str = option("auto", "defaults for the sampling fields a server request leaves unset: 'auto' "
                                             "(the model's generation_config.json: temperature, top_p, top_k, min_p, "
-                                            "repetition_penalty, max_new_tokens), 'vllm' (none: the API's defaults), "
+                                            "repetition_penalty), 'vllm' (none: the API's defaults), "
                                             "or a directory holding a generation_config.json")
     moe_runner_backend: str = option("auto", "how the routed experts run: 'triton', 'torch' (the reference), "
                                              "'auto' (triton on CUDA, torch elsewhere)")

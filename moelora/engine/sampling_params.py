@@ -168,9 +168,10 @@ def _is_real(v: object) -> bool:
     return _is_int(v) or isinstance(v, float) and math.isfinite(v)
 
 
-# generation_config.json's name -> SamplingParams field: what vLLM's --generation-config takes from it
-GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+# the generation_config.json fields that vLLM's --generation-config takes as sampling defaults (not max_new_tokens
+# here: as a default it would have to be cut to the context each prompt leaves, where a request's max_tokens is
+# refused past it)
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def generation_defaults(directory: str | Path) -> dict[str, float | int]:
@@ -185,7 +186,7 @@ def generation_defaults(directory: str | Path) -> dict[str, float | int]:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path}: must be a JSON object")
-    defaults = {field: config[key] for key, field in GENERATION_DEFAULTS.items() if config.get(key) is not None}
+    defaults = {field: config[field] for field in GENERATION_DEFAULTS if config.get(field) is not None}
     try:
         SamplingParams(**defaults)
     except (ValueError, TypeError) as e:

@@ -264,11 +264,8 @@ class OpenAIServing:
             raise APIError(400, f"n must be >= 1 and n * prompts <= max_running_requests ({limit}), got n={sequences} "
                            f"for {len(prompts)} prompts", param="n" if sequences == body.n else "best_of")
         aliases = (aliases or {}) | {"structured_output": _grammar_field(body)}
-        defaults = self.loop.engine.sampling_defaults  # the model's generation config, for the fields left unset
-        if max_tokens is None:
-            max_tokens = defaults.get("max_tokens")
-        try:
-            params = body.sampling_params(max_tokens, logprobs, prompt_logprobs, defaults)
+        try:  # the model's generation config gives the sampling fields the request leaves unset
+            params = body.sampling_params(max_tokens, logprobs, prompt_logprobs, self.loop.engine.sampling_defaults)
             if grammar is not None:
                 params = replace(params, structured_output=grammar)
         except ValueError as e:

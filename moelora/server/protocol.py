@@ -204,7 +204,7 @@ class SamplingRequest(RequestBody):
         SamplingParams fields for those the request leaves unset (the model's generation config)."""
         given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                                                "frequency_penalty", "repetition_penalty") if getattr(self, k) is not None}
-        given = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"} | given
+        given = (defaults or {}) | given
         return SamplingParams(max_tokens=max_tokens, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                               ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
                               include_stop_str_in_output=self.include_stop_str_in_output,
