@@ -8,7 +8,8 @@ import json
 import time
 from typing import Any, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator,
+                      model_serializer, model_validator)
 from pydantic_core import PydanticCustomError
 
 from moelora.engine.sampling_params import SamplingParams, StructuredOutput
@@ -457,19 +458,29 @@ class ChatCompletionResponse(_Response):
     usage: UsageInfo
 
 
-class DeltaFunctionCall(BaseModel):
+class _Delta(BaseModel):
+    """A stream delta carries only what it adds, as OpenAI's and vLLM's: its None fields are left out.
+    Clients merge deltas key by key (the openai package's stream helper does), so a later tool-call
+    delta's "type": null would overwrite its call's type."""
+
+    @model_serializer(mode="wrap")
+    def _without_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_Delta):
     name: str | None = None  # in the call's first delta
     arguments: str = ""      # the next piece of the arguments' JSON text
 
 
-class DeltaToolCall(BaseModel):
+class DeltaToolCall(_Delta):
     index: int  # the call's position among the choice's calls
     id: str | None = None  # in the call's first delta, with type and name
     type: Literal["function"] | None = None
     function: DeltaFunctionCall
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_Delta):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None

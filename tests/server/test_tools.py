@@ -247,6 +247,19 @@ def test_auto_parses_what_the_model_wrote_streamed_or_not(client, parallel):
     assert sum(bool(d.tool_calls) for d in deltas) > 2 * len(want)  # the arguments in pieces
 
 
+def test_streamed_calls_merge_in_the_openai_clients_stream_helper(client):
+    """A delta carries only what it adds, as OpenAI's: the openai package's stream helper merges deltas
+    key by key, and a later delta's "type": null would overwrite its call's type."""
+    kwargs = dict(model="alpha", messages=MESSAGES, tools=TOOLS, max_tokens=200, extra_body={"guided_choice": [SCRIPT]})
+    with client.chat.completions.stream(**kwargs) as stream:
+        for _ in stream:
+            pass
+        choice = stream.get_final_completion().choices[0]
+    assert calls_of(choice.message) == [("get_weather", '{"city": "Paris", "unit": "c"}'), ("add", '{"a": 2, "b": true}')]
+    assert all(c.type == "function" and c.id.startswith("call_") for c in choice.message.tool_calls)
+    assert (choice.message.content, choice.finish_reason) == ("Let me look that up.", "tool_calls")
+
+
 def test_auto_leaves_text_and_broken_calls_as_content(client):
     broken = 'Maybe <tool_call>\n{"name": add, "arguments": {"a": 2}}\n</tool_call> no.'  # never a call's head
     for text in ["Just words.", broken]:
