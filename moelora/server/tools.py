@@ -137,12 +137,19 @@ def _call_grammar(tools: list, one: bool) -> StructuredOutput:
     each call's arguments following its parameters schema. At most one whitespace character in a
     row inside the JSON (`", "`, `": "`), so a model cannot pad it with blanks until max_tokens."""
     tags = [{"type": "tag", "begin": f'{START}\n{{"name": {json.dumps(t.function.name)}, "arguments": ',
-             "content": {"type": "json_schema", "json_schema": t.function.parameters or _NO_ARGUMENTS,
+             "content": {"type": "json_schema", "json_schema": _arguments_schema(t.function.parameters),
                          "max_whitespace_cnt": 1},
              "end": f"}}\n{END}"} for t in tools]
     fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
            "stop_after_first": one}
     return StructuredOutput("structural_tag", json.dumps({"type": "structural_tag", "format": fmt}))
+
+
+def _arguments_schema(parameters: dict | None) -> dict:
+    """The schema a call's arguments follow: its tool's parameters, an object's schema even without
+    "type" (ChatTools.of refuses any other type), which xgrammar alone would read as any JSON value,
+    and a call whose arguments are no object is no call."""
+    return {"type": "object", **parameters} if parameters else _NO_ARGUMENTS
 
 
 # ------------------------------------------------------------------------------------ parsing

@@ -173,6 +173,20 @@ def test_finish_reason_is_tool_calls_when_calls_were_made_and_the_model_stopped(
     assert (message.content, message.tool_calls, reason) == (CALL, None, "stop")
 
 
+def test_a_forced_call_of_a_schema_without_type_has_object_arguments(tool_reference):
+    """A parameters schema without "type" is an object's (tools are refused otherwise), so its forced
+    calls' arguments are objects: xgrammar alone reads a schema without type as any value, and a call
+    whose arguments are not an object is no call."""
+    tools = [fn("f", parameters={"description": "anything the function takes"})]
+    body = ChatCompletionRequest(messages=MESSAGES, tools=tools, tool_choice="required")
+    grammar = ChatTools.of(body, tool_reference.tokenizer).grammar
+    head = '<tool_call>\n{"name": "f", "arguments": '
+    for arguments, valid in [('{"x": [1]}', True), ("{}", True), ("1", False), ('"s"', False), ("[1]", False),
+                             ("null", False)]:
+        matcher = tool_reference.grammars.matcher(grammar)
+        assert matcher.accept_string(head + arguments + "}\n</tool_call>") == valid, arguments
+
+
 def test_template_tool_formats():
     assert template_tool_format(TEMPLATE.read_text()) == "hermes"
     assert template_tool_format(TINY_CHAT_TEMPLATE) is None
