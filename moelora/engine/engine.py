@@ -76,20 +76,27 @@ class Engine:
             follow(self.config, serve_rank)
             raise SystemExit(0)  # rank 0 shut down: this process is done
         self.workers = Workers(self.config, serve_rank) if self.config.tp_size > 1 else None
+        try:
+            self._start()
+        except BaseException:
+            # the guard stopped them on an error or interrupt while loading; one after the load left them waiting for
+            # a first command, and no constructed engine is left to shut them down
+            if self.workers is not None:
+                self.workers.shutdown(orderly=False)
+            raise
+
+    def _start(self) -> None:
+        """Everything of the construction after the ranks joined: the model, the tokenizer, the scheduler."""
         if self.workers is None:
             self.runner = ModelRunner(self.config)
         else:
-            try:
-                with self.workers.guard("loading the model"):
-                    with parallel_state(self.workers.state):
-                        self.runner = ModelRunner(node_config(self.config, 0), self.workers)
-                    self.workers.barrier()  # every rank loaded (serve_rank's barrier), or an error naming one
-            except BaseException:  # the guard stopped them on an error; an interrupt left them loading
-                self.workers.shutdown(orderly=False)
-                raise
+            with self.workers.guard("loading the model"):
+                with parallel_state(self.workers.state):
+                    self.runner = ModelRunner(node_config(self.config, 0), self.workers)
+                self.workers.barrier()  # every rank loaded (serve_rank's barrier), or an error naming one
         # None for a model directory without tokenizer files: token ids in and out, no text
         self.tokenizer, self.missing_tokenizer = load_tokenizer(self.config)
-        self.eos_token_ids = _eos_token_ids(model_path, self.tokenizer)
+        self.eos_token_ids = _eos_token_ids(self.config.model_path, self.tokenizer)
         self.vocab_size = self.runner.model.config.vocab_size
         self.scheduler = Scheduler(self.config, KVPool(self.runner.kv.num_slots, self.config.max_running_requests))
         self._seeds = random.Random(self.config.random_seed)  # for requests without a seed

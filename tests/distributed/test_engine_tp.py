@@ -366,3 +366,14 @@ def test_two_nodes(options, start_engine, checkpoint, adapters, tmp_path):
     finally:
         node1.kill()
     assert tokens == [o.token_ids for o in start_engine("qwen3_moe").generate(PROMPTS, GREEDY, lora=loras)]
+
+
+def test_a_construction_that_fails_after_loading_stops_the_ranks(start_engine, tmp_path):
+    """The construction fails once every rank has loaded its share (here: a tokenizer_path that is no directory,
+    read after the model): the ranks, which wait for rank 0's first command by then, are stopped and no world is
+    left behind, so the next engine over two ranks starts."""
+    with pytest.raises(ValueError, match="EngineConfig.tokenizer_path"):
+        start_engine("qwen3_moe", tp_size=2, tokenizer_path=str(tmp_path / "missing"))
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("moelora-rank")]
+    assert not torch.distributed.is_initialized()
+    assert start_engine("qwen3_moe", tp_size=2, dist_timeout=20).generate(PROMPTS[:1], GREEDY)[0].token_ids
