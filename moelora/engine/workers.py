@@ -170,16 +170,25 @@ class Workers:
 
     @contextlib.contextmanager
     def guard(self, what: str) -> Iterator[None]:
-        """Run `what` (something every rank does together); any error in it -> WorkerFailure, the ranks stopped."""
+        """Run `what` (something every rank does together); any error in it -> WorkerFailure, the ranks stopped. An
+        interrupt (Ctrl-C) in it stops them too and is raised as it is: the other ranks ran on without this one, or
+        wait for it in a collective, out of step with it for good."""
         if self.failure is not None:
             raise WorkerFailure(self.failure)
         try:
             yield
         except Exception as e:
-            self.failure = f"{what} failed on the tensor-parallel ranks ({type(e).__name__}: {e}); {self.ranks.describe()}"
-            self.ranks.stop(timeout=0)
-            destroy_parallel()
+            self._fail(f"{what} failed on the tensor-parallel ranks ({type(e).__name__}: {e}); {self.ranks.describe()}")
             raise WorkerFailure(self.failure) from e
+        except BaseException as e:
+            self._fail(f"{what} was interrupted on rank 0 ({type(e).__name__}), which left the ranks out of step")
+            raise
+
+    def _fail(self, failure: str) -> None:
+        """The engine cannot go on (every later guard raises `failure`): stop the ranks and leave their world."""
+        self.failure = failure
+        self.ranks.stop(timeout=0)
+        destroy_parallel()
 
     def send(self, command: tuple) -> None:
         broadcast_object(self.state, command, self.timeout)

@@ -255,6 +255,26 @@ def test_an_interrupt_while_loading_stops_the_ranks_at_once(start_engine, monkey
     assert not torch.distributed.is_initialized()
 
 
+def test_an_interrupt_during_a_step_stops_the_ranks(start_engine, monkeypatch):
+    """Ctrl-C on rank 0 after it sent a step, before it ran its share: rank 1 runs the step alone and waits in its
+    first collective, out of step with rank 0 for good (rank 0's next step would meet it there). The interrupt is
+    raised as it is, the rank stopped at once, and the next step fails naming the interrupt (not a later step's
+    collectives meeting the earlier step's), as does a shutdown without waiting for rank 1."""
+    many = start_engine("qwen3_moe", tp_size=2, dist_timeout=60)
+    many.generate(PROMPTS[:1], GREEDY)
+    interrupts: list[float] = []
+    monkeypatch.setattr(many.runner, "execute", _interrupted(interrupts))  # rank 0's: runs after the step's send
+    with pytest.raises(KeyboardInterrupt):
+        many.generate(PROMPTS[:1], GREEDY)
+    assert interrupts and not many.workers.ranks.procs[1].is_alive()
+    monkeypatch.undo()
+    error = _wait_failed(many, 20)
+    assert "a step was interrupted on rank 0 (KeyboardInterrupt)" in error, error
+    start = time.monotonic()
+    many.shutdown()
+    assert time.monotonic() - start < 20
+
+
 def _cannot_read_adapters(*args, **kwargs) -> None:
     raise OSError("no such adapter on this rank's node")
 
