@@ -105,6 +105,15 @@ def _seconds(value: str) -> float:
     return seconds
 
 
+def _port(value: str) -> int:
+    """A TCP port number: uvicorn binds only after the model loaded, and a number out of range then ends in a
+    traceback of asyncio's."""
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in 0..65535, got {value}")
+    return port
+
+
 def _name_path(value: str) -> tuple[str, str]:
     """NAME=PATH, or PATH named after itself (as SGLang's --lora-paths), or vLLM's --lora-modules JSON
     '{"name": NAME, "path": PATH}'."""
@@ -183,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
                                              '\'{"name": NAME, "path": PATH}\'')
     _add_dataclass_args(p, engine_config, skip=("model_path", "lora_paths"))
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=30000, help="port to listen on (default: 30000)")
+    p.add_argument("--port", type=_port, default=30000, help="port to listen on (default: 30000)")
     p.add_argument("--served-model-name", help="the base model's name in the API (default: the model directory's name)")
     p.add_argument("--max-queued-requests", type=int, help="refuse requests (503) while this many wait (default: no limit)")
     p.add_argument("--api-key", default=os.environ.get("MOELORA_API_KEY"),

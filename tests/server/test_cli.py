@@ -79,6 +79,20 @@ def test_vllm_flag_names(capsys):
         assert e.value.code == 2 and "--shutdown-timeout: must be 0 or more seconds" in capsys.readouterr().err
 
 
+def usage_error(argv: list[str], capsys) -> str:
+    """Exit status 2 and argparse's one-line error, before anything is loaded."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_port_out_of_range_is_a_usage_error(capsys):
+    for bad in ["65536", "-1"]:
+        assert "argument --port: must be a port number in 0..65535" in usage_error(
+            ["serve", "--model-path", "m", "--port", bad], capsys)
+
+
 def test_generate_prints_the_completion(demo_dir, reference, capsys):
     argv = ["generate", "--model-path", str(demo_dir / "model"), "--lora", f"beta={demo_dir / 'beta'}",
             "--prompt", "Hello world", "--max-tokens", "6", "--temperature", "0", *CPU]
