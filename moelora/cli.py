@@ -222,8 +222,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _DictAction(argparse.Action):
+    """NAME=PATH pairs into one dict, over every use of the flag: a name given twice is an error, since a dict
+    would keep only the last of its paths and serve the other adapter under no name at all."""
+
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        setattr(namespace, self.dest, dict(values))
+        adapters = dict(getattr(namespace, self.dest) or {})  # a copy: the parser's default dict is shared
+        for name, path in values:
+            if name in adapters:
+                raise argparse.ArgumentError(self, f"adapter name {name!r} is given twice ({adapters[name]} and "
+                                                   f"{path})")
+            adapters[name] = path
+        setattr(namespace, self.dest, adapters)
 
 
 def main(argv: list[str] | None = None) -> int:

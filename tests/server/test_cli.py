@@ -93,6 +93,14 @@ def test_port_out_of_range_is_a_usage_error(capsys):
             ["serve", "--model-path", "m", "--port", bad], capsys)
 
 
+def test_an_adapter_name_given_twice_is_a_usage_error(capsys):
+    args = build_parser().parse_args(["serve", "--model-path", "m", "--lora-paths", "a=/x", "--lora-modules", "b=/y"])
+    assert args.lora_paths == {"a": "/x", "b": "/y"}  # every use of the flag counts
+    for argv in (["--lora-paths", "a=/x", "a=/y"], ["--lora-paths", "a=/x", "--lora-modules", "a=/y"]):
+        assert "adapter name 'a' is given twice (/x and /y)" in usage_error(["serve", "--model-path", "m", *argv],
+                                                                            capsys)
+
+
 def test_generate_prints_the_completion(demo_dir, reference, capsys):
     argv = ["generate", "--model-path", str(demo_dir / "model"), "--lora", f"beta={demo_dir / 'beta'}",
             "--prompt", "Hello world", "--max-tokens", "6", "--temperature", "0", *CPU]
