@@ -114,6 +114,13 @@ def _port(value: str) -> int:
     return port
 
 
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return number
+
+
 def _name_path(value: str) -> tuple[str, str]:
     """NAME=PATH, or PATH named after itself (as SGLang's --lora-paths), or vLLM's --lora-modules JSON
     '{"name": NAME, "path": PATH}'."""
@@ -171,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("inspect", help="describe and validate a LoRA adapter directory")
     p.add_argument("adapter", help="adapter directory (adapter_config.json + adapter_model.safetensors or .bin)")
     p.add_argument("--model", help="local base model directory (config.json); without it only the file is described")
-    p.add_argument("--max-lora-rank", type=int, help="the engine's maximum rank (also the slot rank for memory)")
+    p.add_argument("--max-lora-rank", type=_positive_int,
+                   help="the engine's maximum rank (also the slot rank for memory)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=inspect)
 

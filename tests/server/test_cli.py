@@ -101,6 +101,12 @@ def test_an_adapter_name_given_twice_is_a_usage_error(capsys):
                                                                             capsys)
 
 
+def test_inspect_max_lora_rank_below_1_is_a_usage_error(capsys):
+    for bad in ["0", "-4"]:
+        assert "argument --max-lora-rank: must be 1 or more" in usage_error(
+            ["inspect", "adapter", "--max-lora-rank", bad], capsys)
+
+
 def test_generate_prints_the_completion(demo_dir, reference, capsys):
     argv = ["generate", "--model-path", str(demo_dir / "model"), "--lora", f"beta={demo_dir / 'beta'}",
             "--prompt", "Hello world", "--max-tokens", "6", "--temperature", "0", *CPU]
