@@ -68,6 +68,7 @@ class GenerateOutput:
 class Engine:
     def __init__(self, model_path: str, lora_paths: dict[str, str] | None = None, **kwargs):
         self.config = EngineConfig(model_path, lora_paths=lora_paths or {}, **kwargs)
+        _check_device(self.config)
         # what a server request that leaves a sampling field unset gets (vLLM's --generation-config); read before
         # the model, so a bad file ends the start at once
         self.sampling_defaults = ({} if self.config.generation_config == "vllm" else generation_defaults(
@@ -379,6 +380,19 @@ class Engine:
         failed = [(i, r.error) for i, r in enumerate(reqs) if r.error is not None]
         if failed:
             raise RequestFailed("; ".join(f"prompt {i}: {error}" for i, error in failed))
+
+
+def _check_device(config: EngineConfig) -> None:
+    """A CUDA device this machine does not have is a ValueError naming EngineConfig.device: torch would fail only
+    once the model loads onto it (an AssertionError without CUDA, an invalid ordinal's RuntimeError)."""
+    device = config.torch_device
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"EngineConfig.device {config.device!r}: no CUDA device is available here; use 'cpu'")
+    if (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"EngineConfig.device {config.device!r}: this machine has {torch.cuda.device_count()} CUDA "
+                         "device(s), from cuda:0")
 
 
 def _is_token_ids(prompt) -> bool:

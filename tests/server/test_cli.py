@@ -12,6 +12,7 @@ import sys
 
 import openai
 import pytest
+import torch
 
 from moelora.cli import build_parser, engine_kwargs, main
 from moelora.distributed.launch import free_port
@@ -105,6 +106,20 @@ def test_inspect_max_lora_rank_below_1_is_a_usage_error(capsys):
     for bad in ["0", "-4"]:
         assert "argument --max-lora-rank: must be 1 or more" in usage_error(
             ["inspect", "adapter", "--max-lora-rank", bad], capsys)
+
+
+def test_a_cuda_device_the_machine_lacks_is_one_error(demo_dir, monkeypatch, capsys):
+    """Named before the model loads, not torch's AssertionError or invalid-ordinal RuntimeError from inside it."""
+    argv = ["generate", "--model-path", str(demo_dir / "model"), "--prompt", "x"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main([*argv, "--device", "cuda"]) == 1
+    assert capsys.readouterr().err == ("moelora generate: error: EngineConfig.device 'cuda': no CUDA device is "
+                                       "available here; use 'cpu'\n")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert main([*argv, "--device", "cuda:2"]) == 1
+    assert capsys.readouterr().err == ("moelora generate: error: EngineConfig.device 'cuda:2': this machine has 2 "
+                                       "CUDA device(s), from cuda:0\n")
 
 
 def test_generate_prints_the_completion(demo_dir, reference, capsys):
