@@ -108,7 +108,11 @@ def fill_dummy_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> Non
 def checkpoint_files(model_path: Path) -> list[Path]:
     index = model_path / "model.safetensors.index.json"
     if index.is_file():
-        return [model_path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return [model_path / f for f in sorted(set(weight_map.values()))]
+        except (ValueError, TypeError, KeyError, AttributeError) as e:  # not JSON, or no {"weight_map": {...}}
+            raise ModelLoadError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
     if (model_path / "model.safetensors").is_file():
         return [model_path / "model.safetensors"]
     raise ModelLoadError(f"{model_path}: neither model.safetensors nor model.safetensors.index.json")
@@ -190,7 +194,7 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
     loaded: dict[str, dict[str, int]] = {}  # param -> shard -> elements
     problems = []
     for file in files:
-        with safe_open(file, framework="pt") as f:
+        with _open_checkpoint(file) as f:
             for name in f.keys():
                 mapped = model.checkpoint_name(name)
                 if mapped is None:
@@ -215,10 +219,19 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
 
     with tqdm(total=sum(len(v) for v in plan.values()), desc="Loading weights", unit="tensor", disable=None) as bar:
         for file, entries in plan.items():
-            with safe_open(file, framework="pt") as f:
+            with _open_checkpoint(file) as f:
                 for name, target in entries:
                     params[target.param].data[target.index].copy_(_read(f, name, target.source))
                     bar.update()
+
+
+def _open_checkpoint(file: Path):
+    """safe_open, whose errors for a truncated or corrupt file (a Git LFS pointer, an interrupted download) are
+    safetensors' own types and name no file."""
+    try:
+        return safe_open(file, framework="pt")
+    except Exception as e:
+        raise ModelLoadError(f"{file}: cannot be read as safetensors: {e}") from None
 
 
 def _read(f, name: str, source: tuple) -> torch.Tensor:

@@ -122,6 +122,23 @@ def test_a_cuda_device_the_machine_lacks_is_one_error(demo_dir, monkeypatch, cap
                                        "CUDA device(s), from cuda:0\n")
 
 
+def test_an_unreadable_checkpoint_is_one_error_naming_its_file(demo_dir, tmp_path, capsys):
+    """A truncated safetensors file (an interrupted download, a Git LFS pointer) or a broken shard index."""
+    model = tmp_path / "model"
+    shutil.copytree(demo_dir / "model", model)
+    with open(model / "model.safetensors", "r+b") as f:
+        f.truncate(100)
+    argv = ["generate", "--model-path", str(model), "--prompt", "x", *CPU]
+    assert main(argv) == 1
+    assert capsys.readouterr().err.startswith(f"moelora generate: error: {model / 'model.safetensors'}: cannot be "
+                                              "read as safetensors: ")
+    (model / "model.safetensors").unlink()
+    (model / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    assert main(argv) == 1
+    assert capsys.readouterr().err == (f"moelora generate: error: {model / 'model.safetensors.index.json'}: not a "
+                                       "safetensors index (KeyError: 'weight_map')\n")
+
+
 def test_generate_prints_the_completion(demo_dir, reference, capsys):
     argv = ["generate", "--model-path", str(demo_dir / "model"), "--lora", f"beta={demo_dir / 'beta'}",
             "--prompt", "Hello world", "--max-tokens", "6", "--temperature", "0", *CPU]
