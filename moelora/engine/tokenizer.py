@@ -32,7 +32,11 @@ def load_tokenizer(config: EngineConfig) -> tuple[PreTrainedTokenizerBase | None
         if config.tokenizer_path or config.chat_template is not None:
             raise ValueError(f"EngineConfig.{'tokenizer_path' if config.tokenizer_path else 'chat_template'}: {missing}")
         return None, f"{missing}: prompts must be token ids (or start the engine with a tokenizer_path)"
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # json's errors and the tokenizers library's plain Exception, neither naming the directory
+        raise ValueError(f"EngineConfig.{field} {str(path)!r}: its tokenizer files cannot be read: "
+                         f"{type(e).__name__}: {e}") from e
     if config.chat_template is not None:
         tokenizer.chat_template = read_chat_template(config.chat_template)
         try:  # a template that cannot render a user's message is no chat template

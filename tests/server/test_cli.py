@@ -139,6 +139,18 @@ def test_an_unreadable_checkpoint_is_one_error_naming_its_file(demo_dir, tmp_pat
                                        "safetensors index (KeyError: 'weight_map')\n")
 
 
+def test_an_unreadable_tokenizer_is_one_error_naming_its_directory(demo_dir, tmp_path, capsys):
+    tokenizer = tmp_path / "tokenizer"
+    shutil.copytree(demo_dir / "model", tokenizer, ignore=shutil.ignore_patterns("*.safetensors"))
+    argv = ["generate", "--model-path", str(demo_dir / "model"), "--tokenizer-path", str(tokenizer), "--prompt", "x",
+            *CPU]
+    for broken, error in [("{x", "JSONDecodeError"), ('{"version": "1.0"}', "KeyError")]:  # not JSON; no tokenizer
+        (tokenizer / "tokenizer.json").write_text(broken)
+        assert main(argv) == 1
+        assert capsys.readouterr().err.startswith(f"moelora generate: error: EngineConfig.tokenizer_path "
+                                                  f"'{tokenizer}': its tokenizer files cannot be read: {error}: ")
+
+
 def test_generate_prints_the_completion(demo_dir, reference, capsys):
     argv = ["generate", "--model-path", str(demo_dir / "model"), "--lora", f"beta={demo_dir / 'beta'}",
             "--prompt", "Hello world", "--max-tokens", "6", "--temperature", "0", *CPU]
