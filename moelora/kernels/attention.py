@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.pdl import pdl_launch, wait_for_previous_kernel
+
 DEFAULT_MAX_KV_SPLITS = 32  # decode: fixed per engine so CUDA graphs can be reused across lengths
 
 
@@ -109,8 +111,10 @@ def _extend_kernel(
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_req, qk_scale, group,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Queries [m0, m0 + BLOCK_M) of one sequence's new tokens, one q head."""
+    wait_for_previous_kernel(PDL)
     seq, head, m0 = tl.program_id(0), tl.program_id(1), tl.program_id(2) * BLOCK_M
     extend_len = tl.load(extend_lens_ptr + seq)
     if m0 >= extend_len:
@@ -157,9 +161,11 @@ def _decode_partial_kernel(
     qk_scale, group,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Split `split` of one sequence's keys for the q heads of one kv head: the split's softmax-normalised
     output and its log2-sum-exp2 (mid_o [B, Hq, max_splits, DV], mid_lse [B, Hq, max_splits])."""
+    wait_for_previous_kernel(PDL)
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     split_len = _split_len(seq_len, max_splits, BLOCK_N)
@@ -191,8 +197,10 @@ def _decode_partial_kernel(
 def _decode_reduce_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr, seq_lens_ptr, extend_starts_ptr, num_q_heads, max_splits, stride_ot, stride_oh,
     DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out = the splits' outputs weighted by their share of the softmax sum, splits in order."""
+    wait_for_previous_kernel(PDL)
     seq, head = tl.program_id(0), tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
     num_splits = tl.cdiv(seq_len, _split_len(seq_len, max_splits, BLOCK_N))
@@ -229,7 +237,7 @@ def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Launches the kernels; every grid size comes from host-side shapes and bounds."""
     num_seqs, (num_tokens, num_q_heads, _) = seq_lens.shape[0], q.shape
     cfg = config or default_config(k_cache.shape[-1], q.dtype)
-    common = _launch_common(q, k_cache, v_cache, scale)
+    common, pdl = _launch_common(q, k_cache, v_cache, scale), pdl_launch(q.device)
     if out is None:
         out = torch.empty(num_tokens, num_q_heads, v_cache.shape[-1], dtype=q.dtype, device=q.device)
     strides = (*q.stride()[:2], *k_cache.stride()[:2], *v_cache.stride()[:2])
@@ -238,7 +246,7 @@ def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         _extend_kernel[grid](q, k_cache, v_cache, out, req_to_token, req_pool_indices, seq_lens, extend_lens,
                              extend_starts, *strides, *out.stride()[:2], req_to_token.stride(0), **common,
                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-                             num_stages=cfg.num_stages)
+                             num_stages=cfg.num_stages, **pdl)
         return out
     mid_o = torch.empty(num_seqs, num_q_heads, max_kv_splits, v_cache.shape[-1], dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(num_seqs, num_q_heads, max_kv_splits, dtype=torch.float32, device=q.device)
@@ -246,11 +254,11 @@ def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, mid_o, mid_lse, req_to_token, req_pool_indices, seq_lens, extend_starts,
         *strides, req_to_token.stride(0), num_q_heads, max_kv_splits, **common,
         BLOCK_N=cfg.decode_block_n, BLOCK_H=max(16, triton.next_power_of_2(common["group"])),
-        num_warps=cfg.decode_num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.decode_num_warps, num_stages=cfg.num_stages, **pdl,
     )
     _decode_reduce_kernel[(num_seqs, num_q_heads)](
         mid_o, mid_lse, out, seq_lens, extend_starts, num_q_heads, max_kv_splits, *out.stride()[:2],
-        DV=common["DV"], BLOCK_N=cfg.decode_block_n, BLOCK_DV=common["BLOCK_DV"], num_warps=1,
+        DV=common["DV"], BLOCK_N=cfg.decode_block_n, BLOCK_DV=common["BLOCK_DV"], num_warps=1, **pdl,
     )
     return out
 

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.pdl import pdl_launch, wait_for_previous_kernel
+
 TILE = 4096  # elements per program at most, of the wider of k and v: several heads share one when D is small
 
 
@@ -43,7 +45,9 @@ def copy_heads(src_ptr, dst_ptr, t, slot, offs_h, num_heads, stride_t, stride_h,
 def _store_kv_kernel(
     k_cache_ptr, v_cache_ptr, loc_ptr, k_ptr, v_ptr, num_heads, stride_kt, stride_kh, stride_vt, stride_vh,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(loc_ptr + t).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -68,6 +72,7 @@ def store_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Ten
         _store_kv_kernel[(loc.numel(), triton.cdiv(heads, block_h))](
             k_cache, v_cache, loc, k, v, heads, *k.stride()[:2], *v.stride()[:2],
             DK=k_dim, DV=v_dim, BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv, num_warps=num_warps,
+            **pdl_launch(k.device),
         )
 
 

@@ -45,6 +45,7 @@ from torch import nn
 from moelora.kernels.gemm_tiles import (arrive, gemm_block_k, gemm_loop, grouped_tile, wait_arrivals,
                                        zeroed_counters)
 from moelora.kernels.lora_tiles import add_linear_lora, shrink_linear_block
+from moelora.kernels.pdl import pdl_launch, wait_for_previous_kernel
 
 MIN_PROGRAMS = 120  # about one program per SM of an H100 / H200 (132): below it, a smaller tile is tried
 SPLIT_PROGRAMS = 512  # K splits aim at about four decode programs per SM: some load while others wait
@@ -136,7 +137,8 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, str
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                    HAS_LORA: tl.constexpr, PART_BOUNDS: tl.constexpr, BLOCK_R: tl.constexpr,
                    BLOCK_S: tl.constexpr, HAS_SHRINK: tl.constexpr, SHRINK_SPLITS: tl.constexpr,
-                   SHRINK_SPLIT_K: tl.constexpr, SHRINK_BLOCK_M: tl.constexpr, SHRINK_BLOCK_K: tl.constexpr):
+                   SHRINK_SPLIT_K: tl.constexpr, SHRINK_BLOCK_M: tl.constexpr, SHRINK_BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr):
     """y[m-tile, n-tile] = x[m-tile] @ W[n-tile]^T (+ b), the SPLITS K splits summed in order; W and y
     contiguous, offsets in int64 (prefill logits: M * N > 2^31). PARALLEL: program (tile, split) writes
     its split's fp32 partial to part [SPLITS, M, N] and the tile's last program to arrive adds them up;
@@ -144,6 +146,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, str
     the sum before the bias and the rounding (`add_linear_lora`; the xa_ptr.. arguments are its).
     HAS_SHRINK: programs (0..num_shrink - 1, 0) are the shrink that writes xa (`shrink_linear_block`; the
     a_ptr.. arguments), each counting itself in at done_ptr, and the tiles' programs come after them."""
+    wait_for_previous_kernel(PDL)
     tile = tl.program_id(0)
     if HAS_SHRINK:
         if tile < num_shrink:
@@ -254,7 +257,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         BLOCK_S=triton.next_power_of_2(lora_b.shape[0]) if lora is not None else 1,
         HAS_SHRINK=shrink is not None, SHRINK_SPLITS=shrink_splits, SHRINK_SPLIT_K=shrink_split_k,
         SHRINK_BLOCK_M=shrink_block_m, SHRINK_BLOCK_K=shrink_block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),
     )
     return y
 

@@ -41,6 +41,7 @@ from moelora.kernels.linear import (LinearConfig, LinearLoRA, LinearShrink, chec
                                     linear_triton)
 from moelora.kernels.lora_tiles import rank_tile, shrink_linear_block
 from moelora.kernels.moe_align import AlignedBlocks, moe_align
+from moelora.kernels.pdl import pdl_launch, wait_for_previous_kernel
 
 
 SHRINK_COUNTERS = 8192  # arrival counters per device, one per (block, part): 16-token blocks of 40k tokens, 3 parts
@@ -66,8 +67,10 @@ def _shrink_kernel(
     num_tokens, K, stride_xt, stride_as, stride_ap, stride_ar,
     P: tl.constexpr, SPLITS: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The shrink in a launch of its own: program (block, part, split) in one dimension."""
+    wait_for_previous_kernel(PDL)
     shrink_linear_block(tl.program_id(0), x_ptr, a_ptr, ranks_ptr, part_ptr, xa_ptr, count_ptr, sorted_ids_ptr,
                         block_slot_ptr, num_tokens, K, stride_xt, stride_as, stride_ap, stride_ar,
                         P, SPLITS, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R)
@@ -111,7 +114,7 @@ def lora_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             x, lora.a, lora.ranks, part, xa, counters, blocks.sorted_ids, blocks.block_expert,
             num_tokens, in_features, x.stride(0), *lora.a.stride()[:3],
             P=num_parts, SPLITS=splits, SPLIT_K=cfg.split_k, BLOCK_K=cfg.block_k,
-            BLOCK_M=cfg.block_m, BLOCK_R=block_r, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BLOCK_M=cfg.block_m, BLOCK_R=block_r, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),
         )
         shrink = None
     bounds = tuple(sum(out_sizes[:p]) for p in range(num_parts + 1))

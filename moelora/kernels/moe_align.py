@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.pdl import pdl_launch, wait_for_previous_kernel
+
 
 class AlignedBlocks(NamedTuple):
     sorted_ids: torch.Tensor  # [max_rows] int32: pair index t*k+j, or T*k for a padding row
@@ -163,28 +165,34 @@ def _moe_align_kernel(
     topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr,
     num_pairs, top_k, num_experts, num_slots, max_rows,
     HAS_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     moe_align_program(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr,
                       num_pairs, top_k, num_experts, num_slots, max_rows, HAS_SLOTS, BLOCK_M, E_P, S1_P, CHUNK)
 
 
 @triton.jit
 def _count_kernel(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, num_pairs, top_k, num_experts,
-                  num_slots, max_rows, HAS_SLOTS: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr):
+                  num_slots, max_rows, HAS_SLOTS: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr,
+                  PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     _count_pairs(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, tl.program_id(0) * CHUNK,
                  tl.num_programs(0) * CHUNK, num_pairs, top_k, num_experts, num_slots, max_rows, HAS_SLOTS, S1_P, CHUNK)
 
 
 @triton.jit
 def _lay_out_kernel(block_expert_ptr, num_rows_ptr, cursor_ptr, max_rows,
-                    BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr):
+                    BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr,
+                    PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     _lay_out_blocks(block_expert_ptr, num_rows_ptr, cursor_ptr, max_rows, BLOCK_M, E_P, S1_P, CHUNK)
 
 
 @triton.jit
 def _place_kernel(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, num_pairs, top_k, num_experts, num_slots,
-                  HAS_SLOTS: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr):
+                  HAS_SLOTS: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     _place_pairs(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, tl.program_id(0) * CHUNK,
                  tl.num_programs(0) * CHUNK, num_pairs, top_k, num_experts, num_slots, HAS_SLOTS, S1_P, CHUNK)
 
@@ -234,18 +242,18 @@ def moe_align(
     max_rows, (e_p, s1_p) = sorted_ids.numel(), key_tile(num_experts, num_slots)
     slots = token_slots if token_slots is not None else topk_ids
     keys = dict(HAS_SLOTS=token_slots is not None, S1_P=s1_p, CHUNK=CHUNK)
-    warps = align_num_warps(num_experts, num_slots)
+    warps, pdl = align_num_warps(num_experts, num_slots), pdl_launch(topk_ids.device)
     if num_pairs <= SINGLE_PROGRAM_MAX_PAIRS:
         _moe_align_kernel[(1,)](topk_ids, slots, sorted_ids, block_expert, num_rows, cursor, num_pairs,
                                 topk_ids.shape[1], num_experts, num_slots, max_rows, BLOCK_M=block_m, E_P=e_p, **keys,
-                                num_warps=warps)
+                                num_warps=warps, **pdl)
     else:
         cursor.zero_()
         grid = (triton.cdiv(max_rows, CHUNK),)
         _count_kernel[grid](topk_ids, slots, sorted_ids, cursor, num_pairs, topk_ids.shape[1], num_experts, num_slots,
-                            max_rows, **keys)
+                            max_rows, **keys, **pdl)
         _lay_out_kernel[(1,)](block_expert, num_rows, cursor, max_rows, BLOCK_M=block_m, E_P=e_p, S1_P=s1_p,
-                              CHUNK=CHUNK, num_warps=warps)
+                              CHUNK=CHUNK, num_warps=warps, **pdl)
         _place_kernel[grid](topk_ids, slots, sorted_ids, cursor, num_pairs, topk_ids.shape[1], num_experts, num_slots,
-                            **keys)
+                            **keys, **pdl)
     return blocks

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.pdl import pdl_launch, wait_for_previous_kernel
+
 MAX_D = 16384  # register tile limit: 16 warps x 32 lanes x 32 fp32 values
 TILE = 512  # elements per warp: 16 fp32 values a lane; rows shorter than a warp's tile share one (head_dim 128: 4)
 
@@ -61,8 +63,10 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, num_heads, D, eps,
     stride_xr, stride_xh, stride_rr, stride_rh,
     HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[row, heads of this program] (and sum_ptr, with a residual): outputs contiguous [rows, heads, D]."""
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -106,6 +110,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rms_norm_kernel[(rows, triton.cdiv(heads, block_h))](
             x3, res3, weight, out, summed, heads, dim, eps, *x3.stride()[:2], *res_strides,
             HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=num_warps,
+            **pdl_launch(x.device),
         )
     return out if residual is None else (out, summed)
 

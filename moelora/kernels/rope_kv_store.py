@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.kv_store import check_kv_store_inputs, copy_heads, store_kv_reference
+from moelora.kernels.pdl import pdl_launch, wait_for_previous_kernel
 from moelora.kernels.rms_norm import inv_rms, launch_config, load_rows, rms_norm_reference, rms_scaled
 from moelora.kernels.rotary import (check_rotary_inputs, cos_sin, load_halves, rotary_embedding_reference, rotate,
                                     store_halves)
@@ -68,7 +69,9 @@ def _rope_kv_store_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     HALF: tl.constexpr, HAS_NORM: tl.constexpr, INTERLEAVED: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
@@ -109,7 +112,7 @@ def rope_store_kv_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
         positions, inv_freq, q, k, v, q_w, k_w, q_out, k_cache, v_cache, loc, scale, q_eps, k_eps, head_dim,
         num_q_heads, num_kv_heads, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
         HALF=half, HAS_NORM=q_norm is not None, INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_D=block_d,
-        BLOCK_F=triton.next_power_of_2(half), num_warps=num_warps,
+        BLOCK_F=triton.next_power_of_2(half), num_warps=num_warps, **pdl_launch(q.device),
     )
     return q_out
 

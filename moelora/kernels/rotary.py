@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.pdl import pdl_launch, wait_for_previous_kernel
+
 
 @triton.jit
 def _round_mul(a, b, dtype: tl.constexpr):
@@ -83,7 +85,9 @@ def _rotary_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, num_q_heads, num_k_heads,
     HALF: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     INTERLEAVED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_f = tl.arange(0, BLOCK_F)
     f_mask = offs_f < HALF
@@ -105,7 +109,7 @@ def rotary_embedding_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.T
     _rotary_kernel[(num_tokens,)](
         positions, inv_freq, q, k, q_out, k_out, scale, *q.stride()[:2], *k.stride()[:2], num_q_heads, k.shape[1],
         HALF=half, BLOCK_F=triton.next_power_of_2(half), BLOCK_HQ=triton.next_power_of_2(num_q_heads),
-        BLOCK_HK=triton.next_power_of_2(k.shape[1]), INTERLEAVED=interleaved, num_warps=4,
+        BLOCK_HK=triton.next_power_of_2(k.shape[1]), INTERLEAVED=interleaved, num_warps=4, **pdl_launch(q.device),
     )
     return q_out, k_out
 

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from moelora.core import TopKConfig
+from moelora.kernels.pdl import pdl_launch, wait_for_previous_kernel
 
 MAX_EXPERTS = 256
 MAX_TOP_K = 16
@@ -50,7 +51,9 @@ def _topk_kernel(
     TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
     GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
     E_P: tl.constexpr, G_P: tl.constexpr, K_P: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, E_P)
     valid = experts < num_experts
@@ -110,5 +113,6 @@ def fused_topk(router_logits: torch.Tensor, config: TopKConfig,
         RENORMALIZE=config.renormalize, GROUP_SIZE=num_experts // num_groups, NUM_GROUPS=num_groups,
         TOPK_GROUP=config.topk_group or 1, E_P=triton.next_power_of_2(num_experts),
         G_P=triton.next_power_of_2(num_groups), K_P=triton.next_power_of_2(config.top_k), num_warps=1,
+        **pdl_launch(router_logits.device),
     )
     return weights, ids

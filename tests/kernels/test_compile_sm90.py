@@ -69,7 +69,10 @@ KV_STORES = ((4, 128, 128), (1, 192, 128), (16, 192, 128), (128, 192, 128), (2, 
 
 
 def compile_sm90(kernel, constexprs: dict, dtype: str, num_warps: int, num_stages: int, types: dict | None = None):
-    """types: argument types that differ from the defaults below (e.g. an fp32 output)."""
+    """types: argument types that differ from the defaults below (e.g. an fp32 output). Every kernel is compiled
+    with programmatic dependent launch on, as on Hopper, and must wait for the kernel before it (kernels/pdl.py)."""
+    assert "PDL" in kernel.arg_names, f"{kernel.fn.__name__} has no PDL constexpr"
+    constexprs = {**constexprs, "PDL": True}
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
@@ -83,8 +86,11 @@ def compile_sm90(kernel, constexprs: dict, dtype: str, num_warps: int, num_stage
             signature[name] = "fp32" if name in FP32_SCALARS else "i32"
         if name not in NOT_DIVISIBLE:
             attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER,
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER,
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    for instruction in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
+        assert instruction in compiled.asm["ptx"], f"{kernel.fn.__name__}: no {instruction} in its PTX"
+    return compiled
 
 
 def compile_all() -> list[dict]:

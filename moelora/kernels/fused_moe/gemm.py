@@ -10,6 +10,7 @@ from moelora.kernels.fused_moe.shrink import shrink_one_pair
 from moelora.kernels.fused_moe.tiles import (at_most_half_full, block_info, block_rows, lora_expand, lora_tile,
                                              row_ranks, row_slots, slot_rank, sum_partials, takes_rank_tile)
 from moelora.kernels.gemm_tiles import arrive, gemm_loop, wait_arrivals
+from moelora.kernels.pdl import wait_for_previous_kernel
 
 
 @triton.jit
@@ -23,11 +24,13 @@ def gate_up_kernel(
     GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     HALF_TILES: tl.constexpr, TOP_K_P: tl.constexpr, SPLIT_K: tl.constexpr, PART_N: tl.constexpr,
     RANK_TILES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """h[p] = silu(x Wg^T + LoRA_g) * (x Wu^T + LoRA_u) for the pairs p of one block; with LoRA also
     this n-tile's parts of the down shrink (_down_shrink_part). With pair blocks and
     LoRA the first num_pairs * num_splits programs are the gate/up shrink (a launch of its own costs a
     decode step more than the shrink's work); the GEMM programs wait for it only in the epilogue."""
+    wait_for_previous_kernel(PDL)
     pid, num_programs = tl.program_id(0), tl.num_programs(0)
     if PAIR_BLOCKS and HAS_LORA:
         num_shrink = num_pairs * num_splits
@@ -208,9 +211,11 @@ def down_kernel(
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     HALF_TILES: tl.constexpr, TOP_K_P: tl.constexpr, RANK_TILES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[p] = w[p] * (h[p] Wd^T + LoRA_d) for the pairs p of one block (the down shrink is the sum
     of the gate_up kernel's per-tile parts), then y for the tokens whose last pair this was."""
+    wait_for_previous_kernel(PDL)
     in_use, e, pid_m, pid_n = block_info(tl.program_id(0), tl.num_programs(0), block_expert_ptr, num_rows_ptr,
                                           num_experts, H, BLOCK_M, BLOCK_N, GROUP_M, PAIR_BLOCKS)
     if not in_use:

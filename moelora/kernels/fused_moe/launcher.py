@@ -14,6 +14,7 @@ from moelora.kernels.fused_moe.shrink import pair_shrink_kernel, shrink_kernel
 from moelora.kernels.gemm_tiles import zeroed_counters
 from moelora.kernels.lora_tiles import LORA_RANK_CHUNK, rank_tile
 from moelora.kernels.moe_align import AlignedBlocks, CHUNK, align_num_warps, alloc_aligned, key_tile, moe_align
+from moelora.kernels.pdl import pdl_launch
 
 # Pair blocks with LoRA: a ready counter per pair (the gate/up shrink done), in a per-device buffer zeroed once
 # and put back to 0 by each launch's last reader of each counter; default configs use at most 2 * top_k.
@@ -49,9 +50,10 @@ def fused_moe_triton(
     y = torch.empty_like(x)
     # with pair blocks the down kernel sums the top-k itself: arrival counters, zeroed by gate_up
     counters = torch.empty(num_tokens * num_n_down if cfg.pair_blocks else 1, dtype=torch.int32, device=x.device)
+    pdl = pdl_launch(x.device)
     common = dict(HAS_LORA=lora is not None, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                   PARTS=SUM_PARTS, PAIR_BLOCKS=cfg.pair_blocks, HALF_TILES=cfg.half_tiles,
-                  TOP_K_P=triton.next_power_of_2(top_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  TOP_K_P=triton.next_power_of_2(top_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
     if cfg.max_registers is not None:
         common["maxnreg"] = cfg.max_registers
     if cfg.pair_blocks:  # block p = pair p: its expert is topk.ids[p]; no sorted ids or row count to read
@@ -90,7 +92,7 @@ def fused_moe_triton(
                 x.stride(0), *a_strides,
                 BLOCK_M=cfg.block_m, E_P=e_p, S1_P=s1_p, CHUNK=CHUNK, BLOCK_K=cfg.block_k,
                 BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, RANK_TILES=rank_tiles,
-                num_warps=align_num_warps(num_experts, num_slots),
+                num_warps=align_num_warps(num_experts, num_slots), **pdl,
             )
         else:
             blocks = moe_align(topk.ids, token_slots, num_experts, num_slots, cfg.block_m)
@@ -99,7 +101,7 @@ def fused_moe_triton(
                 ag, au, num_pairs, top_k, hidden, num_slots, num_experts, num_splits,
                 x.stride(0), *a_strides,
                 BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K,
-                RANK_TILES=rank_tiles, num_warps=4,
+                RANK_TILES=rank_tiles, num_warps=4, **pdl,
             )
         if not cfg.pair_blocks:  # (with pair blocks xa is written in the gate_up launch that reads it)
             xa, num_splits = reduce_partials(xa.view(num_pairs * 2, num_splits, block_r), topk.ids, slots, ranks, 0,
@@ -128,6 +130,6 @@ def fused_moe_triton(
         block_h = min(1024, triton.next_power_of_2(hidden))
         moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
             out, topk.ids, y, hidden, top_k, num_experts, out.stride(0), y.stride(0),
-            TOP_K_P=triton.next_power_of_2(top_k), BLOCK_H=block_h,
+            TOP_K_P=triton.next_power_of_2(top_k), BLOCK_H=block_h, **pdl,
         )
     return y

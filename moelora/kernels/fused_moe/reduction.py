@@ -10,6 +10,7 @@ import triton.language as tl
 from moelora.kernels.fused_moe.config import REDUCE_PROGRAMS
 from moelora.kernels.fused_moe.tiles import sum_partials
 from moelora.kernels.gemm_tiles import arrive
+from moelora.kernels.pdl import pdl_launch, wait_for_previous_kernel
 
 
 @triton.jit
@@ -77,8 +78,9 @@ def sum_topk_if_last(out_ptr, y_ptr, counter_ptr, topk_ids_ptr, pair, row_ok, pi
 
 @triton.jit
 def moe_sum_kernel(out_ptr, topk_ids_ptr, y_ptr, H, top_k, num_experts, stride_ot, stride_yt,
-                    TOP_K_P: tl.constexpr, BLOCK_H: tl.constexpr):
+                    TOP_K_P: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     """y[t] = the top-k sum of o (sum_topk), one token and BLOCK_H columns a program."""
+    wait_for_previous_kernel(PDL)
     tok = tl.program_id(0) + tl.zeros((1,), dtype=tl.int32)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
@@ -90,11 +92,12 @@ def moe_sum_kernel(out_ptr, topk_ids_ptr, y_ptr, H, top_k, num_experts, stride_o
 @triton.jit
 def reduce_partials_kernel(part_ptr, out_ptr, token_slots_ptr, topk_ids_ptr, ranks_ptr, num_rows, rows_per_pair,
                             top_k, proj_lo, num_parts, num_slots, num_experts,
-                            BLOCK_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr):
+                            BLOCK_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr):
     """out[row, :rank] = sum_partials of part[row, :num_parts, :rank], where rank is the row's real rank (row
     p * rows_per_pair + j holds projection proj_lo + j of pair p); the epilogues then read one part instead
     of every (block, n-tile) program summing them all again. Rows of uncovered pairs and the columns past a
     row's rank are neither read nor written: the epilogues do not read them."""
+    wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = rows < num_rows
     pair = rows // rows_per_pair
@@ -128,5 +131,5 @@ def reduce_partials(parts: torch.Tensor, topk_ids: torch.Tensor, token_slots: to
         parts, out, token_slots, topk_ids, ranks, rows, rows // topk_ids.numel(), topk_ids.shape[1], proj_lo,
         num_parts, num_slots, num_experts,
         BLOCK_ROWS=block_rows, BLOCK_R=block_r, PARTS=min(32, triton.next_power_of_2(num_parts)),
-        num_warps=max(1, min(4, block_rows * block_r // 128)))
+        num_warps=max(1, min(4, block_rows * block_r // 128)), **pdl_launch(parts.device))
     return out, 1

@@ -7,6 +7,7 @@ import triton.language as tl
 
 from moelora.kernels.fused_moe.tiles import lora_rank, row_ranks, row_slots, slot_rank, takes_rank_tile
 from moelora.kernels.moe_align import moe_align_program
+from moelora.kernels.pdl import wait_for_previous_kernel
 
 
 @triton.jit
@@ -51,10 +52,12 @@ def shrink_kernel(
     num_pairs, top_k, H, num_slots, num_experts, num_splits, stride_xt, stride_ae, stride_ar,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
     RANK_TILES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """xa[p, proj, split] = x[p] @ A_proj[slot(p), e][:, split's K range]^T for gate (proj 0) and up
     (proj 1), one program per (block, K split), looping over the slots in the block. The gate_up GEMM
     sums the splits in a fixed order."""
+    wait_for_previous_kernel(PDL)
     pid_m, split = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return
@@ -107,9 +110,11 @@ def pair_shrink_kernel(
     num_pairs, top_k, H, num_slots, num_experts, max_rows, num_splits, stride_xt, stride_ae, stride_ar,
     BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr, RANK_TILES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Small aligned batches, one launch: program 0 is `moe_align`, then a program per (pair, K split) of
     the gate/up shrink (it needs only the pair's expert and slot, not the blocks)."""
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     if pid == 0:
         moe_align_program(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr,
