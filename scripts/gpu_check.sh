@@ -4,5 +4,5 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_common.sh /tmp/gpu_check
-timeout ${TEST_TIMEOUT:-900} python3 -m pytest -q --maxfail=20 -p no:cacheprovider tests/kernels tests/layers 2>&1 | tee "$OUT/pytest.log" | tail -25
+timeout ${TEST_TIMEOUT:-900} python3 -m pytest -q $PARALLEL --maxfail=20 -p no:cacheprovider tests/kernels tests/layers 2>&1 | tee "$OUT/pytest.log" | tail -25
 python3 benchmarks/bench_moe.py "$@" 2>&1 | tee "$OUT/bench.md"
