@@ -14,6 +14,10 @@ from moelora.lora.errors import AdapterError
 # the projection's real input/output; older versions took them from the parameter's dims 1 and 2.
 PEFT_PARAM_ORIENTATION_FIXED = (0, 19, 1)
 
+# LoraConfig's defaults: PEFT builds its config with them when adapter_config.json has no such field
+PEFT_DEFAULT_R = 8
+PEFT_DEFAULT_LORA_ALPHA = 8
+
 
 @dataclass(frozen=True)
 class AdapterConfig:
@@ -49,9 +53,9 @@ class AdapterConfig:
         refusals = unsupported_features(raw)
         if refusals:
             raise AdapterError(f"{where}: not served: " + "; ".join(refusals))
-        if not _is_rank(raw.get("r")):
-            raise AdapterError(f"{where}: 'r' must be a positive integer, got {raw.get('r')!r}")
-        if not _is_finite(raw.get("lora_alpha", 8)):
+        if not _is_rank(raw.get("r", PEFT_DEFAULT_R)):
+            raise AdapterError(f"{where}: 'r' must be a positive integer, got {raw['r']!r}")
+        if not _is_finite(raw.get("lora_alpha", PEFT_DEFAULT_LORA_ALPHA)):
             raise AdapterError(f"{where}: 'lora_alpha' must be a finite number, got {raw['lora_alpha']!r}")
         for pattern, rule, expected in (("rank_pattern", _is_rank, "a positive integer"),
                                         ("alpha_pattern", _is_finite, "a finite number")):
@@ -63,8 +67,8 @@ class AdapterConfig:
             raise AdapterError(f"{where}: unknown lora_B_layout {layout!r} (expected 'grouped_by_expert')")
         target_modules = raw.get("target_modules")
         return cls(
-            r=raw["r"],
-            lora_alpha=raw.get("lora_alpha", 8),  # PEFT's default
+            r=raw.get("r", PEFT_DEFAULT_R),
+            lora_alpha=raw.get("lora_alpha", PEFT_DEFAULT_LORA_ALPHA),
             use_rslora=bool(raw.get("use_rslora", False)),
             rank_pattern=dict(raw.get("rank_pattern") or {}),
             alpha_pattern=dict(raw.get("alpha_pattern") or {}),

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 from torch import nn
+from transformers import PretrainedConfig
 
 from tests.support import (EXPERTS, FAMILIES, HIDDEN, MOE_INTER, linear_suffixes,  # noqa: F401 (re-exported)
                              peft_adapter, tiny_config, tiny_model)
@@ -116,6 +117,24 @@ def write_adapter(out_dir: Path, tensors: dict[str, torch.Tensor], **config) -> 
     save_file({k: v.clone().contiguous() for k, v in tensors.items()}, out_dir / "adapter_model.safetensors")
     (out_dir / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16, **config}))
     return out_dir
+
+
+def edit_config(adapter_dir: Path, drop: tuple[str, ...] = (), **fields: Any) -> None:
+    """Rewrite the adapter's adapter_config.json without the fields `drop` and with `fields` set."""
+    path = adapter_dir / "adapter_config.json"
+    raw = {k: v for k, v in json.loads(path.read_text()).items() if k not in drop}
+    path.write_text(json.dumps(raw | fields))
+
+
+def peft_loaded_deltas(config: PretrainedConfig, adapter_dir: Path) -> dict[str, torch.Tensor]:
+    """What PEFT itself makes of the adapter as it is on disk: {base parameter name: merged - base} of a fresh tiny
+    model after PeftModel.from_pretrained (its reading of adapter_config.json, defaults included) and merging."""
+    from peft import PeftModel  # importing peft takes seconds; only adapter-building tests need it
+
+    model = tiny_model(config)
+    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload().state_dict()
+    return {k: merged[k] - base[k] for k in base if not torch.equal(merged[k], base[k])}
 
 
 # ------------------------------------------------------------------ formats PEFT does not write, by hand

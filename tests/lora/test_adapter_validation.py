@@ -189,6 +189,8 @@ def test_config_field_of_the_wrong_type(tmp_path, field, value):
     ("r", 0, "'r' must be a positive integer, got 0"),
     ("r", True, "'r' must be a positive integer, got True"),
     ("r", 8.0, "'r' must be a positive integer, got 8.0"),
+    ("r", None, "'r' must be a positive integer, got None"),  # null is no missing field: PEFT fails on it too
+    ("lora_alpha", None, "'lora_alpha' must be a finite number, got None"),
     ("rank_pattern", {"q_proj": 0}, "rank_pattern['q_proj'] must be a positive integer, got 0"),
     ("alpha_pattern", {"q_proj": float("nan")}, "alpha_pattern['q_proj'] must be a finite number, got nan"),
 ])

@@ -5,8 +5,9 @@ import torch
 from peft import LoraConfig, PeftModel
 from safetensors.torch import load_file
 
-from lora_builders import (EXPERTS, FAMILIES, PerExpertModel, assert_deltas_equal, canonical_deltas,
-                           linear_suffixes, peft_adapter, per_expert_deltas_as_v5, tiny_config, tiny_model)
+from lora_builders import (EXPERTS, FAMILIES, PerExpertModel, assert_deltas_equal, canonical_deltas, edit_config,
+                           linear_suffixes, peft_adapter, peft_loaded_deltas, per_expert_deltas_as_v5, tiny_config,
+                           tiny_model)
 from moelora.lora import AdapterError, load_adapter
 
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -44,6 +45,20 @@ def test_rank_alpha_patterns_and_rslora(tmp_path):
     assert layer1.modules["self_attn.q_proj"].rank == 6 and adapter.layers[0].modules["self_attn.q_proj"].rank == 4
     assert layer1.experts["gate"].scaling[0].item() == pytest.approx(3 / 2)      # alpha 3 / sqrt(4)
     assert layer1.modules["self_attn.o_proj"].scaling == pytest.approx(5 / 2)
+
+
+@pytest.mark.parametrize("drop", [("r",), ("lora_alpha",), ("r", "lora_alpha")])
+def test_config_without_r_or_lora_alpha_takes_peft_defaults(drop, tmp_path):
+    """A field adapter_config.json does not have is LoraConfig's default, r=8 and lora_alpha=8, as when PEFT loads
+    it: without lora_alpha an r=4 adapter scales by 8/4, not by 1 (alpha = r) or its training's 32/4."""
+    config = tiny_config("qwen3_moe")
+    r = 8 if "r" in drop else 4
+    peft_adapter(tiny_model(config), LoraConfig(r=r, lora_alpha=32, target_modules=["q_proj"],
+                                                target_parameters=EXPERT_PARAMS), tmp_path)
+    edit_config(tmp_path, drop=drop)
+    adapter = load_adapter(tmp_path, config)
+    assert_deltas_equal(canonical_deltas(adapter), peft_loaded_deltas(config, tmp_path))
+    assert (adapter.config.r, adapter.config.lora_alpha) == (r, 8 if "lora_alpha" in drop else 32)
 
 
 def test_router_patterns_match_the_parameter_path(tmp_path):
