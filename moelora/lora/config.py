@@ -147,6 +147,10 @@ def unsupported_features(raw: dict) -> list[str]:
         reasons.append("alora_invocation_tokens (activated LoRA applies only after an invocation sequence)")
     if raw.get("layer_replication"):
         reasons.append("layer_replication (the adapter expects a model with duplicated layers)")
+    if raw.get("use_qalora"):
+        reasons.append("use_qalora=true (QA-LoRA, for GPTQ-quantized base layers, feeds lora_A the input averaged over "
+                       "groups of qalora_group_size features; only plain LoRA is served)")
+    reasons += [f"{name} ({why})" for name, why in _VARIANT_CONFIGS.items() if raw.get(name) is not None]
     base_changing_init = _base_changing_init(raw.get("init_lora_weights"))
     if base_changing_init:
         reasons.append(f"init_lora_weights={raw['init_lora_weights']!r} ({base_changing_init} changes the base model's "
@@ -160,6 +164,15 @@ def unsupported_features(raw: dict) -> list[str]:
         reasons.append("LoRA on embed_tokens/lm_head (only decoder-layer projections are served)")
     return reasons
 
+
+# LoRA variants PEFT turns on with a sub-config, whatever it holds (a JSON object, {} included, becomes the variant's
+# config with its defaults), and what each computes that plain LoRA does not
+_VARIANT_CONFIGS = {
+    "use_bdlora": "BD-LoRA: lora_A or lora_B is block-diagonal and stored as its blocks; only plain LoRA is served",
+    "kasa_config": "KaSA: a trained diagonal (lora_diag) between lora_A and lora_B, on base weights PEFT truncates by "
+                   "SVD whenever it loads the adapter; only plain LoRA on the unchanged base model is served",
+    "arrow_config": "Arrow: each token is routed over several LoRA adapters loaded together; only plain LoRA is served",
+}
 
 # init_lora_weights values (prefixes: 'pissa_niter_16') with which PEFT takes the initial adapter out of the base
 # weights (LoftQ: quantizes them), when the adapter is created and again on every load of one saved that way

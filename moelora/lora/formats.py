@@ -69,6 +69,7 @@ _STACKED = re.compile(r"^mlp\.experts\.(?P<proj>gate_up_proj|gate_proj|up_proj|d
 # Keys of features that are refused rather than unknown, with the reason.
 _REFUSED = (
     (re.compile(r"\.lora_magnitude_vector\b"), "DoRA magnitude vector (only plain LoRA is served)"),
+    (re.compile(r"\.lora_diag\b"), "KaSA singular-value diagonal (kasa_config; only plain LoRA is served)"),
     (re.compile(r"\.lora_B(\.[^.]+)?\.bias$"), "lora_bias (a trained bias on lora_B is not served)"),
     (re.compile(r"bias$"),  # any other bias (after lora_B's above): PEFT saves the base model's with bias != 'none'
      "a bias of the base model, trained with adapter_config.json's bias='lora_only' or 'all' (only the LoRA weights "

@@ -132,6 +132,7 @@ def test_integer_tensor(tmp_path):
     (f"{LAYER1}.self_attn.q_proj.weight", "unknown key"),
     (f"{LAYER1}.self_attn.q_proj.lora_A.default.weight", "unknown key"),
     (f"{LAYER1}.self_attn.q_proj.lora_magnitude_vector", "DoRA magnitude vector"),
+    (f"{LAYER1}.self_attn.q_proj.lora_diag", "KaSA singular-value diagonal"),
     (f"{LAYER1}.self_attn.q_proj.lora_B.bias", "lora_bias"),
     ("base_model.model.model.embed_tokens.weight", "modules_to_save"),
     ("base_model.model.lm_head.weight", "modules_to_save"),
@@ -163,6 +164,13 @@ def test_module_outside_decoder_layers(tmp_path):
     ("init_lora_weights", "corda", "CorDA changes"),
     ("init_lora_weights", "lora_ga", "LoRA-GA changes"),
     ("init_lora_weights", "loftq", "LoftQ changes"),
+    ("alora_invocation_tokens", [5, 7], "alora_invocation_tokens (activated LoRA"),
+    ("layer_replication", [[0, 2], [1, 2]], "layer_replication (the adapter expects a model with duplicated layers"),
+    ("use_qalora", True, "use_qalora=true (QA-LoRA"),
+    ("use_bdlora", {"target_modules_bd_a": ["q_proj"], "nblocks": 2}, "use_bdlora (BD-LoRA"),
+    ("use_bdlora", {}, "use_bdlora (BD-LoRA"),  # PEFT turns BD-LoRA on with its defaults
+    ("kasa_config", {"beta": 0.0001, "gamma": 0.001}, "kasa_config (KaSA"),
+    ("arrow_config", {"top_k": 2}, "arrow_config (Arrow"),
 ])
 def test_refused_config(tmp_path, field, value, reason):
     message = refused(tmp_path, good(), **{field: value})

@@ -160,3 +160,18 @@ def test_trained_base_biases_are_refused(bias, tmp_path):
         load_adapter(tmp_path, config)
     assert e.value.problems == [f"{k}: a bias of the base model, trained with adapter_config.json's bias='lora_only' "
                                 "or 'all' (only the LoRA weights are served)" for k in biases]
+
+
+@pytest.mark.parametrize("variant, field", [
+    (dict(use_bdlora={"target_modules_bd_a": ["q_proj"], "nblocks": 2}), "use_bdlora"),
+    (dict(kasa_config={}), "kasa_config"),
+    (dict(use_dora=True), "use_dora"),
+])
+def test_lora_variants_are_refused(variant, field, tmp_path):
+    """PEFT's variants that compute more than scaling * B @ A (BD-LoRA's lora_A is stored as its diagonal blocks,
+    KaSA's delta is B @ diag(lora_diag) @ A on truncated base weights, DoRA's is rescaled per column) are refused by
+    the config field that turns them on."""
+    config = tiny_config("qwen3_moe")
+    peft_adapter(tiny_model(config), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], **variant), tmp_path)
+    with pytest.raises(AdapterError, match=f"adapter_config.json: not served: {field}"):
+        load_adapter(tmp_path, config)
