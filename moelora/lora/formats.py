@@ -80,6 +80,11 @@ _REFUSED = (
      "a full copy of a base module (modules_to_save, e.g. embed_tokens/lm_head) cannot be swapped per request"),
 )
 
+# Keys of state only PEFT's training reads: VeLoRA's projection for its compressed backward pass (velora_config),
+# MonteCLoRA's sampler that perturbs lora_A in training mode only (monteclora_config). PEFT's inference and merge
+# compute plain LoRA without them, so they are left out rather than refused.
+_TRAINING_ONLY = re.compile(r"\.(lora_velora_embed|lora_monteclora_sampler\.[^.]+)$")
+
 
 def read_tensors(adapter_dir: Path) -> tuple[dict[str, torch.Tensor], str]:
     """All tensors of adapter_model.safetensors (or .bin) on CPU, and the file name."""
@@ -101,10 +106,12 @@ def read_tensors(adapter_dir: Path) -> tuple[dict[str, torch.Tensor], str]:
 
 
 def pair_tensors(tensors: dict[str, torch.Tensor], problems: list[str]) -> list[LoRAPair]:
-    """Group the file's tensors into A/B pairs. Every key ends up in a pair or in `problems`."""
+    """Group the file's tensors into A/B pairs. Every key but training-only state ends up in a pair or in `problems`."""
     halves: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
     refused_modules = set()  # modules with a half refused for its values: no "has no matching" for the other
     for key in sorted(tensors):
+        if _TRAINING_ONLY.search(key):
+            continue
         reason = next((why for pattern, why in _REFUSED if pattern.search(key)), None)
         match = _SUFFIX.match(key)
         if reason is None and match is None:

@@ -162,6 +162,27 @@ def test_trained_base_biases_are_refused(bias, tmp_path):
                                 "or 'all' (only the LoRA weights are served)" for k in biases]
 
 
+@pytest.mark.parametrize("variant", [dict(velora_config={}), dict(monteclora_config={})])
+def test_variants_that_only_change_training_are_served(variant, tmp_path):
+    """VeLoRA (a compressed backward pass) and MonteCLoRA (lora_A perturbed by a sampler in training mode) compute
+    plain LoRA at inference: a module of PEFT's loaded model gives what it gives merged. Their training state saved
+    with the adapter (lora_velora_embed, lora_monteclora_sampler.*) is left out."""
+    from peft import PeftModel
+
+    config = tiny_config("qwen3_moe")
+    peft_adapter(tiny_model(config), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"], **variant),
+                 tmp_path)
+    q_proj = PeftModel.from_pretrained(tiny_model(config), tmp_path).get_base_model().model.layers[0].self_attn.q_proj
+    x = torch.randn(5, q_proj.in_features)
+    with torch.no_grad():
+        unmerged = q_proj(x)
+        q_proj.merge()
+        torch.testing.assert_close(q_proj(x), unmerged, atol=1e-5, rtol=1e-5)
+    assert any(k.endswith(("lora_velora_embed", "lora_monteclora_sampler.std_prior"))
+               for k in load_file(tmp_path / "adapter_model.safetensors"))
+    assert_deltas_equal(canonical_deltas(load_adapter(tmp_path, config)), peft_loaded_deltas(config, tmp_path))
+
+
 @pytest.mark.parametrize("variant, field", [
     (dict(use_bdlora={"target_modules_bd_a": ["q_proj"], "nblocks": 2}), "use_bdlora"),
     (dict(kasa_config={}), "kasa_config"),
