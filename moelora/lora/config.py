@@ -130,7 +130,14 @@ def _pattern_key(patterns: dict, path: str) -> str | None:
 
 
 def unsupported_features(raw: dict) -> list[str]:
-    """Reasons this config cannot be served faithfully (empty if it can)."""
+    """Reasons this config cannot be served faithfully (empty if it can). The fields of PEFT's LoraConfig not refused
+    here are served (r, lora_alpha, use_rslora, rank_pattern, alpha_pattern, target_parameters: see AdapterConfig),
+    or leave what the adapter computes alone: the choice of modules it adapts (target_modules, exclude_modules,
+    layers_to_transform, layers_pattern: the file's tensors are that choice), training only (lora_dropout,
+    initializations that leave the base weights alone and their *_config, velora_config, monteclora_config; bias:
+    the base biases it trains are refused as tensors), megatron_config (LoRA's layer class on Megatron's parallel
+    layers) and fan_in_fan_out (the base weight's layout, GPT-2's Conv1D, not LoRA's: PEFT resets it on nn.Linear
+    layers, which the served models have)."""
     reasons = []
     if raw.get("peft_type", "LORA") != "LORA":
         reasons.append(f"peft_type {raw['peft_type']!r} (only LORA is served)")
@@ -157,8 +164,6 @@ def unsupported_features(raw: dict) -> list[str]:
                        "weights, and PEFT does so whenever it loads the adapter; only LoRA on the unchanged base "
                        "model is served: save the adapter with save_pretrained(path_initial_model_for_weight_conversion=...), "
                        "which converts PiSSA, CorDA, OLoRA and LoRA-GA adapters to plain LoRA)")
-    if raw.get("fan_in_fan_out"):
-        reasons.append("fan_in_fan_out=true (Conv1D-style transposed weights; the served models use nn.Linear layout)")
     targets = raw.get("target_modules") or []
     if isinstance(targets, list) and {"embed_tokens", "lm_head"} & set(targets):
         reasons.append("LoRA on embed_tokens/lm_head (only decoder-layer projections are served)")

@@ -162,6 +162,16 @@ def test_trained_base_biases_are_refused(bias, tmp_path):
                                 "or 'all' (only the LoRA weights are served)" for k in biases]
 
 
+def test_fan_in_fan_out_is_served(tmp_path):
+    """fan_in_fan_out describes the base weight's layout (GPT-2's Conv1D), not LoRA's: PEFT resets it to false on
+    nn.Linear layers (and saves it so), and loads the adapter as plain LoRA."""
+    config = tiny_config("qwen3_moe")
+    peft_adapter(tiny_model(config),
+                 LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=EXPERT_PARAMS), tmp_path)
+    edit_config(tmp_path, fan_in_fan_out=True)
+    assert_deltas_equal(canonical_deltas(load_adapter(tmp_path, config)), peft_loaded_deltas(config, tmp_path))
+
+
 @pytest.mark.parametrize("variant", [dict(velora_config={}), dict(monteclora_config={})])
 def test_variants_that_only_change_training_are_served(variant, tmp_path):
     """VeLoRA (a compressed backward pass) and MonteCLoRA (lora_A perturbed by a sampler in training mode) compute
