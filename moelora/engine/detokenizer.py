@@ -24,7 +24,7 @@ class IncrementalDetokenizer:
     strings unless include_stop_str_in_output; stop strings count only in the text of the tokens after
     the first min_tokens. Once finished, the text released is decode(generated tokens,
     skip_special_tokens) cut where the stop string that completed first begins (or ends) (exactly so
-    for byte-level BPE tokenizers).
+    for byte-level BPE tokenizers), and `stop_reason` says which stop ended it, as vLLM's does.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, prompt_ids: Sequence[int], params: SamplingParams,
@@ -36,7 +36,8 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         if eos_token_ids is None:
             eos_token_ids = [] if tokenizer is None or tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-        self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self._eos_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+        self._stop_ids = set(params.stop_token_ids) | self._eos_ids
         self._ids = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
         # _ids[_prefix:_read] was decoded already; decoding from _prefix gives the context it needs
         self._prefix, self._read = 0, len(self._ids)
@@ -45,6 +46,9 @@ class IncrementalDetokenizer:
         self._released = 0  # chars of _text handed out
         self.num_tokens = 0
         self.finish_reason: Literal["stop", "length"] | None = None
+        # vLLM's stop_reason: the stop string that matched, or the token of stop_token_ids that came; None when
+        # EOS (the model's own end) ended the output, or its length, or a finish decided elsewhere
+        self.stop_reason: str | int | None = None
 
     @property
     def finished(self) -> bool:
@@ -66,7 +70,9 @@ class IncrementalDetokenizer:
             raise RuntimeError(f"request already finished ({self.finish_reason}); got token {token_id}")
         self.num_tokens += 1
         if token_id in self._stop_ids:
-            self._finish("stop")
+            if token_id not in self._eos_ids:  # as vLLM: a stop token that is also EOS ends it as EOS
+                self.stop_reason = token_id
+            self._finish("stop")  # (the text it flushes may still hold a stop string, which then is the reason)
         else:
             self._ids.append(token_id)
             self._append(self._decode_new(flush=False))
@@ -106,9 +112,10 @@ class IncrementalDetokenizer:
         self._text += piece
         if self.num_tokens <= self.params.min_tokens:
             return
-        hits = [(i, len(s)) for s in self.params.stop if (i := self._text.find(s, max(0, start - len(s) + 1))) >= 0]
+        hits = [(i, len(s), s) for s in self.params.stop
+                if (i := self._text.find(s, max(0, start - len(s) + 1))) >= 0]
         if hits:
-            i, n = min(hits)  # the earliest; of two starting there, the shorter completed first
+            i, n, self.stop_reason = min(hits)  # the earliest; of two starting there, the shorter completed first
             self._text = self._text[:i + n if self.params.include_stop_str_in_output else i]
             self.finish_reason = "stop"
 

@@ -63,6 +63,7 @@ class GenerateOutput:
     logprobs: list[dict[int, float]] | None
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with params.prompt_logprobs: None first
+    stop_reason: str | int | None = None  # the stop string or stop_token_ids token that ended it (None: EOS, length)
 
 
 class Engine:
@@ -147,7 +148,8 @@ class Engine:
         self._run(reqs)
         return [GenerateOutput(r.detokenizer.text, list(r.output_ids), r.finish_reason,
                                r.logprobs if r.params.logprobs is not None else None, r.cumulative_logprob,
-                               [None, *r.prompt_logprob_entries] if r.params.prompt_logprobs is not None else None)
+                               [None, *r.prompt_logprob_entries] if r.params.prompt_logprobs is not None else None,
+                               r.detokenizer.stop_reason)
                 for r in reqs]
 
     def prompt_logprobs(self, token_id_lists: Sequence[Sequence[int]], lora: str | None | Sequence[str | None] = None

@@ -56,6 +56,9 @@ class StepOutput:
     # with params.prompt_logprobs, in the first output: the prompt, and per prompt token its entry (None for the first)
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # finished "stop" by a stop string (its text) or a token of stop_token_ids (its id); None otherwise (EOS, a grammar's
+    # end). A request added with detokenize=False has no stop strings here: its caller's detokenizer finds them
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -256,7 +259,8 @@ class Stepper:
                 logger.exception("appending a token to request %s failed", req.rid)
                 text, req.finish_reason, req.error = "", "error", f"appending its token failed: {_describe(e)}"
             out = StepOutput(req.rid, [token], text, req.finished, req.finish_reason, new_logprobs,
-                             len(req.prompt_ids), len(req.output_ids), req.error, req.cumulative_logprob)
+                             len(req.prompt_ids), len(req.output_ids), req.error, req.cumulative_logprob,
+                             stop_reason=req.detokenizer.stop_reason)
             if req.params.prompt_logprobs is not None and len(req.output_ids) == 1:
                 out.prompt_token_ids, out.prompt_logprobs = list(req.prompt_ids), [None, *req.prompt_logprob_entries]
             outputs.append(out)

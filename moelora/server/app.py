@@ -58,6 +58,7 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Entry] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cumulative_logprob: float = 0.0
@@ -73,7 +74,7 @@ class _Choice:
         self.text += d.out.text
         self.token_ids += d.out.token_ids
         self.logprobs += new
-        self.finish_reason = d.out.finish_reason
+        self.finish_reason, self.stop_reason = d.out.finish_reason, d.out.stop_reason
         self.prompt_tokens, self.completion_tokens = d.out.prompt_tokens, d.out.completion_tokens
         self.cumulative_logprob = d.out.cumulative_logprob
         return new
@@ -176,8 +177,8 @@ class OpenAIServing:
                 return None
             logprobs = _completion_logprobs(entries, offset) if body.logprobs is not None else None
             return CompletionResponse(**head, choices=[CompletionChoice(
-                index=d.index, text=text, logprobs=logprobs, finish_reason=d.out.finish_reason,
-                token_ids=d.out.token_ids if with_ids else None)])
+                index=d.index, text=text, logprobs=logprobs, finish_reason=choice.finish_reason,
+                stop_reason=choice.stop_reason, token_ids=d.out.token_ids if with_ids else None)])
 
         def usage_chunk() -> CompletionResponse:
             return CompletionResponse(**head, choices=[], usage=_usage(choices, per_prompt))
@@ -190,7 +191,7 @@ class OpenAIServing:
             c for p in range(len(prompts))
             for c in sorted(choices[p * per_prompt:(p + 1) * per_prompt], key=lambda c: -c.cumulative_logprob)[:body.n]]
         return self._json(CompletionResponse(**head, usage=_usage(choices, per_prompt), choices=[
-            CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
+            CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                              token_ids=c.token_ids if with_ids else None,
                              logprobs=_completion_logprobs(c.logprobs, 0) if body.logprobs is not None else None)
             for i, c in enumerate(best)]))
@@ -219,7 +220,7 @@ class OpenAIServing:
                 return None
             return ChatCompletionChunk(**head, choices=[ChatChunkChoice(
                 index=d.index, delta=delta, logprobs=_chat_logprobs(entries, k) if body.logprobs else None,
-                finish_reason=reason)])
+                finish_reason=reason, stop_reason=d.out.stop_reason)])
 
         def usage_chunk() -> ChatCompletionChunk:
             return ChatCompletionChunk(**head, choices=[], usage=_usage(choices, body.n))
@@ -231,7 +232,7 @@ class OpenAIServing:
         await self._collect(request, rids, queue, choices)
         messages = [out.message(c.text, c.finish_reason) for out, c in zip(outputs, choices)]
         return self._json(ChatCompletionResponse(**head, usage=_usage(choices, body.n), choices=[
-            ChatChoice(index=i, message=message, finish_reason=reason,
+            ChatChoice(index=i, message=message, finish_reason=reason, stop_reason=c.stop_reason,
                        logprobs=_chat_logprobs(c.logprobs, k) if body.logprobs else None)
             for i, (c, (message, reason)) in enumerate(zip(choices, messages))]))
 

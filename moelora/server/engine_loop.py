@@ -399,8 +399,10 @@ class EngineLoop:
             text += detok.finish(out.finish_reason)  # a grammar's end, or max_tokens
         if detok.finished and not out.finished:  # a stop string: the engine goes on until it hears
             self.abort([out.rid])
+        # the stop reason is this detokenizer's: it sees every token, and the stop strings the engine does not look for
         out = replace(out, text=text, finished=out.finished or detok.finished,
-                      finish_reason=detok.finish_reason if detok.finished else out.finish_reason)
+                      finish_reason=detok.finish_reason if detok.finished else out.finish_reason,
+                      stop_reason=detok.stop_reason)
         if out.token_ids:
             if stream.last_token is None:
                 self.metrics.first_token(now - stream.arrival, out.prompt_tokens)

@@ -397,6 +397,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop_token_ids token that ended it (None: EOS)
     token_ids: list[int] | None = None  # a model served without a tokenizer: its output, which has no text
 
 
@@ -450,6 +451,7 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # as CompletionChoice's
 
 
 class ChatCompletionResponse(_Response):
@@ -491,6 +493,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # as CompletionChoice's, in the chunk with the finish_reason
 
 
 class ChatCompletionChunk(_Response):

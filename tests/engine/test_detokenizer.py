@@ -125,6 +125,20 @@ def test_stop_token_ids_stop_and_flush_an_incomplete_character(tok):
     assert "".join(pieces) == tok.decode(cut) and det.text.endswith("\ufffd")
 
 
+def test_stop_reason_is_the_stop_string_or_stop_token_not_eos(tok):
+    """As vLLM's stop_reason: the stop string that matched, the stop_token_ids token that came; None for EOS (also
+    when stop_token_ids holds it, unless ignore_eos) and for the length limit."""
+    ids, x, eos = tok.encode("hello wörld"), tok.encode("x")[0], tok.eos_token_id
+    for feed, params, reason, stop_reason in [(ids, dict(stop=["zzz", "wö"]), "stop", "wö"),
+                                              (ids[:2] + [x], dict(stop_token_ids=[x]), "stop", x),
+                                              (ids[:2] + [eos], dict(stop_token_ids=[x]), "stop", None),
+                                              (ids[:2] + [eos], dict(stop_token_ids=[eos]), "stop", None),
+                                              (ids[:2] + [eos], dict(stop_token_ids=[eos], ignore_eos=True), "stop", eos),
+                                              (ids, dict(stop_token_ids=[x]), "length", None)]:
+        det, _, _ = _stream(tok, feed, **params)
+        assert (det.finish_reason, det.stop_reason) == (reason, stop_reason), params
+
+
 def test_model_eos_ids_replace_the_tokenizers(tok):
     im_end, ids = tok.convert_tokens_to_ids("<|im_end|>"), tok.encode("ok")
     det = IncrementalDetokenizer(tok, [], SamplingParams(max_tokens=10), eos_token_ids=[im_end])

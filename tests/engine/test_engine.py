@@ -226,8 +226,14 @@ def test_stop_token_and_text_prompt(engine):
     stop = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[tokens[4]])
     out = engine.generate("abc", stop)[0]
     first = tokens.index(tokens[4])
-    assert out.finish_reason == "stop" and out.token_ids == tokens[:first + 1]
+    assert out.finish_reason == "stop" and out.token_ids == tokens[:first + 1] and out.stop_reason == tokens[4]
     assert out.text == engine.tokenizer.decode(tokens[:first])
+    assert engine.generate("abc", greedy)[0].stop_reason is None  # length
+    rid = engine.add_request("abc", stop)  # the step API's last output says it too
+    ends = []
+    while engine.has_unfinished():
+        ends += [o for o in engine.step() if o.finished]
+    assert [(o.rid, o.stop_reason) for o in ends] == [(rid, tokens[4])]
 
 
 def test_outputs_the_caller_detokenizes(engine):

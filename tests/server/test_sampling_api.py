@@ -69,6 +69,45 @@ def test_include_stop_str_in_output(client, reference):
     assert out.choices[0].text == full[:full.index(stop) + len(stop)] and out.choices[0].finish_reason == "stop"
 
 
+def sse(server, path: str, body: dict) -> list[dict]:
+    """The JSON chunks of a streamed response."""
+    with httpx.stream("POST", f"{server.url}{path}", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line.removeprefix("data: ")) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stop_reason_is_the_stop_that_ended_the_choice(server, reference, path, stream):
+    """As vLLM's: the stop string that matched (a string) or the stop_token_ids token that came (an int); null when
+    EOS ended it (one stop_token_ids also holds too, unless ignore_eos) or its length. Streamed: in the chunk with
+    the finish_reason, null in the others."""
+    chat = path == "/v1/chat/completions"
+    prompt = chat_ids(reference, MESSAGES) if chat else PROMPT
+    full = reference.generate(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), lora="alpha")[0]
+    stop, token, eos = full.text[3:6], full.token_ids[3], reference.eos_token_ids[0]
+    assert eos not in full.token_ids[:4]
+    cases = [({"stop": ["zzz", stop], "ignore_eos": True}, "stop", stop),
+             ({"stop_token_ids": [token], "ignore_eos": True}, "stop", token),
+             ({"logit_bias": {str(eos): 100}, "stop_token_ids": [token]}, "stop", None),
+             ({"logit_bias": {str(eos): 100}, "stop_token_ids": [eos]}, "stop", None),
+             ({"logit_bias": {str(eos): 100}, "stop_token_ids": [eos], "ignore_eos": True}, "stop", eos),
+             ({"ignore_eos": True}, "length", None)]
+    for fields, finish_reason, stop_reason in cases:
+        body = {"model": "alpha", "max_tokens": 8, "temperature": 0, **fields,
+                **({"messages": MESSAGES} if chat else {"prompt": PROMPT})}
+        if stream:
+            choices = [c["choices"][0] for c in sse(server, path, body) if c["choices"]]
+            assert all(c["stop_reason"] is None for c in choices[:-1]), choices
+            choice = choices[-1]
+        else:
+            r = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+        assert (choice["finish_reason"], choice["stop_reason"]) == (finish_reason, stop_reason), fields
+        assert type(choice["stop_reason"]) is type(stop_reason)  # the token an int, not its text
+
+
 def test_echo_with_prompt_logprobs(client, reference):
     out = client.completions.create(model="beta", prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=2)
     ids = reference.tokenizer.encode(PROMPT)
