@@ -85,6 +85,13 @@ class _Choice:
         return text
 
 
+def _usage_so_far(choice: _Choice) -> UsageInfo:
+    """continuous_usage_stats: what a chunk of one sequence reports, as vLLM's: its prompt's tokens and its own
+    completion's so far (not the other sequences' of the request)."""
+    return UsageInfo(prompt_tokens=choice.prompt_tokens, completion_tokens=choice.completion_tokens,
+                     total_tokens=choice.prompt_tokens + choice.completion_tokens)
+
+
 def _usage(choices: list[_Choice], n: int) -> UsageInfo:
     """Prompt tokens count once per prompt, not once per each of its n choices."""
     prompt = sum(c.prompt_tokens for c in choices[::n])
@@ -163,9 +170,9 @@ class OpenAIServing:
                                  sequences=per_prompt, prompt_logprobs=body.logprobs if body.echo else None)
         await self._compile_grammar(body, subs)
         echoes = await self._prompt_texts(prompts) if body.echo else [""] * len(prompts)
-        rids, queue = await self._submit(subs)
+        rids, queue, prompt_tokens = await self._submit(subs)
         head = self._head("cmpl", body.model)
-        choices = [_Choice(text=echoes[i // per_prompt]) for i in range(len(subs))]
+        choices = [_Choice(text=echoes[i // per_prompt], prompt_tokens=prompt_tokens[i]) for i in range(len(subs))]
         with_ids = self.loop.engine.tokenizer is None  # no text: the choices carry their token ids
 
         def chunk(d: Delta) -> CompletionResponse | None:
@@ -176,9 +183,9 @@ class OpenAIServing:
             if not (text or d.out.finished or entries or with_ids and d.out.token_ids):
                 return None
             logprobs = _completion_logprobs(entries, offset) if body.logprobs is not None else None
-            return CompletionResponse(**head, choices=[CompletionChoice(
-                index=d.index, text=text, logprobs=logprobs, finish_reason=choice.finish_reason,
-                stop_reason=choice.stop_reason, token_ids=d.out.token_ids if with_ids else None)])
+            return CompletionResponse(**head, usage=_usage_so_far(choice) if body.continuous_usage else None, choices=[
+                CompletionChoice(index=d.index, text=text, logprobs=logprobs, finish_reason=choice.finish_reason,
+                                 stop_reason=choice.stop_reason, token_ids=d.out.token_ids if with_ids else None)])
 
         def usage_chunk() -> CompletionResponse:
             return CompletionResponse(**head, choices=[], usage=_usage(choices, per_prompt))
@@ -208,17 +215,20 @@ class OpenAIServing:
         subs = self._submissions(body, [prompt], max_tokens, k if body.logprobs else None,
                                  add_special_tokens=False, aliases=aliases, grammar=tools.grammar)
         await self._compile_grammar(body, subs)
-        rids, queue = await self._submit(subs, aliases)
+        rids, queue, prompt_tokens = await self._submit(subs, aliases)
         head = self._head("chatcmpl", body.model)
-        choices = [_Choice() for _ in subs]
+        choices = [_Choice(prompt_tokens=p) for p in prompt_tokens]
         outputs = [tools.output() for _ in subs]
+
+        def usage_so_far(i: int) -> UsageInfo | None:
+            return _usage_so_far(choices[i]) if body.continuous_usage else None
 
         def chunk(d: Delta) -> ChatCompletionChunk | None:
             entries = choices[d.index].add(d)
             delta, reason = outputs[d.index].delta(d.out.text, d.out.finish_reason if d.out.finished else None)
             if not (delta.content or delta.tool_calls or d.out.finished or entries):
                 return None
-            return ChatCompletionChunk(**head, choices=[ChatChunkChoice(
+            return ChatCompletionChunk(**head, usage=usage_so_far(d.index), choices=[ChatChunkChoice(
                 index=d.index, delta=delta, logprobs=_chat_logprobs(entries, k) if body.logprobs else None,
                 finish_reason=reason, stop_reason=d.out.stop_reason)])
 
@@ -226,7 +236,7 @@ class OpenAIServing:
             return ChatCompletionChunk(**head, choices=[], usage=_usage(choices, body.n))
 
         if body.stream:
-            roles = [ChatCompletionChunk(**head, choices=[
+            roles = [ChatCompletionChunk(**head, usage=usage_so_far(i), choices=[
                 ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]) for i in range(len(subs))]
             return self._stream(rids, queue, chunk, roles, usage_chunk if body.include_usage else None)
         await self._collect(request, rids, queue, choices)
@@ -311,10 +321,12 @@ class OpenAIServing:
             raise APIError(400, f"{e}; use /v1/completions with a prompt", param="messages") from e
 
     async def _submit(self, subs: list[Submission], aliases: dict[str, str] | None = None
-                      ) -> tuple[list[str], asyncio.Queue]:
+                      ) -> tuple[list[str], asyncio.Queue, list[int]]:
+        """The sequences' request ids, the queue of their Deltas, and their prompts' token counts."""
         queue: asyncio.Queue = asyncio.Queue()
         try:
-            return await self.loop.submit(subs, queue), queue
+            rids, prompt_tokens = await self.loop.submit(subs, queue)
+            return rids, queue, prompt_tokens
         except Overloaded as e:
             raise APIError(503, f"the server is overloaded: {e}", type="server_error", code="overloaded") from e
         except AdapterError as e:  # unloaded since _adapter looked

@@ -210,8 +210,9 @@ class EngineLoop:
         """Run fn in the text thread (tokenizer work: chat templates, encoding, decoding)."""
         return await asyncio.wrap_future(self._text.submit(fn))
 
-    async def submit(self, subs: list[Submission], queue: asyncio.Queue) -> list[str]:
-        """Add the sequences (all or none); their Deltas, or an EngineError, go to `queue`. Raises
+    async def submit(self, subs: list[Submission], queue: asyncio.Queue) -> tuple[list[str], list[int]]:
+        """Add the sequences (all or none); their Deltas, or an EngineError, go to `queue`. Returns their request
+        ids and their prompts' token counts (a stream's first chunks report them before any Delta comes). Raises
         Overloaded, or ValueError / AdapterError naming what is wrong with a sequence."""
         if self.failure is not None:
             raise EngineError(f"the engine cannot serve any more: {self.failure}")
@@ -232,7 +233,7 @@ class EngineLoop:
             raise
         future.add_done_callback(lambda _: self._unpend(len(subs)))  # added, refused or cancelled
         try:
-            return await asyncio.wrap_future(future)
+            return await asyncio.wrap_future(future), [len(p) for p in prompts]
         except asyncio.CancelledError:  # the client left while the sequences were being added
             future.add_done_callback(lambda f: self._text.submit(self._forget, rids) if f.cancelled() or f.exception()
                                      else self.abort(f.result()))

@@ -35,7 +35,8 @@ class UsageInfo(BaseModel):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the usage of the whole request
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk has its sequence's usage so far
 
 
 class JsonSchemaFormat(BaseModel):
@@ -263,6 +264,11 @@ class SamplingRequest(RequestBody):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk: as vLLM, continuous_usage_stats counts only with include_usage."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingRequest):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 
 import httpx
@@ -78,6 +79,39 @@ def test_every_chunk_of_a_stream_has_the_same_id_and_created(client, monkeypatch
     for chunks in (list(client.completions.create(prompt=PROMPTS[0], **kwargs)),
                    list(client.chat.completions.create(messages=MESSAGES, **kwargs))):
         assert len(chunks) > 4 and len({(c.id, c.created) for c in chunks}) == 1, chunks
+
+
+def sse(server, path: str, body: dict) -> list[dict]:
+    """The JSON chunks of a streamed response."""
+    with httpx.stream("POST", f"{server.url}{path}", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line.removeprefix("data: ")) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server, reference, path):
+    """vLLM's stream_options.continuous_usage_stats, with include_usage: every chunk has the usage of its sequence so
+    far (a chat's role chunks too, before any token), then the last chunk the whole request's. Without include_usage
+    it adds nothing, as vLLM's."""
+    chat = path == "/v1/chat/completions"
+    prompt_tokens = len(chat_ids(reference, MESSAGES) if chat else reference.tokenizer.encode(PROMPTS[1]))
+    body = {"model": "alpha", "max_tokens": 5, "temperature": 0, "n": 2, "logprobs": True if chat else 0,
+            "ignore_eos": True, **({"messages": MESSAGES} if chat else {"prompt": PROMPTS[1]})}
+    chunks = sse(server, path, {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    tokens = [0, 0]
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        if (logprobs := choice["logprobs"]) is not None:  # an entry per token (a role chunk has none)
+            tokens[choice["index"]] += len(logprobs["content"] if chat else logprobs["tokens"])
+        assert chunk["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": tokens[choice["index"]],
+                                  "total_tokens": prompt_tokens + tokens[choice["index"]]}, chunk
+    assert tokens == [5, 5] and chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 10,
+                                   "total_tokens": prompt_tokens + 10}
+    if chat:
+        assert [c["usage"]["completion_tokens"] for c in chunks[:2]] == [0, 0]  # the role chunks
+    for options in ({"continuous_usage_stats": True}, {"include_usage": False, "continuous_usage_stats": True}):
+        assert all(c["usage"] is None for c in sse(server, path, {**body, "stream_options": options}))
 
 
 @pytest.mark.parametrize("model", MODELS)
