@@ -63,9 +63,13 @@ class _Choice:
     completion_tokens: int = 0
     cumulative_logprob: float = 0.0
     streamed: int = 0  # characters of text sent in stream chunks
+    prompt_only: bool = False  # echo with max_tokens 0: the prompt is the whole output (_prompt_only)
 
     def add(self, d: Delta) -> list[Entry]:
         """Take a step's output; return its token log-probabilities (the prompt's first, when it has them)."""
+        if self.prompt_only:
+            d = _prompt_only(d)
+
         def entry(t: int, lp: dict[int, float]) -> Entry:
             return d.pieces[t], lp[t], sorted(((d.pieces[u], v) for u, v in lp.items()), key=lambda x: -x[1])
         new = [entry(t, lp) if lp is not None else (d.pieces[t], None, None)
@@ -83,6 +87,15 @@ class _Choice:
         """The text not yet sent in a stream chunk, marked sent."""
         text, self.streamed = self.text[self.streamed:], len(self.text)
         return text
+
+
+def _prompt_only(d: Delta) -> Delta:
+    """An echo with max_tokens 0 runs with max_tokens 1, as vLLM's: the engine runs a prompt (and gives its logprobs)
+    only on the way to a token. Its output without that token, ended by length as max_tokens 0 asks, whatever the
+    token was."""
+    out = replace(d.out, token_ids=[], text="", logprobs=[], finish_reason="length" if d.out.finished else None,
+                  stop_reason=None, completion_tokens=0, cumulative_logprob=0.0)
+    return Delta(d.index, out, d.pieces)
 
 
 def _usage_so_far(choice: _Choice) -> UsageInfo:
@@ -166,13 +179,15 @@ class OpenAIServing:
         if not prompts:
             raise APIError(400, "the prompt is empty", param="prompt")
         per_prompt = _sequences_per_prompt(body)
-        subs = self._submissions(body, prompts, body.max_tokens, body.logprobs, add_special_tokens=body.add_special_tokens,
+        max_tokens = 1 if body.echo_only else body.max_tokens  # (the one token is dropped: _prompt_only)
+        subs = self._submissions(body, prompts, max_tokens, body.logprobs, add_special_tokens=body.add_special_tokens,
                                  sequences=per_prompt, prompt_logprobs=body.logprobs if body.echo else None)
         await self._compile_grammar(body, subs)
         echoes = await self._prompt_texts(prompts) if body.echo else [""] * len(prompts)
         rids, queue, prompt_tokens = await self._submit(subs)
         head = self._head("cmpl", body.model)
-        choices = [_Choice(text=echoes[i // per_prompt], prompt_tokens=prompt_tokens[i]) for i in range(len(subs))]
+        choices = [_Choice(text=echoes[i // per_prompt], prompt_tokens=prompt_tokens[i], prompt_only=body.echo_only)
+                   for i in range(len(subs))]
         with_ids = self.loop.engine.tokenizer is None  # no text: the choices carry their token ids
 
         def chunk(d: Delta) -> CompletionResponse | None:

@@ -286,6 +286,11 @@ class CompletionRequest(SamplingRequest):
         p = self.prompt
         return [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) alone, no completion, as vLLM's."""
+        return self.echo and self.max_tokens == 0
+
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")

@@ -131,6 +131,36 @@ def test_echo_with_prompt_logprobs(client, reference):
     assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == lp.tokens
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_echo_with_max_tokens_0_is_the_prompt_alone(server, reference, stream):
+    """As vLLM's: the prompt is the text, with its logprobs when asked, finish_reason "length" and no completion
+    tokens (the one the engine generates to run the prompt is not part of the output)."""
+    prompts = [PROMPT, "naïve café"]
+    lengths = [len(reference.tokenizer.encode(p)) for p in prompts]
+    body = {"model": "beta", "prompt": prompts, "echo": True, "logprobs": 2, "temperature": 0}
+    generated = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 4}, timeout=60).json()
+    usage = {"prompt_tokens": sum(lengths), "completion_tokens": 0, "total_tokens": sum(lengths)}
+    if stream:
+        chunks = sse(server, "/v1/completions", {**body, "max_tokens": 0, "stream_options": {"include_usage": True}})
+        choices = sorted((c["choices"][0] for c in chunks if c["choices"]), key=lambda c: c["index"])
+        assert chunks[-1]["usage"] == usage
+    else:
+        r = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        choices, usage_got = r.json()["choices"], r.json()["usage"]
+        assert usage_got == usage
+    assert [(c["index"], c["finish_reason"], c["stop_reason"]) for c in choices] == [(0, "length", None),
+                                                                                    (1, "length", None)]
+    assert [c["text"] for c in choices] == prompts
+    for choice, whole, n in zip(choices, generated["choices"], lengths):  # the prompt's, as with a completion after it
+        assert choice["logprobs"] == {k: v[:n] for k, v in whole["logprobs"].items()}
+    plain = httpx.post(f"{server.url}/v1/completions", json={"model": "beta", "prompt": PROMPT, "echo": True,
+                                                             "max_tokens": 0}, timeout=60).json()["choices"][0]
+    assert (plain["text"], plain["logprobs"]) == (PROMPT, None)
+    error(httpx.post(f"{server.url}/v1/completions", json={"model": "beta", "prompt": PROMPT, "max_tokens": 0}),
+          "max_tokens", ">= 1")  # without echo, as vLLM: nothing to return
+
+
 def test_best_of_returns_the_n_most_likely(client, reference):
     out = client.completions.create(model="alpha", prompt=PROMPT, max_tokens=6, temperature=1.2, seed=40, n=2, best_of=5)
     seqs = [reference.generate(PROMPT, SamplingParams(max_tokens=6, temperature=1.2, seed=40 + k), lora="alpha")[0]
