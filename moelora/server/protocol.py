@@ -33,12 +33,6 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False  # a last chunk with the usage of the whole request
-    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk has its sequence's usage so far
-
-
 class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     name: str | None = None
@@ -92,6 +86,12 @@ class RequestBody(BaseModel):
                 raise PydanticCustomError("invalid_unicode", "{where} is not valid Unicode (a lone surrogate)",
                                           {"where": where, "param": str(path[0])})
         return data
+
+
+class StreamOptions(RequestBody):  # its nulls too stand for the defaults, as vLLM's
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False  # a last chunk with the usage of the whole request
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk has its sequence's usage so far
 
 
 def _first_bad_string(value: Any, path: tuple = ()) -> tuple | None:

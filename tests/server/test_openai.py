@@ -110,7 +110,8 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server, refe
                                    "total_tokens": prompt_tokens + 10}
     if chat:
         assert [c["usage"]["completion_tokens"] for c in chunks[:2]] == [0, 0]  # the role chunks
-    for options in ({"continuous_usage_stats": True}, {"include_usage": False, "continuous_usage_stats": True}):
+    for options in ({"continuous_usage_stats": True}, {"include_usage": False, "continuous_usage_stats": True},
+                    {"include_usage": None, "continuous_usage_stats": None}):  # null: the default, as vLLM's
         assert all(c["usage"] is None for c in sse(server, path, {**body, "stream_options": options}))
 
 
