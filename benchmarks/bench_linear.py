@@ -11,6 +11,7 @@ For each shape and number of rows M it reports, all measured in one run on one d
     python3 benchmarks/bench_linear.py                        # all shapes, markdown table to stdout
     python3 benchmarks/bench_linear.py --sweep 1,4096         # also time candidate tiles at M = 1 and 4096
     python3 benchmarks/bench_linear.py --split-sweep 1,8      # also time other split counts at M = 1 and 8
+    python3 benchmarks/bench_linear.py --lora --rows 1,8,32   # the dense LoRA's cost instead (lora_linear, rank 16)
     python3 benchmarks/bench_linear.py --shapes tiny          # CPU-sized smoke run (torch path on CPU)
 """
 from __future__ import annotations
@@ -30,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 
 from moelora.kernels import linear as linear_module
 from moelora.kernels.linear import LinearConfig, default_config, k_splits, linear
-from tests.support import assert_rows_close, rel_tolerance
+from moelora.kernels.lora_linear import align_tokens_by_slot, lora_linear
+from tests.support import assert_rows_close, random_linear_lora, rel_tolerance
 
 SHAPES = {  # in features K, out features N
     "qkv": (2048, 5120),
@@ -39,6 +41,8 @@ SHAPES = {  # in features K, out features N
     "lm_head": (2048, 151936),
     "tiny": (512, 80),  # 4 K splits in fp32 (the CPU's dtype)
 }
+LORA_PARTS = {"qkv": (4096, 512, 512), "o": (2048,), "tiny": (48, 32)}  # the parts each LoRA module adapts
+LORA_SLOTS, LORA_RANK = 8, 16
 STREAMED_BYTES = 2e8  # weight copies per timed call: at least this much, 4x the L2 of an H100/H200
 SPLIT_PROGRAMS = (64, 128, 256, 512, 1024)  # --split-sweep: values of the rule's program target tried
 
@@ -72,9 +76,13 @@ def main():
     p.add_argument("--sweep", default="", help="M values at which to also time candidate tiles (tuning aid)")
     p.add_argument("--split-sweep", default="", help="M values at which to also time the K-split rule with "
                    f"its program target at {SPLIT_PROGRAMS} (tuning aid)")
+    p.add_argument("--lora", action="store_true", help="time the projection with rank-16 LoRA of 1 and of 8 "
+                   "adapters (tokens round-robin) against without, as the engine runs it (lora_linear)")
     args = p.parse_args()
     device, dtype, name, mm, bw = machine()
     torch.manual_seed(0)
+    if args.lora:
+        return lora_table(args, device, dtype, name, bw)
     print(f"# moelora dense GEMM benchmark, {name}, {datetime.date.today()}, torch {torch.__version__}, {dtype}")
     print(f"measured copy bandwidth {bw / 1e12:.2f} TB/s (read+write), {dtype} matmul {mm / 1e12:.0f} TFLOP/s\n")
     print("| shape | M | torch us | ours us | ours/torch | BW floor us | ours % of floor | ours TFLOP/s (% matmul) "
@@ -102,6 +110,41 @@ def main():
         for m in split_rows:
             split_sweep(weights, m, shape, device, dtype, bw)
         del weights
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def lora_table(args, device, dtype, name, bw) -> None:
+    """The dense LoRA's cost per projection: lora_linear (the shrink in the GEMM's launch up to 256 rows, the
+    expand in its epilogue) with every token on one adapter, and round-robin over 8, against the plain GEMM;
+    slot buffers of LORA_SLOTS adapters of rank LORA_RANK per weight copy, the tokens' slot blocks aligned once
+    (the engine aligns them once per step)."""
+    print(f"# moelora dense LoRA cost, {name}, {datetime.date.today()}, torch {torch.__version__}, {dtype}")
+    print(f"measured copy bandwidth {bw / 1e12:.2f} TB/s; {LORA_SLOTS} slots of rank {LORA_RANK} per weight copy\n")
+    print("| shape | M | no LoRA us | 1 adapter us | delta us | 8 adapters us | delta us |")
+    print("|---|---|---|---|---|---|---|")
+    for shape_name in args.shapes.split(","):
+        if shape_name not in LORA_PARTS:
+            continue
+        shape, parts = SHAPES[shape_name], LORA_PARTS[shape_name]
+        weights = weight_copies(shape, dtype, device)
+        loras = [random_linear_lora(shape[0], parts, [[LORA_RANK] * len(parts)] * LORA_SLOTS, dtype, device)
+                 for _ in weights]
+        for m in map(int, args.rows.split(",")):
+            x = torch.randn(m, shape[0], device=device, dtype=dtype)
+            times = [time_per_copy(linear, x, weights)]
+            for adapters in (1, LORA_SLOTS):
+                slots = (torch.arange(m, device=device) % adapters).to(torch.int32)
+                blocks = align_tokens_by_slot(slots, LORA_SLOTS) if device == "cuda" else None  # CPU: torch path
+                assert_rows_close(lora_linear(x, weights[0], None, loras[0], parts, slots, blocks=blocks),
+                                  lora_linear(x, weights[0], None, loras[0], parts, slots, impl="torch"),
+                                  rel_tolerance(dtype, device), "benchmark check")
+                times.append(measure(lambda: [lora_linear(x, w, None, lora, parts, slots, blocks=blocks)
+                                              for w, lora in zip(weights, loras)]) / len(weights))
+            base, one, many = (t * 1e6 for t in times)
+            print(f"| {shape_name} {shape[0]}->{shape[1]} | {m} | {base:.1f} | {one:.1f} | {one - base:.1f} "
+                  f"| {many:.1f} | {many - base:.1f} |", flush=True)
+        del weights, loras
         if device == "cuda":
             torch.cuda.empty_cache()
 

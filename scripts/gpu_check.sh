@@ -4,5 +4,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_common.sh /tmp/gpu_check
-timeout ${TEST_TIMEOUT:-900} python3 -m pytest -q $PARALLEL --maxfail=20 -p no:cacheprovider tests/kernels tests/layers 2>&1 | tee "$OUT/pytest.log" | tail -25
+# -rf: the failures' names in the summary; each failure's line also as it happens, should the time limit cut the run
+timeout ${TEST_TIMEOUT:-900} python3 -m pytest -v -rf $PYTEST_FLAGS --maxfail=20 -p no:cacheprovider tests/kernels tests/layers 2>&1 \
+  | tee "$OUT/pytest.log" | grep -E "FAILED|ERROR|Timeout|passed|failed" | tail -40
 python3 benchmarks/bench_moe.py "$@" 2>&1 | tee "$OUT/bench.md"

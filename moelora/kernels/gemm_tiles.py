@@ -75,14 +75,15 @@ def arrive(counter_ptrs, mask=None):
 
 @triton.jit
 def wait_arrivals(counter_ptr, arrivals, num_readers):
-    """Wait until `arrivals` programs have counted in at counter_ptr with `arrive` (acquire; the barrier puts
-    every thread's later loads after it: read what they wrote with cache_modifier=".cg"). The counting
-    programs must have lower program ids than every waiting one: the hardware dispatches them first and they
-    never wait, so they finish whatever the waiting programs do. Then each of the num_readers waiting programs
-    counts itself in; the last one, after which no program of the launch touches the counter, puts it back
-    to 0 for the next launch (no memset launch)."""
-    while tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu") < arrivals:
+    """Wait until `arrivals` programs have counted in at counter_ptr with `arrive`. The counting programs must
+    have lower program ids than every waiting one: the hardware dispatches them first and they never wait, so
+    they finish whatever the waiting programs do. Then each of the num_readers waiting programs counts itself
+    in (acquire: read what the arrivals wrote after it, with cache_modifier=".cg"; the barrier puts every
+    thread's loads after it); the last one, after which no program of the launch touches the counter, puts it
+    back to 0 for the next launch (no memset launch). The wait polls with plain loads, which do not queue with
+    the arrivals' atomics on the counter's address as polling atomics do."""
+    while tl.load(counter_ptr, volatile=True) < arrivals:
         pass
-    if tl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu") == arrivals + num_readers - 1:
+    if tl.atomic_add(counter_ptr, 1, sem="acquire", scope="gpu") == arrivals + num_readers - 1:
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
     tl.debug_barrier()

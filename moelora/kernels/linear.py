@@ -145,17 +145,18 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, str
     else program (tile, 0) runs the splits one after the other. HAS_LORA: each row's LoRA delta is added to
     the sum before the bias and the rounding (`add_linear_lora`; the xa_ptr.. arguments are its).
     HAS_SHRINK: programs (0..num_shrink - 1, 0) are the shrink that writes xa (`shrink_linear_block`; the
-    a_ptr.. arguments), each counting itself in at done_ptr, and the tiles' programs come after them."""
+    a_ptr.. arguments), the one that finishes each (block, part) counting in at done_ptr, and the tiles'
+    programs come after them."""
     wait_for_previous_kernel(PDL)
     tile = tl.program_id(0)
     if HAS_SHRINK:
         if tile < num_shrink:
             if tl.program_id(1) == 0:  # the split axis of parallel tiles: one program per shrink block
-                shrink_linear_block(tile, x_ptr, a_ptr, lora_ranks_ptr, xa_part_ptr, xa_ptr, shrink_count_ptr,
-                                    sorted_ids_ptr, block_slot_ptr, M, K, stride_xm, stride_as, stride_ap, stride_ar,
-                                    len(PART_BOUNDS) - 1, SHRINK_SPLITS, SHRINK_SPLIT_K, SHRINK_BLOCK_M,
-                                    SHRINK_BLOCK_K, BLOCK_R)
-                arrive(done_ptr)  # after the xa stores of its block if it was the last split
+                if shrink_linear_block(tile, x_ptr, a_ptr, lora_ranks_ptr, xa_part_ptr, xa_ptr, shrink_count_ptr,
+                                       sorted_ids_ptr, block_slot_ptr, M, K, stride_xm, stride_as, stride_ap,
+                                       stride_ar, len(PART_BOUNDS) - 1, SHRINK_SPLITS, SHRINK_SPLIT_K,
+                                       SHRINK_BLOCK_M, SHRINK_BLOCK_K, BLOCK_R):
+                    arrive(done_ptr)  # after its xa stores: one arrival per (block, part), fewer atomics on one counter
             return
         tile -= num_shrink
     pid_m, pid_n = grouped_tile(tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -186,7 +187,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, str
     if last:
         if HAS_LORA:
             if HAS_SHRINK:  # every tile's finishing program counts in: the last puts the counter back to 0
-                wait_arrivals(done_ptr, num_shrink, tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N))
+                wait_arrivals(done_ptr, num_shrink // SHRINK_SPLITS, tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N))
             acc = add_linear_lora(acc, offs_m, m_mask, pid_n * BLOCK_N, xa_ptr, lora_b_ptr, lora_ranks_ptr,
                                   slots_ptr, num_slots, stride_lbs, stride_lbr, PART_BOUNDS, BLOCK_N, BLOCK_R,
                                   BLOCK_S)

@@ -53,13 +53,15 @@ def shrink_linear_block(pid, x_ptr, a_ptr, ranks_ptr, part_ptr, xa_ptr, count_pt
     :rank]^T) for the BLOCK_M tokens of one block of `align_tokens_by_slot`, K in SPLITS splits of SPLIT_K. With
     more than one split each program writes its fp32 partial to part [n, part, split, :] and the last of the
     (block, part)'s programs to arrive adds them up in split order and rounds once to xa's dtype. Blocks of no
-    slot (-1) and parts of rank 0 read and write nothing."""
+    slot (-1) and parts of rank 0 read and write nothing. Returns whether this program finished its (block,
+    part): the one that stored its xa, or split 0 of one with nothing to do."""
     block, part, split = pid // (P * SPLITS), pid // SPLITS % P, pid % SPLITS
+    finished = split == 0
     slot = tl.load(block_slot_ptr + block)
+    tokens = tl.load(sorted_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))  # beside the slot's: one round trip
     if slot >= 0:
         rank = tl.load(ranks_ptr + slot * P + part)
         if rank > 0:
-            tokens = tl.load(sorted_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
             row_ok = tokens < num_tokens
             offs_k, offs_r = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_R)
             x_ptrs = x_ptr + tokens.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
@@ -76,12 +78,14 @@ def shrink_linear_block(pid, x_ptr, a_ptr, ranks_ptr, part_ptr, xa_ptr, count_pt
                              + offs_r[None, :])
                 tl.store(part_ptrs + split * BLOCK_R, xa, mask=row_ok[:, None])
                 counter = count_ptr + block * P + part
-                if arrive(counter) == SPLITS - 1:
+                finished = arrive(counter) == SPLITS - 1
+                if finished:
                     tl.store(counter, 0)  # no other program touches it in this launch: zero for the next
                     xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
                     for s in tl.static_range(SPLITS):
                         xa += tl.load(part_ptrs + s * BLOCK_R, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
                     tl.store(out_ptrs, xa.to(xa_ptr.dtype.element_ty), mask=row_ok[:, None])
+    return finished
 
 
 @triton.jit
