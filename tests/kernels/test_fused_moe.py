@@ -282,10 +282,12 @@ def test_pair_blocks_past_the_ready_counters(device, monkeypatch):
                   config=dataclasses.replace(default_config(1, 2, 4, DTYPES[0], lora=True), pair_blocks=True))
 
 
-@pytest.mark.parametrize("tokens", [1, 8])
-def test_register_cap_reaches_the_gemm_launches(tokens, device, monkeypatch):
-    """Pair blocks cap the GEMM kernels' registers (MoEKernelConfig.max_registers), so the epilogues of large rank
-    tiles do not set every program's occupancy; aligned blocks leave the compiler's choice."""
+@pytest.mark.parametrize("tokens, slot_ranks, with_lora", [(1, SLOT_RANKS, True), (8, SLOT_RANKS, True),
+                                                          (1, [16, 8], True), (1, SLOT_RANKS, False)])
+def test_register_cap_reaches_the_gemm_launches(tokens, slot_ranks, with_lora, device, monkeypatch):
+    """Pair blocks cap the GEMM kernels' registers (MoEKernelConfig.max_registers) when they hold the epilogues of
+    rank tiles past the smallest, so those do not set every program's occupancy; aligned blocks, the smallest
+    rank tile alone and no LoRA leave the compiler's choice."""
     launches = []
 
     class Recorder:
@@ -300,8 +302,10 @@ def test_register_cap_reaches_the_gemm_launches(tokens, device, monkeypatch):
 
     for name in ("gate_up_kernel", "down_kernel"):
         monkeypatch.setattr(launcher, name, Recorder(getattr(launcher, name)))
-    x, w13, w2, topk, lora, slots = _case(tokens, 64, 32, 4, 2, DTYPES[0], device)
-    cfg = default_config(tokens, 2, 4, DTYPES[0], lora=True)
+    x, w13, w2, topk, lora, slots = _case(tokens, 64, 32, 4, 2, DTYPES[0], device, slot_ranks=slot_ranks)
+    lora = lora if with_lora else None
+    cfg = default_config(tokens, 2, 4, DTYPES[0], lora=with_lora)
     got = fused_moe(x, w13, w2, topk, lora, slots, impl="triton", config=cfg)
     assert_rows_close(got, fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(DTYPES[0], device))
-    assert launches == [128, 128] if tokens == 1 else launches == [None, None]
+    capped = tokens == 1 and with_lora and max(slot_ranks) > 16
+    assert launches == ([128, 128] if capped else [None, None])

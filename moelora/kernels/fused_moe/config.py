@@ -43,9 +43,11 @@ class MoEKernelConfig:
     # from this many pairs on, one launch sums the LoRA partials per row before the GEMMs read them, instead
     # of every (block, n-tile) program summing its rows' partials itself
     reduce_partials_min_pairs: int = 512
-    # registers per thread the GEMM kernels may use (None: the compiler's choice). The kernels hold a LoRA
-    # epilogue per rank tile up to the slot buffers' (tiles.takes_rank_tile); the largest one's registers would
-    # set the occupancy of every program, also of blocks whose ranks take a small tile
+    # registers per thread the GEMM kernels may use when they hold LoRA epilogues of more than one rank tile
+    # (None: the compiler's choice). The kernels hold an epilogue per rank tile up to the slot buffers'
+    # (tiles.takes_rank_tile); the largest one's registers would set the occupancy of every program, also of
+    # blocks whose ranks take a small tile. Without LoRA, or with the smallest tile alone, the cap slowed the
+    # kernels at decode (benchmarks/RESULTS.md)
     max_registers: int | None = None
 
 

@@ -54,8 +54,6 @@ def fused_moe_triton(
     common = dict(HAS_LORA=lora is not None, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                   PARTS=SUM_PARTS, PAIR_BLOCKS=cfg.pair_blocks, HALF_TILES=cfg.half_tiles,
                   TOP_K_P=triton.next_power_of_2(top_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
-    if cfg.max_registers is not None:
-        common["maxnreg"] = cfg.max_registers
     if cfg.pair_blocks:  # block p = pair p: its expert is topk.ids[p]; no sorted ids or row count to read
         blocks = AlignedBlocks(topk.ids, topk.ids.view(-1), topk.ids, cfg.block_m)
     num_shrink, ready = 0, topk.ids  # gate/up shrink programs in the gate_up launch (then it reads `ready`)
@@ -106,6 +104,8 @@ def fused_moe_triton(
         if not cfg.pair_blocks:  # (with pair blocks xa is written in the gate_up launch that reads it)
             xa, num_splits = reduce_partials(xa.view(num_pairs * 2, num_splits, block_r), topk.ids, slots, ranks, 0,
                                              num_pairs >= cfg.reduce_partials_min_pairs)
+    if cfg.max_registers is not None and rank_tiles > 1:  # the cap is for the larger rank tiles' epilogues
+        common["maxnreg"] = cfg.max_registers
     num_m = blocks.block_expert.numel()
     grid_gate_up = num_m * num_n_gate_up
     gate_up_kernel[(num_shrink + grid_gate_up,)](
