@@ -59,8 +59,9 @@ def _unfused(positions, q, k, v, caches, loc, inv_freq, scale, interleaved, norm
 
 def _check(positions, q, k, v, loc, rope, interleaved, norms, cache_dtype, slots) -> torch.Tensor:
     """The rotated q of the fused kernel, checked against the unfused Triton chain bit for bit (q and both
-    caches, NaNs of unwritten slots included), against the torch reference within the dtype's tolerance,
-    inputs left as they were."""
+    caches, NaNs of unwritten slots included; on a GPU with an fp32 q and a norm, within the tolerance: the
+    compiler lays out the norm's sums of squares differently there, see kernels/rope_kv_store.py), against the
+    torch reference within the dtype's tolerance, inputs left as they were."""
     head_dim, device = q.shape[-1], q.device
     inv_freq, scale = rope_frequencies(head_dim, rope, 4096)
     rope_args = (inv_freq.to(device), scale, interleaved)
@@ -71,9 +72,17 @@ def _check(positions, q, k, v, loc, rope, interleaved, norms, cache_dtype, slots
     assert all(torch.equal(a, b) for a, b in zip(inputs, (positions, q, k, v, loc))), "inputs must be left as they were"
     want = _unfused(positions, q, k, v, chain, loc, *rope_args, norms, impl="triton")
     assert got.is_contiguous() and got.dtype == want.dtype and got.shape == q.shape
-    assert torch.equal(_bits(got), _bits(want)), "q differs from the unfused chain's"
-    for name, g, w in zip("kv", fused, chain):
-        assert torch.equal(_bits(g), _bits(w)), f"{name} cache differs from the unfused chain's"
+    if device.type == "cuda" and q.dtype == torch.float32 and norms is not None:
+        tol = 16 * torch.finfo(torch.float32).eps  # a few ulps: one sum of squares rounded in another order
+        assert_rows_close(got.flatten(0, 1), want.flatten(0, 1), tol, "q against the unfused chain")
+        for name, g, w in zip("kv", fused, chain):
+            assert torch.equal(g.isnan(), w.isnan()), f"{name} cache: other slots written than the unfused chain's"
+            assert_rows_close(g.nan_to_num().flatten(0, 1), w.nan_to_num().flatten(0, 1), max(tol, rel_tolerance(
+                cache_dtype, device)), f"{name} cache against the unfused chain")
+    else:
+        assert torch.equal(_bits(got), _bits(want)), "q differs from the unfused chain's"
+        for name, g, w in zip("kv", fused, chain):
+            assert torch.equal(_bits(g), _bits(w)), f"{name} cache differs from the unfused chain's"
 
     ref_q = rope_store_kv(positions, q, k, v, *ref, loc, *rope_args, q_norm, k_norm, impl="torch")
     # the norm and the rotation each round within rel_tolerance of torch's; the norm rounds x * rsqrt(mean x^2)
