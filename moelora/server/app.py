@@ -179,6 +179,8 @@ class OpenAIServing:
         if not prompts:
             raise APIError(400, "the prompt is empty", param="prompt")
         per_prompt = _sequences_per_prompt(body)
+        if body.echo_only and body.min_tokens > 0:  # checked here: the engine is asked for the 1 token dropped
+            raise APIError(400, f"min_tokens must be in [0, max_tokens=0], got {body.min_tokens}", param="min_tokens")
         max_tokens = 1 if body.echo_only else body.max_tokens  # (the one token is dropped: _prompt_only)
         subs = self._submissions(body, prompts, max_tokens, body.logprobs, add_special_tokens=body.add_special_tokens,
                                  sequences=per_prompt, prompt_logprobs=body.logprobs if body.echo else None)

@@ -159,6 +159,9 @@ def test_echo_with_max_tokens_0_is_the_prompt_alone(server, reference, stream):
     assert (plain["text"], plain["logprobs"]) == (PROMPT, None)
     error(httpx.post(f"{server.url}/v1/completions", json={"model": "beta", "prompt": PROMPT, "max_tokens": 0}),
           "max_tokens", ">= 1")  # without echo, as vLLM: nothing to return
+    error(httpx.post(f"{server.url}/v1/completions", json={"model": "beta", "prompt": PROMPT, "echo": True,
+                                                           "max_tokens": 0, "min_tokens": 2}),
+          "min_tokens", "max_tokens=0")  # the user's max_tokens, not the one the echo asks the engine for
 
 
 def test_best_of_returns_the_n_most_likely(client, reference):
