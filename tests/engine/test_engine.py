@@ -1,12 +1,15 @@
 """Engine behaviour on the tiny Qwen3-MoE: batch invariance (with chunked prefill and retraction),
 the step API, aborts, per-request errors, n > 1, logprobs and stop tokens."""
 import gc
+import shutil
 import weakref
 from dataclasses import replace
 
 import pytest
 import torch
+from transformers import AutoTokenizer, GenerationConfig
 
+from moelora.engine.engine import Engine
 from moelora.engine.sampling_params import SamplingParams
 from moelora.lora import AdapterError
 
@@ -234,6 +237,28 @@ def test_stop_token_and_text_prompt(engine):
     while engine.has_unfinished():
         ends += [o for o in engine.step() if o.finished]
     assert [(o.rid, o.stop_reason) for o in ends] == [(rid, tokens[4])]
+
+
+def test_the_models_other_eos_tokens_end_requests_as_stop_tokens(checkpoint, tokenizer_dir, tmp_path):
+    """As vLLM: the tokenizer's EOS ends a request as EOS (stop_reason None); the model's other EOS tokens
+    (generation_config.json lists more) end it as stop_token_ids do, stop_reason naming the token, also in the
+    caller's detokenizer; under ignore_eos neither ends it."""
+    model = tmp_path / "model"
+    shutil.copytree(checkpoint(FAMILY), model)
+    eos = AutoTokenizer.from_pretrained(tokenizer_dir).eos_token_id
+    other = 77
+    GenerationConfig(eos_token_id=[eos, other]).save_pretrained(model)
+    engine = Engine(str(model), device="cpu", dtype="float32", tokenizer_path=str(tokenizer_dir))
+    assert set(engine.eos_token_ids) == {eos, other}
+    for token, stop_reason in ((eos, None), (other, other)):
+        push = SamplingParams(max_tokens=5, temperature=0.0, logit_bias={token: 100})
+        out = engine.generate(PROMPTS[0], push)[0]
+        assert (out.token_ids, out.finish_reason, out.stop_reason) == ([token], "stop", stop_reason)
+        detokenizer = engine.output_detokenizer(PROMPTS[0], push)
+        detokenizer.add(token)
+        assert (detokenizer.finish_reason, detokenizer.stop_reason) == ("stop", stop_reason)
+        out = engine.generate(PROMPTS[0], replace(push, ignore_eos=True))[0]
+        assert out.token_ids == [token] * 5 and out.finish_reason == "length"
 
 
 def test_outputs_the_caller_detokenizes(engine):
