@@ -8,5 +8,6 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_common.sh /tmp/gpu_engine_check
 timeout -k 10 ${TEST_TIMEOUT:-270} python3 -m pytest -v -rf $PYTEST_FLAGS --durations=10 --maxfail=20 -p no:cacheprovider -m gpu \
-  tests/engine/test_engine_gpu*.py tests/engine/test_engine.py tests/engine/test_cuda_graph.py tests/engine/test_pauses.py 2>&1 | tee "$OUT/pytest.log" | grep -E "FAILED|ERROR|Timeout|passed|failed|s call " | tail -40
+  tests/engine/test_engine_gpu*.py tests/engine/test_engine.py tests/engine/test_cuda_graph.py tests/engine/test_pauses.py \
+  2>&1 | tee "$OUT/pytest.log" | grep -E "FAILED|ERROR|Timeout|passed|failed|s call " | tail -40
 timeout -k 10 ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_serving.py "$@" 2>&1 | tee "$OUT/bench_serving.md"

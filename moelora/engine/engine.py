@@ -101,9 +101,9 @@ class Engine:
         self.eos_token_ids = _eos_token_ids(self.config.model_path, self.tokenizer)
         # as vLLM: only the tokenizer's EOS ends a request as EOS (stop_reason None); the model's others
         # (generation_config.json: Qwen's <|endoftext|> beside <|im_end|>) end it as stop_token_ids do
-        tokenizer_eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
-        self._eos_proper = [t for t in self.eos_token_ids if t == tokenizer_eos]
-        self._eos_as_stops = tuple(t for t in self.eos_token_ids if t != tokenizer_eos)
+        own_eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
+        self._tokenizer_eos = [t for t in self.eos_token_ids if t == own_eos]
+        self._eos_as_stops = tuple(t for t in self.eos_token_ids if t != own_eos)
         self.vocab_size = self.runner.model.config.vocab_size
         self.scheduler = Scheduler(self.config, KVPool(self.runner.kv.num_slots, self.config.max_running_requests))
         self._seeds = random.Random(self.config.random_seed)  # for requests without a seed
@@ -228,8 +228,8 @@ class Engine:
         """Text and stop strings of the outputs of a request added with detokenize=False, for its caller's
         thread: fed every output token, and finish(reason) when the engine ends the request ("stop" by a
         grammar, "length") without it having finished on its own."""
-        return IncrementalDetokenizer(self.tokenizer, prompt_ids, replace(self._with_eos_stops(params), max_tokens=None),
-                                      self._eos_proper)
+        params = replace(self._with_eos_stops(params), max_tokens=None)
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, params, self._tokenizer_eos)
 
     def _with_eos_stops(self, params: SamplingParams) -> SamplingParams:
         """params with the model's EOS tokens besides the tokenizer's among its stop_token_ids (none under
@@ -373,7 +373,7 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         # without the tokenizer it decides only the stop-token and length finishes
         params = self._with_eos_stops(params)
-        detokenizer = IncrementalDetokenizer(self.tokenizer if detokenize else None, ids, params, self._eos_proper)
+        detokenizer = IncrementalDetokenizer(self.tokenizer if detokenize else None, ids, params, self._tokenizer_eos)
         return Req(rid or uuid.uuid4().hex, ids, params, lora, seed, detokenizer, return_prompt_logprobs,
                    grammar=grammar, allowed_tokens=allowed, arrival=time.perf_counter())
 

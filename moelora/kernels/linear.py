@@ -156,7 +156,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, str
                                        sorted_ids_ptr, block_slot_ptr, M, K, stride_xm, stride_as, stride_ap,
                                        stride_ar, len(PART_BOUNDS) - 1, SHRINK_SPLITS, SHRINK_SPLIT_K,
                                        SHRINK_BLOCK_M, SHRINK_BLOCK_K, BLOCK_R):
-                    arrive(done_ptr)  # after its xa stores: one arrival per (block, part), fewer atomics on one counter
+                    arrive(done_ptr)  # after its xa stores: one arrival per (block, part)
             return
         tile -= num_shrink
     pid_m, pid_n = grouped_tile(tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
