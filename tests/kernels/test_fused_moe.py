@@ -207,28 +207,34 @@ def test_pair_blocks_lora_equal_aligned_blocks(token_slots, dtype, device, poiso
     assert torch.equal(got[slots < 0], base[slots < 0])
 
 
+@pytest.mark.parametrize("small", [0, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_row_bits_do_not_depend_on_rank_tiles(dtype, device, poison):
+def test_row_bits_do_not_depend_on_rank_tiles(small, dtype, device, poison):
     """Each block runs its LoRA on the smallest rank tile (16, 32, ..., the buffers' 64) that holds its rows'
-    ranks. A rank-8 row gets the same bits on a 16-column tile (its adapter alone), on a 64-column one
-    (blocks shared with rank-24 and rank-64 rows), with buffers whose tile is 16 (no larger adapter loaded),
-    and at T = 1 (a block per pair)."""
-    x, w13, w2, topk, lora, _ = _case(24, 72, 40, 3, 2, dtype, device, coverage=1.0, slot_ranks=[8, 24, 64])
+    ranks. A rank-8 row gets the same bits on a 16-column tile (its adapter alone), on a 64-column one (blocks
+    shared with rank-24 and rank-64 rows, whose first slot it is (small = 0) or whose last (small = 2): the
+    epilogues treat the first slot apart), with buffers whose tile is 16 (no larger adapter loaded), and at T = 1
+    (a block per pair)."""
+    slot_ranks = [8, 24, 64] if small == 0 else [64, 24, 8]
+    x, w13, w2, topk, lora, _ = _case(24, 72, 40, 3, 2, dtype, device, coverage=1.0, slot_ranks=slot_ranks)
     topk = TopKOutput(topk.weights, topk.ids.clamp(0, 2).contiguous())  # every pair routed: blocks mix slots
     slots = (torch.arange(24, device=device) % 3).to(torch.int32)
     mixed = fused_moe(x, w13, w2, topk, lora, slots, impl="triton")
     assert_rows_close(mixed, fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(dtype, device))
-    own = slots == 0
+    own = slots == small
     alone_topk = TopKOutput(topk.weights[own].contiguous(), topk.ids[own].contiguous())
     alone = fused_moe(x[own].contiguous(), w13, w2, alone_topk, lora, slots[own].contiguous(), impl="triton")
     assert torch.equal(alone, mixed[own]), "a rank-8 row changed with the rank tile of its blocks"
-    ranks = lora.ranks.clone()
-    ranks[:, 1:] = 0  # only the rank-8 adapter loaded: buffers' tile 16
-    small = dataclasses.replace(lora, ranks=ranks, max_rank_in_use=8)
-    assert torch.equal(fused_moe(x[own].contiguous(), w13, w2, alone_topk, small, slots[own].contiguous(),
+    ranks = torch.zeros_like(lora.ranks)
+    ranks[:, small] = lora.ranks[:, small]  # only the rank-8 adapter loaded: buffers' tile 16
+    only_small = dataclasses.replace(lora, ranks=ranks, max_rank_in_use=8)
+    assert torch.equal(fused_moe(x[own].contiguous(), w13, w2, alone_topk, only_small, slots[own].contiguous(),
                                  impl="triton"), alone), "a rank-8 row changed with the slot buffers' tile"
-    one = fused_moe(x[:1], w13, w2, TopKOutput(topk.weights[:1], topk.ids[:1]), lora, slots[:1], impl="triton")
-    assert torch.equal(one, mixed[:1]), "a rank-8 row changed between pair blocks and aligned blocks"
+    first = int(own.nonzero()[0])
+    one = fused_moe(x[first:first + 1], w13, w2, TopKOutput(topk.weights[first:first + 1],
+                                                          topk.ids[first:first + 1]), lora, slots[first:first + 1],
+                    impl="triton")
+    assert torch.equal(one, mixed[first:first + 1]), "a rank-8 row changed between pair blocks and aligned blocks"
 
 
 def test_all_pairs_dropped_gives_zero(device, poison):
