@@ -15,7 +15,7 @@ run_tests() {
 # the model-family file's tests each build their own engines and no module fixture: spread over workers of their
 # own beside the other files (in one worker they took over 300 s, the other files under 250 s)
 run_tests $PYTEST_FLAGS $FILES > "$OUT/pytest.log" 2>&1 &
-run_tests ${PYTEST_FLAGS/-n ${TEST_WORKERS:-8} --dist loadfile/-n 4 --dist load} $MODELS > "$OUT/pytest_models.log" 2>&1
+run_tests $(pytest_flags 4 load) $MODELS > "$OUT/pytest_models.log" 2>&1
 wait
 grep -hE "FAILED|ERROR|Timeout|passed|failed|s call " "$OUT/pytest.log" "$OUT/pytest_models.log" | tail -40
 timeout -k 10 ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_serving.py "$@" 2>&1 | tee "$OUT/bench_serving.md"
