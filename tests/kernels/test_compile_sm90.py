@@ -6,6 +6,7 @@ software-pipeline). Arguments are annotated as 16-divisible, as Triton specialis
 for the real model shapes. The compiler runs in a subprocess: the test session itself has Triton in
 interpreter mode.
 """
+import dataclasses
 import json
 import os
 import re
@@ -97,9 +98,11 @@ def compile_all() -> list[dict]:
     """Every kernel in every default config; one summary per compiled kernel."""
     results = []
     # every row of the tile table, with LoRA (pair blocks, blocks of 16, 32, 64 rows, prefill) and without (pair
-    # blocks, 16, 64, 128 rows, prefill)
+    # blocks, 16, 64, 128 rows, prefill); and the 32-row LoRA one with its slot loops unpipelined, to compare
     configs = {(fm_config.default_config(tokens, 8, 128, torch.bfloat16, lora=lora), lora)
                for tokens in (1, 32, 512, 1024, 2048, 4096) for lora in (False, True)}
+    configs.add((dataclasses.replace(fm_config.default_config(512, 8, 128, torch.bfloat16, lora=True), slot_stages=1),
+                 True))
     for cfg, has_lora in sorted(configs, key=lambda c: (c[0].block_m, c[1])):
         for dtype in ("bf16", "fp16"):
             for kernel, block_n, own in ((fm_gemm.gate_up_kernel, cfg.block_n_gate_up,
@@ -107,11 +110,13 @@ def compile_all() -> list[dict]:
                                          (fm_gemm.down_kernel, cfg.block_n_down, {})):
                 constexprs = dict(HAS_LORA=has_lora, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
                                   GROUP_M=cfg.group_m, BLOCK_R=64, RANK_TILES=3, PARTS=fm_config.SUM_PARTS,
-                                  PAIR_BLOCKS=cfg.pair_blocks, HALF_TILES=cfg.half_tiles, TOP_K_P=8, **own)
+                                  PAIR_BLOCKS=cfg.pair_blocks, HALF_TILES=cfg.half_tiles, TOP_K_P=8,
+                                  SLOT_STAGES=cfg.slot_stages, **own)
                 compiled = compile_sm90(kernel, constexprs, dtype, cfg.num_warps, cfg.num_stages)
                 ptx = compiled.asm["ptx"]
                 results.append(dict(kernel=kernel.fn.__name__, dtype=dtype, lora=has_lora, block_m=cfg.block_m,
-                                    pair_blocks=cfg.pair_blocks, shared=compiled.metadata.shared,
+                                    pair_blocks=cfg.pair_blocks, slot_stages=cfg.slot_stages,
+                                    shared=compiled.metadata.shared,
                                     ttgir=compiled.asm["ttgir"], arrive="atom.global.gpu.acq_rel.add" in ptx,
                                     acquire="global.gpu.acquire" in ptx, cg_loads="ld.global.cg" in ptx))
     for kernel, constexprs in ((ma._moe_align_kernel, dict(HAS_SLOTS=True, BLOCK_M=16, E_P=256, S1_P=64, CHUNK=256)),
@@ -164,7 +169,7 @@ def compiled():
 
 
 def test_all_kernels_fit_shared_memory(compiled):
-    assert len(compiled) == (10 * 2 * 2 + 8 + 2 * len(ATTENTION_HEADS) + 1 + len(LORA_LINEARS)
+    assert len(compiled) == (11 * 2 * 2 + 8 + 2 * len(ATTENTION_HEADS) + 1 + len(LORA_LINEARS)
                              + len(ROTARY_HEADS) + len(ROUTERS) + 2 * len(RMS_NORMS) + 1 + len(KV_STORES) + 1
                              + len(ROPE_KV_STORES) + 1
                              + 2 * len(LINEARS) + 1 + len(LORA_EPILOGUES))
@@ -179,6 +184,19 @@ def test_grouped_gemms_pipeline_on_wgmma(compiled):
             assert "async_copy_global_to_local" in r["ttgir"], f"{where}: main loop is not software-pipelined"
             if r["block_m"] >= 64:  # wgmma works on 64-row tiles; smaller blocks use mma.sync
                 assert "warp_group_dot" in r["ttgir"], f"{where}: does not use wgmma"
+
+
+def test_lora_slot_loops_pipeline(compiled):
+    """With slot_stages > 1 the LoRA epilogues' loops over a block's slots load the next slot's tiles
+    asynchronously (more async copies than the same kernel without): a load nested in a branch of the loop
+    body would silently stop that."""
+    def copies(kernel, dtype, stages):
+        [r] = [r for r in compiled if r["kernel"] == kernel and r["dtype"] == dtype and r["lora"]
+               and r["block_m"] == 32 and r["slot_stages"] == stages]
+        return r["ttgir"].count("async_copy_global_to_local")
+    for kernel in ("gate_up_kernel", "down_kernel"):
+        for dtype in ("bf16", "fp16"):
+            assert copies(kernel, dtype, 4) > copies(kernel, dtype, 1), f"{kernel} {dtype}: slot loops not pipelined"
 
 
 def test_pair_blocks_shrink_in_gate_up_synchronises(compiled):

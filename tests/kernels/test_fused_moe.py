@@ -102,7 +102,8 @@ def test_triton_matches_reference_mixed_adapters(shape, slot_ranks, dtype, devic
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_block_sizes_agree(dtype, device, poison):
     """A row's result must not depend on the tiles the batch size picks (block_m, the n tiles, half tiles
-    for blocks at most half full); block_k is fixed because it sets the order of a row's sums."""
+    for blocks at most half full, pipelined loops over a block's slots); block_k is fixed because it sets the
+    order of a row's sums."""
     x, w13, w2, topk, lora, slots = _case(45, 72, 40, 5, 2, dtype, device, slot_ranks=SMALL_RANKS)
     k = 32 if dtype == torch.float32 else 64
     outs = [fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
@@ -111,7 +112,8 @@ def test_triton_block_sizes_agree(dtype, device, poison):
     outs += [fused_moe(x, w13, w2, topk, lora, slots, impl="triton", config=cfg)
              for cfg in (MoEKernelConfig(16, 64, 32, k, 4, 4, 2, pair_blocks=True),
                          MoEKernelConfig(32, 64, 64, k, 4, 4, 2, half_tiles=True),
-                         MoEKernelConfig(32, 128, 64, k, 4, 4, 2))]
+                         MoEKernelConfig(32, 128, 64, k, 4, 4, 2),
+                         MoEKernelConfig(16, 64, 32, k, 4, 4, 2, slot_stages=3))]
     assert_rows_close(outs[0], fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(dtype, device))
     assert torch.equal(outs[0][3], torch.zeros_like(outs[0][3])), "a token with no expert on this rank gets 0"
     for other in outs[1:]:

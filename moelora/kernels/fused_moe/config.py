@@ -49,6 +49,11 @@ class MoEKernelConfig:
     # blocks whose ranks take a small tile. Without LoRA, or with the smallest tile alone, the cap slowed the
     # kernels at decode (benchmarks/RESULTS.md)
     max_registers: int | None = None
+    # software-pipeline stages of the LoRA epilogues' loops over a block's slots (1: none): the next slot's B
+    # and A_d tiles load while this one's dots run. Pipelined, every slot between the block's first and last
+    # costs its dots, also one without rows or LoRA there; in blocks of 16 rows that cost more than the
+    # pipeline saved (benchmarks/RESULTS.md)
+    slot_stages: int = 1
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype, *,
@@ -69,7 +74,8 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     if not lora and rows_per_expert < 256:
         return MoEKernelConfig(128, 128, 128, block_k, 8, 8, 4, half_tiles=True)
     if rows_per_expert <= 96:
-        return MoEKernelConfig(32, 64, 128, block_k, 8, 4, 4)
+        return MoEKernelConfig(32, 64, 128, block_k, 8, 4, 4, slot_stages=4)
     if rows_per_expert < 256:
-        return MoEKernelConfig(64, 64, 128, block_k, 8, 4, 4)
-    return MoEKernelConfig(128, 128, 256, block_k, 8, 8, 4, half_tiles=True)  # prefill: wide n tiles, 8 warps
+        return MoEKernelConfig(64, 64, 128, block_k, 8, 4, 4, slot_stages=4)
+    # prefill: wide n tiles, 8 warps
+    return MoEKernelConfig(128, 128, 256, block_k, 8, 8, 4, half_tiles=True, slot_stages=4)

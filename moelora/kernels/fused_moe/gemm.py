@@ -23,7 +23,7 @@ def gate_up_kernel(
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     HALF_TILES: tl.constexpr, TOP_K_P: tl.constexpr, SPLIT_K: tl.constexpr, PART_N: tl.constexpr,
-    RANK_TILES: tl.constexpr,
+    RANK_TILES: tl.constexpr, SLOT_STAGES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """h[p] = silu(x Wg^T + LoRA_g) * (x Wu^T + LoRA_u) for the pairs p of one block; with LoRA also
@@ -57,13 +57,14 @@ def gate_up_kernel(
                        num_splits, stride_xt, stride_we, stride_wn, stride_ht, stride_be, stride_br, stride_ade,
                        stride_adr,
                        HAS_LORA, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, PART_N,
-                       RANK_TILES)
+                       RANK_TILES, SLOT_STAGES)
     else:
         _gate_up_block(x_ptr, w_ptr, h_ptr, sorted_ids_ptr, token_slots_ptr, ranks_ptr, xa_ptr, bg_ptr, bu_ptr,
                        ad_ptr, hd_ptr, ready_ptr, e, pid_m, pid_n, num_pairs, top_k, H, I, num_slots, num_experts,
                        num_splits, stride_xt, stride_we, stride_wn, stride_ht, stride_be, stride_br, stride_ade,
                        stride_adr,
-                       HAS_LORA, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, PART_N, RANK_TILES)
+                       HAS_LORA, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, PART_N, RANK_TILES,
+                       SLOT_STAGES)
 
 
 @triton.jit
@@ -73,7 +74,7 @@ def _gate_up_block(
     stride_ht, stride_be, stride_br, stride_ade, stride_adr,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr, PART_N: tl.constexpr,
-    RANK_TILES: tl.constexpr,
+    RANK_TILES: tl.constexpr, SLOT_STAGES: tl.constexpr,
 ):
     """The work of one (block, n-tile) program of gate_up_kernel on a tile of ROWS rows."""
     pair, row_ok = block_rows(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M, ROWS, PAIR_BLOCKS)
@@ -98,7 +99,7 @@ def _gate_up_block(
                     acc_g, acc_u, h_ptr, pair, row_ok, slot, lo, hi, e, pid_n, offs_n, n_mask, rank_g, rank_u, rank_d,
                     xa_ptr, bg_ptr, bu_ptr, ad_ptr, hd_ptr, ready_ptr, I, num_experts, num_splits, stride_ht,
                     stride_be, stride_br, stride_ade, stride_adr, ROWS, BLOCK_N, c, RANK_TILES, BLOCK_R, PARTS,
-                    PAIR_BLOCKS, PART_N)
+                    PAIR_BLOCKS, PART_N, SLOT_STAGES)
         if r == 0:  # no adapter in the block covers expert e: the plain result, no LoRA work
             if PAIR_BLOCKS:
                 if hi >= 0:  # row 0 has an adapter, so its pair's shrink programs signal: count in
@@ -123,7 +124,7 @@ def _gate_up_lora(
     xa_ptr, bg_ptr, bu_ptr, ad_ptr, hd_ptr, ready_ptr, I, num_experts, num_splits, stride_ht, stride_be, stride_br,
     stride_ade, stride_adr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr, RANK_TILES: tl.constexpr, BLOCK_R: tl.constexpr,
-    PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr, PART_N: tl.constexpr,
+    PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr, PART_N: tl.constexpr, SLOT_STAGES: tl.constexpr,
 ):
     """The epilogue of a gate_up program whose block's LoRA takes rank tile C (tiles.takes_rank_tile): the
     gate/up deltas, h stored, and this tile's parts of the down shrink (_down_shrink_part). The partials are
@@ -157,32 +158,40 @@ def _gate_up_lora(
     if rank_g + rank_u > 0:  # slot lo (if any), on the tiles loaded above
         acc_g = lora_expand(acc_g, xa_g, first, rank_g, bg)
         acc_u = lora_expand(acc_u, xa_u, first, rank_u, bu)
-    for s in range(lo + 1, hi + 1):  # the block's other slots
-        rows = slot == s
-        rank_g, rank_u = slot_rank(row_rank_g, rows), slot_rank(row_rank_u, rows)
-        if rank_g + rank_u > 0:  # (0 also when no row has slot s)
-            bg = lora_tile(bg_ptr, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_g, R)
-            bu = lora_tile(bu_ptr, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_u, R)
-            acc_g = lora_expand(acc_g, xa_g, rows, rank_g, bg)
-            acc_u = lora_expand(acc_u, xa_u, rows, rank_u, bu)
+    # the block's other slots. Pipelined (SLOT_STAGES > 1, MoEKernelConfig.slot_stages), slot s + 1's tiles load
+    # while slot s's dots run: the loads then sit at the loop's top level (rank 0 masks them to nothing), so a
+    # slot with no rows or no LoRA here costs its dots, and a block of one slot skips the loop and the pipeline's
+    # prologue; unpipelined, a slot with nothing to do is skipped.
+    if (SLOT_STAGES == 1) or (hi > lo):
+        for s in tl.range(lo + 1, hi + 1, num_stages=SLOT_STAGES):
+            rows = slot == s
+            rank_g, rank_u = slot_rank(row_rank_g, rows), slot_rank(row_rank_u, rows)
+            if (SLOT_STAGES > 1) or (rank_g + rank_u > 0):
+                bg = lora_tile(bg_ptr, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_g, R)
+                bu = lora_tile(bu_ptr, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_u, R)
+                acc_g = lora_expand(acc_g, xa_g, rows, rank_g, bg)
+                acc_u = lora_expand(acc_u, xa_u, rows, rank_u, bu)
     h = _store_h(acc_g, acc_u, h_ptr, pair, row_ok, offs_n, n_mask, stride_ht)
     # this tile's parts of the down shrink, one per PART_N (DOWN_SHRINK_PART) columns of I
     if BLOCK_N == PART_N:
         _down_shrink_part(h, pid_n, offs_p0, pair, slot, lo, hi, e, rank_d, row_rank_d, ad0, ad_ptr, hd_ptr, I,
-                          num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R, PART_N)
+                          num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R, PART_N,
+                          SLOT_STAGES)
     else:  # two parts: the tile's column halves
         h0, h1 = tl.split(tl.permute(tl.reshape(h, (ROWS, 2, PART_N)), (0, 2, 1)))
         _down_shrink_part(h0, 2 * pid_n, offs_p0, pair, slot, lo, hi, e, rank_d, row_rank_d, ad0, ad_ptr, hd_ptr,
-                          I, num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R, PART_N)
+                          I, num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R, PART_N,
+                          SLOT_STAGES)
         _down_shrink_part(h1, 2 * pid_n + 1, offs_p1, pair, slot, lo, hi, e, rank_d, row_rank_d, ad1, ad_ptr, hd_ptr,
-                          I, num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R, PART_N)
+                          I, num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R, PART_N,
+                          SLOT_STAGES)
     return acc_g, acc_u
 
 
 @triton.jit
 def _down_shrink_part(h, part, offs_n, pair, slot, lo, hi, e, rank_d, row_rank_d, ad, ad_ptr, hd_ptr, I, num_experts,
                       stride_ade, stride_adr, ROWS: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
-                      PART_N: tl.constexpr):
+                      PART_N: tl.constexpr, SLOT_STAGES: tl.constexpr):
     """hd[p, part, :rank] = h[p, offs_n] @ A_d[:, offs_n]^T over the PART_N columns of this part, for each row's
     slot and its rank (row_rank_d; slot lo's rank_d and A_d tile `ad` come loaded): the down kernel adds the parts
     up in order, so a part's columns never follow the tile. Parts are BLOCK_R columns apart."""
@@ -190,12 +199,13 @@ def _down_shrink_part(h, part, offs_n, pair, slot, lo, hi, e, rank_d, row_rank_d
     hd = tl.zeros((ROWS, R), dtype=tl.float32)
     if rank_d > 0:
         hd += tl.dot(tl.where((slot == lo)[:, None], h, 0.0), tl.trans(ad))
-    for s in range(lo + 1, hi + 1):
-        rows = slot == s
-        rank_d = slot_rank(row_rank_d, rows)
-        if rank_d > 0:
-            ad = lora_tile(ad_ptr, s, e, num_experts, stride_ade, stride_adr, offs_n, offs_n < I, rank_d, R)
-            hd += tl.dot(tl.where(rows[:, None], h, 0.0), tl.trans(ad))
+    if (SLOT_STAGES == 1) or (hi > lo):
+        for s in tl.range(lo + 1, hi + 1, num_stages=SLOT_STAGES):  # as in _gate_up_lora
+            rows = slot == s
+            rank_d = slot_rank(row_rank_d, rows)
+            if (SLOT_STAGES > 1) or (rank_d > 0):
+                ad = lora_tile(ad_ptr, s, e, num_experts, stride_ade, stride_adr, offs_n, offs_n < I, rank_d, R)
+                hd += tl.dot(tl.where(rows[:, None], h, 0.0), tl.trans(ad))
     num_parts = tl.cdiv(I, PART_N)
     hd_ptrs = hd_ptr + (pair.to(tl.int64) * num_parts + part)[:, None] * BLOCK_R + offs_r[None, :]
     in_part = tl.zeros_like(slot) + part < num_parts
@@ -210,7 +220,7 @@ def down_kernel(
     stride_ht, stride_we, stride_wn, stride_ot, stride_be, stride_br, stride_yt,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
-    HALF_TILES: tl.constexpr, TOP_K_P: tl.constexpr, RANK_TILES: tl.constexpr,
+    HALF_TILES: tl.constexpr, TOP_K_P: tl.constexpr, RANK_TILES: tl.constexpr, SLOT_STAGES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out[p] = w[p] * (h[p] Wd^T + LoRA_d) for the pairs p of one block (the down shrink is the sum
@@ -228,13 +238,15 @@ def down_kernel(
                     b_ptr, topk_ids_ptr, counter_ptr, y_ptr, e, pid_m, pid_n, num_pairs, top_k, H, I, num_slots,
                     num_experts, num_hd_parts, stride_ht, stride_we, stride_wn, stride_ot, stride_be, stride_br,
                     stride_yt,
-                    HAS_LORA, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, TOP_K_P, RANK_TILES)
+                    HAS_LORA, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, TOP_K_P, RANK_TILES,
+                    SLOT_STAGES)
     else:
         _down_block(h_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_ids_ptr, token_slots_ptr, ranks_ptr, hd_ptr,
                     b_ptr, topk_ids_ptr, counter_ptr, y_ptr, e, pid_m, pid_n, num_pairs, top_k, H, I, num_slots,
                     num_experts, num_hd_parts, stride_ht, stride_we, stride_wn, stride_ot, stride_be, stride_br,
                     stride_yt,
-                    HAS_LORA, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, TOP_K_P, RANK_TILES)
+                    HAS_LORA, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, TOP_K_P, RANK_TILES,
+                    SLOT_STAGES)
 
 
 @triton.jit
@@ -244,7 +256,7 @@ def _down_block(
     stride_we, stride_wn, stride_ot, stride_be, stride_br, stride_yt,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr, TOP_K_P: tl.constexpr,
-    RANK_TILES: tl.constexpr,
+    RANK_TILES: tl.constexpr, SLOT_STAGES: tl.constexpr,
 ):
     """The work of one (block, n-tile) program of down_kernel on a tile of ROWS rows."""
     pair, row_ok = block_rows(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M, ROWS, PAIR_BLOCKS)
@@ -263,7 +275,7 @@ def _down_block(
         for c in tl.static_range(RANK_TILES):
             if takes_rank_tile(tl.max(rank_d, axis=0), c, RANK_TILES, BLOCK_R):
                 acc = _down_lora(acc, pair, slot, lo, hi, e, offs_n, n_mask, rank_d, hd_ptr, b_ptr, num_experts,
-                                 num_hd_parts, stride_be, stride_br, c, RANK_TILES, BLOCK_R, PARTS)
+                                 num_hd_parts, stride_be, stride_br, c, RANK_TILES, BLOCK_R, PARTS, SLOT_STAGES)
     acc = acc * weight[:, None]
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_mask[None, :])
@@ -275,7 +287,7 @@ def _down_block(
 @triton.jit
 def _down_lora(acc, pair, slot, lo, hi, e, offs_n, n_mask, row_rank_d, hd_ptr, b_ptr, num_experts, num_hd_parts,
                stride_be, stride_br, C: tl.constexpr, RANK_TILES: tl.constexpr, BLOCK_R: tl.constexpr,
-               PARTS: tl.constexpr):
+               PARTS: tl.constexpr, SLOT_STAGES: tl.constexpr):
     """acc + the down delta (the sum of the down-shrink parts) @ B_d^T of each row's slot (row_rank_d: each row's
     rank), on rank tile C (tiles.takes_rank_tile); the parts are BLOCK_R columns apart."""
     R: tl.constexpr = BLOCK_R if C == RANK_TILES - 1 else 16 << C
@@ -285,10 +297,11 @@ def _down_lora(acc, pair, slot, lo, hi, e, offs_n, n_mask, row_rank_d, hd_ptr, b
     hd = sum_partials(hd_ptr, pair, slot >= 0, R, num_hd_parts * BLOCK_R, num_hd_parts, R, BLOCK_R, PARTS, "")
     if rank_d > 0:
         acc = lora_expand(acc, hd, first, rank_d, bd)
-    for s in range(lo + 1, hi + 1):
-        rows = slot == s
-        rank_d = slot_rank(row_rank_d, rows)
-        if rank_d > 0:
-            bd = lora_tile(b_ptr, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_d, R)
-            acc = lora_expand(acc, hd, rows, rank_d, bd)
+    if (SLOT_STAGES == 1) or (hi > lo):
+        for s in tl.range(lo + 1, hi + 1, num_stages=SLOT_STAGES):  # as in _gate_up_lora
+            rows = slot == s
+            rank_d = slot_rank(row_rank_d, rows)
+            if (SLOT_STAGES > 1) or (rank_d > 0):
+                bd = lora_tile(b_ptr, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_d, R)
+                acc = lora_expand(acc, hd, rows, rank_d, bd)
     return acc

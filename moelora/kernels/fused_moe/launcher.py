@@ -53,6 +53,7 @@ def fused_moe_triton(
     pdl = pdl_launch(x.device)
     common = dict(HAS_LORA=lora is not None, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                   PARTS=SUM_PARTS, PAIR_BLOCKS=cfg.pair_blocks, HALF_TILES=cfg.half_tiles,
+                  SLOT_STAGES=cfg.slot_stages,
                   TOP_K_P=triton.next_power_of_2(top_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
     if cfg.pair_blocks:  # block p = pair p: its expert is topk.ids[p]; no sorted ids or row count to read
         blocks = AlignedBlocks(topk.ids, topk.ids.view(-1), topk.ids, cfg.block_m)
