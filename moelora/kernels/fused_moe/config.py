@@ -50,9 +50,8 @@ class MoEKernelConfig:
     # kernels at decode (benchmarks/RESULTS.md)
     max_registers: int | None = None
     # software-pipeline stages of the LoRA epilogues' loops over a block's slots (1: none): the next slot's B
-    # and A_d tiles load while this one's dots run. Pipelined, every slot between the block's first and last
-    # costs its dots, also one without rows or LoRA there; in blocks of 16 rows that cost more than the
-    # pipeline saved (benchmarks/RESULTS.md)
+    # and A_d tiles load while this one's dots run. In blocks of 16 rows, a few rows of one or two slots at
+    # decode, it gained at some shapes and lost at others (benchmarks/RESULTS.md)
     slot_stages: int = 1
 
 

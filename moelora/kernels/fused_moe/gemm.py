@@ -8,7 +8,8 @@ import triton.language as tl
 from moelora.kernels.fused_moe.reduction import prepare_topk_sum, sum_topk_if_last
 from moelora.kernels.fused_moe.shrink import shrink_one_pair
 from moelora.kernels.fused_moe.tiles import (at_most_half_full, block_info, block_rows, lora_expand, lora_tile,
-                                             row_ranks, row_slots, slot_rank, sum_partials, takes_rank_tile)
+                                             next_run_slot, previous_row_slots, row_ranks, row_slots, slot_rank,
+                                             slot_runs, sum_partials, takes_rank_tile)
 from moelora.kernels.gemm_tiles import arrive, gemm_loop, wait_arrivals
 from moelora.kernels.pdl import wait_for_previous_kernel
 
@@ -85,21 +86,24 @@ def _gate_up_block(
     wg_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
     if HAS_LORA:  # constexpr: without it the LoRA path is not compiled at all
         token_slot = tl.load(token_slots_ptr + pair // top_k, mask=row_ok, other=-1)  # in flight during the GEMM
+        prev_slot = previous_row_slots(sorted_ids_ptr, token_slots_ptr, pid_m, num_pairs, top_k, num_slots, BLOCK_M,
+                                       ROWS, PAIR_BLOCKS)
     acc_g, acc_u = gemm_loop(x_ptrs, row_ok, H, wg_ptrs, wg_ptrs + I * stride_wn, n_mask, True,
                              ROWS, BLOCK_N, BLOCK_K)
     if HAS_LORA:
-        slot, lo, hi = row_slots(token_slot, num_slots)
+        slot, _, hi = row_slots(token_slot, num_slots)
         rank_g = row_ranks(ranks_ptr, slot, e, num_slots, num_experts, 0)
         rank_u = row_ranks(ranks_ptr, slot, e, num_slots, num_experts, 1)
         rank_d = row_ranks(ranks_ptr, slot, e, num_slots, num_experts, 2)
+        start, s0, num_runs = slot_runs(slot, prev_slot, rank_g + rank_u + rank_d, num_slots)
         r = tl.max(tl.maximum(tl.maximum(rank_g, rank_u), rank_d), axis=0)
         for c in tl.static_range(RANK_TILES):
             if takes_rank_tile(r, c, RANK_TILES, BLOCK_R):  # (returning the accumulators ends their old values)
                 acc_g, acc_u = _gate_up_lora(
-                    acc_g, acc_u, h_ptr, pair, row_ok, slot, lo, hi, e, pid_n, offs_n, n_mask, rank_g, rank_u, rank_d,
-                    xa_ptr, bg_ptr, bu_ptr, ad_ptr, hd_ptr, ready_ptr, I, num_experts, num_splits, stride_ht,
-                    stride_be, stride_br, stride_ade, stride_adr, ROWS, BLOCK_N, c, RANK_TILES, BLOCK_R, PARTS,
-                    PAIR_BLOCKS, PART_N, SLOT_STAGES)
+                    acc_g, acc_u, h_ptr, pair, row_ok, slot, start, s0, num_runs, hi, e, pid_n, offs_n, n_mask,
+                    rank_g, rank_u, rank_d, xa_ptr, bg_ptr, bu_ptr, ad_ptr, hd_ptr, ready_ptr, I, num_slots,
+                    num_experts, num_splits, stride_ht, stride_be, stride_br, stride_ade, stride_adr, ROWS, BLOCK_N,
+                    c, RANK_TILES, BLOCK_R, PARTS, PAIR_BLOCKS, PART_N, SLOT_STAGES)
         if r == 0:  # no adapter in the block covers expert e: the plain result, no LoRA work
             if PAIR_BLOCKS:
                 if hi >= 0:  # row 0 has an adapter, so its pair's shrink programs signal: count in
@@ -120,9 +124,9 @@ def _store_h(acc_g, acc_u, h_ptr, pair, row_ok, offs_n, n_mask, stride_ht):
 
 @triton.jit
 def _gate_up_lora(
-    acc_g, acc_u, h_ptr, pair, row_ok, slot, lo, hi, e, pid_n, offs_n, n_mask, row_rank_g, row_rank_u, row_rank_d,
-    xa_ptr, bg_ptr, bu_ptr, ad_ptr, hd_ptr, ready_ptr, I, num_experts, num_splits, stride_ht, stride_be, stride_br,
-    stride_ade, stride_adr,
+    acc_g, acc_u, h_ptr, pair, row_ok, slot, start, s0, num_runs, hi, e, pid_n, offs_n, n_mask, row_rank_g,
+    row_rank_u, row_rank_d, xa_ptr, bg_ptr, bu_ptr, ad_ptr, hd_ptr, ready_ptr, I, num_slots, num_experts, num_splits,
+    stride_ht, stride_be, stride_br, stride_ade, stride_adr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr, RANK_TILES: tl.constexpr, BLOCK_R: tl.constexpr,
     PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr, PART_N: tl.constexpr, SLOT_STAGES: tl.constexpr,
 ):
@@ -131,19 +135,20 @@ def _gate_up_lora(
     laid out BLOCK_R columns a part; each row's down-shrink parts are written below its rank (row_rank_d) only.
     Returns the accumulators with the deltas."""
     R: tl.constexpr = BLOCK_R if C == RANK_TILES - 1 else 16 << C
-    # slot lo's ranks and B and A_d tiles first: their loads overlap the xa loads and, with pair blocks (one
-    # slot), the wait for the shrink. A decode step's LoRA cost is mostly such chains of round trips.
-    first = slot == lo
+    # the first run's ranks and B and A_d tiles first (start, s0, num_runs: the block's runs of rows whose slot has
+    # LoRA on expert e, tiles.slot_runs): their loads overlap the xa loads and, with pair blocks (one slot), the
+    # wait for the shrink. A decode step's LoRA cost is mostly such chains of round trips.
+    first = slot == s0
     rank_g, rank_u, rank_d = slot_rank(row_rank_g, first), slot_rank(row_rank_u, first), slot_rank(row_rank_d, first)
-    bg = lora_tile(bg_ptr, lo, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_g, R)
-    bu = lora_tile(bu_ptr, lo, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_u, R)
+    bg = lora_tile(bg_ptr, s0, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_g, R)
+    bu = lora_tile(bu_ptr, s0, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_u, R)
     offs_p0 = pid_n * BLOCK_N + tl.arange(0, PART_N)  # the tile's down-shrink parts: 1 or 2 (column halves)
     offs_p1 = offs_p0 + PART_N
-    ad0 = lora_tile(ad_ptr, lo, e, num_experts, stride_ade, stride_adr, offs_p0, offs_p0 < I, rank_d, R)
+    ad0 = lora_tile(ad_ptr, s0, e, num_experts, stride_ade, stride_adr, offs_p0, offs_p0 < I, rank_d, R)
     ad1 = ad0  # the second part's tile; a one-part tile never reads it
     if BLOCK_N != PART_N:
         tl.static_assert(BLOCK_N == 2 * PART_N)
-        ad1 = lora_tile(ad_ptr, lo, e, num_experts, stride_ade, stride_adr, offs_p1, offs_p1 < I, rank_d, R)
+        ad1 = lora_tile(ad_ptr, s0, e, num_experts, stride_ade, stride_adr, offs_p1, offs_p1 < I, rank_d, R)
     # the shrink x @ A^T, summed once for all rows; each slot's loop picks its rows
     if PAIR_BLOCKS:
         if hi >= 0:  # row 0 has an adapter: exactly then its pair's shrink programs signal
@@ -155,57 +160,58 @@ def _gate_up_lora(
     xa_g = sum_partials(xa_ptr, pair, slot >= 0, R, stride, num_splits, R, BLOCK_R, PARTS, cache)
     xa_u = sum_partials(xa_ptr + num_splits * BLOCK_R, pair, slot >= 0, R, stride, num_splits, R, BLOCK_R, PARTS,
                         cache)
-    if rank_g + rank_u > 0:  # slot lo (if any), on the tiles loaded above
+    if num_runs > 0:  # the first run, on the tiles loaded above
         acc_g = lora_expand(acc_g, xa_g, first, rank_g, bg)
         acc_u = lora_expand(acc_u, xa_u, first, rank_u, bu)
-    # the block's other slots. Pipelined (SLOT_STAGES > 1, MoEKernelConfig.slot_stages), slot s + 1's tiles load
-    # while slot s's dots run: the loads then sit at the loop's top level (rank 0 masks them to nothing), so a
-    # slot with no rows or no LoRA here costs its dots, and a block of one slot skips the loop and the pipeline's
-    # prologue; unpipelined, a slot with nothing to do is skipped.
-    if (SLOT_STAGES == 1) or (hi > lo):
-        for s in tl.range(lo + 1, hi + 1, num_stages=SLOT_STAGES):
+    # the other runs. Pipelined (SLOT_STAGES > 1, MoEKernelConfig.slot_stages), the next run's tiles load while
+    # this one's dots run
+    if num_runs > 1:
+        s = s0
+        for _ in tl.range(1, num_runs, num_stages=SLOT_STAGES):
+            s = next_run_slot(slot, start, s, num_slots)
             rows = slot == s
             rank_g, rank_u = slot_rank(row_rank_g, rows), slot_rank(row_rank_u, rows)
-            if (SLOT_STAGES > 1) or (rank_g + rank_u > 0):
-                bg = lora_tile(bg_ptr, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_g, R)
-                bu = lora_tile(bu_ptr, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_u, R)
-                acc_g = lora_expand(acc_g, xa_g, rows, rank_g, bg)
-                acc_u = lora_expand(acc_u, xa_u, rows, rank_u, bu)
+            bg = lora_tile(bg_ptr, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_g, R)
+            bu = lora_tile(bu_ptr, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_u, R)
+            acc_g = lora_expand(acc_g, xa_g, rows, rank_g, bg)
+            acc_u = lora_expand(acc_u, xa_u, rows, rank_u, bu)
     h = _store_h(acc_g, acc_u, h_ptr, pair, row_ok, offs_n, n_mask, stride_ht)
     # this tile's parts of the down shrink, one per PART_N (DOWN_SHRINK_PART) columns of I
     if BLOCK_N == PART_N:
-        _down_shrink_part(h, pid_n, offs_p0, pair, slot, lo, hi, e, rank_d, row_rank_d, ad0, ad_ptr, hd_ptr, I,
-                          num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R, PART_N,
+        _down_shrink_part(h, pid_n, offs_p0, pair, slot, start, s0, num_runs, e, row_rank_d, ad0, ad_ptr,
+                          hd_ptr, I, num_slots, num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R, PART_N,
                           SLOT_STAGES)
     else:  # two parts: the tile's column halves
         h0, h1 = tl.split(tl.permute(tl.reshape(h, (ROWS, 2, PART_N)), (0, 2, 1)))
-        _down_shrink_part(h0, 2 * pid_n, offs_p0, pair, slot, lo, hi, e, rank_d, row_rank_d, ad0, ad_ptr, hd_ptr,
-                          I, num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R, PART_N,
+        _down_shrink_part(h0, 2 * pid_n, offs_p0, pair, slot, start, s0, num_runs, e, row_rank_d, ad0,
+                          ad_ptr, hd_ptr, I, num_slots, num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R, PART_N,
                           SLOT_STAGES)
-        _down_shrink_part(h1, 2 * pid_n + 1, offs_p1, pair, slot, lo, hi, e, rank_d, row_rank_d, ad1, ad_ptr, hd_ptr,
-                          I, num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R, PART_N,
+        _down_shrink_part(h1, 2 * pid_n + 1, offs_p1, pair, slot, start, s0, num_runs, e, row_rank_d, ad1,
+                          ad_ptr, hd_ptr, I, num_slots, num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R, PART_N,
                           SLOT_STAGES)
     return acc_g, acc_u
 
 
 @triton.jit
-def _down_shrink_part(h, part, offs_n, pair, slot, lo, hi, e, rank_d, row_rank_d, ad, ad_ptr, hd_ptr, I, num_experts,
-                      stride_ade, stride_adr, ROWS: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
-                      PART_N: tl.constexpr, SLOT_STAGES: tl.constexpr):
+def _down_shrink_part(h, part, offs_n, pair, slot, start, s0, num_runs, e, row_rank_d, ad, ad_ptr, hd_ptr, I,
+                      num_slots, num_experts, stride_ade, stride_adr, ROWS: tl.constexpr, R: tl.constexpr,
+                      BLOCK_R: tl.constexpr, PART_N: tl.constexpr, SLOT_STAGES: tl.constexpr):
     """hd[p, part, :rank] = h[p, offs_n] @ A_d[:, offs_n]^T over the PART_N columns of this part, for each row's
-    slot and its rank (row_rank_d; slot lo's rank_d and A_d tile `ad` come loaded): the down kernel adds the parts
-    up in order, so a part's columns never follow the tile. Parts are BLOCK_R columns apart."""
+    slot and its rank (row_rank_d), over the block's runs (start, s0, num_runs: tiles.slot_runs; the first run's A_d
+    tile `ad` comes loaded): the down kernel adds the parts up in order, so a part's columns never follow the tile.
+    Parts are BLOCK_R columns apart."""
     offs_r = tl.arange(0, R)
     hd = tl.zeros((ROWS, R), dtype=tl.float32)
-    if rank_d > 0:
-        hd += tl.dot(tl.where((slot == lo)[:, None], h, 0.0), tl.trans(ad))
-    if (SLOT_STAGES == 1) or (hi > lo):
-        for s in tl.range(lo + 1, hi + 1, num_stages=SLOT_STAGES):  # as in _gate_up_lora
+    if num_runs > 0:
+        hd += tl.dot(tl.where((slot == s0)[:, None], h, 0.0), tl.trans(ad))
+    if num_runs > 1:
+        s = s0
+        for _ in tl.range(1, num_runs, num_stages=SLOT_STAGES):  # as in _gate_up_lora
+            s = next_run_slot(slot, start, s, num_slots)
             rows = slot == s
-            rank_d = slot_rank(row_rank_d, rows)
-            if (SLOT_STAGES > 1) or (rank_d > 0):
-                ad = lora_tile(ad_ptr, s, e, num_experts, stride_ade, stride_adr, offs_n, offs_n < I, rank_d, R)
-                hd += tl.dot(tl.where(rows[:, None], h, 0.0), tl.trans(ad))
+            ad = lora_tile(ad_ptr, s, e, num_experts, stride_ade, stride_adr, offs_n, offs_n < I,
+                           slot_rank(row_rank_d, rows), R)
+            hd += tl.dot(tl.where(rows[:, None], h, 0.0), tl.trans(ad))
     num_parts = tl.cdiv(I, PART_N)
     hd_ptrs = hd_ptr + (pair.to(tl.int64) * num_parts + part)[:, None] * BLOCK_R + offs_r[None, :]
     in_part = tl.zeros_like(slot) + part < num_parts
@@ -268,14 +274,18 @@ def _down_block(
     weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)  # loads in flight during the GEMM
     if HAS_LORA:
         token_slot = tl.load(token_slots_ptr + pair // top_k, mask=row_ok, other=-1)
+        prev_slot = previous_row_slots(sorted_ids_ptr, token_slots_ptr, pid_m, num_pairs, top_k, num_slots, BLOCK_M,
+                                       ROWS, PAIR_BLOCKS)
     acc, _ = gemm_loop(h_ptrs, row_ok, I, w_ptrs, w_ptrs, n_mask, False, ROWS, BLOCK_N, BLOCK_K)
     if HAS_LORA:
-        slot, lo, hi = row_slots(token_slot, num_slots)
+        slot, _, _ = row_slots(token_slot, num_slots)
         rank_d = row_ranks(ranks_ptr, slot, e, num_slots, num_experts, 2)
+        start, s0, num_runs = slot_runs(slot, prev_slot, rank_d, num_slots)
         for c in tl.static_range(RANK_TILES):
             if takes_rank_tile(tl.max(rank_d, axis=0), c, RANK_TILES, BLOCK_R):
-                acc = _down_lora(acc, pair, slot, lo, hi, e, offs_n, n_mask, rank_d, hd_ptr, b_ptr, num_experts,
-                                 num_hd_parts, stride_be, stride_br, c, RANK_TILES, BLOCK_R, PARTS, SLOT_STAGES)
+                acc = _down_lora(acc, pair, slot, start, s0, num_runs, e, offs_n, n_mask, rank_d, hd_ptr, b_ptr,
+                                 num_slots, num_experts, num_hd_parts, stride_be, stride_br, c, RANK_TILES, BLOCK_R,
+                                 PARTS, SLOT_STAGES)
     acc = acc * weight[:, None]
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_mask[None, :])
@@ -285,23 +295,25 @@ def _down_block(
 
 
 @triton.jit
-def _down_lora(acc, pair, slot, lo, hi, e, offs_n, n_mask, row_rank_d, hd_ptr, b_ptr, num_experts, num_hd_parts,
-               stride_be, stride_br, C: tl.constexpr, RANK_TILES: tl.constexpr, BLOCK_R: tl.constexpr,
-               PARTS: tl.constexpr, SLOT_STAGES: tl.constexpr):
+def _down_lora(acc, pair, slot, start, s0, num_runs, e, offs_n, n_mask, row_rank_d, hd_ptr, b_ptr, num_slots,
+               num_experts, num_hd_parts, stride_be, stride_br, C: tl.constexpr, RANK_TILES: tl.constexpr,
+               BLOCK_R: tl.constexpr, PARTS: tl.constexpr, SLOT_STAGES: tl.constexpr):
     """acc + the down delta (the sum of the down-shrink parts) @ B_d^T of each row's slot (row_rank_d: each row's
-    rank), on rank tile C (tiles.takes_rank_tile); the parts are BLOCK_R columns apart."""
+    rank), on rank tile C (tiles.takes_rank_tile), over the block's runs with down LoRA (start, s0, num_runs:
+    tiles.slot_runs); the parts are BLOCK_R columns apart."""
     R: tl.constexpr = BLOCK_R if C == RANK_TILES - 1 else 16 << C
-    first = slot == lo
+    first = slot == s0
     rank_d = slot_rank(row_rank_d, first)
-    bd = lora_tile(b_ptr, lo, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_d, R)  # overlaps hd's loads
+    bd = lora_tile(b_ptr, s0, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_d, R)  # overlaps hd's loads
     hd = sum_partials(hd_ptr, pair, slot >= 0, R, num_hd_parts * BLOCK_R, num_hd_parts, R, BLOCK_R, PARTS, "")
-    if rank_d > 0:
+    if num_runs > 0:
         acc = lora_expand(acc, hd, first, rank_d, bd)
-    if (SLOT_STAGES == 1) or (hi > lo):
-        for s in tl.range(lo + 1, hi + 1, num_stages=SLOT_STAGES):  # as in _gate_up_lora
+    if num_runs > 1:
+        s = s0
+        for _ in tl.range(1, num_runs, num_stages=SLOT_STAGES):  # as in _gate_up_lora
+            s = next_run_slot(slot, start, s, num_slots)
             rows = slot == s
             rank_d = slot_rank(row_rank_d, rows)
-            if (SLOT_STAGES > 1) or (rank_d > 0):
-                bd = lora_tile(b_ptr, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_d, R)
-                acc = lora_expand(acc, hd, rows, rank_d, bd)
+            bd = lora_tile(b_ptr, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_d, R)
+            acc = lora_expand(acc, hd, rows, rank_d, bd)
     return acc

@@ -46,11 +46,42 @@ def at_most_half_full(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
 @triton.jit
 def row_slots(token_slot, num_slots):
     """Adapter slot of each row (-1: none) from the rows' token slots, and the range [lo, hi] of the slots in
-    the block (lo > hi: none). Rows are slot-ordered, so the LoRA loops over that range meet each slot's run
-    once. The GEMM kernels load the token slots before their main loop, so the load is long done here."""
+    the block (lo > hi: none). Rows are slot-ordered, so a loop over that range meets each slot's run once. The
+    GEMM kernels load the token slots before their main loop, so the load is long done here."""
     slot = tl.where((token_slot >= 0) & (token_slot < num_slots), token_slot, -1)
     lo = tl.min(tl.where(slot >= 0, slot, num_slots), axis=0)
     return slot, lo, tl.max(slot, axis=0)
+
+
+@triton.jit
+def previous_row_slots(sorted_ids_ptr, token_slots_ptr, pid_m, num_pairs, top_k, num_slots, BLOCK_M: tl.constexpr,
+                       ROWS: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
+    """The slot of the row before each of block pid_m's first ROWS rows (as row_slots; -2 before row 0, so that a
+    block's first row always starts a run: slot_runs). The GEMM kernels load these with the rows' own token slots,
+    before their main loop."""
+    offs = tl.arange(0, ROWS)
+    if PAIR_BLOCKS:
+        return tl.full((ROWS,), -2, tl.int32)
+    prev_pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + offs - 1, mask=offs > 0, other=num_pairs)
+    prev = tl.load(token_slots_ptr + prev_pair // top_k, mask=prev_pair < num_pairs, other=-1)
+    return tl.where(offs == 0, -2, tl.where((prev >= 0) & (prev < num_slots), prev, -1))
+
+
+@triton.jit
+def slot_runs(slot, prev_slot, row_rank, num_slots):
+    """The runs of rows whose slot has LoRA on this expert (row_rank > 0): whether each row starts one, the first
+    run's slot (num_slots: no run) and how many runs there are. Rows are slot-ordered, so each such slot is one
+    run, and the LoRA loops visit these runs only (next_run_slot): a slot with no rows in the block, or no LoRA on
+    its expert, costs nothing, and every iteration has work, so its loads need no branch (a loop whose loads sit in
+    a branch is not pipelined)."""
+    start = (row_rank > 0) & (slot != prev_slot)
+    return start, tl.min(tl.where(start, slot, num_slots), axis=0), tl.sum(start.to(tl.int32), axis=0)
+
+
+@triton.jit
+def next_run_slot(slot, start, s, num_slots):
+    """The slot of the run after slot s's (slot_runs' `start`; num_slots past the last run)."""
+    return tl.min(tl.where(start & (slot > s), slot, num_slots), axis=0)
 
 
 @triton.jit
