@@ -1,5 +1,6 @@
 """The serving benchmark runs end to end (--tiny: a tiny model, both implementations, in seconds),
-so the GPU run cannot be the first to find it broken."""
+so the GPU run cannot be the first to find it broken; and its timing arithmetic."""
+import importlib
 import os
 import subprocess
 import sys
@@ -22,3 +23,26 @@ def test_tiny_serving_benchmark_runs_both_implementations():
     summary = [r for r in rows if r[0].strip() in ("decode", "prefill")]
     assert len(summary) == len(expected)
     [float(r[5]) for r in summary]  # ours / HF is a number (its sign: timing noise of a loaded CPU)
+
+
+def test_each_time_is_the_least_of_its_repeats(monkeypatch):
+    """One slow prefill call must not come off the decode time: decode = least full call - least 1-token call."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    bench_serving = importlib.import_module("bench_serving")
+    calls: list[int] = []
+    times = {1: [0.5, 0.1, 0.2], 9: [0.4, 0.3, 0.35]}  # seconds of the timed calls, by tokens asked for
+
+    def generate(prompts, names, new_tokens):
+        calls.append(new_tokens)
+
+    def timed(fn, device):
+        fn()
+        return times[calls[-1]].pop(0)
+
+    monkeypatch.setattr(bench_serving, "timed", timed)
+    decode = bench_serving.run(generate, bench_serving.Workload("decode", 2, 0, 4, 9), 100, "cpu")
+    assert calls == [2, 1, 1, 1, 9, 9, 9]  # a warm-up, then each kind of call REPEATS times
+    assert (round(decode.seconds, 9), decode.steps, decode.tokens) == (0.2, 8, 16)
+    times[1] = [0.3, 0.25, 0.6]
+    prefill = bench_serving.run(generate, bench_serving.Workload("prefill", 2, 0, 4, 1), 100, "cpu")
+    assert (prefill.seconds, prefill.steps, prefill.tokens) == (0.25, 1, 8)
