@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.fused_moe.tiles import next_run_slot, previous_row_slots, row_slots, slot_runs
+from moelora.kernels.fused_moe.tiles import adapter_slots, next_run_slot, previous_row_slots, slot_runs
 from moelora.kernels.moe_align import moe_align_reference
 
 
@@ -15,7 +15,7 @@ def _runs_kernel(sorted_ids_ptr, block_expert_ptr, token_slots_ptr, ranks_ptr, o
     """out[block] = [number of runs, the runs' slots in order, then what next_run_slot gives past the last]."""
     pid_m = tl.program_id(0)
     pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    slot, _, _ = row_slots(tl.load(token_slots_ptr + pair // top_k, mask=pair < num_pairs, other=-1), num_slots)
+    slot = adapter_slots(tl.load(token_slots_ptr + pair // top_k, mask=pair < num_pairs, other=-1), num_slots)
     prev = previous_row_slots(sorted_ids_ptr, token_slots_ptr, pid_m, num_pairs, top_k, num_slots, BLOCK_M,
                               BLOCK_M, False)
     e = tl.load(block_expert_ptr + pid_m)

@@ -7,9 +7,9 @@ import triton.language as tl
 
 from moelora.kernels.fused_moe.reduction import prepare_topk_sum, sum_topk_if_last
 from moelora.kernels.fused_moe.shrink import shrink_one_pair
-from moelora.kernels.fused_moe.tiles import (at_most_half_full, block_info, block_rows, lora_expand, lora_tile,
-                                             next_run_slot, previous_row_slots, row_ranks, row_slots, slot_rank,
-                                             slot_runs, sum_partials, takes_rank_tile)
+from moelora.kernels.fused_moe.tiles import (adapter_slots, at_most_half_full, block_info, block_rows, lora_expand,
+                                             lora_tile, next_run_slot, previous_row_slots, row_ranks, row_slots,
+                                             slot_rank, slot_runs, sum_partials, takes_rank_tile)
 from moelora.kernels.gemm_tiles import arrive, gemm_loop, wait_arrivals
 from moelora.kernels.pdl import wait_for_previous_kernel
 
@@ -278,7 +278,7 @@ def _down_block(
                                        ROWS, PAIR_BLOCKS)
     acc, _ = gemm_loop(h_ptrs, row_ok, I, w_ptrs, w_ptrs, n_mask, False, ROWS, BLOCK_N, BLOCK_K)
     if HAS_LORA:
-        slot, _, _ = row_slots(token_slot, num_slots)
+        slot = adapter_slots(token_slot, num_slots)
         rank_d = row_ranks(ranks_ptr, slot, e, num_slots, num_experts, 2)
         start, s0, num_runs = slot_runs(slot, prev_slot, rank_d, num_slots)
         for c in tl.static_range(RANK_TILES):

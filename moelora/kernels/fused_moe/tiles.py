@@ -44,11 +44,17 @@ def at_most_half_full(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def adapter_slots(token_slot, num_slots):
+    """Adapter slot of each row from the rows' token slots (-1: none, also for a token slot out of range)."""
+    return tl.where((token_slot >= 0) & (token_slot < num_slots), token_slot, -1)
+
+
+@triton.jit
 def row_slots(token_slot, num_slots):
-    """Adapter slot of each row (-1: none) from the rows' token slots, and the range [lo, hi] of the slots in
-    the block (lo > hi: none). Rows are slot-ordered, so a loop over that range meets each slot's run once. The
-    GEMM kernels load the token slots before their main loop, so the load is long done here."""
-    slot = tl.where((token_slot >= 0) & (token_slot < num_slots), token_slot, -1)
+    """Adapter slot of each row (adapter_slots), and the range [lo, hi] of the slots in the block (lo > hi: none).
+    Rows are slot-ordered, so a loop over that range meets each slot's run once. The GEMM kernels load the token
+    slots before their main loop, so the load is long done here."""
+    slot = adapter_slots(token_slot, num_slots)
     lo = tl.min(tl.where(slot >= 0, slot, num_slots), axis=0)
     return slot, lo, tl.max(slot, axis=0)
 
@@ -56,7 +62,7 @@ def row_slots(token_slot, num_slots):
 @triton.jit
 def previous_row_slots(sorted_ids_ptr, token_slots_ptr, pid_m, num_pairs, top_k, num_slots, BLOCK_M: tl.constexpr,
                        ROWS: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
-    """The slot of the row before each of block pid_m's first ROWS rows (as row_slots; -2 before row 0, so that a
+    """The slot of the row before each of block pid_m's first ROWS rows (adapter_slots; -2 before row 0, so that a
     block's first row always starts a run: slot_runs). The GEMM kernels load these with the rows' own token slots,
     before their main loop."""
     offs = tl.arange(0, ROWS)
@@ -64,7 +70,7 @@ def previous_row_slots(sorted_ids_ptr, token_slots_ptr, pid_m, num_pairs, top_k,
         return tl.full((ROWS,), -2, tl.int32)
     prev_pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + offs - 1, mask=offs > 0, other=num_pairs)
     prev = tl.load(token_slots_ptr + prev_pair // top_k, mask=prev_pair < num_pairs, other=-1)
-    return tl.where(offs == 0, -2, tl.where((prev >= 0) & (prev < num_slots), prev, -1))
+    return tl.where(offs == 0, -2, adapter_slots(prev, num_slots))
 
 
 @triton.jit
