@@ -37,16 +37,20 @@ class AttentionConfig:
     block_m: int  # extend: queries per program
     block_n: int  # extend: keys per tile
     decode_block_n: int  # decode: keys per tile; a split is a whole number of tiles
-    num_warps: int
-    num_stages: int
+    num_warps: int  # extend
+    num_stages: int  # extend
     decode_num_warps: int = 4
+    decode_num_stages: int = 2
 
 
 def default_config(k_head_dim: int, dtype: torch.dtype) -> AttentionConfig:
-    """Tiles by head size and dtype only (never by the batch)."""
+    """Tiles by head size and dtype only (never by the batch); the extend tiles are the fastest of
+    `benchmarks/bench_attention.py --sweep` on an H200 (benchmarks/RESULTS.md)."""
     if dtype == torch.float32:
-        return AttentionConfig(32, 32, 32, 4, 1)
-    return AttentionConfig(128, 64, 64, 4 if k_head_dim <= 64 else 8, 2)
+        return AttentionConfig(32, 32, 32, 4, 1, decode_num_stages=1)
+    if k_head_dim <= 128:
+        return AttentionConfig(128, 64, 64, 4, 3)
+    return AttentionConfig(64, 64, 64, 4, 2)
 
 
 def _head_blocks(dim: int) -> tuple[int, int]:
@@ -62,12 +66,13 @@ def _head_blocks(dim: int) -> tuple[int, int]:
 
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, q_pe, tok_ptr, n0, n_end, q_pos, k_ptr, v_ptr, stride_ks, stride_vs, qk_scale,
-                 DK: tl.constexpr, DV: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr):
+                 DK: tl.constexpr, DV: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr):
     """One online-softmax step over the keys [n0, n0 + BLOCK_N) below n_end of one kv head (k_ptr,
-    v_ptr point at it); with CAUSAL, query row i sees keys at positions <= q_pos[i]."""
+    v_ptr point at it); with CAUSAL, query row i sees keys at positions <= q_pos[i]. Without MASKED
+    (a tile below n_end that every row sees) no key is masked."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < n_end
+    n_ok = offs_n < n_end if MASKED else tl.full((BLOCK_N,), 1, tl.int1)
     slot = tl.load(tok_ptr + offs_n, mask=n_ok, other=0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     k = tl.load(k_ptr + slot[None, :] * stride_ks + offs_d[:, None], mask=n_ok[None, :] & (offs_d < DK)[:, None],
@@ -78,10 +83,12 @@ def _attend_tile(acc, m_i, l_i, q, q_pe, tok_ptr, n0, n_end, q_pos, k_ptr, v_ptr
         k_pe = tl.load(k_ptr + slot[None, :] * stride_ks + offs_pe[:, None],
                        mask=n_ok[None, :] & (offs_pe < DK)[:, None], other=0.0)
         qk += tl.dot(q_pe, k_pe)
-    visible = n_ok[None, :]
-    if CAUSAL:
-        visible = visible & (offs_n[None, :] <= q_pos[:, None])
-    qk = tl.where(visible, qk * qk_scale, float("-inf"))
+    qk = qk * qk_scale
+    if MASKED:
+        visible = n_ok[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= q_pos[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
     # every row sees a key in the first tile it processes, so m_new is finite and no inf - inf occurs
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -89,7 +96,7 @@ def _attend_tile(acc, m_i, l_i, q, q_pe, tok_ptr, n0, n_end, q_pos, k_ptr, v_ptr
     offs_dv = tl.arange(0, BLOCK_DV)
     v = tl.load(v_ptr + slot[:, None] * stride_vs + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :],
                 other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, m_new, l_i * alpha + tl.sum(p, 1)
 
 
@@ -113,9 +120,12 @@ def _extend_kernel(
     BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Queries [m0, m0 + BLOCK_M) of one sequence's new tokens, one q head."""
+    """Queries [m0, m0 + BLOCK_M) of one sequence's new tokens, one q head. Program ids along axis 2 count query
+    blocks from the last: the hardware dispatches axis 2's first ids first, so the blocks that see the most keys
+    start first and the short ones fill the SMs at the end."""
     wait_for_previous_kernel(PDL)
-    seq, head, m0 = tl.program_id(0), tl.program_id(1), tl.program_id(2) * BLOCK_M
+    seq, head = tl.program_id(0), tl.program_id(1)
+    m0 = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M
     extend_len = tl.load(extend_lens_ptr + seq)
     if m0 >= extend_len:
         return
@@ -136,12 +146,12 @@ def _extend_kernel(
     full_end = (prefix + m0) // BLOCK_N * BLOCK_N
     for n0 in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pe, tok_ptr, n0, seq_len, q_pos, k_head, v_head,
-                                     stride_ks, stride_vs, qk_scale, DK, DV, False, BLOCK_N, BLOCK_D, BLOCK_DPE,
-                                     BLOCK_DV)
+                                     stride_ks, stride_vs, qk_scale, DK, DV, False, False, BLOCK_N, BLOCK_D,
+                                     BLOCK_DPE, BLOCK_DV)
     for n0 in range(full_end, tl.minimum(seq_len, prefix + m0 + BLOCK_M), BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pe, tok_ptr, n0, seq_len, q_pos, k_head, v_head,
-                                     stride_ks, stride_vs, qk_scale, DK, DV, True, BLOCK_N, BLOCK_D, BLOCK_DPE,
-                                     BLOCK_DV)
+                                     stride_ks, stride_vs, qk_scale, DK, DV, True, True, BLOCK_N, BLOCK_D,
+                                     BLOCK_DPE, BLOCK_DV)
     offs_dv = tl.arange(0, BLOCK_DV)
     out_ptrs = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + offs_dv[None, :]
     tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
@@ -184,8 +194,8 @@ def _decode_partial_kernel(
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pe, tok_ptr, n0, end, m_i, k_ptr + kv_head * stride_kh,
-                                     v_ptr + kv_head * stride_vh, stride_ks, stride_vs, qk_scale, DK, DV, False,
-                                     BLOCK_N, BLOCK_D, BLOCK_DPE, BLOCK_DV)
+                                     v_ptr + kv_head * stride_vh, stride_ks, stride_vs, qk_scale, DK, DV, True,
+                                     False, BLOCK_N, BLOCK_D, BLOCK_DPE, BLOCK_DV)
     mid = (seq * num_q_heads + heads).to(tl.int64) * max_splits + split
     offs_dv = tl.arange(0, BLOCK_DV)
     tl.store(mid_o_ptr + mid[:, None] * DV + offs_dv[None, :], acc / l_i[:, None],
@@ -254,7 +264,7 @@ def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, mid_o, mid_lse, req_to_token, req_pool_indices, seq_lens, extend_starts,
         *strides, req_to_token.stride(0), num_q_heads, max_kv_splits, **common,
         BLOCK_N=cfg.decode_block_n, BLOCK_H=max(16, triton.next_power_of_2(common["group"])),
-        num_warps=cfg.decode_num_warps, num_stages=cfg.num_stages, **pdl,
+        num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages, **pdl,
     )
     _decode_reduce_kernel[(num_seqs, num_q_heads)](
         mid_o, mid_lse, out, seq_lens, extend_starts, num_q_heads, max_kv_splits, *out.stride()[:2],

@@ -144,11 +144,12 @@ def compile_attention() -> list[dict]:
         cfg = at.default_config(k_dim, torch.bfloat16)
         block_d, block_dpe = at._head_blocks(k_dim)
         heads = dict(DK=k_dim, DV=v_dim, BLOCK_D=block_d, BLOCK_DPE=block_dpe, BLOCK_DV=v_dim)
-        for kernel, constexprs, warps in (
-            (at._extend_kernel, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n), cfg.num_warps),
-            (at._decode_partial_kernel, dict(BLOCK_N=cfg.decode_block_n, BLOCK_H=max(16, group)), cfg.decode_num_warps),
+        for kernel, constexprs, warps, stages in (
+            (at._extend_kernel, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n), cfg.num_warps, cfg.num_stages),
+            (at._decode_partial_kernel, dict(BLOCK_N=cfg.decode_block_n, BLOCK_H=max(16, group)), cfg.decode_num_warps,
+             cfg.decode_num_stages),
         ):
-            compiled = compile_sm90(kernel, {**constexprs, **heads}, "bf16", warps, cfg.num_stages)
+            compiled = compile_sm90(kernel, {**constexprs, **heads}, "bf16", warps, stages)
             results.append(dict(kernel=kernel.fn.__name__, dtype="bf16", k_dim=k_dim,
                                 block_m=constexprs.get("BLOCK_M", 0), shared=compiled.metadata.shared,
                                 ttgir=compiled.asm["ttgir"]))
