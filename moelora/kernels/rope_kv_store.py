@@ -12,10 +12,11 @@ the same places:
     q, k = rotary(q, k)         in that dtype, cos/sin computed from the positions
     k_cache[loc], v_cache[loc] = k, v    converted to the cache dtype
 
-Program (t, b) handles token t's heads of block b: the first blocks are q's, written rotated to a
-new contiguous [N, Hq, D] tensor; the others k's, rotated into k_cache at slot loc[t], with the same
-heads of v copied into v_cache. A block is a tile of rms_norm's `launch_config(D)`, which depends
-on D alone: the norm sums each head's squares in a tile of the same shape and warps, with the same
+Program (t, b) handles token t's heads of part b, one block of heads after the other (one block a
+part at decode sizes, up to eight at prefill's, `head_blocks_per_program`): the first parts are q's,
+written rotated to a new contiguous [N, Hq, D] tensor; the others k's, rotated into k_cache at slot
+loc[t], with the same heads of v copied into v_cache. A block is a tile of rms_norm's
+`launch_config(D)`, which depends on D alone: the norm sums each head's squares in a tile of the same shape and warps, with the same
 load, as _rms_norm_kernel does, hence in the same order (tests/kernels/test_compile_sm90.py checks the
 layouts of 16-bit activations on sm_90; with fp32 activations Triton (3.9) lays this kernel's tile out
 differently, 8 values a thread against 4, so there the sums of squares, and an fp32 result, may differ
@@ -42,6 +43,8 @@ from moelora.kernels.rotary import (check_rotary_inputs, cos_sin, load_halves, r
                                     store_halves)
 
 HeadNorm = tuple[torch.Tensor, float]  # an RMSNorm over each head: weight [D], eps
+PROGRAMS = 2048  # head_blocks_per_program: about this many programs once a launch has more head tiles
+MAX_HEAD_BLOCKS = 8
 
 
 # ----------------------------------------------------------------------------------- Triton
@@ -71,37 +74,54 @@ def _rope_kv_store_kernel(
     loc_ptr, scale, q_eps, k_eps, head_dim, num_q_heads, num_kv_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     HALF: tl.constexpr, HAS_NORM: tl.constexpr, INTERLEAVED: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """Token t's q heads (program (t, b) for the first parts b) or k and v heads (the other parts), HEAD_BLOCKS
+    tiles of BLOCK_H heads a part, one tile at a time: the same bits whatever HEAD_BLOCKS is."""
     wait_for_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
-    block = tl.program_id(1)
-    q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
+    part = tl.program_id(1)
+    q_blocks, kv_blocks = tl.cdiv(num_q_heads, BLOCK_H), tl.cdiv(num_kv_heads, BLOCK_H)
+    q_parts = tl.cdiv(q_blocks, HEAD_BLOCKS)
     dtype: tl.constexpr = q_out_ptr.dtype.element_ty  # q's, or the norm's promote_types(weight, q)
     offs_f = tl.arange(0, BLOCK_F)
     f_mask = offs_f < HALF
     cos, sin = cos_sin(positions_ptr, inv_freq_ptr, t, scale, offs_f, f_mask, dtype)
-    if block < q_blocks:
-        offs_h = block * BLOCK_H + tl.arange(0, BLOCK_H)
-        out1, out2, mask = _rotated_heads(q_ptr + t * stride_qt, q_w_ptr, offs_h, num_q_heads, stride_qh, head_dim,
-                                          q_eps, cos, sin, offs_f, f_mask, HALF, HAS_NORM, INTERLEAVED, BLOCK_D, dtype)
-        out_ptrs = q_out_ptr + (t * num_q_heads + offs_h[:, None]) * (2 * HALF) + offs_f[None, :]
-        store_halves(out_ptrs, out1, out2, mask, HALF)
+    if part < q_parts:
+        for block in range(part * HEAD_BLOCKS, tl.minimum((part + 1) * HEAD_BLOCKS, q_blocks)):
+            offs_h = block * BLOCK_H + tl.arange(0, BLOCK_H)
+            out1, out2, mask = _rotated_heads(q_ptr + t * stride_qt, q_w_ptr, offs_h, num_q_heads, stride_qh,
+                                              head_dim, q_eps, cos, sin, offs_f, f_mask, HALF, HAS_NORM, INTERLEAVED,
+                                              BLOCK_D, dtype)
+            out_ptrs = q_out_ptr + (t * num_q_heads + offs_h[:, None]) * (2 * HALF) + offs_f[None, :]
+            store_halves(out_ptrs, out1, out2, mask, HALF)
     else:
-        offs_h = (block - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
         slot = tl.load(loc_ptr + t).to(tl.int64)
-        out1, out2, mask = _rotated_heads(k_ptr + t * stride_kt, k_w_ptr, offs_h, num_kv_heads, stride_kh, head_dim,
-                                          k_eps, cos, sin, offs_f, f_mask, HALF, HAS_NORM, INTERLEAVED, BLOCK_D, dtype)
-        cache_ptrs = k_cache_ptr + (slot * num_kv_heads + offs_h[:, None]) * (2 * HALF) + offs_f[None, :]
-        store_halves(cache_ptrs, out1, out2, mask, HALF)
-        copy_heads(v_ptr, v_cache_ptr, t, slot, offs_h, num_kv_heads, stride_vt, stride_vh, 2 * HALF, BLOCK_D)
+        first = (part - q_parts) * HEAD_BLOCKS
+        for block in range(first, tl.minimum(first + HEAD_BLOCKS, kv_blocks)):
+            offs_h = block * BLOCK_H + tl.arange(0, BLOCK_H)
+            out1, out2, mask = _rotated_heads(k_ptr + t * stride_kt, k_w_ptr, offs_h, num_kv_heads, stride_kh,
+                                              head_dim, k_eps, cos, sin, offs_f, f_mask, HALF, HAS_NORM, INTERLEAVED,
+                                              BLOCK_D, dtype)
+            cache_ptrs = k_cache_ptr + (slot * num_kv_heads + offs_h[:, None]) * (2 * HALF) + offs_f[None, :]
+            store_halves(cache_ptrs, out1, out2, mask, HALF)
+            copy_heads(v_ptr, v_cache_ptr, t, slot, offs_h, num_kv_heads, stride_vt, stride_vh, 2 * HALF, BLOCK_D)
+
+
+def head_blocks_per_program(tiles: int) -> int:
+    """How many of a launch's head `tiles` (all tokens') each program loops over: one up to PROGRAMS tiles
+    (decode), then as many as keep about PROGRAMS programs. At prefill sizes, programs of one tile spent their
+    time starting and ending, not moving bytes (benchmarks/bench_norm_rope.py)."""
+    return max(1, min(MAX_HEAD_BLOCKS, tiles // PROGRAMS))
 
 
 def rope_store_kv_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, inv_freq: torch.Tensor,
                          scale: float, interleaved: bool, q_norm: HeadNorm | None,
-                         k_norm: HeadNorm | None) -> torch.Tensor:
+                         k_norm: HeadNorm | None, *, head_blocks: int | None = None) -> torch.Tensor:
+    """head_blocks: head tiles a program loops over, default `head_blocks_per_program` of the launch's tiles
+    (benchmarks sweep it; the bits do not change)."""
     num_tokens, num_q_heads, head_dim = q.shape
     dtype = q.dtype if q_norm is None else torch.promote_types(q_norm[0].dtype, q.dtype)
     q_out = torch.empty(q.shape, dtype=dtype, device=q.device)
@@ -111,11 +131,13 @@ def rope_store_kv_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
     (q_w, q_eps), (k_w, k_eps) = ((q, 0.0), (k, 0.0)) if q_norm is None else (q_norm, k_norm)
     block_h, block_d, num_warps = launch_config(head_dim)  # rms_norm's tile: the same sums of squares
     half, num_kv_heads = head_dim // 2, k.shape[1]
-    _rope_kv_store_kernel[(num_tokens, triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_kv_heads, block_h))](
+    q_blocks, kv_blocks = triton.cdiv(num_q_heads, block_h), triton.cdiv(num_kv_heads, block_h)
+    per_program = min(head_blocks or head_blocks_per_program(num_tokens * (q_blocks + kv_blocks)), q_blocks)
+    _rope_kv_store_kernel[(num_tokens, triton.cdiv(q_blocks, per_program) + triton.cdiv(kv_blocks, per_program))](
         positions, inv_freq, q, k, v, q_w, k_w, q_out, k_cache, v_cache, loc, scale, q_eps, k_eps, head_dim,
         num_q_heads, num_kv_heads, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
         HALF=half, HAS_NORM=q_norm is not None, INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_D=block_d,
-        BLOCK_F=triton.next_power_of_2(half), num_warps=num_warps, **pdl_launch(q.device),
+        BLOCK_F=triton.next_power_of_2(half), HEAD_BLOCKS=per_program, num_warps=num_warps, **pdl_launch(q.device),
     )
     return q_out
 

@@ -258,8 +258,9 @@ def compile_rope_kv_store() -> list[dict]:
     results = []
     for (dim, norm, interleaved), types in [(case, common) for case in ROPE_KV_STORES] + [(ROPE_KV_STORES[0], fp32)]:
         block_h, block_d, num_warps = rn.launch_config(dim)
+        # prefill's loop over 8 head tiles
         constexprs = dict(HALF=dim // 2, HAS_NORM=norm, INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_D=block_d,
-                          BLOCK_F=triton.next_power_of_2(dim // 2))
+                          BLOCK_F=triton.next_power_of_2(dim // 2), HEAD_BLOCKS=8)
         compiled = compile_sm90(rk._rope_kv_store_kernel, constexprs, "bf16", num_warps, 1, types)
         rms = compile_sm90(rn._rms_norm_kernel, dict(HAS_RESIDUAL=False, BLOCK_H=block_h, BLOCK_D=block_d), "bf16",
                            num_warps, 1, None if types is common else {"w_ptr": "*fp32", "out_ptr": "*fp32"})

@@ -3,7 +3,8 @@ import torch
 
 from moelora.kernels.kv_store import store_kv
 from moelora.kernels.rms_norm import rms_norm
-from moelora.kernels.rope_kv_store import rope_store_kv
+from moelora.kernels.rope_kv_store import (MAX_HEAD_BLOCKS, PROGRAMS, head_blocks_per_program, rope_store_kv,
+                                           rope_store_kv_triton)
 from moelora.kernels.rotary import rotary_embedding
 from moelora.layers.rotary import rope_frequencies
 from tests.support import assert_rows_close, rel_tolerance
@@ -173,3 +174,28 @@ def test_bad_inputs_name_the_tensor(impl, device):
         call(*args, q_norm=(weight, 1e-6), k_norm=(weight.half(), 1e-6))
     with pytest.raises(ValueError, match=r"impl must be"):
         rope_store_kv(*args, impl="cuda")
+
+
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_head_blocks_per_program_keep_the_bits(with_norm, device, poison):
+    """Programs that loop over several head tiles (prefill sizes) give each tile the bits of a program of one."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    dtype = DTYPES[0]
+    positions, q, k, v = _inputs(3, 32, 4, 128, dtype, device, gen)  # Qwen3-30B-A3B: 8 q tiles, 1 kv tile
+    norms = _norms(128, dtype, device, gen) if with_norm else (None, None)
+    loc = torch.randperm(12, generator=gen)[:3].to(device)
+    inv_freq, scale = rope_frequencies(128, DEFAULT, 4096)
+    outs = []
+    for head_blocks in (1, 2, 3, 8):
+        caches = _caches(12, 4, 128, dtype, device)
+        q_out = rope_store_kv_triton(positions, q, k, v, *caches, loc, inv_freq.to(device), scale, False, *norms,
+                                     head_blocks=head_blocks)
+        outs.append([_bits(t) for t in (q_out, *caches)])
+    for head_blocks, got in zip((2, 3, 8), outs[1:]):
+        assert all(torch.equal(g, o) for g, o in zip(got, outs[0])), f"{head_blocks} head tiles a program: other bits"
+
+
+def test_prefill_sizes_loop_over_head_blocks():
+    assert head_blocks_per_program(1) == head_blocks_per_program(PROGRAMS) == 1  # decode: a program per head tile
+    assert head_blocks_per_program(4 * PROGRAMS) == 4
+    assert head_blocks_per_program(1 << 30) == MAX_HEAD_BLOCKS
