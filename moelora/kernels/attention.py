@@ -83,16 +83,16 @@ def _attend_tile(acc, m_i, l_i, q, q_pe, tok_ptr, n0, n_end, q_pos, k_ptr, v_ptr
         k_pe = tl.load(k_ptr + slot[None, :] * stride_ks + offs_pe[:, None],
                        mask=n_ok[None, :] & (offs_pe < DK)[:, None], other=0.0)
         qk += tl.dot(q_pe, k_pe)
-    qk = qk * qk_scale
     if MASKED:
         visible = n_ok[None, :]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= q_pos[:, None])
         qk = tl.where(visible, qk, float("-inf"))
-    # every row sees a key in the first tile it processes, so m_new is finite and no inf - inf occurs
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    # every row sees a key in the first tile it processes, so m_new is finite and no inf - inf occurs; the
+    # scale (> 0) applies to the row maximum, so each score takes it in one multiply-add with the subtraction
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
     offs_dv = tl.arange(0, BLOCK_DV)
     v = tl.load(v_ptr + slot[:, None] * stride_vs + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :],
                 other=0.0)
