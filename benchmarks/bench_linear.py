@@ -12,6 +12,7 @@ For each shape and number of rows M it reports, all measured in one run on one d
     python3 benchmarks/bench_linear.py --sweep 1,4096         # also time candidate tiles at M = 1 and 4096
     python3 benchmarks/bench_linear.py --split-sweep 1,8      # also time other split counts at M = 1 and 8
     python3 benchmarks/bench_linear.py --lora --rows 1,8,32   # the dense LoRA's cost instead (lora_linear, rank 16)
+    python3 benchmarks/bench_linear.py --lora --sweep 8192    # also time candidate tiles of the GEMM with LoRA
     python3 benchmarks/bench_linear.py --shapes tiny          # CPU-sized smoke run (torch path on CPU)
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 
 from moelora.kernels import linear as linear_module
 from moelora.kernels.linear import LinearConfig, default_config, k_splits, linear
-from moelora.kernels.lora_linear import align_tokens_by_slot, lora_linear
+from moelora.kernels.lora_linear import LoRALinearConfig, align_tokens_by_slot, lora_linear
 from tests.support import assert_rows_close, random_linear_lora, rel_tolerance
 
 SHAPES = {  # in features K, out features N
@@ -144,6 +145,18 @@ def lora_table(args, device, dtype, name, bw) -> None:
             base, one, many = (t * 1e6 for t in times)
             print(f"| {shape_name} {shape[0]}->{shape[1]} | {m} | {base:.1f} | {one:.1f} | {one - base:.1f} "
                   f"| {many:.1f} | {many - base:.1f} |", flush=True)
+            if str(m) in args.sweep.split(",") and device == "cuda":  # 8 adapters (slots, blocks as last timed)
+                timed = []
+                for cfg in (c for c in candidates(m, shape[1]) if c.block_m >= 64 and c.num_stages in (3, 4)):
+                    config = LoRALinearConfig(linear=cfg)
+                    try:
+                        timed.append((measure(lambda: [lora_linear(x, w, None, lora, parts, slots, blocks=blocks,
+                                                                   config=config) for w, lora in zip(weights, loras)])
+                                      / len(weights), cfg))
+                    except Exception as exc:  # out of shared memory etc.
+                        print(f"  lora sweep M={m} {cfg}: failed {type(exc).__name__}")
+                for t, cfg in sorted(timed, key=lambda c: c[0])[:5]:
+                    print(f"  lora sweep M={m} {shape_name}: {cfg} {t * 1e6:.1f} us (8 adapters)", flush=True)
         del weights, loras
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -76,9 +76,9 @@ _LARGE = (LinearConfig(128, 256, 8, 8, 3), LinearConfig(128, 128, 8, 8, 4), Line
           LinearConfig(64, 64, 8, 4, 4))  # the last: narrow N (the router's 128 columns at prefill)
 
 
-def default_config(M: int, N: int, splits: int = 1) -> LinearConfig:
+def default_config(M: int, N: int, splits: int = 1, lora: bool = False) -> LinearConfig:
     """Tiles for M rows and N output columns of a shape with `splits` K splits (`k_splits`; BLOCK_K is
-    the dtype's, not the config's).
+    the dtype's, not the config's); `lora`: the GEMM adds LoRA deltas in its epilogue.
 
     Up to 256 rows (decode: M <= 16, BLOCK_M 16) the GEMM is bound by reading W, so the tile is the
     widest that still gives about one program per SM (o_proj's N = 2048 at decode: 16 columns) and
@@ -86,8 +86,12 @@ def default_config(M: int, N: int, splits: int = 1) -> LinearConfig:
     wgmma. Prefill (M > 256) is bound by the tensor cores: 128 x 256 or 128 x 128 tiles with 8 warps
     and GROUP_M 8 for L2 reuse of W, as Triton's matmul tutorial has them on Hopper, while they still
     fill the SMs. Up to 32 rows a shape without K splits has fewer programs for the same bytes, so each
-    keeps ONE_SPLIT_STAGES W tiles in flight (with splits, deeper pipelines measured slower)."""
+    keeps ONE_SPLIT_STAGES W tiles in flight (with splits, deeper pipelines measured slower). A prefill
+    tile whose K splits run one after the other holds two accumulators (the running sum and the split's);
+    with a LoRA epilogue besides, a 128 x 256 tile's registers overflow, so such a GEMM starts at 128 x 128."""
     candidates = _DECODE if M <= 16 else _SMALL if M <= 32 else _MEDIUM if M <= 256 else _LARGE
+    if lora and splits > 1 and M > PARALLEL_SPLITS_MAX_M:
+        candidates = candidates[1:]
     narrow_n = max(16, triton.next_power_of_2(N))  # tl.dot needs 16; a tile wider than N only reads masks
     stages = {"num_stages": ONE_SPLIT_STAGES} if M <= 32 and splits == 1 else {}
     tiles = [replace(c, block_n=min(c.block_n, narrow_n), parallel_splits=M <= PARALLEL_SPLITS_MAX_M, **stages)
@@ -229,7 +233,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if M == 0 or N == 0:
         return y
     splits, split_k = k_splits(N, K, x.dtype)
-    cfg = config or default_config(M, N, splits)
+    cfg = config or default_config(M, N, splits, lora=lora is not None)
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     parallel = cfg.parallel_splits and splits > 1
     if parallel and tiles > SPLIT_COUNTERS:

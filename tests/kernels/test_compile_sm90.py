@@ -63,8 +63,9 @@ ROPE_KV_STORES = ((128, True, False), (128, False, False), (64, True, True))
 # decode, one after the other at prefill), qkv (1) and router (16, in parallel at decode, serial at prefill)
 LINEARS = ((1, 2048, 4096), (1, 5120, 2048), (100, 5120, 2048), (512, 2048, 4096), (4096, 5120, 2048),
            (1, 128, 2048), (4096, 128, 2048))
-# M, N, K, out parts of the GEMM with the LoRA epilogue: Qwen3-30B-A3B's qkv at decode and prefill, o_proj at decode
-LORA_EPILOGUES = ((1, 5120, 2048, (4096, 512, 512)), (4096, 5120, 2048, (4096, 512, 512)), (1, 2048, 4096, (2048,)))
+# M, N, K, out parts of the GEMM with the LoRA epilogue: Qwen3-30B-A3B's qkv and o_proj at decode and prefill
+LORA_EPILOGUES = ((1, 5120, 2048, (4096, 512, 512)), (4096, 5120, 2048, (4096, 512, 512)), (1, 2048, 4096, (2048,)),
+                  (4096, 2048, 4096, (2048,)))
 KV_STORES = ((4, 128, 128), (1, 192, 128), (16, 192, 128), (128, 192, 128), (2, 80, 80))  # kv heads, Dk, Dv: Qwen3,
 #           MLA as one head, DeepSeek-V2-Lite and -V3 (a kv head per query head), non-power-of-two dims
 
@@ -343,7 +344,7 @@ def compile_linear() -> list[dict]:
     results = []
     for m, n, k, dtype, has_bias, parts in cases:
         splits, _ = li.k_splits(n, k, torch.bfloat16)  # fp16's too
-        cfg = li.default_config(m, n, splits)
+        cfg = li.default_config(m, n, splits, lora=parts is not None)
         parallel = cfg.parallel_splits and splits > 1
         lora = dict(HAS_LORA=False, PART_BOUNDS=(0, n), BLOCK_R=16, BLOCK_S=1) if parts is None else dict(
             HAS_LORA=True, PART_BOUNDS=tuple(sum(parts[:p]) for p in range(len(parts) + 1)), BLOCK_R=16, BLOCK_S=8)

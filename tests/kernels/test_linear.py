@@ -192,3 +192,10 @@ def test_bad_inputs_name_the_tensor(impl, device):
         linear(x, w.float(), impl=impl)
     with pytest.raises(ValueError, match=r"impl must be"):
         linear(x, w, impl="cublas")
+
+
+def test_prefill_tiles_with_lora_and_serial_splits_leave_registers_for_the_epilogue():
+    """128 x 256 prefill tiles, but 128 x 128 where the K splits run in series and a LoRA epilogue is added."""
+    assert (default_config(8192, 2048, 4).block_n, default_config(8192, 2048, 4, lora=True).block_n) == (256, 128)
+    assert default_config(8192, 5120, 1, lora=True).block_n == 256  # one split: one accumulator
+    assert default_config(16, 2048, 4, lora=True) == default_config(16, 2048, 4)  # decode: parallel splits
