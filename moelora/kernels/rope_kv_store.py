@@ -12,16 +12,16 @@ the same places:
     q, k = rotary(q, k)         in that dtype, cos/sin computed from the positions
     k_cache[loc], v_cache[loc] = k, v    converted to the cache dtype
 
-Program (t, b) handles token t's heads of part b, one block of heads after the other (one block a
-part at decode sizes, up to eight at prefill's, `head_blocks_per_program`): the first parts are q's,
-written rotated to a new contiguous [N, Hq, D] tensor; the others k's, rotated into k_cache at slot
-loc[t], with the same heads of v copied into v_cache. A block is a tile of rms_norm's
-`launch_config(D)`, which depends on D alone: the norm sums each head's squares in a tile of the same shape and warps, with the same
-load, as _rms_norm_kernel does, hence in the same order (tests/kernels/test_compile_sm90.py checks the
-layouts of 16-bit activations on sm_90; with fp32 activations Triton (3.9) lays this kernel's tile out
-differently, 8 values a thread against 4, so there the sums of squares, and an fp32 result, may differ
-from the chain's by an ulp); it then normalises the two halves of each head (elementwise, the same bits
-as the whole row) and rotates them.
+Program (t, b) handles token t's heads of part b, one block of heads after the other (one block a part
+at decode sizes, up to eight at prefill's, `head_blocks_per_program`): the first parts are q's, written
+rotated to a new contiguous [N, Hq, D] tensor; the others k's, rotated into k_cache at slot loc[t], with
+the same heads of v copied into v_cache. A block is a tile of rms_norm's `launch_config(D)`, which
+depends on D alone: the norm sums each head's squares in a tile of the same shape and warps, with the
+same load, as _rms_norm_kernel does, hence in the same order (tests/kernels/test_compile_sm90.py checks
+the layouts of 16-bit activations on sm_90; with fp32 activations Triton (3.9) lays this kernel's tile
+out differently, 8 values a thread against 4, so there the sums of squares, and an fp32 result, may
+differ from the chain's by an ulp); it then normalises the two halves of each head (elementwise, the
+same bits as the whole row) and rotates them.
 
 q, k and v may be strided views (column slices of the fused qkv output) with a contiguous last
 dimension; the caches are contiguous [slots, Hkv, D] (KVCache). No host code reads device memory
