@@ -33,9 +33,31 @@ def all_gather(state: ParallelState, x: torch.Tensor, dim: int = -1) -> torch.Te
     """The ranks' x concatenated along dim, in rank order (every rank's x of one shape)."""
     if state.tp_size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(state.tp_size)]
-    dist.all_gather(parts, x.contiguous(), group=state.group)
-    return torch.cat(parts, dim=dim)
+    return torch.cat(gather_stacked(state, x).unbind(0), dim=dim)
+
+
+# all_gather_single is all_gather_into_tensor's newer name (torch 2.13 warns at the old one)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def gather_stacked(state: ParallelState, x: torch.Tensor) -> torch.Tensor:
+    """[tp_size, *x.shape]: the ranks' x (at least 1-D, one shape on every rank) in rank order, in one tensor."""
+    parts = x.new_empty((state.tp_size * x.shape[0], *x.shape[1:]))  # gloo takes the concatenated shape alone
+    _all_gather_single(parts, x.contiguous(), group=state.group)
+    return parts.view(state.tp_size, *x.shape)
+
+
+def gather_into(state: ParallelState, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """out (contiguous, tp_size times x's elements) = the ranks' x concatenated in rank order; returns out."""
+    _all_gather_single(out.view(state.tp_size * x.shape[0], *x.shape[1:]), x.contiguous(), group=state.group)
+    return out
+
+
+def exchange_chunks(state: ParallelState, chunks: torch.Tensor) -> torch.Tensor:
+    """chunks [tp_size, ...]: chunk r goes to rank r; returns [tp_size, ...], what rank r sent this one at r."""
+    out = torch.empty_like(chunks)
+    dist.all_to_all_single(out, chunks.contiguous(), group=state.group)
+    return out
 
 
 def all_to_all(state: ParallelState, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:

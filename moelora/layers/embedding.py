@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moelora.distributed.comm import all_reduce
 from moelora.distributed.sharding import even_shard, size_of
 from moelora.distributed.state import get_parallel
+from moelora.layers.collectives import all_reduce
 
 
 class VocabEmbedding(nn.Module):

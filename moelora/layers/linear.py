@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 from moelora.core import LinearLoRASlots, LoRABatch
-from moelora.distributed.comm import all_reduce
 from moelora.distributed.sharding import even_shard, size_of
 from moelora.distributed.state import get_parallel
 from moelora.kernels.linear import linear
 from moelora.kernels.lora_linear import align_tokens_by_slot, lora_linear
+from moelora.layers.collectives import all_reduce
 
 Parallel = Literal["replicated", "column", "row"]
 

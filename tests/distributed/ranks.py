@@ -13,9 +13,10 @@ from moelora.distributed.state import destroy_parallel, init_parallel, parallel_
 
 
 def _rank_main(rank: int, world: int, port: int, results: Any, fn: Callable[..., Any], args: tuple,
-               options: dict[str, Any]) -> None:
+               options: dict[str, Any], cuda: bool) -> None:
     torch.set_num_threads(1)  # the ranks share the machine's few cores
-    state = init_parallel(world, rank=rank, init_method=f"tcp://127.0.0.1:{port}", backend="gloo", timeout=60, **options)
+    state = init_parallel(world, rank=rank, init_method=f"tcp://127.0.0.1:{port}", timeout=60,
+                          device=f"cuda:{rank}" if cuda else "cpu", **options)
     try:
         with parallel_state(state):
             # pickled here: a queue would share tensors' memory with the parent, gone once this process ends
@@ -24,12 +25,14 @@ def _rank_main(rank: int, world: int, port: int, results: Any, fn: Callable[...,
         destroy_parallel()
 
 
-def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 300, **options: Any) -> list[Any]:
+def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 300, cuda: bool = False,
+              **options: Any) -> list[Any]:
     """fn(*args) on each of `world` processes that joined one world with init_parallel(world, **options)
-    (ep_size, moe_dispatch); fn and its arguments must pickle (fn at the top level of a module)."""
+    (ep_size, moe_dispatch): CPU processes over gloo, or with cuda rank r on cuda:r over NCCL; fn, its arguments
+    and its result must pickle (fn at the top level of a module; tensors on the CPU)."""
     import multiprocessing as mp
     results = mp.get_context("spawn").Queue()
-    ranks = LocalRanks(_rank_main, range(world), (world, free_port(), results, fn, args, options))
+    ranks = LocalRanks(_rank_main, range(world), (world, free_port(), results, fn, args, options, cuda))
     got: dict[int, Any] = {}
     try:
         while len(got) < world:

@@ -15,6 +15,8 @@ Two ways to size the exchange:
   token's pairs are summed in top-k order, in a fixed order whatever the batch;
 - above it, exactly the pairs each rank needs: the counts are exchanged first and read on the host (a sync:
   never inside a CUDA graph), which keeps a long prompt's traffic at what it needs.
+Both sum what comes back alike (a pair's copies in rank order, then a token's pairs in top-k order, in fp32), so a
+token's row has the same bits whichever way its pairs travelled.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 from moelora.core import LoRABatch, TopKOutput
 from moelora.distributed.comm import all_to_all, exchange_counts
 from moelora.distributed.state import ParallelState
+from moelora.kernels.sum_in_order import sum_in_order
 from moelora.layers.moe.dispatcher import Dispatched, Dispatcher
 
 FIXED_MAX_TOKENS = 256  # the largest step dispatched at fixed capacity (decode CUDA graphs go no higher)
@@ -77,13 +80,24 @@ class AllToAllDispatcher(Dispatcher):
     def _combine_fixed(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         _, num_tokens, share, k = dispatched.route
         even = [share * k] * self.world
-        back = all_to_all(self.dist_state, y, even, even).view(self.world, share, k, -1).float()
-        # a pair's partial sums in rank order (one rank's but for moe_tp_size > 1), then a token's pairs in top-k order
-        mine = back.sum(0).sum(1)
+        # a pair's partial sums in rank order (the ranks not of its expert's group send zeros)
+        back = all_to_all(self.dist_state, y, even, even).view(self.world, share * k, y.shape[1])
         first, rows = self._share(num_tokens)
-        out = torch.zeros(num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
-        out[first:first + rows] = mine[:rows]
-        return out.to(y.dtype)
+        return self._into_rows(back, share, k, first, rows, num_tokens)
+
+    @staticmethod
+    def _into_rows(back: torch.Tensor, share: int, k: int, first: int, rows: int, num_tokens: int) -> torch.Tensor:
+        """back [copies, share * k, H]: each of this rank's share of tokens' k pairs as returned by each rank of its
+        expert's group (copies) -> [num_tokens, H], this rank's tokens' rows the sums of their copies in rank order,
+        then of their pairs in top-k order (in fp32, rounded once; the same bits whatever the batch and whichever
+        way the pairs travelled), zeros elsewhere."""
+        hidden = back.shape[-1]
+        pairs = sum_in_order(back, torch.empty(share * k, hidden, dtype=torch.float32, device=back.device))
+        tokens = sum_in_order(pairs.view(share, k, hidden).transpose(0, 1),
+                              torch.empty(share, hidden, dtype=back.dtype, device=back.device))
+        out = torch.zeros(num_tokens, hidden, dtype=back.dtype, device=back.device)
+        out[first:first + rows] = tokens[:rows]
+        return out
 
     def _dispatch_counted(self, x: torch.Tensor, topk: TopKOutput, lora: LoRABatch | None) -> Dispatched:
         num_tokens, k = topk.ids.shape
@@ -106,10 +120,13 @@ class AllToAllDispatcher(Dispatcher):
         got_meta = all_to_all(self.dist_state, meta, send, recv)
         routed = TopKOutput(got_meta[:, 2].contiguous().view(torch.float32)[:, None], got_meta[:, :1].contiguous())
         got_lora = LoRABatch(got_meta[:, 1].contiguous()) if lora is not None else None
-        return Dispatched(got_x, routed, got_lora, ("counted", tokens[pair], send, recv, num_tokens))
+        return Dispatched(got_x, routed, got_lora, ("counted", order, send, recv, num_tokens, k))
 
     def _combine_counted(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
-        _, tokens, send, recv, num_tokens = dispatched.route
-        back = all_to_all(self.dist_state, y, recv, send)
-        out = torch.zeros(num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
-        return out.index_add_(0, tokens, back.float()).to(y.dtype)
+        _, order, send, recv, num_tokens, k = dispatched.route
+        sent = all_to_all(self.dist_state, y, recv, send)  # this rank's pairs' copies, ordered by destination
+        back = torch.empty_like(sent)
+        back[order] = sent  # pair by pair, each pair's copies in rank order
+        first, rows = self._share(num_tokens)
+        back = back.view(rows * k, self.moe_tp_size, y.shape[1]).transpose(0, 1)
+        return self._into_rows(back, rows, k, first, rows, num_tokens)

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from moelora.core import LoRABatch
-from moelora.distributed.comm import all_reduce
 from moelora.distributed.state import get_parallel
+from moelora.layers.collectives import all_reduce
 from moelora.layers.linear import Linear
 from moelora.layers.mlp import MLP
 
