@@ -104,6 +104,10 @@ def init_parallel(tp_size: int, ep_size: int = 1, rank: int | None = None, init_
         distributed_c10d._world.group_count = 0
         raise
     group = dist.group.WORLD
+    if backend == "nccl":
+        # the NCCL watchdog ends the process when an eager collective outlasts the group's timeout; rank 0 notices a
+        # step that does not end first (Workers.wait_for, after dist_timeout) and stops the ranks, the server alive
+        distributed_c10d._set_pg_timeout(timedelta(seconds=max(2 * timeout, timeout + 60)), group)
     # connecting waits for every rank as long as a collective would (a rank that hangs here is noticed), then
     # its ops get CONTROL_TIMEOUT (torchtitan changes a group's timeout the same way once its world is up)
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
@@ -111,7 +115,13 @@ def init_parallel(tp_size: int, ep_size: int = 1, rank: int | None = None, init_
     return ParallelState(rank, tp_size, ep_size, moe_dispatch, group, control)
 
 
-def destroy_parallel() -> None:
-    """Leave the world, if this process joined one."""
-    if dist.is_initialized():
+def destroy_parallel(abort: bool = False) -> None:
+    """Leave the world, if this process joined one: with every rank leaving too (NCCL's destroy of a communicator
+    waits for the other ranks'), or, abort, at once, waiting for no rank and no work in flight (a rank died or
+    hangs)."""
+    if not dist.is_initialized():
+        return
+    if abort:
+        distributed_c10d._abort_process_group()
+    else:
         dist.destroy_process_group()

@@ -36,7 +36,7 @@ from moelora.engine.step_stats import StepStats
 from moelora.engine.stepper import StepOutput, Stepper
 from moelora.engine.structured_output import GrammarBackend
 from moelora.engine.tokenizer import load_tokenizer
-from moelora.engine.workers import WorkerFailure, Workers, follow, node_config, serves_engine
+from moelora.engine.workers import WorkerFailure, Workers, follow, launched_rank, node_config, node_ranks, serves_engine
 from moelora.lora.canonical import Adapter
 
 Prompt = str | Sequence[int]
@@ -134,6 +134,7 @@ class Engine:
     def shutdown(self) -> None:
         """Stop the other ranks (tp_size > 1); the engine runs no more steps. Nothing to do at one rank."""
         if self.workers is not None:
+            self.runner.release_graphs(wait=self.workers.failure is None)
             self.workers.shutdown()
             self.workers = None
             self.stepper.fatal = self.stepper.fatal or "the engine was shut down"
@@ -191,6 +192,8 @@ class Engine:
         """Run one step; the new tokens and text of every request in it, and the end of aborted and
         failed ones. With overlap scheduling (the default), the tokens of the step launched by the previous call
         (the first call launches one and returns none of its tokens)."""
+        if self.runner.device.type == "cuda":  # Triton launches on the calling thread's device (a server's engine
+            torch.cuda.set_device(self.runner.device)  # thread starts on device 0, whatever the engine's)
         outputs, self._aborted = self._aborted, []
         return outputs + self.stepper.step()
 
@@ -309,7 +312,7 @@ class Engine:
                 f"tokenizer: {config.tokenizer_path or config.model_path}" if self.tokenizer is not None
                 else f"no tokenizer: {self.missing_tokenizer}",
                 *runner.lora.describe(),
-                *([f"sampling defaults for requests (generation_config.json): "
+                *(["sampling defaults for requests (generation_config.json): "
                    + ", ".join(f"{k}={v}" for k, v in self.sampling_defaults.items())] if self.sampling_defaults else []),
                 *([f"parallel: {config.tp_size} ranks, tensor parallel with the experts over {config.ep_size} groups "
                    f"({config.moe_dispatch} dispatch); per rank: weights {_size(runner.weight_bytes())}, "
@@ -410,6 +413,12 @@ def _check_device(config: EngineConfig) -> None:
     if (device.index or 0) >= torch.cuda.device_count():
         raise ValueError(f"EngineConfig.device {config.device!r}: this machine has {torch.cuda.device_count()} CUDA "
                          "device(s), from cuda:0")
+    # the ranks this process starts take the devices after it (torchrun's each check their own)
+    last = (device.index or 0) + (len(node_ranks(config)) - 1 if launched_rank(config) is None else 0)
+    if last >= torch.cuda.device_count():
+        raise ValueError(f"EngineConfig.device {config.device!r} with tp_size {config.tp_size}: the ranks on this "
+                         f"node take cuda:{device.index or 0}..cuda:{last}, and this machine has "
+                         f"{torch.cuda.device_count()} CUDA device(s)")
 
 
 def _is_token_ids(prompt) -> bool:

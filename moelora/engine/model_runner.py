@@ -109,6 +109,22 @@ class ModelRunner:
         self.vocab_size = self.model.config.vocab_size
         self.penalties = PenaltyState(config.max_running_requests, self.vocab_size, self.device)
 
+    def wait_for(self, event: torch.cuda.Event) -> None:
+        """The host waits for `event` (a step's device work); over several ranks at most dist_timeout
+        (Workers.wait_for)."""
+        if self.workers is None:
+            event.synchronize()
+        else:
+            self.workers.wait_for(event)
+
+    def release_graphs(self, wait: bool = True) -> None:
+        """Drop the CUDA graphs before leaving the world, once the device has run them (wait; not after a rank
+        failed: its collectives may never end): NCCL cannot destroy a communicator whose collectives a live graph
+        holds (it hangs: pytorch issue 115388). No step runs after."""
+        self.graphs = self.prompt_graphs = None
+        if wait and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     @torch.inference_mode()
     def warm_up(self, max_tokens: int) -> None:
         """Run a prompt step of each of `warm_up_sizes(max_tokens)` tokens, without and with an adapter slot, so
@@ -288,6 +304,7 @@ def serve_rank(rank: int, config: EngineConfig, init_method: str) -> None:
             runner.execute(args[1])
         else:
             control_barrier(state, config.dist_timeout)  # rank 0's Workers.barrier
+    runner.release_graphs()
     destroy_parallel()
 
 

@@ -209,7 +209,7 @@ class Stepper:
         batch, result = launched.batch, launched.result
         start = time.perf_counter()
         if launched.copied is not None:
-            launched.copied.synchronize()
+            self.runner.wait_for(launched.copied)
         copied = time.perf_counter()
         self.stats.seconds["wait"] += copied - start
         ended = {r for r in batch.reqs if r.finished}  # aborted while it ran ahead: released already

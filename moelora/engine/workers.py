@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -38,6 +39,7 @@ from moelora.distributed.state import ParallelState, destroy_parallel, init_para
 from moelora.engine.config import EngineConfig
 
 _log = logging.getLogger(__name__)
+SPIN_SECONDS = 0.005  # Workers.wait_for spins this long before it sleeps between polls
 
 
 class WorkerFailure(RuntimeError):
@@ -188,10 +190,23 @@ class Workers:
         """The engine cannot go on (every later guard raises `failure`): stop the ranks and leave their world."""
         self.failure = failure
         self.ranks.stop(timeout=0)
-        destroy_parallel()
+        destroy_parallel(abort=True)
 
     def send(self, command: tuple) -> None:
         broadcast_object(self.state, command, self.timeout)
+
+    def wait_for(self, event: torch.cuda.Event) -> None:
+        """The host waits for a step's device work (`event`) at most dist_timeout, then WorkerFailure: a rank that
+        died or hangs holds the step's collectives forever (NCCL's watchdog does not see those a CUDA graph
+        replays), where the event's own synchronize would never return. Polled: spinning the first milliseconds
+        (a step's usual wait, on the token's critical path), then every millisecond."""
+        start = time.monotonic()
+        while not event.query():
+            waited = time.monotonic() - start
+            if waited > self.timeout:
+                with self.guard("a step's device work"):
+                    raise TimeoutError(f"it did not end within dist_timeout ({self.timeout:g} s)")
+            time.sleep(0 if waited < SPIN_SECONDS else 1e-3)
 
     def barrier(self) -> None:
         """Returns once every rank got here (or raises within dist_timeout); over the control group, so the host
@@ -202,6 +217,7 @@ class Workers:
         """Stop the other ranks (and leave their world). orderly=False kills them without the shutdown command: a
         start interrupted (Ctrl-C) left them anywhere in it, loading or at its barrier, where none reads a command and
         the command's send would wait dist_timeout for them."""
+        together = False
         if self.failure is None and orderly:
             with contextlib.suppress(Exception):  # a rank that died or hangs: stopped below all the same
                 self.send(("shutdown",))
@@ -209,9 +225,11 @@ class Workers:
                 # 0's broadcast returns once its bytes are sent, not once they are read; within dist_timeout, so a
                 # rank that hangs holds the shutdown up no longer than that
                 control_barrier(self.state, self.timeout)
-        if orderly:
+                together = True
+        if together:
+            destroy_parallel()  # beside the other ranks' (serve_rank's): each NCCL destroy waits for the others
             self.ranks.stop()
         else:
             self.ranks.stop(timeout=0)
-        destroy_parallel()
+            destroy_parallel(abort=True)
         self.failure = self.failure or "shut down"

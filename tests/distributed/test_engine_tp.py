@@ -18,6 +18,7 @@ import torch
 import moelora.engine.engine as engine_module
 import moelora.engine.lora_manager as lora_manager
 import moelora.engine.model_runner as model_runner
+import moelora.engine.stepper as stepper_module
 from moelora.distributed.launch import free_port
 from moelora.distributed.state import ParallelState
 from moelora.engine.config import EngineConfig
@@ -25,12 +26,11 @@ from moelora.engine.engine import Engine, EngineDead, RequestFailed
 from moelora.engine.lora_slots import slotted_modules
 from moelora.engine.sampling_params import SamplingParams
 from moelora.engine.workers import WorkerFailure, node_config, node_ranks, serves_engine
-from moelora.lora import AdapterError
 from moelora.models.config import ModelConfig
+from tests.distributed.load_unload import PROMPTS, drive_load_and_unload
 from tests.models.families import assert_logprobs_close, family_config
 from tests.support import rank_memory, reordered_sums_tolerance
 
-PROMPTS = [[(7 * i + 3 * j) % 90 + 3 for j in range(5 + i)] for i in range(4)]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
@@ -76,35 +76,10 @@ def _assert_memory_per_rank(many: Engine, one: Engine, model_path) -> None:
         assert held.weights < 0.6 * one.runner.weight_bytes()
 
 
-def _drive(engine, partial_path: str) -> list[list[int]]:
-    """Requests of "full" (long) and the base model; at step 2 "late" is loaded and a short request names it,
-    and "full" is unloaded with its request in flight; at step 6 "partial" needs a slot of the two: it evicts
-    "late", whose request is done, not "full"."""
-    def params(n: int) -> SamplingParams:
-        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    rids = [engine.add_request(PROMPTS[0], params(12), "full"), engine.add_request(PROMPTS[1], params(8))]
-    tokens = {}
-    for step in range(40):
-        if step == 2:
-            engine.load_lora("late", partial_path)
-            rids.append(engine.add_request(PROMPTS[2], params(2), "late"))
-            engine.unload_lora("full")
-            with pytest.raises(AdapterError, match="being unloaded"):
-                engine.add_request(PROMPTS[3], params(2), "full")
-        if step == 6:
-            rids.append(engine.add_request(PROMPTS[3], params(4), "partial"))
-        for out in engine.step():
-            tokens.setdefault(out.rid, []).extend(out.token_ids)
-        if step > 6 and not engine.has_unfinished():
-            break
-    assert "full" not in engine.runner.lora.names
-    return [tokens[r] for r in rids]
-
-
 def test_load_and_unload_with_requests_in_flight(start_engine, adapters):
     one, many = start_engine("qwen3_moe"), start_engine("qwen3_moe", tp_size=2, ep_size=2, moe_dispatch="all_to_all")
     partial = str(adapters("qwen3_moe")["partial"].path)
-    assert _drive(many, partial) == _drive(one, partial)
+    assert drive_load_and_unload(many, partial) == drive_load_and_unload(one, partial)
     assert many.lora_stats.slot_evictions == one.lora_stats.slot_evictions > 0
 
 
@@ -134,6 +109,28 @@ def test_a_rank_that_hangs_stops_the_engine_within_the_timeout(start_engine):
     error = _wait_failed(many, 3 + 20)
     assert "rank 1 is still running: it did not answer in time" in error
     assert not many.workers.ranks.procs[1].is_alive()  # stopped, then killed
+
+
+class _NeverDone:
+    """A step's device work that never ends, as one whose collective waits for a rank that died or hangs on a GPU
+    (NCCL): query() stays False and synchronize() would never return."""
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        raise AssertionError("the host waits for a step of several ranks without a deadline")
+
+
+def test_a_step_that_never_ends_stops_the_engine_within_the_timeout(start_engine, monkeypatch):
+    """Rank 0 waits for a step's device work at most dist_timeout (on a GPU, a collective whose peer died or hangs
+    holds it forever): then the engine fails its requests and stops the ranks, instead of hanging."""
+    many = start_engine("qwen3_moe", tp_size=2, dist_timeout=2)
+    many.generate(PROMPTS[:1], GREEDY)
+    monkeypatch.setattr(stepper_module, "_copy_to_host", lambda tokens: (tokens, _NeverDone()))
+    error = _wait_failed(many, 2 + 10)
+    assert "a step's device work failed on the tensor-parallel ranks" in error
+    assert "it did not end within dist_timeout (2 s)" in error
+    assert not many.workers.ranks.procs[1].is_alive()
 
 
 def test_shutdown_ends_the_ranks_together(start_engine):

@@ -120,6 +120,10 @@ def test_a_cuda_device_the_machine_lacks_is_one_error(demo_dir, monkeypatch, cap
     assert main([*argv, "--device", "cuda:2"]) == 1
     assert capsys.readouterr().err == ("moelora generate: error: EngineConfig.device 'cuda:2': this machine has 2 "
                                        "CUDA device(s), from cuda:0\n")
+    assert main([*argv, "--device", "cuda:1", "--tp-size", "2"]) == 1  # its rank 1 would be on cuda:2
+    assert capsys.readouterr().err == ("moelora generate: error: EngineConfig.device 'cuda:1' with tp_size 2: the "
+                                       "ranks on this node take cuda:1..cuda:2, and this machine has 2 CUDA "
+                                       "device(s)\n")
 
 
 def test_an_unreadable_checkpoint_is_one_error_naming_its_file(demo_dir, tmp_path, capsys):
