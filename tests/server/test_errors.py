@@ -28,7 +28,8 @@ def still_serving(server):
 
 
 def post(server, path: str, body=None, **kwargs) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", json=body, **kwargs)
+    """httpx's 5 s default is too short for the few requests that generate hundreds of tokens on a busy CPU."""
+    return httpx.post(f"{server.url}{path}", json=body, **{"timeout": 60, **kwargs})
 
 
 def error(r: httpx.Response, status: int, param: str | None = None, match: str = "", code: str | None = None) -> dict:
