@@ -63,6 +63,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
           f"{torch.__version__}, {dtype}; {model}, dummy weights; adapters rank {RANK}; {args.dispatch} dispatch\n")
     print("| tp | ep | phase | batch | adapters | tokens | s | tokens/s | ms/step |")
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    measured: dict[tuple, float] = {}  # (tp, ep, phase, batch, adapters) -> tokens/s
     for tp, ep in layouts:
         if gpus is not None and tp > gpus:
             print(f"| {tp} | {ep} | skipped: {gpus} GPUs | | | | | | |", flush=True)
@@ -75,6 +76,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
         try:
             for w in workloads(args):
                 r = run(ours.generate, w, config.vocab_size, device)
+                measured[tp, ep, w.phase, w.batch, w.adapters] = r.tokens / r.seconds
                 print(f"| {tp} | {ep} | {w.phase} | {w.batch} | {w.adapters} | {r.tokens} | {r.seconds:.3f} "
                       f"| {r.tokens / r.seconds:.0f} | {1e3 * r.seconds / r.steps:.2f} |", flush=True)
         finally:
@@ -83,6 +85,23 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
         if device == "cuda":
             gc.collect()  # reference cycles would keep this layout's engine, and its GPU memory, for the next one
             torch.cuda.empty_cache()
+    print_summary(measured)
+
+
+def print_summary(measured: dict[tuple, float]) -> None:
+    """Per layout and workload: tokens/s with each adapter count over LoRA off (measured in this run), and LoRA
+    off's tokens/s over one rank's (1x1, when it ran)."""
+    counts = sorted({key[4] for key in measured if key[4]})
+    print("\n| tp | ep | phase | batch | LoRA off tokens/s | x of 1x1 | "
+          + " | ".join(f"{n} / off" for n in counts) + " |")
+    print("|---|---|---|---|---|---|" + "---|" * len(counts))
+    for tp, ep, phase, batch in sorted({key[:4] for key in measured}):
+        off = measured.get((tp, ep, phase, batch, 0))
+        one = measured.get((1, 1, phase, batch, 0))
+        ratios = [measured.get((tp, ep, phase, batch, n)) for n in counts]
+        print(f"| {tp} | {ep} | {phase} | {batch} | {f'{off:.0f}' if off else ''} | "
+              f"{f'{off / one:.2f}' if off and one else ''} | "
+              + " | ".join(f"{r / off:.2f}" if r and off else "" for r in ratios) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,10 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
   python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
 } 2>&1 | tee "$OUT/device.txt"
 # pytest_flags WORKERS DIST: pytest-xdist's flags (loadfile keeps a file's tests in one process, for its module
-# fixtures) and pytest-timeout's, each where installed; a hung test then fails alone instead of eating the
-# call's time limit
+# fixtures; WORKERS 0: none, the tests in this process) and pytest-timeout's, each where installed; a hung test
+# then fails alone instead of eating the call's time limit
 pytest_flags() {
-  if python3 -c "import xdist" 2>/dev/null; then echo -n "-n $1 --dist $2 "; fi
+  if [ "$1" -gt 0 ] && python3 -c "import xdist" 2>/dev/null; then echo -n "-n $1 --dist $2 "; fi
   if python3 -c "import pytest_timeout" 2>/dev/null; then echo -n "--timeout=${PER_TEST_TIMEOUT:-240}"; fi
 }
 PYTEST_FLAGS=$(pytest_flags "${TEST_WORKERS:-8}" loadfile)

@@ -1,20 +1,44 @@
 #!/usr/bin/env bash
-# One device call on a machine of several GPUs (nvidia-h200-x2 .. -x8): the multi-rank GPU tests over NCCL
-# (CUDA graphs capturing the collectives, batch invariance, two GPUs against one, per-rank memory), then the
-# scaling benchmark (decode and prefill tokens/s at tp 1/2/4/8 x ep, LoRA off / 1 / 8 adapters) on a dummy
-# Qwen3-30B-A3B and a DeepSeek-V3-shaped dummy of 4 layers. Layouts beyond the machine's GPUs are skipped.
-# Each part has its own time limit (150 + 2 x 210 s), so the whole stays under 10 minutes and a slow part
-# still leaves its log. Results land in $OUT (device tool) or /tmp/gpu_multi_check.
-# usage: bash scripts/gpu_multi_check.sh [bench_tp args for both models...]
-#   e.g. LAYOUTS=2x2,4x4 bash scripts/gpu_multi_check.sh --dispatch all_to_all   (the default dispatch: all_reduce)
+# Device calls on a machine of several GPUs (nvidia-h200-x2, -x4): the multi-rank GPU tests over NCCL, then the
+# scaling benchmark. Layouts beyond the machine's GPUs are skipped. STAGES picks the parts of this call, in order,
+# each under its own time limit so that a slow part still leaves its log and the call stays under 10 minutes:
+#   tests      the tensor-parallel sum in rank order over NCCL, eager and from a CUDA graph (tests/layers/
+#              test_collectives.py); tests/distributed/test_engine_tp_gpu.py (every layout of tp 2/4 x ep 1/2/4
+#              against one GPU: bf16 log-probs, greedy tokens of the base model and 8 adapters in one batch, CUDA
+#              graphs bitwise equal to eager with the collectives captured, adapters loaded and unloaded while
+#              serving, an engine on cuda:1); per-rank memory
+#   qwen3      bench_tp.py on a dummy Qwen3-30B-A3B: decode tokens/s at batch 1/32/128 and prefill 8x1024, LoRA off /
+#              1 / 8 adapters, for each of $LAYOUTS (tp x ep) with $DISPATCH (all_reduce or all_to_all)
+#   deepseek   the same on a DeepSeek-V3-shaped dummy (real widths, 4 layers) for $DS_LAYOUTS
+# Results land in $OUT (device tool) or /tmp/gpu_multi_check.
+# usage: STAGES=tests,qwen3 LAYOUTS=1x1,2x1,2x2 bash scripts/gpu_multi_check.sh
+#        STAGES=qwen3,deepseek LAYOUTS=4x1,4x2,4x4 DISPATCH=all_to_all bash scripts/gpu_multi_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# NVLink multicast stays off (the device machines' rule: it can take a shared host's GPUs out of service); spawned
+# ranks inherit these
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 source scripts/gpu_common.sh /tmp/gpu_multi_check
 nvidia-smi topo -m 2>&1 | tee -a "$OUT/device.txt"
-timeout -k 10 ${TEST_TIMEOUT:-150} python3 -m pytest -v --durations=10 --maxfail=20 -p no:cacheprovider \
-  tests/distributed/test_engine_tp_gpu.py tests/distributed/test_memory.py 2>&1 | tee "$OUT/pytest.log" | tail -30
-LAYOUTS=${LAYOUTS:-1x1,2x1,2x2,4x1,4x2,4x4,8x8}
-timeout -k 10 ${BENCH_TIMEOUT:-210} python3 benchmarks/bench_tp.py --layouts "$LAYOUTS" --batch-sizes 1,32 "$@" \
-  2>&1 | tee "$OUT/bench_tp_qwen3_30b.md"
-timeout -k 10 ${BENCH_TIMEOUT:-210} python3 benchmarks/bench_tp.py --model deepseek-v3 --layers 4 --layouts "$LAYOUTS" \
-  --batch-sizes 1,32 "$@" 2>&1 | tee "$OUT/bench_tp_deepseek_v3.md"
+STAGES=${STAGES:-tests,qwen3,deepseek}
+LAYOUTS=${LAYOUTS:-1x1,2x1,2x2,4x1,4x2,4x4}
+DS_LAYOUTS=${DS_LAYOUTS:-1x1,4x4}
+DISPATCH=${DISPATCH:-all_reduce}
+for stage in ${STAGES//,/ }; do
+  case $stage in
+    tests)
+      # one process: each multi-rank engine takes GPUs 0..tp-1, and a test's engines start one after another
+      timeout -k 10 ${TEST_TIMEOUT:-300} python3 -m pytest -v -rf --durations=15 --maxfail=20 -p no:cacheprovider \
+        $(pytest_flags 0) tests/kernels/test_sum_in_order.py tests/layers/test_collectives.py \
+        tests/distributed/test_engine_tp_gpu.py tests/distributed/test_memory.py \
+        > "$OUT/pytest.log" 2>&1
+      grep -hE "PASSED|FAILED|ERROR|SKIPPED|Timeout|passed|failed|s call " "$OUT/pytest.log" | tail -40 ;;
+    qwen3)
+      timeout -k 10 ${BENCH_TIMEOUT:-270} python3 benchmarks/bench_tp.py --layouts "$LAYOUTS" --dispatch "$DISPATCH" \
+        2>&1 | tee "$OUT/bench_tp_qwen3_30b_${DISPATCH}.md" ;;
+    deepseek)
+      timeout -k 10 ${BENCH_TIMEOUT:-270} python3 benchmarks/bench_tp.py --model deepseek-v3 --layers 4 \
+        --layouts "$DS_LAYOUTS" --dispatch "$DISPATCH" 2>&1 | tee "$OUT/bench_tp_deepseek_v3_${DISPATCH}.md" ;;
+    *) echo "unknown stage $stage (tests, qwen3, deepseek)"; exit 2 ;;
+  esac
+done

@@ -15,6 +15,19 @@ def test_tiny_scaling_benchmark_runs_every_layout():
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in run.stdout.splitlines() if line.startswith("| ")]
-    measured = {(r[0], r[1], r[2], r[3], r[4]) for r in rows if r[2] in ("decode", "prefill")}
+    measured = {(r[0], r[1], r[2], r[3], r[4]) for r in rows if len(r) == 9 and r[2] in ("decode", "prefill")}
     assert measured == {(tp, ep, phase, batch, n) for tp, ep in (("1", "1"), ("2", "2"))
                         for phase, batch in (("decode", "1"), ("prefill", "8")) for n in ("0", "1")}
+    tokens = {key: float(r[7]) for r in rows if (key := (r[0], r[1], r[2], r[3], r[4])) in measured}
+    summary = {(r[0], r[1], r[2], r[3]): r[4:] for r in rows if len(r) == 7 and r[0] != "tp"}  # the summary's rows
+    assert set(summary) == {key[:4] for key in measured}
+    for (tp, ep, phase, batch), (off, of_one, lora) in summary.items():
+        assert float(off) == tokens[tp, ep, phase, batch, "0"]
+        _assert_ratio(of_one, tokens[tp, ep, phase, batch, "0"], tokens["1", "1", phase, batch, "0"])
+        _assert_ratio(lora, tokens[tp, ep, phase, batch, "1"], tokens[tp, ep, phase, batch, "0"])
+
+
+def _assert_ratio(printed: str, a: float, b: float) -> None:
+    """printed (2 decimals) is a / b of the true values that a and b (tokens/s printed to units) were rounded from."""
+    low, high = (a - 0.5) / (b + 0.5), (a + 0.5) / (b - 0.5)
+    assert low - 0.005 <= float(printed) <= high + 0.005, (printed, a, b)

@@ -15,8 +15,9 @@ from tests.support import peft_adapter
 
 @pytest.fixture(scope="session")
 def split_adapters(tmp_path_factory):
-    """family -> {"first_half": routed experts [0, E/2) only (transformers v4 per-expert modules, so PEFT
-    names the experts), "r4", "r16", "r64": PEFT adapters of those ranks on attention and every expert}."""
+    """family -> {"first_half": rank 4 on routed experts [0, E/2) only, "last_quarter": rank 8 on [3E/4, E) only
+    (transformers v4 per-expert modules, so PEFT names the experts), "r4", "r8", "r16", "r64": PEFT adapters of
+    those ranks on attention and every expert}."""
     cache = {}
 
     def build(family: str) -> dict[str, str]:
@@ -29,9 +30,12 @@ def split_adapters(tmp_path_factory):
         projections = "w[123]" if mixtral else "(gate|up|down)_proj"
         block = "block_sparse_moe" if mixtral else "mlp"
         first_half = "|".join(str(e) for e in range(experts // 2))
+        last_quarter = "|".join(str(e) for e in range(experts - experts // 4, experts))
         configs = {"first_half": (LoraConfig(r=4, lora_alpha=8, target_modules=rf".*\.{block}\.experts\.({first_half})\.{projections}"),
-                                  PerExpertModel(hf_model(config), mixtral))}
-        for rank in (4, 16, 64):
+                                  PerExpertModel(hf_model(config), mixtral)),
+                   "last_quarter": (LoraConfig(r=8, lora_alpha=8, target_modules=rf".*\.{block}\.experts\.({last_quarter})\.{projections}"),
+                                    PerExpertModel(hf_model(config), mixtral))}
+        for rank in (4, 8, 16, 64):
             configs[f"r{rank}"] = (LoraConfig(r=rank, lora_alpha=rank, target_modules=["q_proj", "o_proj", "kv_b_proj"],
                                               target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
                                    hf_model(config))

@@ -11,8 +11,6 @@ than that tolerance when the adapters are served without it (Case.routed_experts
 dropped it would serve), so a format whose experts were lost or mis-sharded cannot pass."""
 from dataclasses import replace
 
-import torch
-
 from tests.distributed.model_cases import SEQUENCES, Case, check_layouts, run_case
 from tests.lora.lora_builders import HAND_FORMATS
 from tests.models.families import family_config, hf_model

@@ -3,7 +3,6 @@ adapters (one batch) against the fp32 CPU engine, and greedy tokens of a request
 those it gets in a batch mixed with other adapters and the base model; then a dummy-weight model of
 Qwen3-30B-A3B's real sizes serving 8 rank-16 adapters in one batch."""
 import gc
-import math
 import shutil
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 
 from moelora.engine.sampling_params import SamplingParams
 from tests.engine.dummy_qwen3 import check_adapters_in_one_batch, dummy_qwen3_engine
-from tests.models.families import FAMILIES, family_config
+from tests.models.families import FAMILIES, MAX_OFF, bf16_tolerance, family_config, share_off
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -19,36 +18,6 @@ DEVICE = "cuda"
 GPU = dict(device=DEVICE, dtype="bfloat16", max_total_tokens=4096)  # a small KV cache: engines share the GPU
 LORAS = [None, "full", "partial"]
 PROMPTS = [[(7 * i + 3 * j) % 90 + 3 for j in range(5 + i)] for i in range(6)]  # 5 to 10 tokens
-TOP = 5  # log-probs compared at the reference's most likely tokens of each position
-# Share of positions allowed past the rounding tolerance: where two experts' router scores nearly
-# tie, bf16 rounding can pick the other one for a token, an O(1) change of that layer's output that
-# no rounding bound covers (and that reaches later positions through attention). The CPU engine in
-# bf16 shows it at up to 1 position in 10 on these models; another adapter's log-probs are off everywhere.
-MAX_OFF = 0.25
-
-
-def bf16_tolerance(reference: list[torch.Tensor], num_layers: int) -> float:
-    """The largest log-prob error that bf16 rounding explains. Each layer adds to the residual stream
-    a few values rounded to bf16 (the normed inputs and outputs of attention and of the MoE block),
-    each off by up to one ulp, 2^-8 of its size: about 4 ulps per layer. Rounding errors of different
-    layers are independent and add like a random walk, so the final hidden state is off by
-    4 * 2^-8 * sqrt(L) of its size, and the logits by that share of their scale (the largest
-    |logit - mean logit| of the reference). A log-prob is a logit minus the log-sum-exp; both move,
-    hence twice that. The CPU engine in bf16 is off by a tenth of it at the median position (0.5-2
-    ulps of the logits' scale), another adapter's log-probs by 7-20 times it."""
-    scale = max((r - r.mean(-1, keepdim=True)).abs().max().item() for r in reference)
-    return 2 * 4 * 2.0**-8 * math.sqrt(num_layers) * scale
-
-
-def share_off(got: list[torch.Tensor], want: list[torch.Tensor], tol: float) -> float:
-    """Share of positions where a log-prob of one of want's TOP tokens is off by more than tol."""
-    errors = []
-    for g, w in zip(got, want):
-        top = w.topk(TOP, dim=-1).indices
-        errors.append((g.gather(1, top) - w.gather(1, top)).abs().amax(-1))
-    return (torch.cat(errors) > tol).float().mean().item()
-
-
 @pytest.fixture(autouse=True)
 def release_gpu_memory():
     """A test's engines are gone once it returns (reference cycles aside): their GPU memory goes back
