@@ -26,6 +26,9 @@ def all_reduce(state: ParallelState, x: torch.Tensor) -> torch.Tensor:
         return comm.all_reduce(state, x)
     if not x.is_contiguous():
         return x.copy_(all_reduce(state, x.contiguous()))
+    if x.dim() > 2:  # sum_in_order takes rows of columns
+        all_reduce(state, x.view(-1, x.shape[-1]))
+        return x
     if (tp - 1) * (1 - 2 / tp) * x.nbytes < SPLIT_MIN_SAVED_BYTES or x.numel() % tp:
         return gathered_sum(state, x)
     return split_sum(state, x)

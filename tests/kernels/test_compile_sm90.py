@@ -32,6 +32,7 @@ from moelora.kernels import moe_align as ma
 from moelora.kernels import rms_norm as rn
 from moelora.kernels import rope_kv_store as rk
 from moelora.kernels import rotary as ro
+from moelora.kernels import sum_in_order as so
 from moelora.kernels import topk as tk
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -131,7 +132,8 @@ def compile_all() -> list[dict]:
                                                                    BLOCK_R=64, RANK_TILES=3,
                                                                    SPLIT_K=fm_config.SHRINK_SPLIT_K)),
                                (fm_reduction.reduce_partials_kernel, dict(BLOCK_ROWS=64, BLOCK_R=16, PARTS=32)),
-                               (fm_reduction.moe_sum_kernel, dict(TOP_K_P=8, BLOCK_H=1024))):
+                               (fm_reduction.moe_sum_kernel, dict(TOP_K_P=8, BLOCK_H=1024)),
+                               (so._sum_in_order_kernel, dict(PARTS=4, BLOCK=so.BLOCK))):
         compiled = compile_sm90(kernel, constexprs, "bf16", 8, 1)
         results.append(dict(kernel=kernel.fn.__name__, shared=compiled.metadata.shared, ttgir=""))
     results += (compile_attention() + compile_lora_linear() + compile_rotary() + compile_topk() + compile_rms_norm()
@@ -171,7 +173,7 @@ def compiled():
 
 
 def test_all_kernels_fit_shared_memory(compiled):
-    assert len(compiled) == (11 * 2 * 2 + 8 + 2 * len(ATTENTION_HEADS) + 1 + len(LORA_LINEARS)
+    assert len(compiled) == (11 * 2 * 2 + 9 + 2 * len(ATTENTION_HEADS) + 1 + len(LORA_LINEARS)
                              + len(ROTARY_HEADS) + len(ROUTERS) + 2 * len(RMS_NORMS) + 1 + len(KV_STORES) + 1
                              + len(ROPE_KV_STORES) + 1
                              + 2 * len(LINEARS) + 1 + len(LORA_EPILOGUES))

@@ -36,6 +36,7 @@ def _sums(dtype: torch.dtype, device: str = "cpu") -> dict:
         out[name] = fn(state, shares())
         out[name + "_row"] = fn(state, shares(slice(3, 4)))
     out["strided"] = collectives.all_reduce(state, shares().t())  # not contiguous
+    out["3d"] = collectives.all_reduce(state, shares().view(5, 2, HIDDEN // 2))
     if device != "cpu":
         x = shares()
         collectives.all_reduce(state, x.clone())  # the communicators and kernels ready before the capture
@@ -67,6 +68,7 @@ def test_every_rank_sums_in_rank_order(world, dtype, device):
             assert torch.equal(got[name], want), f"rank {rank}, {name}: not the rank-order sum"
             assert torch.equal(got[name + "_row"], want[3:4]), f"rank {rank}, {name}: a row alone sums otherwise"
         assert torch.equal(got["strided"], want.t()), f"rank {rank}: a strided tensor"
+        assert torch.equal(got["3d"], want.view(5, 2, HIDDEN // 2)), f"rank {rank}: a 3-D tensor"
         if device == "cuda":
             assert torch.equal(got["graph"], want), f"rank {rank}: replayed from a CUDA graph"
 
