@@ -54,7 +54,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
     config = qwen3_30b_a3b_config(tiny=True) if args.tiny else \
         qwen3_30b_a3b_config() if args.model == "qwen3-30b-a3b" else deepseek_v3_config(args.layers)
     model_dir = write_dummy_checkpoint(config, workdir / "model")
-    adapters = {f"a{i}": write_random_peft_adapter(config, workdir / f"a{i}", RANK, seed=i)
+    adapters = {f"a{i}": write_random_peft_adapter(config, workdir / f"a{i}", RANK, seed=i, device=device)
                 for i in range(max(map(int, args.adapters.split(","))))}
     layouts = [tuple(map(int, layout.split("x"))) for layout in args.layouts.split(",")]
     gpus = torch.cuda.device_count() if device == "cuda" else None
