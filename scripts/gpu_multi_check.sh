@@ -27,6 +27,7 @@ STAGES=${STAGES:-tests,qwen3,deepseek}
 LAYOUTS=${LAYOUTS:-1x1,2x1,2x2,4x1,4x2,4x4}
 DS_LAYOUTS=${DS_LAYOUTS:-1x1,4x4}
 DISPATCH=${DISPATCH:-all_reduce}
+status=0  # the last failed stage's exit status, the script's
 for stage in ${STAGES//,/ }; do
   case $stage in
     tests)
@@ -34,14 +35,16 @@ for stage in ${STAGES//,/ }; do
       timeout -k 10 ${TEST_TIMEOUT:-540} python3 -m pytest -v -rf --durations=15 --maxfail=20 -p no:cacheprovider \
         $(pytest_flags 0) tests/kernels/test_sum_in_order.py tests/layers/test_collectives.py \
         tests/distributed/test_engine_tp_gpu.py tests/distributed/test_memory.py \
-        > "$OUT/pytest.log" 2>&1
+        > "$OUT/pytest.log" 2>&1 || status=$?
       grep -hE "PASSED|FAILED|ERROR|SKIPPED|Timeout|passed|failed|s call " "$OUT/pytest.log" | tail -40 ;;
     qwen3)
       timeout -k 10 ${BENCH_TIMEOUT:-270} python3 benchmarks/bench_tp.py --layouts "$LAYOUTS" --dispatch "$DISPATCH" \
-        2>&1 | tee "$OUT/bench_tp_qwen3_30b_${DISPATCH}.md" ;;
+        2>&1 | tee "$OUT/bench_tp_qwen3_30b_${DISPATCH}.md" || status=$? ;;
     deepseek)
       timeout -k 10 ${BENCH_TIMEOUT:-270} python3 benchmarks/bench_tp.py --model deepseek-v3 --layers 4 \
-        --layouts "$DS_LAYOUTS" --dispatch "$DISPATCH" 2>&1 | tee "$OUT/bench_tp_deepseek_v3_${DISPATCH}.md" ;;
+        --layouts "$DS_LAYOUTS" --dispatch "$DISPATCH" 2>&1 | tee "$OUT/bench_tp_deepseek_v3_${DISPATCH}.md" \
+        || status=$? ;;
     *) echo "unknown stage $stage (tests, qwen3, deepseek)"; exit 2 ;;
   esac
 done
+exit $status

@@ -122,6 +122,10 @@ def destroy_parallel(abort: bool = False) -> None:
     if not dist.is_initialized():
         return
     if abort:
-        distributed_c10d._abort_process_group()
-    else:
-        dist.destroy_process_group()
+        try:
+            distributed_c10d._abort_process_group()
+            return
+        except Exception:  # experimental in torch ("NCCL only"): a backend that cannot abort is destroyed instead
+            if not dist.is_initialized():
+                return
+    dist.destroy_process_group()

@@ -13,6 +13,7 @@ constructor and end their process when rank 0 shuts down.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 import uuid
@@ -134,7 +135,8 @@ class Engine:
     def shutdown(self) -> None:
         """Stop the other ranks (tp_size > 1); the engine runs no more steps. Nothing to do at one rank."""
         if self.workers is not None:
-            self.runner.release_graphs(wait=self.workers.failure is None)
+            with contextlib.suppress(WorkerFailure):  # a rank that hangs: the ranks are stopped, the world aborted
+                self.runner.release_graphs(wait=self.workers.failure is None)
             self.workers.shutdown()
             self.workers = None
             self.stepper.fatal = self.stepper.fatal or "the engine was shut down"
@@ -192,8 +194,9 @@ class Engine:
         """Run one step; the new tokens and text of every request in it, and the end of aborted and
         failed ones. With overlap scheduling (the default), the tokens of the step launched by the previous call
         (the first call launches one and returns none of its tokens)."""
-        if self.runner.device.type == "cuda":  # Triton launches on the calling thread's device (a server's engine
-            torch.cuda.set_device(self.runner.device)  # thread starts on device 0, whatever the engine's)
+        if self.runner.device.type == "cuda":
+            # Triton launches on the calling thread's device: a server's engine thread starts on device 0
+            torch.cuda.set_device(self.runner.device)
         outputs, self._aborted = self._aborted, []
         return outputs + self.stepper.step()
 

@@ -6,7 +6,6 @@ whose runners (`serve_rank`) run the same forward on their shares of the model; 
 scheduling it broadcasts the sampled tokens the next step's decode rows need, on the device, as that step starts)."""
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -73,7 +72,9 @@ def warm_up_sizes(max_tokens: int) -> list[int]:
 class ModelRunner:
     def __init__(self, config: EngineConfig, workers: Workers | None = None):
         """workers: the other ranks, when this is rank 0 of several."""
-        self.config, self.device, self.workers = config, config.torch_device, workers
+        self.config, self.device, self.workers = config, _indexed(config.torch_device), workers
+        if self.device.type == "cuda":  # Triton launches, graph captures and streams go to the current device
+            torch.cuda.set_device(self.device)
         self.dist_state = get_parallel()  # the world it is built in: its model's, whatever is current later
         if not (Path(config.model_path) / "config.json").is_file():
             raise ValueError(f"EngineConfig.model_path {config.model_path!r} is not a local model directory (it has no "
@@ -118,12 +119,14 @@ class ModelRunner:
             self.workers.wait_for(event)
 
     def release_graphs(self, wait: bool = True) -> None:
-        """Drop the CUDA graphs before leaving the world, once the device has run them (wait; not after a rank
-        failed: its collectives may never end): NCCL cannot destroy a communicator whose collectives a live graph
-        holds (it hangs: pytorch issue 115388). No step runs after."""
-        self.graphs = self.prompt_graphs = None
+        """Before leaving the world: wait for the device's work (wait_for, with its deadline over several ranks;
+        not after a rank failed: its collectives may never end), then drop the CUDA graphs. NCCL cannot destroy a
+        communicator whose collectives a live graph holds (it hangs: pytorch issue 115388). No step runs after."""
         if wait and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            done = torch.cuda.Event()
+            done.record()
+            self.wait_for(done)
+        self.graphs = self.prompt_graphs = None
 
     @torch.inference_mode()
     def warm_up(self, max_tokens: int) -> None:
@@ -296,8 +299,12 @@ def serve_rank(rank: int, config: EngineConfig, init_method: str) -> None:
         kind, *args = broadcast_object(state)
         if kind == "shutdown":
             # rank 0's Workers.shutdown: no rank leaves the world while another still reads the command
-            with contextlib.suppress(Exception):  # rank 0 gave up on a rank that hangs: leave all the same
+            try:
                 control_barrier(state, config.dist_timeout)
+            except Exception:  # rank 0 gave up on a rank that hangs: leave all the same, waiting for no one
+                runner.release_graphs(wait=False)
+                destroy_parallel(abort=True)
+                return
             break
         runner.lora.replay(args[0])
         if kind == "step":
@@ -306,6 +313,13 @@ def serve_rank(rank: int, config: EngineConfig, init_method: str) -> None:
             control_barrier(state, config.dist_timeout)  # rank 0's Workers.barrier
     runner.release_graphs()
     destroy_parallel()
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """cuda -> cuda:N, N the current device: the one an engine of "cuda" is built on, and set again for each step
+    (torch.cuda.set_device takes no device without an index)."""
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None \
+        else device
 
 
 def _prompt_entries(logits: torch.Tensor, req: Req, prefix: int) -> list[dict[int, float]]:

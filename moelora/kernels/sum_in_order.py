@@ -18,30 +18,31 @@ import triton.language as tl
 
 from moelora.kernels.pdl import pdl_launch, wait_for_previous_kernel
 
-BLOCK = 1024  # elements per program
+BLOCK = 1024  # columns per program
 
 
 @triton.jit(do_not_specialize=["stride_p", "stride_r"])  # scalars, not constants: their int64 products below
-def _sum_in_order_kernel(parts_ptr, out_ptr, n, C, stride_p, stride_r, PARTS: tl.constexpr, BLOCK: tl.constexpr,
+def _sum_in_order_kernel(parts_ptr, out_ptr, C, stride_p, stride_r, PARTS: tl.constexpr, BLOCK: tl.constexpr,
                          PDL: tl.constexpr):
-    """out[r, c] = parts[0, r, c] + parts[1, r, c] + ..., for BLOCK of out's n = R * C elements a program."""
+    """out[r, c] = parts[0, r, c] + parts[1, r, c] + ..., for row r = program 0 and BLOCK columns a program."""
     wait_for_previous_kernel(PDL)
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    src = parts_ptr + (offs // C) * stride_r + offs % C
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < C
+    src = parts_ptr + row * stride_r + cols
     total = tl.load(src, mask=mask).to(tl.float32)
     for p in tl.static_range(1, PARTS):
         total += tl.load(src + stride_p.to(tl.int64) * p, mask=mask).to(tl.float32)
-    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * C + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def sum_in_order_triton(parts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    n = out.numel()
-    if n:
+    if out.numel():
         parts3 = parts if parts.dim() == 3 else parts[:, None]
-        _sum_in_order_kernel[(triton.cdiv(n, BLOCK),)](parts3, out, n, out.shape[-1], parts3.stride(0),
-                                                      parts3.stride(1), PARTS=parts.shape[0], BLOCK=BLOCK,
-                                                      num_warps=4, **pdl_launch(out.device))
+        rows, cols = parts3.shape[1:]
+        _sum_in_order_kernel[(rows, triton.cdiv(cols, BLOCK))](parts3, out, cols, parts3.stride(0), parts3.stride(1),
+                                                              PARTS=parts.shape[0], BLOCK=BLOCK, num_warps=4,
+                                                              **pdl_launch(out.device))
     return out
 
 

@@ -14,12 +14,14 @@ def test_tiny_scaling_benchmark_runs_every_layout():
                           "--batch-sizes", "1", "--dispatch", "all_to_all"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in run.stdout.splitlines() if line.startswith("| ")]
-    measured = {(r[0], r[1], r[2], r[3], r[4]) for r in rows if len(r) == 9 and r[2] in ("decode", "prefill")}
+    table, summary_table = run.stdout.split("| tp | ep | phase | batch | LoRA off tokens/s")
+    rows, summary_rows = ([[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
+                           if line.startswith("| ") and "---" not in line] for text in (table, summary_table))
+    measured = {(r[0], r[1], r[2], r[3], r[4]) for r in rows if r[2] in ("decode", "prefill")}
     assert measured == {(tp, ep, phase, batch, n) for tp, ep in (("1", "1"), ("2", "2"))
                         for phase, batch in (("decode", "1"), ("prefill", "8")) for n in ("0", "1")}
     tokens = {key: float(r[7]) for r in rows if (key := (r[0], r[1], r[2], r[3], r[4])) in measured}
-    summary = {(r[0], r[1], r[2], r[3]): r[4:] for r in rows if len(r) == 7 and r[0] != "tp"}  # the summary's rows
+    summary = {(r[0], r[1], r[2], r[3]): r[4:] for r in summary_rows}
     assert set(summary) == {key[:4] for key in measured}
     for (tp, ep, phase, batch), (off, of_one, lora) in summary.items():
         assert float(off) == tokens[tp, ep, phase, batch, "0"]

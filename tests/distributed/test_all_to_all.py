@@ -95,6 +95,7 @@ def test_fixed_and_counted_dispatch_give_each_token_its_experts(world, ep_size):
             torch.testing.assert_close(fixed, want, msg=f"fixed capacity, {num_tokens} tokens, rank {rank}")
             torch.testing.assert_close(counted, want, msg=f"counted, {num_tokens} tokens, rank {rank}")
             assert torch.equal(fixed, counted), f"{num_tokens} tokens, rank {rank}: the two ways sum otherwise"
+            assert torch.equal(fixed_runner, counted_runner), f"Runner, {num_tokens} tokens, rank {rank}"
             for way, got in (("fixed capacity", fixed_runner), ("counted", counted_runner)):
                 assert_rows_close(got, whole, rel_tolerance(torch.float32),
                                   f"Runner, {way}, {num_tokens} tokens, rank {rank}")

@@ -33,17 +33,18 @@ def _sum(parts: torch.Tensor, out_dtype: torch.dtype, impl: str) -> torch.Tensor
 @pytest.mark.parametrize("part_dtype", PART_DTYPES)
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES)
 def test_matches_reference(parts_count, shape, part_dtype, out_dtype, device):
-    gen = torch.Generator().manual_seed(torch.seed())
+    seed = torch.seed()
+    gen = torch.Generator().manual_seed(seed)
     # magnitudes 2^-8..2^8: the sums' roundings depend on their order
     parts = (torch.randn(parts_count, *shape, generator=gen) * 2.0 ** torch.randint(-8, 9, (parts_count, *shape),
                                                                                        generator=gen))
     parts = parts.to(part_dtype).to(device)
     got, want = _sum(parts, out_dtype, "triton"), _sum(parts, out_dtype, "torch")
-    assert not torch.isnan(got).any(), "an element was not written, or a NaN past the parts was read"
-    assert torch.equal(_bits(got), _bits(want)), "the kernel's sums differ from the reference's"
+    assert not torch.isnan(got).any(), f"an element was not written, or a NaN past the parts was read (seed {seed})"
+    assert torch.equal(_bits(got), _bits(want)), f"the kernel's sums differ from the reference's (seed {seed})"
     close = parts.double().sum(0)
     assert torch.allclose(got.double(), close, rtol=4 * torch.finfo(out_dtype).eps, atol=1e-3), \
-        "far from the exact sum"
+        f"far from the exact sum (seed {seed})"
 
 
 def test_adds_in_the_parts_order(device):
@@ -56,21 +57,23 @@ def test_adds_in_the_parts_order(device):
 
 
 def test_an_element_does_not_depend_on_the_tensor_around_it(device):
-    gen = torch.Generator().manual_seed(torch.seed())
+    seed = torch.seed()
+    gen = torch.Generator().manual_seed(seed)
     parts = (torch.randn(4, 37, 96, generator=gen) * 100).to(torch.float16).to(device)
     whole = _sum(parts, torch.float32, "triton")
     for rows in (slice(0, 1), slice(5, 6), slice(3, 20)):
-        assert torch.equal(_sum(parts[:, rows].contiguous(), torch.float32, "triton"), whole[rows])
+        assert torch.equal(_sum(parts[:, rows].contiguous(), torch.float32, "triton"), whole[rows]), f"seed {seed}"
 
 
 @pytest.mark.parametrize("parts_count", [1, 3, 8])
 def test_sums_a_middle_dimension_of_a_transposed_view(parts_count, device):
     """parts [R, P, C] transposed to [P, R, C] (strides C, P * C, 1): out[r] = parts[r, 0] + parts[r, 1] + ..."""
-    gen = torch.Generator().manual_seed(torch.seed())
+    seed = torch.seed()
+    gen = torch.Generator().manual_seed(seed)
     rows = (torch.randn(7, parts_count, 300, generator=gen) * 64).to(torch.float16).to(device)
     got = sum_in_order(rows.transpose(0, 1), torch.empty(7, 300, device=device), impl="triton")
     want = sum_in_order(rows.transpose(0, 1).contiguous(), torch.empty(7, 300, device=device), impl="torch")
-    assert torch.equal(got, want)
+    assert torch.equal(got, want), f"seed {seed}"
 
 
 def test_refuses_mismatched_shapes(device):
