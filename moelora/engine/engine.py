@@ -28,7 +28,7 @@ from moelora.engine.config import EngineConfig
 from moelora.engine.detokenizer import IncrementalDetokenizer
 from moelora.engine.kv_pool import KVPool
 from moelora.engine.lora_manager import LoRAStats
-from moelora.engine.model_runner import ModelRunner, serve_rank
+from moelora.engine.model_runner import ModelRunner, on_device, serve_rank
 from moelora.engine.request import Req
 from moelora.engine.sampler import pack_bitmask
 from moelora.engine.sampling_params import SamplingParams, check_text, generation_defaults
@@ -194,11 +194,9 @@ class Engine:
         """Run one step; the new tokens and text of every request in it, and the end of aborted and
         failed ones. With overlap scheduling (the default), the tokens of the step launched by the previous call
         (the first call launches one and returns none of its tokens)."""
-        if self.runner.device.type == "cuda":
-            # Triton launches on the calling thread's device: a server's engine thread starts on device 0
-            torch.cuda.set_device(self.runner.device)
         outputs, self._aborted = self._aborted, []
-        return outputs + self.stepper.step()
+        with on_device(self.runner.device):
+            return outputs + self.stepper.step()
 
     def abort(self, rid: str) -> bool:
         """Stop a request; the next step reports it finished with reason "abort". False if unknown or done."""

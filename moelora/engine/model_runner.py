@@ -6,6 +6,7 @@ whose runners (`serve_rank`) run the same forward on their shares of the model; 
 scheduling it broadcasts the sampled tokens the next step's decode rows need, on the device, as that step starts)."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -73,8 +74,10 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, workers: Workers | None = None):
         """workers: the other ranks, when this is rank 0 of several."""
         self.config, self.device, self.workers = config, _indexed(config.torch_device), workers
-        if self.device.type == "cuda":  # Triton launches, graph captures and streams go to the current device
-            torch.cuda.set_device(self.device)
+        with on_device(self.device):
+            self._build(config)
+
+    def _build(self, config: EngineConfig) -> None:
         self.dist_state = get_parallel()  # the world it is built in: its model's, whatever is current later
         if not (Path(config.model_path) / "config.json").is_file():
             raise ValueError(f"EngineConfig.model_path {config.model_path!r} is not a local model directory (it has no "
@@ -84,7 +87,7 @@ class ModelRunner:
         self.model = load_model(config.model_path, self.dtype, self.device, config.load_format, config.random_seed,
                                 model_config)
         # slots first: the KV cache gets what memory is left
-        self.lora = LoRAManager(config, self.model, record_events=workers is not None)
+        self.lora = LoRAManager(config, self.model, record_events=self.workers is not None)
         context = config.context_length or model_config.max_position_embeddings
         shape = self.model.kv_cache_shape
         tokens = self._kv_tokens(shape.bytes_per_token(self.dtype), context)
@@ -123,8 +126,9 @@ class ModelRunner:
         not after a rank failed: its collectives may never end), then drop the CUDA graphs. NCCL cannot destroy a
         communicator whose collectives a live graph holds (it hangs: pytorch issue 115388). No step runs after."""
         if wait and self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
+            with on_device(self.device):
+                done = torch.cuda.Event()
+                done.record()
             self.wait_for(done)
         self.graphs = self.prompt_graphs = None
 
@@ -315,9 +319,16 @@ def serve_rank(rank: int, config: EngineConfig, init_method: str) -> None:
     destroy_parallel()
 
 
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """device the current CUDA device inside (the calling thread's is restored after): Triton launches, CUDA graph
+    captures and new streams go to the current device, whatever their tensors'. A server's engine thread starts on
+    device 0."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _indexed(device: torch.device) -> torch.device:
-    """cuda -> cuda:N, N the current device: the one an engine of "cuda" is built on, and set again for each step
-    (torch.cuda.set_device takes no device without an index)."""
+    """cuda -> cuda:N, N the current device (where torch puts a tensor of "cuda"), so that the engine's device stays
+    the same whatever thread, with whatever current device, runs its steps."""
     return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None \
         else device
 
