@@ -106,7 +106,8 @@ def init_parallel(tp_size: int, ep_size: int = 1, rank: int | None = None, init_
     group = dist.group.WORLD
     if backend == "nccl":
         # the NCCL watchdog ends the process when an eager collective outlasts the group's timeout; rank 0 notices a
-        # step that does not end first (Workers.wait_for, after dist_timeout) and stops the ranks, the server alive
+        # step that does not end first (Workers.wait_for, after dist_timeout) and stops the ranks, the server alive.
+        # Not where the host itself reads the device mid-step (the counted all-to-all's counts, over 256 tokens)
         distributed_c10d._set_pg_timeout(timedelta(seconds=max(2 * timeout, timeout + 60)), group)
     # connecting waits for every rank as long as a collective would (a rank that hangs here is noticed), then
     # its ops get CONTROL_TIMEOUT (torchtitan changes a group's timeout the same way once its world is up)
