@@ -1,7 +1,7 @@
 """Tensor and expert parallel on 2 and 4 GPUs (NCCL), each layout (tp x ep, experts reached by all-reduce or
 all-to-all) against one GPU, in bf16: prompt log-probs within bf16 rounding, greedy tokens of one batch of the base
-model and 8 adapters (ranks 2 to 64, two of them on some experts only) equal but where one GPU's two best tokens
-nearly tie; decode and prompt steps replayed from CUDA graphs, whose capture includes the collectives (the
+model and 8 adapters (ranks 2 to 64, two of them on some experts only) equal but where one GPU's pick and the
+layout's are within bf16 rounding of each other; decode and prompt steps replayed from CUDA graphs, whose capture includes the collectives (the
 all-to-all's at fixed capacity too), give the bits of the same engine run eagerly, from the graphs of each rank
 bound; a request gets the same tokens alone as in a batch; adapters loaded, unloaded and evicted with requests in
 flight serve as if loaded from the start. Layouts that need more GPUs than the machine has are skipped."""
