@@ -42,13 +42,12 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 def gather_stacked(state: ParallelState, x: torch.Tensor) -> torch.Tensor:
     """[tp_size, *x.shape]: the ranks' x (at least 1-D, one shape on every rank) in rank order, in one tensor."""
-    parts = x.new_empty((state.tp_size * x.shape[0], *x.shape[1:]))  # gloo takes the concatenated shape alone
-    _all_gather_single(parts, x.contiguous(), group=state.group)
-    return parts.view(state.tp_size, *x.shape)
+    return gather_into(state, x.new_empty((state.tp_size, *x.shape)), x)
 
 
 def gather_into(state: ParallelState, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """out (contiguous, tp_size times x's elements) = the ranks' x concatenated in rank order; returns out."""
+    # gloo takes the concatenated shape alone
     _all_gather_single(out.view(state.tp_size * x.shape[0], *x.shape[1:]), x.contiguous(), group=state.group)
     return out
 

@@ -48,17 +48,21 @@ def needs_gpus(layouts: list[tuple]) -> list:
         torch.cuda.device_count() < layout[0], reason=f"needs {layout[0]} CUDA devices")) for layout in layouts]
 
 
+def _lora_paths(adapters, split_adapters) -> dict[str, str]:
+    """LORAS' adapter files (the session fixtures')."""
+    paths = {**{n: str(a.path) for n, a in adapters(FAMILY).items()}, **split_adapters(FAMILY)}
+    return {n: p for n, p in paths.items() if n in LORAS}
+
+
 @pytest.fixture
 def gpu_options(adapters, split_adapters) -> dict:
-    paths = {**{n: str(a.path) for n, a in adapters(FAMILY).items()}, **split_adapters(FAMILY)}
-    return {**GPU, "lora_paths": {n: p for n, p in paths.items() if n in LORAS}}
+    return {**GPU, "lora_paths": _lora_paths(adapters, split_adapters)}
 
 
 @pytest.fixture(scope="module")
 def one_gpu(checkpoint, adapters, split_adapters):
     """One GPU's outputs (_outputs), from graphs as the layouts' are."""
-    paths = {**{n: str(a.path) for n, a in adapters(FAMILY).items()}, **split_adapters(FAMILY)}
-    engine = Engine(str(checkpoint(FAMILY)), lora_paths={n: p for n, p in paths.items() if n in LORAS}, **GPU)
+    engine = Engine(str(checkpoint(FAMILY)), lora_paths=_lora_paths(adapters, split_adapters), **GPU)
     try:
         return _outputs(engine)
     finally:
