@@ -207,6 +207,15 @@ def reordered_sums_tolerance(config: PretrainedConfig, logprobs: torch.Tensor) -
     return 2 * scale * routed_scale * torch.finfo(torch.float32).eps * (n * config.num_hidden_layers) ** 0.5
 
 
+def assert_released(engine) -> None:
+    """Nothing in flight; every request row, KV slot and adapter reference free again."""
+    assert not engine.has_unfinished()
+    assert engine.scheduler.accounting_error() is None
+    assert engine.scheduler.pool.free_slots == engine.runner.kv.num_slots - 1
+    assert engine.scheduler.pool.free_rows == engine.config.max_running_requests
+    assert engine.runner.lora.in_flight == {}
+
+
 def assert_rows_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "output") -> None:
     """Every row within tol relative error of the reference (rows whose reference is 0 must be 0)."""
     assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"

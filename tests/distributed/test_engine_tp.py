@@ -29,7 +29,7 @@ from moelora.engine.workers import WorkerFailure, node_config, node_ranks, serve
 from moelora.models.config import ModelConfig
 from tests.distributed.load_unload import PROMPTS, drive_load_and_unload
 from tests.models.families import assert_logprobs_close, family_config
-from tests.support import rank_memory, reordered_sums_tolerance
+from tests.support import assert_released, rank_memory, reordered_sums_tolerance
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -127,10 +127,13 @@ def test_a_step_that_never_ends_stops_the_engine_within_the_timeout(start_engine
     many = start_engine("qwen3_moe", tp_size=2, dist_timeout=2)
     many.generate(PROMPTS[:1], GREEDY)
     monkeypatch.setattr(stepper_module, "_copy_to_host", lambda tokens: (tokens, _NeverDone()))
+    rid = many.add_request(PROMPTS[1], GREEDY, "full")  # its row, KV slots and adapter reference are released too
     error = _wait_failed(many, 2 + 10)
     assert "a step's device work failed on the tensor-parallel ranks" in error
     assert "it did not end within dist_timeout (2 s)" in error
     assert not many.workers.ranks.procs[1].is_alive()
+    assert many.scheduler.find(rid) is None
+    assert_released(many)
 
 
 def test_shutdown_ends_the_ranks_together(start_engine):

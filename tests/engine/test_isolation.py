@@ -11,6 +11,7 @@ from moelora.engine import model_runner
 from moelora.engine import lora_manager
 from moelora.engine.engine import EngineDead, RequestFailed
 from moelora.engine.sampling_params import SamplingParams
+from tests.support import assert_released
 
 FAMILY = "qwen3_moe"
 PROMPTS = [[(5 * i + 2 * j) % 90 + 3 for j in range(4 + i)] for i in range(6)]
@@ -29,15 +30,6 @@ class Injected(RuntimeError):
 def solo(make_engine) -> list[list[int]]:
     engine = make_engine(FAMILY)
     return [engine.generate([p], sp, lora=[a])[0].token_ids for p, sp, a in zip(PROMPTS, PARAMS, LORAS)]
-
-
-def assert_released(engine):
-    """Nothing in flight; every request row, KV slot and adapter reference free again."""
-    assert not engine.has_unfinished()
-    assert engine.scheduler.accounting_error() is None
-    assert engine.scheduler.pool.free_slots == engine.runner.kv.num_slots - 1
-    assert engine.scheduler.pool.free_rows == engine.config.max_running_requests
-    assert engine.runner.lora.in_flight == {}
 
 
 def drain(engine) -> dict[str, list]:
