@@ -31,7 +31,9 @@ Logits = Callable[[ForwardBatch], torch.Tensor]
 def capture(run: Callable[[], torch.Tensor], pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """The graph of run() and its output. run builds its batch itself: what a step derives once from its inputs
     (LoRABatch.derived) is then inside the graph."""
-    # warm up on a side stream, as torch.cuda.graphs asks: Triton compiles outside the capture
+    # warm up on a side stream, as torch.cuda.graphs asks: Triton compiles outside the capture. The capture runs on
+    # it too: torch.cuda.graph's default capture stream is one per process, made on the device current at its first
+    # use, so a second engine on another device would capture on the first one's device (and Triton launch there)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -39,7 +41,7 @@ def capture(run: Callable[[], torch.Tensor], pool) -> tuple[torch.cuda.CUDAGraph
             run()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
         out = run()
     return graph, out
 
