@@ -89,6 +89,24 @@ class Ours:
         outs = self.engine.generate(prompts, params, lora=names)
         assert all(len(o.token_ids) == new_tokens for o in outs), "ours made a different number of tokens"
 
+    def decode_step_seconds(self, prompts: list[list[int]], names: list[str | None], new_tokens: int) -> list[float]:
+        """The requests run through Engine.step; the seconds between the returns of consecutive step calls that both
+        launched a step of decode rows only. With overlap scheduling a call returns once the step before the one it
+        launched is done, so each is one decode step's time, with no prefill in it (bench_tp.py's decode timing)."""
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        for prompt, name in zip(prompts, names):
+            self.engine.add_request(prompt, params, lora=name, detokenize=False)
+        stats, intervals, last = self.engine.step_stats, [], None
+        while self.engine.has_unfinished():
+            decode, steps = stats.decode_steps, stats.steps
+            self.engine.step()
+            now = time.perf_counter()
+            decode_only = stats.decode_steps == decode + 1 and stats.steps == steps + 1
+            if decode_only and last is not None:
+                intervals.append(now - last)
+            last = now if decode_only else None
+        return intervals
+
 
 class HF:
     """transformers + PEFT; adapters are attached by add_adapters, after the LoRA-off runs."""

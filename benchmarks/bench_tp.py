@@ -1,8 +1,11 @@
 """Scaling benchmark (not a test): decode and prefill tokens/s of our engine over tp ranks with the experts in
 ep groups, LoRA off, one adapter, or 8 (rank 16 on attention and every routed expert), on dummy weights of
-Qwen3-30B-A3B's sizes or DeepSeek-V3's with fewer layers. Workloads and timing as bench_serving.py (decode:
-generate N tokens minus generate 1; prefill: the whole call after a warm-up). Layouts that need more GPUs than
-the machine has are skipped; on a CPU (--tiny) every layout runs, as CPU processes with gloo.
+Qwen3-30B-A3B's sizes or DeepSeek-V3's with fewer layers. Workloads as bench_serving.py's. Prefill: the whole call
+after a warm-up, the least of 3. Decode: the median time of a step of decode rows only, the requests run through
+Engine.step (Ours.decode_step_seconds); bench_serving's difference of two calls (generate N tokens minus generate 1)
+moved by a third at 2 ranks and batch 128, where the 1-token calls' prefill of 16k tokens varies by more than the
+15 decode steps take (RESULTS.md, session 25). Layouts that need more GPUs than the machine has are skipped; on a
+CPU (--tiny) every layout runs, as CPU processes with gloo.
 
     python3 benchmarks/bench_tp.py                                   # Qwen3-30B-A3B, tp 1/2/4 x ep 1/2/4
     python3 benchmarks/bench_tp.py --model deepseek-v3 --layers 4    # DeepSeek-V3-shaped, 4 layers
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import statistics
 import sys
 import tempfile
 import time
@@ -21,7 +25,7 @@ from pathlib import Path
 
 import torch
 from bench_moe import machine
-from bench_serving import RANK, Ours, run, workloads
+from bench_serving import RANK, Ours, Result, Workload, run, workloads
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests/support.py
 
@@ -75,7 +79,8 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
         print(f"| {tp} | {ep} | start | | | | {time.perf_counter() - t0:.1f} | | |", flush=True)
         try:
             for w in workloads(args):
-                r = run(ours.generate, w, config.vocab_size, device)
+                r = run(ours.generate, w, config.vocab_size, device) if w.phase == "prefill" else \
+                    run_decode(ours, w, config.vocab_size)
                 measured[tp, ep, w.phase, w.batch, w.adapters] = r.tokens / r.seconds
                 print(f"| {tp} | {ep} | {w.phase} | {w.batch} | {w.adapters} | {r.tokens} | {r.seconds:.3f} "
                       f"| {r.tokens / r.seconds:.0f} | {1e3 * r.seconds / r.steps:.2f} |", flush=True)
@@ -86,6 +91,17 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
             gc.collect()  # reference cycles would keep this layout's engine, and its GPU memory, for the next one
             torch.cuda.empty_cache()
     print_summary(measured)
+
+
+def run_decode(ours: Ours, w: Workload, vocab: int) -> Result:
+    """Decode at the median step time: `steps` the decode steps timed, `seconds` and `tokens` as if each took it."""
+    prompts, names = w.prompts(vocab), w.names()
+    ours.generate(prompts, names, min(w.new_tokens, 2))  # warm-up: kernels, graphs, adapters into slots
+    intervals = ours.decode_step_seconds(prompts, names, w.new_tokens)
+    if not intervals:
+        raise SystemExit(f"bench_tp: no two decode steps in a row at batch {w.batch}: raise --decode-tokens")
+    step = statistics.median(intervals)
+    return Result(step * len(intervals), len(intervals), w.batch * len(intervals))
 
 
 def print_summary(measured: dict[tuple, float]) -> None:
