@@ -1,19 +1,21 @@
 """The all-to-all dispatch's two ways (moelora/layers/moe/all_to_all.py) over gloo ranks: at fixed capacity (no
-count read on the host) and by exchanged counts, each pair reaches its expert's ranks with its routing weight and
-adapter slot and comes back summed into its token, as one process computes it; ranks with no tokens, a share
-shorter than the others', and experts split over the ranks of a group (moe_tp_size 2) included. Then the same
-with each rank's real Runner and LoRA laid out so that what it must not read is NaN (tests.support.rank_runner),
-the rows of pairs not for the rank (fixed capacity's padding) NaN too: the whole layer's output."""
+count read on the host) and by exchanged counts, each token reaches the ranks of its experts' groups with its routing
+weights and adapter slot, and its partial sums come back summed into its row, as one process computes it; ranks with
+no tokens, a share shorter than the others', and experts split over the ranks of a group (moe_tp_size 2) included.
+Then the same with each rank's real Runner and LoRA laid out so that what it must not read is NaN (tests.support.
+rank_runner), the rows of tokens with no expert on the rank (fixed capacity's) NaN too: the whole layer's output, the
+same bits as the all-reduce Dispatcher's."""
 import pytest
 import torch
 
 from moelora.core import LoRABatch, TopKOutput
 from moelora.distributed import comm
-from moelora.distributed.state import get_parallel
 from moelora.distributed.sharding import even_shard
+from moelora.distributed.state import get_parallel
 from moelora.kernels.fused_moe import fused_moe_reference
+from moelora.layers.collectives import all_reduce
 from moelora.layers.moe.all_to_all import AllToAllDispatcher
-from moelora.layers.moe.dispatcher import Dispatched
+from moelora.layers.moe.dispatcher import Dispatched, Dispatcher
 from tests.distributed.ranks import run_ranks
 from tests.support import assert_rows_close, random_expert_lora, random_moe_weights, rank_runner, rel_tolerance
 
@@ -60,14 +62,17 @@ def _dispatch_both_once(num_tokens: int) -> tuple[torch.Tensor, ...]:
     runner = rank_runner(*_layer(), experts, even_shard(INTER, split, state.moe_tp_rank, "inter"))
 
     def stand_in(sent: Dispatched) -> torch.Tensor:
-        local = sent.topk.ids[:, 0]
-        y = _expert(sent.x, local + dispatcher.first_local, sent.topk.weights[:, 0], sent.lora.token_slots) / split
-        return torch.where((local >= 0)[:, None], y, torch.zeros_like(sent.x))  # as the Runner: a row of no expert here gives 0
+        # as the Runner: each token's pairs on this rank in top-k order, the others (-1) skipped
+        y = torch.zeros_like(sent.x)
+        for ids, weights in zip(sent.topk.ids.T, sent.topk.weights.T):
+            pair = _expert(sent.x, ids + dispatcher.first_local, weights, sent.lora.token_slots) / split
+            y += torch.where((ids >= 0)[:, None], pair, torch.zeros_like(pair))
+        return y
 
     def run(sent: Dispatched) -> torch.Tensor:
-        # a pair that is not this rank's (at fixed capacity: every pair of the other ranks' experts, and the
+        # a token with no expert on this rank (at fixed capacity: tokens of the other groups' experts only, and the
         # padding rows past a short share) must not be read: its hidden state NaN, its slot the NaN one
-        elsewhere = sent.topk.ids[:, 0] < 0
+        elsewhere = (sent.topk.ids < 0).all(dim=1)
         x_here = sent.x.masked_fill(elsewhere[:, None], float("nan"))
         slots = sent.lora.token_slots.masked_fill(elsewhere, len(SLOT_RANKS))
         return runner(x_here, sent.topk, LoRABatch(slots))
@@ -77,7 +82,11 @@ def _dispatch_both_once(num_tokens: int) -> tuple[torch.Tensor, ...]:
         for dispatch, combine in ((dispatcher._dispatch_fixed, dispatcher._combine_fixed),
                                   (dispatcher._dispatch_counted, dispatcher._combine_counted)):
             sent = dispatch(x, topk, lora)
+            assert sent.x.shape[0] <= state.tp_size * -(-num_tokens // state.tp_size), "a token sent twice to a rank"
             outs.append(comm.all_reduce(state, combine(experts_of(sent), sent)))
+    # the all-reduce Dispatcher: every rank runs every token's pairs on its experts, the partial sums in rank order
+    by_all_reduce = Dispatcher(EXPERTS, dispatcher.first_local, dispatcher.num_local)
+    outs.append(all_reduce(state, runner(x, by_all_reduce(topk), lora)))
     return tuple(outs)
 
 
@@ -91,11 +100,13 @@ def test_fixed_and_counted_dispatch_give_each_token_its_experts(world, ep_size):
         w13, w2, buffers = _layer()
         whole = fused_moe_reference(x, w13, w2, topk, buffers, lora.token_slots)
         for rank, results in enumerate(per_rank):
-            fixed, counted, fixed_runner, counted_runner = results[i]
+            fixed, counted, fixed_runner, counted_runner, all_reduce_runner = results[i]
             torch.testing.assert_close(fixed, want, msg=f"fixed capacity, {num_tokens} tokens, rank {rank}")
             torch.testing.assert_close(counted, want, msg=f"counted, {num_tokens} tokens, rank {rank}")
             assert torch.equal(fixed, counted), f"{num_tokens} tokens, rank {rank}: the two ways sum otherwise"
             assert torch.equal(fixed_runner, counted_runner), f"Runner, {num_tokens} tokens, rank {rank}"
+            assert torch.equal(fixed_runner, all_reduce_runner), \
+                f"Runner, {num_tokens} tokens, rank {rank}: all-to-all and all-reduce dispatch sum otherwise"
             for way, got in (("fixed capacity", fixed_runner), ("counted", counted_runner)):
                 assert_rows_close(got, whole, rel_tolerance(torch.float32),
                                   f"Runner, {way}, {num_tokens} tokens, rank {rank}")
