@@ -138,9 +138,10 @@ class CausalLM(nn.Module):
         return self.model(batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [N, vocab] on every rank (each computes its vocabulary rows; all-gathered)."""
+        """fp32 logits [N, vocab] on every rank (each computes its vocabulary rows; all-gathered in the model dtype,
+        half fp32's bytes for the same values: they are rounded to it first, as transformers does)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return all_gather(self.dist_state, linear(hidden, weight).float())  # rounded to the model dtype first, as transformers does
+        return all_gather(self.dist_state, linear(hidden, weight)).float()
 
     @property
     def kv_cache_shape(self) -> KVCacheShape:
