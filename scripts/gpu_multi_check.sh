@@ -10,10 +10,14 @@
 #   qwen3      bench_tp.py on a dummy Qwen3-30B-A3B: decode tokens/s at batch 1/32/128 and prefill 8x1024, LoRA off /
 #              1 / 8 adapters, for each of $LAYOUTS (tp x ep) with $DISPATCH (all_reduce or all_to_all)
 #   deepseek   the same on a DeepSeek-V3-shaped dummy (real widths, 4 layers) for $DS_LAYOUTS
-# Results land in $OUT (device tool) or /tmp/gpu_multi_check. Time limits: TEST_TIMEOUT (default 540 s: about 20
-# multi-rank engine starts, the first compiling on a cold Triton cache) and BENCH_TIMEOUT per benchmark stage (default
-# 270 s: a 30B layout takes roughly a minute to start and one more to measure; both are estimates, not measurements).
+# Results land in $OUT (device tool) or /tmp/gpu_multi_check. Time limits: TEST_TIMEOUT (default 540 s) and
+# BENCH_TIMEOUT per benchmark stage (default 270 s). Measured on 2 H200s (RESULTS.md, session 25): the tests stage took
+# 409 s with only the 2-GPU cases (each 4-GPU case adds a multi-rank engine start, 40-75 s); a 30B layout started in
+# 27 s on a warm Triton cache and 200-240 s on a cold one (each tp x ep compiles kernel variants of its own shapes),
+# then measured in about 100 s. So on 4 GPUs give each stage one or two layouts, and TESTS_K a pytest -k expression
+# (e.g. "tp4 or another_device") to split the tests stage over calls.
 # usage: STAGES=tests bash scripts/gpu_multi_check.sh
+#        STAGES=tests TESTS_K="tp4 or collectives or another_device" bash scripts/gpu_multi_check.sh
 #        STAGES=qwen3 LAYOUTS=1x1,2x2,4x4 BENCH_TIMEOUT=560 bash scripts/gpu_multi_check.sh
 #        STAGES=qwen3,deepseek LAYOUTS=4x1,4x2 DS_LAYOUTS=1x1,4x4 DISPATCH=all_to_all bash scripts/gpu_multi_check.sh
 set -uo pipefail
@@ -33,7 +37,7 @@ for stage in ${STAGES//,/ }; do
     tests)
       # one process: each multi-rank engine takes GPUs 0..tp-1, and a test's engines start one after another
       timeout -k 10 ${TEST_TIMEOUT:-540} python3 -m pytest -v -rf --durations=15 --maxfail=20 -p no:cacheprovider \
-        $(pytest_flags 0) tests/kernels/test_sum_in_order.py tests/layers/test_collectives.py \
+        $(pytest_flags 0) ${TESTS_K:+-k "$TESTS_K"} tests/kernels/test_sum_in_order.py tests/layers/test_collectives.py \
         tests/distributed/test_engine_tp_gpu.py tests/distributed/test_memory.py \
         > "$OUT/pytest.log" 2>&1 || status=$?
       grep -hE "PASSED|FAILED|ERROR|SKIPPED|Timeout|passed|failed|s call " "$OUT/pytest.log" | tail -40 ;;
