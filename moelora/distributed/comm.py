@@ -5,6 +5,7 @@ itself is returned, nothing copied), so single-process code runs as it did."""
 from __future__ import annotations
 
 import pickle
+import time
 from collections import deque
 from datetime import timedelta
 from typing import Any
@@ -13,6 +14,10 @@ import torch
 import torch.distributed as dist
 
 from moelora.distributed.state import ParallelState
+
+
+SPIN_SECONDS = 0.005  # wait_event spins this long before it sleeps between polls
+POLL_SECONDS = 2e-4  # then notices the end at most this late, a few thousand cheap polls a second
 
 
 def all_reduce(state: ParallelState, x: torch.Tensor) -> torch.Tensor:
@@ -65,6 +70,27 @@ def all_to_all(state: ParallelState, x: torch.Tensor, send_counts: list[int], re
     out = x.new_empty((sum(recv_counts), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=state.group)
     return out
+
+
+def wait_event(event: torch.cuda.Event, timeout: float) -> None:
+    """Returns once the device work before `event` is done; TimeoutError after `timeout` seconds. A collective whose
+    peer died or hangs never ends, and the event's own synchronize (or a read of a tensor) would wait for good. Polled:
+    spinning the first milliseconds (a step's usual wait, on the token's critical path), then every POLL_SECONDS."""
+    start = time.monotonic()
+    while not event.query():
+        waited = time.monotonic() - start
+        if waited > timeout:
+            raise TimeoutError(f"it did not end within dist_timeout ({timeout:g} s)")
+        time.sleep(0 if waited < SPIN_SECONDS else POLL_SECONDS)
+
+
+def host_values(state: ParallelState, x: torch.Tensor) -> list:
+    """x.tolist(), the host waiting for the device's work so far at most the world's timeout (wait_event)."""
+    if x.is_cuda:
+        done = torch.cuda.Event()
+        done.record()
+        wait_event(done, state.timeout)
+    return x.tolist()
 
 
 def exchange_counts(state: ParallelState, send_counts: torch.Tensor) -> torch.Tensor:

@@ -32,11 +32,12 @@ class ParallelState:
     rank: int = 0
     tp_size: int = 1
     ep_size: int = 1
-    # all_reduce: every rank runs its experts on every token, Combine sums over the ranks; all_to_all: each
-    # (token, expert) pair travels to the ranks holding its expert and back (see layers/moe/dispatcher.py)
+    # all_reduce: every rank runs its experts on every token, Combine sums over the ranks; all_to_all: each token
+    # travels to the ranks holding its experts and its partial sums back (see layers/moe/all_to_all.py)
     moe_dispatch: str = "all_reduce"
     group: dist.ProcessGroup | None = None    # the model's collectives (NCCL on GPUs, gloo on CPUs)
     control: dist.ProcessGroup | None = None  # gloo: commands from rank 0 to the others, no timeout to speak of
+    timeout: float = 300.0  # seconds a rank waits for the others (dist_timeout), the host's reads of the device too
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.ep_size < 1 or self.tp_size % self.ep_size:
@@ -106,14 +107,14 @@ def init_parallel(tp_size: int, ep_size: int = 1, rank: int | None = None, init_
     group = dist.group.WORLD
     if backend == "nccl":
         # the NCCL watchdog ends the process when an eager collective outlasts the group's timeout; rank 0 notices a
-        # step that does not end first (Workers.wait_for, after dist_timeout) and stops the ranks, the server alive.
-        # Not where the host itself reads the device mid-step (the counted all-to-all's counts, over 256 tokens)
+        # step that does not end first (Workers.wait_for, after dist_timeout) and stops the ranks, the server alive;
+        # a host read of the device mid-step (comm.host_values: the counted all-to-all's counts) raises after it too
         distributed_c10d._set_pg_timeout(timedelta(seconds=max(2 * timeout, timeout + 60)), group)
     # connecting waits for every rank as long as a collective would (a rank that hangs here is noticed), then
     # its ops get CONTROL_TIMEOUT (torchtitan changes a group's timeout the same way once its world is up)
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
     distributed_c10d._set_pg_timeout(CONTROL_TIMEOUT, control)
-    return ParallelState(rank, tp_size, ep_size, moe_dispatch, group, control)
+    return ParallelState(rank, tp_size, ep_size, moe_dispatch, group, control, timeout)
 
 
 def destroy_parallel(abort: bool = False) -> None:

@@ -28,19 +28,16 @@ import contextlib
 import dataclasses
 import logging
 import os
-import time
 from collections.abc import Callable, Iterator
 
 import torch
 
-from moelora.distributed.comm import broadcast_object, control_barrier
+from moelora.distributed.comm import broadcast_object, control_barrier, wait_event
 from moelora.distributed.launch import LocalRanks, free_port, name_ranks, report_failures, reported_failures
 from moelora.distributed.state import ParallelState, destroy_parallel, init_parallel
 from moelora.engine.config import EngineConfig
 
 _log = logging.getLogger(__name__)
-SPIN_SECONDS = 0.005  # Workers.wait_for spins this long before it sleeps between polls
-POLL_SECONDS = 2e-4  # then reads a token at most this late, a few thousand cheap polls a second
 
 
 class WorkerFailure(RuntimeError):
@@ -199,15 +196,12 @@ class Workers:
     def wait_for(self, event: torch.cuda.Event) -> None:
         """The host waits for a step's device work (`event`) at most dist_timeout, then WorkerFailure: a rank that
         died or hangs holds the step's collectives forever (NCCL's watchdog does not see those a CUDA graph
-        replays), where the event's own synchronize would never return. Polled: spinning the first milliseconds
-        (a step's usual wait, on the token's critical path), then every POLL_SECONDS."""
-        start = time.monotonic()
-        while not event.query():
-            waited = time.monotonic() - start
-            if waited > self.timeout:
-                with self.guard("a step's device work"):
-                    raise TimeoutError(f"it did not end within dist_timeout ({self.timeout:g} s)")
-            time.sleep(0 if waited < SPIN_SECONDS else POLL_SECONDS)
+        replays), where the event's own synchronize would never return (comm.wait_event)."""
+        try:
+            wait_event(event, self.timeout)
+        except TimeoutError as e:
+            with self.guard("a step's device work"):
+                raise e
 
     def barrier(self) -> None:
         """Returns once every rank got here (or raises within dist_timeout); over the control group, so the host

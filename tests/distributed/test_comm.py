@@ -94,6 +94,49 @@ def test_the_control_barrier_gives_up_after_its_timeout():
     assert late == ""
 
 
+class _Ends:
+    """A CUDA event whose work ends after `polls` queries (never, for None), recorded or not."""
+    def __init__(self, polls: int | None):
+        self.polls = polls
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        if self.polls is None:
+            return False
+        self.polls -= 1
+        return self.polls < 0
+
+
+class _DeviceCounts:
+    """A device tensor whose read waits for the device: read only once the device's work is done."""
+    is_cuda = True
+
+    def __init__(self, done: _Ends):
+        self.done = done
+
+    def tolist(self) -> list[int]:
+        assert self.done.query(), "the host read the device without waiting for its work with a deadline"
+        return [3, 1]
+
+
+def test_a_host_read_of_the_device_waits_at_most_the_timeout(monkeypatch):
+    """The counted all-to-all reads its counts on the host mid-step: where a peer died or hangs (NCCL), the collectives
+    before the read never end; the read raises after the world's timeout instead of waiting for good."""
+    state = ParallelState(timeout=0.2)
+    never = _Ends(None)
+    monkeypatch.setattr(comm.torch.cuda, "Event", lambda: never)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"did not end within dist_timeout \(0.2 s\)"):
+        comm.host_values(state, _DeviceCounts(never))
+    assert 0.2 <= time.monotonic() - start < 0.2 + 1
+    soon = _Ends(50)
+    monkeypatch.setattr(comm.torch.cuda, "Event", lambda: soon)
+    assert comm.host_values(state, _DeviceCounts(soon)) == [3, 1]
+    assert comm.host_values(state, torch.tensor([2, 0])) == [2, 0]  # on a CPU: at once
+
+
 def _fail(rank: int) -> None:
     if rank == 1:
         raise RuntimeError("rank one gives up")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from moelora.core import LoRABatch, TopKOutput
-from moelora.distributed.comm import all_to_all, exchange_counts
+from moelora.distributed.comm import all_to_all, exchange_counts, host_values
 from moelora.distributed.state import ParallelState
 from moelora.kernels.sum_in_order import sum_in_order
 from moelora.layers.moe.dispatcher import Dispatched, Dispatcher
@@ -110,10 +110,13 @@ class AllToAllDispatcher(Dispatcher):
         num_tokens, k = topk.ids.shape
         first, rows = self._share(num_tokens)
         ids = self._ids_on_ranks(topk.ids[first:first + rows])
-        # (rank, token) pairs where the token has an expert, by rank then token: the order of the rows sent
-        dest, token = (ids >= 0).any(dim=2).nonzero(as_tuple=True)
-        send = torch.bincount(dest, minlength=self.world).tolist()
-        recv = exchange_counts(self.dist_state, torch.tensor(send, dtype=torch.int64, device=x.device)).tolist()
+        needs = (ids >= 0).any(dim=2)  # [ranks, rows]: the token has an expert on the rank
+        # the host reads the counts with a deadline (a peer that died holds the collectives before them for good);
+        # nonzero's own read of the device then waits for nothing
+        send = host_values(self.dist_state, needs.sum(dim=1))
+        recv = host_values(self.dist_state,
+                           exchange_counts(self.dist_state, torch.tensor(send, dtype=torch.int64, device=x.device)))
+        dest, token = needs.nonzero(as_tuple=True)  # by rank, then token: the order of the rows sent
         tokens = token + first
         meta = self._meta(ids[dest, token], _slots(lora, tokens), topk.weights[tokens])
         got_x = all_to_all(self.dist_state, x[tokens], send, recv)
