@@ -1,10 +1,11 @@
-"""Tensor and expert parallel on 2 and 4 GPUs (NCCL), each layout (tp x ep, experts reached by all-reduce or
-all-to-all) against one GPU, in bf16: prompt log-probs within bf16 rounding, greedy tokens of one batch of the base
-model and 8 adapters (ranks 2 to 64, two of them on some experts only) equal but where one GPU's pick and the
-layout's are within bf16 rounding of each other; decode and prompt steps replayed from CUDA graphs, whose capture includes the collectives (the
-all-to-all's at fixed capacity too), give the bits of the same engine run eagerly, from the graphs of each rank
-bound; a request gets the same tokens alone as in a batch; adapters loaded, unloaded and evicted with requests in
-flight serve as if loaded from the start. Layouts that need more GPUs than the machine has are skipped."""
+"""Tensor and expert parallel on 2 and 4 GPUs (NCCL), each layout (tp x ep, experts reached by all-reduce or all-to-all)
+against one GPU, in bf16: prompt log-probs within bf16 rounding, greedy tokens of one batch of the base model and 8
+adapters (ranks 2 to 64, two of them on some experts only) equal but where one GPU's pick and the layout's are within
+bf16 rounding of each other, and a prompt step past the all-to-all's fixed capacity within it too; decode and prompt
+steps replayed from CUDA graphs, whose capture includes the collectives (the all-to-all's at fixed capacity too), give
+the bits of the same engine run eagerly, from the graphs of each rank bound; a request gets the same tokens alone as in
+a batch; adapters loaded, unloaded and evicted with requests in flight serve as if loaded from the start. Layouts that
+need more GPUs than the machine has are skipped."""
 import math
 import threading
 
@@ -32,6 +33,11 @@ PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=5, ignore_eos=Tr
 # on each rank
 LAYOUTS = [(2, 1, "all_reduce"), (2, 2, "all_reduce"), (2, 2, "all_to_all"), (4, 1, "all_reduce"),
            (4, 2, "all_to_all"), (4, 4, "all_reduce"), (4, 4, "all_to_all")]
+
+
+# 3 x 120 tokens: one prompt step past 256 tokens
+LONG_PROMPTS = [([(7 * i + 3 * j) % 90 + 3 for j in range(120)], adapter)
+                for i, adapter in enumerate(["full", "last_quarter", None])]
 
 
 def prompts(bs: int) -> list[list[int]]:
@@ -69,12 +75,14 @@ def one_gpu(checkpoint, adapters, split_adapters):
         engine.shutdown()
 
 
-def _outputs(engine: Engine) -> tuple[list, list[torch.Tensor]]:
+def _outputs(engine: Engine) -> tuple[list, list[torch.Tensor], list[torch.Tensor]]:
     """Greedy outputs (with log-probs) of one batch of a prompt for each of LORAS; prompt log-probs of the same 3
-    prompts under each of LORAS (in that order), one batch."""
+    prompts under each of LORAS (in that order), one batch; prompt log-probs of LONG_PROMPTS, one step of more tokens
+    than the all-to-all's fixed capacity (its counted way) and than the prompt graphs hold (eager)."""
     logprob_prompts = prompts(3)
     return (engine.generate(prompts(len(LORAS)), PARAMS, lora=LORAS),
-            engine.prompt_logprobs(logprob_prompts * len(LORAS), lora=[a for a in LORAS for _ in logprob_prompts]))
+            engine.prompt_logprobs(logprob_prompts * len(LORAS), lora=[a for a in LORAS for _ in logprob_prompts]),
+            engine.prompt_logprobs([p for p, _ in LONG_PROMPTS], lora=[a for _, a in LONG_PROMPTS]))
 
 
 def _decode_logprobs_off(got: list, want: list, tol: float, what: str) -> float:
@@ -105,7 +113,7 @@ def test_layout_matches_one_gpu(layout, start_engine, gpu_options, one_gpu):
     adapter's log-probs are told apart from every other's by the same check."""
     tp, ep, dispatch = layout
     engine = start_engine(FAMILY, tp_size=tp, ep_size=ep, moe_dispatch=dispatch, **gpu_options)
-    (got_out, got), (want_out, want) = _outputs(engine), one_gpu
+    (got_out, got, got_long), (want_out, want, want_long) = _outputs(engine), one_gpu
     # Both runs round as bf16_tolerance says (4 ulps a layer); the layout's run rounds more: each rank's share of
     # o_proj and of the experts' sum, ~1/sqrt(tp) of it, to bf16 before the shares are added (in fp32, rounded once;
     # at tp 2 in bf16, one more rounding): tp such roundings add up to about one ulp of the sum, two with its own,
@@ -121,6 +129,9 @@ def test_layout_matches_one_gpu(layout, start_engine, gpu_options, one_gpu):
         assert off <= MAX_OFF, f"{layout_id(layout)}, {a or 'base'}: {off:.0%} of positions off by more than {tol:.3f}"
     off = _decode_logprobs_off(got_out, want_out, tol, layout_id(layout))
     assert off <= MAX_OFF, f"{layout_id(layout)}: {off:.0%} of decode positions off by more than {tol:.3f}"
+    off = share_off(got_long, want_long, tol)
+    assert off <= MAX_OFF, \
+        f"{layout_id(layout)}, a prompt step of 360 tokens: {off:.0%} of positions off by more than {tol:.3f}"
 
 
 @pytest.mark.parametrize("layout", needs_gpus([(2, 2, "all_reduce"), (2, 2, "all_to_all"), (4, 1, "all_reduce"),
