@@ -85,10 +85,11 @@ def wait_event(event: torch.cuda.Event, timeout: float) -> None:
 
 
 def host_values(state: ParallelState, x: torch.Tensor) -> list:
-    """x.tolist(), the host waiting for the device's work so far at most the world's timeout (wait_event)."""
+    """x.tolist(), the host waiting for the work so far on x's device (its current stream) at most the world's
+    timeout (wait_event)."""
     if x.is_cuda:
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(x.device))
         wait_event(done, state.timeout)
     return x.tolist()
 

@@ -44,9 +44,10 @@ class EngineConfig:
                              "inside a group the experts are tensor-parallel", ("--expert-parallel-size", "--ep"))
     enable_expert_parallel: bool = option(False, "vLLM's switch: ep_size = tp_size")
     moe_dispatch: str = option("all_reduce", "how tokens reach the experts of other ranks: 'all_reduce' (every rank runs "
-                                             "its experts on every token) or 'all_to_all' (each pair travels to its "
-                                             "expert's ranks and back: at a fixed capacity up to 256 tokens, the CUDA "
-                                             "graphs' steps, by exchanged counts above)")
+                                             "its experts on every token) or 'all_to_all' (each token travels once to "
+                                             "each rank holding one of its experts, its partial sums back: at a fixed "
+                                             "capacity up to 256 tokens, the CUDA graphs' steps, by exchanged counts "
+                                             "above)")
     dist_timeout: float = option(300.0, "seconds a collective waits for the other ranks before the engine stops with "
                                         "an error naming the rank that died or hangs")
     # several nodes without torchrun, as SGLang: the same command on each node, but for --node-rank

@@ -6,9 +6,9 @@ NCCL's all-reduce gives no such promise past two ranks: which rank an element's 
 message's chunking (its size, algorithm and channels), so the same row would round differently in a batch of 3
 (eager) and in a CUDA graph padded to 4, or alone. layers/collectives.py gathers the ranks' shares and sums them here.
 
-Strided parts (a transposed view) sum over a middle dimension: layers/moe/all_to_all.py sums a token's expert pairs
-in top-k order so. Nothing reads device memory on the host and the grid depends on shapes only, so it is captured
-in CUDA graphs.
+layers/moe/all_to_all.py sums a token's partial sums from the ranks of its experts here too. Strided parts (a
+transposed view) sum over a middle dimension. Nothing reads device memory on the host and the grid depends on shapes
+only, so it is captured in CUDA graphs.
 `sum_in_order_reference` is the torch version and the CPU backend."""
 from __future__ import annotations
 

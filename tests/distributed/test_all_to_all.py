@@ -14,7 +14,8 @@ from moelora.distributed.sharding import even_shard
 from moelora.distributed.state import get_parallel
 from moelora.kernels.fused_moe import fused_moe_reference
 from moelora.layers.collectives import all_reduce
-from moelora.layers.moe.all_to_all import AllToAllDispatcher
+from moelora.layers.moe import all_to_all as all_to_all_module
+from moelora.layers.moe.all_to_all import FIXED_MAX_TOKENS, AllToAllDispatcher
 from moelora.layers.moe.dispatcher import Dispatched, Dispatcher
 from tests.distributed.ranks import run_ranks
 from tests.support import assert_rows_close, random_expert_lora, random_moe_weights, rank_runner, rel_tolerance
@@ -48,6 +49,16 @@ def _layer():
     return w13, w2, lora
 
 
+def _stand_in(sent: Dispatched, dispatcher: Dispatcher, split: int) -> torch.Tensor:
+    """The stand-in experts as the Runner runs them: each token's pairs on this rank in top-k order, the others (-1)
+    skipped; each of a group's `split` ranks returns its share."""
+    y = torch.zeros_like(sent.x)
+    for ids, weights in zip(sent.topk.ids.T, sent.topk.weights.T):
+        pair = _expert(sent.x, ids + dispatcher.first_local, weights, sent.lora.token_slots) / split
+        y += torch.where((ids >= 0)[:, None], pair, torch.zeros_like(pair))
+    return y
+
+
 def _dispatch_both(token_counts: list[int]) -> list[tuple[torch.Tensor, ...]]:
     return [_dispatch_both_once(n) for n in token_counts]
 
@@ -62,12 +73,7 @@ def _dispatch_both_once(num_tokens: int) -> tuple[torch.Tensor, ...]:
     runner = rank_runner(*_layer(), experts, even_shard(INTER, split, state.moe_tp_rank, "inter"))
 
     def stand_in(sent: Dispatched) -> torch.Tensor:
-        # as the Runner: each token's pairs on this rank in top-k order, the others (-1) skipped
-        y = torch.zeros_like(sent.x)
-        for ids, weights in zip(sent.topk.ids.T, sent.topk.weights.T):
-            pair = _expert(sent.x, ids + dispatcher.first_local, weights, sent.lora.token_slots) / split
-            y += torch.where((ids >= 0)[:, None], pair, torch.zeros_like(pair))
-        return y
+        return _stand_in(sent, dispatcher, split)
 
     def run(sent: Dispatched) -> torch.Tensor:
         # a token with no expert on this rank (at fixed capacity: tokens of the other groups' experts only, and the
@@ -88,6 +94,39 @@ def _dispatch_both_once(num_tokens: int) -> tuple[torch.Tensor, ...]:
     by_all_reduce = Dispatcher(EXPERTS, dispatcher.first_local, dispatcher.num_local)
     outs.append(all_reduce(state, runner(x, by_all_reduce(topk), lora)))
     return tuple(outs)
+
+
+def _host_reads(token_counts: list[int]) -> list[tuple[str, int, bool]]:
+    """(way, host reads through comm.host_values, output equal to the all-reduce Dispatcher's) of dispatch() on each
+    count of tokens, with the stand-in experts."""
+    state = get_parallel()
+    dispatcher = AllToAllDispatcher(EXPERTS, state)
+    by_all_reduce = Dispatcher(EXPERTS, dispatcher.first_local, dispatcher.num_local)
+    reads = []
+    original = all_to_all_module.host_values
+    all_to_all_module.host_values = lambda *args: reads.append(1) or original(*args)
+    try:
+        out = []
+        for num_tokens in token_counts:
+            reads.clear()
+            x, topk, lora = _inputs(num_tokens)
+            sent = dispatcher.dispatch(x, topk, lora)
+            got = comm.all_reduce(state, dispatcher.combine(_stand_in(sent, dispatcher, state.moe_tp_size), sent))
+            local = by_all_reduce.dispatch(x, topk, lora)
+            want = all_reduce(state, _stand_in(local, by_all_reduce, state.moe_tp_size))
+            out.append((sent.route[0], len(reads), torch.equal(got, want)))
+        return out
+    finally:
+        all_to_all_module.host_values = original
+
+
+def test_steps_past_the_fixed_capacity_go_by_counts_read_with_a_deadline():
+    """dispatch() takes the counted way past FIXED_MAX_TOKENS, and its one host read of the counts goes through
+    comm.host_values (a peer that died makes it raise after dist_timeout instead of waiting for good); the fixed way
+    reads nothing on the host."""
+    counts = [FIXED_MAX_TOKENS, FIXED_MAX_TOKENS + 45]
+    for rank, results in enumerate(run_ranks(2, _host_reads, counts, ep_size=2, moe_dispatch="all_to_all")):
+        assert results == [("fixed", 0, True), ("counted", 1, True)], f"rank {rank}: {results}"
 
 
 @pytest.mark.parametrize("world, ep_size", [(2, 2), (4, 4), (4, 2)], ids=["tp2-ep2", "tp4-ep4", "tp4-ep2"])

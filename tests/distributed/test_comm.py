@@ -99,7 +99,7 @@ class _Ends:
     def __init__(self, polls: int | None):
         self.polls = polls
 
-    def record(self) -> None:
+    def record(self, stream: object = None) -> None:
         pass
 
     def query(self) -> bool:
@@ -111,7 +111,7 @@ class _Ends:
 
 class _DeviceCounts:
     """A device tensor whose read waits for the device: read only once the device's work is done."""
-    is_cuda = True
+    is_cuda, device = True, "cuda:1"
 
     def __init__(self, done: _Ends):
         self.done = done
@@ -125,6 +125,8 @@ def test_a_host_read_of_the_device_waits_at_most_the_timeout(monkeypatch):
     """The counted all-to-all reads its counts on the host mid-step: where a peer died or hangs (NCCL), the collectives
     before the read never end; the read raises after the world's timeout instead of waiting for good."""
     state = ParallelState(timeout=0.2)
+    streams = []  # the stream each event is recorded on: x's device's
+    monkeypatch.setattr(comm.torch.cuda, "current_stream", lambda device=None: streams.append(device))
     never = _Ends(None)
     monkeypatch.setattr(comm.torch.cuda, "Event", lambda: never)
     start = time.monotonic()
@@ -134,6 +136,7 @@ def test_a_host_read_of_the_device_waits_at_most_the_timeout(monkeypatch):
     soon = _Ends(50)
     monkeypatch.setattr(comm.torch.cuda, "Event", lambda: soon)
     assert comm.host_values(state, _DeviceCounts(soon)) == [3, 1]
+    assert streams == ["cuda:1", "cuda:1"]
     assert comm.host_values(state, torch.tensor([2, 0])) == [2, 0]  # on a CPU: at once
 
 

@@ -111,11 +111,10 @@ class AllToAllDispatcher(Dispatcher):
         first, rows = self._share(num_tokens)
         ids = self._ids_on_ranks(topk.ids[first:first + rows])
         needs = (ids >= 0).any(dim=2)  # [ranks, rows]: the token has an expert on the rank
-        # the host reads the counts with a deadline (a peer that died holds the collectives before them for good);
+        send = needs.sum(dim=1)
+        # one host read of both counts, with a deadline (a peer that died holds the collectives before it for good);
         # nonzero's own read of the device then waits for nothing
-        send = host_values(self.dist_state, needs.sum(dim=1))
-        recv = host_values(self.dist_state,
-                           exchange_counts(self.dist_state, torch.tensor(send, dtype=torch.int64, device=x.device)))
+        send, recv = host_values(self.dist_state, torch.stack([send, exchange_counts(self.dist_state, send)]))
         dest, token = needs.nonzero(as_tuple=True)  # by rank, then token: the order of the rows sent
         tokens = token + first
         meta = self._meta(ids[dest, token], _slots(lora, tokens), topk.weights[tokens])

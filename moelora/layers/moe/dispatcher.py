@@ -4,8 +4,8 @@ their results get back to the tokens. On one GPU it is the identity.
 The base Dispatcher serves expert parallelism by all-reduce: every rank sees every token (attention is
 tensor-parallel, so the hidden states are replicated), keeps the pairs of the experts [first, first + n) it
 holds (ids - first) and marks the others -1, which the Runner's kernels skip (their output is 0, and
-Combine's all-reduce adds the other ranks' parts). AllToAllDispatcher (all_to_all.py) instead sends each pair
-to the ranks that hold its expert.
+Combine's all-reduce adds the other ranks' parts). AllToAllDispatcher (all_to_all.py) instead sends each token
+to the ranks that hold its experts.
 """
 from __future__ import annotations
 
