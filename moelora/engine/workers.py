@@ -62,11 +62,16 @@ def node_ranks(config: EngineConfig) -> range:
 
 def node_config(config: EngineConfig, rank: int) -> EngineConfig:
     """The config of one rank: on GPUs its own device, cuda:N+i for device cuda:N, i being torchrun's LOCAL_RANK
-    where torchrun started the ranks (one node or several), else the rank's place on its node."""
+    where torchrun started the ranks (one node or several), else the rank's place on its node. Under torchrun a
+    process that sees one GPU (a scheduler bound each to its own: CUDA_VISIBLE_DEVICES, SLURM's --gpus-per-task)
+    takes that one, cuda:0."""
     device = torch.device(config.device)
     if device.type != "cuda":
         return config
-    i = int(os.environ.get("LOCAL_RANK", rank)) if launched_rank(config) is not None else rank % len(node_ranks(config))
+    if launched_rank(config) is None:
+        i = rank % len(node_ranks(config))
+    else:
+        i = int(os.environ.get("LOCAL_RANK", rank)) if torch.cuda.device_count() != 1 else 0
     return dataclasses.replace(config, device=f"cuda:{(device.index or 0) + i}")
 
 

@@ -350,6 +350,16 @@ def test_the_ranks_of_each_node(monkeypatch):
         serves_engine(config())
 
 
+@pytest.mark.parametrize("visible, want", [(8, "cuda:5"), (1, "cuda:0")])
+def test_under_torchrun_a_rank_takes_its_local_gpu(monkeypatch, visible, want):
+    """torchrun's LOCAL_RANK picks the GPU of a process that sees the node's GPUs; one that sees a GPU of its own
+    (CUDA_VISIBLE_DEVICES per process) takes it."""
+    for name, value in (("RANK", "5"), ("LOCAL_RANK", "5"), ("WORLD_SIZE", "8")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    assert node_config(EngineConfig("model", device="cuda", tp_size=8), 5).device == want
+
+
 NODE_SCRIPT = """
 import json, sys
 from moelora.engine.engine import Engine
