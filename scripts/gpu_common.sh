@@ -16,3 +16,12 @@ pytest_flags() {
   if python3 -c "import pytest_timeout" 2>/dev/null; then echo -n "--timeout=${PER_TEST_TIMEOUT:-240}"; fi
 }
 PYTEST_FLAGS=$(pytest_flags "${TEST_WORKERS:-8}" loadfile)
+# at the end, how large Triton's on-disk cache grew (files, MiB compressed): most of a layout's cold start (200-240 s
+# at 30B on 2 H200s, 27 s warm) is compiling; whether the cache could travel from one call or session to the next
+# (64 MiB a call) depends on this
+triton_cache_size() {
+  local dir=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+  [ -d "$dir" ] && echo "triton cache: $(find "$dir" -type f | wc -l) files, $(tar -C "$dir" -czf - . 2>/dev/null \
+    | wc -c | awk '{printf "%.1f", $1 / 2^20}') MiB compressed" | tee -a "$OUT/device.txt"
+}
+trap triton_cache_size EXIT
