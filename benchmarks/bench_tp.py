@@ -2,9 +2,7 @@
 ep groups, LoRA off, one adapter, or 8 (rank 16 on attention and every routed expert), on dummy weights of
 Qwen3-30B-A3B's sizes or DeepSeek-V3's with fewer layers. Workloads as bench_serving.py's. Prefill: the whole call
 after a warm-up, the least of 3. Decode: the median time of a step of decode rows only, the requests run through
-Engine.step (Ours.decode_step_seconds); bench_serving's difference of two calls (generate N tokens minus generate 1)
-moved by a third at 2 ranks and batch 128, where the 1-token calls' prefill of 16k tokens varies by more than the
-15 decode steps take (RESULTS.md, session 25). Layouts that need more GPUs than the machine has are skipped; on a
+Engine.step (bench_serving's run_decode). Layouts that need more GPUs than the machine has are skipped; on a
 CPU (--tiny) every layout runs, as CPU processes with gloo.
 
     python3 benchmarks/bench_tp.py                                   # Qwen3-30B-A3B, tp 1/2/4 x ep 1/2/4
@@ -17,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import statistics
 import sys
 import tempfile
 import time
@@ -25,7 +22,7 @@ from pathlib import Path
 
 import torch
 from bench_moe import machine
-from bench_serving import RANK, Ours, Result, Workload, run, workloads
+from bench_serving import RANK, Ours, run, run_decode, workloads
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests/support.py
 
@@ -91,17 +88,6 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
             gc.collect()  # reference cycles would keep this layout's engine, and its GPU memory, for the next one
             torch.cuda.empty_cache()
     print_summary(measured)
-
-
-def run_decode(ours: Ours, w: Workload, vocab: int) -> Result:
-    """Decode at the median step time: `steps` the decode steps timed, `seconds` and `tokens` as if each took it."""
-    prompts, names = w.prompts(vocab), w.names()
-    ours.generate(prompts, names, min(w.new_tokens, 2))  # warm-up: kernels, graphs, adapters into slots
-    intervals = ours.decode_step_seconds(prompts, names, w.new_tokens)
-    if not intervals:
-        raise SystemExit(f"bench_tp: no two decode steps in a row at batch {w.batch}: raise --decode-tokens")
-    step = statistics.median(intervals)
-    return Result(step * len(intervals), len(intervals), w.batch * len(intervals))
 
 
 def print_summary(measured: dict[tuple, float]) -> None:
