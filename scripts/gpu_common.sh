@@ -16,12 +16,31 @@ pytest_flags() {
   if python3 -c "import pytest_timeout" 2>/dev/null; then echo -n "--timeout=${PER_TEST_TIMEOUT:-240}"; fi
 }
 PYTEST_FLAGS=$(pytest_flags "${TEST_WORKERS:-8}" loadfile)
-# at the end, how large Triton's on-disk cache grew (files, MiB compressed): most of a layout's cold start (200-240 s
-# at 30B on 2 H200s, 27 s warm) is compiling; whether the cache could travel from one call or session to the next
-# (64 MiB a call) depends on this
-triton_cache_size() {
-  local dir=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
-  [ -d "$dir" ] && echo "triton cache: $(find "$dir" -type f | wc -l) files, $(tar -C "$dir" -czf - . 2>/dev/null \
-    | wc -c | awk '{printf "%.1f", $1 / 2^20}') MiB compressed" | tee -a "$OUT/device.txt"
+# Triton's on-disk cache travels between device calls, and sessions: most of a cold start is compiling (200-240 s per
+# new 30B layout on 2 H200s, 27 s warm). Restored here from .triton_cache/ (git-ignored; the call carries it:
+# carry [".triton_cache"]) into an empty cache; saved at exit as $OUT/triton_cache.part-NN, a gzip'd tar in 15 MiB
+# parts, when it fits in TRITON_CACHE_PARTS (default 3, so that a call's other files still come back: 8 at most);
+# TRITON_CACHE_PARTS=0 only reports its size (a second script in the same call). Copy the parts into .triton_cache/
+# for the next call. Triton's index names its files by absolute path: it travels between machines of one image.
+TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+if compgen -G ".triton_cache/triton_cache.part-*" > /dev/null; then
+  ( flock 9  # two scripts of one call start together: one restores
+    if [ -z "$(ls -A "$TRITON_CACHE" 2>/dev/null)" ]; then
+      mkdir -p "$TRITON_CACHE" && cat .triton_cache/triton_cache.part-* | tar -C "$TRITON_CACHE" -xzf - \
+        && echo "triton cache restored: $(find "$TRITON_CACHE" -type f | wc -l) files" | tee -a "$OUT/device.txt"
+    fi ) 9> /tmp/triton_cache.lock
+fi
+save_triton_cache() {
+  [ -d "$TRITON_CACHE" ] || return 0
+  local tgz=/tmp/triton_cache.$$.tgz parts=${TRITON_CACHE_PARTS:-3}
+  tar -C "$TRITON_CACHE" -czf "$tgz" . 2>/dev/null
+  local mib=$(( ($(stat -c %s "$tgz") + 2**20 - 1) / 2**20 ))
+  echo "triton cache: $(find "$TRITON_CACHE" -type f | wc -l) files, $mib MiB compressed" | tee -a "$OUT/device.txt"
+  if [ "$parts" -gt 0 ] && [ "$mib" -le $(( 15 * parts )) ]; then
+    split -b 15M -d "$tgz" "$OUT/triton_cache.part-"
+  elif [ "$parts" -gt 0 ]; then
+    echo "triton cache not saved: over $parts parts of 15 MiB" | tee -a "$OUT/device.txt"
+  fi
+  rm -f "$tgz"
 }
-trap triton_cache_size EXIT
+trap save_triton_cache EXIT
