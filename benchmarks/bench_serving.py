@@ -111,17 +111,6 @@ class Ours:
         return intervals
 
 
-def run_decode(ours: Ours, w: Workload, vocab: int) -> Result:
-    """Our decode at the median step time: `steps` the decode steps timed, `seconds` and `tokens` as if each took it."""
-    prompts, names = w.prompts(vocab), w.names()
-    ours.generate(prompts, names, min(w.new_tokens, 2))  # warm-up: kernels, graphs, adapters into slots
-    intervals = ours.decode_step_seconds(prompts, names, w.new_tokens)
-    if not intervals:
-        raise SystemExit(f"no two decode steps in a row at batch {w.batch}: raise --decode-tokens")
-    step = statistics.median(intervals)
-    return Result(step * len(intervals), len(intervals), w.batch * len(intervals))
-
-
 class HF:
     """transformers + PEFT; adapters are attached by add_adapters, after the LoRA-off runs."""
 
@@ -172,9 +161,16 @@ class Result:
     tokens: int  # tokens the timed part made (decode) or read (prefill)
 
 
-def run(generate: Generate, w: Workload, vocab: int, device: str) -> Result:
+def run(generate: Generate, w: Workload, vocab: int, device: str, ours: Ours | None = None) -> Result:
+    """One workload, timed as the module docstring says: decode by our median step where `ours` is given (`seconds`
+    and `tokens` then as if each timed step took it), else by the difference of two calls."""
     prompts, names = w.prompts(vocab), w.names()
     generate(prompts, names, min(w.new_tokens, 2))  # warm-up: kernels, graphs, adapters into slots
+    if w.phase == "decode" and ours is not None:
+        intervals = ours.decode_step_seconds(prompts, names, w.new_tokens)
+        if not intervals:
+            raise SystemExit(f"no two decode steps in a row at batch {w.batch}: raise --decode-tokens")
+        return Result(statistics.median(intervals) * len(intervals), len(intervals), w.batch * len(intervals))
     first = min(timed(lambda: generate(prompts, names, 1), device) for _ in range(REPEATS))
     if w.phase == "prefill":
         return Result(first, 1, w.batch * w.prompt_len)
@@ -260,8 +256,7 @@ def bench(args, workdir: Path) -> None:
 
     def measure_all(impl: str, generate: Generate, ours: Ours | None = None) -> None:
         for w in jobs:
-            r = results[impl, w] = run_decode(ours, w, config.vocab_size) if ours and w.phase == "decode" else \
-                run(generate, w, config.vocab_size, device)
+            r = results[impl, w] = run(generate, w, config.vocab_size, device, ours)
             floor = floors[w] / max(w.new_tokens - 1, 1)  # a step's
             print(f"| {impl} | {w.phase} | {w.batch} | {w.adapters} | {r.tokens} | {r.seconds:.3f} "
                   f"| {r.tokens / r.seconds:.0f} | {1e3 * r.seconds / r.steps:.2f} | {1e3 * floor:.2f} "

@@ -2,7 +2,7 @@
 ep groups, LoRA off, one adapter, or 8 (rank 16 on attention and every routed expert), on dummy weights of
 Qwen3-30B-A3B's sizes or DeepSeek-V3's with fewer layers. Workloads as bench_serving.py's. Prefill: the whole call
 after a warm-up, the least of 3. Decode: the median time of a step of decode rows only, the requests run through
-Engine.step (bench_serving's run_decode). Layouts that need more GPUs than the machine has are skipped; on a
+Engine.step (bench_serving's run). Layouts that need more GPUs than the machine has are skipped; on a
 CPU (--tiny) every layout runs, as CPU processes with gloo.
 
     python3 benchmarks/bench_tp.py                                   # Qwen3-30B-A3B, tp 1/2/4 x ep 1/2/4
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 from bench_moe import machine
-from bench_serving import RANK, Ours, run, run_decode, workloads
+from bench_serving import RANK, Ours, run, workloads
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests/support.py
 
@@ -76,8 +76,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
         print(f"| {tp} | {ep} | start | | | | {time.perf_counter() - t0:.1f} | | |", flush=True)
         try:
             for w in workloads(args):
-                r = run(ours.generate, w, config.vocab_size, device) if w.phase == "prefill" else \
-                    run_decode(ours, w, config.vocab_size)
+                r = run(ours.generate, w, config.vocab_size, device, ours)
                 measured[tp, ep, w.phase, w.batch, w.adapters] = r.tokens / r.seconds
                 print(f"| {tp} | {ep} | {w.phase} | {w.batch} | {w.adapters} | {r.tokens} | {r.seconds:.3f} "
                       f"| {r.tokens / r.seconds:.0f} | {1e3 * r.seconds / r.steps:.2f} |", flush=True)
