@@ -4,9 +4,10 @@ Qwen3-30B-A3B's sizes, with adapters of rank 16 on q/k/v/o and every routed expe
   decode   B requests of --prompt-len random tokens each make --decode-tokens greedy tokens (ignore_eos),
            with LoRA off, one adapter for all, or 8 adapters (request i gets adapter i % 8). Ours: the
            median time of a step of decode rows only, the requests run through Engine.step
-           (Ours.decode_step_seconds): no prefill in it. transformers, which has no step API: time(generate
-           N tokens) - time(generate 1 token), each the least of REPEATS calls; the prefill cancels, N - 1
-           steps remain, but a prefill slower in the 1-token calls comes off them (at batch 128 up to a third).
+           (Ours.decode_step_seconds): no prefill in it; the least of REPEATS such medians. transformers,
+           which has no step API: time(generate N tokens) - time(generate 1 token), each the least of REPEATS
+           calls; the prefill cancels, N - 1 steps remain, but a prefill slower in the 1-token calls comes off
+           them (at batch 128 up to a third).
   prefill  P prompts of L tokens (--prefill PxL), one token generated; time of the whole call, the least of
            REPEATS calls.
 
@@ -33,6 +34,7 @@ import argparse
 import contextlib
 import datetime
 import gc
+import math
 import statistics
 import sys
 import tempfile
@@ -162,15 +164,18 @@ class Result:
 
 
 def run(generate: Generate, w: Workload, vocab: int, device: str, ours: Ours | None = None) -> Result:
-    """One workload, timed as the module docstring says: decode by our median step where `ours` is given (`seconds`
-    and `tokens` then as if each timed step took it), else by the difference of two calls."""
+    """One workload, timed as the module docstring says: decode by our least median step where `ours` is given
+    (`seconds` and `tokens` then as if each timed step took it), else by the difference of two calls."""
     prompts, names = w.prompts(vocab), w.names()
     generate(prompts, names, min(w.new_tokens, 2))  # warm-up: kernels, graphs, adapters into slots
     if w.phase == "decode" and ours is not None:
-        intervals = ours.decode_step_seconds(prompts, names, w.new_tokens)
-        if not intervals:
-            raise SystemExit(f"no two decode steps in a row at batch {w.batch}: raise --decode-tokens")
-        return Result(statistics.median(intervals) * len(intervals), len(intervals), w.batch * len(intervals))
+        step, steps = math.inf, 0
+        for _ in range(REPEATS):
+            intervals = ours.decode_step_seconds(prompts, names, w.new_tokens)
+            if not intervals:
+                raise SystemExit(f"no two decode steps in a row at batch {w.batch}: raise --decode-tokens")
+            step, steps = min(step, statistics.median(intervals)), len(intervals)
+        return Result(step * steps, steps, w.batch * steps)
     first = min(timed(lambda: generate(prompts, names, 1), device) for _ in range(REPEATS))
     if w.phase == "prefill":
         return Result(first, 1, w.batch * w.prompt_len)

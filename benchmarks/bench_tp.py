@@ -1,8 +1,8 @@
 """Scaling benchmark (not a test): decode and prefill tokens/s of our engine over tp ranks with the experts in
 ep groups, LoRA off, one adapter, or 8 (rank 16 on attention and every routed expert), on dummy weights of
 Qwen3-30B-A3B's sizes or DeepSeek-V3's with fewer layers. Workloads as bench_serving.py's. Prefill: the whole call
-after a warm-up, the least of 3. Decode: the median time of a step of decode rows only, the requests run through
-Engine.step (bench_serving's run). Layouts that need more GPUs than the machine has are skipped; on a
+after a warm-up, the least of 3. Decode: the least of 3 medians of a step of decode rows only, the requests run
+through Engine.step (bench_serving's run). Layouts that need more GPUs than the machine has are skipped; on a
 CPU (--tiny) every layout runs, as CPU processes with gloo.
 
     python3 benchmarks/bench_tp.py                                   # Qwen3-30B-A3B, tp 1/2/4 x ep 1/2/4
