@@ -176,6 +176,16 @@ def rank_runner(w13: torch.Tensor, w2: torch.Tensor, lora: ExpertLoRASlots | Non
     return runner
 
 
+def record_compiles(monkeypatch) -> list[str]:
+    """The names of the Triton kernels compiled from here on in this process (a compile Triton's disk cache
+    answers counts too: each is a variant the process had not run yet)."""
+    import triton
+    compiled: list[str] = []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook",
+                        lambda *args, fn, **kwargs: compiled.append(fn.name))
+    return compiled
+
+
 def rel_tolerance(dtype: torch.dtype, device: torch.device | str = "cpu") -> float:
     """Relative error allowed for a few roundings in `dtype` (fp32 tl.dot runs as tf32 on GPUs)."""
     if dtype == torch.float32:

@@ -132,7 +132,7 @@ def _store_rows(acc, b_ptr, y_ptr, offs_m, offs_n, out_mask, N, HAS_BIAS: tl.con
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "num_shrink"])  # row counts: kernels/__init__.py
 def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, SPLIT_K,
                    xa_ptr, lora_b_ptr, lora_ranks_ptr, slots_ptr, num_slots, stride_lbs, stride_lbr,
                    a_ptr, xa_part_ptr, shrink_count_ptr, sorted_ids_ptr, block_slot_ptr, done_ptr, num_shrink,

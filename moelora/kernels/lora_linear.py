@@ -61,7 +61,7 @@ class LoRALinearConfig:
 # ----------------------------------------------------------------------------------- Triton
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # row counts: kernels/__init__.py
 def _shrink_kernel(
     x_ptr, a_ptr, ranks_ptr, part_ptr, xa_ptr, count_ptr, sorted_ids_ptr, block_slot_ptr,
     num_tokens, K, stride_xt, stride_as, stride_ap, stride_ar,

@@ -160,7 +160,7 @@ def moe_align_program(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_exper
                  num_slots, HAS_SLOTS, S1_P, CHUNK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # row counts: kernels/__init__.py
 def _moe_align_kernel(
     topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr,
     num_pairs, top_k, num_experts, num_slots, max_rows,
@@ -172,7 +172,7 @@ def _moe_align_kernel(
                       num_pairs, top_k, num_experts, num_slots, max_rows, HAS_SLOTS, BLOCK_M, E_P, S1_P, CHUNK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # row counts: kernels/__init__.py
 def _count_kernel(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, num_pairs, top_k, num_experts,
                   num_slots, max_rows, HAS_SLOTS: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr,
                   PDL: tl.constexpr):
@@ -189,7 +189,7 @@ def _lay_out_kernel(block_expert_ptr, num_rows_ptr, cursor_ptr, max_rows,
     _lay_out_blocks(block_expert_ptr, num_rows_ptr, cursor_ptr, max_rows, BLOCK_M, E_P, S1_P, CHUNK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # row counts: kernels/__init__.py
 def _place_kernel(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, num_pairs, top_k, num_experts, num_slots,
                   HAS_SLOTS: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)

@@ -6,7 +6,8 @@ import torch
 
 from moelora.kernels.fused_moe import launcher
 from moelora.kernels.fused_moe import default_config, fused_moe
-from tests.support import assert_rows_close, random_expert_lora, random_moe_weights, random_topk, rel_tolerance
+from tests.support import (assert_rows_close, random_expert_lora, random_moe_weights, random_topk, record_compiles,
+                           rel_tolerance)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -42,6 +43,27 @@ def test_real_shape_matches_reference(shape, tokens, poison):
     base = fused_moe(x, w13, w2, topk)
     no_adapter = slots < 0
     assert torch.equal(got[no_adapter], base[no_adapter])
+
+
+def test_token_counts_of_one_tile_share_a_compile(monkeypatch, poison):
+    """Token and pair counts are no specialisation of the kernels (kernels/__init__.py): 3, 4, 5 and 7 tokens, of
+    one tile class, with LoRA, compile each kernel once. 72 experts: a layer of this test's own, so that the
+    first batch compiles."""
+    gen = torch.Generator("cuda").manual_seed(torch.seed())
+    hidden, inter, experts, top_k = 1024, 256, 72, 6
+    w13, w2 = random_moe_weights(experts, hidden, inter, torch.bfloat16, "cuda", gen)
+    lora = random_expert_lora(len(SLOT_RANKS), experts, hidden, inter, SLOT_RANKS, torch.bfloat16, "cuda",
+                              generator=gen)
+    compiled = record_compiles(monkeypatch)
+    for tokens in (3, 4, 5, 7):
+        assert default_config(tokens, top_k, experts, torch.bfloat16, lora=True) == \
+            default_config(3, top_k, experts, torch.bfloat16, lora=True)
+        x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+        slots = torch.arange(tokens, device="cuda", dtype=torch.int32) % len(SLOT_RANKS)
+        fused_moe(x, w13, w2, random_topk(tokens, experts, top_k, "cuda", gen), lora, slots)
+        if tokens == 3:
+            first = sorted(compiled)
+    assert first and sorted(compiled) == first, f"compiled at 3 tokens: {first}; at 3, 4, 5, 7: {sorted(compiled)}"
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

@@ -9,7 +9,7 @@ import torch
 
 from moelora.kernels import linear as linear_module
 from moelora.kernels.linear import default_config, k_splits, linear
-from tests.support import assert_rows_close, rel_tolerance
+from tests.support import assert_rows_close, record_compiles, rel_tolerance
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -63,6 +63,21 @@ def test_rows_do_not_depend_on_the_batch(shape, poison):
         assert torch.equal(moved, full[:m].roll(shift, 0)), f"{shape}: rows moved in a batch of {m} differ"
         for i in {0, m // 2, m - 1}:
             assert torch.equal(linear(x[i:i + 1], w, b)[0], full[i]), f"{shape}: row {i} alone differs from the batch"
+
+
+@needs_cuda
+def test_row_counts_of_one_tile_share_a_compile(monkeypatch):
+    """The row count is no specialisation of the kernel (kernels/__init__.py): batches of 1 to 16 rows, all on the
+    decode tile, run one compiled kernel. A shape of this test's own, so that the first batch compiles."""
+    gen = torch.Generator("cuda").manual_seed(torch.seed())
+    w = torch.randn(336, 1040, generator=gen, device="cuda").to(torch.bfloat16)
+    x = torch.randn(16, 1040, generator=gen, device="cuda").to(torch.bfloat16)
+    splits, _ = k_splits(336, 1040, torch.bfloat16)
+    compiled = record_compiles(monkeypatch)
+    for m in (1, 2, 3, 5, 16):
+        assert default_config(m, 336, splits) == default_config(1, 336, splits)
+        linear(x[:m], w)
+    assert compiled == ["_linear_kernel"], compiled
 
 
 @needs_cuda

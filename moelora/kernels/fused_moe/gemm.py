@@ -14,7 +14,7 @@ from moelora.kernels.gemm_tiles import arrive, gemm_loop, wait_arrivals
 from moelora.kernels.pdl import wait_for_previous_kernel
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_tokens", "tokens_per_program"])  # row counts: kernels/__init__.py
 def gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, token_slots_ptr,
     ranks_ptr, xa_ptr, ag_ptr, au_ptr, bg_ptr, bu_ptr, ad_ptr, hd_ptr, ready_ptr, topk_ids_ptr, counter_ptr, y_ptr,
@@ -218,7 +218,7 @@ def _down_shrink_part(h, part, offs_n, pair, slot, start, s0, num_runs, e, row_r
     tl.store(hd_ptrs, hd, mask=in_part[:, None] & (offs_r[None, :] < row_rank_d[:, None]))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # row counts: kernels/__init__.py
 def down_kernel(
     h_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, token_slots_ptr,
     ranks_ptr, hd_ptr, b_ptr, topk_ids_ptr, counter_ptr, y_ptr,

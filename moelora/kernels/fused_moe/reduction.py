@@ -89,7 +89,7 @@ def moe_sum_kernel(out_ptr, topk_ids_ptr, y_ptr, H, top_k, num_experts, stride_o
              mask=mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # row counts: kernels/__init__.py
 def reduce_partials_kernel(part_ptr, out_ptr, token_slots_ptr, topk_ids_ptr, ranks_ptr, num_rows, rows_per_pair,
                             top_k, proj_lo, num_parts, num_slots, num_experts,
                             BLOCK_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr):

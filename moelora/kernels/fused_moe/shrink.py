@@ -46,7 +46,7 @@ def _shrink_tile(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, k_
     tl.store(xa_ptrs + num_splits * BLOCK_R, xa_u, mask=rows[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # row counts: kernels/__init__.py
 def shrink_kernel(
     x_ptr, xa_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, token_slots_ptr, ranks_ptr, ag_ptr, au_ptr,
     num_pairs, top_k, H, num_slots, num_experts, num_splits, stride_xt, stride_ae, stride_ar,
@@ -103,7 +103,7 @@ def shrink_one_pair(q, topk_ids_ptr, token_slots_ptr, x_ptr, xa_ptr, ranks_ptr, 
     return lora_pair
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # row counts: kernels/__init__.py
 def pair_shrink_kernel(
     topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr,
     x_ptr, xa_ptr, ranks_ptr, ag_ptr, au_ptr,
