@@ -65,6 +65,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
     print("| tp | ep | phase | batch | adapters | tokens | s | tokens/s | ms/step |")
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     measured: dict[tuple, float] = {}  # (tp, ep, phase, batch, adapters) -> tokens/s
+    starts: dict[tuple[int, int], dict[str, float]] = {}  # (tp, ep) -> seconds of each phase of rank 0's start
     for tp, ep in layouts:
         if gpus is not None and tp > gpus:
             print(f"| {tp} | {ep} | skipped: {gpus} GPUs | | | | | | |", flush=True)
@@ -74,6 +75,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
         ours = Ours(model_dir, adapters, device, dtype, max(map(int, args.batch_sizes.split(","))), tp_size=tp,
                     ep_size=ep, moe_dispatch=args.dispatch, skip_server_warmup=True)
         print(f"| {tp} | {ep} | start | | | | {time.perf_counter() - t0:.1f} | | |", flush=True)
+        starts[tp, ep] = ours.engine.runner.start_seconds
         try:
             for w in workloads(args):
                 r = run(ours.generate, w, config.vocab_size, device, ours)
@@ -87,6 +89,10 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
             gc.collect()  # reference cycles would keep this layout's engine, and its GPU memory, for the next one
             torch.cuda.empty_cache()
     print_summary(measured)
+    print("\nEngine starts, rank 0 (on a cold Triton cache mostly compiles):\n\n| tp | ep | phase | s |\n|---|---|---|---|")
+    for (tp, ep), phases in starts.items():
+        for phase, seconds in phases.items():
+            print(f"| {tp} | {ep} | {phase} | {seconds:.1f} |")
 
 
 def print_summary(measured: dict[tuple, float]) -> None:

@@ -7,6 +7,9 @@ scheduling it broadcasts the sampled tokens the next step's decode rows need, on
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -26,6 +29,8 @@ from moelora.engine.workers import Workers, join_world, node_config, node_ranks
 from moelora.layers.moe.all_to_all import FIXED_MAX_TOKENS
 from moelora.models.config import ModelConfig
 from moelora.models.loader import load_model
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -77,15 +82,27 @@ class ModelRunner:
         with on_device(self.device):
             self._build(config)
 
+    @contextlib.contextmanager
+    def _start_phase(self, name: str) -> Iterator[None]:
+        """Times a phase of the start into start_seconds; rank 0 logs it (the others run the same phases)."""
+        t0 = time.perf_counter()
+        yield
+        self.start_seconds[name] = time.perf_counter() - t0
+        if self.dist_state.rank == 0:
+            logger.info("%s: %.1f s", name, self.start_seconds[name])
+
     def _build(self, config: EngineConfig) -> None:
         self.dist_state = get_parallel()  # the world it is built in: its model's, whatever is current later
+        # seconds of each phase of the start: on a cold Triton cache mostly compiles (warm-up and graph captures)
+        self.start_seconds: dict[str, float] = {}
         if not (Path(config.model_path) / "config.json").is_file():
             raise ValueError(f"EngineConfig.model_path {config.model_path!r} is not a local model directory (it has no "
                              "config.json); moelora reads local Hugging Face checkpoints, not Hub ids")
         model_config = ModelConfig.from_pretrained(config.model_path, moe_backend=config.moe_runner_backend)
         self.dtype = DTYPES[config.dtype] if config.dtype != "auto" else model_config.saved_dtype or torch.float32
-        self.model = load_model(config.model_path, self.dtype, self.device, config.load_format, config.random_seed,
-                                model_config)
+        with self._start_phase("model loaded"):
+            self.model = load_model(config.model_path, self.dtype, self.device, config.load_format,
+                                    config.random_seed, model_config)
         # slots first: the KV cache gets what memory is left
         self.lora = LoRAManager(config, self.model, record_events=self.workers is not None)
         context = config.context_length or model_config.max_position_embeddings
@@ -95,21 +112,27 @@ class ModelRunner:
         tokens = min_over_ranks(self.dist_state, tokens, config.dist_timeout)
         # a request alone always fits, with a slot to spare for the scheduler's decode reserve
         self.context_len = min(context, tokens - 1)
+        if self.dist_state.rank == 0:
+            logger.info("KV cache: %d tokens; context length %d", tokens, self.context_len)
         self.kv = KVCache(shape.num_layers, tokens + 1, shape.num_kv_heads, shape.k_head_dim, shape.v_head_dim,
                           config.max_running_requests, self.context_len, self.dtype, self.device)
         max_step_tokens = min(config.max_prefill_tokens, config.chunked_prefill_size or config.max_prefill_tokens,
                               self.context_len)
         if config.warm_up_at_start:
-            self.warm_up(max_step_tokens)
+            with self._start_phase(f"prompt steps of {len(warm_up_sizes(max_step_tokens))} sizes run"):
+                self.warm_up(max_step_tokens)
         max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
         prompt_graph_tokens = min(config.cuda_graph_max_prefill_tokens, max_step_tokens)
         if config.tp_size > 1 and config.moe_dispatch == "all_to_all":  # it reads counts on the host above that
             max_bs, prompt_graph_tokens = min(max_bs, FIXED_MAX_TOKENS), min(prompt_graph_tokens, FIXED_MAX_TOKENS)
-        self.graphs = (CudaGraphs(self.logits, self.kv, max_bs, self.lora.expert_loras, self.lora.max_rank)
-                       if config.use_cuda_graph else None)
-        self.prompt_graphs = (PromptGraphs(self.logits, self.kv, prompt_graph_tokens, self.lora.expert_loras,
-                                           self.lora.max_rank)
-                              if config.use_cuda_graph and prompt_graph_tokens > 0 else None)
+        self.graphs = self.prompt_graphs = None
+        if config.use_cuda_graph:
+            with self._start_phase(f"decode graphs to batch {max_bs} captured"):
+                self.graphs = CudaGraphs(self.logits, self.kv, max_bs, self.lora.expert_loras, self.lora.max_rank)
+            if prompt_graph_tokens > 0:
+                with self._start_phase(f"prompt graphs to {prompt_graph_tokens} tokens captured"):
+                    self.prompt_graphs = PromptGraphs(self.logits, self.kv, prompt_graph_tokens,
+                                                      self.lora.expert_loras, self.lora.max_rank)
         self.vocab_size = self.model.config.vocab_size
         self.penalties = PenaltyState(config.max_running_requests, self.vocab_size, self.device)
 

@@ -14,9 +14,14 @@ def test_tiny_scaling_benchmark_runs_every_layout():
                           "--batch-sizes", "1", "--dispatch", "all_to_all"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    table, summary_table = run.stdout.split("| tp | ep | phase | batch | LoRA off tokens/s")
-    rows, summary_rows = ([[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
-                           if line.startswith("| ") and "---" not in line] for text in (table, summary_table))
+    table, rest = run.stdout.split("| tp | ep | phase | batch | LoRA off tokens/s")
+    summary_table, starts_table = rest.split("Engine starts")
+    rows, summary_rows, start_rows = ([[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
+                                       if line.startswith("| ") and "---" not in line]
+                                      for text in (table, summary_table, starts_table))
+    # each layout's start in phases (no graphs on the CPU)
+    assert {(r[0], r[1], r[2]) for r in start_rows if r[0] != "tp"} == {("1", "1", "model loaded"),
+                                                                         ("2", "2", "model loaded")}
     measured = {(r[0], r[1], r[2], r[3], r[4]) for r in rows if r[2] in ("decode", "prefill")}
     assert measured == {(tp, ep, phase, batch, n) for tp, ep in (("1", "1"), ("2", "2"))
                         for phase, batch in (("decode", "1"), ("prefill", "8")) for n in ("0", "1")}
