@@ -65,8 +65,7 @@ class StepInputs(NamedTuple):
 
 def warm_up_sizes(max_tokens: int) -> list[int]:
     """1, 2, 3, then 2^i and 2^i + 1 up to max_tokens: every class of token counts whose bounds are at least a
-    factor of two apart holds a power of two, and a class that starts at a power of two holds 2^i + 1; both
-    kinds of Triton's integer specialisation (multiples of 16 and not) come up."""
+    factor of two apart holds a power of two, and a class that starts at a power of two holds 2^i + 1."""
     sizes = {n for n in (1, 2, 3) if n <= max_tokens}
     power = 4
     while power <= max_tokens:
@@ -160,7 +159,7 @@ class ModelRunner:
         """Run a prompt step of each of `warm_up_sizes(max_tokens)` tokens, without and with an adapter slot, so
         that Triton compiles every kernel variant a prompt step can pick now, not while serving: the kernels'
         tiles follow the number of tokens in classes (linear's by rows, fused_moe's by rows per expert and
-        pairs) and Triton specialises integer arguments that are 1 or multiples of 16; a request that first
+        pairs; the row counts themselves are not specialised, kernels/__init__.py); a request that first
         brings a new class otherwise stalls every running request for the seconds of a compile. The steps
         write only slot 0, which no request ever holds, and record it in request row 0, as padded graph rows do.
         With an adapter slot, once with each experts' rank bound a step can run with (their tile is a variant too)."""
