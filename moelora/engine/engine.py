@@ -302,7 +302,8 @@ class Engine:
         return len(self.runner.lora.pool.names), self.config.max_loras_per_batch
 
     def summary(self) -> list[str]:
-        """What the engine serves, a line each: model, KV cache, tokenizer, LoRA slots and adapters."""
+        """What the engine serves, a line each: model, KV cache, tokenizer, LoRA slots and adapters; last, how long
+        each phase of its start took (on a cold Triton cache mostly compiles: warm-up steps and graph captures)."""
         runner, config = self.runner, self.config
         model = runner.model.config
         family = ", ".join(model.architectures or (model.model_type,))
@@ -317,7 +318,8 @@ class Engine:
                    + ", ".join(f"{k}={v}" for k, v in self.sampling_defaults.items())] if self.sampling_defaults else []),
                 *([f"parallel: {config.tp_size} ranks, tensor parallel with the experts over {config.ep_size} groups "
                    f"({config.moe_dispatch} dispatch); per rank: weights {_size(runner.weight_bytes())}, "
-                   "KV cache and LoRA slots as above"] if config.tp_size > 1 else [])]
+                   "KV cache and LoRA slots as above"] if config.tp_size > 1 else []),
+                "start: " + ", ".join(f"{phase} in {seconds:.1f} s" for phase, seconds in runner.start_seconds.items())]
 
     def accounting_error(self) -> str | None:
         """What does not add up between the KV cache pool and the requests holding it (None: all well)."""

@@ -7,7 +7,6 @@ scheduling it broadcasts the sampled tokens the next step's decode rows need, on
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,8 +28,6 @@ from moelora.engine.workers import Workers, join_world, node_config, node_ranks
 from moelora.layers.moe.all_to_all import FIXED_MAX_TOKENS
 from moelora.models.config import ModelConfig
 from moelora.models.loader import load_model
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -83,12 +80,10 @@ class ModelRunner:
 
     @contextlib.contextmanager
     def _start_phase(self, name: str) -> Iterator[None]:
-        """Times a phase of the start into start_seconds; rank 0 logs it (the others run the same phases)."""
+        """Times a phase of the start into start_seconds (Engine.summary reports them)."""
         t0 = time.perf_counter()
         yield
         self.start_seconds[name] = time.perf_counter() - t0
-        if self.dist_state.rank == 0:
-            logger.info("%s: %.1f s", name, self.start_seconds[name])
 
     def _build(self, config: EngineConfig) -> None:
         self.dist_state = get_parallel()  # the world it is built in: its model's, whatever is current later
@@ -111,8 +106,6 @@ class ModelRunner:
         tokens = min_over_ranks(self.dist_state, tokens, config.dist_timeout)
         # a request alone always fits, with a slot to spare for the scheduler's decode reserve
         self.context_len = min(context, tokens - 1)
-        if self.dist_state.rank == 0:
-            logger.info("KV cache: %d tokens; context length %d", tokens, self.context_len)
         self.kv = KVCache(shape.num_layers, tokens + 1, shape.num_kv_heads, shape.k_head_dim, shape.v_head_dim,
                           config.max_running_requests, self.context_len, self.dtype, self.device)
         max_step_tokens = min(config.max_prefill_tokens, config.chunked_prefill_size or config.max_prefill_tokens,
