@@ -25,9 +25,22 @@ import torch.distributed as dist
 
 
 def free_port() -> int:
+    """A loopback port free now (for a server of another process; not for a world's rendezvous, see below)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def rendezvous_store(addr: str | None, timeout: float) -> tuple[dist.TCPStore, str]:
+    """The store a world's ranks meet at, listening from now until it is dropped, and its address (host:port): at
+    addr, or on a loopback port the system picks. Every rank, this process's too, joins it as a client
+    (`init_parallel` with "tcp://" and the address). The port is held before any rank starts: a port probed free,
+    then bound by rank 0 once the ranks had started, could meanwhile be taken by another process, or by a rank's own
+    connect to it (TCP connects a socket to itself when the system hands it, as its local port, the very port it
+    calls and nothing listens on yet), after which no rank could use it."""
+    host, port = addr.rsplit(":", 1) if addr else ("127.0.0.1", "0")
+    store = dist.TCPStore(host, int(port), is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    return store, f"{host}:{store.port}"
 
 
 # a rank's imports (torch, Triton, transformers) take tens of seconds on a busy machine: starting one is given

@@ -84,7 +84,8 @@ def init_parallel(tp_size: int, ep_size: int = 1, rank: int | None = None, init_
                   backend: str | None = None, timeout: float = 300.0, moe_dispatch: str = "all_reduce",
                   device: torch.device | str = "cpu") -> ParallelState:
     """Join a world of tp_size processes; returns its state (build the model under parallel_state(it)). rank and init_method default to the
-    environment torchrun sets (RANK, MASTER_ADDR, MASTER_PORT); backend to NCCL on a CUDA device, else gloo.
+    environment torchrun sets (RANK, MASTER_ADDR, MASTER_PORT); "tcp://host:port" joins the store that listens there
+    (`launch.rendezvous_store`) as a client, rank 0 too. backend defaults to NCCL on a CUDA device, else gloo.
     timeout (seconds): how long a collective waits for the other ranks before it raises, which is how a rank
     that hangs or died is noticed."""
     rank = int(os.environ["RANK"]) if rank is None else rank
@@ -96,9 +97,14 @@ def init_parallel(tp_size: int, ep_size: int = 1, rank: int | None = None, init_
     kwargs = {"device_id": device} if backend == "nccl" else {}
     if device.type == "cuda":
         torch.cuda.set_device(device)  # Triton launches on the current device, NCCL binds to it
+    init_method = init_method or "env://"
+    if init_method.startswith("tcp://"):
+        host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+        kwargs["store"] = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
+    else:
+        kwargs["init_method"] = init_method
     try:
-        dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=tp_size,
-                                timeout=timedelta(seconds=timeout), **kwargs)
+        dist.init_process_group(backend, rank=rank, world_size=tp_size, timeout=timedelta(seconds=timeout), **kwargs)
     except BaseException:
         # torch counted the default group it failed to make: this process's next world would name its groups
         # one up from its fresh ranks' and never meet them (destroy_process_group resets it, when there is a group)

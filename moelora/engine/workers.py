@@ -33,7 +33,8 @@ from collections.abc import Callable, Iterator
 import torch
 
 from moelora.distributed.comm import broadcast_object, control_barrier, wait_event
-from moelora.distributed.launch import LocalRanks, free_port, name_ranks, report_failures, reported_failures
+from moelora.distributed.launch import (LocalRanks, name_ranks, rendezvous_store, report_failures,
+                                       reported_failures)
 from moelora.distributed.state import ParallelState, destroy_parallel, init_parallel
 from moelora.engine.config import EngineConfig
 
@@ -158,10 +159,12 @@ class Workers:
                                "shut down?): an engine over several ranks starts its own")
         self.device, self.timeout = torch.device(node_config(config, 0).device), config.dist_timeout
         self.failure: str | None = None
+        self.rendezvous: torch.distributed.TCPStore | None = None  # torchrun's, where it started the ranks
         if launched_rank(config) is not None:
             init_method, self.ranks = "env://", _LaunchedRanks()
         else:
-            addr = config.dist_init_addr or f"127.0.0.1:{free_port()}"
+            # listening before any rank starts, for as long as the world lives (rendezvous_store says why)
+            self.rendezvous, addr = rendezvous_store(config.dist_init_addr, config.dist_timeout)
             init_method, own = f"tcp://{addr}", node_ranks(config)
             local = LocalRanks(serve, own[1:], (config, init_method))
             self.ranks = local if config.nnodes == 1 else _NodeRanks(local, range(own.stop, config.tp_size), addr)
@@ -232,4 +235,5 @@ class Workers:
         else:
             self.ranks.stop(timeout=0)
             destroy_parallel(abort=True)
+        self.rendezvous = None  # the world is left: its port is free again
         self.failure = self.failure or "shut down"

@@ -8,14 +8,14 @@ from typing import Any
 
 import torch
 
-from moelora.distributed.launch import LocalRanks, free_port
+from moelora.distributed.launch import LocalRanks, rendezvous_store
 from moelora.distributed.state import destroy_parallel, init_parallel, parallel_state
 
 
-def _rank_main(rank: int, world: int, port: int, results: Any, fn: Callable[..., Any], args: tuple,
+def _rank_main(rank: int, world: int, addr: str, results: Any, fn: Callable[..., Any], args: tuple,
                options: dict[str, Any], cuda: bool) -> None:
     torch.set_num_threads(1)  # the ranks share the machine's few cores
-    state = init_parallel(world, rank=rank, init_method=f"tcp://127.0.0.1:{port}", timeout=60,
+    state = init_parallel(world, rank=rank, init_method=f"tcp://{addr}", timeout=60,
                           device=f"cuda:{rank}" if cuda else "cpu", **options)
     try:
         with parallel_state(state):
@@ -32,7 +32,8 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 3
     and its result must pickle (fn at the top level of a module; tensors on the CPU)."""
     import multiprocessing as mp
     results = mp.get_context("spawn").Queue()
-    ranks = LocalRanks(_rank_main, range(world), (world, free_port(), results, fn, args, options, cuda))
+    store, addr = rendezvous_store(None, 60)
+    ranks = LocalRanks(_rank_main, range(world), (world, addr, results, fn, args, options, cuda))
     got: dict[int, Any] = {}
     try:
         while len(got) < world:
@@ -47,4 +48,5 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 3
                     raise AssertionError(f"the ranks did not finish in time: {ranks.describe()}") from None
     finally:
         ranks.stop()
+        del store  # listening until the ranks are done
     return [got[r] for r in range(world)]

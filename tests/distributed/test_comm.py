@@ -2,13 +2,14 @@
 and what rank 0 learns of a rank that failed."""
 import os
 import signal
+import socket
 import time
 
 import pytest
 import torch
 
 from moelora.distributed import comm
-from moelora.distributed.launch import LocalRanks
+from moelora.distributed.launch import LocalRanks, free_port, rendezvous_store
 from moelora.distributed.sharding import even_shard, kv_head_shard
 from moelora.distributed.state import ParallelState, get_parallel, parallel_state
 from tests.distributed.ranks import run_ranks
@@ -86,6 +87,21 @@ def _late_control_barrier(timeout: float) -> tuple[float, str]:
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
     return time.time() - start, error
+
+
+def test_the_rendezvous_store_listens_from_its_start_to_its_drop():
+    """At the address asked for, or on a port the system picks; listening as soon as it returns, so that no rank
+    ever calls a port nothing listens on, and no longer once dropped."""
+    port = free_port()
+    store, addr = rendezvous_store(f"127.0.0.1:{port}", 5)
+    assert addr == f"127.0.0.1:{port}" and store.port == port
+    store, addr = rendezvous_store(None, 5)
+    host, _, port = addr.rpartition(":")
+    assert host == "127.0.0.1" and int(port) == store.port
+    socket.create_connection((host, int(port)), timeout=5).close()
+    del store
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((host, int(port)), timeout=5)
 
 
 def test_the_control_barrier_gives_up_after_its_timeout():

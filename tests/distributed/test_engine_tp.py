@@ -7,6 +7,7 @@ import json
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,13 +20,14 @@ import moelora.engine.engine as engine_module
 import moelora.engine.lora_manager as lora_manager
 import moelora.engine.model_runner as model_runner
 import moelora.engine.stepper as stepper_module
+import moelora.engine.workers as workers_module
 from moelora.distributed.launch import free_port
 from moelora.distributed.state import ParallelState
 from moelora.engine.config import EngineConfig
 from moelora.engine.engine import Engine, EngineDead, RequestFailed
 from moelora.engine.lora_slots import slotted_modules
 from moelora.engine.sampling_params import SamplingParams
-from moelora.engine.workers import WorkerFailure, node_config, node_ranks, serves_engine
+from moelora.engine.workers import WorkerFailure, Workers, node_config, node_ranks, serves_engine
 from moelora.models.config import ModelConfig
 from tests.distributed.load_unload import PROMPTS, drive_load_and_unload
 from tests.models.families import assert_logprobs_close, family_config
@@ -240,6 +242,24 @@ def _interrupted(interrupts: list[float]) -> Callable[..., None]:
         interrupts.append(time.monotonic())
         raise KeyboardInterrupt
     return runner
+
+
+def test_the_rendezvous_listens_before_any_rank_starts(monkeypatch):
+    """The ranks are started with the address of a store that already listens (launch.rendezvous_store): rank 0
+    binding it only after they started would leave them calling a port nothing listens on, which the system can
+    hand one of them as its own local port."""
+    seen = []
+
+    class Ranks:  # in place of LocalRanks: looks at the address the ranks would get, then ends the start
+        def __init__(self, target, ranks, args):
+            host, _, port = args[1].removeprefix("tcp://").rpartition(":")
+            socket.create_connection((host, int(port)), timeout=5).close()  # refused if nothing listens
+            seen.append(args[1])
+            raise RuntimeError("no ranks in this test")
+    monkeypatch.setattr(workers_module, "LocalRanks", Ranks)
+    with pytest.raises(RuntimeError, match="no ranks in this test"):
+        Workers(EngineConfig(model_path="unused", tp_size=2, device="cpu"), serve=None)
+    assert len(seen) == 1
 
 
 def test_an_interrupt_while_loading_stops_the_ranks_at_once(start_engine, monkeypatch):
