@@ -10,6 +10,7 @@ import torch
 
 from moelora.engine.cuda_graph import RankBounds
 from moelora.engine.sampling_params import SamplingParams
+from tests.support import record_compiles
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -107,3 +108,19 @@ def test_a_step_launched_ahead_does_not_wait_for_the_device(make_engine):
     assert len(outputs) == 3 and host < device / 3, (host, device)
     while engine.has_unfinished():
         engine.step()
+
+
+def test_a_started_engine_compiles_nothing_while_serving(make_engine, adapters, wide_adapter, monkeypatch):
+    """The start's warm-up steps and graph captures compile every kernel variant a step can pick (the tiles follow
+    the token counts in classes, the counts themselves are not specialised: kernels/__init__.py), so no request
+    stalls the running ones for a compile: prompts of many lengths, the base model and adapters of each rank bound
+    mixed, decode batches inside and past the graphs' sizes, and prompt pieces beside decode rows."""
+    engine = make_engine(FAMILY, device="cuda", dtype="bfloat16", cuda_graph_max_bs=8, max_total_tokens=4096,
+                         max_lora_rank=32, max_loras_per_batch=3, chunked_prefill_size=256,
+                         lora_paths={**{n: str(a.path) for n, a in adapters(FAMILY).items()}, "wide": wide_adapter})
+    compiled = record_compiles(monkeypatch)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for bs, length in ((1, 1), (3, 7), (5, 33), (12, 20), (2, 300), (9, 100)):
+        batch = [[(7 * i + 3 * j) % 90 + 3 for j in range(length + i)] for i in range(bs)]
+        engine.generate(batch, params, lora=[LORAS[i % 4] for i in range(bs)])
+    assert compiled == [], f"compiled while serving: {compiled}"
