@@ -4,7 +4,8 @@ weights and adapter slot, and its partial sums come back summed into its row, as
 no tokens, a share shorter than the others', and experts split over the ranks of a group (moe_tp_size 2) included.
 Then the same with each rank's real Runner and LoRA laid out so that what it must not read is NaN (tests.support.
 rank_runner), the rows of tokens with no expert on the rank (fixed capacity's) NaN too: the whole layer's output, the
-same bits as the all-reduce Dispatcher's."""
+same bits as the all-reduce Dispatcher's, whether the rows of each rank's share are all-reduced (`combine`, beside
+shared experts) or gathered (`gather`)."""
 import pytest
 import torch
 
@@ -83,17 +84,19 @@ def _dispatch_both_once(num_tokens: int) -> tuple[torch.Tensor, ...]:
         slots = sent.lora.token_slots.masked_fill(elsewhere, len(SLOT_RANKS))
         return runner(x_here, sent.topk, LoRABatch(slots))
 
-    outs = []
+    outs, gathered = [], []
     for experts_of in (stand_in, run):
-        for dispatch, combine in ((dispatcher._dispatch_fixed, dispatcher._combine_fixed),
-                                  (dispatcher._dispatch_counted, dispatcher._combine_counted)):
+        for dispatch in (dispatcher._dispatch_fixed, dispatcher._dispatch_counted):
             sent = dispatch(x, topk, lora)
             assert sent.x.shape[0] <= state.tp_size * -(-num_tokens // state.tp_size), "a token sent twice to a rank"
-            outs.append(comm.all_reduce(state, combine(experts_of(sent), sent)))
+            y = experts_of(sent)
+            # combine's rows all-reduced (beside shared experts' partial sums), or the shares gathered (without)
+            outs.append(comm.all_reduce(state, dispatcher.combine(y, sent)))
+            gathered.append(dispatcher.gather(y, sent))
     # the all-reduce Dispatcher: every rank runs every token's pairs on its experts, the partial sums in rank order
     by_all_reduce = Dispatcher(EXPERTS, dispatcher.first_local, dispatcher.num_local)
     outs.append(all_reduce(state, runner(x, by_all_reduce(topk), lora)))
-    return tuple(outs)
+    return (*outs, *gathered)
 
 
 def _host_reads(token_counts: list[int]) -> list[tuple[str, int, bool]]:
@@ -131,7 +134,7 @@ def test_steps_past_the_fixed_capacity_go_by_counts_read_with_a_deadline():
 
 @pytest.mark.parametrize("world, ep_size", [(2, 2), (4, 4), (4, 2)], ids=["tp2-ep2", "tp4-ep4", "tp4-ep2"])
 def test_fixed_and_counted_dispatch_give_each_token_its_experts(world, ep_size):
-    counts = [1, 5, 9]
+    counts = [1, 5, 9, 0]
     per_rank = run_ranks(world, _dispatch_both, counts, ep_size=ep_size, moe_dispatch="all_to_all")
     for i, num_tokens in enumerate(counts):
         x, topk, lora = _inputs(num_tokens)
@@ -139,7 +142,9 @@ def test_fixed_and_counted_dispatch_give_each_token_its_experts(world, ep_size):
         w13, w2, buffers = _layer()
         whole = fused_moe_reference(x, w13, w2, topk, buffers, lora.token_slots)
         for rank, results in enumerate(per_rank):
-            fixed, counted, fixed_runner, counted_runner, all_reduce_runner = results[i]
+            fixed, counted, fixed_runner, counted_runner, all_reduce_runner, *gathered = results[i]
+            for got, reduced in zip(gathered, (fixed, counted, fixed_runner, counted_runner)):
+                assert torch.equal(got, reduced), f"{num_tokens} tokens, rank {rank}: gathered shares differ"
             torch.testing.assert_close(fixed, want, msg=f"fixed capacity, {num_tokens} tokens, rank {rank}")
             torch.testing.assert_close(counted, want, msg=f"counted, {num_tokens} tokens, rank {rank}")
             assert torch.equal(fixed, counted), f"{num_tokens} tokens, rank {rank}: the two ways sum otherwise"

@@ -7,7 +7,9 @@ its adapter slot, its k routing weights and its k expert ids as that rank's (-1:
 token thus travels to at most every rank, not once for each of its k experts. A rank runs what it receives as the
 all-reduce Dispatcher's Runner does (its experts' pairs of each token summed in top-k order, the others skipped),
 sends each token's partial sum back in the same order, and each sender sums its tokens' partial sums in rank order
-(fp32, rounded once) into their rows (zero elsewhere). Combine's all-reduce then gives every rank every row.
+(fp32, rounded once). Then every rank gets every row: without shared experts by an all-gather of the ranks' shares
+(`gather`); with them, whose partial sums Combine all-reduces, as rows of the share beside zeros (`combine`), in
+that all-reduce. Either way a row has the bits of the all-reduce Dispatcher's.
 
 Two ways to size the exchange:
 - up to FIXED_MAX_TOKENS tokens (decode, small prompt steps), at a fixed capacity: every rank sends every rank
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from moelora.core import LoRABatch, TopKOutput
-from moelora.distributed.comm import all_to_all, exchange_counts, host_values
+from moelora.distributed.comm import all_to_all, exchange_counts, gather_stacked, host_values
 from moelora.distributed.state import ParallelState
 from moelora.kernels.sum_in_order import sum_in_order
 from moelora.layers.moe.dispatcher import Dispatched, Dispatcher
@@ -43,9 +45,32 @@ class AllToAllDispatcher(Dispatcher):
         return self._dispatch_counted(x, topk, lora)
 
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
-        if dispatched.route[0] == "fixed":
-            return self._combine_fixed(y, dispatched)
-        return self._combine_counted(y, dispatched)
+        """The Runner's output -> [T, H]: the sums of this rank's share of the tokens in their rows, zeros elsewhere
+        (its part of an all-reduce that gives every rank every row)."""
+        first, rows = self._share(dispatched.route[-1])
+        out = y.new_zeros(dispatched.route[-1], y.shape[1])
+        out[first:first + rows] = self._share_sums(y, dispatched)[:rows]
+        return out
+
+    def gather(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        """The Runner's output -> every token's routed output [T, H], on every rank: each rank's share summed, then
+        gathered (half the bytes of the all-reduce of `combine`'s rows and no sum; for layers without shared
+        experts)."""
+        num_tokens = dispatched.route[-1]
+        share = -(-num_tokens // self.world)
+        if share == 0:
+            return y.new_zeros(0, y.shape[1])
+        sums = self._share_sums(y, dispatched)
+        if sums.shape[0] < share:  # the last ranks' shorter shares: every rank gathers as many rows
+            sums = torch.cat([sums, sums.new_zeros(share - sums.shape[0], sums.shape[1])])
+        return gather_stacked(self.dist_state, sums).view(self.world * share, y.shape[1])[:num_tokens]
+
+    def _share_sums(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        """[n >= rows of the share, H]: each of this rank's share of tokens' partial sums, as returned by each rank,
+        summed in rank order (in fp32, rounded once; the same bits whatever the batch and whichever way the tokens
+        travelled)."""
+        back = (self._back_fixed if dispatched.route[0] == "fixed" else self._back_counted)(y, dispatched)
+        return sum_in_order(back, torch.empty(back.shape[1:], dtype=back.dtype, device=back.device))
 
     def _share(self, num_tokens: int) -> tuple[int, int]:
         """(first row, rows) of this rank's share of the tokens (c = ceil(T / ranks) rows, fewer at the end)."""
@@ -87,24 +112,14 @@ class AllToAllDispatcher(Dispatcher):
         even = [share] * self.world
         got_x = all_to_all(self.dist_state, x[tokens].repeat(self.world, 1), even, even)
         got_meta = all_to_all(self.dist_state, meta, even, even)
-        return self._received(got_x, got_meta, k, lora, ("fixed", num_tokens, share))
+        return self._received(got_x, got_meta, k, lora, ("fixed", share, num_tokens))
 
-    def _combine_fixed(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
-        _, num_tokens, share = dispatched.route
+    def _back_fixed(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        """[ranks, c, H]: each token's partial sum from every rank, in rank order (a rank with none of its experts
+        sends zeros)."""
+        _, share, _ = dispatched.route
         even = [share] * self.world
-        # each token's partial sum from every rank, in rank order (a rank with none of its experts sends zeros)
-        back = all_to_all(self.dist_state, y, even, even).view(self.world, share, y.shape[1])
-        return self._into_rows(back, *self._share(num_tokens), num_tokens)
-
-    @staticmethod
-    def _into_rows(back: torch.Tensor, first: int, rows: int, num_tokens: int) -> torch.Tensor:
-        """back [ranks, n >= rows, H]: this rank's share of tokens' partial sums as returned by each rank ->
-        [num_tokens, H], the share's rows their sums in rank order (in fp32, rounded once; the same bits whatever
-        the batch and whichever way the tokens travelled), zeros elsewhere."""
-        tokens = sum_in_order(back, torch.empty(back.shape[1:], dtype=back.dtype, device=back.device))
-        out = torch.zeros(num_tokens, back.shape[2], dtype=back.dtype, device=back.device)
-        out[first:first + rows] = tokens[:rows]
-        return out
+        return all_to_all(self.dist_state, y, even, even).view(self.world, share, y.shape[1])
 
     def _dispatch_counted(self, x: torch.Tensor, topk: TopKOutput, lora: LoRABatch | None) -> Dispatched:
         num_tokens, k = topk.ids.shape
@@ -122,12 +137,13 @@ class AllToAllDispatcher(Dispatcher):
         got_meta = all_to_all(self.dist_state, meta, send, recv)
         return self._received(got_x, got_meta, k, lora, ("counted", dest, token, send, recv, num_tokens))
 
-    def _combine_counted(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+    def _back_counted(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        """[ranks, rows, H]: each token's partial sum from every rank, in rank order (zeros from a rank that got none
+        of its experts)."""
         _, dest, token, send, recv, num_tokens = dispatched.route
-        first, rows = self._share(num_tokens)
-        back = y.new_zeros(self.world, rows, y.shape[1])  # a rank that got none of a token's experts adds zeros
+        back = y.new_zeros(self.world, self._share(num_tokens)[1], y.shape[1])
         back[dest, token] = all_to_all(self.dist_state, y, recv, send)
-        return self._into_rows(back, first, rows, num_tokens)
+        return back
 
 
 def _slots(lora: LoRABatch | None, tokens: torch.Tensor) -> torch.Tensor:

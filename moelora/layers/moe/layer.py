@@ -2,7 +2,7 @@
 
     TopK (router + expert selection) -> Dispatcher (the pairs this rank's experts run)
       -> Runner (grouped expert GEMMs with per-expert LoRA, weighted top-k sum) -> Combine (shared experts,
-      the ranks' partial sums reduced)
+      the ranks' partial sums reduced; without shared experts, the all-to-all dispatch's gather instead)
 
 Under expert parallelism (the current `moelora.distributed` state) the rank holds its group's share of the
 experts, and of each its share of the intermediate dimension; the router is replicated, so every rank
@@ -41,8 +41,13 @@ class MoE(nn.Module):
                            else Dispatcher(num_experts, experts.start, size_of(experts)))
         self.experts = Runner(hidden_size, intermediate_size, num_experts, layer_id, backend, experts, inter)
         self.combine = Combine(hidden_size, layer_id, shared_experts, shared_expert_gate)
+        # the all-to-all brings every token's sum to every rank itself, when no shared experts' partial sums need
+        # Combine's all-reduce
+        self.gathers = isinstance(self.dispatcher, AllToAllDispatcher) and shared_experts is None
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         dispatched = self.dispatcher.dispatch(x, self.gate(x, lora), lora)
-        routed = self.dispatcher.combine(self.experts(dispatched.x, dispatched.topk, dispatched.lora), dispatched)
-        return self.combine(x, routed, lora)
+        y = self.experts(dispatched.x, dispatched.topk, dispatched.lora)
+        if self.gathers:
+            return self.dispatcher.gather(y, dispatched)
+        return self.combine(x, self.dispatcher.combine(y, dispatched), lora)
