@@ -99,9 +99,9 @@ def _dispatch_both_once(num_tokens: int) -> tuple[torch.Tensor, ...]:
     return (*outs, *gathered)
 
 
-def _host_reads(token_counts: list[int]) -> list[tuple[str, int, bool]]:
+def _host_reads(token_counts: list[int], dtype: torch.dtype) -> list[tuple[str, int, bool]]:
     """(way, host reads through comm.host_values, output equal to the all-reduce Dispatcher's) of dispatch() on each
-    count of tokens, with the stand-in experts."""
+    count of tokens, with the stand-in experts, hidden states in dtype (the int32 meta rows travel as its columns)."""
     state = get_parallel()
     dispatcher = AllToAllDispatcher(EXPERTS, state)
     by_all_reduce = Dispatcher(EXPERTS, dispatcher.first_local, dispatcher.num_local)
@@ -113,8 +113,9 @@ def _host_reads(token_counts: list[int]) -> list[tuple[str, int, bool]]:
         for num_tokens in token_counts:
             reads.clear()
             x, topk, lora = _inputs(num_tokens)
+            x = x.to(dtype)
             sent = dispatcher.dispatch(x, topk, lora)
-            got = comm.all_reduce(state, dispatcher.combine(_stand_in(sent, dispatcher, state.moe_tp_size), sent))
+            got = dispatcher.gather(_stand_in(sent, dispatcher, state.moe_tp_size), sent)
             local = by_all_reduce.dispatch(x, topk, lora)
             want = all_reduce(state, _stand_in(local, by_all_reduce, state.moe_tp_size))
             out.append((sent.route[0], len(reads), torch.equal(got, want)))
@@ -123,12 +124,13 @@ def _host_reads(token_counts: list[int]) -> list[tuple[str, int, bool]]:
         all_to_all_module.host_values = original
 
 
-def test_steps_past_the_fixed_capacity_go_by_counts_read_with_a_deadline():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_steps_past_the_fixed_capacity_go_by_counts_read_with_a_deadline(dtype):
     """dispatch() takes the counted way past FIXED_MAX_TOKENS, and its one host read of the counts goes through
     comm.host_values (a peer that died makes it raise after dist_timeout instead of waiting for good); the fixed way
-    reads nothing on the host."""
+    reads nothing on the host. Either way, in bf16 too, the all-reduce Dispatcher's bits."""
     counts = [FIXED_MAX_TOKENS, FIXED_MAX_TOKENS + 45]
-    for rank, results in enumerate(run_ranks(2, _host_reads, counts, ep_size=2, moe_dispatch="all_to_all")):
+    for rank, results in enumerate(run_ranks(2, _host_reads, counts, dtype, ep_size=2, moe_dispatch="all_to_all")):
         assert results == [("fixed", 0, True), ("counted", 1, True)], f"rank {rank}: {results}"
 
 

@@ -3,7 +3,8 @@
 The hidden states are replicated over the ranks (attention is tensor-parallel), so each rank takes its share
 of the tokens (rank r: rows [r * c, (r + 1) * c), c = ceil(T / ranks)) and sends each token once to each rank
 that holds one of its experts (all the ranks of that expert's group: they split its intermediate dimension), with
-its adapter slot, its k routing weights and its k expert ids as that rank's (-1: not there), as DeepEP does. A
+its adapter slot, its k routing weights and its k expert ids as that rank's (-1: not there), as DeepEP does (in the
+same all-to-all as the hidden states, their bits as extra columns). A
 token thus travels to at most every rank, not once for each of its k experts. A rank runs what it receives as the
 all-reduce Dispatcher's Runner does (its experts' pairs of each token summed in top-k order, the others skipped),
 sends each token's partial sum back in the same order, and each sender sums its tokens' partial sums in rank order
@@ -94,6 +95,14 @@ class AllToAllDispatcher(Dispatcher):
         return torch.cat([ids, slots[:, None].to(torch.int32).expand(*lead, 1),
                           weights.contiguous().view(torch.int32).expand(*lead, k)], dim=-1)
 
+    def _exchange(self, x: torch.Tensor, meta: torch.Tensor, send: list[int], recv: list[int]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of hidden states and their meta rows to the ranks (all_to_all's counts), in one all-to-all: the meta's
+        int32 bits travel as x.dtype columns beside the hidden states, one collective's latency where two each paid
+        theirs (a decode step's MoE layer is a few of them)."""
+        got = all_to_all(self.dist_state, torch.cat([x, meta.view(x.dtype)], dim=1), send, recv)
+        return got[:, :x.shape[1]].contiguous(), got[:, x.shape[1]:].contiguous().view(torch.int32)
+
     @staticmethod
     def _received(got_x: torch.Tensor, got_meta: torch.Tensor, k: int, lora: LoRABatch | None, route) -> Dispatched:
         routed = TopKOutput(got_meta[:, k + 1:].contiguous().view(torch.float32), got_meta[:, :k].contiguous())
@@ -110,8 +119,7 @@ class AllToAllDispatcher(Dispatcher):
         ids = self._ids_on_ranks(topk.ids[tokens]).masked_fill((rows >= mine)[None, :, None], -1)
         meta = self._meta(ids, _slots(lora, tokens), topk.weights[tokens]).reshape(self.world * share, 2 * k + 1)
         even = [share] * self.world
-        got_x = all_to_all(self.dist_state, x[tokens].repeat(self.world, 1), even, even)
-        got_meta = all_to_all(self.dist_state, meta, even, even)
+        got_x, got_meta = self._exchange(x[tokens].repeat(self.world, 1), meta, even, even)
         return self._received(got_x, got_meta, k, lora, ("fixed", share, num_tokens))
 
     def _back_fixed(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
@@ -133,8 +141,7 @@ class AllToAllDispatcher(Dispatcher):
         dest, token = needs.nonzero(as_tuple=True)  # by rank, then token: the order of the rows sent
         tokens = token + first
         meta = self._meta(ids[dest, token], _slots(lora, tokens), topk.weights[tokens])
-        got_x = all_to_all(self.dist_state, x[tokens], send, recv)
-        got_meta = all_to_all(self.dist_state, meta, send, recv)
+        got_x, got_meta = self._exchange(x[tokens], meta, send, recv)
         return self._received(got_x, got_meta, k, lora, ("counted", dest, token, send, recv, num_tokens))
 
     def _back_counted(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
