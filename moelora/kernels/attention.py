@@ -112,7 +112,10 @@ def _load_q(q_ptr, rows_ok, DK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DPE: 
     return q, q_pe
 
 
-@triton.jit
+# the per-sequence arrays are read a scalar at a time, and a mixed step passes them from its first prompt row on
+# (ForwardBatch.extend_rows): specialised on 16-byte alignment, the number of decode rows before it would pick the
+# compiled variant, one the start's warm-up (no decode rows) never compiled
+@triton.jit(do_not_specialize_on_alignment=["req_pool_ptr", "seq_lens_ptr", "extend_lens_ptr", "extend_starts_ptr"])
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, req_to_token_ptr, req_pool_ptr, seq_lens_ptr, extend_lens_ptr, extend_starts_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_req, qk_scale, group,

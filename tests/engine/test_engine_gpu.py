@@ -114,13 +114,25 @@ def test_a_started_engine_compiles_nothing_while_serving(make_engine, adapters, 
     """The start's warm-up steps and graph captures compile every kernel variant a step can pick (the tiles follow
     the token counts in classes, the counts themselves are not specialised: kernels/__init__.py), so no request
     stalls the running ones for a compile: prompts of many lengths, the base model and adapters of each rank bound
-    mixed, decode batches inside and past the graphs' sizes, and prompt pieces beside decode rows."""
+    mixed, decode batches inside and past the graphs' sizes, and prompt pieces beside decode rows (mixed steps, after
+    any number of decode rows)."""
     engine = make_engine(FAMILY, device="cuda", dtype="bfloat16", cuda_graph_max_bs=8, max_total_tokens=4096,
-                         max_lora_rank=32, max_loras_per_batch=3, chunked_prefill_size=256,
+                         max_lora_rank=32, max_loras_per_batch=3, chunked_prefill_size=256, enable_mixed_chunk=True,
                          lora_paths={**{n: str(a.path) for n, a in adapters(FAMILY).items()}, "wide": wide_adapter})
     compiled = record_compiles(monkeypatch)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     for bs, length in ((1, 1), (3, 7), (5, 33), (12, 20), (2, 300), (9, 100)):
         batch = [[(7 * i + 3 * j) % 90 + 3 for j in range(length + i)] for i in range(bs)]
         engine.generate(batch, params, lora=[LORAS[i % 4] for i in range(bs)])
+    # newcomers while 1, 2, 3 requests decode: their prompts join those decode rows' steps
+    for running in (1, 2, 3):
+        for i in range(running):
+            engine.add_request(prompts(1)[0], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                               lora=LORAS[i])
+        engine.step()
+        engine.step()  # the running requests decode
+        engine.add_request([5 + running] * 40, params, lora="wide")
+        while engine.has_unfinished():
+            engine.step()
+    assert engine.step_stats.mixed_steps > 0
     assert compiled == [], f"compiled while serving: {compiled}"
