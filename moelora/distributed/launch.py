@@ -12,6 +12,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import queue
+import random
 import socket
 import threading
 import time
@@ -19,27 +20,44 @@ import traceback
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from multiprocessing.queues import Queue
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 
 def free_port() -> int:
-    """A loopback port free now (for a server of another process; not for a world's rendezvous, see below)."""
+    """A loopback port free now, for a server another process listens on later (a world's own rendezvous holds its
+    port instead: `rendezvous_store`). Below the system's ephemeral ports where there is room (Linux:
+    ip_local_port_range), so that a client calling it before it listens is never handed it as its own local port
+    (TCP connects such a socket to itself, and the port is lost to the server)."""
+    low = _ephemeral_ports_start()
+    for port in random.sample(range(low - 8192, low), 64) if low > 8192 + 1024 else []:
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def _ephemeral_ports_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: no room known below them
+        return 0
+
+
 def rendezvous_store(addr: str | None, timeout: float) -> tuple[dist.TCPStore, str]:
-    """The store a world's ranks meet at, listening from now until it is dropped, and its address (host:port): at
-    addr, or on a loopback port the system picks. Every rank, this process's too, joins it as a client
-    (`init_parallel` with "tcp://" and the address). The port is held before any rank starts: a port probed free,
-    then bound by rank 0 once the ranks had started, could meanwhile be taken by another process, or by a rank's own
-    connect to it (TCP connects a socket to itself when the system hands it, as its local port, the very port it
-    calls and nothing listens on yet), after which no rank could use it."""
+    """The store a world's ranks meet at, listening from now until it is dropped, and its address (host:port, an
+    IPv6 host in brackets): at addr, or on a loopback port the system picks. Every rank, this process's too, joins
+    it as a client (`init_parallel` with "tcp://" and the address). The port is held before any rank starts: a
+    port probed free, then bound by rank 0 once the ranks had started, could meanwhile be taken by another
+    process, or by a rank's own connect to it (TCP connects a socket to itself when the system hands it, as its
+    local port, the very port it calls and nothing listens on yet), after which no rank could use it."""
     host, port = addr.rsplit(":", 1) if addr else ("127.0.0.1", "0")
-    store = dist.TCPStore(host, int(port), is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    store = dist.TCPStore(host.strip("[]"), int(port), is_master=True, timeout=timedelta(seconds=timeout),
+                          wait_for_workers=False)
     return store, f"{host}:{store.port}"
 
 
@@ -177,6 +195,7 @@ def _store(addr: str, timeout: float) -> dist.TCPStore:
     """A client of the rendezvous store at addr (host:port, the init_method tcp:// address rank 0 listens on);
     OSError at once where nothing listens there (rank 0's world is gone), not after TCPStore's retries."""
     host, _, port = addr.rpartition(":")
+    host = host.strip("[]")  # an IPv6 address in brackets, as in a URL
     socket.create_connection((host, int(port)), timeout=timeout).close()
     return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
 

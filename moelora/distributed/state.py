@@ -100,7 +100,8 @@ def init_parallel(tp_size: int, ep_size: int = 1, rank: int | None = None, init_
     init_method = init_method or "env://"
     if init_method.startswith("tcp://"):
         host, _, port = init_method.removeprefix("tcp://").rpartition(":")
-        kwargs["store"] = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
+        kwargs["store"] = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
+                                        timeout=timedelta(seconds=timeout))
     else:
         kwargs["init_method"] = init_method
     try:

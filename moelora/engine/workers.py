@@ -136,8 +136,8 @@ class _NodeRanks:
 
     def describe(self, wait: float = 2.0) -> str:
         local = self.local.describe(wait) if self.local.procs else ""
-        # the rendezvous store lives in the world of this process: none, none reported (joining it failed)
-        reported = reported_failures(self.addr, self.remote, wait) if torch.distributed.is_initialized() else {}
+        # through the rendezvous store, which Workers holds from before the ranks start (gone: none reported)
+        reported = reported_failures(self.addr, self.remote, wait)
         remote = "\n".join(f"rank {r} {fate} (on another node: its node's output says why)"
                            for r, fate in reported.items())
         return "\n".join(filter(None, [local, remote or f"{name_ranks(self.remote)} of the other nodes: none "
@@ -174,6 +174,7 @@ class Workers:
                 self.state = join_world(config, 0, init_method)
         except BaseException:  # an interrupt too (the guard stopped them on an error)
             self.ranks.stop(timeout=0)
+            self.rendezvous = None  # its port free at once, not once the traceback is dropped
             raise
 
     @contextlib.contextmanager

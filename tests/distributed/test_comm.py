@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moelora.distributed import comm
+from moelora.distributed import launch
 from moelora.distributed.launch import LocalRanks, free_port, rendezvous_store
 from moelora.distributed.sharding import even_shard, kv_head_shard
 from moelora.distributed.state import ParallelState, get_parallel, parallel_state
@@ -102,6 +103,30 @@ def test_the_rendezvous_store_listens_from_its_start_to_its_drop():
     del store
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection((host, int(port)), timeout=5)
+
+
+def test_a_rendezvous_at_a_bracketed_ipv6_address():
+    """dist_init_addr "[::1]:port", as in a URL: the store listens there and a rank reaches it."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+            port = s.getsockname()[1]
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    store, addr = rendezvous_store(f"[::1]:{port}", 5)
+    assert addr == f"[::1]:{port}"
+    client = launch._store(addr, 5)
+    client.set("key", "value")
+    assert store.get("key") == b"value"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/sys/net/ipv4/ip_local_port_range"), reason="Linux only")
+def test_free_ports_lie_below_the_ephemeral_ones():
+    """So that no client calling a server before it listens is handed the server's port as its own local one."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    ports = [free_port() for _ in range(20)]
+    assert all(1024 <= p < low for p in ports) or low <= 8192 + 1024, ports
 
 
 def test_the_control_barrier_gives_up_after_its_timeout():
