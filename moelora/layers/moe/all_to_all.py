@@ -100,8 +100,11 @@ class AllToAllDispatcher(Dispatcher):
         """Rows of hidden states and their meta rows to the ranks (all_to_all's counts), in one all-to-all: the meta's
         int32 bits travel as x.dtype columns beside the hidden states, one collective's latency where two each paid
         theirs (a decode step's MoE layer is a few of them)."""
+        cols = meta.shape[1]
+        # whole 16-byte units of meta (with the hidden states' own, rows NCCL copies on its aligned path)
+        meta = torch.nn.functional.pad(meta, (0, -cols % 4))
         got = all_to_all(self.dist_state, torch.cat([x, meta.view(x.dtype)], dim=1), send, recv)
-        return got[:, :x.shape[1]].contiguous(), got[:, x.shape[1]:].contiguous().view(torch.int32)
+        return got[:, :x.shape[1]].contiguous(), got[:, x.shape[1]:].contiguous().view(torch.int32)[:, :cols]
 
     @staticmethod
     def _received(got_x: torch.Tensor, got_meta: torch.Tensor, k: int, lora: LoRABatch | None, route) -> Dispatched:
