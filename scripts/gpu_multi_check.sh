@@ -14,8 +14,10 @@
 # BENCH_TIMEOUT per benchmark stage (default 270 s). Measured on 2 H200s (RESULTS.md, session 25): the tests stage took
 # 409 s with only the 2-GPU cases (each 4-GPU case adds a multi-rank engine start, 40-75 s); a 30B layout started in
 # 27 s on a warm Triton cache and 200-240 s on a cold one (each tp x ep compiles kernel variants of its own shapes),
-# then measured in about 100 s. So on 4 GPUs give each stage one or two layouts, and TESTS_K a pytest -k expression
-# (e.g. "tp4 or another_device") to split the tests stage over calls.
+# then measured in about 100 s. On 4 H200s (session 26): the engine tests of tp4 and the all-to-all, 13 cases, 410 s;
+# the sum kernel's and the collectives' cases over 540 s on a cold Triton cache; a cold 30B start at 4x4 over 340 s.
+# So on 4 GPUs give each stage one or two layouts, and TESTS_K a pytest -k expression (e.g. "tp4 or another_device")
+# to split the tests stage over calls.
 # usage: STAGES=tests bash scripts/gpu_multi_check.sh
 #        STAGES=tests TESTS_K="tp4 or collectives or another_device" bash scripts/gpu_multi_check.sh
 #        STAGES=qwen3 LAYOUTS=1x1,2x2,4x4 BENCH_TIMEOUT=560 bash scripts/gpu_multi_check.sh
@@ -35,10 +37,11 @@ status=0  # the last failed stage's exit status, the script's
 for stage in ${STAGES//,/ }; do
   case $stage in
     tests)
-      # one process: each multi-rank engine takes GPUs 0..tp-1, and a test's engines start one after another
+      # one process: each multi-rank engine takes GPUs 0..tp-1, and a test's engines start one after another. The
+      # engine tests first: on a cold Triton cache the sum kernel's ~180 cases compile for minutes (session 26)
       timeout -k 10 ${TEST_TIMEOUT:-540} python3 -m pytest -v -rf --durations=15 --maxfail=20 -p no:cacheprovider \
-        $(pytest_flags 0) ${TESTS_K:+-k "$TESTS_K"} tests/kernels/test_sum_in_order.py tests/layers/test_collectives.py \
-        tests/distributed/test_engine_tp_gpu.py tests/distributed/test_memory.py \
+        $(pytest_flags 0) ${TESTS_K:+-k "$TESTS_K"} tests/distributed/test_engine_tp_gpu.py tests/distributed/test_memory.py \
+        tests/layers/test_collectives.py tests/kernels/test_sum_in_order.py \
         > "$OUT/pytest.log" 2>&1 || status=$?
       grep -hE "PASSED|FAILED|ERROR|SKIPPED|Timeout|passed|failed|s call " "$OUT/pytest.log" | tail -40 ;;
     qwen3)
