@@ -55,10 +55,15 @@ def rendezvous_store(addr: str | None, timeout: float) -> tuple[dist.TCPStore, s
     port probed free, then bound by rank 0 once the ranks had started, could meanwhile be taken by another
     process, or by a rank's own connect to it (TCP connects a socket to itself when the system hands it, as its
     local port, the very port it calls and nothing listens on yet), after which no rank could use it."""
-    host, port = addr.rsplit(":", 1) if addr else ("127.0.0.1", "0")
-    store = dist.TCPStore(host.strip("[]"), int(port), is_master=True, timeout=timedelta(seconds=timeout),
-                          wait_for_workers=False)
-    return store, f"{host}:{store.port}"
+    host, port = host_port(addr or "127.0.0.1:0")
+    store = dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    return store, f"{addr.rpartition(':')[0] if addr else host}:{store.port}"
+
+
+def host_port(addr: str) -> tuple[str, int]:
+    """"host:port" -> (host, port), an IPv6 host given in brackets (as in a URL) without them, as sockets take it."""
+    host, _, port = addr.rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 # a rank's imports (torch, Triton, transformers) take tens of seconds on a busy machine: starting one is given
@@ -194,10 +199,9 @@ def _failure_key(rank: int) -> str:
 def _store(addr: str, timeout: float) -> dist.TCPStore:
     """A client of the rendezvous store at addr (host:port, the init_method tcp:// address rank 0 listens on);
     OSError at once where nothing listens there (rank 0's world is gone), not after TCPStore's retries."""
-    host, _, port = addr.rpartition(":")
-    host = host.strip("[]")  # an IPv6 address in brackets, as in a URL
-    socket.create_connection((host, int(port)), timeout=timeout).close()
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    host, port = host_port(addr)
+    socket.create_connection((host, port), timeout=timeout).close()
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
 
 
 def report_failures(addr: str, fates: dict[int, str], timeout: float = 5.0) -> None:

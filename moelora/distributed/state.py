@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from moelora.distributed.launch import host_port
+
 DISPATCH_MODES = ("all_reduce", "all_to_all")
 # the control group waits for the next command however idle the engine is; its other waits are bounded each
 CONTROL_TIMEOUT = timedelta(days=365)
@@ -99,9 +101,8 @@ def init_parallel(tp_size: int, ep_size: int = 1, rank: int | None = None, init_
         torch.cuda.set_device(device)  # Triton launches on the current device, NCCL binds to it
     init_method = init_method or "env://"
     if init_method.startswith("tcp://"):
-        host, _, port = init_method.removeprefix("tcp://").rpartition(":")
-        kwargs["store"] = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
-                                        timeout=timedelta(seconds=timeout))
+        host, port = host_port(init_method.removeprefix("tcp://"))
+        kwargs["store"] = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
     else:
         kwargs["init_method"] = init_method
     try:
