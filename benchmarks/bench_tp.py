@@ -75,7 +75,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
         ours = Ours(model_dir, adapters, device, dtype, max(map(int, args.batch_sizes.split(","))), tp_size=tp,
                     ep_size=ep, moe_dispatch=args.dispatch, skip_server_warmup=True)
         print(f"| {tp} | {ep} | start | | | | {time.perf_counter() - t0:.1f} | | |", flush=True)
-        starts[tp, ep] = ours.engine.runner.start_seconds
+        starts[tp, ep] = ours.engine.start_seconds
         try:
             for w in workloads(args):
                 r = run(ours.generate, w, config.vocab_size, device, ours)

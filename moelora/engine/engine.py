@@ -78,7 +78,10 @@ class Engine:
         if not serves_engine(self.config):  # torchrun's rank r > 0, or node k > 0: it serves rank 0's engine
             follow(self.config, serve_rank)
             raise SystemExit(0)  # rank 0 shut down: this process is done
+        t0 = time.perf_counter()
         self.workers = Workers(self.config, serve_rank) if self.config.tp_size > 1 else None
+        # seconds of each phase of the start (summary's last line): rank 0's, and its waits for the others
+        self.start_seconds = {} if self.workers is None else {"ranks started": time.perf_counter() - t0}
         try:
             self._start()
         except BaseException:
@@ -96,7 +99,11 @@ class Engine:
             with self.workers.guard("loading the model"):
                 with parallel_state(self.workers.state):
                     self.runner = ModelRunner(node_config(self.config, 0), self.workers)
+                t0 = time.perf_counter()
                 self.workers.barrier()  # every rank loaded (serve_rank's barrier), or an error naming one
+        self.start_seconds.update(self.runner.start_seconds)
+        if self.workers is not None:
+            self.start_seconds["the other ranks' starts waited for"] = time.perf_counter() - t0
         # None for a model directory without tokenizer files: token ids in and out, no text
         self.tokenizer, self.missing_tokenizer = load_tokenizer(self.config)
         self.eos_token_ids = _eos_token_ids(self.config.model_path, self.tokenizer)
@@ -319,7 +326,7 @@ class Engine:
                 *([f"parallel: {config.tp_size} ranks, tensor parallel with the experts over {config.ep_size} groups "
                    f"({config.moe_dispatch} dispatch); per rank: weights {_size(runner.weight_bytes())}, "
                    "KV cache and LoRA slots as above"] if config.tp_size > 1 else []),
-                "start: " + ", ".join(f"{phase} in {seconds:.1f} s" for phase, seconds in runner.start_seconds.items())]
+                "start: " + ", ".join(f"{phase} in {seconds:.1f} s" for phase, seconds in self.start_seconds.items())]
 
     def accounting_error(self) -> str | None:
         """What does not add up between the KV cache pool and the requests holding it (None: all well)."""

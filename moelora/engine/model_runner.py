@@ -98,12 +98,16 @@ class ModelRunner:
             self.model = load_model(config.model_path, self.dtype, self.device, config.load_format,
                                     config.random_seed, model_config)
         # slots first: the KV cache gets what memory is left
-        self.lora = LoRAManager(config, self.model, record_events=self.workers is not None)
+        loaded = len(config.lora_paths)
+        with self._start_phase(f"LoRA slots allocated, {loaded} adapter{'s' * (loaded != 1)} loaded"):
+            self.lora = LoRAManager(config, self.model, record_events=self.workers is not None)
         context = config.context_length or model_config.max_position_embeddings
         shape = self.model.kv_cache_shape
         tokens = self._kv_tokens(shape.bytes_per_token(self.dtype), context)
         # every rank's cache alike: rank 0 schedules for all
-        tokens = min_over_ranks(self.dist_state, tokens, config.dist_timeout)
+        if self.dist_state.tp_size > 1:
+            with self._start_phase("the other ranks' loads waited for"):
+                tokens = min_over_ranks(self.dist_state, tokens, config.dist_timeout)
         # a request alone always fits, with a slot to spare for the scheduler's decode reserve
         self.context_len = min(context, tokens - 1)
         self.kv = KVCache(shape.num_layers, tokens + 1, shape.num_kv_heads, shape.k_head_dim, shape.v_head_dim,

@@ -69,6 +69,10 @@ def _assert_memory_per_rank(many: Engine, one: Engine, model_path) -> None:
     kv = [line for line in lines if line.startswith(f"KV cache: {tokens} tokens")]
     slots = [line for line in lines if line.startswith(f"LoRA: {config.max_loras_per_batch} GPU slots ")]
     assert len(parallel) == len(kv) == len(slots) == 1, lines
+    # the start's phases over several ranks: rank 0's, between its waits for the others
+    phases = list(many.start_seconds)
+    assert phases[0] == "ranks started" and phases[-1] == "the other ranks' starts waited for", phases
+    assert "the other ranks' loads waited for" in phases and lines[-1].startswith("start: ranks started in "), lines
     for rank in range(config.tp_size):
         held = rank_memory(ModelConfig.from_pretrained(model_path), ParallelState(rank, config.tp_size, config.ep_size),
                            torch.float32, config.max_loras_per_batch, max_rank, slotted)

@@ -311,8 +311,11 @@ def test_the_summary_says_how_long_the_start_took(make_engine):
     """What an operator reads once a server started (its last summary line): each phase of the start timed; on a GPU
     also the warm-up steps and graph captures, most of a cold start."""
     engine = make_engine(FAMILY)
-    assert list(engine.runner.start_seconds) == ["model loaded"]  # no warm-up steps or graphs on the CPU
-    assert engine.summary()[-1] == f"start: model loaded in {engine.runner.start_seconds['model loaded']:.1f} s"
+    assert len(engine.config.lora_paths) == 2
+    seconds, loras = engine.start_seconds, "LoRA slots allocated, 2 adapters loaded"
+    assert list(seconds) == ["model loaded", loras]  # no warm-up steps or graphs on the CPU
+    assert engine.summary()[-1] == (f"start: model loaded in {seconds['model loaded']:.1f} s, "
+                                    f"{loras} in {seconds[loras]:.1f} s")
     engine.shutdown()
 
 
