@@ -51,7 +51,7 @@ def main() -> None:
 
 
 def bench(args: argparse.Namespace, workdir: Path) -> None:
-    device, dtype, name, _, _ = machine()
+    device, dtype, name, matmul, bandwidth = machine()
     config = qwen3_30b_a3b_config(tiny=True) if args.tiny else \
         qwen3_30b_a3b_config() if args.model == "qwen3-30b-a3b" else deepseek_v3_config(args.layers)
     model_dir = write_dummy_checkpoint(config, workdir / "model")
@@ -61,7 +61,10 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
     gpus = torch.cuda.device_count() if device == "cuda" else None
     model = "tiny Qwen3-MoE" if args.tiny else args.model + (f" ({args.layers} layers)" if args.model == "deepseek-v3" else "")
     print(f"# moelora scaling benchmark, {name} x {gpus or 'CPU processes'}, {datetime.date.today()}, torch "
-          f"{torch.__version__}, {dtype}; {model}, dummy weights; adapters rank {RANK}; {args.dispatch} dispatch\n")
+          f"{torch.__version__}, {dtype}; {model}, dummy weights; adapters rank {RANK}; {args.dispatch} dispatch")
+    # machines of one kind differ (clocks, power caps): the first GPU's rates say what one rank ran at
+    print(f"measured on the first {device}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write), {dtype} matmul "
+          f"{matmul / 1e12:.0f} TFLOP/s\n")
     print("| tp | ep | phase | batch | adapters | tokens | s | tokens/s | ms/step |")
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     measured: dict[tuple, float] = {}  # (tp, ep, phase, batch, adapters) -> tokens/s
