@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import sys
 import tempfile
@@ -25,6 +26,8 @@ from bench_moe import machine
 from bench_serving import RANK, Ours, run, workloads
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests/support.py
+
+from profile_step import kernel_times
 
 from tests.support import deepseek_v3_config, qwen3_30b_a3b_config, write_dummy_checkpoint, write_random_peft_adapter
 
@@ -41,6 +44,9 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=None, help="decode prompts' length (default 128; tiny 16)")
     p.add_argument("--decode-tokens", type=int, default=None, help="tokens each request makes (default 16; tiny 4)")
     p.add_argument("--prefill", default=None, help="PxL: P prompts of L tokens (default 8x1024; tiny 8x32)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after each layout's runs, its LoRA-off prefill call profiled on rank 0: the N kernels that "
+                        "take the most time (collectives included)")
     args = p.parse_args()
     defaults = ("1,8", 16, 4, "8x32") if args.tiny else ("1,32,128", 128, 16, "8x1024")
     for name, value in zip(("batch_sizes", "prompt_len", "decode_tokens", "prefill"), defaults):
@@ -68,6 +74,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
     print("| tp | ep | phase | batch | adapters | tokens | s | tokens/s | ms/step |")
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     measured: dict[tuple, float] = {}  # (tp, ep, phase, batch, adapters) -> tokens/s
+    profiles: dict[tuple[int, int], tuple[dict, dict]] = {}  # (tp, ep) -> kernel (count, us) of rank 0's prefill
     starts: dict[tuple[int, int], dict[str, float]] = {}  # (tp, ep) -> seconds of each phase of rank 0's start
     for tp, ep in layouts:
         if gpus is not None and tp > gpus:
@@ -85,6 +92,9 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
                 measured[tp, ep, w.phase, w.batch, w.adapters] = r.tokens / r.seconds
                 print(f"| {tp} | {ep} | {w.phase} | {w.batch} | {w.adapters} | {r.tokens} | {r.seconds:.3f} "
                       f"| {r.tokens / r.seconds:.0f} | {1e3 * r.seconds / r.steps:.2f} |", flush=True)
+                if args.profile and w.phase == "prefill" and w.adapters == 0:  # its kernels are compiled by now
+                    prompts, names = w.prompts(config.vocab_size), w.names()
+                    profiles[tp, ep] = kernel_times(functools.partial(ours.generate, prompts, names, 1), device)
         finally:
             ours.engine.shutdown()
         del ours
@@ -92,6 +102,8 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
             gc.collect()  # reference cycles would keep this layout's engine, and its GPU memory, for the next one
             torch.cuda.empty_cache()
     print_summary(measured)
+    if profiles:
+        print_profiles(profiles, args.profile)
     print("\nEngine starts, rank 0 (on a cold Triton cache mostly compiles):\n\n| tp | ep | phase | s |\n|---|---|---|---|")
     for (tp, ep), phases in starts.items():
         for phase, seconds in phases.items():
@@ -112,6 +124,22 @@ def print_summary(measured: dict[tuple, float]) -> None:
         print(f"| {tp} | {ep} | {phase} | {batch} | {f'{off:.0f}' if off else ''} | "
               f"{f'{off / one:.2f}' if off and one else ''} | "
               + " | ".join(f"{r / off:.2f}" if r and off else "" for r in ratios) + " |", flush=True)
+
+
+def print_profiles(profiles: dict[tuple[int, int], tuple[dict, dict]], top: int) -> None:
+    """Rank 0's device time of the LoRA-off prefill call per layout: in all and by kernel, the `top` kernels."""
+    layouts = list(profiles)
+    busiest = sorted({k for _, us in profiles.values() for k in sorted(us, key=us.get, reverse=True)[:top]},
+                     key=lambda k: -max(us.get(k, 0) for _, us in profiles.values()))
+    # a collective's kernel also holds its wait for the slowest rank; on the CPU the rows are nested aten ops
+    print("\nRank 0's LoRA-off prefill call, device ms (kernels) by kernel:\n")
+    print("| kernel | " + " | ".join(f"{tp}x{ep}" for tp, ep in layouts) + " |")
+    print("|---|" + "---|" * len(layouts))
+    print("| all | " + " | ".join(f"{sum(us.values()) / 1e3:.1f} ({sum(counts.values())})"
+                                  for counts, us in profiles.values()) + " |")
+    for k in busiest:
+        print(f"| {k} | " + " | ".join(f"{us.get(k, 0) / 1e3:.1f} ({counts.get(k, 0)})"
+                                       for counts, us in profiles.values()) + " |")
 
 
 if __name__ == "__main__":
