@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import gc
 import sys
 import tempfile
@@ -27,8 +26,7 @@ from bench_serving import RANK, Ours, run, workloads
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests/support.py
 
-from profile_step import kernel_times
-
+from moelora.engine.profiler import read_summary
 from tests.support import deepseek_v3_config, qwen3_30b_a3b_config, write_dummy_checkpoint, write_random_peft_adapter
 
 
@@ -45,8 +43,8 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=None, help="tokens each request makes (default 16; tiny 4)")
     p.add_argument("--prefill", default=None, help="PxL: P prompts of L tokens (default 8x1024; tiny 8x32)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="after each layout's runs, its LoRA-off prefill call profiled on rank 0: the N kernels that "
-                        "take the most time (collectives included)")
+                   help="after each layout's runs, its LoRA-off prefill call profiled on every rank "
+                        "(Engine.start_profile): the N kernels that take the most time, collectives included")
     args = p.parse_args()
     defaults = ("1,8", 16, 4, "8x32") if args.tiny else ("1,32,128", 128, 16, "8x1024")
     for name, value in zip(("batch_sizes", "prompt_len", "decode_tokens", "prefill"), defaults):
@@ -74,7 +72,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
     print("| tp | ep | phase | batch | adapters | tokens | s | tokens/s | ms/step |")
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     measured: dict[tuple, float] = {}  # (tp, ep, phase, batch, adapters) -> tokens/s
-    profiles: dict[tuple[int, int], tuple[dict, dict]] = {}  # (tp, ep) -> kernel (count, us) of rank 0's prefill
+    profiles: dict[tuple[int, int], list[dict]] = {}  # (tp, ep) -> each rank's {kernel: [launches, us]} of a prefill
     starts: dict[tuple[int, int], dict[str, float]] = {}  # (tp, ep) -> seconds of each phase of rank 0's start
     for tp, ep in layouts:
         if gpus is not None and tp > gpus:
@@ -94,7 +92,9 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
                       f"| {r.tokens / r.seconds:.0f} | {1e3 * r.seconds / r.steps:.2f} |", flush=True)
                 if args.profile and w.phase == "prefill" and w.adapters == 0:  # its kernels are compiled by now
                     prompts, names = w.prompts(config.vocab_size), w.names()
-                    profiles[tp, ep] = kernel_times(functools.partial(ours.generate, prompts, names, 1), device)
+                    ours.engine.start_profile(str(workdir / f"profile-{tp}x{ep}"))
+                    ours.generate(prompts, names, 1)
+                    profiles[tp, ep] = [read_summary(trace)["kernels"] for trace in ours.engine.stop_profile()]
         finally:
             ours.engine.shutdown()
         del ours
@@ -126,21 +126,20 @@ def print_summary(measured: dict[tuple, float]) -> None:
               + " | ".join(f"{r / off:.2f}" if r and off else "" for r in ratios) + " |", flush=True)
 
 
-def print_profiles(profiles: dict[tuple[int, int], tuple[dict, dict]], top: int) -> None:
-    """Rank 0's device time of the LoRA-off prefill call per layout: in all and by kernel, the `top` kernels."""
-    layouts = list(profiles)
-    busiest = sorted({k for _, us in profiles.values() for k in sorted(us, key=us.get, reverse=True)[:top]},
-                     key=lambda k: -max(us.get(k, 0) for _, us in profiles.values()))
-    # a collective's kernel also holds its wait for the slowest rank; on the CPU the rows are nested aten ops
-    print("\nRank 0's LoRA-off prefill call, device ms (kernels) by kernel:\n")
-    print("| kernel | " + " | ".join(f"{tp}x{ep}" for tp, ep in layouts) + " |")
-    print("|---|" + "---|" * len(layouts))
-    print("| all | " + " | ".join(f"{sum(us.values()) / 1e3:.1f} ({sum(counts.values())})"
-                                  for counts, us in profiles.values()) + " |")
-    for k in busiest:
-        print(f"| {k} | " + " | ".join(f"{us.get(k, 0) / 1e3:.1f} ({counts.get(k, 0)})"
-                                       for counts, us in profiles.values()) + " |")
-
+def print_profiles(profiles: dict[tuple[int, int], list[dict]], top: int) -> None:
+    """Each rank's device time of the LoRA-off prefill call, per layout: in all and by kernel, the `top` busiest of
+    any rank. A collective's kernel also holds its wait for the slowest rank; on the CPU the rows are host ops."""
+    for (tp, ep), ranks in profiles.items():
+        busiest = sorted({k for kernels in ranks for k in list(kernels)[:top]},
+                         key=lambda k: -max(kernels.get(k, [0, 0])[1] for kernels in ranks))
+        print(f"\nProfile of the LoRA-off prefill call at {tp}x{ep}, ms (launches) by kernel:\n")
+        print("| kernel | " + " | ".join(f"rank {r}" for r in range(len(ranks))) + " |")
+        print("|---|" + "---|" * len(ranks))
+        print("| all | " + " | ".join(f"{sum(us for _, us in kernels.values()) / 1e3:.1f} "
+                                      f"({sum(n for n, _ in kernels.values()):.0f})" for kernels in ranks) + " |")
+        for k in busiest:
+            cells = [kernels.get(k, [0, 0]) for kernels in ranks]
+            print(f"| {k[:70]} | " + " | ".join(f"{us / 1e3:.1f} ({n:.0f})" for n, us in cells) + " |")
 
 if __name__ == "__main__":
     main()

@@ -108,6 +108,10 @@ class EngineConfig:
                                              "prompt-step kernel variant: the start is faster, but the first request "
                                              "of each new size class stalls the running requests for the seconds of "
                                              "a compile (for tests and benchmarks that measure no latency)")
+    # vLLM's VLLM_TORCH_PROFILER_DIR, SGLang's SGLANG_TORCH_PROFILER_DIR
+    profile_dir: str | None = option(None, "directory of the torch.profiler traces of every rank that start_profile / "
+                                           "stop_profile write (a server has POST /start_profile and /stop_profile "
+                                           "only with it)")
 
     def __post_init__(self) -> None:
         if self.device is None:

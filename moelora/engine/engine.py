@@ -1,7 +1,7 @@
 """The offline engine: `generate` and `prompt_logprobs` on lists of prompts, adapters loaded and
-unloaded at runtime, and the step API an HTTP server drives from its own loop (`add_request`,
-`step`, `abort`, `has_unfinished`). Everything runs in the caller's thread, one step at a time
-(engine/stepper.py runs the steps: failures stay with their request; a device error, or a rank of several
+unloaded at runtime, every rank's torch.profiler traces (`start_profile`, `stop_profile`), and the step API an
+HTTP server drives from its own loop (`add_request`, `step`, `abort`, `has_unfinished`). Everything runs in the
+caller's thread, one step at a time (engine/stepper.py runs the steps: failures stay with their request; a device error, or a rank of several
 that died, raised or hangs (engine/workers.py), makes the engine unhealthy, `Engine.fatal`).
 
 With tp_size > 1 the engine starts the other ranks itself (ranks 1.., processes of this machine) and this
@@ -14,11 +14,14 @@ constructor and end their process when rank 0 shuts down.
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TypeVar
 
 import torch
 from transformers import GenerationConfig
@@ -29,6 +32,7 @@ from moelora.engine.detokenizer import IncrementalDetokenizer
 from moelora.engine.kv_pool import KVPool
 from moelora.engine.lora_manager import LoRAStats
 from moelora.engine.model_runner import ModelRunner, on_device, serve_rank
+from moelora.engine.profiler import profile_files
 from moelora.engine.request import Req
 from moelora.engine.sampler import pack_bitmask
 from moelora.engine.sampling_params import SamplingParams, check_text, generation_defaults
@@ -41,6 +45,8 @@ from moelora.engine.workers import WorkerFailure, Workers, follow, launched_rank
 from moelora.lora.canonical import Adapter
 
 Prompt = str | Sequence[int]
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 class PromptError(ValueError):
@@ -139,8 +145,44 @@ class Engine:
         self.runner.lora.unload_lora(name)
         self._sync_lora()
 
+    # ---------------------------------------------------------------------------- profiling
+
+    def start_profile(self, output_dir: str | None = None) -> None:
+        """Record what every rank runs (torch.profiler: host ops, and kernels on a GPU, those of CUDA graphs too) until
+        stop_profile, for a directory: output_dir, else EngineConfig.profile_dir. ValueError: neither, a directory
+        that cannot be made, or a profile running already."""
+        directory = output_dir or self.config.profile_dir
+        if directory is None:
+            raise ValueError("no directory for the profile: start the engine with profile_dir (--profile-dir), or "
+                             "pass output_dir")
+        if self.runner.profiler.active:
+            raise ValueError("a profile is running already: stop_profile ends it")
+        try:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"cannot make the profile directory {directory!r}: {e}") from e
+        if self.fatal is not None:
+            raise EngineDead(f"the engine cannot run any more: {self.fatal}")
+        stem = f"moelora-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        self._on_ranks(lambda: self.runner.start_profile(Path(directory), stem))
+
+    def stop_profile(self) -> list[Path]:
+        """End the profile once the steps in flight are done: every rank writes its trace and a summary of its time
+        by kernel (engine/profiler.py). Returns the traces of this node's ranks, in rank order; a rank's that is
+        missing (it could not write it) is logged. ValueError: no profile is running; OSError: rank 0 could not
+        write its files (every rank stops recording all the same)."""
+        if not self.runner.profiler.active:
+            raise ValueError("no profile is running: start_profile starts one")
+        trace = self._on_ranks(self.runner.stop_profile)
+        stem = trace.name.removesuffix("-rank0.trace.json.gz")
+        traces = [trace] + [profile_files(trace.parent, stem, r)[0] for r in node_ranks(self.config)[1:]]
+        for missing in [t for t in traces if not t.is_file()]:
+            logger.warning("no profile from %s (see that rank's log)", missing)
+        return [t for t in traces if t.is_file()]
+
     def shutdown(self) -> None:
         """Stop the other ranks (tp_size > 1); the engine runs no more steps. Nothing to do at one rank."""
+        self.runner.profiler.abandon()
         if self.workers is not None:
             with contextlib.suppress(WorkerFailure):  # a rank that hangs: the ranks are stopped, the world aborted
                 self.runner.release_graphs(wait=self.workers.failure is None)
@@ -391,8 +433,12 @@ class Engine:
                    grammar=grammar, allowed_tokens=allowed, arrival=time.perf_counter())
 
     def _sync_lora(self) -> None:
+        self._on_ranks(self.runner.sync_lora)
+
+    def _on_ranks(self, command: Callable[[], T]) -> T:
+        """command() (one the other ranks run too); a rank that failed in it makes the engine unhealthy."""
         try:
-            self.runner.sync_lora()
+            return command()
         except WorkerFailure as e:
             self.stepper.fatal = str(e)
             raise

@@ -7,6 +7,7 @@ scheduling it broadcasts the sampled tokens the next step's decode rows need, on
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from moelora.distributed.state import destroy_parallel, get_parallel, parallel_s
 from moelora.engine.config import CPU_KV_TOKENS, DTYPES, EngineConfig
 from moelora.engine.cuda_graph import CudaGraphs, PromptGraphs, RankBounds
 from moelora.engine.lora_manager import LoRAManager
+from moelora.engine.profiler import StepProfiler
 from moelora.engine.request import Req
 from moelora.engine.sampler import PenaltyState, SampleOutput, SamplingBatch, TokenMask, hold_back, sample
 from moelora.engine.scheduler import ScheduledBatch
@@ -28,6 +30,8 @@ from moelora.engine.workers import Workers, join_world, node_config, node_ranks
 from moelora.layers.moe.all_to_all import FIXED_MAX_TOKENS
 from moelora.models.config import ModelConfig
 from moelora.models.loader import load_model
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -131,6 +135,7 @@ class ModelRunner:
                                                       self.lora.expert_loras, self.lora.max_rank)
         self.vocab_size = self.model.config.vocab_size
         self.penalties = PenaltyState(config.max_running_requests, self.vocab_size, self.device)
+        self.profiler = StepProfiler(self.dist_state.rank, self.device)
 
     def wait_for(self, event: torch.cuda.Event) -> None:
         """The host waits for `event` (a step's device work); over several ranks at most dist_timeout
@@ -144,12 +149,17 @@ class ModelRunner:
         """Before leaving the world: wait for the device's work (wait_for, with its deadline over several ranks;
         not after a rank failed: its collectives may never end), then drop the CUDA graphs. NCCL cannot destroy a
         communicator whose collectives a live graph holds (it hangs: pytorch issue 115388). No step runs after."""
-        if wait and self.device.type == "cuda":
+        if wait:
+            self.wait_for_device()
+        self.graphs = self.prompt_graphs = None
+
+    def wait_for_device(self) -> None:
+        """The host waits for the device's work queued so far (wait_for: at most dist_timeout over several ranks)."""
+        if self.device.type == "cuda":
             with on_device(self.device):
                 done = torch.cuda.Event()
                 done.record()
             self.wait_for(done)
-        self.graphs = self.prompt_graphs = None
 
     @torch.inference_mode()
     def warm_up(self, max_tokens: int) -> None:
@@ -232,6 +242,27 @@ class ModelRunner:
     def weight_bytes(self) -> int:
         """The model's parameters on this rank."""
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def start_profile(self, directory: Path, stem: str) -> None:
+        """Every rank records from now on (engine/profiler.py), rank 0 last."""
+        if self.workers is not None:
+            with self.workers.guard("starting a profile"):
+                self.workers.send(("profile", self.lora.take_events(), ("start", str(directory), stem)))
+                self.workers.barrier()
+        self.profiler.start(directory, stem)
+
+    def stop_profile(self) -> Path:
+        """Every rank waits for its device's work, then writes its trace and summary (profile_files); returns once all
+        have, with rank 0's trace."""
+        self.wait_for_device()
+        try:
+            trace, _ = self.profiler.stop()
+        finally:  # rank 0's that cannot be written stops the others' too: none records on
+            if self.workers is not None:
+                with self.workers.guard("writing the profile"):
+                    self.workers.send(("profile", self.lora.take_events(), ("stop",)))
+                    self.workers.barrier()
+        return trace
 
     def sync_lora(self) -> None:
         """Make the other ranks' adapters what rank 0's are now (after load_lora / unload_lora)."""
@@ -332,10 +363,27 @@ def serve_rank(rank: int, config: EngineConfig, init_method: str) -> None:
         runner.lora.replay(args[0])
         if kind == "step":
             runner.execute(args[1])
-        else:
-            control_barrier(state, config.dist_timeout)  # rank 0's Workers.barrier
+            continue
+        if kind == "profile":
+            _profile_command(runner, *args[1])
+        control_barrier(state, config.dist_timeout)  # rank 0's Workers.barrier
+    runner.profiler.abandon()
     runner.release_graphs()
     destroy_parallel()
+
+
+def _profile_command(runner: ModelRunner, action: str, *where: str) -> None:
+    """A rank's part of start_profile / stop_profile. A profile that fails here (a directory this node cannot write)
+    is logged and left out: rank 0's stop_profile names the missing files, and the rank serves on."""
+    try:
+        if action == "start":
+            runner.profiler.start(Path(where[0]), where[1])
+        else:
+            runner.wait_for_device()
+            runner.profiler.stop()
+    except Exception:
+        logger.exception("rank %d could not %s its profile", runner.dist_state.rank, action)
+        runner.profiler.abandon()
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:

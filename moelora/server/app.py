@@ -174,6 +174,22 @@ class OpenAIServing:
             raise APIError(404, str(e), param="lora_name", code="model_not_found") from e
         return {"success": True, "message": f"Success: LoRA adapter '{body.lora_name}' removed successfully."}
 
+    async def start_profile(self) -> dict:
+        try:
+            await self.loop.run(self.loop.engine.start_profile)
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+        return {"success": True, "message": f"profiling into {self.loop.engine.config.profile_dir}"}
+
+    async def stop_profile(self) -> dict:
+        try:
+            traces = await self.loop.run(self.loop.engine.stop_profile)
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+        except OSError as e:  # the profile directory went away, or filled up
+            raise APIError(500, f"the profile could not be written: {e}", type="internal_server_error") from e
+        return {"success": True, "message": f"profile written: {len(traces)} traces", "traces": [str(t) for t in traces]}
+
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         prompts = body.prompts
         if not prompts:
@@ -508,6 +524,9 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
     for prefix in ("/v1", ""):
         app.post(f"{prefix}/load_lora_adapter", dependencies=guarded)(serving.load_lora_adapter)
         app.post(f"{prefix}/unload_lora_adapter", dependencies=guarded)(serving.unload_lora_adapter)
+    if engine.config.profile_dir is not None:  # as vLLM's, only where the operator named the traces' directory
+        app.post("/start_profile", dependencies=guarded)(serving.start_profile)
+        app.post("/stop_profile", dependencies=guarded)(serving.stop_profile)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:

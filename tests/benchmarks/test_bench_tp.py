@@ -15,18 +15,22 @@ def test_tiny_scaling_benchmark_runs_every_layout():
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     table, rest = run.stdout.split("| tp | ep | phase | batch | LoRA off tokens/s")
-    summary_table, rest = rest.split("Rank 0's LoRA-off prefill call")
-    profile_table, starts_table = rest.split("Engine starts")
-    rows, summary_rows, profile_rows, start_rows = (
-        [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
-         if line.startswith("| ") and "---" not in line]
-        for text in (table, summary_table, profile_table, starts_table))
-    # rank 0's prefill profiled at each layout: the time of all its kernels (CPU: aten ops), then the busiest 3 each
-    assert profile_rows[0] == ["kernel", "1x1", "2x2"] and profile_rows[1][0] == "all", profile_rows
-    assert 3 <= len(profile_rows) - 2 <= 6, profile_rows
-    for row in profile_rows[1:]:
-        assert all(float(cell.split(" (")[0]) >= 0 for cell in row[1:]), row
-    assert all(float(cell.split(" (")[0]) > 0 for cell in profile_rows[1][1:]), profile_rows[1]
+    summary_table, rest = rest.split("\nProfile of the LoRA-off prefill call at 1x1")
+    one_profile, rest = rest.split("\nProfile of the LoRA-off prefill call at 2x2")
+    two_profile, starts_table = rest.split("Engine starts")
+    rows, summary_rows, start_rows = ([[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
+                                       if line.startswith("| ") and "---" not in line]
+                                      for text in (table, summary_table, starts_table))
+    # each layout's prefill profiled on every rank (Engine.start_profile; CPU: host ops): all its time, then the
+    # busiest 3 of each rank
+    for text, ranks in ((one_profile, 1), (two_profile, 2)):
+        profile_rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
+                        if line.startswith("| ") and "---" not in line]
+        assert profile_rows[0] == ["kernel", *(f"rank {r}" for r in range(ranks))], profile_rows
+        assert profile_rows[1][0] == "all" and 3 <= len(profile_rows) - 2 <= 3 * ranks, profile_rows
+        assert all(float(cell.split(" (")[0]) > 0 for cell in profile_rows[1][1:]), profile_rows[1]
+        for row in profile_rows[2:]:
+            assert all(float(cell.split(" (")[0]) >= 0 for cell in row[1:]), row
     # each layout's start in phases (no graphs on the CPU); over several ranks, rank 0's waits for the others
     one_rank = ["model loaded", "LoRA slots allocated, 1 adapter loaded"]
     assert [r[2] for r in start_rows if r[:2] == ["1", "1"]] == one_rank

@@ -89,6 +89,22 @@ def test_load_and_unload_with_requests_in_flight(start_engine, adapters):
     assert many.lora_stats.slot_evictions == one.lora_stats.slot_evictions > 0
 
 
+def test_every_rank_writes_its_profile(start_engine, tmp_path):
+    """start_profile / stop_profile over two ranks: each rank's trace and summary of the steps between, rank 0's and
+    rank 1's (its own process) side by side, and the engine serving on."""
+    many, loras = start_engine("qwen3_moe", tp_size=2, ep_size=2), ["full", None, "partial", None]
+    want = [o.token_ids for o in many.generate(PROMPTS, GREEDY, lora=loras)]
+    many.start_profile(str(tmp_path))
+    assert [o.token_ids for o in many.generate(PROMPTS, GREEDY, lora=loras)] == want
+    traces = many.stop_profile()
+    assert [t.name.rsplit("-", 1)[1] for t in traces] == ["rank0.trace.json.gz", "rank1.trace.json.gz"]
+    assert len({t.name.rsplit("-", 1)[0] for t in traces}) == 1 and len(list(tmp_path.iterdir())) == 4
+    for trace in traces:
+        summary = json.loads(trace.with_name(trace.name.replace(".trace.json.gz", ".kernels.json")).read_text())
+        assert summary["device"] == "cpu" and any(name.startswith("aten::") for name in summary["kernels"]), trace
+    assert [o.token_ids for o in many.generate(PROMPTS, GREEDY, lora=loras)] == want
+
+
 def _wait_failed(engine: Engine, seconds: float) -> str:
     start = time.time()
     with pytest.raises(RequestFailed) as failed:
