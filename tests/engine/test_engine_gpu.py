@@ -2,13 +2,14 @@
 engine run eagerly, for batch sizes that are capture sizes, with adapters and the base model mixed, from the
 graph of each experts' rank bound (slots of rank 32: steps of rank <= 16 adapters and steps with a rank-20 one);
 a batch padded up to a captured size gives the same tokens. Overlap scheduling: launching a step
-never waits for the device."""
+never waits for the device. A started engine compiles nothing while serving; a profile sees the graphs' kernels."""
 import time
 
 import pytest
 import torch
 
 from moelora.engine.cuda_graph import RankBounds
+from moelora.engine.profiler import read_summary
 from moelora.engine.sampling_params import SamplingParams
 from tests.support import record_compiles
 
@@ -136,3 +137,21 @@ def test_a_started_engine_compiles_nothing_while_serving(make_engine, adapters, 
             engine.step()
     assert engine.step_stats.mixed_steps > 0
     assert compiled == [], f"compiled while serving: {compiled}"
+
+
+def test_a_profile_holds_the_kernels_of_graph_replays(engines, tmp_path):
+    """stop_profile's summary is device time by kernel, the decode steps' kernels included though they ran inside
+    CUDA graph replays, and the tokens are those of an unprofiled run."""
+    graphed, _ = engines
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in graphed.generate(prompts(4), params, lora=LORAS)]
+    graphed.start_profile(str(tmp_path))
+    assert [o.token_ids for o in graphed.generate(prompts(4), params, lora=LORAS)] == want
+    (trace,) = graphed.stop_profile()
+    summary = read_summary(trace)
+    assert summary["device"] == "cuda"
+    launches = {name: n for name, (n, _) in summary["kernels"].items()}
+    # 5 decode steps from graphs, 1 prompt step: each kernel of a layer at least 6 times a layer
+    layers = graphed.runner.model.config.num_hidden_layers
+    for kernel in ("_linear_kernel", "gate_up_kernel", "down_kernel"):
+        assert launches.get(kernel, 0) >= 6 * layers, (kernel, sorted(launches.items(), key=lambda kv: -kv[1])[:20])
