@@ -26,7 +26,7 @@ from bench_serving import RANK, Ours, run, workloads
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests/support.py
 
-from moelora.engine.profiler import read_summary
+from moelora.engine.profiler import rank_of, read_summary
 from tests.support import deepseek_v3_config, qwen3_30b_a3b_config, write_dummy_checkpoint, write_random_peft_adapter
 
 
@@ -72,7 +72,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
     print("| tp | ep | phase | batch | adapters | tokens | s | tokens/s | ms/step |")
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     measured: dict[tuple, float] = {}  # (tp, ep, phase, batch, adapters) -> tokens/s
-    profiles: dict[tuple[int, int], list[dict]] = {}  # (tp, ep) -> each rank's {kernel: [launches, us]} of a prefill
+    profiles: dict[tuple[int, int], dict[int, dict]] = {}  # (tp, ep) -> rank -> {kernel: [launches, us]} of a prefill
     starts: dict[tuple[int, int], dict[str, float]] = {}  # (tp, ep) -> seconds of each phase of rank 0's start
     for tp, ep in layouts:
         if gpus is not None and tp > gpus:
@@ -94,7 +94,8 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
                     prompts, names = w.prompts(config.vocab_size), w.names()
                     ours.engine.start_profile(str(workdir / f"profile-{tp}x{ep}"))
                     ours.generate(prompts, names, 1)
-                    profiles[tp, ep] = [read_summary(trace)["kernels"] for trace in ours.engine.stop_profile()]
+                    profiles[tp, ep] = {rank_of(trace): read_summary(trace)["kernels"]
+                                        for trace in ours.engine.stop_profile()}
         finally:
             ours.engine.shutdown()
         del ours
@@ -126,19 +127,20 @@ def print_summary(measured: dict[tuple, float]) -> None:
               + " | ".join(f"{r / off:.2f}" if r and off else "" for r in ratios) + " |", flush=True)
 
 
-def print_profiles(profiles: dict[tuple[int, int], list[dict]], top: int) -> None:
+def print_profiles(profiles: dict[tuple[int, int], dict[int, dict]], top: int) -> None:
     """Each rank's device time of the LoRA-off prefill call, per layout: in all and by kernel, the `top` busiest of
     any rank. A collective's kernel also holds its wait for the slowest rank; on the CPU the rows are host ops."""
     for (tp, ep), ranks in profiles.items():
-        busiest = sorted({k for kernels in ranks for k in list(kernels)[:top]},
-                         key=lambda k: -max(kernels.get(k, [0, 0])[1] for kernels in ranks))
+        busiest = sorted({k for kernels in ranks.values() for k in list(kernels)[:top]},
+                         key=lambda k: -max(kernels.get(k, [0, 0])[1] for kernels in ranks.values()))
         print(f"\nProfile of the LoRA-off prefill call at {tp}x{ep}, ms (launches) by kernel:\n")
-        print("| kernel | " + " | ".join(f"rank {r}" for r in range(len(ranks))) + " |")
+        print("| kernel | " + " | ".join(f"rank {r}" for r in ranks) + " |")
         print("|---|" + "---|" * len(ranks))
         print("| all | " + " | ".join(f"{sum(us for _, us in kernels.values()) / 1e3:.1f} "
-                                      f"({sum(n for n, _ in kernels.values()):.0f})" for kernels in ranks) + " |")
+                                      f"({sum(n for n, _ in kernels.values()):.0f})" for kernels in ranks.values())
+              + " |")
         for k in busiest:
-            cells = [kernels.get(k, [0, 0]) for kernels in ranks]
+            cells = [kernels.get(k, [0, 0]) for kernels in ranks.values()]
             print(f"| {k[:70]} | " + " | ".join(f"{us / 1e3:.1f} ({n:.0f})" for n, us in cells) + " |")
 
 if __name__ == "__main__":

@@ -149,20 +149,21 @@ class Engine:
 
     def start_profile(self, output_dir: str | None = None) -> None:
         """Record what every rank runs (torch.profiler: host ops, and kernels on a GPU, those of CUDA graphs too) until
-        stop_profile, for a directory: output_dir, else EngineConfig.profile_dir. ValueError: neither, a directory
-        that cannot be made, or a profile running already."""
+        stop_profile, for a directory: output_dir, else EngineConfig.profile_dir. Start and stop it on one thread
+        (the engine's, as every call). ValueError: neither directory, one that cannot be made, or a profile running
+        already."""
         directory = output_dir or self.config.profile_dir
         if directory is None:
             raise ValueError("no directory for the profile: start the engine with profile_dir (--profile-dir), or "
                              "pass output_dir")
         if self.runner.profiler.active:
             raise ValueError("a profile is running already: stop_profile ends it")
+        if self.fatal is not None:
+            raise EngineDead(f"the engine cannot run any more: {self.fatal}")
         try:
             Path(directory).mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ValueError(f"cannot make the profile directory {directory!r}: {e}") from e
-        if self.fatal is not None:
-            raise EngineDead(f"the engine cannot run any more: {self.fatal}")
         stem = f"moelora-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         self._on_ranks(lambda: self.runner.start_profile(Path(directory), stem))
 
@@ -180,9 +181,14 @@ class Engine:
             logger.warning("no profile from %s (see that rank's log)", missing)
         return [t for t in traces if t.is_file()]
 
+    def drop_profile(self) -> None:
+        """End a running profile without writing it (nothing to do without one). On the thread that started it: from
+        another, rank 0's recording ends with that thread."""
+        self.runner.profiler.abandon()
+
     def shutdown(self) -> None:
         """Stop the other ranks (tp_size > 1); the engine runs no more steps. Nothing to do at one rank."""
-        self.runner.profiler.abandon()
+        self.drop_profile()
         if self.workers is not None:
             with contextlib.suppress(WorkerFailure):  # a rank that hangs: the ranks are stopped, the world aborted
                 self.runner.release_graphs(wait=self.workers.failure is None)

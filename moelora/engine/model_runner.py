@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from moelora.core import ForwardBatch, KVCache, to_device
-from moelora.distributed.comm import broadcast, broadcast_object, control_barrier, min_over_ranks
+from moelora.distributed.comm import broadcast, broadcast_object, control_barrier, min_over_ranks, wait_event
 from moelora.distributed.state import destroy_parallel, get_parallel, parallel_state
 from moelora.engine.config import CPU_KV_TOKENS, DTYPES, EngineConfig
 from moelora.engine.cuda_graph import CudaGraphs, PromptGraphs, RankBounds
@@ -32,6 +32,7 @@ from moelora.models.config import ModelConfig
 from moelora.models.loader import load_model
 
 logger = logging.getLogger(__name__)
+PROFILE_WRITE_TIMEOUT_FACTOR = 10  # the ranks' wait for each other's profile writes: this many dist_timeouts
 
 
 @dataclass
@@ -139,11 +140,13 @@ class ModelRunner:
 
     def wait_for(self, event: torch.cuda.Event) -> None:
         """The host waits for `event` (a step's device work); over several ranks at most dist_timeout
-        (Workers.wait_for)."""
-        if self.workers is None:
-            event.synchronize()
-        else:
+        (Workers.wait_for on rank 0, TimeoutError on the others)."""
+        if self.workers is not None:
             self.workers.wait_for(event)
+        elif self.dist_state.tp_size > 1:
+            wait_event(event, self.dist_state.timeout)
+        else:
+            event.synchronize()
 
     def release_graphs(self, wait: bool = True) -> None:
         """Before leaving the world: wait for the device's work (wait_for, with its deadline over several ranks;
@@ -244,25 +247,37 @@ class ModelRunner:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def start_profile(self, directory: Path, stem: str) -> None:
-        """Every rank records from now on (engine/profiler.py), rank 0 last."""
-        if self.workers is not None:
-            with self.workers.guard("starting a profile"):
-                self.workers.send(("profile", self.lora.take_events(), ("start", str(directory), stem)))
-                self.workers.barrier()
+        """Every rank records from now on (engine/profiler.py), rank 0 first: one that cannot start leaves no other
+        rank recording."""
         self.profiler.start(directory, stem)
+        if self.workers is not None:
+            try:
+                with self.workers.guard("starting a profile"):
+                    self.workers.send(("profile", self.lora.take_events(), ("start", str(directory), stem)))
+                    self.workers.barrier()
+            except BaseException:
+                self.profiler.abandon()
+                raise
 
     def stop_profile(self) -> Path:
-        """Every rank waits for its device's work, then writes its trace and summary (profile_files); returns once all
-        have, with rank 0's trace."""
+        """Every rank waits for its device's work, then writes its trace and summary (profile_files), all at once;
+        returns once all have, with rank 0's trace. Rank 0's that cannot be written stops the others' all the same."""
+        self.profiler.check_thread()
         self.wait_for_device()
+        if self.workers is None:
+            return self.profiler.stop()[0]
+        sent = False
         try:
-            trace, _ = self.profiler.stop()
-        finally:  # rank 0's that cannot be written stops the others' too: none records on
-            if self.workers is not None:
+            with self.workers.guard("writing the profile"):
+                self.workers.send(("profile", self.lora.take_events(), ("stop",)))
+            sent = True
+            return self.profiler.stop()[0]
+        finally:
+            self.profiler.abandon()  # a failed send: rank 0 records no more either
+            if sent:
                 with self.workers.guard("writing the profile"):
-                    self.workers.send(("profile", self.lora.take_events(), ("stop",)))
-                    self.workers.barrier()
-        return trace
+                    # the traces take a while to write, as long as their events are many: a long profile's, minutes
+                    self.workers.barrier(PROFILE_WRITE_TIMEOUT_FACTOR * self.workers.timeout)
 
     def sync_lora(self) -> None:
         """Make the other ranks' adapters what rank 0's are now (after load_lora / unload_lora)."""
@@ -366,6 +381,8 @@ def serve_rank(rank: int, config: EngineConfig, init_method: str) -> None:
             continue
         if kind == "profile":
             _profile_command(runner, *args[1])
+            control_barrier(state, PROFILE_WRITE_TIMEOUT_FACTOR * config.dist_timeout)  # ModelRunner.stop_profile's
+            continue
         control_barrier(state, config.dist_timeout)  # rank 0's Workers.barrier
     runner.profiler.abandon()
     runner.release_graphs()

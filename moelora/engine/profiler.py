@@ -11,6 +11,7 @@ its own, in the directory as seen from its node:
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -24,6 +25,11 @@ def profile_files(directory: str | Path, stem: str, rank: int) -> tuple[Path, Pa
     return base.with_name(base.name + ".trace.json.gz"), base.with_name(base.name + ".kernels.json")
 
 
+def rank_of(trace: str | Path) -> int:
+    """The rank whose trace it is (profile_files' name)."""
+    return int(Path(trace).name.removesuffix(".trace.json.gz").rsplit("-rank", 1)[1])
+
+
 def read_summary(trace: str | Path) -> dict:
     """The summary written beside a trace: {"device": ..., "kernels": {name: [launches, microseconds]}}."""
     trace = Path(trace)
@@ -31,12 +37,14 @@ def read_summary(trace: str | Path) -> dict:
 
 
 class StepProfiler:
-    """One rank's profiler: at most one profile at a time."""
+    """One rank's profiler: at most one profile at a time, stopped on the thread that started it (torch's profiler
+    state is the thread's: stopped from another thread it crashes the process)."""
 
     def __init__(self, rank: int, device: torch.device):
         self.rank, self.device = rank, device
         self._profile: profile | None = None
         self._target: tuple[Path, str] | None = None
+        self._thread: int | None = None
 
     @property
     def active(self) -> bool:
@@ -48,13 +56,19 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         prof = profile(activities=activities)
         prof.start()
-        self._profile, self._target = prof, (Path(directory), stem)
+        self._profile, self._target, self._thread = prof, (Path(directory), stem), threading.get_ident()
+
+    def check_thread(self) -> None:
+        """ValueError unless this is the thread that started the running profile."""
+        if self._profile is not None and self._thread != threading.get_ident():
+            raise ValueError("the profile was started on another thread: stop it on that thread (the engine's)")
 
     def stop(self) -> tuple[Path, Path]:
         """Ends the profile, writes and returns (trace, summary). The caller waits for the device's work first:
         the steps in flight (overlap scheduling) belong to the profile."""
         if self._profile is None:
             raise RuntimeError("no profile is running")
+        self.check_thread()
         prof, (directory, stem) = self._profile, self._target
         self._profile = self._target = None
         prof.stop()
@@ -65,11 +79,13 @@ class StepProfiler:
         return trace, summary
 
     def abandon(self) -> None:
-        """Stop recording without writing anything (the engine shuts down, or a rank failed)."""
+        """Stop recording without writing anything (the engine shuts down, or a rank failed). From a thread other
+        than the one that started it, the profile is only dropped: that thread's recording ends with it."""
         if self._profile is not None:
-            prof, self._profile = self._profile, None
-            self._target = None
-            prof.stop()
+            prof, same_thread = self._profile, self._thread == threading.get_ident()
+            self._profile = self._target = self._thread = None
+            if same_thread:
+                prof.stop()
 
 
 def kernel_summary(prof: profile, device: torch.device) -> dict[str, list[float]]:
@@ -77,8 +93,8 @@ def kernel_summary(prof: profile, device: torch.device) -> dict[str, list[float]
     busiest first."""
     launches, micros = Counter(), Counter()
     for event in prof.events():
-        if device.type == "cuda":
-            if event.device_type != torch.autograd.DeviceType.CUDA:
+        if device.type == "cuda":  # kernels and copies; not the annotations spanning them (their time is the kernels')
+            if event.device_type != torch.autograd.DeviceType.CUDA or getattr(event, "is_user_annotation", False):
                 continue
             time = event.device_time
         else:

@@ -212,10 +212,10 @@ class Workers:
             with self.guard("a step's device work"):
                 raise e
 
-    def barrier(self) -> None:
-        """Returns once every rank got here (or raises within dist_timeout); over the control group, so the host
-        waits whatever the backend (an NCCL barrier would only queue on the stream)."""
-        control_barrier(self.state, self.timeout)
+    def barrier(self, timeout: float | None = None) -> None:
+        """Returns once every rank got here (or raises within `timeout`, by default dist_timeout); over the control
+        group, so the host waits whatever the backend (an NCCL barrier would only queue on the stream)."""
+        control_barrier(self.state, self.timeout if timeout is None else timeout)
 
     def shutdown(self, orderly: bool = True) -> None:
         """Stop the other ranks (and leave their world). orderly=False kills them without the shutdown command: a

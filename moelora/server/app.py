@@ -174,14 +174,16 @@ class OpenAIServing:
             raise APIError(404, str(e), param="lora_name", code="model_not_found") from e
         return {"success": True, "message": f"Success: LoRA adapter '{body.lora_name}' removed successfully."}
 
-    async def start_profile(self) -> dict:
+    async def start_profile(self, request: Request) -> dict:
+        await _no_body(request)
         try:
             await self.loop.run(self.loop.engine.start_profile)
         except ValueError as e:
             raise APIError(400, str(e)) from e
         return {"success": True, "message": f"profiling into {self.loop.engine.config.profile_dir}"}
 
-    async def stop_profile(self) -> dict:
+    async def stop_profile(self, request: Request) -> dict:
+        await _no_body(request)
         try:
             traces = await self.loop.run(self.loop.engine.stop_profile)
         except ValueError as e:
@@ -541,6 +543,15 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
         return error_response(e.status_code, ErrorInfo(message=str(e.detail), type="invalid_request_error"))
 
     return app
+
+
+async def _no_body(request: Request) -> None:
+    """The profile routes take no options (vLLM's take none): SGLang's (output_dir, num_steps, activities, ...) are a
+    400, not silently ignored, since a client counting on num_steps would leave every rank recording."""
+    body = (await request.body()).strip()
+    if body not in (b"", b"{}", b"null"):
+        raise APIError(400, f"{request.url.path} takes no body: the traces go to --profile-dir, POST /stop_profile "
+                            f"ends them (got {body[:100]!r})")
 
 
 class _Server(uvicorn.Server):

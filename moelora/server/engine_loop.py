@@ -288,6 +288,7 @@ class EngineLoop:
             commands, self._commands = self._commands, []
         for _, future in commands:
             future.cancel()
+        self.engine.drop_profile()  # on the thread that started it (torch's profiler is the thread's)
         self._fail_all(EngineError("the server is shutting down"))
 
     def _unpend(self, n: int) -> None:

@@ -89,16 +89,25 @@ def test_load_and_unload_with_requests_in_flight(start_engine, adapters):
     assert many.lora_stats.slot_evictions == one.lora_stats.slot_evictions > 0
 
 
-def test_every_rank_writes_its_profile(start_engine, tmp_path):
+def test_every_rank_writes_its_profile(start_engine, tmp_path, monkeypatch):
     """start_profile / stop_profile over two ranks: each rank's trace and summary of the steps between, rank 0's and
-    rank 1's (its own process) side by side, and the engine serving on."""
+    rank 1's (its own process) side by side, and the engine serving on. A start that fails on rank 0 leaves rank 1
+    recording nothing (else its next profile would be the old one, under the old name)."""
     many, loras = start_engine("qwen3_moe", tp_size=2, ep_size=2), ["full", None, "partial", None]
     want = [o.token_ids for o in many.generate(PROMPTS, GREEDY, lora=loras)]
+    with monkeypatch.context() as patch:
+        patch.setattr(many.runner.profiler, "start", lambda *_: (_ for _ in ()).throw(RuntimeError("injected")))
+        with pytest.raises(RuntimeError, match="injected"):
+            many.start_profile(str(tmp_path / "failed"))
+    assert many.fatal is None and not many.runner.profiler.active
     many.start_profile(str(tmp_path))
     assert [o.token_ids for o in many.generate(PROMPTS, GREEDY, lora=loras)] == want
     traces = many.stop_profile()
     assert [t.name.rsplit("-", 1)[1] for t in traces] == ["rank0.trace.json.gz", "rank1.trace.json.gz"]
-    assert len({t.name.rsplit("-", 1)[0] for t in traces}) == 1 and len(list(tmp_path.iterdir())) == 4
+    assert len({t.name.rsplit("-", 1)[0] for t in traces}) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["failed", *(t.name for t in traces),
+                                                                 *(t.name.replace(".trace.json.gz", ".kernels.json")
+                                                                   for t in traces)])
     for trace in traces:
         summary = json.loads(trace.with_name(trace.name.replace(".trace.json.gz", ".kernels.json")).read_text())
         assert summary["device"] == "cpu" and any(name.startswith("aten::") for name in summary["kernels"]), trace

@@ -3,6 +3,7 @@ refused with the reason, the engine serving on after each, and a rank's failing 
 import gzip
 import json
 import logging
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -110,3 +111,35 @@ def test_a_profile_that_cannot_be_written_still_stops(make_engine, tmp_path):
     engine.start_profile(str(tmp_path / "again"))
     assert engine.generate(PROMPTS[:1], GREEDY)[0].token_ids
     assert len(engine.stop_profile()) == 1
+
+
+def test_a_profile_stops_on_the_thread_that_started_it(make_engine, tmp_path):
+    """torch's profiler is the thread's (stopped from another thread it crashes the process): a stop from another
+    thread is refused and the profile runs on; a drop from another thread lets it go without touching torch's (the
+    server's shutdown, after its engine thread ended), and a new profile runs."""
+    engine = make_engine(FAMILY)
+    engine.start_profile(str(tmp_path / "first"))
+    errors = []
+
+    def stop_elsewhere():
+        try:
+            engine.stop_profile()
+        except ValueError as e:
+            errors.append(str(e))
+    _in_a_thread(stop_elsewhere)
+    assert errors == ["the profile was started on another thread: stop it on that thread (the engine's)"]
+    assert engine.runner.profiler.active
+    assert len(engine.stop_profile()) == 1
+    _in_a_thread(lambda: engine.start_profile(str(tmp_path / "dropped")))
+    engine.drop_profile()
+    assert not engine.runner.profiler.active and list((tmp_path / "dropped").iterdir()) == []
+    engine.drop_profile()  # nothing running: nothing to do
+    engine.start_profile(str(tmp_path / "again"))
+    assert engine.generate(PROMPTS[:1], GREEDY)[0].token_ids
+    assert len(engine.stop_profile()) == 1
+
+
+def _in_a_thread(fn) -> None:
+    thread = threading.Thread(target=fn)
+    thread.start()
+    thread.join()

@@ -41,3 +41,16 @@ def test_no_profile_routes_without_a_profile_dir(server):
     with httpx.Client(base_url=server.url, timeout=30) as http:
         assert http.post("/start_profile").status_code == 404
         assert http.post("/stop_profile").status_code == 404
+
+
+def test_profile_routes_take_no_body(demo_dir, tmp_path):
+    """SGLang's options (num_steps, output_dir, ...) are refused by name, not ignored: a client counting on num_steps
+    would leave every rank recording."""
+    engine = Engine(str(demo_dir / "model"), profile_dir=str(tmp_path), **ENGINE_OPTIONS)
+    with serving(create_app(engine, MODEL_NAME)) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+        refused = http.post("/start_profile", json={"num_steps": 5})
+        assert refused.status_code == 400 and "/start_profile takes no body" in refused.json()["error"]["message"]
+        assert not engine.runner.profiler.active
+        assert http.post("/start_profile", json={}).status_code == 200
+        assert http.post("/stop_profile", json={"output_dir": "/tmp"}).status_code == 400
+        assert http.post("/stop_profile").status_code == 200
