@@ -1,8 +1,9 @@
 """The offline engine: `generate` and `prompt_logprobs` on lists of prompts, adapters loaded and
 unloaded at runtime, every rank's torch.profiler traces (`start_profile`, `stop_profile`), and the step API an
 HTTP server drives from its own loop (`add_request`, `step`, `abort`, `has_unfinished`). Everything runs in the
-caller's thread, one step at a time (engine/stepper.py runs the steps: failures stay with their request; a device error, or a rank of several
-that died, raised or hangs (engine/workers.py), makes the engine unhealthy, `Engine.fatal`).
+caller's thread, one step at a time (engine/stepper.py runs the steps: failures stay with their request; a device
+error, or a rank of several that died, raised or hangs (engine/workers.py), makes the engine unhealthy,
+`Engine.fatal`).
 
 With tp_size > 1 the engine starts the other ranks itself (ranks 1.., processes of this machine) and this
 process is rank 0; `shutdown()` stops them. Over several nodes (nnodes, node_rank, dist_init_addr) node 0's process
@@ -180,6 +181,12 @@ class Engine:
         for missing in [t for t in traces if not t.is_file()]:
             logger.warning("no profile from %s (see that rank's log)", missing)
         return [t for t in traces if t.is_file()]
+
+    def check_token_ids(self, ids: Sequence[int]) -> None:
+        """PromptError unless every id of a prompt is an int in [0, vocab_size)."""
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise PromptError(f"prompt token ids must be ints in [0, {self.vocab_size}), got {bad[0]!r}")
 
     def drop_profile(self) -> None:
         """End a running profile without writing it (nothing to do without one). On the thread that started it: from
@@ -407,9 +414,7 @@ class Engine:
         ids = self.tokenize(prompt, add_special_tokens)
         if not ids:
             raise PromptError("the prompt is empty")
-        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-        if bad:
-            raise PromptError(f"prompt token ids must be ints in [0, {self.vocab_size}), got {bad[0]!r}")
+        self.check_token_ids(ids)
         for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
             bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
             if bad:

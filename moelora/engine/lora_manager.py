@@ -35,6 +35,10 @@ from moelora.lora.errors import AdapterError
 from moelora.lora.model_shapes import load_model_shapes
 
 
+class AdapterNameError(AdapterError):
+    """load_lora's name is taken: loaded already, or still being unloaded (its requests in flight finish first)."""
+
+
 class LoRASlotPool:
     """Which adapter sits in which GPU slot: least recently used goes first, never one in use."""
 
@@ -153,9 +157,10 @@ class LoRAManager:
     def load_lora(self, name: str, path: str | Path, adapter: Adapter | None = None) -> None:
         """Serve the adapter at `path` (`adapter`: what read(path) gave, else it is read here) as `name`."""
         if name in self._unloading:
-            raise AdapterError(f"adapter {name!r} is still being unloaded ({self._in_flight[name]} requests in flight)")
+            raise AdapterNameError(f"adapter {name!r} is still being unloaded ({self._in_flight[name]} requests in "
+                                   "flight)")
         if name in self._paths:
-            raise AdapterError(f"adapter {name!r} is already loaded from {self._paths[name]}; unload it first")
+            raise AdapterNameError(f"adapter {name!r} is already loaded from {self._paths[name]}; unload it first")
         if not self.max_rank:
             raise AdapterError(f"cannot load adapter {name!r}: the engine has no LoRA slots "
                                "(start it with max_lora_rank, or with lora_paths)")

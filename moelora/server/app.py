@@ -32,7 +32,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from uvicorn.config import STARTUP_FAILURE
 
-from moelora.engine.engine import Engine, EngineDead
+from moelora.engine.engine import Engine, EngineDead, PromptError
+from moelora.engine.lora_manager import AdapterNameError
 from moelora.engine.sampling_params import StructuredOutput
 from moelora.lora.errors import AdapterError
 from moelora.server.engine_loop import Delta, EngineError, EngineLoop, Overloaded, Submission, merge_deltas
@@ -163,6 +164,8 @@ class OpenAIServing:
                                 f"{self.loop.adapters[body.lora_name]}); unload it first", param="lora_name")
         try:
             await self.loop.load_lora(body.lora_name, body.lora_path)
+        except AdapterNameError as e:
+            raise APIError(400, str(e), param="lora_name") from e
         except AdapterError as e:
             raise APIError(400, str(e), param="lora_path", problems=e.problems) from e
         return {"success": True, "message": f"Success: LoRA adapter '{body.lora_name}' added successfully."}
@@ -190,7 +193,8 @@ class OpenAIServing:
             raise APIError(400, str(e)) from e
         except OSError as e:  # the profile directory went away, or filled up
             raise APIError(500, f"the profile could not be written: {e}", type="internal_server_error") from e
-        return {"success": True, "message": f"profile written: {len(traces)} traces", "traces": [str(t) for t in traces]}
+        return {"success": True, "message": f"profile written: {len(traces)} traces",
+                "traces": [str(t) for t in traces]}
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         prompts = body.prompts
@@ -336,6 +340,11 @@ class OpenAIServing:
         if self.loop.engine.tokenizer is None:
             raise APIError(400, f"echo needs a tokenizer: {self.loop.engine.missing_tokenizer}", param="echo")
         ids = [p for p in prompts if not isinstance(p, str)]
+        for p in ids:  # before the tokenizer sees them: ids outside its integers make it raise (OverflowError)
+            try:
+                self.loop.engine.check_token_ids(p)
+            except PromptError as e:
+                raise APIError(400, str(e), param="prompt") from e
         decoded = iter(await self.loop.run_text(lambda: [self.loop.engine.tokenizer.decode(p) for p in ids]) if ids
                        else [])
         return [p if isinstance(p, str) else next(decoded) for p in prompts]

@@ -80,11 +80,14 @@ class RequestBody(BaseModel):
     @classmethod
     def _unicode(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            path = _first_bad_string(data)
+            try:
+                path = _first_bad_string(data)
+            except NestingError as e:
+                raise PydanticCustomError("too_deep", "{message}",
+                                          {"message": str(e), "param": str(e.path[0])}) from None
             if path is not None:
-                where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
                 raise PydanticCustomError("invalid_unicode", "{where} is not valid Unicode (a lone surrogate)",
-                                          {"where": where, "param": str(path[0])})
+                                          {"where": _where(path), "param": str(path[0])})
         return data
 
 
@@ -94,19 +97,37 @@ class StreamOptions(RequestBody):  # its nulls too stand for the defaults, as vL
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk has its sequence's usage so far
 
 
-def _first_bad_string(value: Any, path: tuple = ()) -> tuple | None:
-    """Where the first string (or key) that cannot be encoded as UTF-8 is, None if there is none."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        bad = _first_bad_string(key, path + ("<key>",)) or _first_bad_string(item, path + (key,))
-        if bad is not None:
-            return bad
+MAX_NESTING = 128  # lists and objects in a request, one inside another: deeper is refused (no schema needs it)
+
+
+class NestingError(ValueError):
+    def __init__(self, path: tuple):
+        super().__init__(f"{_where(path)} is nested deeper than {MAX_NESTING} lists and objects")
+        self.path = path
+
+
+def _where(path: tuple) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+
+
+def _first_bad_string(value: Any) -> tuple | None:
+    """Where the first string (or key) that cannot be encoded as UTF-8 is, None if there is none, in document
+    order. Iterative: nesting deeper than MAX_NESTING is a NestingError, before the validators and serialisers after
+    this one recurse into it (a RecursionError: a 500)."""
+    stack = [((), value)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+            continue
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        if items and len(path) >= MAX_NESTING:
+            raise NestingError(path)
+        for key, item in reversed(list(items)):
+            stack += [(path + (key,), item), (path + ("<key>",), key)]
     return None
 
 
@@ -311,9 +332,18 @@ class FunctionCall(BaseModel):
         if not isinstance(value, str):
             return value
         try:
-            return json.loads(value)
+            arguments = json.loads(value)
         except json.JSONDecodeError as e:
             raise ValueError(f"the arguments are not valid JSON: {e}") from None
+        except RecursionError:
+            raise ValueError(f"the arguments are nested deeper than {MAX_NESTING} lists and objects") from None
+        try:  # the JSON's escapes can spell lone surrogates the text itself had not
+            bad = _first_bad_string(arguments)
+        except NestingError:
+            raise ValueError(f"the arguments are nested deeper than {MAX_NESTING} lists and objects") from None
+        if bad is not None:
+            raise ValueError("the arguments are not valid Unicode (an escaped lone surrogate)")
+        return arguments
 
 
 class ToolCall(BaseModel):

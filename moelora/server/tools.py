@@ -325,9 +325,20 @@ def _head(text: str) -> tuple[str, int] | None:
     if m is None:
         return None
     try:
-        return json.loads(m.group(1)), m.end()
+        name = json.loads(m.group(1))
     except json.JSONDecodeError:  # an escape JSON does not have
         return None
+    # an escaped lone surrogate ("\ud800") decodes to no text a response can carry: not a call's name
+    return (name, m.end()) if _is_text(name) else None
+
+
+def _is_text(text: str) -> bool:
+    """Whether the string is valid Unicode (no lone surrogates): what a JSON response can carry."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _whole_call(body: str) -> tuple[str, str] | None:
@@ -339,9 +350,12 @@ def _whole_call(body: str) -> tuple[str, str] | None:
         return None
     if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("arguments"), dict)):
         return None
+    if not _is_text(obj["name"]):
+        return None
     head = _head(body)
-    if head is None:
-        return obj["name"], json.dumps(obj["arguments"], ensure_ascii=False)
+    if head is None:  # re-serialised: escapes of lone surrogates stay escapes
+        arguments = json.dumps(obj["arguments"], ensure_ascii=False)
+        return obj["name"], arguments if _is_text(arguments) else json.dumps(obj["arguments"])
     block = _Block("", dropped=False, pos=head[1])
     return head[0], block.arguments(body)
 

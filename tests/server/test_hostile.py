@@ -61,6 +61,13 @@ def test_stop_token_ids_beyond_the_vocabulary(server):
     error(post(server, "/v1/completions", {**OK, "stop_token_ids": [10**6]}), 400, "stop_token_ids", "vocabulary")
 
 
+@pytest.mark.parametrize("prompt", [[-1], [2**32], [[5, 2**40]], [[5], [10**6]]])
+def test_echoed_token_ids_outside_the_vocabulary(server, prompt):
+    """echo decodes the prompt before the engine sees it: the ids are checked first (the tokenizer raised an
+    OverflowError, a 500, on ids outside its integers)."""
+    error(post(server, "/v1/completions", {**OK, "prompt": prompt, "echo": True}), 400, "prompt", "token ids")
+
+
 def test_fields_of_the_wrong_type_that_were_passed_on(server):
     error(raw_post(server, "/v1/completions", b'{"prompt": "x", "max_tokens": 2, "user": -Infinity}'), 400, "user")
     bad_name = {**CHAT, "messages": [{"role": "user", "content": "hi", "name": {}}]}
@@ -84,9 +91,31 @@ def test_seeds_of_n_sequences_wrap_in_int64(server):
      "messages"),
     ("/v1/load_lora_adapter", '{"lora_name": "\\ud800", "lora_path": "/tmp"}', "lora_name"),
     ("/v1/unload_lora_adapter", '{"lora_name": "\\ud800"}', "lora_name"),
+    # a JSON text inside the JSON: the arguments of an earlier call, whose escapes spell the surrogate
+    ("/v1/chat/completions", '{"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", '
+     '"function": {"name": "f", "arguments": "{\\"a\\": \\"\\\\ud800\\"}"}}]}, {"role": "user", "content": "hi"}]}',
+     "messages"),
 ])
 def test_lone_surrogates(server, path, body, param):
     error(raw_post(server, path, body.encode()), 400, param, "not valid Unicode")
+
+
+@pytest.mark.parametrize("field", ["whatever", "guided_json", "logit_bias"])
+def test_bodies_nested_at_any_depth(server, field):
+    """Nesting the validators after the parser would recurse through (a RecursionError: a 500 in a window of depths
+    below the parser's own limit, which follows the stack the server runs on) is refused first; deeper, the parser
+    refuses it."""
+    for depth in [127, 128, 129, 200, *range(850, 1001), 5000, 100_000]:
+        body = '{"prompt": "x", "max_tokens": 2, "%s": %s}' % (field, "[" * depth + "]" * depth)
+        r = raw_post(server, "/v1/completions", body.encode())
+        assert r.status_code == 400, (depth, r.text[:300])
+
+
+def test_call_arguments_nested_too_deep(server):
+    arguments = json.dumps("[" * 100_000 + "]" * 100_000)
+    body = ('{"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": '
+            '"f", "arguments": %s}}]}, {"role": "user", "content": "hi"}]}' % arguments)
+    error(raw_post(server, "/v1/chat/completions", body.encode()), 400, "messages", "nested deeper")
 
 
 def test_bytes_that_are_not_utf8(server):

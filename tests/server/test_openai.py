@@ -206,6 +206,11 @@ def test_unloading_an_adapter_lets_its_requests_finish(client, reference, server
     assert httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "gamma"}).status_code == 200
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gamma", prompt=PROMPTS[2], max_tokens=2)
+    # its name is not free before its requests finish: a 400 that names lora_name, not the (valid) path
+    again = httpx.post(f"{server.url}/v1/load_lora_adapter",
+                       json={"lora_name": "gamma", "lora_path": str(demo_dir / "gamma")})
+    assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name", again.text
+    assert "still being unloaded" in again.json()["error"]["message"]
     text += "".join(c.choices[0].text for c in stream)
     assert text == alone(reference, PROMPTS[2], "gamma", 40).text
     assert server.idle()

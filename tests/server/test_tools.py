@@ -110,6 +110,10 @@ SCRIPTS = [  # text, content, calls
     ('x <tool_call>{"name": "add", "arguments": [1]}</tool_call>', 'x <tool_call>{"name": "add", "arguments": [1]}'
      '</tool_call>', []),
     ("a <tool_call>not even JSON", "a <tool_call>not even JSON", []),
+    # escapes of lone surrogates decode to no text a response can carry: no name; arguments re-serialised as escapes
+    ('<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>', []),
+    ('<tool_call>{"arguments": {"s": "\\udc00"}, "name": "add"}</tool_call>', None, [("add", '{"s": "\\udc00"}')]),
 ]
 
 
