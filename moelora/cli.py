@@ -61,7 +61,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"moelora serve: node {config.node_rank} of {config.nnodes} runs {name_ranks(node_ranks(config))} of "
               f"node 0's engine at {config.dist_init_addr} (node 0 serves HTTP) until it shuts down", flush=True)
     engine = Engine(**fields)
-    name = args.served_model_name or Path(args.model_path.rstrip("/")).name
+    name = args.served_model_name or Path(args.model_path).resolve().name  # "." is the directory it names
     app = create_app(engine, name, args.max_queued_requests, args.api_key, args.log_stats_interval)
     # the model's, tokenizer's and kernels' objects live as long as the process: out of the cyclic collector's
     # scans, whose full collections would otherwise walk them all while every thread waits (as vLLM does)
@@ -119,6 +119,13 @@ def _positive_int(value: str) -> int:
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
     return number
+
+
+def _non_empty(value: str) -> str:
+    """A name or key: an empty one (an unset variable's "$KEY") would mean none at all."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return value
 
 
 def _name_path(value: str) -> tuple[str, str]:
@@ -201,14 +208,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dataclass_args(p, engine_config, skip=("model_path", "lora_paths"))
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=_port, default=30000, help="port to listen on (default: 30000)")
-    p.add_argument("--served-model-name", help="the base model's name in the API (default: the model directory's name)")
-    p.add_argument("--max-queued-requests", type=int, help="refuse requests (503) while this many wait (default: no limit)")
-    p.add_argument("--api-key", default=os.environ.get("MOELORA_API_KEY"),
+    p.add_argument("--served-model-name", type=_non_empty,
+                   help="the base model's name in the API (default: the model directory's name)")
+    p.add_argument("--max-queued-requests", type=_positive_int,
+                   help="refuse requests (503) while this many wait (default: no limit)")
+    p.add_argument("--api-key", type=_non_empty, default=os.environ.get("MOELORA_API_KEY") or None,
                    help="every route but /health and /metrics needs 'Authorization: Bearer KEY' (default: "
                         "$MOELORA_API_KEY; unset: no authentication)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the server's log: info has what it serves at start and the stats line (default: info)")
-    p.add_argument("--log-stats-interval", type=float, default=10.0,
+    p.add_argument("--log-stats-interval", type=_seconds, default=10.0,
                    help="seconds between the log lines of running/waiting requests, tokens/s, KV cache and LoRA "
                         "slot use; 0 turns them off (default: 10)")
     p.add_argument("--shutdown-timeout", type=_seconds, default=0.0, metavar="SECONDS",

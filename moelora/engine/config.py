@@ -3,6 +3,8 @@ model runner. Names follow SGLang's server arguments where one exists; the const
 spellings (vLLM's tensor_parallel_size, max_model_len, ...) as keywords too."""
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,17 +120,21 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.lora_paths = dict(self.lora_paths)
         self._check(isinstance(self.model_path, str) and self.model_path != "", "model_path", "a non-empty path")
-        self._check(self.device.split(":")[0] in ("cuda", "cpu"), "device", "'cuda', 'cuda:N' or 'cpu'")
+        self._check(isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
+                    "device", "'cuda', 'cuda:N' or 'cpu'")
         self._check(self.dtype == "auto" or self.dtype in DTYPES, "dtype", f"'auto' or one of {sorted(DTYPES)}")
         self._check(self.load_format in ("auto", "dummy"), "load_format", "'auto' or 'dummy'")
         self._check(self.moe_runner_backend in MOE_BACKENDS, "moe_runner_backend", f"one of {MOE_BACKENDS}")
+        self._check(self.moe_runner_backend != "triton" or self.device.startswith("cuda"), "moe_runner_backend",
+                    f"'auto' or 'torch' on device {self.device!r} (the Triton kernels run on CUDA)")
+        self._check(-2**63 <= self.random_seed < 2**63, "random_seed", "a 64-bit integer")
         self._check(self.tp_size >= 1, "tp_size", ">= 1")
         if self.enable_expert_parallel:
             self._check(self.ep_size in (1, self.tp_size), "ep_size", f"tp_size ({self.tp_size}) with enable_expert_parallel")
             self.ep_size = self.tp_size
         self._check(self.ep_size >= 1 and self.tp_size % self.ep_size == 0, "ep_size", f"a divisor of tp_size ({self.tp_size})")
         self._check(self.moe_dispatch in DISPATCH_MODES, "moe_dispatch", f"one of {DISPATCH_MODES}")
-        self._check(self.dist_timeout > 0, "dist_timeout", "> 0")
+        self._check(0 < self.dist_timeout < float("inf"), "dist_timeout", "> 0 seconds and finite")
         self._check(self.nnodes >= 1, "nnodes", ">= 1")
         self._check(0 <= self.node_rank < self.nnodes, "node_rank", f"in [0, nnodes={self.nnodes})")
         self._check(self.tp_size % self.nnodes == 0, "tp_size", f"a multiple of nnodes ({self.nnodes}): as many ranks "
@@ -138,6 +144,8 @@ class EngineConfig:
         self._check(self.dist_init_addr is None or _is_host_port(self.dist_init_addr), "dist_init_addr",
                     "host:port (a port in 1..65535)")
         self._check(self.context_length is None or self.context_length > 1, "context_length", "> 1")
+        self._check(self.profile_dir is None or _writable_dir(self.profile_dir), "profile_dir",
+                    "a directory this process can make and write")
         self._check(self.generation_config in ("auto", "vllm") or (Path(self.generation_config) /
                                                                   "generation_config.json").is_file(),
                     "generation_config", "'auto', 'vllm' or a directory holding a generation_config.json")
@@ -192,6 +200,16 @@ class EngineConfig:
     @property
     def use_cuda_graph(self) -> bool:
         return self.torch_device.type == "cuda" and not self.disable_cuda_graph
+
+
+def _writable_dir(path: str) -> bool:
+    """Whether `path` is (or could be made as) a directory this process writes: made here, at the start, so an
+    unusable one is an error now rather than at the first profile."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(path, os.W_OK | os.X_OK)
 
 
 def _is_host_port(addr: object) -> bool:

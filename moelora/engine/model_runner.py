@@ -98,6 +98,10 @@ class ModelRunner:
             raise ValueError(f"EngineConfig.model_path {config.model_path!r} is not a local model directory (it has no "
                              "config.json); moelora reads local Hugging Face checkpoints, not Hub ids")
         model_config = ModelConfig.from_pretrained(config.model_path, moe_backend=config.moe_runner_backend)
+        if config.context_length is not None and config.context_length > model_config.max_position_embeddings:
+            # as vLLM and SGLang: positions past the trained ones give garbage, not an error
+            raise ValueError(f"EngineConfig.context_length ({config.context_length}) is longer than the model's "
+                             f"max_position_embeddings ({model_config.max_position_embeddings}) in its config.json")
         self.dtype = DTYPES[config.dtype] if config.dtype != "auto" else model_config.saved_dtype or torch.float32
         with self._start_phase("model loaded"):
             self.model = load_model(config.model_path, self.dtype, self.device, config.load_format,
@@ -117,7 +121,7 @@ class ModelRunner:
         self.context_len = min(context, tokens - 1)
         self.kv = KVCache(shape.num_layers, tokens + 1, shape.num_kv_heads, shape.k_head_dim, shape.v_head_dim,
                           config.max_running_requests, self.context_len, self.dtype, self.device)
-        max_step_tokens = min(config.max_prefill_tokens, config.chunked_prefill_size or config.max_prefill_tokens,
+        max_step_tokens = min(config.max_prefill_tokens, config.prefill_chunk or config.max_prefill_tokens,
                               self.context_len)
         if config.warm_up_at_start:
             with self._start_phase(f"prompt steps of {len(warm_up_sizes(max_step_tokens))} sizes run"):

@@ -25,6 +25,9 @@ def test_the_start_warms_up_on_cuda_unless_skipped():
     ("lora_target_modules", []), ("lora_target_modules", ["all", "q_proj"]), ("lora_target_modules", ["q_proj", ""]),
     ("nnodes", 0), ("node_rank", -1), ("node_rank", 1), ("dist_init_addr", "node0"), ("dist_init_addr", ":5000"),
     ("dist_init_addr", "node0:http"), ("dist_init_addr", "node0:0"), ("dist_init_addr", "node0:65536"),
+    ("device", "cuda:x"), ("device", "cuda:"), ("device", "cpu:-1"), ("moe_runner_backend", "triton"),
+    ("random_seed", 2**64), ("dist_timeout", float("inf")), ("dist_timeout", float("nan")),
+    ("profile_dir", "/proc/no/such/dir"),
 ])
 def test_bad_field_is_named(field, value):
     with pytest.raises(ValueError, match=f"EngineConfig.{field} must be"):
@@ -82,3 +85,28 @@ def test_flag_aliases_are_keywords():
         EngineConfig("model", device="cpu", tp_size=2, ep=2, expert_parallel_size=1)
     with pytest.raises(TypeError, match="tensor_parallel"):  # no flag spells it so
         EngineConfig("model", device="cpu", tensor_parallel=2)
+
+
+def test_a_profile_dir_is_made_at_the_start(tmp_path):
+    """Made (and found writable) when the engine is configured, not at the first profile; a file there is an error."""
+    EngineConfig("model", device="cpu", profile_dir=str(tmp_path / "a" / "b"))
+    assert (tmp_path / "a" / "b").is_dir()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="EngineConfig.profile_dir must be a directory this process can make and write"):
+        EngineConfig("model", device="cpu", profile_dir=str(tmp_path / "file"))
+
+
+@pytest.mark.parametrize("chunk, steps", [(-1, 300), (64, 64)])
+def test_the_warm_up_reaches_the_largest_prompt_step(monkeypatch, chunk, steps):
+    """chunked_prefill_size -1 (prompts never split) warms up to the largest step the context allows; the warm-up
+    once took the -1 as its bound and ran no prompt step at all."""
+    from moelora.demo import ASSETS
+    from moelora.engine.engine import Engine
+    from moelora.engine.model_runner import ModelRunner
+
+    warmed = []
+    monkeypatch.setattr(EngineConfig, "warm_up_at_start", property(lambda self: True))
+    monkeypatch.setattr(ModelRunner, "warm_up", lambda self, max_tokens: warmed.append(max_tokens))
+    Engine(str(ASSETS / "model"), device="cpu", dtype="float32", chunked_prefill_size=chunk, max_prefill_tokens=4096,
+           context_length=300).shutdown()
+    assert warmed == [steps]

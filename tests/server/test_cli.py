@@ -102,6 +102,17 @@ def test_an_adapter_name_given_twice_is_a_usage_error(capsys):
                                                                             capsys)
 
 
+def test_server_flags_that_would_mean_nothing_are_usage_errors(capsys):
+    """An empty API key (an unset variable's "--api-key $KEY") would turn authentication off; an empty served name
+    names no model; a queue of 0 refuses every request; a negative stats interval logs at every step."""
+    for flag, value, message in [("--api-key", "", "must not be empty"), ("--served-model-name", " ", "must not be empty"),
+                                 ("--max-queued-requests", "0", "must be 1 or more"),
+                                 ("--max-queued-requests", "-1", "must be 1 or more"),
+                                 ("--log-stats-interval", "-1", "must be 0 or more seconds"),
+                                 ("--log-stats-interval", "nan", "must be 0 or more seconds")]:
+        assert f"argument {flag}: {message}" in usage_error(["serve", "--model-path", "m", flag, value], capsys)
+
+
 def test_inspect_max_lora_rank_below_1_is_a_usage_error(capsys):
     for bad in ["0", "-4"]:
         assert "argument --max-lora-rank: must be 1 or more" in usage_error(
@@ -200,6 +211,10 @@ def test_cli_errors_are_one_message_and_exit_status_1(demo_dir, other_model_adap
               "EngineConfig.ep_size must be a divisor of tp_size (3)")
     one_error(moelora("serve", *model, "--chat-template", "nope.jinja", *CPU), "serve",
               "EngineConfig.chat_template 'nope.jinja' is neither a readable file")
+    one_error(moelora("serve", *model, "--context-length", "100000", *CPU), "serve",
+              "EngineConfig.context_length (100000) is longer than the model's max_position_embeddings (512)")
+    one_error(moelora("generate", *model, "--prompt", "x", "--device", "cuda:x", "--dtype", "float32"), "generate",
+              "EngineConfig.device must be 'cuda', 'cuda:N' or 'cpu', got 'cuda:x'")
     bare = tmp_path / "bare"  # the model without its tokenizer
     shutil.copytree(demo_dir / "model", bare, ignore=shutil.ignore_patterns("tokenizer*", "chat_template*"))
     one_error(moelora("generate", "--model-path", str(bare), "--prompt", "x", *CPU), "generate",
