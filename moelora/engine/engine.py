@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import random
 import time
 import uuid
@@ -248,6 +249,8 @@ class Engine:
             raise ValueError(f"add_request takes one sequence per request (SamplingParams.n=1), got n={params.n}")
         req = self._make(prompt, params, lora, False, rid, add_special_tokens, detokenize)
         if arrival_time is not None:
+            if not (isinstance(arrival_time, (int, float)) and math.isfinite(arrival_time)):
+                raise ValueError(f"arrival_time must be a finite time.perf_counter() value, got {arrival_time!r}")
             req.arrival = arrival_time
         self._add(req)
         return req.rid
@@ -459,6 +462,7 @@ class Engine:
             raise EngineDead(f"the engine cannot run any more: {self.fatal}")
         if req.lora is not None:
             self.runner.lora.acquire(req.lora)
+            req.holds_adapter = True
         self.scheduler.add(req)
 
     def _run(self, reqs: list[Req]) -> None:

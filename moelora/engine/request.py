@@ -34,6 +34,7 @@ class Req:
     # prompt_logprob_entries[k]: prompt token k + 1's log-probability and the top ones (params.prompt_logprobs)
     prompt_logprob_entries: list[dict[int, float]] = field(default_factory=list)
     arrival: float = 0.0                     # time.perf_counter() at arrival: its wait for admission counts from here
+    holds_adapter: bool = False              # took a reference to its adapter (LoRAManager.acquire), not released yet
 
     @property
     def masked(self) -> bool:

@@ -97,12 +97,6 @@ class Scheduler:
                     self.chunked = None
                 self.running.append(req)
 
-    def update(self, batch: ScheduledBatch) -> None:
-        """After the step's tokens are appended and finish reasons set: release finished requests."""
-        for req in batch.reqs:
-            if req.finished:
-                self.remove(req)
-
     def remove(self, req: Req) -> None:
         """Drop a request wherever it is (finished or aborted) and free its cache."""
         if self.chunked is req:

@@ -8,7 +8,9 @@ halves) while the LoRA slots are prepared, the model runs or the batch samples, 
 request with reason "error" and frees what it held; the rest of the step goes on. Reading a step's
 tokens is not retried (its launch has started its prompts decoding): a failure there fails the step's
 requests. A device error (the accelerator's state is lost) or a failed rank of several cannot be
-isolated: it fails every request and the engine stays unhealthy (`fatal`).
+isolated: it fails every request and the engine stays unhealthy (`fatal`). What escapes a step otherwise (an
+interrupt: Ctrl-C in `generate`) ends the requests of the steps it was running and releases what they hold; the
+engine serves on.
 
 Overlap scheduling: step n + 1 is scheduled and launched before step n's tokens are copied to the
 host, its decode rows' input tokens gathered on the device from step n's samples (PendingTokens), so
@@ -74,6 +76,7 @@ class Stepper:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, overlap: bool):
         self.scheduler, self.runner, self.overlap = scheduler, runner, overlap
         self.fatal: str | None = None  # why the engine cannot go on, once it cannot
+        self._touched: list[Req] = []  # the requests of the step being run, and of the one it reads
         self._in_flight: _Launched | None = None  # overlap scheduling: the step launched last
         self.stats = StepStats()
         trace = os.environ.get("MOELORA_STEP_TRACE")
@@ -85,24 +88,35 @@ class Stepper:
         return self._in_flight is not None and any(not r.finished for r in self._in_flight.batch.reqs)
 
     def step(self) -> list[StepOutput]:
-        """Run (or, overlapping, launch) the next step; the outputs of the step that finished."""
-        if self._trace is None:
-            return self._step()
-        started, before = time.perf_counter(), self.stats.as_dict()
-        outputs = self._step()
-        self._trace.write(started, before, self.stats.as_dict(), len(outputs), len(self.scheduler.waiting),
-                          len(self.scheduler.running))
-        return outputs
+        """Run (or, overlapping, launch) the next step; the outputs of the step that finished. What escapes it (an
+        interrupt, a fault outside the request-isolated parts) first fails the requests of the steps it was running
+        (_fail_touched): one scheduled but not yet launched is in no queue, where nothing would find it again."""
+        self._touched = []
+        try:
+            if self._trace is None:
+                return self._step()
+            started, before = time.perf_counter(), self.stats.as_dict()
+            outputs = self._step()
+            self._trace.write(started, before, self.stats.as_dict(), len(outputs), len(self.scheduler.waiting),
+                              len(self.scheduler.running))
+            return outputs
+        except BaseException as e:
+            self._fail_touched(e)
+            raise
 
     def _step(self) -> list[StepOutput]:
         prev, self._in_flight = self._in_flight, None
         if self.fatal is not None:
             return [self.fail(r, self.fatal) for r in self.scheduler.unfinished()]
+        if prev is not None:
+            self._touched += prev.batch.reqs
         outputs = []
         if prev is not None and any(r.grammar is not None for r in prev.result.sampled):
             outputs, prev = self._read(prev, []), None  # their next bitmasks need these tokens
         start = time.perf_counter()
         batch = self.scheduler.schedule()
+        if batch is not None:
+            self._touched += batch.reqs
         scheduled = time.perf_counter()
         self.stats.seconds["schedule"] += scheduled - start
         if batch is None:
@@ -126,11 +140,24 @@ class Stepper:
         return outputs
 
     def retire(self, req: Req) -> None:
-        """Release the request's cache, row, grammar and adapter reference."""
+        """Release the request's cache, row, grammar and adapter reference (each once, whatever was released)."""
         self.scheduler.remove(req)
         req.grammar = None
-        if req.lora is not None:
+        self._release_adapter(req)
+
+    def _release_adapter(self, req: Req) -> None:
+        if req.holds_adapter:
             self.runner.lora.release(req.lora)
+            req.holds_adapter = False
+
+    def _retire_all(self, reqs: list[Req]) -> None:
+        """retire each; one that raises is logged (what it held may stay held: accounting_error tells) and the
+        others are released all the same, their outputs delivered."""
+        for req in reqs:
+            try:
+                self.retire(req)
+            except Exception:
+                logger.exception("releasing what request %s holds failed", req.rid)
 
     def fail(self, req: Req, error: str) -> StepOutput:
         """Finish the request with reason "error", freeing what it holds."""
@@ -139,6 +166,19 @@ class Stepper:
         return StepOutput(req.rid, [], "", True, "error", [], len(req.prompt_ids), len(req.output_ids), error)
 
     # --------------------------------------------------------------------------------- internals
+
+    def _fail_touched(self, e: BaseException) -> None:
+        """After `e` escaped a step: the requests of the steps it ran or read end with an error, and those it had
+        finished but not yet released are released; a launched step left in flight reads as usual (its requests'
+        tokens dropped, as an abort's)."""
+        error = f"its step was interrupted: {_describe(e)}"
+        touched = list(dict.fromkeys(self._touched))
+        for req in touched:
+            if not req.finished:
+                req.finish_reason, req.error = "error", error
+        self._retire_all(touched)
+        logger.error("a step failed outside its requests (%s); its %d requests ended", _describe(e),
+                     len(set(self._touched)))
 
     def _count(self, batch: ScheduledBatch, scheduled: float) -> None:
         """The step's shape in the stats, and the wait of each request it starts (scheduled: when it was planned)."""
@@ -219,15 +259,12 @@ class Stepper:
             req = batch.reqs[i]
             if len(req.prompt_logprob_entries) == start:  # not when a retracted request computes its prompt again
                 req.prompt_logprob_entries += entries
-        outputs = self._append_tokens(result.sampled, launched.tokens) if launched.tokens is not None else []
-        for i, logprobs in result.prompt_logprobs.items():
-            batch.reqs[i].prompt_logprobs.append(logprobs)
-        self.scheduler.update(batch)
-        for req in batch.reqs:
-            if req.finished and req not in ended:
-                req.grammar = None
-                if req.lora is not None:
-                    self.runner.lora.release(req.lora)
+        try:
+            outputs = self._append_tokens(result.sampled, launched.tokens) if launched.tokens is not None else []
+            for i, logprobs in result.prompt_logprobs.items():
+                batch.reqs[i].prompt_logprobs.append(logprobs)
+        finally:  # the requests that ended here release what they hold, whatever raised after their end
+            self._retire_all([r for r in batch.reqs if r.finished and r not in ended])
         self.stats.seconds["postprocess"] += time.perf_counter() - copied
         return outputs
 
@@ -255,7 +292,7 @@ class Stepper:
                 if req.grammar is not None and req.grammar.is_terminated() and not req.detokenizer.finished:
                     text += req.detokenizer.finish("stop")  # complete (its stop token came under ignore_eos)
                 req.finish_reason = req.detokenizer.finish_reason
-            except Exception as e:  # finished like any other request: scheduler.update frees it
+            except Exception as e:  # finished like any other request: _finish releases it
                 logger.exception("appending a token to request %s failed", req.rid)
                 text, req.finish_reason, req.error = "", "error", f"appending its token failed: {_describe(e)}"
             out = StepOutput(req.rid, [token], text, req.finished, req.finish_reason, new_logprobs,

@@ -194,6 +194,9 @@ def test_bad_requests_fail_alone(engine, alone):
         engine.add_request([1, 2], bad)
     with pytest.raises(ValueError, match="prompt 1: unknown adapter"):  # generate checks all before running any
         engine.generate([[1, 2], [3, 4]], lora=[None, "nope"])
+    for when in ("yesterday", float("nan")):  # it once failed the step, and the good request with it
+        with pytest.raises(ValueError, match="arrival_time must be a finite time.perf_counter"):
+            engine.add_request([1, 2], lora="full", arrival_time=when)
     while engine.has_unfinished():
         outputs += engine.step()
     assert [t for o in outputs if o.rid == good for t in o.token_ids] == alone(FAMILY)[0]

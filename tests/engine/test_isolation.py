@@ -223,3 +223,64 @@ def test_a_device_error_reading_a_step_fails_the_prompts_of_a_launch_that_failed
         assert [o.finish_reason for o in outputs[rid]] == ["error"] and "illegal memory" in outputs[rid][0].error
     assert engine.fatal is not None
     assert_released(engine)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("where", ["forward", "detokenization"])
+@pytest.mark.parametrize("when", ["prefill", "decode"])
+def test_an_interrupt_in_a_step_ends_its_requests_and_leaves_the_engine_serving(make_engine, solo, monkeypatch, where,
+                                                                               when, overlap):
+    """Ctrl-C in generate (a notebook's interrupt) escapes the step. Its requests end with an error and release what
+    they hold, a prompt scheduled but not yet launched included (in no queue until then). The engine serves the next
+    call as before: it once leaked those and then failed every step ("the scheduler found nothing to run")."""
+    engine = make_engine(FAMILY, disable_overlap_schedule=not overlap)
+
+    def interrupt(fn, applies):
+        def wrapper(*args, **kwargs):
+            if applies(*args, **kwargs):
+                raise KeyboardInterrupt
+            return fn(*args, **kwargs)
+        return wrapper
+    calls = {"n": 0}
+
+    def due(*_) -> bool:
+        calls["n"] += 1
+        return calls["n"] == (1 if when == "prefill" else 3)
+    if where == "forward":
+        monkeypatch.setattr(engine.runner, "logits", interrupt(engine.runner.logits, due))
+    else:
+        from moelora.engine.detokenizer import IncrementalDetokenizer
+        monkeypatch.setattr(IncrementalDetokenizer, "add", interrupt(IncrementalDetokenizer.add, due))
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(PROMPTS, PARAMS, lora=LORAS)
+    monkeypatch.undo()
+    while engine.has_unfinished():  # a step left in flight (overlap) reads as usual
+        engine.step()
+    assert_released(engine)
+    assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS, lora=LORAS)] == solo
+    engine.unload_lora("partial")  # no reference left behind: the adapter leaves at once
+    assert "partial" not in engine.runner.lora.names
+    assert_released(engine)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_release_that_fails_leaves_the_others_released_and_answered(make_engine, solo, monkeypatch, overlap):
+    """An adapter reference whose release raises (an engine fault, not a request's): logged, and the other requests
+    that ended in that step are released and get their last output all the same."""
+    engine = make_engine(FAMILY, disable_overlap_schedule=not overlap)
+    lora, faults = engine.runner.lora, []
+    release = lora.release
+
+    def failing_once(name):
+        if name == "partial" and not faults:
+            faults.append(name)
+            raise Injected("release fault")
+        return release(name)
+    monkeypatch.setattr(lora, "release", failing_once)
+    rids = [engine.add_request(p, sp, lora=a) for p, sp, a in zip(PROMPTS, PARAMS, LORAS)]
+    outputs = drain(engine)
+    assert faults == ["partial"]
+    assert [[t for o in outputs[r] for t in o.token_ids] for r in rids] == solo
+    assert all(outputs[r][-1].finished and outputs[r][-1].finish_reason == "length" for r in rids)
+    assert engine.scheduler.accounting_error() is None and not engine.has_unfinished()
+    assert engine.runner.lora.in_flight == {"partial": 1}  # the one reference whose release failed

@@ -37,7 +37,9 @@ def step(s: Scheduler) -> ScheduledBatch:
             r.output_ids.append(r.num_tokens)  # a token that says where it was made
             if len(r.output_ids) == r.params.max_tokens:
                 r.finish_reason = "length"
-    s.update(batch)
+    for r in batch.reqs:
+        if r.finished:  # what the stepper does once a step's tokens are appended
+            s.remove(r)
     check_cache(s)
     return batch
 
