@@ -52,7 +52,7 @@ def serve(args: argparse.Namespace) -> int:
     from moelora.distributed.launch import name_ranks
     from moelora.engine.engine import Engine
     from moelora.engine.workers import node_ranks
-    from moelora.server.app import create_app, run_server
+    from moelora.server.app import bind_socket, create_app, run_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     fields = _fields_of(args, _engine_config())
@@ -60,6 +60,7 @@ def serve(args: argparse.Namespace) -> int:
     if config.node_rank > 0:  # the Engine below serves node 0's and ends the process once it shut down: no HTTP here
         print(f"moelora serve: node {config.node_rank} of {config.nnodes} runs {name_ranks(node_ranks(config))} of "
               f"node 0's engine at {config.dist_init_addr} (node 0 serves HTTP) until it shuts down", flush=True)
+    sock = bind_socket(args.host, args.port) if config.node_rank == 0 else None
     engine = Engine(**fields)
     name = args.served_model_name or Path(args.model_path).resolve().name  # "." is the directory it names
     app = create_app(engine, name, args.max_queued_requests, args.api_key, args.log_stats_interval)
@@ -68,7 +69,7 @@ def serve(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()
     try:
-        run_server(app, args.host, args.port, args.log_level, args.shutdown_timeout)
+        run_server(app, sock, args.host, args.port, args.log_level, args.shutdown_timeout)
     finally:
         engine.shutdown()  # the other ranks, with tp_size > 1, if the app's shutdown did not (it failed first)
         # collectable again for the interpreter's exit: frozen, Triton's objects outlived it and nanobind printed a

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moelora.lora.errors import AdapterError
+from moelora.lora.errors import AdapterError, missing_file
 
 # PEFT >= this writes target_parameters LoRA on 3D experts as A [E*r, in], B [out, E*r] with in/out
 # the projection's real input/output; older versions took them from the parameter's dims 1 and 2.
@@ -36,7 +36,7 @@ class AdapterConfig:
     def read(cls, adapter_dir: Path) -> AdapterConfig:
         path = adapter_dir / "adapter_config.json"
         if not path.is_file():
-            raise AdapterError(f"{adapter_dir}: no adapter_config.json")
+            raise missing_file(adapter_dir, "adapter_config.json", "an adapter directory")
         try:
             raw = json.loads(path.read_bytes())  # bytes: UTF-8, -16 or -32, with or without a BOM
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from transformers import AutoConfig, PretrainedConfig
 
-from moelora.lora.errors import AdapterError
+from moelora.lora.errors import AdapterError, missing_file
 
 EXPERT_PROJECTIONS = ("gate", "up", "down")
 
@@ -79,7 +79,8 @@ def _tokenizer_added_tokens(model_dir: Path) -> dict[str, int] | None:
 
 def _read_config(model_dir: Path) -> PretrainedConfig:
     if not (model_dir / "config.json").is_file():
-        raise AdapterError(f"{model_dir}: no config.json (--model takes a local model directory)")
+        error = missing_file(model_dir, "config.json", "a local model directory")
+        raise AdapterError(f"{error} (--model takes a local model directory)")
     return AutoConfig.from_pretrained(model_dir)
 
 

@@ -591,14 +591,32 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def run_server(app: FastAPI, host: str, port: int, log_level: str = "info", shutdown_timeout: float = 0.0) -> None:
-    """Serve create_app's app with uvicorn until SIGTERM or Ctrl-C, as uvicorn.run does (its exit status 3 when the
-    server could not start), but on the signal the requests in flight get shutdown_timeout seconds to finish before
-    they are ended (vLLM's --shutdown-timeout; 0: ended at once), so that the server stops within that time."""
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's address, bound before the model loads (as vLLM does): a --host that resolves to nothing here or
+    a port another process holds is an error at once, naming them, not after the load."""
+    sock = None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        if sock is not None:
+            sock.close()
+        raise OSError(f"cannot listen on {host}:{port} (--host, --port): {e.strerror or e}") from None
+    return sock
+
+
+def run_server(app: FastAPI, sock: socket.socket, host: str, port: int, log_level: str = "info",
+               shutdown_timeout: float = 0.0) -> None:
+    """Serve create_app's app with uvicorn on `sock` (bind_socket's for host:port) until SIGTERM or Ctrl-C, as
+    uvicorn.run does (its exit status 3 when the server could not start), but on the signal the requests in flight
+    get shutdown_timeout seconds to finish before they are ended (vLLM's --shutdown-timeout; 0: ended at once), so
+    that the server stops within that time."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level)
     server = _Server(config, app.state.engine_loop, shutdown_timeout)
     try:
-        server.run()
+        server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn raises Ctrl-C's SIGINT again once it shut down
         pass
     if not server.started:

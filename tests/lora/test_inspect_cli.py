@@ -57,4 +57,7 @@ def test_inspect_reports_problems(tmp_path, capsys):
 
 def test_inspect_missing_adapter(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "nope"), "--json"]) == 1
-    assert "no adapter_config.json" in json.loads(capsys.readouterr().out)["problems"][0]
+    assert "nope: does not exist (an adapter directory expected)" in json.loads(capsys.readouterr().out)["problems"][0]
+    (tmp_path / "empty").mkdir()
+    assert main(["inspect", str(tmp_path / "empty"), "--json"]) == 1
+    assert "empty: no adapter_config.json" in json.loads(capsys.readouterr().out)["problems"][0]

@@ -41,5 +41,9 @@ def test_model_dir_and_unsupported_family(tmp_path):
     assert load_model_shapes(tmp_path / "olmoe").model_type == "olmoe"
     with pytest.raises(AdapterError, match="no config.json"):
         load_model_shapes(tmp_path)
+    with pytest.raises(AdapterError, match="does not exist \\(a local model directory expected\\)"):
+        load_model_shapes(tmp_path / "nope")
+    with pytest.raises(AdapterError, match="config.json: is a file, not a local model directory"):
+        load_model_shapes(tmp_path / "olmoe" / "config.json")
     with pytest.raises(AdapterError, match="model_type 'llama' is not served"):
         load_model_shapes(LlamaConfig())

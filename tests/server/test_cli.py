@@ -7,6 +7,7 @@ import dataclasses
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 
@@ -204,13 +205,22 @@ def test_cli_errors_are_one_message_and_exit_status_1(demo_dir, other_model_adap
     one_error(moelora("generate", *model, "--tokenizer-path", "Qwen/Qwen3-8B", "--prompt", "x", *CPU), "generate",
               "EngineConfig.tokenizer_path 'Qwen/Qwen3-8B' is not a local directory")
     one_error(moelora("serve", *model, "--lora-paths", f"x={tmp_path / 'nope'}", *CPU), "serve",
-              "no adapter_config.json")
+              "nope: does not exist (an adapter directory expected)")
+    one_error(moelora("serve", *model, "--lora-paths", f"x={demo_dir / 'model' / 'config.json'}", *CPU), "serve",
+              "config.json: is a file, not an adapter directory")
     one_error(moelora("serve", *model, "--lora-target-modules", "q_proj", "w1", *CPU), "serve",
               "EngineConfig.lora_target_modules (--lora-target-modules): the model has no module 'w1'")
     one_error(moelora("serve", *model, "--tensor-parallel-size", "3", "--ep-size", "2", *CPU), "serve",
               "EngineConfig.ep_size must be a divisor of tp_size (3)")
     one_error(moelora("serve", *model, "--chat-template", "nope.jinja", *CPU), "serve",
               "EngineConfig.chat_template 'nope.jinja' is neither a readable file")
+    with socket.socket() as taken:  # another process's port; a host that is nowhere: found before the model loads
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        one_error(moelora("serve", *model, "--port", str(port), *CPU), "serve",
+                  f"cannot listen on 127.0.0.1:{port} (--host, --port): Address already in use")
+    one_error(moelora("serve", *model, "--host", "999.1.1.1", *CPU), "serve", "cannot listen on 999.1.1.1:30000")
     one_error(moelora("serve", *model, "--context-length", "100000", *CPU), "serve",
               "EngineConfig.context_length (100000) is longer than the model's max_position_embeddings (512)")
     one_error(moelora("generate", *model, "--prompt", "x", "--device", "cuda:x", "--dtype", "float32"), "generate",

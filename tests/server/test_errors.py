@@ -100,7 +100,7 @@ def test_unknown_model_or_route(server):
 
 def test_adapters_that_cannot_load(server, demo_dir):
     err = error(post(server, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(demo_dir / "missing")}),
-                400, "lora_path", "no adapter_config.json")
+                400, "lora_path", "missing: does not exist (an adapter directory expected)")
     assert err["problems"] == [err["message"]]
     err = error(post(server, "/load_lora_adapter", {"lora_name": "x", "lora_path": str(demo_dir / "broken")}),
                 400, "lora_path", "problem(s)")
