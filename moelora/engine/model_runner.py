@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from moelora.models.config import ModelConfig
 from moelora.models.loader import load_model
 
 logger = logging.getLogger(__name__)
+ALLOW_LONG_CONTEXT = "MOELORA_ALLOW_LONG_CONTEXT_LENGTH"  # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN
 PROFILE_WRITE_TIMEOUT_FACTOR = 10  # the ranks' wait for each other's profile writes: this many dist_timeouts
 
 
@@ -99,9 +101,14 @@ class ModelRunner:
                              "config.json); moelora reads local Hugging Face checkpoints, not Hub ids")
         model_config = ModelConfig.from_pretrained(config.model_path, moe_backend=config.moe_runner_backend)
         if config.context_length is not None and config.context_length > model_config.max_position_embeddings:
-            # as vLLM and SGLang: positions past the trained ones give garbage, not an error
-            raise ValueError(f"EngineConfig.context_length ({config.context_length}) is longer than the model's "
-                             f"max_position_embeddings ({model_config.max_position_embeddings}) in its config.json")
+            # as vLLM and SGLang: positions past the trained ones give garbage, not an error; their environment
+            # variable lets a user who knows better (a RoPE scaling the config does not say) go on
+            what = (f"EngineConfig.context_length ({config.context_length}) is longer than the model's "
+                    f"max_position_embeddings ({model_config.max_position_embeddings}) in its config.json")
+            if os.environ.get(ALLOW_LONG_CONTEXT) != "1":
+                raise ValueError(f"{what}; set {ALLOW_LONG_CONTEXT}=1 to serve it all the same")
+            logger.warning("%s: served as %s=1 asks; outputs past the trained positions may be garbage", what,
+                           ALLOW_LONG_CONTEXT)
         self.dtype = DTYPES[config.dtype] if config.dtype != "auto" else model_config.saved_dtype or torch.float32
         with self._start_phase("model loaded"):
             self.model = load_model(config.model_path, self.dtype, self.device, config.load_format,

@@ -39,13 +39,20 @@ def load_tokenizer(config: EngineConfig) -> tuple[PreTrainedTokenizerBase | None
                          f"{type(e).__name__}: {e}") from e
     if config.chat_template is not None:
         tokenizer.chat_template = read_chat_template(config.chat_template)
-        try:  # a template that cannot render a user's message is no chat template
-            tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                          add_generation_prompt=True)
-        except Exception as e:  # jinja's syntax and template errors, the template's own raise_exception
-            raise ValueError(f"EngineConfig.chat_template does not render a user message: {type(e).__name__}: "
-                             f"{e}") from e
+        _check_renders(tokenizer, "EngineConfig.chat_template")
+    elif tokenizer.chat_template is not None:  # the model's own: broken, every chat request would be refused
+        _check_renders(tokenizer, f"EngineConfig.{field} {str(path)!r}: its chat template (replace it with "
+                                  "chat_template, --chat-template)")
     return tokenizer, None
+
+
+def _check_renders(tokenizer: PreTrainedTokenizerBase, what: str) -> None:
+    """ValueError naming `what` unless the tokenizer's chat template renders a user's message: one that cannot is
+    no chat template."""
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja's syntax and template errors, the template's own raise_exception
+        raise ValueError(f"{what} does not render a user message: {type(e).__name__}: {e}") from e
 
 
 def read_chat_template(value: str) -> str:

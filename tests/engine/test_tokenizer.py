@@ -1,6 +1,8 @@
 """The engine's tokenizer: a model directory without tokenizer files serves token ids (Mixtral and
 DeepSeek configs too, which transformers cannot build a tokenizer for), --tokenizer-path overrides,
 Hub ids are refused without network, and --chat-template replaces the tokenizer's template."""
+import shutil
+
 import pytest
 
 from moelora.engine.sampling_params import SamplingParams
@@ -50,3 +52,17 @@ def test_chat_template_file_or_inline(make_engine, tmp_path):
         make_engine("qwen3_moe", chat_template="{% for m in messages %}")
     with pytest.raises(ValueError, match="EngineConfig.chat_template: .* has no tokenizer files"):
         make_engine("qwen3_moe", tokenizer_path=None, chat_template=TEMPLATE)
+
+
+def test_a_broken_chat_template_of_the_tokenizer_is_an_error_at_the_start(make_engine, tokenizer_dir, tmp_path):
+    """The tokenizer directory's own template is rendered at the start as --chat-template's is: broken, every chat
+    request would be refused as the client's fault. --chat-template replaces it."""
+    broken = tmp_path / "tokenizer"
+    shutil.copytree(tokenizer_dir, broken)
+    (broken / "chat_template.jinja").write_text("{% for m in messages %}")
+    with pytest.raises(ValueError, match="EngineConfig.tokenizer_path '.*tokenizer': its chat template \\(replace it "
+                                         "with chat_template, --chat-template\\) does not render a user message: "
+                                         "TemplateSyntaxError"):
+        make_engine("qwen3_moe", tokenizer_path=str(broken))
+    assert make_engine("qwen3_moe", tokenizer_path=str(broken), chat_template=TEMPLATE).chat_prompt(
+        [{"role": "user", "content": "hi"}]) == "[user] hi\n[assistant]"

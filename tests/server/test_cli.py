@@ -222,7 +222,8 @@ def test_cli_errors_are_one_message_and_exit_status_1(demo_dir, other_model_adap
                   f"cannot listen on 127.0.0.1:{port} (--host, --port): Address already in use")
     one_error(moelora("serve", *model, "--host", "999.1.1.1", *CPU), "serve", "cannot listen on 999.1.1.1:30000")
     one_error(moelora("serve", *model, "--context-length", "100000", *CPU), "serve",
-              "EngineConfig.context_length (100000) is longer than the model's max_position_embeddings (512)")
+              "EngineConfig.context_length (100000) is longer than the model's max_position_embeddings (512)",
+              "set MOELORA_ALLOW_LONG_CONTEXT_LENGTH=1 to serve it all the same")
     one_error(moelora("generate", *model, "--prompt", "x", "--device", "cuda:x", "--dtype", "float32"), "generate",
               "EngineConfig.device must be 'cuda', 'cuda:N' or 'cpu', got 'cuda:x'")
     bare = tmp_path / "bare"  # the model without its tokenizer

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from moelora.engine.engine import Engine
+from moelora.engine.model_runner import ALLOW_LONG_CONTEXT
 from moelora.engine.sampling_params import SamplingParams
 from moelora.server.app import create_app
 from moelora.server.protocol import ChatCompletionRequest
@@ -40,9 +41,16 @@ OPTIONS = {**ENGINE_OPTIONS, "chat_template": str(TEMPLATE), "context_length": 2
 
 @pytest.fixture(scope="module")
 def tool_server(demo_dir):
-    engine = Engine(str(demo_dir / "model"), lora_paths={"alpha": str(demo_dir / "alpha")}, **OPTIONS)
-    with serving(create_app(engine, MODEL_NAME)) as s:
+    with serving(create_app(tool_engine(demo_dir), MODEL_NAME)) as s:
         yield s
+
+
+def tool_engine(demo_dir) -> Engine:
+    """The demo model, whose 512 positions the tool prompts outgrow, with a context of 2048 (its weights are random:
+    nothing to lose past the trained positions)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ALLOW_LONG_CONTEXT, "1")
+        return Engine(str(demo_dir / "model"), lora_paths={"alpha": str(demo_dir / "alpha")}, **OPTIONS)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +60,7 @@ def client(tool_server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def tool_reference(demo_dir) -> Engine:
-    return Engine(str(demo_dir / "model"), lora_paths={"alpha": str(demo_dir / "alpha")}, **OPTIONS)
+    return tool_engine(demo_dir)
 
 
 def post(server, body: dict) -> httpx.Response:
