@@ -349,10 +349,17 @@ class ModelRunner:
         """KV token slots: max_total_tokens when given (on GPUs it must fit in free memory), else on CPU
         CPU_KV_TOKENS and on GPUs what is left of mem_fraction_static of the memory after weights, LoRA
         slots and req_to_token."""
-        if self.device.type == "cpu":
-            return self.config.max_total_tokens or CPU_KV_TOKENS
-        free, total = torch.cuda.mem_get_info(self.device)
         req_to_token = self.config.max_running_requests * context * 4
+        if self.device.type == "cpu":
+            tokens = self.config.max_total_tokens or CPU_KV_TOKENS
+            available = _host_memory_available()
+            if available is not None and tokens * bytes_per_token + req_to_token > available:
+                raise ValueError(f"the KV cache of {tokens} tokens (max_total_tokens) needs "
+                                 f"{tokens * bytes_per_token / 2**30:.2f} GiB and the rows of max_running_requests="
+                                 f"{self.config.max_running_requests} x {context} tokens {req_to_token / 2**30:.2f} "
+                                 f"GiB; {available / 2**30:.2f} GiB of host memory is available")
+            return tokens
+        free, total = torch.cuda.mem_get_info(self.device)
         if self.config.max_total_tokens:
             if self.config.max_total_tokens * bytes_per_token + req_to_token > free:
                 raise ValueError(f"max_total_tokens={self.config.max_total_tokens} needs "
@@ -366,6 +373,15 @@ class ModelRunner:
                              f"{self.config.mem_fraction_static} after weights and LoRA slots): raise mem_fraction_static, "
                              "or lower max_loras_per_batch, max_lora_rank or max_running_requests")
         return tokens
+
+
+def _host_memory_available() -> int | None:
+    """Bytes of host memory available for new allocations (Linux's MemAvailable); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
 
 
 def serve_rank(rank: int, config: EngineConfig, init_method: str) -> None:

@@ -110,3 +110,15 @@ def test_the_warm_up_reaches_the_largest_prompt_step(monkeypatch, chunk, steps):
     Engine(str(ASSETS / "model"), device="cpu", dtype="float32", chunked_prefill_size=chunk, max_prefill_tokens=4096,
            context_length=300).shutdown()
     assert warmed == [steps]
+
+
+@pytest.mark.parametrize("option", [dict(max_total_tokens=10**11), dict(max_running_requests=10**9)])
+def test_a_cache_larger_than_the_host_memory_is_an_error_naming_it(option):
+    """On the CPU the KV cache and the request rows are checked against the memory available, as on GPUs against the
+    free memory: torch's allocator error, a traceback from deep inside, named neither."""
+    from moelora.demo import ASSETS
+    from moelora.engine.engine import Engine
+
+    name = next(iter(option))
+    with pytest.raises(ValueError, match=f"{name}.* GiB of host memory is available"):
+        Engine(str(ASSETS / "model"), device="cpu", dtype="float32", **option)
