@@ -7,6 +7,7 @@ import gc
 import json
 import logging
 import os
+import re
 import sys
 import types
 import typing
@@ -263,8 +264,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except (ValueError, OSError, RequestFailed, EngineDead, WorkerFailure) as e:  # AdapterError is a ValueError
-        print(f"moelora {args.command}: error: {e}", file=sys.stderr)
+        print(f"moelora {args.command}: error: {_with_flags(str(e))}", file=sys.stderr)
         return 1
+
+
+def _with_flags(message: str) -> str:
+    """The message with the command line's flags beside the config fields it names (EngineConfig.context_length
+    (--context-length, --max-model-len)), for a user who typed one of them."""
+    from moelora.engine.sampling_params import SamplingParams
+
+    def flags(m: re.Match) -> str:
+        cls = _engine_config() if m.group(1) == "EngineConfig" else SamplingParams
+        field = next((f for f in dataclasses.fields(cls) if f.name == m.group(2)), None)
+        if field is None or m.string.startswith(" (--", m.end()):  # not a field, or its flag is named already
+            return m.group(0)
+        spellings = ["--" + field.name.replace("_", "-"), *field.metadata.get("aliases", ())]
+        return f"{m.group(0)} ({', '.join(spellings)})"
+    return re.sub(r"\b(EngineConfig|SamplingParams)\.(\w+)", flags, message)
 
 
 if __name__ == "__main__":

@@ -103,8 +103,8 @@ class ModelRunner:
         if config.context_length is not None and config.context_length > model_config.max_position_embeddings:
             # as vLLM and SGLang: positions past the trained ones give garbage, not an error; their environment
             # variable lets a user who knows better (a RoPE scaling the config does not say) go on
-            what = (f"EngineConfig.context_length ({config.context_length}) is longer than the model's "
-                    f"max_position_embeddings ({model_config.max_position_embeddings}) in its config.json")
+            what = (f"EngineConfig.context_length {config.context_length} is longer than the model's "
+                    f"max_position_embeddings, {model_config.max_position_embeddings} in its config.json")
             if os.environ.get(ALLOW_LONG_CONTEXT) != "1":
                 raise ValueError(f"{what}; set {ALLOW_LONG_CONTEXT}=1 to serve it all the same")
             logger.warning("%s: served as %s=1 asks; outputs past the trained positions may be garbage", what,

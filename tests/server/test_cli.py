@@ -103,6 +103,14 @@ def test_an_adapter_name_given_twice_is_a_usage_error(capsys):
                                                                             capsys)
 
 
+def test_errors_name_the_flags_of_the_fields(demo_dir):
+    """A config field's error names its flags too: the user typed one of them, perhaps vLLM's."""
+    one_error(moelora("generate", "--model-path", str(demo_dir / "model"), "--prompt", "x", "--max-model-len", "1",
+                      *CPU), "generate", "EngineConfig.context_length (--context-length, --max-model-len) must be > 1")
+    one_error(moelora("generate", "--model-path", str(demo_dir / "model"), "--prompt", "x", "--max-tokens", "0",
+                      *CPU), "generate", "SamplingParams.max_tokens (--max-tokens) must be")
+
+
 def test_server_flags_that_would_mean_nothing_are_usage_errors(capsys):
     """An empty API key (an unset variable's "--api-key $KEY") would turn authentication off; an empty served name
     names no model; a queue of 0 refuses every request; a negative stats interval logs at every step."""
@@ -125,15 +133,15 @@ def test_a_cuda_device_the_machine_lacks_is_one_error(demo_dir, monkeypatch, cap
     argv = ["generate", "--model-path", str(demo_dir / "model"), "--prompt", "x"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main([*argv, "--device", "cuda"]) == 1
-    assert capsys.readouterr().err == ("moelora generate: error: EngineConfig.device 'cuda': no CUDA device is "
+    assert capsys.readouterr().err == ("moelora generate: error: EngineConfig.device (--device) 'cuda': no CUDA device is "
                                        "available here; use 'cpu'\n")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert main([*argv, "--device", "cuda:2"]) == 1
-    assert capsys.readouterr().err == ("moelora generate: error: EngineConfig.device 'cuda:2': this machine has 2 "
+    assert capsys.readouterr().err == ("moelora generate: error: EngineConfig.device (--device) 'cuda:2': this machine has 2 "
                                        "CUDA device(s), from cuda:0\n")
     assert main([*argv, "--device", "cuda:1", "--tp-size", "2"]) == 1  # its rank 1 would be on cuda:2
-    assert capsys.readouterr().err == ("moelora generate: error: EngineConfig.device 'cuda:1' with tp_size 2: the "
+    assert capsys.readouterr().err == ("moelora generate: error: EngineConfig.device (--device) 'cuda:1' with tp_size 2: the "
                                        "ranks on this node take cuda:1..cuda:2, and this machine has 2 CUDA "
                                        "device(s)\n")
 
@@ -164,7 +172,8 @@ def test_an_unreadable_tokenizer_is_one_error_naming_its_directory(demo_dir, tmp
         (tokenizer / "tokenizer.json").write_text(broken)
         assert main(argv) == 1
         assert capsys.readouterr().err.startswith(f"moelora generate: error: EngineConfig.tokenizer_path "
-                                                  f"'{tokenizer}': its tokenizer files cannot be read: {error}: ")
+                                                  f"(--tokenizer-path) '{tokenizer}': its tokenizer files cannot be "
+                                                  f"read: {error}: ")
 
 
 def test_generate_prints_the_completion(demo_dir, reference, capsys):
@@ -201,9 +210,9 @@ def test_cli_errors_are_one_message_and_exit_status_1(demo_dir, other_model_adap
     one_error(moelora("generate", "--model-path", str(tmp_path / "nope"), "--prompt", "x", *CPU), "generate",
               "not a local model directory")
     one_error(moelora("generate", "--model-path", "Qwen/Qwen3-30B-A3B", "--prompt", "x", *CPU), "generate",
-              "EngineConfig.model_path 'Qwen/Qwen3-30B-A3B'", "not Hub ids")
+              "EngineConfig.model_path (--model-path) 'Qwen/Qwen3-30B-A3B'", "not Hub ids")
     one_error(moelora("generate", *model, "--tokenizer-path", "Qwen/Qwen3-8B", "--prompt", "x", *CPU), "generate",
-              "EngineConfig.tokenizer_path 'Qwen/Qwen3-8B' is not a local directory")
+              "EngineConfig.tokenizer_path (--tokenizer-path) 'Qwen/Qwen3-8B' is not a local directory")
     one_error(moelora("serve", *model, "--lora-paths", f"x={tmp_path / 'nope'}", *CPU), "serve",
               "nope: does not exist (an adapter directory expected)")
     one_error(moelora("serve", *model, "--lora-paths", f"x={demo_dir / 'model' / 'config.json'}", *CPU), "serve",
@@ -211,9 +220,9 @@ def test_cli_errors_are_one_message_and_exit_status_1(demo_dir, other_model_adap
     one_error(moelora("serve", *model, "--lora-target-modules", "q_proj", "w1", *CPU), "serve",
               "EngineConfig.lora_target_modules (--lora-target-modules): the model has no module 'w1'")
     one_error(moelora("serve", *model, "--tensor-parallel-size", "3", "--ep-size", "2", *CPU), "serve",
-              "EngineConfig.ep_size must be a divisor of tp_size (3)")
+              "EngineConfig.ep_size (--ep-size, --expert-parallel-size, --ep) must be a divisor of tp_size (3)")
     one_error(moelora("serve", *model, "--chat-template", "nope.jinja", *CPU), "serve",
-              "EngineConfig.chat_template 'nope.jinja' is neither a readable file")
+              "EngineConfig.chat_template (--chat-template) 'nope.jinja' is neither a readable file")
     with socket.socket() as taken:  # another process's port; a host that is nowhere: found before the model loads
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -222,10 +231,11 @@ def test_cli_errors_are_one_message_and_exit_status_1(demo_dir, other_model_adap
                   f"cannot listen on 127.0.0.1:{port} (--host, --port): Address already in use")
     one_error(moelora("serve", *model, "--host", "999.1.1.1", *CPU), "serve", "cannot listen on 999.1.1.1:30000")
     one_error(moelora("serve", *model, "--context-length", "100000", *CPU), "serve",
-              "EngineConfig.context_length (100000) is longer than the model's max_position_embeddings (512)",
+              "EngineConfig.context_length (--context-length, --max-model-len) 100000 is longer than the model's "
+              "max_position_embeddings, 512 in its config.json",
               "set MOELORA_ALLOW_LONG_CONTEXT_LENGTH=1 to serve it all the same")
     one_error(moelora("generate", *model, "--prompt", "x", "--device", "cuda:x", "--dtype", "float32"), "generate",
-              "EngineConfig.device must be 'cuda', 'cuda:N' or 'cpu', got 'cuda:x'")
+              "EngineConfig.device (--device) must be 'cuda', 'cuda:N' or 'cpu', got 'cuda:x'")
     bare = tmp_path / "bare"  # the model without its tokenizer
     shutil.copytree(demo_dir / "model", bare, ignore=shutil.ignore_patterns("tokenizer*", "chat_template*"))
     one_error(moelora("generate", "--model-path", str(bare), "--prompt", "x", *CPU), "generate",
