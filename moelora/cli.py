@@ -52,7 +52,7 @@ def demo(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace) -> int:
     from moelora.distributed.launch import name_ranks
     from moelora.engine.engine import Engine
-    from moelora.engine.workers import node_ranks
+    from moelora.engine.workers import node_ranks, serves_engine
     from moelora.server.app import bind_socket, create_app, run_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
@@ -61,9 +61,10 @@ def serve(args: argparse.Namespace) -> int:
     if config.node_rank > 0:  # the Engine below serves node 0's and ends the process once it shut down: no HTTP here
         print(f"moelora serve: node {config.node_rank} of {config.nnodes} runs {name_ranks(node_ranks(config))} of "
               f"node 0's engine at {config.dist_init_addr} (node 0 serves HTTP) until it shuts down", flush=True)
-    sock = bind_socket(args.host, args.port) if config.node_rank == 0 else None
+    sock = bind_socket(args.host, args.port) if serves_engine(config) else None  # rank 0 of node 0 serves HTTP
     engine = Engine(**fields)
-    name = args.served_model_name or Path(args.model_path).resolve().name  # "." is the directory it names
+    # "." is the directory it names; a symlink keeps its own name (not its target's, a snapshot hash)
+    name = args.served_model_name or Path(os.path.abspath(args.model_path)).name
     app = create_app(engine, name, args.max_queued_requests, args.api_key, args.log_stats_interval)
     # the model's, tokenizer's and kernels' objects live as long as the process: out of the cyclic collector's
     # scans, whose full collections would otherwise walk them all while every thread waits (as vLLM does)
@@ -257,30 +258,30 @@ class _DictAction(argparse.Action):
 def main(argv: list[str] | None = None) -> int:
     """Exit status 0, 1 for an error of the input or of a rank (one line on stderr, no traceback), 2 for a usage
     error."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     from moelora.engine.engine import EngineDead, RequestFailed  # imports torch: after --help and --version
     from moelora.engine.workers import WorkerFailure
 
     try:
         return args.run(args)
     except (ValueError, OSError, RequestFailed, EngineDead, WorkerFailure) as e:  # AdapterError is a ValueError
-        print(f"moelora {args.command}: error: {_with_flags(str(e))}", file=sys.stderr)
+        print(f"moelora {args.command}: error: {_with_flags(str(e), parser, args.command)}", file=sys.stderr)
         return 1
 
 
-def _with_flags(message: str) -> str:
-    """The message with the command line's flags beside the config fields it names (EngineConfig.context_length
-    (--context-length, --max-model-len)), for a user who typed one of them."""
-    from moelora.engine.sampling_params import SamplingParams
+def _with_flags(message: str, parser: argparse.ArgumentParser, command: str) -> str:
+    """The message with the command's flags beside the config fields it names (EngineConfig.context_length
+    (--context-length, --max-model-len)), for a user who typed one of them; a field the command has no flag for
+    (a generation_config.json's value) stays as it is."""
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {a.dest: a.option_strings for a in commands.choices[command]._actions if a.option_strings}
 
-    def flags(m: re.Match) -> str:
-        cls = _engine_config() if m.group(1) == "EngineConfig" else SamplingParams
-        field = next((f for f in dataclasses.fields(cls) if f.name == m.group(2)), None)
-        if field is None or m.string.startswith(" (--", m.end()):  # not a field, or its flag is named already
+    def named(m: re.Match) -> str:
+        if m.group(2) not in flags or m.string.startswith(" (--", m.end()):  # no flag, or named already
             return m.group(0)
-        spellings = ["--" + field.name.replace("_", "-"), *field.metadata.get("aliases", ())]
-        return f"{m.group(0)} ({', '.join(spellings)})"
-    return re.sub(r"\b(EngineConfig|SamplingParams)\.(\w+)", flags, message)
+        return f"{m.group(0)} ({', '.join(flags[m.group(2)])})"
+    return re.sub(r"\b(EngineConfig|SamplingParams)\.(\w+)", named, message)
 
 
 if __name__ == "__main__":

@@ -203,13 +203,13 @@ class EngineConfig:
 
 
 def _writable_dir(path: str) -> bool:
-    """Whether `path` is (or could be made as) a directory this process writes: made here, at the start, so an
-    unusable one is an error now rather than at the first profile."""
-    try:
-        Path(path).mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return False
-    return os.access(path, os.W_OK | os.X_OK)
+    """Whether `path` is a directory this process writes, or one it could make (its nearest existing ancestor a
+    writable directory): an unusable one is an error at the start rather than at the first profile. Nothing is made
+    here (start_profile makes it)."""
+    existing = Path(path).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    return existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)
 
 
 def _is_host_port(addr: object) -> bool:

@@ -183,12 +183,6 @@ class Engine:
             logger.warning("no profile from %s (see that rank's log)", missing)
         return [t for t in traces if t.is_file()]
 
-    def check_token_ids(self, ids: Sequence[int]) -> None:
-        """PromptError unless every id of a prompt is an int in [0, vocab_size)."""
-        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-        if bad:
-            raise PromptError(f"prompt token ids must be ints in [0, {self.vocab_size}), got {bad[0]!r}")
-
     def drop_profile(self) -> None:
         """End a running profile without writing it (nothing to do without one). On the thread that started it: from
         another, rank 0's recording ends with that thread."""
@@ -308,6 +302,12 @@ class Engine:
             return params
         return replace(params, stop_token_ids=(*params.stop_token_ids, *extra))
 
+    def check_token_ids(self, ids: Sequence[int]) -> None:
+        """PromptError unless every id of a prompt is an int in [0, vocab_size)."""
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise PromptError(f"prompt token ids must be ints in [0, {self.vocab_size}), got {bad[0]!r}")
+
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The text the model's chat template makes of the messages (and the tools the model may
         call, OpenAI's tool definitions), ending where the assistant's turn begins (special tokens
@@ -316,7 +316,8 @@ class Engine:
         if self.tokenizer is None:
             raise ValueError(f"chat needs a tokenizer: {self.missing_tokenizer}")
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("the model has no chat template (tokenizer_config.json)")
+            raise ValueError("the model has no chat template (none in its tokenizer files, or one that does not render: "
+                             "the start logged why); start the engine with chat_template (--chat-template)")
         try:
             return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # the template's own errors (jinja raise_exception, missing fields)
@@ -466,8 +467,14 @@ class Engine:
         self.scheduler.add(req)
 
     def _run(self, reqs: list[Req]) -> None:
-        while not all(r.finished for r in reqs):
-            self.step()
+        try:
+            while not all(r.finished for r in reqs):
+                self.step()
+        except BaseException:  # an interrupt (Ctrl-C): the call's requests still waiting end with it
+            for req in reqs:
+                if not req.finished:
+                    self.abort(req.rid)
+            raise
         failed = [(i, r.error) for i, r in enumerate(reqs) if r.error is not None]
         if failed:
             raise RequestFailed("; ".join(f"prompt {i}: {error}" for i, error in failed))

@@ -100,11 +100,11 @@ class ModelRunner:
             raise ValueError(f"EngineConfig.model_path {config.model_path!r} is not a local model directory (it has no "
                              "config.json); moelora reads local Hugging Face checkpoints, not Hub ids")
         model_config = ModelConfig.from_pretrained(config.model_path, moe_backend=config.moe_runner_backend)
-        if config.context_length is not None and config.context_length > model_config.max_position_embeddings:
+        if config.context_length is not None and config.context_length > (limit := _positions(model_config)):
             # as vLLM and SGLang: positions past the trained ones give garbage, not an error; their environment
             # variable lets a user who knows better (a RoPE scaling the config does not say) go on
-            what = (f"EngineConfig.context_length {config.context_length} is longer than the model's "
-                    f"max_position_embeddings, {model_config.max_position_embeddings} in its config.json")
+            what = (f"EngineConfig.context_length {config.context_length} is longer than the model's positions, "
+                    f"{limit} by its config.json (max_position_embeddings, rope_scaling)")
             if os.environ.get(ALLOW_LONG_CONTEXT) != "1":
                 raise ValueError(f"{what}; set {ALLOW_LONG_CONTEXT}=1 to serve it all the same")
             logger.warning("%s: served as %s=1 asks; outputs past the trained positions may be garbage", what,
@@ -373,6 +373,16 @@ class ModelRunner:
                              f"{self.config.mem_fraction_static} after weights and LoRA slots): raise mem_fraction_static, "
                              "or lower max_loras_per_batch, max_lora_rank or max_running_requests")
         return tokens
+
+
+def _positions(model_config: ModelConfig) -> int:
+    """The longest context the model serves as configured: max_position_embeddings, or a RoPE scaling's factor times
+    its original positions where that is more (as vLLM derives max_model_len)."""
+    rope = model_config.rope_parameters or {}
+    factor = rope.get("factor") if rope.get("rope_type", "default") not in ("default", "llama3") else None
+    scaled = int(factor * rope.get("original_max_position_embeddings", model_config.max_position_embeddings)) \
+        if factor else 0
+    return max(model_config.max_position_embeddings, scaled)
 
 
 def _host_memory_available() -> int | None:

@@ -116,7 +116,7 @@ class Stepper:
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is not None:
-            self._touched += batch.reqs
+            self._touched += [*batch.reqs, *(req for req, _ in batch.failed)]
         scheduled = time.perf_counter()
         self.stats.seconds["schedule"] += scheduled - start
         if batch is None:
@@ -147,8 +147,8 @@ class Stepper:
 
     def _release_adapter(self, req: Req) -> None:
         if req.holds_adapter:
+            req.holds_adapter = False  # first: a release that raised after counting down is never counted twice
             self.runner.lora.release(req.lora)
-            req.holds_adapter = False
 
     def _retire_all(self, reqs: list[Req]) -> None:
         """retire each; one that raises is logged (what it held may stay held: accounting_error tells) and the

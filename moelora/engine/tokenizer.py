@@ -5,12 +5,14 @@ outputs are token ids without text, and what needs text (text prompts, chat, sto
 refused with the reason."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from moelora.engine.config import EngineConfig
 
+logger = logging.getLogger(__name__)
 # A tokenizer's vocabulary is in one of these (fast tokenizers, SentencePiece, BPE, WordPiece);
 # tokenizer_config.json alone makes transformers build an empty one.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
@@ -40,9 +42,12 @@ def load_tokenizer(config: EngineConfig) -> tuple[PreTrainedTokenizerBase | None
     if config.chat_template is not None:
         tokenizer.chat_template = read_chat_template(config.chat_template)
         _check_renders(tokenizer, "EngineConfig.chat_template")
-    elif tokenizer.chat_template is not None:  # the model's own: broken, every chat request would be refused
-        _check_renders(tokenizer, f"EngineConfig.{field} {str(path)!r}: its chat template (replace it with "
-                                  "chat_template, --chat-template)")
+    elif tokenizer.chat_template is not None:
+        try:
+            _check_renders(tokenizer, f"EngineConfig.{field} {str(path)!r}: its chat template")
+        except ValueError as e:  # the model's own: completions and token ids serve on, chat has no template
+            logger.warning("%s; chat requests are refused (replace it with chat_template, --chat-template)", e)
+            tokenizer.chat_template = None
     return tokenizer, None
 
 

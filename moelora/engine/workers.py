@@ -5,7 +5,8 @@ sends them.
 `Workers` is rank 0's side: it starts the other ranks of its node (spawned CPU processes with gloo, or one process
 per GPU with NCCL), joins their world, and sends each command over the gloo control group: ("step", LoRA events,
 StepInputs), ("lora", LoRA events) (followed by a barrier, so a runtime load_lora or unload_lora returns once
-every rank has it), ("profile", LoRA events, ("start", directory, name) or ("stop",)) (followed by a barrier too) and ("shutdown",) (followed by a barrier on the control group, so no rank leaves the world before
+every rank has it), ("profile", LoRA events, ("start", directory, name) or ("stop",)) (followed by a barrier
+too) and ("shutdown",) (followed by a barrier on the control group, so no rank leaves the world before
 every rank has the command). The other ranks run ModelRunner's `serve_rank`.
 
 Where the ranks run, three ways, each process constructing the Engine with the same arguments:

@@ -35,6 +35,7 @@ from uvicorn.config import STARTUP_FAILURE
 from moelora.engine.engine import Engine, EngineDead, PromptError
 from moelora.engine.lora_manager import AdapterNameError
 from moelora.engine.sampling_params import StructuredOutput
+from moelora.engine.workers import WorkerFailure
 from moelora.lora.errors import AdapterError
 from moelora.server.engine_loop import Delta, EngineError, EngineLoop, Overloaded, Submission, merge_deltas
 from moelora.server.errors import APIError, bad_value, error_response, not_found, validation_error
@@ -183,6 +184,8 @@ class OpenAIServing:
             await self.loop.run(self.loop.engine.start_profile)
         except ValueError as e:
             raise APIError(400, str(e)) from e
+        except (EngineError, EngineDead, WorkerFailure) as e:
+            raise APIError(503, str(e), type="server_error") from e
         return {"success": True, "message": f"profiling into {self.loop.engine.config.profile_dir}"}
 
     async def stop_profile(self, request: Request) -> dict:
@@ -193,6 +196,8 @@ class OpenAIServing:
             raise APIError(400, str(e)) from e
         except OSError as e:  # the profile directory went away, or filled up
             raise APIError(500, f"the profile could not be written: {e}", type="internal_server_error") from e
+        except (EngineError, EngineDead, WorkerFailure) as e:
+            raise APIError(503, str(e), type="server_error") from e
         return {"success": True, "message": f"profile written: {len(traces)} traces",
                 "traces": [str(t) for t in traces]}
 
@@ -596,7 +601,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     a port another process holds is an error at once, naming them, not after the load."""
     sock = None
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        # IPv4 first where the name has both (localhost), as uvicorn binds it
+        family, kind, proto, _, address = next((a for a in addresses if a[0] == socket.AF_INET), addresses[0])
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
@@ -615,6 +622,8 @@ def run_server(app: FastAPI, sock: socket.socket, host: str, port: int, log_leve
     that the server stops within that time."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level)
     server = _Server(config, app.state.engine_loop, shutdown_timeout)
+    bound_host, bound_port = sock.getsockname()[:2]  # uvicorn given a socket logs no address: said here
+    logger.info("listening on http://%s:%d", f"[{bound_host}]" if ":" in bound_host else bound_host, bound_port)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn raises Ctrl-C's SIGINT again once it shut down

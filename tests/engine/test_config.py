@@ -27,7 +27,7 @@ def test_the_start_warms_up_on_cuda_unless_skipped():
     ("dist_init_addr", "node0:http"), ("dist_init_addr", "node0:0"), ("dist_init_addr", "node0:65536"),
     ("device", "cuda:x"), ("device", "cuda:"), ("device", "cpu:-1"), ("moe_runner_backend", "triton"),
     ("random_seed", 2**64), ("dist_timeout", float("inf")), ("dist_timeout", float("nan")),
-    ("profile_dir", "/proc/no/such/dir"),
+    ("profile_dir", "/dev/null/profiles"),
 ])
 def test_bad_field_is_named(field, value):
     with pytest.raises(ValueError, match=f"EngineConfig.{field} must be"):
@@ -87,13 +87,15 @@ def test_flag_aliases_are_keywords():
         EngineConfig("model", device="cpu", tensor_parallel=2)
 
 
-def test_a_profile_dir_is_made_at_the_start(tmp_path):
-    """Made (and found writable) when the engine is configured, not at the first profile; a file there is an error."""
+def test_a_profile_dir_is_checked_at_the_start(tmp_path):
+    """Found writable (or makeable) when the engine is configured, not at the first profile; a file there, or under
+    its path, is an error. Nothing is made before a profile starts."""
     EngineConfig("model", device="cpu", profile_dir=str(tmp_path / "a" / "b"))
-    assert (tmp_path / "a" / "b").is_dir()
+    assert not (tmp_path / "a").exists()
     (tmp_path / "file").write_text("")
-    with pytest.raises(ValueError, match="EngineConfig.profile_dir must be a directory this process can make and write"):
-        EngineConfig("model", device="cpu", profile_dir=str(tmp_path / "file"))
+    for bad in (tmp_path / "file", tmp_path / "file" / "under"):
+        with pytest.raises(ValueError, match="EngineConfig.profile_dir must be a directory this process can make"):
+            EngineConfig("model", device="cpu", profile_dir=str(bad))
 
 
 @pytest.mark.parametrize("chunk, steps", [(-1, 300), (64, 64)])
@@ -122,3 +124,17 @@ def test_a_cache_larger_than_the_host_memory_is_an_error_naming_it(option):
     name = next(iter(option))
     with pytest.raises(ValueError, match=f"{name}.* GiB of host memory is available"):
         Engine(str(ASSETS / "model"), device="cpu", dtype="float32", **option)
+
+
+def test_the_context_limit_follows_a_rope_scaling():
+    """A YaRN or linear scaling serves its factor times the original positions (as vLLM's max_model_len); llama3's
+    factor is no context extension (its config's max_position_embeddings says it)."""
+    from types import SimpleNamespace
+
+    from moelora.engine.model_runner import _positions
+    config = lambda rope: SimpleNamespace(max_position_embeddings=40960, rope_parameters=rope)  # noqa: E731
+    assert _positions(config({"rope_type": "default", "rope_theta": 1e6})) == 40960
+    assert _positions(config({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})) == 131072
+    assert _positions(config({"rope_type": "linear", "factor": 2.0})) == 81920
+    assert _positions(config({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192})) == 40960
+    assert _positions(config(None)) == 40960

@@ -54,15 +54,20 @@ def test_chat_template_file_or_inline(make_engine, tmp_path):
         make_engine("qwen3_moe", tokenizer_path=None, chat_template=TEMPLATE)
 
 
-def test_a_broken_chat_template_of_the_tokenizer_is_an_error_at_the_start(make_engine, tokenizer_dir, tmp_path):
-    """The tokenizer directory's own template is rendered at the start as --chat-template's is: broken, every chat
-    request would be refused as the client's fault. --chat-template replaces it."""
+def test_a_broken_chat_template_of_the_tokenizer_is_logged_and_chat_refused(make_engine, tokenizer_dir, tmp_path,
+                                                                          caplog):
+    """The tokenizer directory's own template is rendered at the start as --chat-template's is: broken, the start logs
+    why and chat requests are refused saying so (not as the client's fault), while completions serve on.
+    --chat-template replaces it."""
     broken = tmp_path / "tokenizer"
     shutil.copytree(tokenizer_dir, broken)
     (broken / "chat_template.jinja").write_text("{% for m in messages %}")
-    with pytest.raises(ValueError, match="EngineConfig.tokenizer_path '.*tokenizer': its chat template \\(replace it "
-                                         "with chat_template, --chat-template\\) does not render a user message: "
-                                         "TemplateSyntaxError"):
-        make_engine("qwen3_moe", tokenizer_path=str(broken))
+    with caplog.at_level("WARNING", logger="moelora.engine.tokenizer"):
+        engine = make_engine("qwen3_moe", tokenizer_path=str(broken))
+    assert "its chat template does not render a user message: TemplateSyntaxError" in caplog.text
+    assert "replace it with chat_template, --chat-template" in caplog.text
+    with pytest.raises(ValueError, match="the model has no chat template .* the start logged why"):
+        engine.chat_prompt([{"role": "user", "content": "hi"}])
+    assert engine.generate([PROMPT], GREEDY)[0].token_ids  # completions serve on
     assert make_engine("qwen3_moe", tokenizer_path=str(broken), chat_template=TEMPLATE).chat_prompt(
         [{"role": "user", "content": "hi"}]) == "[user] hi\n[assistant]"

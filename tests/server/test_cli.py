@@ -232,7 +232,7 @@ def test_cli_errors_are_one_message_and_exit_status_1(demo_dir, other_model_adap
     one_error(moelora("serve", *model, "--host", "999.1.1.1", *CPU), "serve", "cannot listen on 999.1.1.1:30000")
     one_error(moelora("serve", *model, "--context-length", "100000", *CPU), "serve",
               "EngineConfig.context_length (--context-length, --max-model-len) 100000 is longer than the model's "
-              "max_position_embeddings, 512 in its config.json",
+              "positions, 512 by its config.json (max_position_embeddings, rope_scaling)",
               "set MOELORA_ALLOW_LONG_CONTEXT_LENGTH=1 to serve it all the same")
     one_error(moelora("generate", *model, "--prompt", "x", "--device", "cuda:x", "--dtype", "float32"), "generate",
               "EngineConfig.device (--device) must be 'cuda', 'cuda:N' or 'cpu', got 'cuda:x'")
