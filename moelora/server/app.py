@@ -48,6 +48,7 @@ from moelora.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion
 from moelora.server.tools import ChatTools
 
 logger = logging.getLogger(__name__)
+CLOSE_SECONDS = 5.0  # at shutdown, after the drain: uvicorn's wait for the connections still open
 
 
 Entry = tuple[str, float | None, list[tuple[str, float]] | None]  # a token's text, log-probability, top ones (desc)
@@ -620,7 +621,9 @@ def run_server(app: FastAPI, sock: socket.socket, host: str, port: int, log_leve
     uvicorn.run does (its exit status 3 when the server could not start), but on the signal the requests in flight
     get shutdown_timeout seconds to finish before they are ended (vLLM's --shutdown-timeout; 0: ended at once), so
     that the server stops within that time."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level)
+    # once the requests in flight ended (the drain), a client that reads nothing more holds uvicorn's wait for its
+    # connection no longer than this
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=CLOSE_SECONDS)
     server = _Server(config, app.state.engine_loop, shutdown_timeout)
     bound_host, bound_port = sock.getsockname()[:2]  # uvicorn given a socket logs no address: said here
     logger.info("listening on http://%s:%d", f"[{bound_host}]" if ":" in bound_host else bound_host, bound_port)

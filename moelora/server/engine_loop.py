@@ -171,7 +171,7 @@ class EngineLoop:
         if self._in_flight() and self._thread.is_alive():  # (a dead engine thread would never run the command)
             if timeout > 0:
                 logger.info("shutting down: ending the %d requests still in flight", self._in_flight())
-            await self.run(lambda: self._fail_all(EngineError("the server is shutting down")))
+            await self.run(lambda: self._fail_all(EngineError("the server is shutting down"), "abort"))
 
     def _in_flight(self) -> int:
         """Sequences submitted and not yet finished (read outside the engine thread: a moment's count)."""
@@ -289,7 +289,7 @@ class EngineLoop:
         for _, future in commands:
             future.cancel()
         self.engine.drop_profile()  # on the thread that started it (torch's profiler is the thread's)
-        self._fail_all(EngineError("the server is shutting down"))
+        self._fail_all(EngineError("the server is shutting down"), "abort")
 
     def _unpend(self, n: int) -> None:
         with self._cv:
@@ -309,6 +309,10 @@ class EngineLoop:
             self._text.submit(self._forget, rids)  # before the aborts' outputs reach the text thread
             raise
         self._rids.update(added)
+        # counted as waiting before they stop counting as pending (the future's callback, once this returns): the
+        # queue limit in between would not see them
+        with self._cv:
+            self.num_waiting = self.engine.num_waiting
         self.thread_stats.added += len(added)
         self.thread_stats.add_delay_seconds += len(added) * (time.perf_counter() - arrival)
         return rids
@@ -326,7 +330,7 @@ class EngineLoop:
             outputs = self.engine.step()
         except Exception as e:
             logger.exception("engine step failed; failing the requests in flight")
-            self._fail_all(EngineError(f"the engine failed: {e}"))
+            self._fail_all(EngineError(f"the engine failed: {e}"), "error")
             if (problem := self.engine.accounting_error()) is not None:
                 self.failure = f"the KV cache accounting is off after a failed step: {problem}"
                 logger.error("the engine cannot serve any more: %s", self.failure)
@@ -340,14 +344,15 @@ class EngineLoop:
         if outputs:
             self._text.submit(self._deliver_outputs, outputs, now)
 
-    def _fail_all(self, error: EngineError) -> None:
+    def _fail_all(self, error: EngineError, reason: str) -> None:
+        """End every request in flight with `error`; each sequence counts as finished for `reason`."""
         for rid in self._rids:
             try:
                 self.engine.abort(rid)
             except Exception:
                 logger.exception("aborting %s failed", rid)
         self._rids.clear()
-        self._text.submit(self._fail_streams, error)
+        self._text.submit(self._fail_streams, error, reason)
 
     # ------------------------------------------------------------------------------ text thread
 
@@ -418,10 +423,11 @@ class EngineLoop:
         pieces = {t: self.engine.token_text(t) for t in tokens.union(out.prompt_token_ids or ())}
         return Delta(stream.index, out, pieces)
 
-    def _fail_streams(self, error: EngineError) -> None:
+    def _fail_streams(self, error: EngineError, reason: str) -> None:
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
         for stream in self._streams.values():
             deliveries.setdefault(stream.loop, []).append((stream.queue, error))
+            self.metrics.finished(reason)  # its abort's output finds no stream left to count it
         self._streams.clear()
         for loop, items in deliveries.items():
             _deliver(loop, items)

@@ -201,10 +201,12 @@ def test_a_failing_step_fails_only_the_requests_in_it(server, monkeypatch):
             raise RuntimeError("boom")
         return step()
     monkeypatch.setattr(server.loop.engine, "step", failing)
+    errors = finished(server, "error")
     with httpx.stream("POST", f"{server.url}/v1/completions", json={**OK, "max_tokens": 5, "stream": True}) as r:
         events = [line.removeprefix("data: ") for line in r.iter_lines() if line]
     assert r.status_code == 200 and events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["message"] == "the engine failed: boom"
+    assert finished(server, "error") == errors + 1  # counted though its stream ended outside the engine's outputs
     r = post(server, "/v1/completions", OK)  # steps work again
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
