@@ -48,7 +48,9 @@ from moelora.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion
 from moelora.server.tools import ChatTools
 
 logger = logging.getLogger(__name__)
-CLOSE_SECONDS = 5.0  # at shutdown, after the drain: uvicorn's wait for the connections still open
+# at shutdown, after the drain: uvicorn's wait for the connections still open. The responses of requests that
+# finished in the drain are still being written then (5 s cut some on a loaded 2-core CI machine)
+CLOSE_SECONDS = 30.0
 
 
 Entry = tuple[str, float | None, list[tuple[str, float]] | None]  # a token's text, log-probability, top ones (desc)
