@@ -30,10 +30,15 @@ def rank_of(trace: str | Path) -> int:
     return int(Path(trace).name.removesuffix(".trace.json.gz").rsplit("-rank", 1)[1])
 
 
+def summary_path(trace: str | Path) -> Path:
+    """The summary written beside a trace (profile_files' pair)."""
+    trace = Path(trace)
+    return trace.with_name(trace.name.removesuffix(".trace.json.gz") + ".kernels.json")
+
+
 def read_summary(trace: str | Path) -> dict:
     """The summary written beside a trace: {"device": ..., "kernels": {name: [launches, microseconds]}}."""
-    trace = Path(trace)
-    return json.loads(trace.with_name(trace.name.replace(".trace.json.gz", ".kernels.json")).read_text())
+    return json.loads(summary_path(trace).read_text())
 
 
 class StepProfiler:

@@ -26,6 +26,7 @@ from moelora.distributed.state import ParallelState
 from moelora.engine.config import EngineConfig
 from moelora.engine.engine import Engine, EngineDead, RequestFailed
 from moelora.engine.lora_slots import slotted_modules
+from moelora.engine.profiler import read_summary, summary_path
 from moelora.engine.sampling_params import SamplingParams
 from moelora.engine.workers import WorkerFailure, Workers, node_config, node_ranks, serves_engine
 from moelora.models.config import ModelConfig
@@ -106,10 +107,9 @@ def test_every_rank_writes_its_profile(start_engine, tmp_path, monkeypatch):
     assert [t.name.rsplit("-", 1)[1] for t in traces] == ["rank0.trace.json.gz", "rank1.trace.json.gz"]
     assert len({t.name.rsplit("-", 1)[0] for t in traces}) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["failed", *(t.name for t in traces),
-                                                                 *(t.name.replace(".trace.json.gz", ".kernels.json")
-                                                                   for t in traces)])
+                                                                 *(summary_path(t).name for t in traces)])
     for trace in traces:
-        summary = json.loads(trace.with_name(trace.name.replace(".trace.json.gz", ".kernels.json")).read_text())
+        summary = read_summary(trace)
         assert summary["device"] == "cpu" and any(name.startswith("aten::") for name in summary["kernels"]), trace
     assert [o.token_ids for o in many.generate(PROMPTS, GREEDY, lora=loras)] == want
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moelora.engine.model_runner import _profile_command
-from moelora.engine.profiler import StepProfiler, profile_files
+from moelora.engine.profiler import StepProfiler, profile_files, read_summary
 from moelora.engine.sampling_params import SamplingParams
 
 FAMILY = "qwen3_moe"
@@ -23,7 +23,7 @@ def _assert_profile(trace: Path, expect_ops: bool) -> dict:
     """The trace is Chrome's JSON (gzip'd) and its summary lists the host's ops by self time; returns the summary."""
     assert trace.name.endswith(".trace.json.gz") and "-rank" in trace.name
     events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
-    summary = json.loads(trace.with_name(trace.name.replace(".trace.json.gz", ".kernels.json")).read_text())
+    summary = read_summary(trace)
     assert summary["device"] == "cpu"
     if expect_ops:
         names = {e.get("name") for e in events}
