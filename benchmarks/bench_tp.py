@@ -45,6 +45,8 @@ def main() -> None:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after each layout's runs, its LoRA-off prefill call profiled on every rank "
                         "(Engine.start_profile): the N kernels that take the most time, collectives included")
+    p.add_argument("--profile-dir", default=None, help="where the profiles' traces stay, a folder per layout "
+                   "(default: the run's temporary folder, removed at its end)")
     args = p.parse_args()
     defaults = ("1,8", 16, 4, "8x32") if args.tiny else ("1,32,128", 128, 16, "8x1024")
     for name, value in zip(("batch_sizes", "prompt_len", "decode_tokens", "prefill"), defaults):
@@ -92,7 +94,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
                       f"| {r.tokens / r.seconds:.0f} | {1e3 * r.seconds / r.steps:.2f} |", flush=True)
                 if args.profile and w.phase == "prefill" and w.adapters == 0:  # its kernels are compiled by now
                     prompts, names = w.prompts(config.vocab_size), w.names()
-                    ours.engine.start_profile(str(workdir / f"profile-{tp}x{ep}"))
+                    ours.engine.start_profile(str(Path(args.profile_dir or workdir) / f"profile-{tp}x{ep}"))
                     ours.generate(prompts, names, 1)
                     profiles[tp, ep] = {rank_of(trace): read_summary(trace)["kernels"]
                                         for trace in ours.engine.stop_profile()}

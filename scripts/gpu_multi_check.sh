@@ -10,7 +10,8 @@
 #   qwen3      bench_tp.py on a dummy Qwen3-30B-A3B: decode tokens/s at batch 1/32/128 and prefill 8x1024, LoRA off /
 #              1 / 8 adapters, for each of $LAYOUTS (tp x ep) with $DISPATCH (all_reduce or all_to_all)
 #   deepseek   the same on a DeepSeek-V3-shaped dummy (real widths, 4 layers) for $DS_LAYOUTS
-# PROFILE=N: the benchmarks also profile each layout's LoRA-off prefill on every rank and list the N busiest kernels.
+# PROFILE=N: the benchmarks also profile each layout's LoRA-off prefill on every rank and list the N busiest kernels;
+# PROFILE_DIR keeps their traces (each rank's trace and kernel summary: 2 files a rank, of the 8 a call returns).
 # Results land in $OUT (device tool) or /tmp/gpu_multi_check. Time limits: TEST_TIMEOUT (default 540 s) and
 # BENCH_TIMEOUT per benchmark stage (default 270 s). Measured on 2 H200s (RESULTS.md, session 25): the tests stage took
 # 409 s with only the 2-GPU cases (each 4-GPU case adds a multi-rank engine start, 40-75 s); a 30B layout started in
@@ -47,10 +48,11 @@ for stage in ${STAGES//,/ }; do
       grep -hE "PASSED|FAILED|ERROR|SKIPPED|Timeout|passed|failed|s call " "$OUT/pytest.log" | tail -40 ;;
     qwen3)
       timeout -k 10 ${BENCH_TIMEOUT:-270} python3 benchmarks/bench_tp.py --layouts "$LAYOUTS" --dispatch "$DISPATCH" \
-        --profile "${PROFILE:-0}" 2>&1 | tee "$OUT/bench_tp_qwen3_30b_${DISPATCH}.md" || status=$? ;;
+        --profile "${PROFILE:-0}" ${PROFILE_DIR:+--profile-dir "$PROFILE_DIR"} 2>&1 \
+        | tee "$OUT/bench_tp_qwen3_30b_${DISPATCH}.md" || status=$? ;;
     deepseek)
       timeout -k 10 ${BENCH_TIMEOUT:-270} python3 benchmarks/bench_tp.py --model deepseek-v3 --layers 4 \
-        --layouts "$DS_LAYOUTS" --dispatch "$DISPATCH" --profile "${PROFILE:-0}" 2>&1 \
+        --layouts "$DS_LAYOUTS" --dispatch "$DISPATCH" --profile "${PROFILE:-0}" ${PROFILE_DIR:+--profile-dir "$PROFILE_DIR"} 2>&1 \
         | tee "$OUT/bench_tp_deepseek_v3_${DISPATCH}.md" || status=$? ;;
     *) echo "unknown stage $stage (tests, qwen3, deepseek)"; exit 2 ;;
   esac

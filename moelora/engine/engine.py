@@ -43,7 +43,8 @@ from moelora.engine.step_stats import StepStats
 from moelora.engine.stepper import StepOutput, Stepper
 from moelora.engine.structured_output import GrammarBackend
 from moelora.engine.tokenizer import load_tokenizer
-from moelora.engine.workers import WorkerFailure, Workers, follow, launched_rank, node_config, node_ranks, serves_engine
+from moelora.engine.workers import (WorkerFailure, Workers, follow, launched_rank, node_config, node_ranks, serves_engine,
+                                    share_node_cores)
 from moelora.lora.canonical import Adapter
 
 Prompt = str | Sequence[int]
@@ -87,6 +88,11 @@ class Engine:
             follow(self.config, serve_rank)
             raise SystemExit(0)  # rank 0 shut down: this process is done
         t0 = time.perf_counter()
+        # rank 0 takes its share of the cores as the other ranks do (serve_rank); shutdown gives the rest back
+        self._threads = share_node_cores(self.config) if self.config.tp_size > 1 else None
+        if self._threads is not None and torch.get_num_threads() != self._threads:
+            logger.info("torch CPU threads %d -> %d: the %d ranks of this node share its cores", self._threads,
+                        torch.get_num_threads(), len(node_ranks(self.config)))
         self.workers = Workers(self.config, serve_rank) if self.config.tp_size > 1 else None
         # seconds of each phase of the start (summary's last line): rank 0's, and its waits for the others
         self.start_seconds = {} if self.workers is None else {"ranks started": time.perf_counter() - t0}
@@ -97,6 +103,7 @@ class Engine:
             # a first command, and no constructed engine is left to shut them down
             if self.workers is not None:
                 self.workers.shutdown(orderly=False)
+            self._give_back_threads()
             raise
 
     def _start(self) -> None:
@@ -197,6 +204,12 @@ class Engine:
             self.workers.shutdown()
             self.workers = None
             self.stepper.fatal = self.stepper.fatal or "the engine was shut down"
+        self._give_back_threads()
+
+    def _give_back_threads(self) -> None:
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
+            self._threads = None
 
     # ---------------------------------------------------------------------------- offline API
 

@@ -27,7 +27,7 @@ from moelora.engine.profiler import StepProfiler
 from moelora.engine.request import Req
 from moelora.engine.sampler import PenaltyState, SampleOutput, SamplingBatch, TokenMask, hold_back, sample
 from moelora.engine.scheduler import ScheduledBatch
-from moelora.engine.workers import Workers, join_world, node_config, node_ranks
+from moelora.engine.workers import Workers, join_world, node_config, share_node_cores
 from moelora.layers.moe.all_to_all import FIXED_MAX_TOKENS
 from moelora.models.config import ModelConfig
 from moelora.models.loader import load_model
@@ -396,8 +396,7 @@ def _host_memory_available() -> int | None:
 
 def serve_rank(rank: int, config: EngineConfig, init_method: str) -> None:
     """A rank other than 0: load its share of the model, then run what rank 0 sends until it says stop."""
-    # the ranks of a node share its cores
-    torch.set_num_threads(max(1, torch.get_num_threads() // len(node_ranks(config))))
+    share_node_cores(config)
     with parallel_state(join_world(config, rank, init_method)) as state:
         runner = ModelRunner(node_config(config, rank))
     control_barrier(state, config.dist_timeout)  # loaded: rank 0's Engine waits for every rank's (Workers.barrier)

@@ -62,6 +62,15 @@ def node_ranks(config: EngineConfig) -> range:
     return range(config.node_rank * per_node, (config.node_rank + 1) * per_node)
 
 
+def share_node_cores(config: EngineConfig) -> int:
+    """This rank takes its share of the node's CPU threads (torch's intra-op pool), threads // ranks on the node,
+    and returns the count it had. Every rank keeping every core oversubscribes them: then a rank's CPU work (an
+    adapter's parse) crawls while the others' threads spin."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads // len(node_ranks(config))))
+    return threads
+
+
 def node_config(config: EngineConfig, rank: int) -> EngineConfig:
     """The config of one rank: on GPUs its own device, cuda:N+i for device cuda:N, i being torchrun's LOCAL_RANK
     where torchrun started the ranks (one node or several), else the rank's place on its node. Under torchrun a

@@ -176,6 +176,20 @@ def test_shutdown_ends_the_ranks_together(start_engine):
     assert rank1.exitcode == 0
 
 
+def test_rank_0_takes_its_share_of_the_cores_and_gives_them_back(start_engine, tmp_path):
+    """Rank 0 takes threads // ranks of its CPU threads as the other ranks do (rank 0 keeping every core beside the
+    others' shares oversubscribed them: its adapter loads crawled), and gives them back at shutdown, or when the
+    construction fails."""
+    torch.set_num_threads(4)  # the autouse fixture gives back the count before the test
+    many = start_engine("qwen3_moe", tp_size=2)
+    assert torch.get_num_threads() == 2
+    many.shutdown()
+    assert torch.get_num_threads() == 4
+    with pytest.raises(ValueError, match="EngineConfig.tokenizer_path"):
+        start_engine("qwen3_moe", tp_size=2, tokenizer_path=str(tmp_path / "missing"))
+    assert torch.get_num_threads() == 4
+
+
 def test_shutdown_gives_up_on_a_rank_that_hangs(start_engine):
     """Shutdown's barrier waits dist_timeout for a rank that hangs, which is then killed: no shutdown hangs, and
     the next engine over two ranks starts."""
