@@ -142,14 +142,17 @@ def print_step_tables(served: dict[int, dict[str, float]], offline: dict[int, di
         print(step_row("server", c, served[c]))
         print(step_row("offline", c, offline[c]))
     print("\n| clients | HTTP arrival to engine add ms (mean) | server's TTFT ms (mean) | engine thread idle s "
-          "| engine commands s | engine steps s | text thread s | CPU s: event loop / engine / text thread "
+          "| engine commands s | engine steps s | text / tokenize thread s | CPU s: event loop / engine / text / "
+          "tokenize thread "
           "| GC s / kernel compiles (s) | run wall s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for c, d in served.items():
-        cpu = " / ".join(f"{d.get(f'{thread}_cpu_seconds', math.nan):.2f}" for thread in ("event_loop", "engine", "text"))
+        cpu = " / ".join(f"{d.get(f'{thread}_cpu_seconds', math.nan):.2f}"
+                         for thread in ("event_loop", "engine", "text", "tokenize"))
         print(f"| {c} | {1e3 * d['add_delay_seconds'] / max(d['added'], 1):.1f} "
               f"| {1e3 * d['ttft_sum'] / max(d['ttft_count'], 1):.1f} | {d['idle_seconds']:.2f} "
-              f"| {d['commands_seconds']:.2f} | {d['steps_seconds']:.2f} | {d['text_seconds']:.2f} | {cpu} "
+              f"| {d['commands_seconds']:.2f} | {d['steps_seconds']:.2f} | {d['text_seconds']:.2f} / "
+              f"{d['tokenize_seconds']:.2f} | {cpu} "
               f"| {d['gc_seconds']:.2f} / {d['kernel_compiles']:.0f} ({d['compile_seconds']:.2f}) | {walls[c]:.2f} |")
 
 

@@ -344,7 +344,7 @@ class OpenAIServing:
             raise APIError(400, message, param=field) from e
 
     async def _prompt_texts(self, prompts: list[str | list[int]]) -> list[str]:
-        """The text of each prompt, as echo returns it (token ids decoded in the text thread)."""
+        """The text of each prompt, as echo returns it (token ids decoded in the tokenize thread)."""
         if self.loop.engine.tokenizer is None:
             raise APIError(400, f"echo needs a tokenizer: {self.loop.engine.missing_tokenizer}", param="echo")
         ids = [p for p in prompts if not isinstance(p, str)]
@@ -353,12 +353,12 @@ class OpenAIServing:
                 self.loop.engine.check_token_ids(p)
             except PromptError as e:
                 raise APIError(400, str(e), param="prompt") from e
-        decoded = iter(await self.loop.run_text(lambda: [self.loop.engine.tokenizer.decode(p) for p in ids]) if ids
+        decoded = iter(await self.loop.run_tokenize(lambda: [self.loop.engine.tokenizer.decode(p) for p in ids]) if ids
                        else [])
         return [p if isinstance(p, str) else next(decoded) for p in prompts]
 
     async def _chat_prompt(self, body: ChatCompletionRequest, tools: list[dict] | None) -> str:
-        """The messages through the chat template, in the text thread (not the event loop's)."""
+        """The messages through the chat template, in the tokenize thread (not the event loop's)."""
         messages = []
         for i, m in enumerate(body.messages):
             msg = m.model_dump(exclude_none=True)
@@ -368,7 +368,7 @@ class OpenAIServing:
                 msg["content"] = "\n".join(p.text for p in m.content)  # as vLLM gives a template the parts
             messages.append(msg)
         try:
-            return await self.loop.run_text(lambda: self.loop.engine.chat_prompt(messages, tools))
+            return await self.loop.run_tokenize(lambda: self.loop.engine.chat_prompt(messages, tools))
         except ValueError as e:
             raise APIError(400, f"{e}; use /v1/completions with a prompt", param="messages") from e
 

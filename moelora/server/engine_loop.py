@@ -6,14 +6,17 @@ Future. Between commands the thread steps the engine while it has work. A comman
 only its own Future.
 
 The engine thread never waits on text or files: prompts are tokenized (and chat templates rendered)
-before their requests are added, and outputs detokenized after their step, in the text thread, one
-worker that takes its jobs in order (so a request is registered before its first output comes, and
-its outputs come in order); adapter files are read in a worker of their own (read_lora) and only
-installed between steps. The text thread detokenizes each request's tokens (stop strings included:
+in the tokenize thread before their requests are added; outputs are detokenized after their step in the text
+thread. Each is one worker that takes its jobs in order: a request's stream is registered in the text thread
+before its request is added, so before its first output comes, and its outputs come in order. Two threads, so
+that a long prompt's tokenization (seconds for megabytes of text) never holds up the other requests' outputs.
+Adapter files are read in a worker of their own (read_lora) and only installed between steps. The text thread
+detokenizes each request's tokens (stop strings included:
 one ends the request there, and the engine is told to abort it), and hands each request's outputs
 to its asyncio.Queue with loop.call_soon_threadsafe, one call per step. Threads and not processes:
 the step spends most of its wall time in torch calls that release the GIL (kernel launches, the
-device-to-host copy of the sampled tokens that waits for the GPU), which is when the text thread runs.
+device-to-host copy of the sampled tokens that waits for the GPU), which is when the text and tokenize threads
+run.
 
 A request the engine fails gets an EngineError in its queue; a step that raises past the engine's
 own isolation fails the requests in flight and the thread goes on, unless the engine's books no
@@ -90,7 +93,8 @@ class ThreadStats:
     idle_seconds: float = 0.0       # engine thread: waiting for work (nothing to step)
     commands_seconds: float = 0.0   # engine thread: running commands (adding and aborting requests, adapters)
     steps_seconds: float = 0.0      # engine thread: in Engine.step (StepStats breaks it down)
-    text_seconds: float = 0.0       # text thread: tokenizing, detokenizing, handing outputs to the event loop
+    tokenize_seconds: float = 0.0   # tokenize thread: prompts' tokens
+    text_seconds: float = 0.0       # text thread: registering streams, detokenizing, handing outputs to the event loop
     added: int = 0                  # requests added
     add_delay_seconds: float = 0.0  # from each one's HTTP arrival to its add in the engine thread, summed
 
@@ -130,6 +134,9 @@ class EngineLoop:
         self.adapters: dict[str, str] = {n: str(p) for n, p in engine.config.lora_paths.items()}
         self.num_waiting = 0
         self._text = ThreadPoolExecutor(1, thread_name_prefix="moelora-text")  # one worker: jobs in order
+        # one worker: concurrent encodes on one fast tokenizer can fail ("Already borrowed": transformers resets its
+        # truncation state per call); an encode beside the text thread's decodes is fine
+        self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="moelora-tokenize")
         self._streams: dict[str, _Stream] = {}  # text thread only: requests whose outputs it delivers
         self._rids: set[str] = set()  # engine thread only: requests added and not yet seen finished
         self._commands: list[tuple[Callable[[], Any], Future]] = []
@@ -146,7 +153,8 @@ class EngineLoop:
         """Start the engine thread; called from the server's event loop (whose thread's CPU time /metrics reports)."""
         self._thread.start()
         self._thread_ids = {"event_loop": threading.get_ident(), "engine": self._thread.ident,
-                            "text": self._text.submit(threading.get_ident).result()}
+                            "text": self._text.submit(threading.get_ident).result(),
+                            "tokenize": self._tokenize.submit(threading.get_ident).result()}
 
     def stop(self) -> None:
         with self._cv:
@@ -154,6 +162,7 @@ class EngineLoop:
             self._cv.notify()
         self._thread.join()
         self._text.shutdown()  # after the engine thread's last deliveries
+        self._tokenize.shutdown()
 
     async def drain(self, timeout: float, cut: Callable[[], bool]) -> None:
         """The server shuts down: refuse new requests (/health says 503), wait up to `timeout` seconds for those in
@@ -193,7 +202,7 @@ class EngineLoop:
         return future
 
     def _thread_counters(self) -> dict[str, float]:
-        """ThreadStats, and the CPU seconds of the event loop's, engine's and text threads so far: how much of
+        """ThreadStats, and the CPU seconds of the event loop's, engine's, text and tokenize threads so far: how much of
         the one GIL each takes (read when scraped, nothing per step)."""
         cpu = {}
         for name, ident in self._thread_ids.items():
@@ -206,9 +215,9 @@ class EngineLoop:
     async def run(self, fn: Callable[[], T]) -> T:
         return await asyncio.wrap_future(self.call(fn))
 
-    async def run_text(self, fn: Callable[[], T]) -> T:
-        """Run fn in the text thread (tokenizer work: chat templates, encoding, decoding)."""
-        return await asyncio.wrap_future(self._text.submit(fn))
+    async def run_tokenize(self, fn: Callable[[], T]) -> T:
+        """Run fn in the tokenize thread (a request's tokenizer work: chat templates, encoding, echo's decoding)."""
+        return await asyncio.wrap_future(self._tokenize.submit(fn))
 
     async def submit(self, subs: list[Submission], queue: asyncio.Queue) -> tuple[list[str], list[int]]:
         """Add the sequences (all or none); their Deltas, or an EngineError, go to `queue`. Returns their request
@@ -225,7 +234,8 @@ class EngineLoop:
             self._pending += len(subs)
         loop, arrival, rids = asyncio.get_running_loop(), time.perf_counter(), [uuid.uuid4().hex for _ in subs]
         try:
-            prompts = await self.run_text(lambda: self._register(rids, subs, loop, queue, arrival))
+            prompts = await self.run_tokenize(lambda: self._tokenize_prompts(subs))
+            await asyncio.wrap_future(self._text.submit(self._register, rids, subs, prompts, loop, queue, arrival))
             future = self.call(lambda: self._add(rids, subs, prompts, arrival))
         except BaseException:  # refused before any reached the engine (or the client left meanwhile)
             self._unpend(len(subs))
@@ -356,16 +366,22 @@ class EngineLoop:
 
     # ------------------------------------------------------------------------------ text thread
 
-    def _register(self, rids: list[str], subs: list[Submission], loop: asyncio.AbstractEventLoop,
-                  queue: asyncio.Queue, arrival: float) -> list[list[int]]:
-        """Each sequence's prompt ids, its stream registered (all or none)."""
+    def _tokenize_prompts(self, subs: list[Submission]) -> list[list[int]]:
+        """Each sequence's prompt ids (tokenize thread)."""
         start = time.perf_counter()
         try:
-            prompts = [self.engine.tokenize(sub.prompt, sub.add_special_tokens) for sub in subs]
+            return [self.engine.tokenize(sub.prompt, sub.add_special_tokens) for sub in subs]
+        finally:
+            self.thread_stats.tokenize_seconds += time.perf_counter() - start
+
+    def _register(self, rids: list[str], subs: list[Submission], prompts: list[list[int]],
+                  loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, arrival: float) -> None:
+        """Each sequence's stream registered (all: nothing here fails but the detokenizer's start)."""
+        start = time.perf_counter()
+        try:
             for index, (rid, sub, prompt) in enumerate(zip(rids, subs, prompts)):
                 detokenizer = self.engine.output_detokenizer(prompt, sub.params)
                 self._streams[rid] = _Stream(loop, queue, index, arrival, detokenizer)
-            return prompts
         finally:
             self.thread_stats.text_seconds += time.perf_counter() - start
 

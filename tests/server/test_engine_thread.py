@@ -1,5 +1,6 @@
-"""The engine thread only steps: chat templates, tokenization and detokenization run in the text
-thread, adapter files are read in a worker, so none of them holds up the steps of running requests."""
+"""The engine thread only steps: chat templates and tokenization run in the tokenize thread, detokenization in the
+text thread, adapter files are read in a worker, so none of them holds up the steps of running requests, nor a
+long prompt's tokenization the other requests' outputs."""
 from __future__ import annotations
 
 import asyncio
@@ -37,7 +38,9 @@ def test_tokenizer_work_runs_in_the_text_thread(server, monkeypatch):
                                             "logprobs": 1})
     assert chat.status_code == echo.status_code == 200
     assert {name for name, _ in calls} == {"encode", "decode", "apply_chat_template"}
-    assert {thread for _, thread in calls} == {"moelora-text_0"}
+    # the requests' own tokens and template in the tokenize thread, their outputs' (logprobs' tokens) in the text one
+    assert {thread for name, thread in calls if name != "decode"} == {"moelora-tokenize_0"}
+    assert {thread for name, thread in calls if name == "decode"} == {"moelora-tokenize_0", "moelora-text_0"}
 
 
 def test_the_shutdown_drain_ends_the_requests_in_flight_and_frees_them(demo_dir):
@@ -78,14 +81,14 @@ def test_a_stop_string_ends_the_request_and_frees_it(server):
 @pytest.mark.parametrize("slow", ["read_lora", "tokenize"])
 def test_slow_file_or_text_work_does_not_hold_up_the_steps(server, demo_dir, monkeypatch, slow):
     """An adapter file or a prompt that takes long to read or tokenize (held here until the test lets
-    go): a request already running goes on stepping meanwhile."""
+    go): a request already running goes on stepping meanwhile, and gets its response."""
     engine, entered, release = server.loop.engine, threading.Event(), threading.Event()
     real, step, steps = getattr(engine, slow), engine.step, []
 
     def held(*args, **kwargs):
         if slow == "read_lora" or isinstance(args[0], str):  # the running request's prompt is token ids
             entered.set()
-            release.wait(30)
+            release.wait(90)  # longer than the running request's wait below, so that the hold cannot end first
         return real(*args, **kwargs)
     monkeypatch.setattr(engine, slow, held)
     monkeypatch.setattr(engine, "step", lambda: steps.append(1) or step())
@@ -109,8 +112,11 @@ def test_slow_file_or_text_work_does_not_hold_up_the_steps(server, demo_dir, mon
     while len(steps) < before + 5:
         assert time.monotonic() < deadline, "the steps stopped while the other request's work was held"
         time.sleep(0.01)
+    running.join(timeout=30)  # its outputs delivered while the other's work is still held (for 90 s at most)
+    finished_while_held = not running.is_alive()
     release.set()
     running.join()
+    assert finished_while_held, "the running request's response waited for the other request's work"
     other.join()
     assert results["running"].status_code == results["other"].status_code == 200, results["other"].text
     assert results["running"].json()["usage"]["completion_tokens"] == 120

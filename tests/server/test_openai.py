@@ -273,7 +273,8 @@ def test_health_and_metrics(server, client, reference):
     after = httpx.get(f"{server.url}/metrics").text
 
     def value(text: str, name: str) -> float:
-        return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+        # 0 before the first sample: a labelled counter appears with its first increment
+        return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")), 0.0)
 
     def grew(name: str) -> float:
         return value(after, name) - value(before, name)
@@ -295,7 +296,8 @@ def test_health_and_metrics(server, client, reference):
     assert grew("moelora:server_added_total") == 1
     assert 0 < grew("moelora:server_add_delay_seconds_total") <= grew("moelora:engine_admission_wait_seconds_total")
     for name in ("engine_launch_seconds", "server_steps_seconds", "server_text_seconds", "server_event_loop_cpu_seconds",
-                 "server_engine_cpu_seconds", "server_text_cpu_seconds"):
+                 "server_engine_cpu_seconds", "server_text_cpu_seconds", "server_tokenize_seconds",
+                 "server_tokenize_cpu_seconds"):
         assert grew(f"moelora:{name}_total") > 0, name
 
 
