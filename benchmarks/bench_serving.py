@@ -98,19 +98,38 @@ class Ours:
         """The requests run through Engine.step; the seconds between the returns of consecutive step calls that both
         launched a step of decode rows only. With overlap scheduling a call returns once the step before the one it
         launched is done, so each is one decode step's time, with no prefill in it (bench_tp.py's decode timing)."""
-        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-        for prompt, name in zip(prompts, names):
-            self.engine.add_request(prompt, params, lora=name, detokenize=False)
-        stats, intervals, last = self.engine.step_stats, [], None
-        while self.engine.has_unfinished():
-            decode, steps = stats.decode_steps, stats.steps
-            self.engine.step()
+        intervals, last = [], None
+        for decode_only in self._steps(prompts, names, new_tokens):
             now = time.perf_counter()
-            decode_only = stats.decode_steps == decode + 1 and stats.steps == steps + 1
             if decode_only and last is not None:
                 intervals.append(now - last)
             last = now if decode_only else None
         return intervals
+
+    def profile_decode_steps(self, prompts: list[list[int]], names: list[str | None], new_tokens: int,
+                             output_dir: str) -> list[str]:
+        """The requests run as in decode_step_seconds, the steps after the first step of decode rows only profiled
+        on every rank (Engine.start_profile): each rank's trace, in output_dir."""
+        profiling = False
+        for decode_only in self._steps(prompts, names, new_tokens):
+            if decode_only and not profiling:
+                self.engine.start_profile(output_dir)
+                profiling = True
+        if not profiling:
+            raise SystemExit(f"no decode step at batch {len(prompts)}: raise --decode-tokens")
+        return [str(trace) for trace in self.engine.stop_profile()]
+
+    def _steps(self, prompts: list[list[int]], names: list[str | None], new_tokens: int) -> Iterator[bool]:
+        """Adds the requests and steps the engine until they finish; after each step call, whether it launched a
+        step of decode rows only."""
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        for prompt, name in zip(prompts, names):
+            self.engine.add_request(prompt, params, lora=name, detokenize=False)
+        stats = self.engine.step_stats
+        while self.engine.has_unfinished():
+            decode, steps = stats.decode_steps, stats.steps
+            self.engine.step()
+            yield stats.decode_steps == decode + 1 and stats.steps == steps + 1
 
 
 class HF:

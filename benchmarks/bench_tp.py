@@ -43,13 +43,15 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=None, help="tokens each request makes (default 16; tiny 4)")
     p.add_argument("--prefill", default=None, help="PxL: P prompts of L tokens (default 8x1024; tiny 8x32)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="after each layout's runs, its LoRA-off prefill call profiled on every rank "
-                        "(Engine.start_profile): the N kernels that take the most time, collectives included")
+                   help="each layout's LoRA-off prefill call, and its decode steps at --profile-batch with each "
+                        "adapter count, profiled on every rank (Engine.start_profile): the N kernels that take the "
+                        "most time, collectives included")
+    p.add_argument("--profile-batch", type=int, default=None, help="the decode batch profiled (default 32; tiny 8)")
     p.add_argument("--profile-dir", default=None, help="where the profiles' traces stay, a folder per layout "
                    "(default: the run's temporary folder, removed at its end)")
     args = p.parse_args()
-    defaults = ("1,8", 16, 4, "8x32") if args.tiny else ("1,32,128", 128, 16, "8x1024")
-    for name, value in zip(("batch_sizes", "prompt_len", "decode_tokens", "prefill"), defaults):
+    defaults = ("1,8", 16, 4, "8x32", 8) if args.tiny else ("1,32,128", 128, 16, "8x1024", 32)
+    for name, value in zip(("batch_sizes", "prompt_len", "decode_tokens", "prefill", "profile_batch"), defaults):
         if getattr(args, name) is None:
             setattr(args, name, value)
     with tempfile.TemporaryDirectory() as tmp:
@@ -74,7 +76,8 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
     print("| tp | ep | phase | batch | adapters | tokens | s | tokens/s | ms/step |")
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     measured: dict[tuple, float] = {}  # (tp, ep, phase, batch, adapters) -> tokens/s
-    profiles: dict[tuple[int, int], dict[int, dict]] = {}  # (tp, ep) -> rank -> {kernel: [launches, us]} of a prefill
+    # (tp, ep, what ran) -> rank -> {kernel: [launches, us]}
+    profiles: dict[tuple[int, int, str], dict[int, dict]] = {}
     starts: dict[tuple[int, int], dict[str, float]] = {}  # (tp, ep) -> seconds of each phase of rank 0's start
     for tp, ep in layouts:
         if gpus is not None and tp > gpus:
@@ -92,12 +95,21 @@ def bench(args: argparse.Namespace, workdir: Path) -> None:
                 measured[tp, ep, w.phase, w.batch, w.adapters] = r.tokens / r.seconds
                 print(f"| {tp} | {ep} | {w.phase} | {w.batch} | {w.adapters} | {r.tokens} | {r.seconds:.3f} "
                       f"| {r.tokens / r.seconds:.0f} | {1e3 * r.seconds / r.steps:.2f} |", flush=True)
-                if args.profile and w.phase == "prefill" and w.adapters == 0:  # its kernels are compiled by now
-                    prompts, names = w.prompts(config.vocab_size), w.names()
-                    ours.engine.start_profile(str(Path(args.profile_dir or workdir) / f"profile-{tp}x{ep}"))
+                # after the workload's runs: its kernels are compiled by now
+                prompts, names = w.prompts(config.vocab_size), w.names()
+                where = str(Path(args.profile_dir or workdir) / f"profile-{tp}x{ep}")
+                traces = None
+                if args.profile and w.phase == "prefill" and w.adapters == 0:
+                    what = "the LoRA-off prefill call"
+                    ours.engine.start_profile(where)
                     ours.generate(prompts, names, 1)
-                    profiles[tp, ep] = {rank_of(trace): read_summary(trace)["kernels"]
-                                        for trace in ours.engine.stop_profile()}
+                    traces = ours.engine.stop_profile()
+                elif args.profile and w.phase == "decode" and w.batch == args.profile_batch:
+                    lora = f"{w.adapters} adapter{'s' * (w.adapters > 1)}" if w.adapters else "LoRA off"
+                    what = f"the decode steps at batch {w.batch}, {lora}"
+                    traces = ours.profile_decode_steps(prompts, names, w.new_tokens, where)
+                if traces:
+                    profiles[tp, ep, what] = {rank_of(trace): read_summary(trace)["kernels"] for trace in traces}
         finally:
             ours.engine.shutdown()
         del ours
@@ -129,13 +141,13 @@ def print_summary(measured: dict[tuple, float]) -> None:
               + " | ".join(f"{r / off:.2f}" if r and off else "" for r in ratios) + " |", flush=True)
 
 
-def print_profiles(profiles: dict[tuple[int, int], dict[int, dict]], top: int) -> None:
-    """Each rank's device time of the LoRA-off prefill call, per layout: in all and by kernel, the `top` busiest of
-    any rank. A collective's kernel also holds its wait for the slowest rank; on the CPU the rows are host ops."""
-    for (tp, ep), ranks in profiles.items():
+def print_profiles(profiles: dict[tuple[int, int, str], dict[int, dict]], top: int) -> None:
+    """Each rank's device time of each profiled run, per layout: in all and by kernel, the `top` busiest of any rank.
+    A collective's kernel also holds its wait for the slowest rank; on the CPU the rows are host ops."""
+    for (tp, ep, what), ranks in profiles.items():
         busiest = sorted({k for kernels in ranks.values() for k in list(kernels)[:top]},
                          key=lambda k: -max(kernels.get(k, [0, 0])[1] for kernels in ranks.values()))
-        print(f"\nProfile of the LoRA-off prefill call at {tp}x{ep}, ms (launches) by kernel:\n")
+        print(f"\nProfile of {what} at {tp}x{ep}, ms (launches) by kernel:\n")
         print("| kernel | " + " | ".join(f"rank {r}" for r in ranks) + " |")
         print("|---|" + "---|" * len(ranks))
         print("| all | " + " | ".join(f"{sum(us for _, us in kernels.values()) / 1e3:.1f} "

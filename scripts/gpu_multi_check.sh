@@ -10,8 +10,9 @@
 #   qwen3      bench_tp.py on a dummy Qwen3-30B-A3B: decode tokens/s at batch 1/32/128 and prefill 8x1024, LoRA off /
 #              1 / 8 adapters, for each of $LAYOUTS (tp x ep) with $DISPATCH (all_reduce or all_to_all)
 #   deepseek   the same on a DeepSeek-V3-shaped dummy (real widths, 4 layers) for $DS_LAYOUTS
-# PROFILE=N: the benchmarks also profile each layout's LoRA-off prefill on every rank and list the N busiest kernels;
-# PROFILE_DIR keeps their traces (each rank's trace and kernel summary: 2 files a rank, of the 8 a call returns).
+# PROFILE=N: the benchmarks also profile each layout's LoRA-off prefill, and its decode steps at batch 32 with each
+# adapter count, on every rank, and list the N busiest kernels of each; PROFILE_DIR keeps their traces (each rank's
+# trace and kernel summary per run: mind the 8 files a call returns).
 # Results land in $OUT (device tool) or /tmp/gpu_multi_check. Time limits: TEST_TIMEOUT (default 540 s) and
 # BENCH_TIMEOUT per benchmark stage (default 270 s). Measured on 2 H200s (RESULTS.md, session 25): the tests stage took
 # 409 s with only the 2-GPU cases (each 4-GPU case adds a multi-rank engine start, 40-75 s); a 30B layout started in

@@ -11,19 +11,22 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_tiny_scaling_benchmark_runs_every_layout():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "benchmarks/bench_tp.py", "--tiny", "--layouts", "1x1,2x2", "--adapters", "0,1",
-                          "--batch-sizes", "1", "--dispatch", "all_to_all", "--profile", "3"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=600)
+                          "--batch-sizes", "1", "--dispatch", "all_to_all", "--profile", "3", "--profile-batch", "1"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     table, rest = run.stdout.split("| tp | ep | phase | batch | LoRA off tokens/s")
-    summary_table, rest = rest.split("\nProfile of the LoRA-off prefill call at 1x1")
-    one_profile, rest = rest.split("\nProfile of the LoRA-off prefill call at 2x2")
-    two_profile, starts_table = rest.split("Engine starts")
+    summary_table, *profiles = rest.split("\nProfile of ")
+    profiles[-1], starts_table = profiles[-1].split("Engine starts")
     rows, summary_rows, start_rows = ([[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
                                        if line.startswith("| ") and "---" not in line]
                                       for text in (table, summary_table, starts_table))
-    # each layout's prefill profiled on every rank (Engine.start_profile; CPU: host ops): all its time, then the
-    # busiest 3 of each rank
-    for text, ranks in ((one_profile, 1), (two_profile, 2)):
+    # each layout's LoRA-off prefill, and its decode steps at the profiled batch with each adapter count, profiled
+    # on every rank (Engine.start_profile; CPU: host ops): all its time, then the busiest 3 of each rank
+    titles = {text.split(", ms (launches)")[0]: text for text in profiles}
+    assert set(titles) == {f"{what} at {layout}" for layout in ("1x1", "2x2") for what in (
+        "the LoRA-off prefill call", "the decode steps at batch 1, LoRA off", "the decode steps at batch 1, 1 adapter")}
+    for title, text in titles.items():
+        ranks = 2 if title.endswith("2x2") else 1
         profile_rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
                         if line.startswith("| ") and "---" not in line]
         assert profile_rows[0] == ["kernel", *(f"rank {r}" for r in range(ranks))], profile_rows
