@@ -54,6 +54,8 @@ def main() -> None:
     for name, value in zip(("batch_sizes", "prompt_len", "decode_tokens", "prefill", "profile_batch"), defaults):
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.profile and str(args.profile_batch) not in args.batch_sizes.split(","):
+        p.error(f"--profile-batch {args.profile_batch} is not among --batch-sizes {args.batch_sizes}")
     with tempfile.TemporaryDirectory() as tmp:
         bench(args, Path(tmp))
 

@@ -12,7 +12,8 @@
 #   deepseek   the same on a DeepSeek-V3-shaped dummy (real widths, 4 layers) for $DS_LAYOUTS
 # PROFILE=N: the benchmarks also profile each layout's LoRA-off prefill, and its decode steps at batch 32 with each
 # adapter count, on every rank, and list the N busiest kernels of each; PROFILE_DIR keeps their traces (each rank's
-# trace and kernel summary per run: mind the 8 files a call returns).
+# trace and kernel summary per run: mind the 8 files a call returns). The profiles add 4 runs a layout: give the
+# stage more BENCH_TIMEOUT.
 # Results land in $OUT (device tool) or /tmp/gpu_multi_check. Time limits: TEST_TIMEOUT (default 540 s) and
 # BENCH_TIMEOUT per benchmark stage (default 270 s). Measured on 2 H200s (RESULTS.md, session 25): the tests stage took
 # 409 s with only the 2-GPU cases (each 4-GPU case adds a multi-rank engine start, 40-75 s); a 30B layout started in

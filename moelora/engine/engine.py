@@ -88,22 +88,28 @@ class Engine:
             follow(self.config, serve_rank)
             raise SystemExit(0)  # rank 0 shut down: this process is done
         t0 = time.perf_counter()
-        # rank 0 takes its share of the cores as the other ranks do (serve_rank); shutdown gives the rest back
-        self._threads = share_node_cores(self.config) if self.config.tp_size > 1 else None
-        if self._threads is not None and torch.get_num_threads() != self._threads:
-            logger.info("torch CPU threads %d -> %d: the %d ranks of this node share its cores", self._threads,
-                        torch.get_num_threads(), len(node_ranks(self.config)))
-        self.workers = Workers(self.config, serve_rank) if self.config.tp_size > 1 else None
-        # seconds of each phase of the start (summary's last line): rank 0's, and its waits for the others
-        self.start_seconds = {} if self.workers is None else {"ranks started": time.perf_counter() - t0}
+        # rank 0 takes its share of the cores as the other ranks do (serve_rank); shutdown gives the rest back:
+        # (threads before, threads set)
+        self._threads = None
+        if self.config.tp_size > 1:
+            self._threads = share_node_cores(self.config), torch.get_num_threads()
+            if self._threads[1] != self._threads[0]:
+                logger.info("torch CPU threads %d -> %d: the %d ranks of this node share its cores", *self._threads,
+                            len(node_ranks(self.config)))
+        self.workers = None
         try:
+            self.workers = Workers(self.config, serve_rank) if self.config.tp_size > 1 else None
+            # seconds of each phase of the start (summary's last line): rank 0's, and its waits for the others
+            self.start_seconds = {} if self.workers is None else {"ranks started": time.perf_counter() - t0}
             self._start()
         except BaseException:
             # the guard stopped them on an error or interrupt while loading; one after the load left them waiting for
             # a first command, and no constructed engine is left to shut them down
-            if self.workers is not None:
-                self.workers.shutdown(orderly=False)
-            self._give_back_threads()
+            try:
+                if self.workers is not None:
+                    self.workers.shutdown(orderly=False)
+            finally:
+                self._give_back_threads()
             raise
 
     def _start(self) -> None:
@@ -197,18 +203,23 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop the other ranks (tp_size > 1); the engine runs no more steps. Nothing to do at one rank."""
-        self.drop_profile()
-        if self.workers is not None:
-            with contextlib.suppress(WorkerFailure):  # a rank that hangs: the ranks are stopped, the world aborted
-                self.runner.release_graphs(wait=self.workers.failure is None)
-            self.workers.shutdown()
-            self.workers = None
-            self.stepper.fatal = self.stepper.fatal or "the engine was shut down"
-        self._give_back_threads()
+        try:
+            self.drop_profile()
+            if self.workers is not None:
+                with contextlib.suppress(WorkerFailure):  # a rank that hangs: the ranks are stopped, the world aborted
+                    self.runner.release_graphs(wait=self.workers.failure is None)
+                self.workers.shutdown()
+                self.workers = None
+                self.stepper.fatal = self.stepper.fatal or "the engine was shut down"
+        finally:
+            self._give_back_threads()
 
     def _give_back_threads(self) -> None:
+        """The CPU threads rank 0 had before its share, unless someone (another engine) set a count since."""
         if self._threads is not None:
-            torch.set_num_threads(self._threads)
+            before, share = self._threads
+            if torch.get_num_threads() == share:
+                torch.set_num_threads(before)
             self._threads = None
 
     # ---------------------------------------------------------------------------- offline API

@@ -134,8 +134,9 @@ class EngineLoop:
         self.adapters: dict[str, str] = {n: str(p) for n, p in engine.config.lora_paths.items()}
         self.num_waiting = 0
         self._text = ThreadPoolExecutor(1, thread_name_prefix="moelora-text")  # one worker: jobs in order
-        # one worker: concurrent encodes on one fast tokenizer can fail ("Already borrowed": transformers resets its
-        # truncation state per call); an encode beside the text thread's decodes is fine
+        # one worker: concurrent encodes on one fast tokenizer can fail ("Already borrowed": transformers sets its
+        # truncation state in a call whose options differ from the last); an encode beside the text thread's decodes
+        # only reads it
         self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="moelora-tokenize")
         self._streams: dict[str, _Stream] = {}  # text thread only: requests whose outputs it delivers
         self._rids: set[str] = set()  # engine thread only: requests added and not yet seen finished
@@ -234,7 +235,9 @@ class EngineLoop:
             self._pending += len(subs)
         loop, arrival, rids = asyncio.get_running_loop(), time.perf_counter(), [uuid.uuid4().hex for _ in subs]
         try:
-            prompts = await self.run_tokenize(lambda: self._tokenize_prompts(subs))
+            # token ids need no tokenizer: they do not wait behind another request's long text
+            prompts = await self.run_tokenize(lambda: self._tokenize_prompts(subs)) \
+                if any(isinstance(sub.prompt, str) for sub in subs) else [list(sub.prompt) for sub in subs]
             await asyncio.wrap_future(self._text.submit(self._register, rids, subs, prompts, loop, queue, arrival))
             future = self.call(lambda: self._add(rids, subs, prompts, arrival))
         except BaseException:  # refused before any reached the engine (or the client left meanwhile)
@@ -364,7 +367,7 @@ class EngineLoop:
         self._rids.clear()
         self._text.submit(self._fail_streams, error, reason)
 
-    # ------------------------------------------------------------------------------ text thread
+    # ------------------------------------------------------------------------------ tokenize and text threads
 
     def _tokenize_prompts(self, subs: list[Submission]) -> list[list[int]]:
         """Each sequence's prompt ids (tokenize thread)."""

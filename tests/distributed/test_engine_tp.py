@@ -176,10 +176,10 @@ def test_shutdown_ends_the_ranks_together(start_engine):
     assert rank1.exitcode == 0
 
 
-def test_rank_0_takes_its_share_of_the_cores_and_gives_them_back(start_engine, tmp_path):
+def test_rank_0_takes_its_share_of_the_cores_and_gives_them_back(start_engine, tmp_path, monkeypatch):
     """Rank 0 takes threads // ranks of its CPU threads as the other ranks do (rank 0 keeping every core beside the
     others' shares oversubscribed them: its adapter loads crawled), and gives them back at shutdown, or when the
-    construction fails."""
+    construction fails, before or after the ranks started; not over a count set since."""
     torch.set_num_threads(4)  # the autouse fixture gives back the count before the test
     many = start_engine("qwen3_moe", tp_size=2)
     assert torch.get_num_threads() == 2
@@ -188,6 +188,17 @@ def test_rank_0_takes_its_share_of_the_cores_and_gives_them_back(start_engine, t
     with pytest.raises(ValueError, match="EngineConfig.tokenizer_path"):
         start_engine("qwen3_moe", tp_size=2, tokenizer_path=str(tmp_path / "missing"))
     assert torch.get_num_threads() == 4
+    many = start_engine("qwen3_moe", tp_size=2)
+    torch.set_num_threads(3)
+    many.shutdown()
+    assert torch.get_num_threads() == 3
+
+    def no_world(*args, **kwargs):
+        raise RuntimeError("the ranks did not start")
+    monkeypatch.setattr(engine_module, "Workers", no_world)
+    with pytest.raises(RuntimeError, match="did not start"):
+        start_engine("qwen3_moe", tp_size=2)
+    assert torch.get_num_threads() == 3
 
 
 def test_shutdown_gives_up_on_a_rank_that_hangs(start_engine):
