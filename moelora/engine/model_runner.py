@@ -7,6 +7,7 @@ scheduling it broadcasts the sampled tokens the next step's decode rows need, on
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import time
@@ -19,7 +20,7 @@ import torch
 
 from moelora.core import ForwardBatch, KVCache, to_device
 from moelora.distributed.comm import broadcast, broadcast_object, control_barrier, min_over_ranks, wait_event
-from moelora.distributed.state import destroy_parallel, get_parallel, parallel_state
+from moelora.distributed.state import ParallelState, destroy_parallel, get_parallel, parallel_state
 from moelora.engine.config import CPU_KV_TOKENS, DTYPES, EngineConfig
 from moelora.engine.cuda_graph import CudaGraphs, PromptGraphs, RankBounds
 from moelora.engine.lora_manager import LoRAManager
@@ -400,6 +401,19 @@ def serve_rank(rank: int, config: EngineConfig, init_method: str) -> None:
     with parallel_state(join_world(config, rank, init_method)) as state:
         runner = ModelRunner(node_config(config, rank))
     control_barrier(state, config.dist_timeout)  # loaded: rank 0's Engine waits for every rank's (Workers.barrier)
+    # the model's, kernels' and graphs' objects live as long as the rank: out of the cyclic collector's scans, whose
+    # full collections would pause this rank's steps, and every rank's collectives with them (as `moelora serve`
+    # freezes rank 0's); collectable again for the interpreter's exit (cli.serve says why)
+    gc.collect()
+    gc.freeze()
+    try:
+        _serve_commands(state, runner, config)
+    finally:
+        gc.unfreeze()
+
+
+def _serve_commands(state: ParallelState, runner: ModelRunner, config: EngineConfig) -> None:
+    """serve_rank's loop: what rank 0 sends, until it says stop."""
     while True:
         kind, *args = broadcast_object(state)
         if kind == "shutdown":

@@ -42,10 +42,11 @@ def test_tiny_server_benchmark_reports_each_concurrency():
     threads = next(block for block in blocks if block.startswith("| clients |")).splitlines()[2:]
     for line, clients in zip(threads, (1, 4), strict=True):
         cells = [c.strip() for c in line.split("|")[1:-1]]
-        add_ms, ttft_ms, idle, commands, stepping, text = map(float, cells[1:7])
+        add_ms, ttft_ms, idle, commands, stepping = map(float, cells[1:6])
+        text, tokenize = map(float, cells[6].split(" / "))
         cpu, wall = [float(v) for v in cells[7].split(" / ")], float(cells[9])
         gc_s, compiles = cells[8].split(" / ")
         assert float(gc_s) >= 0 and int(compiles.split(" (")[0]) >= 0
         # both printed to 0.01 s: a short run's stepping time can round to its wall time
         assert int(cells[0]) == clients and 0 < add_ms < ttft_ms and 0 < stepping <= wall
-        assert min(idle, commands, text) >= 0 and len(cpu) == 3 and cpu[1] > 0
+        assert min(idle, commands, text, tokenize) >= 0 and len(cpu) == 4 and cpu[1] > 0

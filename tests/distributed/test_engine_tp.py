@@ -3,6 +3,7 @@ machine, or by torchrun): the same tokens and log-probs as one rank, adapters lo
 requests in flight on every rank, and a rank that dies or hangs, while loading or serving, stops the engine with
 an error naming it instead of hanging."""
 import functools
+import gc
 import json
 import multiprocessing
 import os
@@ -355,6 +356,24 @@ def _cannot_read_adapters(*args, **kwargs) -> None:
 
 def _cannot_drop_adapters(*args, **kwargs) -> None:
     raise RuntimeError("this rank cannot free the adapter's slot")
+
+
+_READ = lora_manager.LoRAManager.read
+
+
+def _read_if_frozen(self, path):
+    if not gc.get_freeze_count():
+        raise RuntimeError("this rank serves with its start's objects in the cyclic collector's scans")
+    return _READ(self, path)
+
+
+def test_the_other_ranks_serve_with_their_start_frozen(start_engine, adapters, monkeypatch):
+    """Rank 1 serves with its start's objects frozen out of the cyclic collector's scans (gc.freeze): a full
+    collection there would pause every rank's collectives. Its runtime adapter read checks it."""
+    monkeypatch.setattr(engine_module, "serve_rank", functools.partial(_serve_with, "read", _read_if_frozen))
+    many = start_engine("qwen3_moe", tp_size=2, dist_timeout=20)
+    many.load_lora("late", str(adapters("qwen3_moe")["partial"].path))
+    assert many.generate(PROMPTS[:1], GREEDY, lora="late")[0].token_ids
 
 
 def _serve_with(method: str, replacement: Callable[..., None], rank, config, init_method) -> None:
