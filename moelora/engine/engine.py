@@ -33,6 +33,7 @@ from moelora.engine.config import EngineConfig
 from moelora.engine.detokenizer import IncrementalDetokenizer
 from moelora.engine.kv_pool import KVPool
 from moelora.engine.lora_manager import LoRAStats
+from moelora.engine.lora_slots import RankShare
 from moelora.engine.model_runner import ModelRunner, on_device, serve_rank
 from moelora.engine.profiler import profile_files
 from moelora.engine.request import Req
@@ -45,7 +46,6 @@ from moelora.engine.structured_output import GrammarBackend
 from moelora.engine.tokenizer import load_tokenizer
 from moelora.engine.workers import (WorkerFailure, Workers, follow, launched_rank, node_config, node_ranks, serves_engine,
                                     share_node_cores)
-from moelora.lora.canonical import Adapter
 
 Prompt = str | Sequence[int]
 T = TypeVar("T")
@@ -144,12 +144,12 @@ class Engine:
 
     # ------------------------------------------------------------------------------ adapters
 
-    def read_lora(self, path: str) -> Adapter:
-        """The adapter at `path` read and checked against the model (AdapterError lists its problems), for
-        load_lora; touches no engine state, so a server reads files outside the engine's thread."""
+    def read_lora(self, path: str) -> RankShare:
+        """The adapter at `path` read and checked against the model (AdapterError lists its problems), this rank's
+        share of it, for load_lora; touches no engine state, so a server reads files outside the engine's thread."""
         return self.runner.lora.read(path)
 
-    def load_lora(self, name: str, path: str, adapter: Adapter | None = None) -> None:
+    def load_lora(self, name: str, path: str, adapter: RankShare | None = None) -> None:
         """Serve the adapter at `path` as `name` from now on; `adapter`: what read_lora(path) gave, else
         the file is read here. Every rank holds the adapter when this returns."""
         self.runner.lora.load_lora(name, path, adapter)

@@ -26,8 +26,8 @@ from torch import nn
 
 from moelora.core import ExpertLoRASlots
 from moelora.engine.config import EngineConfig
-from moelora.engine.lora_slots import (allocate_lora_slots, model_modules, resolve_targets, slot_bytes,
-                                       slot_problems, slotted_modules, write_adapter_to_slot)
+from moelora.engine.lora_slots import (RankShare, allocate_lora_slots, model_modules, resolve_targets, share_of,
+                                       slot_bytes, slot_problems, slotted_modules, write_share_to_slot)
 from moelora.kernels.lora_tiles import step_rank_bound
 from moelora.lora.adapter import load_adapter
 from moelora.lora.canonical import Adapter
@@ -97,7 +97,7 @@ class LoRAManager:
         self.shapes = load_model_shapes(config.model_path, config.tokenizer_path)  # what adapters are checked against
         self.stats = LoRAStats()
         self._paths: dict[str, Path] = {}
-        self._host: OrderedDict[str, Adapter] = OrderedDict()  # least recently used first
+        self._host: OrderedDict[str, RankShare] = OrderedDict()  # this rank's share of each; least recently used first
         self._expert_rank: dict[str, int] = {}  # largest routed-expert rank of each adapter
         self._in_flight: Counter[str] = Counter()
         self._unloading: set[str] = set()
@@ -113,7 +113,7 @@ class LoRAManager:
         self.expert_loras = [m.lora for m in model.modules() if isinstance(getattr(m, "lora", None), ExpertLoRASlots)]
         for name, adapter in initial.items():
             self._check_slots(adapter, f"adapter {name!r} ({adapter.path})")
-            self._register(name, Path(config.lora_paths[name]), adapter)
+            self._register(name, Path(config.lora_paths[name]), share_of(model, adapter))
 
     @property
     def in_flight(self) -> dict[str, int]:
@@ -137,24 +137,24 @@ class LoRAManager:
                  f"LoRA slots on {', '.join(slotted)}" + (f"; none on {', '.join(without)}" if without else "")
                  + " (--lora-target-modules)"]
         for name in self.names:
-            adapter = self._host.get(name)
-            held = f"{adapter.max_rank}, {adapter.num_bytes() / 2**20:.1f} MiB in host memory" if adapter else \
-                "not in host memory"
+            share = self._host.get(name)
+            held = f"{share.max_rank}, {share.num_bytes() / 2**20:.1f} MiB of it in this rank's host memory" if share \
+                else "not in host memory"
             lines.append(f"adapter {name}: {self._paths[name]} (rank {held})")
         return lines
 
-    def read(self, path: str | Path) -> Adapter:
-        """The adapter at `path`, read and validated against the model for the slots' rank and target modules.
-        Reads only what never changes after start (the model's shapes, its layers' slot buffers, the rank), so
-        it may run in another thread while the engine steps."""
+    def read(self, path: str | Path) -> RankShare:
+        """This rank's share of the adapter at `path`, read and validated against the model for the slots' rank and
+        target modules. Reads only what never changes after start (the model's shapes, its layers' slot buffers and
+        shards, the rank), so it may run in another thread while the engine steps."""
         if not self.max_rank:
             raise AdapterError("cannot load an adapter: the engine has no LoRA slots (start it with max_lora_rank, "
                                "or with lora_paths)")
         adapter = load_adapter(path, self.shapes, self.max_rank)
         self._check_slots(adapter, f"adapter {path}")
-        return adapter
+        return share_of(self.model, adapter)
 
-    def load_lora(self, name: str, path: str | Path, adapter: Adapter | None = None) -> None:
+    def load_lora(self, name: str, path: str | Path, adapter: RankShare | None = None) -> None:
         """Serve the adapter at `path` (`adapter`: what read(path) gave, else it is read here) as `name`."""
         if name in self._unloading:
             raise AdapterNameError(f"adapter {name!r} is still being unloaded ({self._in_flight[name]} requests in "
@@ -207,7 +207,7 @@ class LoRAManager:
             if slot is None:
                 slot, evicted = self.pool.assign(name, in_use)
                 try:
-                    write_adapter_to_slot(self.model, self._host_copy(name), slot)
+                    write_share_to_slot(self.model, self._host_copy(name), slot)
                 except BaseException:  # the slot holds part of it: nobody may find it there
                     self.pool.release(name)
                     raise
@@ -240,7 +240,7 @@ class LoRAManager:
                 self._drop(args[0])
             elif kind == "write":
                 name, slot = args
-                write_adapter_to_slot(self.model, self._host_copy(name), slot)
+                write_share_to_slot(self.model, self._host_copy(name), slot)
             else:
                 self._set_rank_tile(args[0])
 
@@ -261,25 +261,24 @@ class LoRAManager:
         for lora in self.expert_loras:
             lora.max_rank_in_use = rank
 
-    def _register(self, name: str, path: Path, adapter: Adapter) -> None:
+    def _register(self, name: str, path: Path, share: RankShare) -> None:
         self._paths[name] = path
-        self._expert_rank[name] = max((e.rank for layer in adapter.layers.values() for e in layer.experts.values()),
-                                      default=0)
-        self._cache(name, adapter)
+        self._expert_rank[name] = share.expert_rank
+        self._cache(name, share)
 
-    def _cache(self, name: str, adapter: Adapter) -> None:
-        self._host[name] = adapter
+    def _cache(self, name: str, share: RankShare) -> None:
+        self._host[name] = share
         while self.config.max_cpu_loras is not None and len(self._host) > self.config.max_cpu_loras:
             self._host.popitem(last=False)
 
-    def _host_copy(self, name: str) -> Adapter:
+    def _host_copy(self, name: str) -> RankShare:
         if name in self._host:
             self._host.move_to_end(name)
             return self._host[name]
-        adapter = self.read(self._paths[name])
+        share = self.read(self._paths[name])
         self.stats.disk_loads += 1
-        self._cache(name, adapter)
-        return adapter
+        self._cache(name, share)
+        return share
 
     def _drop(self, name: str) -> None:
         self._record("drop", name)

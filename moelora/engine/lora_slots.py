@@ -11,11 +11,15 @@ Target modules are named as the decoder layer names them ("self_attn.q_proj", "m
 Under tensor and expert parallelism the buffers are this rank's: a layer's shard of each projection and the
 experts it holds, and the adapter's A and B are cut as the weights are (a column-parallel part's rows of B, a
 row-parallel layer's columns of A; the experts' rows likewise over their intermediate dimension). Adapters are
-still checked against the whole model's shapes."""
+still checked against the whole model's shapes; `share_of` then cuts one to this rank (`RankShare`), which is
+what the LoRA manager keeps in host memory and `write_share_to_slot` copies: each rank holds its share of an
+adapter, not all of it."""
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -111,20 +115,72 @@ def slot_bytes(model: nn.Module) -> int:
                for t in vars(m.lora).values() if isinstance(t, torch.Tensor))
 
 
+@dataclass
+class RankShare:
+    """An adapter cut to this rank's slot buffers (share_of): per layer, the pieces of A and B that
+    write_share_to_slot copies, this rank's experts and rows, in the canonical layout."""
+    path: Path
+    layers: dict[int, LayerLoRA]
+    max_rank: int     # the whole adapter's
+    expert_rank: int  # the whole adapter's largest routed-expert rank (0: none)
+
+    def num_bytes(self) -> int:
+        """Bytes of the A and B pieces held here."""
+        return sum(t.numel() * t.element_size() for layer in self.layers.values()
+                   for m in (*layer.experts.values(), *layer.modules.values()) for t in (m.a, m.b))
+
+
+def share_of(model: nn.Module, adapter: Adapter) -> RankShare:
+    """The part of `adapter` this rank's slot buffers take, in tensors of its own (the whole adapter's memory is
+    freed with it); the adapter already checked (slot_problems)."""
+    layers: dict[int, LayerLoRA] = defaultdict(LayerLoRA)
+    for m in _lora_layers(model):
+        layer = adapter.layers.get(m.layer_id)
+        if m.lora is None or layer is None:
+            continue
+        if isinstance(m, Runner):
+            e, rows = m.experts, m.inter
+            for name, lora in layer.experts.items():
+                # down: this rank's columns of A (its intermediate rows); gate and up: its rows of B
+                a, b = (lora.a[e, :, rows], lora.b[e]) if name == "down" else (lora.a[e], lora.b[e, rows])
+                layers[m.layer_id].experts[name] = ExpertsLoRA(_owned(a, lora.a), _owned(b, lora.b),
+                                                               lora.ranks[e].clone(), lora.scaling[e].clone(),
+                                                               lora.keys)
+            continue
+        for name, rows in zip(m.part_names, m.out_shards):
+            lora = layer.modules.get(name)
+            if lora is not None:
+                layers[m.layer_id].modules[name] = LinearLoRA(_owned(lora.a[:, m.in_shard], lora.a),
+                                                              _owned(lora.b[rows], lora.b), lora.scaling, lora.keys)
+    expert_rank = max((e.rank for layer in adapter.layers.values() for e in layer.experts.values()), default=0)
+    return RankShare(adapter.path, dict(layers), adapter.max_rank, expert_rank)
+
+
+def _owned(piece: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """piece, a view of whole, in memory of its own unless it is all of it (one rank: nothing is copied)."""
+    return whole if piece.shape == whole.shape else piece.clone(memory_format=torch.contiguous_format)
+
+
 def write_adapter_to_slot(model: nn.Module, adapter: Adapter, slot: int) -> None:
     """Slot `slot` of every LoRA layer with buffers holds `adapter` afterwards and nothing of what was there
     before. Raises AdapterError, before writing anything, for the problems `slot_problems` finds."""
+    problems = slot_problems(model, adapter)
+    if problems:
+        raise AdapterError(f"{adapter.path}: cannot be put in slot {slot}: {'; '.join(problems)}", problems)
+    write_share_to_slot(model, share_of(model, adapter), slot)
+
+
+def write_share_to_slot(model: nn.Module, share: RankShare, slot: int) -> None:
+    """Slot `slot` of every LoRA layer with buffers holds the adapter of `share` afterwards and nothing of what was
+    there before."""
     layers = [m for m in _lora_layers(model) if m.lora is not None]
     if not layers:
         raise RuntimeError("allocate_lora_slots(model, ...) first")
     num_slots = layers[0].lora.ranks.shape[-2]
     if not 0 <= slot < num_slots:
         raise ValueError(f"slot {slot} out of range [0, {num_slots})")
-    problems = slot_problems(model, adapter)
-    if problems:
-        raise AdapterError(f"{adapter.path}: cannot be put in slot {slot}: {'; '.join(problems)}", problems)
     for m in layers:
-        layer = adapter.layers.get(m.layer_id, LayerLoRA())
+        layer = share.layers.get(m.layer_id, LayerLoRA())
         if isinstance(m, Runner):
             _write_experts(m, layer, slot)
         else:
@@ -178,17 +234,17 @@ def _write_linear(m: Linear, layer: LayerLoRA, slot: int) -> None:
     buffers.b[slot].zero_()
     buffers.ranks[slot] = 0
     offset = 0
-    for part, (name, size, rows) in enumerate(zip(m.part_names, m.out_sizes, m.out_shards)):
+    for part, (name, size) in enumerate(zip(m.part_names, m.out_sizes)):
         lora = layer.modules.get(name)
         if lora is not None:
-            buffers.a[slot, part, :lora.rank].copy_(lora.a[:, m.in_shard])
-            buffers.b[slot, :lora.rank, offset:offset + size].copy_(lora.b[rows].T)
+            buffers.a[slot, part, :lora.rank].copy_(lora.a)
+            buffers.b[slot, :lora.rank, offset:offset + size].copy_(lora.b.T)
             buffers.ranks[slot, part] = lora.rank
         offset += size
 
 
 def _write_experts(m: Runner, layer: LayerLoRA, slot: int) -> None:
-    buffers, experts, rows = m.lora, m.experts, m.inter
+    buffers = m.lora
     buffers.ranks[:, slot] = 0
     for p, name in enumerate(EXPERT_PROJECTIONS):
         a, b = getattr(buffers, f"a_{name}"), getattr(buffers, f"b_{name}")
@@ -196,9 +252,8 @@ def _write_experts(m: Runner, layer: LayerLoRA, slot: int) -> None:
         b[slot].zero_()
         lora = layer.experts.get(name)
         if lora is not None:
-            # down: this rank's columns of A (its intermediate rows); gate and up: its rows of B
-            a[slot, :, :lora.rank].copy_(lora.a[experts, :, rows] if name == "down" else lora.a[experts])
-            b[slot, :, :lora.rank].copy_((lora.b[experts] if name == "down" else lora.b[experts, rows]).transpose(1, 2))
-            buffers.ranks[p, slot] = lora.ranks[experts].to(buffers.ranks.device)
+            a[slot, :, :lora.rank].copy_(lora.a)
+            b[slot, :, :lora.rank].copy_(lora.b.transpose(1, 2))
+            buffers.ranks[p, slot] = lora.ranks.to(buffers.ranks.device)
             # A host-side upper bound on the ranks in use sizes the kernels' rank tile.
             buffers.max_rank_in_use = max(buffers.max_rank_in_use or 0, lora.rank)

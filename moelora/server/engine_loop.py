@@ -39,8 +39,8 @@ from typing import Any, TypeVar
 
 from moelora.engine.detokenizer import IncrementalDetokenizer
 from moelora.engine.engine import Engine, StepOutput
+from moelora.engine.lora_slots import RankShare
 from moelora.engine.sampling_params import SamplingParams
-from moelora.lora.canonical import Adapter
 from moelora.server.metrics import Metrics
 from moelora.server.stats_log import StatsLog
 
@@ -330,7 +330,7 @@ class EngineLoop:
         self.thread_stats.add_delay_seconds += len(added) * (time.perf_counter() - arrival)
         return rids
 
-    def _load_lora(self, name: str, path: str, adapter: Adapter) -> None:
+    def _load_lora(self, name: str, path: str, adapter: RankShare) -> None:
         self.engine.load_lora(name, path, adapter)
         self.adapters = {**self.adapters, name: path}
 

@@ -30,6 +30,7 @@ from moelora.engine.lora_slots import slotted_modules
 from moelora.engine.profiler import read_summary, summary_path
 from moelora.engine.sampling_params import SamplingParams
 from moelora.engine.workers import WorkerFailure, Workers, node_config, node_ranks, serves_engine
+from moelora.lora import load_adapter
 from moelora.models.config import ModelConfig
 from tests.distributed.load_unload import PROMPTS, drive_load_and_unload
 from tests.models.families import assert_logprobs_close, family_config
@@ -82,6 +83,23 @@ def _assert_memory_per_rank(many: Engine, one: Engine, model_path) -> None:
         assert f"({tokens * held.kv_per_token / 2**20:.1f} MiB)" in kv[0], (rank, kv[0])
         assert f"({held.lora_slots / 2**20:.1f} MiB)" in slots[0], (rank, slots[0])
         assert held.weights < 0.6 * one.runner.weight_bytes()
+
+
+def test_each_rank_keeps_its_share_of_an_adapter(start_engine, adapters):
+    """Under tp 2 / ep 2 rank 0 keeps in host memory only what its slots take: its half of the experts (of them, its
+    half of the intermediate rows), its shard of each attention projection; the whole adapter is not kept."""
+    many = start_engine("qwen3_moe", tp_size=2, ep_size=2)
+    whole = load_adapter(adapters("qwen3_moe")["full"].path, family_config("qwen3_moe"))
+    share = many.runner.lora._host["full"]
+    assert share.num_bytes() < 0.6 * whole.num_bytes()
+    assert (share.max_rank, share.expert_rank) == (whole.max_rank, max(e.rank for e in whole.layers[0].experts.values()))
+    experts = family_config("qwen3_moe").num_experts
+    for layer_id, layer in share.layers.items():
+        for name, lora in layer.experts.items():
+            assert lora.a.shape[0] == lora.ranks.shape[0] == experts // 2, (layer_id, name)
+            assert lora.a.untyped_storage().nbytes() == lora.a.nbytes  # its own memory, not a view of the whole
+        q = layer.modules["self_attn.q_proj"]
+        assert q.b.shape[0] == whole.layers[layer_id].modules["self_attn.q_proj"].b.shape[0] // 2
 
 
 def test_load_and_unload_with_requests_in_flight(start_engine, adapters):

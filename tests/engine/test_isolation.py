@@ -109,14 +109,14 @@ def test_a_value_that_slipped_past_validation_fails_only_its_request(make_engine
 def test_a_failed_slot_write_leaves_no_adapter_in_the_slot(make_engine, solo, monkeypatch):
     engine = make_engine(FAMILY)
     lora = engine.runner.lora
-    real = lora_manager.write_adapter_to_slot
+    real = lora_manager.write_share_to_slot
 
     def write(model, adapter, slot):
         if lora.pool.names and adapter is lora._host.get("partial"):
             real(model, adapter, slot)  # half written, then the copy fails
             raise Injected("slot write fault")
         real(model, adapter, slot)
-    monkeypatch.setattr(lora_manager, "write_adapter_to_slot", write)
+    monkeypatch.setattr(lora_manager, "write_share_to_slot", write)
     with pytest.raises(RequestFailed, match=r"prompt 2: Injected: slot write fault"):
         engine.generate(PROMPTS, PARAMS, lora=LORAS)
     assert "partial" not in lora.pool.names

@@ -1,8 +1,9 @@
-"""write_adapter_to_slot refuses, before writing anything, what does not fit the model's slots."""
+"""write_adapter_to_slot refuses, before writing anything, what does not fit the model's slots; an adapter's share
+of one rank is all of it, not a copy."""
 import pytest
 import torch
 
-from moelora.engine.lora_slots import allocate_lora_slots, write_adapter_to_slot
+from moelora.engine.lora_slots import allocate_lora_slots, share_of, write_adapter_to_slot
 from moelora.layers.moe.runner import Runner
 from moelora.lora import AdapterError, load_adapter
 from moelora.models.loader import load_model
@@ -55,3 +56,13 @@ def test_only_target_modules_get_slots_and_adapters_of_others_are_refused(checkp
     assert all((m.lora.ranks == 0).all() for m in model.modules() if getattr(m, "lora", None) is not None)
     write_adapter_to_slot(model, load_adapter(adapters("qwen3_moe")["partial"].path, family_config("qwen3_moe")), 0)
     assert layer.self_attn.qkv_proj.lora.ranks[0].tolist() == [2, 0, 2]
+
+
+def test_the_share_of_one_rank_is_the_whole_adapter_uncopied(model, adapters):
+    adapter = load_adapter(adapters("qwen3_moe")["partial"].path, family_config("qwen3_moe"))
+    share = share_of(model, adapter)
+    assert share.num_bytes() == adapter.num_bytes() and (share.max_rank, share.expert_rank) == (2, 2)
+    for layer_id, layer in adapter.layers.items():
+        for name, lora in [*layer.experts.items(), *layer.modules.items()]:
+            got = share.layers[layer_id].experts.get(name) or share.layers[layer_id].modules[name]
+            assert got.a is lora.a and got.b is lora.b, (layer_id, name)
