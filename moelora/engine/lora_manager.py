@@ -1,6 +1,7 @@
-"""Adapters by name, in three tiers: registered (name -> directory), canonical copies in host
-memory (LRU, at most max_cpu_loras; re-read from disk when needed again), and max_loras_per_batch
-GPU slots (LRU, never evicting an adapter of a request that holds KV cache).
+"""Adapters by name, in three tiers: registered (name -> directory), this rank's share of each in host memory
+(lora_slots.RankShare: the canonical tensors cut to the rank's experts and shards; LRU, at most max_cpu_loras;
+re-read from disk when needed again), and max_loras_per_batch GPU slots (LRU, never evicting an adapter of a
+request that holds KV cache).
 
 Only the target modules (EngineConfig.lora_target_modules; by default those the adapters given at start
 adapt) get slot buffers; an adapter of other modules is refused when it is read, before it is registered.
@@ -26,11 +27,10 @@ from torch import nn
 
 from moelora.core import ExpertLoRASlots
 from moelora.engine.config import EngineConfig
-from moelora.engine.lora_slots import (RankShare, allocate_lora_slots, model_modules, resolve_targets, share_of,
-                                       slot_bytes, slot_problems, slotted_modules, write_share_to_slot)
+from moelora.engine.lora_slots import (RankShare, allocate_lora_slots, fit_problems, model_modules, resolve_targets,
+                                       share_of, slot_bytes, slotted_modules, unslotted_problems, write_share_to_slot)
 from moelora.kernels.lora_tiles import step_rank_bound
 from moelora.lora.adapter import load_adapter
-from moelora.lora.canonical import Adapter
 from moelora.lora.errors import AdapterError
 from moelora.lora.model_shapes import load_model_shapes
 
@@ -102,18 +102,19 @@ class LoRAManager:
         self._in_flight: Counter[str] = Counter()
         self._unloading: set[str] = set()
         self.pool = LoRASlotPool(config.max_loras_per_batch)
-        # without max_lora_rank the slots take the largest rank among the adapters given at start
-        initial = {name: load_adapter(path, self.shapes, config.max_lora_rank)
+        # the adapters given at start, each cut to this rank's share as soon as it is read (one whole adapter in
+        # memory at a time); without max_lora_rank the slots take the largest rank among them
+        initial = {name: self._read_share(path, config.max_lora_rank, f"adapter {name!r} ({path})")
                    for name, path in config.lora_paths.items()}
         self.stats.disk_loads += len(initial)
         self.max_rank = config.max_lora_rank or max((a.max_rank for a in initial.values()), default=0)
-        targets = resolve_targets(config.lora_target_modules, model, initial.values())
+        targets = resolve_targets(config.lora_target_modules, model, [a.modules for a in initial.values()])
         if self.max_rank:
             allocate_lora_slots(model, config.max_loras_per_batch, self.max_rank, targets)
         self.expert_loras = [m.lora for m in model.modules() if isinstance(getattr(m, "lora", None), ExpertLoRASlots)]
-        for name, adapter in initial.items():
-            self._check_slots(adapter, f"adapter {name!r} ({adapter.path})")
-            self._register(name, Path(config.lora_paths[name]), share_of(model, adapter))
+        for name, share in initial.items():
+            self._raise(unslotted_problems(model, share.modules), f"adapter {name!r} ({share.path})")
+            self._register(name, Path(config.lora_paths[name]), share)
 
     @property
     def in_flight(self) -> dict[str, int]:
@@ -150,9 +151,9 @@ class LoRAManager:
         if not self.max_rank:
             raise AdapterError("cannot load an adapter: the engine has no LoRA slots (start it with max_lora_rank, "
                                "or with lora_paths)")
-        adapter = load_adapter(path, self.shapes, self.max_rank)
-        self._check_slots(adapter, f"adapter {path}")
-        return share_of(self.model, adapter)
+        share = self._read_share(path, self.max_rank, f"adapter {path}")
+        self._raise(unslotted_problems(self.model, share.modules), f"adapter {path}")
+        return share
 
     def load_lora(self, name: str, path: str | Path, adapter: RankShare | None = None) -> None:
         """Serve the adapter at `path` (`adapter`: what read(path) gave, else it is read here) as `name`."""
@@ -250,9 +251,16 @@ class LoRAManager:
         if self._events is not None:
             self._events.append(event)
 
-    def _check_slots(self, adapter: Adapter, what: str) -> None:
-        """AdapterError unless the adapter fits the slots: here, not when a request first puts it in a slot."""
-        problems = slot_problems(self.model, adapter)
+    def _read_share(self, path: str | Path, max_rank: int | None, what: str) -> RankShare:
+        """This rank's share of the adapter at `path`, read and checked against the model's shapes and max_rank."""
+        adapter = load_adapter(path, self.shapes, max_rank)
+        self._raise(fit_problems(self.model, adapter, max_rank), what)
+        return share_of(self.model, adapter)
+
+    @staticmethod
+    def _raise(problems: list[str], what: str) -> None:
+        """AdapterError unless the adapter fits the model and its slots: here, not when a request first puts it in a
+        slot."""
         if problems:
             raise AdapterError(f"{what} cannot be served by this engine: {len(problems)} problem(s):\n  - "
                                + "\n  - ".join(problems), problems)

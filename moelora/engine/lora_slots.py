@@ -59,19 +59,22 @@ def slotted_modules(model: nn.Module) -> list[str]:
     return list(dict.fromkeys(name for m in _lora_layers(model) if m.lora is not None for name in _modules_of(m)))
 
 
-def adapter_modules(adapter: Adapter) -> set[str]:
-    """The target modules an adapter adapts in any layer."""
-    return {name for layer in adapter.layers.values()
-            for name in (*(EXPERT_MODULES[p] for p in layer.experts), *layer.modules)}
+def adapted_layers(adapter: Adapter) -> dict[str, tuple[int, ...]]:
+    """The target modules an adapter adapts, each with the layers it adapts it in."""
+    layers: dict[str, list[int]] = defaultdict(list)
+    for layer_id, layer in sorted(adapter.layers.items()):
+        for name in (*(EXPERT_MODULES[p] for p in layer.experts), *layer.modules):
+            layers[name].append(layer_id)
+    return {name: tuple(ids) for name, ids in layers.items()}
 
 
-def resolve_targets(requested: Sequence[str] | str | None, model: nn.Module, adapters: Iterable[Adapter]
+def resolve_targets(requested: Sequence[str] | str | None, model: nn.Module, adapted: Iterable[Collection[str]]
                     ) -> frozenset[str]:
     """The target modules that get slot buffers, from EngineConfig.lora_target_modules: "all"; names (the last
-    name of modules, SGLang's qkv_proj and gate_up_proj for their parts); or None: the modules `adapters` adapt,
-    all of them when they adapt none (no adapters at start: any may be loaded later). ValueError for a name the
-    model lacks."""
-    modules, adapted = model_modules(model), frozenset().union(*map(adapter_modules, adapters))
+    name of modules, SGLang's qkv_proj and gate_up_proj for their parts); or None: the modules the adapters at start
+    adapt (`adapted`: each one's), all of them when they adapt none (no adapters at start: any may be loaded
+    later). ValueError for a name the model lacks."""
+    modules, adapted = model_modules(model), frozenset().union(*adapted)
     if requested == "all" or (requested is None and not adapted):
         return frozenset(modules)
     if requested is None:  # by module, not last name: an experts-only adapter gives dense MLPs no slots
@@ -123,6 +126,7 @@ class RankShare:
     layers: dict[int, LayerLoRA]
     max_rank: int     # the whole adapter's
     expert_rank: int  # the whole adapter's largest routed-expert rank (0: none)
+    modules: dict[str, tuple[int, ...]]  # the whole adapter's target modules, with the layers it adapts them in
 
     def num_bytes(self) -> int:
         """Bytes of the A and B pieces held here."""
@@ -131,12 +135,13 @@ class RankShare:
 
 
 def share_of(model: nn.Module, adapter: Adapter) -> RankShare:
-    """The part of `adapter` this rank's slot buffers take, in tensors of its own (the whole adapter's memory is
-    freed with it); the adapter already checked (slot_problems)."""
+    """The part of `adapter` this rank's layers take, in tensors of its own (the whole adapter's memory is freed
+    with it); the adapter already checked against the model's shapes (fit_problems). Cut whether or not the layers
+    have slot buffers yet: the LoRA manager cuts the adapters given at start before it sizes the slots."""
     layers: dict[int, LayerLoRA] = defaultdict(LayerLoRA)
     for m in _lora_layers(model):
         layer = adapter.layers.get(m.layer_id)
-        if m.lora is None or layer is None:
+        if layer is None:
             continue
         if isinstance(m, Runner):
             e, rows = m.experts, m.inter
@@ -153,7 +158,7 @@ def share_of(model: nn.Module, adapter: Adapter) -> RankShare:
                 layers[m.layer_id].modules[name] = LinearLoRA(_owned(lora.a[:, m.in_shard], lora.a),
                                                               _owned(lora.b[rows], lora.b), lora.scaling, lora.keys)
     expert_rank = max((e.rank for layer in adapter.layers.values() for e in layer.experts.values()), default=0)
-    return RankShare(adapter.path, dict(layers), adapter.max_rank, expert_rank)
+    return RankShare(adapter.path, dict(layers), adapter.max_rank, expert_rank, adapted_layers(adapter))
 
 
 def _owned(piece: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
@@ -164,6 +169,7 @@ def _owned(piece: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
 def write_adapter_to_slot(model: nn.Module, adapter: Adapter, slot: int) -> None:
     """Slot `slot` of every LoRA layer with buffers holds `adapter` afterwards and nothing of what was there
     before. Raises AdapterError, before writing anything, for the problems `slot_problems` finds."""
+    _check_slot(model, slot)
     problems = slot_problems(model, adapter)
     if problems:
         raise AdapterError(f"{adapter.path}: cannot be put in slot {slot}: {'; '.join(problems)}", problems)
@@ -173,13 +179,7 @@ def write_adapter_to_slot(model: nn.Module, adapter: Adapter, slot: int) -> None
 def write_share_to_slot(model: nn.Module, share: RankShare, slot: int) -> None:
     """Slot `slot` of every LoRA layer with buffers holds the adapter of `share` afterwards and nothing of what was
     there before."""
-    layers = [m for m in _lora_layers(model) if m.lora is not None]
-    if not layers:
-        raise RuntimeError("allocate_lora_slots(model, ...) first")
-    num_slots = layers[0].lora.ranks.shape[-2]
-    if not 0 <= slot < num_slots:
-        raise ValueError(f"slot {slot} out of range [0, {num_slots})")
-    for m in layers:
+    for m in _check_slot(model, slot):
         layer = share.layers.get(m.layer_id, LayerLoRA())
         if isinstance(m, Runner):
             _write_experts(m, layer, slot)
@@ -187,25 +187,51 @@ def write_share_to_slot(model: nn.Module, share: RankShare, slot: int) -> None:
             _write_linear(m, layer, slot)
 
 
+def _check_slot(model: nn.Module, slot: int) -> list[Linear | Runner]:
+    """The model's LoRA layers with buffers, once `slot` is known to be one of theirs."""
+    layers = [m for m in _lora_layers(model) if m.lora is not None]
+    if not layers:
+        raise RuntimeError("allocate_lora_slots(model, ...) first")
+    num_slots = layers[0].lora.ranks.shape[-2]
+    if not 0 <= slot < num_slots:
+        raise ValueError(f"slot {slot} out of range [0, {num_slots})")
+    return layers
+
+
 def slot_problems(model: nn.Module, adapter: Adapter) -> list[str]:
-    """Why the adapter cannot be put in the model's slots (none: it can): modules the model does not have,
-    modules without slot buffers (not among the engine's target modules), ranks or shapes that do not fit."""
+    """Why the adapter cannot be put in the model's slots (none: it can): fit_problems against the slots' rank, and
+    modules without slot buffers (not among the engine's target modules)."""
+    slotted = next((m.lora for m in _lora_layers(model) if m.lora is not None), None)
+    rank = None if slotted is None else (slotted.a_gate if isinstance(slotted, ExpertLoRASlots) else slotted.a).shape[2]
+    return fit_problems(model, adapter, rank) + unslotted_problems(model, adapted_layers(adapter))
+
+
+def fit_problems(model: nn.Module, adapter: Adapter, max_rank: int | None) -> list[str]:
+    """Why the adapter does not fit the model, slots aside: modules the model does not have, ranks above max_rank
+    (None: any), shapes other than the model's."""
     problems, used = [], set()
-    unslotted: dict[str, list[int]] = defaultdict(list)  # target module -> layers
     for m in _lora_layers(model):
         layer = adapter.layers.get(m.layer_id, LayerLoRA())
-        for name, module in zip(EXPERT_PROJECTIONS if isinstance(m, Runner) else m.part_names, _modules_of(m)):
+        for name in EXPERT_PROJECTIONS if isinstance(m, Runner) else m.part_names:
             lora = (layer.experts if isinstance(m, Runner) else layer.modules).get(name)
             if lora is not None:
                 used.add((m.layer_id, name))
-                if m.lora is None:
-                    unslotted[module].append(m.layer_id)
-                else:
-                    problems += _fit_problems(m, name, lora)
+                problems += _fit_problems(m, name, lora, max_rank)
     for layer_id, layer in adapter.layers.items():
         for name in [*layer.experts, *layer.modules]:
             if (layer_id, name) not in used:
                 problems.append(f"layer {layer_id} {name}: the model has no such LoRA-able module")
+    return problems
+
+
+def unslotted_problems(model: nn.Module, adapted: dict[str, tuple[int, ...]]) -> list[str]:
+    """The modules an adapter adapts (`adapted`: adapted_layers) in layers without slot buffers for them."""
+    unslotted: dict[str, list[int]] = defaultdict(list)  # target module -> layers
+    for m in _lora_layers(model):
+        for module in _modules_of(m) if m.lora is None else ():
+            if m.layer_id in adapted.get(module, ()):
+                unslotted[module].append(m.layer_id)
+    problems = []
     for module, layer_ids in unslotted.items():
         where = f"layer{'s' if len(layer_ids) > 1 else ''} {format_ranges(layer_ids)}"
         problems.append(f"{module} ({where}): this engine has no LoRA slots for it; start the engine with "
@@ -213,10 +239,9 @@ def slot_problems(model: nn.Module, adapter: Adapter) -> list[str]:
     return problems
 
 
-def _fit_problems(m: Linear | Runner, name: str, lora: LinearLoRA | ExpertsLoRA) -> list[str]:
-    max_rank = m.lora.a_gate.shape[2] if isinstance(m, Runner) else m.lora.a.shape[2]
+def _fit_problems(m: Linear | Runner, name: str, lora: LinearLoRA | ExpertsLoRA, max_rank: int | None) -> list[str]:
     where = f"layer {m.layer_id} {name}"
-    if lora.rank > max_rank:
+    if max_rank is not None and lora.rank > max_rank:
         return [f"{where}: rank {lora.rank} exceeds the slots' max rank {max_rank}"]
     if isinstance(m, Runner):
         h, i, e = m.hidden_size, m.full_intermediate_size, m.total_experts

@@ -85,21 +85,34 @@ def _assert_memory_per_rank(many: Engine, one: Engine, model_path) -> None:
         assert held.weights < 0.6 * one.runner.weight_bytes()
 
 
-def test_each_rank_keeps_its_share_of_an_adapter(start_engine, adapters):
-    """Under tp 2 / ep 2 rank 0 keeps in host memory only what its slots take: its half of the experts (of them, its
-    half of the intermediate rows), its shard of each attention projection; the whole adapter is not kept."""
-    many = start_engine("qwen3_moe", tp_size=2, ep_size=2)
+@pytest.mark.parametrize("options", [dict(tp_size=2, ep_size=2), dict(tp_size=2)], ids=["tp2-ep2", "tp2-ep1"])
+def test_each_rank_keeps_its_share_of_an_adapter(options, start_engine, adapters):
+    """Rank 0 keeps in host memory only what its layers take, in memory of its own: at ep 2 its half of the experts,
+    at ep 1 every expert's half of the intermediate rows (gate and up: B's rows, down: A's columns); its shard of
+    each attention projection (q: B's rows, o: A's columns). The whole adapter is not kept."""
+    many = start_engine("qwen3_moe", **options)
     whole = load_adapter(adapters("qwen3_moe")["full"].path, family_config("qwen3_moe"))
     share = many.runner.lora._host["full"]
-    assert share.num_bytes() < 0.6 * whole.num_bytes()
+    assert share.num_bytes() < (0.6 if "ep_size" in options else 0.9) * whole.num_bytes()  # A and B of each expert
     assert (share.max_rank, share.expert_rank) == (whole.max_rank, max(e.rank for e in whole.layers[0].experts.values()))
-    experts = family_config("qwen3_moe").num_experts
     for layer_id, layer in share.layers.items():
-        for name, lora in layer.experts.items():
-            assert lora.a.shape[0] == lora.ranks.shape[0] == experts // 2, (layer_id, name)
-            assert lora.a.untyped_storage().nbytes() == lora.a.nbytes  # its own memory, not a view of the whole
-        q = layer.modules["self_attn.q_proj"]
-        assert q.b.shape[0] == whole.layers[layer_id].modules["self_attn.q_proj"].b.shape[0] // 2
+        full = whole.layers[layer_id]
+        pieces = [(name, lora, full.experts[name]) for name, lora in layer.experts.items()] + \
+            [(name, lora, full.modules[name]) for name, lora in layer.modules.items()]
+        for name, got, want in pieces:
+            for t, w in ((got.a, want.a), (got.b, want.b)):
+                if t.shape != w.shape:  # cut: memory of its own, not a view of the whole adapter's
+                    assert t.untyped_storage().nbytes() == t.nbytes, (layer_id, name)
+        for name, got in layer.experts.items():
+            (e, r, a_in), b_out = full.experts[name].a.shape, full.experts[name].b.shape[1]
+            if "ep_size" in options:
+                want = ((e // 2, r, a_in), (e // 2, b_out, r))
+            else:  # down: its input is the intermediate dimension; gate and up: their output
+                want = ((e, r, a_in // 2), (e, b_out, r)) if name == "down" else ((e, r, a_in), (e, b_out // 2, r))
+            assert (tuple(got.a.shape), tuple(got.b.shape)) == want, (layer_id, name)
+        q, o = layer.modules["self_attn.q_proj"], layer.modules["self_attn.o_proj"]
+        assert q.b.shape[0] * 2 == full.modules["self_attn.q_proj"].b.shape[0]
+        assert o.a.shape[1] * 2 == full.modules["self_attn.o_proj"].a.shape[1]
 
 
 def test_load_and_unload_with_requests_in_flight(start_engine, adapters):

@@ -1,9 +1,11 @@
 """LoRA slots: LRU order, adapters in use never evicted, requests waiting for a slot, adapters
 loaded and unloaded at runtime, the host-memory cache, and the counters."""
 import shutil
+import weakref
 
 import pytest
 
+import moelora.engine.lora_manager as lora_manager
 from moelora.engine.lora_manager import LoRASlotPool
 from moelora.engine.sampling_params import SamplingParams
 from moelora.lora import AdapterError, load_adapter
@@ -117,3 +119,20 @@ def test_no_slots_without_a_rank(make_engine, adapters):
         engine.load_lora("full", str(adapters(FAMILY)["full"].path))
     with pytest.raises(AdapterError, match="no LoRA slots"):
         engine.read_lora(str(adapters(FAMILY)["full"].path))
+
+
+def test_the_start_holds_one_whole_adapter_at_a_time(make_engine, monkeypatch):
+    """The adapters given at start are each cut to the rank's share as they are read: when the next is read, the one
+    before is no longer held whole (under tp, 4 ranks each held every adapter whole at once)."""
+    read, alive_at_read = [], []
+
+    def load(*args, **kwargs):
+        alive_at_read.append([r() is not None for r in read])
+        adapter = real(*args, **kwargs)
+        read.append(weakref.ref(adapter))
+        return adapter
+    real = lora_manager.load_adapter
+    monkeypatch.setattr(lora_manager, "load_adapter", load)
+    engine = make_engine(FAMILY)
+    assert len(read) == 2 and alive_at_read == [[], [False]]
+    assert sorted(engine.runner.lora._host) == ["full", "partial"]
