@@ -27,8 +27,9 @@ from torch import nn
 
 from moelora.core import ExpertLoRASlots
 from moelora.engine.config import EngineConfig
-from moelora.engine.lora_slots import (RankShare, allocate_lora_slots, fit_problems, model_modules, resolve_targets,
-                                       share_of, slot_bytes, slotted_modules, unslotted_problems, write_share_to_slot)
+from moelora.engine.lora_slots import (RankShare, adapted_layers, allocate_lora_slots, fit_problems, model_modules,
+                                       resolve_targets, share_of, slot_bytes, slotted_modules, unslotted_problems,
+                                       write_share_to_slot)
 from moelora.kernels.lora_tiles import step_rank_bound
 from moelora.lora.adapter import load_adapter
 from moelora.lora.errors import AdapterError
@@ -151,9 +152,7 @@ class LoRAManager:
         if not self.max_rank:
             raise AdapterError("cannot load an adapter: the engine has no LoRA slots (start it with max_lora_rank, "
                                "or with lora_paths)")
-        share = self._read_share(path, self.max_rank, f"adapter {path}")
-        self._raise(unslotted_problems(self.model, share.modules), f"adapter {path}")
-        return share
+        return self._read_share(path, self.max_rank, f"adapter {path}", slotted=True)
 
     def load_lora(self, name: str, path: str | Path, adapter: RankShare | None = None) -> None:
         """Serve the adapter at `path` (`adapter`: what read(path) gave, else it is read here) as `name`."""
@@ -251,10 +250,12 @@ class LoRAManager:
         if self._events is not None:
             self._events.append(event)
 
-    def _read_share(self, path: str | Path, max_rank: int | None, what: str) -> RankShare:
-        """This rank's share of the adapter at `path`, read and checked against the model's shapes and max_rank."""
+    def _read_share(self, path: str | Path, max_rank: int | None, what: str, slotted: bool = False) -> RankShare:
+        """This rank's share of the adapter at `path`, read and checked against the model's shapes and max_rank, and
+        once the slots exist (`slotted`) against their modules."""
         adapter = load_adapter(path, self.shapes, max_rank)
-        self._raise(fit_problems(self.model, adapter, max_rank), what)
+        self._raise(fit_problems(self.model, adapter, max_rank)
+                    + (unslotted_problems(self.model, adapted_layers(adapter)) if slotted else []), what)
         return share_of(self.model, adapter)
 
     @staticmethod
