@@ -48,13 +48,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="a tiny Qwen3-MoE on the CPU (eager only)")
     p.add_argument("--steps", default=None, help="SxL prompt steps (default 1x128,4x128,1x512,8x128,1x1024,16x128,"
-                                                   "32x128,4x1024; tiny 1x8,2x16)")
+                                                   "32x128,4x1024,8x1024; tiny 1x8,2x16)")
     args = p.parse_args()
     device, dtype, name, _, _ = machine()
     if args.tiny:
         device, dtype, name = "cpu", torch.float32, "CPU"
     steps = [tuple(map(int, s.split("x"))) for s in (args.steps or ("1x8,2x16" if args.tiny else
-             "1x128,4x128,1x512,8x128,1x1024,16x128,32x128,4x1024")).split(",")]
+             "1x128,4x128,1x512,8x128,1x1024,16x128,32x128,4x1024,8x1024")).split(",")]
     config = qwen3_30b_a3b_config(tiny=args.tiny)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_dummy_checkpoint(config, Path(tmp) / "model")
