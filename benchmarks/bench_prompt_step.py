@@ -59,7 +59,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_dummy_checkpoint(config, Path(tmp) / "model")
         adapter = {"a0": write_random_peft_adapter(config, Path(tmp) / "a0", RANK, seed=0, device=device)}
-        runner = Ours(model_dir, adapter, device, dtype, 32).engine.runner
+        # prompt graphs up to the largest step measured, whatever the engine's default
+        runner = Ours(model_dir, adapter, device, dtype, 32,
+                      cuda_graph_max_prefill_tokens=max(seqs * each for seqs, each in steps)).engine.runner
         graphs = runner.prompt_graphs
         print(f"# prompt-step benchmark, {name}, {datetime.date.today()}, torch {torch.__version__}, {dtype}; "
               f"{'tiny Qwen3-MoE' if args.tiny else 'Qwen3-30B-A3B'} dummy weights, adapter rank {RANK}; prompt graphs "
