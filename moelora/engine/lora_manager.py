@@ -128,7 +128,7 @@ class LoRAManager:
         return sorted(n for n in self._paths if n not in self._unloading)
 
     def describe(self) -> list[str]:
-        """A line for the GPU slots and one per adapter (rank, host memory), for the server's startup log."""
+        """A line for the GPU slots and one per adapter (rank, this rank's host memory of it), for the server's startup log."""
         if not self.max_rank:
             return ["LoRA: no slots (start with max_lora_rank or lora_paths to load adapters)"]
         mib = slot_bytes(self.model) / 2**20
@@ -140,8 +140,8 @@ class LoRAManager:
                  + " (--lora-target-modules)"]
         for name in self.names:
             share = self._host.get(name)
-            held = f"{share.max_rank}, {share.num_bytes() / 2**20:.1f} MiB of it in this rank's host memory" if share \
-                else "not in host memory"
+            held = f"{share.max_rank}, {share.num_bytes() / 2**20:.1f} MiB in host memory" if share else \
+                "not in host memory"
             lines.append(f"adapter {name}: {self._paths[name]} (rank {held})")
         return lines
 
