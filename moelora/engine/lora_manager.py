@@ -128,7 +128,8 @@ class LoRAManager:
         return sorted(n for n in self._paths if n not in self._unloading)
 
     def describe(self) -> list[str]:
-        """A line for the GPU slots and one per adapter (rank, this rank's host memory of it), for the server's startup log."""
+        """A line for the GPU slots and one per adapter (rank, the host memory of this rank's share), for the server's
+        startup log."""
         if not self.max_rank:
             return ["LoRA: no slots (start with max_lora_rank or lora_paths to load adapters)"]
         mib = slot_bytes(self.model) / 2**20
