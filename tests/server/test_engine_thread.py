@@ -15,7 +15,7 @@ from moelora.engine.engine import Engine
 from moelora.engine.sampling_params import SamplingParams
 from moelora.engine.stepper import StepOutput
 from moelora.server.app import create_app
-from moelora.server.engine_loop import Delta, EngineError, merge_deltas
+from moelora.server.engine_loop import Delta, EngineError, Overloaded, Submission, merge_deltas
 from tests.server.conftest import ENGINE_OPTIONS, MODEL_NAME, SERVED, make_engine, serving
 
 IDS = [5, 6, 7, 8]
@@ -65,6 +65,41 @@ def test_the_shutdown_drain_ends_the_requests_in_flight_and_frees_them(demo_dir)
         assert "the server is shutting down" in lines[-2], lines[-3:]
         assert server.idle()
         assert httpx.get(f"{server.url}/health").status_code == 503
+
+
+def test_the_queue_limit_counts_requests_added_during_a_step(demo_dir):
+    """max_queued_requests holds between steps: a request added while the engine thread is busy counts as waiting
+    from its add on, not from the count the next step publishes (a burst during a long step used to pass it)."""
+    engine = make_engine(demo_dir, SERVED)
+    stepping, release, step = threading.Event(), threading.Event(), engine.step
+
+    def held_step():
+        stepping.set()
+        release.wait(60)
+        return step()
+    engine.step = held_step
+    with serving(create_app(engine, MODEL_NAME, max_queued_requests=2)) as server:
+        sub = Submission(IDS, SamplingParams(max_tokens=2, ignore_eos=True), None)
+
+        async def scenario() -> int:
+            queue: asyncio.Queue = asyncio.Queue()
+            await server.loop.submit([sub], queue)  # added: waiting; the engine thread's next step holds
+            assert await asyncio.to_thread(stepping.wait, 30)
+            second = asyncio.ensure_future(server.loop.submit([sub], queue))  # pending while the step holds
+            await asyncio.sleep(0.2)
+            try:
+                with pytest.raises(Overloaded, match="2 requests are queued"):  # 1 waiting + 1 pending
+                    await server.loop.submit([sub], queue)
+            finally:
+                release.set()
+            await second
+            finished = 0
+            while finished < 2:  # both ended before this event loop closes
+                item = await asyncio.wait_for(queue.get(), 30)
+                finished += item.out.finished
+            return finished
+        assert asyncio.run(scenario()) == 2
+        assert server.idle()
 
 
 def test_a_stop_string_ends_the_request_and_frees_it(server):
