@@ -28,7 +28,7 @@ from moelora.engine.profiler import StepProfiler
 from moelora.engine.request import Req
 from moelora.engine.sampler import PenaltyState, SampleOutput, SamplingBatch, TokenMask, hold_back, sample
 from moelora.engine.scheduler import ScheduledBatch
-from moelora.engine.workers import Workers, join_world, node_config, share_node_cores
+from moelora.engine.workers import Workers, join_world, node_config, node_ranks, share_node_cores
 from moelora.layers.moe.all_to_all import FIXED_MAX_TOKENS
 from moelora.models.config import ModelConfig
 from moelora.models.loader import load_model
@@ -36,6 +36,8 @@ from moelora.models.loader import load_model
 logger = logging.getLogger(__name__)
 ALLOW_LONG_CONTEXT = "MOELORA_ALLOW_LONG_CONTEXT_LENGTH"  # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN
 PROFILE_WRITE_TIMEOUT_FACTOR = 10  # the ranks' wait for each other's profile writes: this many dist_timeouts
+# the host's memory, and cgroup v2's: the process's group ("0::/path") under the unified hierarchy's root
+MEMINFO, CGROUP_OF_PROCESS, CGROUP_ROOT = "/proc/meminfo", "/proc/self/cgroup", "/sys/fs/cgroup"
 
 
 @dataclass
@@ -353,12 +355,14 @@ class ModelRunner:
         req_to_token = self.config.max_running_requests * context * 4
         if self.device.type == "cpu":
             tokens = self.config.max_total_tokens or CPU_KV_TOKENS
-            available = _host_memory_available()
-            if available is not None and tokens * bytes_per_token + req_to_token > available:
+            # the ranks of a node allocate theirs at once, each from what is available to all
+            available, ranks = _host_memory_available(), len(node_ranks(self.config))
+            if available is not None and tokens * bytes_per_token + req_to_token > available // ranks:
                 raise ValueError(f"the KV cache of {tokens} tokens (max_total_tokens) needs "
                                  f"{tokens * bytes_per_token / 2**30:.2f} GiB and the rows of max_running_requests="
                                  f"{self.config.max_running_requests} x {context} tokens {req_to_token / 2**30:.2f} "
-                                 f"GiB; {available / 2**30:.2f} GiB of host memory is available")
+                                 f"GiB; {available / 2**30:.2f} GiB of host memory is available"
+                                 + (f", to {ranks} ranks of this node" if ranks > 1 else ""))
             return tokens
         free, total = torch.cuda.mem_get_info(self.device)
         if self.config.max_total_tokens:
@@ -387,12 +391,24 @@ def _positions(model_config: ModelConfig) -> int:
 
 
 def _host_memory_available() -> int | None:
-    """Bytes of host memory available for new allocations (Linux's MemAvailable); None where unknown."""
+    """Bytes of host memory available for new allocations: Linux's MemAvailable, or what this process's cgroup (v2)
+    allows where that is less (memory.max less memory.current: a container's limit); None where unknown."""
+    available = None
     try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        with open(MEMINFO) as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError, IndexError):
-        return None
+        pass
+    try:
+        line = next(line for line in Path(CGROUP_OF_PROCESS).read_text().splitlines() if line.startswith("0::"))
+        group = Path(CGROUP_ROOT, line[3:].lstrip("/"))
+        limit = (group / "memory.max").read_text().strip()
+        if limit != "max":
+            left = int(limit) - int((group / "memory.current").read_text())
+            available = left if available is None else min(available, left)
+    except (OSError, ValueError, StopIteration):  # no cgroup v2 (v1, another OS), or no limit files
+        pass
+    return available
 
 
 def serve_rank(rank: int, config: EngineConfig, init_method: str) -> None:

@@ -522,6 +522,14 @@ def test_two_nodes(options, start_engine, checkpoint, adapters, tmp_path):
     assert tokens == [o.token_ids for o in start_engine("qwen3_moe").generate(PROMPTS, GREEDY, lora=loras)]
 
 
+def test_a_cpu_cache_over_the_host_memory_counts_every_rank_of_the_node(start_engine):
+    """On the CPU each rank checks its KV cache against its share of the memory available: the node's ranks
+    allocate theirs at once."""
+    with pytest.raises(Exception, match=r"GiB of host memory is available, to 2 ranks of this node"):
+        start_engine("qwen3_moe", tp_size=2, max_total_tokens=10**11)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("moelora-rank")]
+
+
 def test_a_construction_that_fails_after_loading_stops_the_ranks(start_engine, tmp_path):
     """The construction fails once every rank has loaded its share (here: a tokenizer_path that is no directory,
     read after the model): the ranks, which wait for rank 0's first command by then, are stopped and no world is

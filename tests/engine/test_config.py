@@ -129,6 +129,28 @@ def test_a_cache_larger_than_the_host_memory_is_an_error_naming_it(option):
         Engine(str(ASSETS / "model"), device="cpu", dtype="float32", **option)
 
 
+def test_host_memory_is_the_least_of_the_host_and_its_cgroup(tmp_path, monkeypatch):
+    """On the CPU the KV cache is checked against MemAvailable, or the process's cgroup (v2) limit less its use where
+    that is less (a container's); a cgroup without a limit, or none, leaves MemAvailable."""
+    import moelora.engine.model_runner as model_runner
+
+    host = 5 * 2**30
+    (tmp_path / "meminfo").write_text(f"MemTotal: {2 * host // 1024} kB\nMemAvailable: {host // 1024} kB\n")
+    monkeypatch.setattr(model_runner, "MEMINFO", str(tmp_path / "meminfo"))
+    (tmp_path / "proc").write_text("1:memory:/v1-only\n0::/box/inner\n")
+    group = tmp_path / "root" / "box" / "inner"
+    group.mkdir(parents=True)
+    monkeypatch.setattr(model_runner, "CGROUP_OF_PROCESS", str(tmp_path / "proc"))
+    monkeypatch.setattr(model_runner, "CGROUP_ROOT", str(tmp_path / "root"))
+    (group / "memory.max").write_text("max\n")
+    assert model_runner._host_memory_available() == host
+    (group / "memory.max").write_text(f"{3 * 2**30}\n")
+    (group / "memory.current").write_text(f"{2**30}\n")
+    assert model_runner._host_memory_available() == 2 * 2**30
+    (tmp_path / "proc").write_text("4:memory:/v1-only\n")  # cgroup v1 only
+    assert model_runner._host_memory_available() == host
+
+
 def test_the_context_limit_follows_a_rope_scaling():
     """A YaRN or linear scaling serves its factor times the original positions (as vLLM's max_model_len); llama3's
     factor is no context extension (its config's max_position_embeddings says it)."""
