@@ -237,7 +237,8 @@ class EngineLoop:
         try:
             # token ids need no tokenizer: they do not wait behind another request's long text
             prompts = await self.run_tokenize(lambda: self._tokenize_prompts(subs)) \
-                if any(isinstance(sub.prompt, str) for sub in subs) else [list(sub.prompt) for sub in subs]
+                if any(isinstance(sub.prompt, str) for sub in subs) else \
+                [self.engine.tokenize(sub.prompt, sub.add_special_tokens) for sub in subs]
             await asyncio.wrap_future(self._text.submit(self._register, rids, subs, prompts, loop, queue, arrival))
             future = self.call(lambda: self._add(rids, subs, prompts, arrival))
         except BaseException:  # refused before any reached the engine (or the client left meanwhile)
