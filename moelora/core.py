@@ -184,7 +184,7 @@ class ForwardBatch:
     kv: KVCache
     lora: LoRABatch | None = None   # None: no adapter in the batch
     num_decode: int = 0             # the first num_decode sequences are decode rows (extend_len 1)
-    max_extend_len: int = 0         # host-side bounds for kernel grids (no device sync in the step)
+    _derived: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, kv: KVCache, rows: list[int], new_tokens: list[list[int]], prefix_lens: list[int],
@@ -214,7 +214,7 @@ class ForwardBatch:
             extend_lens=tensor(extend_lens, torch.int32), extend_starts=tensor(starts, torch.int32),
             out_cache_loc=out_cache_loc, logits_indices=tensor(logits_indices, torch.int64), kv=kv,
             lora=LoRABatch(tensor(token_slots, torch.int32)) if any(s >= 0 for s in token_slots) else None,
-            num_decode=num_decode, max_extend_len=max(extend_lens))
+            num_decode=num_decode)
 
     @property
     def num_tokens(self) -> int:
@@ -228,6 +228,13 @@ class ForwardBatch:
     def is_decode(self) -> bool:
         """Every sequence is a decode row: decode kernels only, CUDA-graph replay."""
         return self.num_decode == self.batch_size
+
+    def derived(self, key: Any, compute: Callable[[], Any]) -> Any:
+        """compute(), once per batch and key: what every layer of the step derives alike from its sequences
+        (attention's block table); the batch's tensors must not change while it is in use."""
+        if key not in self._derived:
+            self._derived[key] = compute()
+        return self._derived[key]
 
     @cached_property
     def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

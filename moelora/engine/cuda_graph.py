@@ -117,7 +117,7 @@ class CudaGraphs:
             input_ids=self.input_ids[:bs], positions=self.positions[:bs], req_pool_indices=self.req_pool_indices[:bs],
             seq_lens=self.seq_lens[:bs], extend_lens=self.ones[:bs], extend_starts=self.arange[:bs],
             out_cache_loc=self.out_cache_loc[:bs], logits_indices=self.arange64[:bs], kv=self.kv,
-            lora=LoRABatch(self.token_slots[:bs]) if with_lora else None, num_decode=bs, max_extend_len=1)
+            lora=LoRABatch(self.token_slots[:bs]) if with_lora else None, num_decode=bs)
 
 
 def prompt_graph_sizes(max_tokens: int) -> list[int]:
@@ -169,7 +169,7 @@ class PaddedPrompt:
             req_pool_indices=self.req_pool_indices[:rows], seq_lens=self.seq_lens[:rows],
             extend_lens=self.extend_lens[:rows], extend_starts=self.extend_starts[:rows],
             out_cache_loc=self.out_cache_loc[:size], logits_indices=self.logits_indices[:rows], kv=self.kv,
-            lora=LoRABatch(self.token_slots[:size]) if with_lora else None, num_decode=0, max_extend_len=size)
+            lora=LoRABatch(self.token_slots[:size]) if with_lora else None, num_decode=0)
 
     def fill(self, batch: ForwardBatch | None, size: int) -> None:
         """Copy the step into the buffers, padded to `size` tokens (fits(batch, size)); None: a step of padding

@@ -5,16 +5,20 @@ in the cache when it runs, so one function serves prefill, chunked prefill and d
 
 Triton kernels (fp32 accumulation, softmax in exp2 with log2(e) folded into the scale):
 
-    _extend_kernel:          prefill / chunked prefill, one program per (sequence, q head, BLOCK_M queries),
-                             streaming the sequence's keys up to the block's last query (causal)
+    _extend_kernel:          prefill / chunked prefill, one program per (q head, entry of the step's query-block
+                             table: a sequence's BLOCK_M queries), streaming the sequence's keys up to the
+                             block's last query (causal)
     _decode_partial_kernel:  decode (one new token per sequence), split-K (flash-decoding): one program per
                              (sequence, kv head, split) for all q heads of the group; partial max/sum/output
     _decode_reduce_kernel:   combines a sequence's splits in a fixed order
 
-Grids come from host-side bounds (batch size, `max_extend_len`, `max_kv_splits`), never from lengths
-read back from the device, so no step synchronises and decode can be captured in a CUDA graph. A
-sequence's split size depends only on its own length, so its decode result (bitwise) does not
-depend on the batch it is in.
+Grids come from host-side bounds (batch size, token count, `max_kv_splits`), never from lengths
+read back from the device, so no step synchronises and every step can be captured in a CUDA graph.
+The extend grid covers the step's query blocks (`extend_blocks`: a table built on the device once a
+step, bounded by the token and sequence counts), not sequences x the longest extend's blocks: a
+step of one long prompt beside short ones, or a prompt graph padded to its size, launches no
+programs that find no queries. A sequence's result (bitwise) does not depend on the batch it is in:
+its query blocks and a decode split's size follow its own lengths only.
 
 `attention_reference` is the plain-torch version and the CPU backend.
 """
@@ -118,20 +122,21 @@ def _load_q(q_ptr, rows_ok, DK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DPE: 
 @triton.jit(do_not_specialize_on_alignment=["req_pool_ptr", "seq_lens_ptr", "extend_lens_ptr", "extend_starts_ptr"])
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, req_to_token_ptr, req_pool_ptr, seq_lens_ptr, extend_lens_ptr, extend_starts_ptr,
-    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_req, qk_scale, group,
+    blocks_ptr, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_req,
+    qk_scale, group,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Queries [m0, m0 + BLOCK_M) of one sequence's new tokens, one q head. Program ids along axis 2 count query
-    blocks from the last: the hardware dispatches axis 2's first ids first, so the blocks that see the most keys
-    start first and the short ones fill the SMs at the end."""
+    """Queries [m0, m0 + BLOCK_M) of one sequence's new tokens, one q head: (sequence, m0 / BLOCK_M) is entry
+    program_id(1) of the step's block table (ExtendBlocks), -1 past its blocks."""
     wait_for_previous_kernel(PDL)
-    seq, head = tl.program_id(0), tl.program_id(1)
-    m0 = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M
-    extend_len = tl.load(extend_lens_ptr + seq)
-    if m0 >= extend_len:
+    head, entry = tl.program_id(0), tl.program_id(1)
+    seq = tl.load(blocks_ptr + 2 * entry)
+    if seq < 0:
         return
+    m0 = tl.load(blocks_ptr + 2 * entry + 1) * BLOCK_M
+    extend_len = tl.load(extend_lens_ptr + seq)
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix = seq_len - extend_len
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -242,12 +247,45 @@ def _launch_common(q, k_cache, v_cache, scale: float) -> dict:
                 BLOCK_DV=max(16, triton.next_power_of_2(v_cache.shape[-1])))
 
 
+@dataclass(frozen=True)
+class ExtendBlocks:
+    """A step's query blocks, the extend kernel's grid: entries [B, 2] int32, each (sequence, block index from its
+    first new token), -1 past the step's blocks. Ordered by each block's place from its sequence's end, then by
+    sequence: every sequence's last block first (the ones that see the most keys start first, the short ones fill
+    the SMs at the end). B bounds the count from host-side sizes."""
+    entries: torch.Tensor
+    block_m: int
+
+
+def extend_blocks(q: torch.Tensor, k_cache: torch.Tensor, extend_lens: torch.Tensor,
+                  config: AttentionConfig | None = None) -> ExtendBlocks:
+    """The block table of the sequences extend_lens [S] whose new tokens are among q's N rows, on `config`'s
+    query blocks (default: attention's tiles for these heads): a few device ops, no sync (graph-safe). One table
+    serves every layer of a step."""
+    block_m = (config or default_config(k_cache.shape[-1], q.dtype)).block_m
+    num_seqs, num_tokens = extend_lens.shape[0], q.shape[0]
+    levels = triton.cdiv(num_tokens, block_m)  # no sequence has more blocks than the step's tokens fill
+    bound = min(num_seqs * levels, (num_tokens + num_seqs * (block_m - 1)) // block_m)
+    counts = (extend_lens + block_m - 1) // block_m
+    from_end = torch.arange(levels, dtype=torch.int32, device=q.device)
+    real = (from_end[:, None] < counts[None, :]).flatten()  # [levels * S]: every sequence's last block, then ...
+    # entry p is the (p + 1)-th real pair: the first index whose running count of real pairs reaches p + 1
+    pair = torch.searchsorted(real.cumsum(0), torch.arange(1, bound + 1, device=q.device))
+    found = pair < real.shape[0]
+    pair = pair.clamp(max=real.shape[0] - 1)
+    seq = pair % num_seqs
+    block = counts.long()[seq] - 1 - pair // num_seqs
+    entries = torch.stack([seq, block], 1).masked_fill_(~found[:, None], -1)
+    return ExtendBlocks(entries.to(torch.int32), block_m)
+
+
 def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
-                     extend_starts: torch.Tensor, scale: float, *, is_decode: bool, max_extend_len: int,
+                     extend_starts: torch.Tensor, scale: float, *, is_decode: bool, blocks: ExtendBlocks | None = None,
                      max_kv_splits: int = DEFAULT_MAX_KV_SPLITS, config: AttentionConfig | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """Launches the kernels; every grid size comes from host-side shapes and bounds."""
+    """Launches the kernels; every grid size comes from host-side shapes and bounds. blocks: the extend table
+    (extend_blocks on the same config; None: built here)."""
     num_seqs, (num_tokens, num_q_heads, _) = seq_lens.shape[0], q.shape
     cfg = config or default_config(k_cache.shape[-1], q.dtype)
     common, pdl = _launch_common(q, k_cache, v_cache, scale), pdl_launch(q.device)
@@ -255,11 +293,15 @@ def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out = torch.empty(num_tokens, num_q_heads, v_cache.shape[-1], dtype=q.dtype, device=q.device)
     strides = (*q.stride()[:2], *k_cache.stride()[:2], *v_cache.stride()[:2])
     if not is_decode:
-        grid = (num_seqs, num_q_heads, triton.cdiv(max_extend_len, cfg.block_m))
-        _extend_kernel[grid](q, k_cache, v_cache, out, req_to_token, req_pool_indices, seq_lens, extend_lens,
-                             extend_starts, *strides, *out.stride()[:2], req_to_token.stride(0), **common,
-                             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-                             num_stages=cfg.num_stages, **pdl)
+        if blocks is None:
+            blocks = extend_blocks(q, k_cache, extend_lens, cfg)
+        if blocks.block_m != cfg.block_m:
+            raise ValueError(f"the extend block table is on query blocks of {blocks.block_m}, the tiles' are "
+                             f"{cfg.block_m}: build it with extend_blocks on the same config")
+        _extend_kernel[(num_q_heads, blocks.entries.shape[0])](
+            q, k_cache, v_cache, out, req_to_token, req_pool_indices, seq_lens, extend_lens, extend_starts,
+            blocks.entries, *strides, *out.stride()[:2], req_to_token.stride(0), **common, BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
         return out
     mid_o = torch.empty(num_seqs, num_q_heads, max_kv_splits, v_cache.shape[-1], dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(num_seqs, num_q_heads, max_kv_splits, dtype=torch.float32, device=q.device)
@@ -303,12 +345,12 @@ def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
               req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
-              extend_starts: torch.Tensor, scale: float, *, is_decode: bool = False, max_extend_len: int | None = None,
+              extend_starts: torch.Tensor, scale: float, *, is_decode: bool = False, blocks: ExtendBlocks | None = None,
               max_kv_splits: int = DEFAULT_MAX_KV_SPLITS, impl: str = "auto",
               config: AttentionConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Entry point. is_decode (every extend_len is 1, from ForwardBatch) picks the split-K decode kernels;
-    max_extend_len bounds the extend grid (ForwardBatch.max_extend_len; None reads it from the device,
-    a synchronisation). impl: "triton", "torch" or "auto" (triton on CUDA). out [N, Hq, Dv]: written at the
+    """Entry point, no device read. is_decode (every extend_len is 1, from ForwardBatch) picks the split-K decode
+    kernels; blocks: the extend kernel's block table (`extend_blocks`, made once a step for every layer; None: built
+    in this call). impl: "triton", "torch" or "auto" (triton on CUDA). out [N, Hq, Dv]: written at the
     given sequences' tokens only and returned (a step that runs its decode and its extend sequences in
     two calls fills one output); default a new tensor."""
     _check_inputs(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_lens, extend_starts)
@@ -323,15 +365,10 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req
                                    extend_starts, scale, out)
     if impl != "triton":
         raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
-    if max_extend_len is None:
-        max_extend_len = 1 if is_decode else int(extend_lens.max()) if extend_lens.numel() else 0
     if q.shape[0] == 0:
         return q.new_zeros(0, q.shape[1], v_cache.shape[-1]) if out is None else out
-    if max_extend_len < 1:
-        raise ValueError(f"max_extend_len must bound the extend lengths of {q.shape[0]} new tokens, "
-                         f"got {max_extend_len}")
     return attention_triton(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_lens,
-                            extend_starts, scale, is_decode=is_decode, max_extend_len=max_extend_len,
+                            extend_starts, scale, is_decode=is_decode, blocks=blocks,
                             max_kv_splits=max_kv_splits, config=config, out=out)
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from moelora.core import ForwardBatch
-from moelora.kernels.attention import attention
+from moelora.kernels.attention import attention, extend_blocks
 from moelora.kernels.kv_store import store_kv
 from moelora.kernels.rope_kv_store import rope_store_kv
 from moelora.layers.norm import RMSNorm
@@ -45,12 +45,16 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """q [N, Hq, Dk] of the step's tokens, whose keys and values are in the cache already -> [N, Hq * Dv]."""
         q, caches = q.contiguous(), (*self.kv_buffers(batch), batch.kv.req_to_token)
-        if batch.is_decode or batch.num_decode == 0:  # no device read: graph-safe
+        if batch.is_decode:  # no device read: graph-safe
             out = attention(q, *caches, batch.req_pool_indices, batch.seq_lens, batch.extend_lens, batch.extend_starts,
-                            self.scale, is_decode=batch.is_decode, max_extend_len=batch.max_extend_len)
-        else:  # a mixed step: decode rows through the decode kernels, as in a decode step (same bits)
-            out = q.new_empty(q.shape[0], q.shape[1], self.v_head_dim)
-            decode, extend = batch.decode_rows, batch.extend_rows
-            attention(q, *caches, *decode, self.scale, is_decode=True, max_extend_len=1, out=out)
-            attention(q, *caches, *extend, self.scale, max_extend_len=batch.max_extend_len, out=out)
+                            self.scale, is_decode=True)
+            return out.flatten(1)
+        out = q.new_empty(q.shape[0], q.shape[1], self.v_head_dim)
+        if batch.num_decode:  # a mixed step: decode rows through the decode kernels, as in a decode step (same bits)
+            attention(q, *caches, *batch.decode_rows, self.scale, is_decode=True, out=out)
+        extend = batch.extend_rows
+        # every layer's heads alike: one table a step (the key names them, should a model's layers differ)
+        blocks = batch.derived(("extend_blocks", q.shape[1:], q.dtype),
+                               lambda: extend_blocks(q, caches[0], extend[2]))
+        attention(q, *caches, *extend, self.scale, blocks=blocks, out=out)
         return out.flatten(1)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from moelora.kernels.attention import AttentionConfig, attention, attention_reference
+from moelora.kernels.attention import AttentionConfig, attention, attention_reference, extend_blocks
 from tests.support import assert_rows_close, random_paged_attention, rel_tolerance
 
 DTYPES = [torch.bfloat16, torch.float16] if torch.cuda.is_available() else [torch.float16, torch.float32]
@@ -56,8 +56,39 @@ def test_reference_matches_sdpa(case_args, device):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_extend_matches_reference(case_args, dtype, device, poison):
     case = random_paged_attention(*case_args, dtype, device)
-    got = _run(case, "triton", max_extend_len=max(case_args[1]) + 5, config=SMALL)  # a loose host bound is fine
+    got = _run(case, "triton", config=SMALL)
     _check(case, got, dtype, device)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_extend_blocks_list_each_query_block_once(seed, device):
+    """Every (sequence, query block) of the step once, the blocks nearest each sequence's end first (ties by
+    sequence), then -1 entries only; the table's length a bound from the token and sequence counts alone."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, 60, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen)
+    lens[torch.rand(lens.shape, generator=gen) < 0.3] = 0  # empty sequences, as a prompt graph's padding rows
+    tokens = int(lens.sum()) + int(torch.randint(0, 40, (1,), generator=gen))  # more rows than new tokens is fine
+    q, k = torch.zeros(max(tokens, 1), 2, 16, device=device), torch.zeros(4, 1, 16, device=device)
+    entries = extend_blocks(q, k, lens.to(torch.int32).to(device), SMALL).entries.cpu()
+    counts = [(n + SMALL.block_m - 1) // SMALL.block_m for n in lens.tolist()]
+    want = sorted(((c - 1 - b, s), (s, b)) for s, c in enumerate(counts) for b in range(c))
+    assert entries.dtype == torch.int32 and entries.shape[1] == 2
+    assert entries[:len(want)].tolist() == [list(pair) for _, pair in want]
+    assert (entries[len(want):] == -1).all()
+    assert entries.shape[0] <= -(-q.shape[0] // SMALL.block_m) + len(counts)
+
+
+def test_extend_grid_skips_padding_sequences(device, poison):
+    """A prompt graph's step: one prompt, a padding sequence, and empty rows after them (no blocks, their start
+    past the tokens); each row as the reference has it, and the same bits with a table built beforehand."""
+    dtype = DTYPES[0]
+    q, k, v, req_to_token, rows, seq_lens, ext, starts, scale = random_paged_attention(
+        [5, 0, 0, 0, 0], [37, 11, 0, 0, 0], 4, 2, 16, 16, dtype, device)
+    case = (q, k, v, req_to_token, rows, seq_lens, ext, starts.masked_fill(ext == 0, q.shape[0]), scale)
+    got = _run(case, "triton", config=SMALL)
+    _check(case, got, dtype, device)
+    again = _run(case, "triton", config=SMALL, blocks=extend_blocks(q, k, ext, SMALL))
+    assert torch.equal(got, again)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -118,8 +149,8 @@ def test_rejects_bad_inputs(device):
                   starts, scale)
     with pytest.raises(ValueError, match="seq_lens must be contiguous int32"):
         attention(q, k, v, req_to_token, rows, seq_lens.long(), ext, starts, scale)
-    with pytest.raises(ValueError, match="max_extend_len must bound"):
-        attention(*case, impl="triton", max_extend_len=0)  # ForwardBatch's default, never set
+    with pytest.raises(ValueError, match="the extend block table is on query blocks of 16, the tiles' are"):
+        attention(*case, impl="triton", blocks=extend_blocks(q, k, ext, SMALL))  # default tiles: other blocks
     with pytest.raises(ValueError, match="impl must be"):
         attention(*case, impl="cuda")
 
@@ -134,9 +165,8 @@ def test_mixed_step_fills_one_output(impl, device, poison):
     common = dict(max_kv_splits=8, config=SMALL, impl=impl)
     out = torch.full((q.shape[0], q.shape[1], v.shape[-1]), float("nan"), dtype=dtype, device=q.device)
     attention(q, k, v, req_to_token, rows[:2], seq_lens[:2], ext[:2], starts[:2], scale, is_decode=True,
-              max_extend_len=1, out=out, **common)
-    got = attention(q, k, v, req_to_token, rows[2:], seq_lens[2:], ext[2:], starts[2:], scale, max_extend_len=20,
-                    out=out, **common)
+              out=out, **common)
+    got = attention(q, k, v, req_to_token, rows[2:], seq_lens[2:], ext[2:], starts[2:], scale, out=out, **common)
     assert got is out
     decode = attention(q[:2], k, v, req_to_token, rows[:2], seq_lens[:2], ext[:2], starts[:2], scale, is_decode=True,
                        **common)
