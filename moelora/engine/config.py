@@ -100,11 +100,10 @@ class EngineConfig:
 
     # CUDA graphs
     cuda_graph_max_bs: int = option(128, "largest decode batch run from a captured CUDA graph")
-    cuda_graph_max_prefill_tokens: int | None = option(
-        None, "largest prompt step (prompt pieces of fewer than 64 requests, no decode rows) run from a captured CUDA "
-              "graph, padded to the next of 64, 128, ..., 1024, 1536, 2048, 3072, 4096, ... tokens (default: 4096 on "
-              "one GPU, where a longer step's kernels outlast its launches; 8192 under tensor parallelism, where each "
-              "GPU's share of a step is smaller and its launches are not); 0: prompt steps run eagerly")
+    cuda_graph_max_prefill_tokens: int = option(8192, "largest prompt step (prompt pieces of fewer than 64 requests, no "
+                                                      "decode rows) run from a captured CUDA graph, padded to the next "
+                                                      "of 64, 128, ..., 1024, 1536, 2048, 3072, 4096, ... tokens; 0: "
+                                                      "prompt steps run eagerly")
     disable_cuda_graph: bool = option(False, "run every step eagerly")
     # SGLang's --skip-server-warmup
     skip_server_warmup: bool = option(False, "skip the prompt steps a GPU engine's start runs to compile every "
@@ -161,8 +160,7 @@ class EngineConfig:
                     ">= 1, or -1 to disable chunked prefill")
         self._check(self.max_prefill_tokens >= 1, "max_prefill_tokens", ">= 1")
         self._check(self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", ">= 1")
-        self._check(self.cuda_graph_max_prefill_tokens is None or self.cuda_graph_max_prefill_tokens >= 0,
-                    "cuda_graph_max_prefill_tokens", ">= 0")
+        self._check(self.cuda_graph_max_prefill_tokens >= 0, "cuda_graph_max_prefill_tokens", ">= 0")
         for name in self.lora_paths:
             self._check(isinstance(name, str) and name != "", "lora_paths", "non-empty adapter names")
         if self.lora_target_modules is not None:
@@ -187,13 +185,6 @@ class EngineConfig:
         """Launch each step before the previous one's tokens are read (over several ranks too: rank 0, which
         samples, broadcasts the tokens the next step needs on the device)."""
         return not self.disable_overlap_schedule
-
-    @property
-    def prompt_graph_tokens(self) -> int:
-        """cuda_graph_max_prefill_tokens, its default resolved: one GPU 4096, tensor parallelism 8192."""
-        if self.cuda_graph_max_prefill_tokens is not None:
-            return self.cuda_graph_max_prefill_tokens
-        return 8192 if self.tp_size > 1 else 4096
 
     @property
     def prefill_chunk(self) -> int | None:

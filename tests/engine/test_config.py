@@ -7,9 +7,6 @@ def test_defaults_resolve():
     config = EngineConfig("model", device="cpu")
     assert config.prefill_chunk == 8192 and not config.use_cuda_graph
     assert EngineConfig("model", device="cpu", chunked_prefill_size=-1).prefill_chunk is None
-    # prompt graphs: to 4096 tokens on one GPU, to 8192 under tensor parallelism, unless given
-    assert config.prompt_graph_tokens == 4096 and EngineConfig("model", tp_size=2).prompt_graph_tokens == 8192
-    assert EngineConfig("model", tp_size=2, cuda_graph_max_prefill_tokens=0).prompt_graph_tokens == 0
 
 
 def test_the_start_warms_up_on_cuda_unless_skipped():
