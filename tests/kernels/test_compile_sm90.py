@@ -39,7 +39,7 @@ HOPPER = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 227 * 1024
 INT_PTRS = {"sorted_ids_ptr", "block_expert_ptr", "block_slot_ptr", "num_rows_ptr", "ranks_ptr", "topk_ids_ptr",
             "token_slots_ptr", "cursor_ptr", "counter_ptr", "ready_ptr", "req_to_token_ptr", "req_pool_ptr", "seq_lens_ptr",
-            "extend_lens_ptr", "extend_starts_ptr", "ids_ptr", "lora_ranks_ptr", "slots_ptr"}
+            "extend_lens_ptr", "extend_starts_ptr", "blocks_ptr", "ids_ptr", "lora_ranks_ptr", "slots_ptr"}
 FP32_PTRS = {"topk_weights_ptr", "xa_ptr", "hd_ptr", "mid_o_ptr", "mid_lse_ptr", "inv_freq_ptr", "bias_ptr",
              "weights_ptr"}
 FP32_SCALARS = {"qk_scale", "scale", "routed_scaling_factor", "eps", "q_eps", "k_eps"}
