@@ -245,6 +245,8 @@ def main():
     p.add_argument("--prompt-len", type=int, default=None, help="decode prompts' length (default 128; tiny 16)")
     p.add_argument("--decode-tokens", type=int, default=None, help="tokens each request makes (default 16; tiny 4)")
     p.add_argument("--prefill", default=None, help="PxL: P prompts of L tokens (default 8x1024; tiny 8x32)")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                   help="largest decode batch run from a CUDA graph (default: the largest batch; past it steps run eagerly)")
     p.add_argument("--workdir", type=Path, default=None, help="where the config and adapters go (default: a temp dir)")
     args = p.parse_args()
     defaults = ("1,8", 16, 4, "8x32") if args.tiny else ("1,8,32,128", 128, 16, "8x1024")
@@ -288,7 +290,8 @@ def bench(args, workdir: Path) -> None:
 
     if args.impl in ("both", "ours"):
         with stopwatch("ours", "start (dummy weights, adapters, CUDA graphs)"):
-            ours = Ours(model_dir, adapters, device, dtype, max(map(int, args.batch_sizes.split(","))))
+            ours = Ours(model_dir, adapters, device, dtype,
+                        args.cuda_graph_max_bs or max(map(int, args.batch_sizes.split(","))))
         measure_all("ours", ours.generate, ours)
         del ours
         free_memory(device)

@@ -99,7 +99,8 @@ class EngineConfig:
                                                    "computes)")
 
     # CUDA graphs
-    cuda_graph_max_bs: int = option(128, "largest decode batch run from a captured CUDA graph")
+    # max_running_requests' default: eager, a decode step queues its kernels for longer than the device runs them
+    cuda_graph_max_bs: int = option(256, "largest decode batch run from a captured CUDA graph")
     cuda_graph_max_prefill_tokens: int = option(8192, "largest prompt step (prompt pieces of fewer than 64 requests, no "
                                                       "decode rows) run from a captured CUDA graph, padded to the next "
                                                       "of 64, 128, ..., 1024, 1536, 2048, 3072, 4096, ... tokens; 0: "

@@ -1,9 +1,10 @@
 """Steps replayed from CUDA graphs, captured once at start on static input buffers, with and without LoRA.
 
-Decode steps (`CudaGraphs`): one graph per padded batch size (1, 2, 4, 8, then every 8 up to
-cuda_graph_max_bs). A batch runs in the graph of the next size up; its padded rows read token 0 at
-position 0, write their key and value to slot 0 (never handed out) and use no adapter, so real rows see
-nothing of them.
+Decode steps (`CudaGraphs`): one graph per padded batch size (decode_graph_sizes: 1, 2, 4, then every 8 up to
+256 and every 16 past it, up to cuda_graph_max_bs). A batch runs in the graph of the next size up; its padded
+rows read token 0 at position 0, write their key and value to slot 0 (never handed out) and use no adapter, so
+real rows see nothing of them. Eager, a decode step spends about as long queueing its kernels as a prompt step
+(below), longer than the device takes at any batch the graphs cover.
 
 Prompt steps (`PromptGraphs`): steps of prompt pieces only, up to cuda_graph_max_prefill_tokens new tokens.
 Eager, such a step spends 45-60 ms queueing its ~700 kernels, longer than the device takes to run them up to
@@ -67,12 +68,19 @@ class RankBounds:
         return (self.expert_loras[0].max_rank_in_use or self.lora_rank) if self.expert_loras else self.lora_rank
 
 
+def decode_graph_sizes(max_bs: int) -> list[int]:
+    """The padded batch sizes of the decode graphs up to max_bs: 1, 2, 4, every 8 up to 256, every 16 past it (as
+    vLLM's), then max_bs. Past a few rows a decode step's time grows slowly with its batch, so padding costs little."""
+    steps = (1, 2, 4, *range(8, 256, 8), *range(256, max_bs, 16))
+    return sorted({s for s in steps if s < max_bs} | {max_bs})
+
+
 class CudaGraphs:
     def __init__(self, logits: Logits, kv: KVCache, max_bs: int, expert_loras: list[ExpertLoRASlots], lora_rank: int):
         """logits(batch): the step the graphs capture; lora_rank: the slots' rank (0: no LoRA graphs)."""
         self.logits, self.kv, self.max_bs = logits, kv, max_bs
         self.bounds = RankBounds(expert_loras, lora_rank)
-        self.sizes = sorted({s for s in (1, 2, 4, 8, *range(16, self.max_bs, 8), self.max_bs) if s <= self.max_bs})
+        self.sizes = decode_graph_sizes(max_bs)
         n, device = self.max_bs, kv.req_to_token.device
         # static inputs: the graphs read these addresses, so they live as long as the graphs
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -84,13 +92,19 @@ class CudaGraphs:
         self.ones = torch.ones(n, dtype=torch.int32, device=device)
         self.arange = torch.arange(n, dtype=torch.int32, device=device)
         self.arange64 = torch.arange(n, dtype=torch.int64, device=device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
+            # one output for every graph, each copying its logits there: a graph's own would hold memory per graph
+            probe = self.logits(self._batch(1, False))
+            self.out = probe.new_empty(n, *probe.shape[1:])
             for bs in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory
                 for key in self.bounds.keys:
                     with_lora = self.bounds.set(key)
-                    self.graphs[bs, key] = capture(lambda: self.logits(self._batch(bs, with_lora)), pool)
+
+                    def run(bs: int = bs, with_lora: bool = with_lora) -> torch.Tensor:
+                        return self.out[:bs].copy_(self.logits(self._batch(bs, with_lora)))
+                    self.graphs[bs, key] = capture(run, pool)[0]
         self.bounds.set(0)
 
     def can_run(self, batch: ForwardBatch) -> bool:
@@ -108,9 +122,8 @@ class CudaGraphs:
         for buf, value, pad in inputs:  # pad: what padded rows read
             buf[:bs].copy_(value)
             buf[bs:padded].fill_(pad)
-        graph, logits = self.graphs[padded, self.bounds.key(batch)]
-        graph.replay()
-        return logits[:bs]
+        self.graphs[padded, self.bounds.key(batch)].replay()
+        return self.out[:bs]
 
     def _batch(self, bs: int, with_lora: bool) -> ForwardBatch:
         return ForwardBatch(

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from moelora.core import ForwardBatch
-from moelora.engine.cuda_graph import PROMPT_ROWS, PaddedPrompt, PromptGraphs, RankBounds, prompt_graph_sizes
+from moelora.engine.cuda_graph import (PROMPT_ROWS, PaddedPrompt, PromptGraphs, RankBounds, decode_graph_sizes,
+                                       prompt_graph_sizes)
 from moelora.engine.sampling_params import SamplingParams
 
 FAMILY = "qwen3_moe"
@@ -18,6 +19,14 @@ def test_prompt_graph_sizes_double_from_64_then_pad_by_at_most_half():
     assert prompt_graph_sizes(5000) == [64, 128, 256, 512, 1024, 1536, 2048, 3072, 4096, 5000]
     assert prompt_graph_sizes(300) == [64, 128, 256, 300]
     assert prompt_graph_sizes(64) == [64] and prompt_graph_sizes(10) == [10]
+
+
+def test_decode_graph_sizes_every_8_to_256_then_every_16():
+    assert decode_graph_sizes(8) == [1, 2, 4, 8] and decode_graph_sizes(1) == [1] and decode_graph_sizes(3) == [1, 2, 3]
+    assert decode_graph_sizes(128) == [1, 2, 4, *range(8, 129, 8)]
+    assert decode_graph_sizes(256) == [1, 2, 4, *range(8, 257, 8)]
+    assert decode_graph_sizes(300) == [1, 2, 4, *range(8, 257, 8), 272, 288, 300]
+    assert decode_graph_sizes(130)[-2:] == [128, 130]
 
 
 @pytest.mark.parametrize("slots_rank, experts, keys", [(64, True, [0, 16, 64]), (32, True, [0, 16, 32]),

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from moelora.engine.cuda_graph import RankBounds
+from moelora.engine.cuda_graph import CudaGraphs, RankBounds
 from moelora.engine.profiler import read_summary
 from moelora.engine.sampling_params import SamplingParams
 from tests.support import record_compiles
@@ -52,6 +52,19 @@ def test_padded_batch_gives_the_same_tokens(engines):
     loras = [LORAS[i % 3] for i in range(3)]  # replays the graph of 4
     graphed, eager = (e.generate(prompts(3), params, lora=loras) for e in engines)
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+
+
+def test_decode_graphs_share_one_output(engines, monkeypatch):
+    """Every decode graph copies its logits into one buffer of the largest batch's rows: a graph's own output would
+    hold its memory apart from the others' (dozens of graphs of up to 256 rows x the vocabulary)."""
+    graphed, _ = engines
+    out, real_replay, starts = graphed.runner.graphs.out, CudaGraphs.replay, set()
+    assert out.shape[0] == 8
+    monkeypatch.setattr(CudaGraphs, "replay",
+                        lambda self, batch: (logits := real_replay(self, batch), starts.add(logits.data_ptr()))[0])
+    for bs in (1, 3, 8):
+        graphed.generate(prompts(bs), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert starts == {out.data_ptr()}
 
 
 def test_penalties_biases_and_masks_on_the_gpu(engines):
