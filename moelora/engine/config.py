@@ -99,8 +99,8 @@ class EngineConfig:
                                                    "computes)")
 
     # CUDA graphs
-    # max_running_requests' default: eager, a decode step queues its kernels for longer than the device runs them
-    cuda_graph_max_bs: int = option(256, "largest decode batch run from a captured CUDA graph")
+    cuda_graph_max_bs: int | None = option(None, "largest decode batch run from a captured CUDA graph (default: "
+                                                 "max_running_requests, at most 512)")
     cuda_graph_max_prefill_tokens: int = option(8192, "largest prompt step (prompt pieces of fewer than 64 requests, no "
                                                       "decode rows) run from a captured CUDA graph, padded to the next "
                                                       "of 64, 128, ..., 1024, 1536, 2048, 3072, 4096, ... tokens; 0: "
@@ -160,7 +160,7 @@ class EngineConfig:
         self._check(self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1, "chunked_prefill_size",
                     ">= 1, or -1 to disable chunked prefill")
         self._check(self.max_prefill_tokens >= 1, "max_prefill_tokens", ">= 1")
-        self._check(self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", ">= 1")
+        self._check(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", ">= 1")
         self._check(self.cuda_graph_max_prefill_tokens >= 0, "cuda_graph_max_prefill_tokens", ">= 0")
         for name in self.lora_paths:
             self._check(isinstance(name, str) and name != "", "lora_paths", "non-empty adapter names")
@@ -186,6 +186,12 @@ class EngineConfig:
         """Launch each step before the previous one's tokens are read (over several ranks too: rank 0, which
         samples, broadcasts the tokens the next step needs on the device)."""
         return not self.disable_overlap_schedule
+
+    @property
+    def decode_graph_max_bs(self) -> int:
+        """The largest decode batch the graphs hold: cuda_graph_max_bs, by default every batch the scheduler runs
+        up to 512 (as vLLM's); eager, a decode step queues its kernels for longer than the device runs them."""
+        return min(self.cuda_graph_max_bs or 512, self.max_running_requests)
 
     @property
     def prefill_chunk(self) -> int | None:

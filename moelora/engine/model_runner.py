@@ -136,7 +136,7 @@ class ModelRunner:
         if config.warm_up_at_start:
             with self._start_phase(f"prompt steps of {len(warm_up_sizes(max_step_tokens))} sizes run"):
                 self.warm_up(max_step_tokens)
-        max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
+        max_bs = config.decode_graph_max_bs
         prompt_graph_tokens = min(config.cuda_graph_max_prefill_tokens, max_step_tokens)
         if config.tp_size > 1 and config.moe_dispatch == "all_to_all":  # it reads counts on the host above that
             max_bs, prompt_graph_tokens = min(max_bs, FIXED_MAX_TOKENS), min(prompt_graph_tokens, FIXED_MAX_TOKENS)

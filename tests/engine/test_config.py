@@ -7,6 +7,11 @@ def test_defaults_resolve():
     config = EngineConfig("model", device="cpu")
     assert config.prefill_chunk == 8192 and not config.use_cuda_graph
     assert EngineConfig("model", device="cpu", chunked_prefill_size=-1).prefill_chunk is None
+    # decode graphs: every batch the scheduler runs, up to 512, unless given
+    assert config.decode_graph_max_bs == 256
+    assert EngineConfig("model", max_running_requests=1000).decode_graph_max_bs == 512
+    assert EngineConfig("model", max_running_requests=1000, cuda_graph_max_bs=600).decode_graph_max_bs == 600
+    assert EngineConfig("model", max_running_requests=20, cuda_graph_max_bs=64).decode_graph_max_bs == 20
 
 
 def test_the_start_warms_up_on_cuda_unless_skipped():
