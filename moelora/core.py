@@ -146,7 +146,7 @@ def to_device(values: list | torch.Tensor, dtype: torch.dtype, device: torch.dev
 class LoRABatch:
     """Per-token adapter slots of a step (-1 = base model), shared by every LoRA layer of the model."""
     token_slots: torch.Tensor  # [N] int32
-    _derived: dict[Any, Any] = field(default_factory=dict, repr=False)
+    _derived: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def any(self) -> bool:
@@ -184,7 +184,7 @@ class ForwardBatch:
     kv: KVCache
     lora: LoRABatch | None = None   # None: no adapter in the batch
     num_decode: int = 0             # the first num_decode sequences are decode rows (extend_len 1)
-    _derived: dict[Any, Any] = field(default_factory=dict, repr=False)
+    _derived: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def build(cls, kv: KVCache, rows: list[int], new_tokens: list[list[int]], prefix_lens: list[int],

@@ -29,9 +29,9 @@ PROMPT_ROWS = 64  # sequences (real ones, the padding one, empty ones) of a prom
 Logits = Callable[[ForwardBatch], torch.Tensor]
 
 
-def capture(run: Callable[[], torch.Tensor], pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """The graph of run() and its output. run builds its batch itself: what a step derives once from its inputs
-    (LoRABatch.derived) is then inside the graph."""
+def capture(run: Callable[[], torch.Tensor], pool) -> torch.cuda.CUDAGraph:
+    """The graph of run(), which copies its output into a buffer of the caller's. run builds its batch itself: what
+    a step derives once from its inputs (ForwardBatch.derived, LoRABatch.derived) is then inside the graph."""
     # warm up on a side stream, as torch.cuda.graphs asks: Triton compiles outside the capture. The capture runs on
     # it too: torch.cuda.graph's default capture stream is one per process, made on the device current at its first
     # use, so a second engine on another device would capture on the first one's device (and Triton launch there)
@@ -43,8 +43,8 @@ def capture(run: Callable[[], torch.Tensor], pool) -> tuple[torch.cuda.CUDAGraph
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, stream=stream):
-        out = run()
-    return graph, out
+        run()
+    return graph
 
 
 class RankBounds:
@@ -104,7 +104,7 @@ class CudaGraphs:
 
                     def run(bs: int = bs, with_lora: bool = with_lora) -> torch.Tensor:
                         return self.out[:bs].copy_(self.logits(self._batch(bs, with_lora)))
-                    self.graphs[bs, key] = capture(run, pool)[0]
+                    self.graphs[bs, key] = capture(run, pool)
         self.bounds.set(0)
 
     def can_run(self, batch: ForwardBatch) -> bool:
@@ -234,7 +234,7 @@ class PromptGraphs:
                     def run(size: int = size, with_lora: bool = with_lora) -> torch.Tensor:
                         out = logits(self.inputs.batch(size, with_lora))
                         return self.logits[:out.shape[0]].copy_(out)
-                    self.graphs[size, key] = capture(run, pool)[0]
+                    self.graphs[size, key] = capture(run, pool)
             self.bounds.set(0)
 
     def size(self, batch: ForwardBatch) -> int | None:

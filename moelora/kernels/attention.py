@@ -123,15 +123,16 @@ def _load_q(q_ptr, rows_ok, DK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DPE: 
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, req_to_token_ptr, req_pool_ptr, seq_lens_ptr, extend_lens_ptr, extend_starts_ptr,
     blocks_ptr, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_req,
-    qk_scale, group,
+    qk_scale, group, num_q_heads,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Queries [m0, m0 + BLOCK_M) of one sequence's new tokens, one q head: (sequence, m0 / BLOCK_M) is entry
-    program_id(1) of the step's block table (ExtendBlocks), -1 past its blocks."""
+    """Queries [m0, m0 + BLOCK_M) of one sequence's new tokens, one q head: program p takes head p % heads of entry
+    p // heads of the step's block table (ExtendBlocks: (sequence, m0 / BLOCK_M), -1 past its blocks). One grid
+    axis: the second and third hold at most 65535 programs."""
     wait_for_previous_kernel(PDL)
-    head, entry = tl.program_id(0), tl.program_id(1)
+    head, entry = tl.program_id(0) % num_q_heads, tl.program_id(0) // num_q_heads
     seq = tl.load(blocks_ptr + 2 * entry)
     if seq < 0:
         return
@@ -298,9 +299,10 @@ def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if blocks.block_m != cfg.block_m:
             raise ValueError(f"the extend block table is on query blocks of {blocks.block_m}, the tiles' are "
                              f"{cfg.block_m}: build it with extend_blocks on the same config")
-        _extend_kernel[(num_q_heads, blocks.entries.shape[0])](
+        _extend_kernel[(num_q_heads * blocks.entries.shape[0],)](
             q, k_cache, v_cache, out, req_to_token, req_pool_indices, seq_lens, extend_lens, extend_starts,
-            blocks.entries, *strides, *out.stride()[:2], req_to_token.stride(0), **common, BLOCK_M=cfg.block_m,
+            blocks.entries, *strides, *out.stride()[:2], req_to_token.stride(0), **common, num_q_heads=num_q_heads,
+            BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
         return out
     mid_o = torch.empty(num_seqs, num_q_heads, max_kv_splits, v_cache.shape[-1], dtype=torch.float32, device=q.device)
@@ -348,7 +350,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req
               extend_starts: torch.Tensor, scale: float, *, is_decode: bool = False, blocks: ExtendBlocks | None = None,
               max_kv_splits: int = DEFAULT_MAX_KV_SPLITS, impl: str = "auto",
               config: AttentionConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Entry point, no device read. is_decode (every extend_len is 1, from ForwardBatch) picks the split-K decode
+    """Entry point; no device read on the Triton path. is_decode (every extend_len is 1, from ForwardBatch) picks the split-K decode
     kernels; blocks: the extend kernel's block table (`extend_blocks`, made once a step for every layer; None: built
     in this call). impl: "triton", "torch" or "auto" (triton on CUDA). out [N, Hq, Dv]: written at the
     given sequences' tokens only and returned (a step that runs its decode and its extend sequences in

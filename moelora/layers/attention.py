@@ -53,8 +53,9 @@ class Attention(nn.Module):
         if batch.num_decode:  # a mixed step: decode rows through the decode kernels, as in a decode step (same bits)
             attention(q, *caches, *batch.decode_rows, self.scale, is_decode=True, out=out)
         extend = batch.extend_rows
-        # every layer's heads alike: one table a step (the key names them, should a model's layers differ)
+        # every layer's heads alike: one table a step (the key names them, should a model's layers differ); the
+        # torch path (CPU) reads none
         blocks = batch.derived(("extend_blocks", q.shape[1:], q.dtype),
-                               lambda: extend_blocks(q, caches[0], extend[2]))
+                               lambda: extend_blocks(q, caches[0], extend[2])) if q.is_cuda else None
         attention(q, *caches, *extend, self.scale, blocks=blocks, out=out)
         return out.flatten(1)

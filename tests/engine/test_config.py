@@ -7,6 +7,7 @@ def test_defaults_resolve():
     config = EngineConfig("model", device="cpu")
     assert config.prefill_chunk == 8192 and not config.use_cuda_graph
     assert EngineConfig("model", device="cpu", chunked_prefill_size=-1).prefill_chunk is None
+    assert config.cuda_graph_max_prefill_tokens == 8192
     # decode graphs: every batch the scheduler runs, up to 512, unless given
     assert config.decode_graph_max_bs == 256
     assert EngineConfig("model", max_running_requests=1000).decode_graph_max_bs == 512

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -79,15 +81,20 @@ def test_extend_blocks_list_each_query_block_once(seed, device):
 
 
 def test_extend_grid_skips_padding_sequences(device, poison):
-    """A prompt graph's step: one prompt, a padding sequence, and empty rows after them (no blocks, their start
-    past the tokens); each row as the reference has it, and the same bits with a table built beforehand."""
+    """A prompt graph's step: one prompt, a padding sequence, and empty rows after them (their start past the
+    tokens): the table lists the two sequences' blocks alone, and each row gets the reference's values. Each program
+    computes its entry alone: a table of the same blocks shuffled, with more -1 entries, gives the same bits."""
     dtype = DTYPES[0]
     q, k, v, req_to_token, rows, seq_lens, ext, starts, scale = random_paged_attention(
         [5, 0, 0, 0, 0], [37, 11, 0, 0, 0], 4, 2, 16, 16, dtype, device)
     case = (q, k, v, req_to_token, rows, seq_lens, ext, starts.masked_fill(ext == 0, q.shape[0]), scale)
-    got = _run(case, "triton", config=SMALL)
+    blocks = extend_blocks(q, k, ext, SMALL)
+    real = blocks.entries[blocks.entries[:, 0] >= 0]
+    assert sorted(real.tolist()) == [[0, 0], [0, 1], [0, 2], [1, 0]]
+    got = _run(case, "triton", config=SMALL, blocks=blocks)
     _check(case, got, dtype, device)
-    again = _run(case, "triton", config=SMALL, blocks=extend_blocks(q, k, ext, SMALL))
+    shuffled = torch.cat([real[torch.randperm(real.shape[0], device=device)], real.new_full((9, 2), -1)])
+    again = _run(case, "triton", config=SMALL, blocks=dataclasses.replace(blocks, entries=shuffled.contiguous()))
     assert torch.equal(got, again)
 
 
