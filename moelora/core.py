@@ -143,26 +143,30 @@ def to_device(values: list | torch.Tensor, dtype: torch.dtype, device: torch.dev
 
 
 @dataclass
-class LoRABatch:
+class StepMemo:
+    """What every layer of a step derives alike from its batch, computed once per batch and key."""
+    _derived: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def derived(self, key: Any, compute: Callable[[], Any]) -> Any:
+        """compute(), once per batch and key (the tokens grouped by slot for the dense-layer LoRA kernels,
+        attention's block table); the batch's tensors must not change while it is in use."""
+        if key not in self._derived:
+            self._derived[key] = compute()
+        return self._derived[key]
+
+
+@dataclass
+class LoRABatch(StepMemo):
     """Per-token adapter slots of a step (-1 = base model), shared by every LoRA layer of the model."""
     token_slots: torch.Tensor  # [N] int32
-    _derived: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def any(self) -> bool:
         return self.token_slots.numel() > 0
 
-    def derived(self, key: Any, compute: Callable[[torch.Tensor], Any]) -> Any:
-        """compute(token_slots), once per batch and key: what every layer of the step derives alike
-        from the slots (the tokens grouped by slot for the dense-layer LoRA kernels); token_slots must
-        not change while this batch is in use."""
-        if key not in self._derived:
-            self._derived[key] = compute(self.token_slots)
-        return self._derived[key]
-
 
 @dataclass
-class ForwardBatch:
+class ForwardBatch(StepMemo):
     """What one model step sees: the new tokens of B sequences, where their keys and values go in the
     paged KV cache, and which LoRA slot each token uses.
 
@@ -184,7 +188,6 @@ class ForwardBatch:
     kv: KVCache
     lora: LoRABatch | None = None   # None: no adapter in the batch
     num_decode: int = 0             # the first num_decode sequences are decode rows (extend_len 1)
-    _derived: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def build(cls, kv: KVCache, rows: list[int], new_tokens: list[list[int]], prefix_lens: list[int],
@@ -228,13 +231,6 @@ class ForwardBatch:
     def is_decode(self) -> bool:
         """Every sequence is a decode row: decode kernels only, CUDA-graph replay."""
         return self.num_decode == self.batch_size
-
-    def derived(self, key: Any, compute: Callable[[], Any]) -> Any:
-        """compute(), once per batch and key: what every layer of the step derives alike from its sequences
-        (attention's block table); the batch's tensors must not change while it is in use."""
-        if key not in self._derived:
-            self._derived[key] = compute()
-        return self._derived[key]
 
     @cached_property
     def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

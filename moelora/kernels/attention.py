@@ -268,16 +268,14 @@ def extend_blocks(q: torch.Tensor, k_cache: torch.Tensor, extend_lens: torch.Ten
     levels = triton.cdiv(num_tokens, block_m)  # no sequence has more blocks than the step's tokens fill
     bound = min(num_seqs * levels, (num_tokens + num_seqs * (block_m - 1)) // block_m)
     counts = (extend_lens + block_m - 1) // block_m
-    from_end = torch.arange(levels, dtype=torch.int32, device=q.device)
-    real = (from_end[:, None] < counts[None, :]).flatten()  # [levels * S]: every sequence's last block, then ...
+    from_end = torch.arange(levels, dtype=torch.int32, device=q.device)[:, None]
+    real = (from_end < counts).flatten()  # [levels * S]: every sequence's last block, then the ones before ...
+    seqs = torch.arange(num_seqs, dtype=torch.int32, device=q.device).expand(levels, num_seqs)
+    pairs = torch.stack([seqs, counts - 1 - from_end], -1).flatten(0, 1)  # (sequence, block) of each, real or not
+    pairs = torch.cat([pairs, pairs.new_full((1, 2), -1)])  # index levels * S: past the last real one
     # entry p is the (p + 1)-th real pair: the first index whose running count of real pairs reaches p + 1
-    pair = torch.searchsorted(real.cumsum(0), torch.arange(1, bound + 1, device=q.device))
-    found = pair < real.shape[0]
-    pair = pair.clamp(max=real.shape[0] - 1)
-    seq = pair % num_seqs
-    block = counts.long()[seq] - 1 - pair // num_seqs
-    entries = torch.stack([seq, block], 1).masked_fill_(~found[:, None], -1)
-    return ExtendBlocks(entries.to(torch.int32), block_m)
+    return ExtendBlocks(pairs[torch.searchsorted(real.cumsum(0), torch.arange(1, bound + 1, device=q.device))],
+                        block_m)
 
 
 def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,

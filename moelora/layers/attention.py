@@ -52,10 +52,10 @@ class Attention(nn.Module):
         out = q.new_empty(q.shape[0], q.shape[1], self.v_head_dim)
         if batch.num_decode:  # a mixed step: decode rows through the decode kernels, as in a decode step (same bits)
             attention(q, *caches, *batch.decode_rows, self.scale, is_decode=True, out=out)
-        extend = batch.extend_rows
+        rows, seq_lens, extend_lens, starts = batch.extend_rows
         # every layer's heads alike: one table a step (the key names them, should a model's layers differ); the
         # torch path (CPU) reads none
         blocks = batch.derived(("extend_blocks", q.shape[1:], q.dtype),
-                               lambda: extend_blocks(q, caches[0], extend[2])) if q.is_cuda else None
-        attention(q, *caches, *extend, self.scale, blocks=blocks, out=out)
+                               lambda: extend_blocks(q, caches[0], extend_lens)) if q.is_cuda else None
+        attention(q, *caches, rows, seq_lens, extend_lens, starts, self.scale, blocks=blocks, out=out)
         return out.flatten(1)

@@ -67,7 +67,8 @@ class Linear(nn.Module):
         if self.lora is not None and lora_batch is not None:
             # adapter rows get their delta summed in fp32; other rows keep the base bits
             n = self.lora.num_slots  # the Triton path groups the tokens by slot, once for all layers of the step
-            blocks = lora_batch.derived(("slot_blocks", n), lambda s: align_tokens_by_slot(s, n)) if x.is_cuda else None
+            blocks = lora_batch.derived(("slot_blocks", n), lambda: align_tokens_by_slot(lora_batch.token_slots, n)) \
+                if x.is_cuda else None
             y = lora_linear(x, self.weight, bias, self.lora, self.out_sizes, lora_batch.token_slots, blocks=blocks)
         else:
             y = linear(x, self.weight, bias)
