@@ -214,16 +214,19 @@ def main():
             torch.cuda.empty_cache()
 
 
-# name -> (rank of each of the 8 slots, share of experts each adapter covers, whether every token uses slot 0)
+# name -> (rank of each of the 8 slots, share of experts each adapter covers, whether the share is drawn per expert
+# (all three projections) rather than per projection, whether every token uses slot 0)
 RANK_CASES = {
-    "rank 16": ([16] * SLOTS, 1.0, False),
-    "rank 64": ([64] * SLOTS, 1.0, False),
-    "ranks 8,8,16,16,16,32,64,64": ([8, 8, 16, 16, 16, 32, 64, 64], 1.0, False),
-    "rank 16 on 25% of experts": ([16] * SLOTS, 0.25, False),
+    "rank 16": ([16] * SLOTS, 1.0, True, False),
+    "rank 64": ([64] * SLOTS, 1.0, True, False),
+    "ranks 8,8,16,16,16,32,64,64": ([8, 8, 16, 16, 16, 32, 64, 64], 1.0, True, False),
+    "rank 16 on 25% of experts": ([16] * SLOTS, 0.25, True, False),
+    # each projection's 25% drawn on its own: 44% of the (slot, expert) pairs have gate or up LoRA
+    "rank 16 on 25% of each projection's experts": ([16] * SLOTS, 0.25, False, False),
     # attention-only adapters (PEFT's default targets): what the experts' LoRA path costs with no LoRA work
-    "rank 16 on no expert": ([16] * SLOTS, 0.0, False),
-    "rank-8 tokens, rank 64 resident": ([8] + [64] * (SLOTS - 1), 1.0, True),
-    "rank-8 tokens, rank 8 resident": ([8] * SLOTS, 1.0, True),
+    "rank 16 on no expert": ([16] * SLOTS, 0.0, True, False),
+    "rank-8 tokens, rank 64 resident": ([8] + [64] * (SLOTS - 1), 1.0, True, True),
+    "rank-8 tokens, rank 8 resident": ([8] * SLOTS, 1.0, True, True),
 }
 
 
@@ -241,9 +244,10 @@ def rank_cases(args, device, dtype, name, bw) -> None:
         per_layer = 3 * hidden * inter * experts * dtype.itemsize
         copies = 1 if device == "cpu" else max(2, min(4, int(4e9 // per_layer)))
         layers = Layers(shape, copies, dtype, device)
-        for case, (slot_ranks, coverage, first_slot_only) in RANK_CASES.items():
+        for case, (slot_ranks, coverage, whole_experts, first_slot_only) in RANK_CASES.items():
             layers.lora = [random_expert_lora(SLOTS, experts, hidden, inter, slot_ranks, dtype, device,
-                                              coverage=coverage, max_rank=MAX_RANK) for _ in range(copies)]
+                                              coverage=coverage, max_rank=MAX_RANK, whole_experts=whole_experts)
+                           for _ in range(copies)]
             # the bound the engine runs such a step with (LoRAManager.prepare): from the ranks of the slots it uses
             batch_rank = slot_ranks[0] if first_slot_only else max(slot_ranks)
             for lora in layers.lora:

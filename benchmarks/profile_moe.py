@@ -45,12 +45,14 @@ def main():
     p.add_argument("--tokens", default="1,32,4096")
     p.add_argument("--adapters", default="1,8")
     p.add_argument("--coverage", type=float, default=1.0, help="share of the experts each adapter covers (0: none)")
+    p.add_argument("--per-projection", action="store_true",
+                   help="draw --coverage for each projection on its own (default: per expert, all three projections)")
     args = p.parse_args()
     hidden, inter, experts, top_k = SHAPES[args.shape]
     dtype, device = torch.bfloat16, "cuda"
     w13, w2 = random_moe_weights(experts, hidden, inter, dtype, device)
     lora = random_expert_lora(SLOTS, experts, hidden, inter, [RANK] * SLOTS, dtype, device, coverage=args.coverage,
-                              max_rank=MAX_RANK)
+                              max_rank=MAX_RANK, whole_experts=not args.per_projection)
     router = torch.randn(experts, hidden, device=device, dtype=dtype) / hidden**0.5
     for tokens in map(int, args.tokens.split(",")):
         x = torch.randn(tokens, hidden, device=device, dtype=dtype)

@@ -83,18 +83,20 @@ def _routing_margins(logits: torch.Tensor, config: TopKConfig, bias: torch.Tenso
 def random_expert_lora(
     num_slots: int, num_experts: int, hidden: int, inter: int, slot_ranks: list[int], dtype: torch.dtype,
     device="cpu", coverage: float = 1.0, poison_unused: bool = False, generator: torch.Generator | None = None,
-    max_rank: int | None = None,
+    max_rank: int | None = None, whole_experts: bool = False,
 ) -> ExpertLoRASlots:
     """Slot buffers of rank max_rank (default max(slot_ranks)); slot s has rank slot_ranks[s] (0: empty).
 
-    coverage < 1 leaves a random subset of experts uncovered (rank 0) per slot and projection.
+    coverage < 1 leaves a random subset of experts uncovered (rank 0) per slot: for each projection on its own
+    (the kernels' hardest mix), or with whole_experts for all three at once (an adapter trained on some experts).
     poison_unused fills everything a correct kernel must not read (rows past the rank, uncovered
     experts) with NaN, so any stray read shows up in the output.
     """
     max_rank = max_rank or max(max(slot_ranks), 1)
     ranks = torch.tensor(slot_ranks, dtype=torch.int32).view(1, num_slots, 1).repeat(3, 1, num_experts)
     if coverage < 1.0:
-        covered = torch.rand(3, num_slots, num_experts, generator=generator, device=device).cpu() < coverage
+        covered = torch.rand(1 if whole_experts else 3, num_slots, num_experts, generator=generator,
+                             device=device).cpu() < coverage
         ranks = ranks * covered
     shapes = {"gate": (hidden, inter), "up": (hidden, inter), "down": (inter, hidden)}
     tensors = {}
