@@ -53,6 +53,11 @@ class MoEKernelConfig:
     # and A_d tiles load while this one's dots run. In blocks of 16 rows, a few rows of one or two slots at
     # decode, it gained at some shapes and lost at others (benchmarks/RESULTS.md)
     slot_stages: int = 1
+    # warps and pipeline stages of the block shrink (shrink.shrink_kernel, aligned blocks past
+    # pair_shrink_max_pairs): in blocks of 16 rows, 2 warps and 4 stages beat 4 and 3; in blocks of 32 they lost
+    # (benchmarks/RESULTS.md)
+    shrink_num_warps: int = 4
+    shrink_num_stages: int = 3
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype, *,
@@ -67,7 +72,7 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     num_pairs = num_tokens * top_k
     rows_per_expert = num_pairs / num_experts
     if rows_per_expert <= 16:
-        return MoEKernelConfig(16, 64, 128, block_k, 8, 4, 4)
+        return MoEKernelConfig(16, 64, 128, block_k, 8, 4, 4, shrink_num_warps=2, shrink_num_stages=4)
     if not lora and rows_per_expert <= 48:
         return MoEKernelConfig(64, 64, 128, block_k, 8, 4, 4)
     if not lora and rows_per_expert < 256:

@@ -100,7 +100,7 @@ def fused_moe_triton(
                 ag, au, num_pairs, top_k, hidden, num_slots, num_experts, num_splits,
                 x.stride(0), *a_strides,
                 BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K,
-                RANK_TILES=rank_tiles, num_warps=4, **pdl,
+                RANK_TILES=rank_tiles, num_warps=cfg.shrink_num_warps, num_stages=cfg.shrink_num_stages, **pdl,
             )
         if not cfg.pair_blocks:  # (with pair blocks xa is written in the gate_up launch that reads it)
             xa, num_splits = reduce_partials(xa.view(num_pairs * 2, num_splits, block_r), topk.ids, slots, ranks, 0,
