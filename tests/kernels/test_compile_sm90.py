@@ -136,6 +136,12 @@ def compile_all() -> list[dict]:
                                (so._sum_in_order_kernel, dict(PARTS=4, BLOCK=so.BLOCK))):
         compiled = compile_sm90(kernel, constexprs, "bf16", 8, 1)
         results.append(dict(kernel=kernel.fn.__name__, shared=compiled.metadata.shared, ttgir=""))
+    # the block shrink on its blocks-of-16 launch options (the deepest pipeline)
+    cfg = fm_config.default_config(128, 8, 128, torch.bfloat16, lora=True)
+    compiled = compile_sm90(fm_shrink.shrink_kernel, dict(BLOCK_M=cfg.block_m, BLOCK_K=64, BLOCK_R=64, RANK_TILES=3,
+                                                          SPLIT_K=fm_config.SHRINK_SPLIT_K),
+                            "bf16", cfg.shrink_num_warps, cfg.shrink_num_stages)
+    results.append(dict(kernel="shrink_kernel", shared=compiled.metadata.shared, ttgir=""))
     results += (compile_attention() + compile_lora_linear() + compile_rotary() + compile_topk() + compile_rms_norm()
                 + compile_kv_store() + compile_rope_kv_store() + compile_linear())
     return results
@@ -173,7 +179,7 @@ def compiled():
 
 
 def test_all_kernels_fit_shared_memory(compiled):
-    assert len(compiled) == (11 * 2 * 2 + 9 + 2 * len(ATTENTION_HEADS) + 1 + len(LORA_LINEARS)
+    assert len(compiled) == (11 * 2 * 2 + 9 + 1 + 2 * len(ATTENTION_HEADS) + 1 + len(LORA_LINEARS)
                              + len(ROTARY_HEADS) + len(ROUTERS) + 2 * len(RMS_NORMS) + 1 + len(KV_STORES) + 1
                              + len(ROPE_KV_STORES) + 1
                              + 2 * len(LINEARS) + 1 + len(LORA_EPILOGUES))
