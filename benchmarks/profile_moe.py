@@ -3,6 +3,8 @@ time goes, to guide kernel work. Not a test.
 
     python3 benchmarks/profile_moe.py --shape qwen3-30b-a3b --tokens 1,32 --adapters 1,8
     python3 benchmarks/profile_moe.py --tokens 32 --adapters 8 --coverage 0.25   # adapters on a quarter of the experts
+    ncu --clock-control none -k regex:shrink_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+        python3 benchmarks/profile_moe.py --tokens 512 --adapters 8 --no-profiler   # the 3rd LoRA shrink, in ncu
 """
 from __future__ import annotations
 
@@ -23,11 +25,14 @@ from moelora.layers.moe.topk import select_experts
 from tests.support import random_expert_lora, random_moe_weights
 
 
-def kernel_times(fn, reps: int = 20) -> dict[str, float]:
-    """Mean microseconds per call of each GPU kernel that fn launches."""
+def kernel_times(fn, reps: int = 20, profiler: bool = True) -> dict[str, float]:
+    """Mean microseconds per call of each GPU kernel that fn launches; without the profiler only the calls, and no
+    times (for a profiler around the process, as ncu, with no torch profiler beside it)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
+    if not profiler:
+        return {}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()
@@ -47,6 +52,8 @@ def main():
     p.add_argument("--coverage", type=float, default=1.0, help="share of the experts each adapter covers (0: none)")
     p.add_argument("--per-projection", action="store_true",
                    help="draw --coverage for each projection on its own (default: per expert, all three projections)")
+    p.add_argument("--no-profiler", action="store_true",
+                   help="only make the calls, e.g. under `ncu -k regex:shrink_kernel --launch-skip 2 --launch-count 1`")
     args = p.parse_args()
     hidden, inter, experts, top_k = SHAPES[args.shape]
     dtype, device = torch.bfloat16, "cuda"
@@ -58,12 +65,15 @@ def main():
         x = torch.randn(tokens, hidden, device=device, dtype=dtype)
         topk = select_experts(x @ router.T, TopKConfig(top_k=top_k))
         print(f"\n## {args.shape} T={tokens}")
-        base = kernel_times(lambda: fused_moe(x, w13, w2, topk))
-        print(f"base: " + ", ".join(f"{k} {v:.1f}us" for k, v in base.items()) + f" | total {sum(base.values()):.1f}us")
+        base = kernel_times(lambda: fused_moe(x, w13, w2, topk), profiler=not args.no_profiler)
+        if base:
+            print("base: " + ", ".join(f"{k} {v:.1f}us" for k, v in base.items()) + f" | total {sum(base.values()):.1f}us")
         for n in map(int, args.adapters.split(",")):
             slots = (torch.arange(tokens, device=device) % n).to(torch.int32)
-            t = kernel_times(lambda: fused_moe(x, w13, w2, topk, lora, slots))
-            print(f"lora x{n}: " + ", ".join(f"{k} {v:.1f}us" for k, v in t.items()) + f" | total {sum(t.values()):.1f}us")
+            t = kernel_times(lambda: fused_moe(x, w13, w2, topk, lora, slots), profiler=not args.no_profiler)
+            if t:
+                print(f"lora x{n}: " + ", ".join(f"{k} {v:.1f}us" for k, v in t.items())
+                      + f" | total {sum(t.values()):.1f}us")
 
 
 if __name__ == "__main__":
