@@ -127,39 +127,43 @@ def lora_table(args, device, dtype, name, bw) -> None:
     for shape_name in args.shapes.split(","):
         if shape_name not in LORA_PARTS:
             continue
-        shape, parts = SHAPES[shape_name], LORA_PARTS[shape_name]
-        weights = weight_copies(shape, dtype, device)
-        loras = [random_linear_lora(shape[0], parts, [[LORA_RANK] * len(parts)] * LORA_SLOTS, dtype, device)
-                 for _ in weights]
-        for m in map(int, args.rows.split(",")):
-            x = torch.randn(m, shape[0], device=device, dtype=dtype)
-            times = [time_per_copy(linear, x, weights)]
-            for adapters in (1, LORA_SLOTS):
-                slots = (torch.arange(m, device=device) % adapters).to(torch.int32)
-                blocks = align_tokens_by_slot(slots, LORA_SLOTS) if device == "cuda" else None  # CPU: torch path
-                assert_rows_close(lora_linear(x, weights[0], None, loras[0], parts, slots, blocks=blocks),
-                                  lora_linear(x, weights[0], None, loras[0], parts, slots, impl="torch"),
-                                  rel_tolerance(dtype, device), "benchmark check")
-                times.append(measure(lambda: [lora_linear(x, w, None, lora, parts, slots, blocks=blocks)
-                                              for w, lora in zip(weights, loras)]) / len(weights))
-            base, one, many = (t * 1e6 for t in times)
-            print(f"| {shape_name} {shape[0]}->{shape[1]} | {m} | {base:.1f} | {one:.1f} | {one - base:.1f} "
-                  f"| {many:.1f} | {many - base:.1f} |", flush=True)
-            if str(m) in args.sweep.split(",") and device == "cuda":  # 8 adapters (slots, blocks as last timed)
-                timed = []
-                for cfg in (c for c in candidates(m, shape[1]) if c.block_m >= 64 and c.num_stages in (3, 4)):
-                    config = LoRALinearConfig(linear=cfg)
-                    try:
-                        timed.append((measure(lambda: [lora_linear(x, w, None, lora, parts, slots, blocks=blocks,
-                                                                   config=config) for w, lora in zip(weights, loras)])
-                                      / len(weights), cfg))
-                    except Exception as exc:  # out of shared memory etc.
-                        print(f"  lora sweep M={m} {cfg}: failed {type(exc).__name__}")
-                for t, cfg in sorted(timed, key=lambda c: c[0])[:5]:
-                    print(f"  lora sweep M={m} {shape_name}: {cfg} {t * 1e6:.1f} us (8 adapters)", flush=True)
-        del weights, loras
+        lora_rows(args, shape_name, device, dtype)
         if device == "cuda":
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # the shape's weights went with lora_rows' frame
+
+
+def lora_rows(args, shape_name: str, device, dtype) -> None:
+    """lora_table's rows of one shape."""
+    shape, parts = SHAPES[shape_name], LORA_PARTS[shape_name]
+    weights = weight_copies(shape, dtype, device)
+    loras = [random_linear_lora(shape[0], parts, [[LORA_RANK] * len(parts)] * LORA_SLOTS, dtype, device)
+             for _ in weights]
+    for m in map(int, args.rows.split(",")):
+        x = torch.randn(m, shape[0], device=device, dtype=dtype)
+        times = [time_per_copy(linear, x, weights)]
+        for adapters in (1, LORA_SLOTS):
+            slots = (torch.arange(m, device=device) % adapters).to(torch.int32)
+            blocks = align_tokens_by_slot(slots, LORA_SLOTS) if device == "cuda" else None  # CPU: torch path
+            assert_rows_close(lora_linear(x, weights[0], None, loras[0], parts, slots, blocks=blocks),
+                              lora_linear(x, weights[0], None, loras[0], parts, slots, impl="torch"),
+                              rel_tolerance(dtype, device), "benchmark check")
+            times.append(measure(lambda: [lora_linear(x, w, None, lora, parts, slots, blocks=blocks)
+                                          for w, lora in zip(weights, loras)]) / len(weights))
+        base, one, many = (t * 1e6 for t in times)
+        print(f"| {shape_name} {shape[0]}->{shape[1]} | {m} | {base:.1f} | {one:.1f} | {one - base:.1f} "
+              f"| {many:.1f} | {many - base:.1f} |", flush=True)
+        if str(m) in args.sweep.split(",") and device == "cuda":  # 8 adapters (slots, blocks as last timed)
+            timed = []
+            for cfg in (c for c in candidates(m, shape[1]) if c.block_m >= 64 and c.num_stages in (3, 4)):
+                config = LoRALinearConfig(linear=cfg)
+                try:
+                    timed.append((measure(lambda: [lora_linear(x, w, None, lora, parts, slots, blocks=blocks,
+                                                               config=config) for w, lora in zip(weights, loras)])
+                                  / len(weights), cfg))
+                except Exception as exc:  # out of shared memory etc.
+                    print(f"  lora sweep M={m} {cfg}: failed {type(exc).__name__}")
+            for t, cfg in sorted(timed, key=lambda c: c[0])[:5]:
+                print(f"  lora sweep M={m} {shape_name}: {cfg} {t * 1e6:.1f} us (8 adapters)", flush=True)
 
 
 def candidates(m: int, n: int) -> list[LinearConfig]:

@@ -86,14 +86,16 @@ def _copy_kernel(src, dst, n, BLOCK: tl.constexpr):
 def copy_bandwidth(device) -> float:
     """Bytes/s of a large device copy, counting bytes read plus bytes written: the best of torch's
     copy and a plain Triton copy over 0.5 and 2 GiB."""
-    best = 0.0
-    for n in ((1 << 29, 1 << 31) if device == "cuda" else (1 << 26,)):
-        src, dst = torch.randn(n // 4, device=device), torch.empty(n // 4, device=device)
-        best = max(best, 2 * n / measure(lambda: dst.copy_(src), reps=50))
-        if device == "cuda":
-            grid = (triton.cdiv(n // 4, 4096),)
-            best = max(best, 2 * n / measure(lambda: _copy_kernel[grid](src, dst, n // 4, BLOCK=4096), reps=50))
-        del src, dst
+    return max(_copy_rate(n, device) for n in ((1 << 29, 1 << 31) if device == "cuda" else (1 << 26,)))
+
+
+def _copy_rate(n: int, device) -> float:
+    """copy_bandwidth over n bytes (its buffers freed on return, before the next size's)."""
+    src, dst = torch.randn(n // 4, device=device), torch.empty(n // 4, device=device)
+    best = 2 * n / measure(lambda: dst.copy_(src), reps=50)
+    if device == "cuda":
+        grid = (triton.cdiv(n // 4, 4096),)
+        best = max(best, 2 * n / measure(lambda: _copy_kernel[grid](src, dst, n // 4, BLOCK=4096), reps=50))
     return best
 
 
@@ -190,28 +192,32 @@ def main():
           "| block LoRA/base | base TFLOP/s (% matmul) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for shape_name in args.shapes.split(","):
-        shape = SHAPES[shape_name]
-        per_layer = 3 * shape[0] * shape[1] * shape[2] * dtype.itemsize
-        copies = 1 if device == "cpu" else max(2, min(4, int(4e9 // per_layer)))
-        layers = Layers(shape, copies, dtype, device)
-        check_once(layers, device, dtype)
-        for tokens in map(int, args.tokens.split(",")):
-            for n in map(int, args.adapters.split(",")):
-                r = bench_point(layers, tokens, n, device, dtype, bw)
-                t_block_base, t_block_lora = measure_pair(lambda: layers.block(r["x"], r["slots"], False),
-                                                          lambda: layers.block(r["x"], r["slots"], True), device)
-                delta = r["t_lora"] - r["t_base"]
-                share = f"{100 * r['lora_floor'] / delta:.0f}%" if delta > 0 else "n/a (below noise)"
-                flops = 2 * 3 * shape[0] * shape[1] * int(((r["topk"].ids >= 0)).sum())
-                tf = f"{flops / r['t_base'] / 1e12:.0f} ({100 * flops / r['t_base'] / mm:.0f}%)" if tokens >= 512 else ""
-                print(f"| {shape_name} | {tokens} | {n} | {r['t_base'] * 1e6:.1f} | {100 * r['base_floor'] / r['t_base']:.0f}% "
-                      f"| {delta * 1e6:.1f} | {r['lora_floor'] * 1e6:.1f} | {share} "
-                      f"| {t_block_lora / t_block_base:.3f} | {tf} |", flush=True)
-                if str(tokens) in args.sweep_tokens.split(",") and n == max(map(int, args.adapters.split(","))):
-                    sweep(layers, tokens, n, device, dtype, bw)
-        del layers
+        bench_shape(args, shape_name, device, dtype, mm, bw)
         if device == "cuda":
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # the shape's layers went with bench_shape's frame
+
+
+def bench_shape(args, shape_name: str, device, dtype, mm: float, bw: float) -> None:
+    """main's table rows of one shape."""
+    shape = SHAPES[shape_name]
+    per_layer = 3 * shape[0] * shape[1] * shape[2] * dtype.itemsize
+    copies = 1 if device == "cpu" else max(2, min(4, int(4e9 // per_layer)))
+    layers = Layers(shape, copies, dtype, device)
+    check_once(layers, device, dtype)
+    for tokens in map(int, args.tokens.split(",")):
+        for n in map(int, args.adapters.split(",")):
+            r = bench_point(layers, tokens, n, device, dtype, bw)
+            t_block_base, t_block_lora = measure_pair(lambda: layers.block(r["x"], r["slots"], False),
+                                                      lambda: layers.block(r["x"], r["slots"], True), device)
+            delta = r["t_lora"] - r["t_base"]
+            share = f"{100 * r['lora_floor'] / delta:.0f}%" if delta > 0 else "n/a (below noise)"
+            flops = 2 * 3 * shape[0] * shape[1] * int(((r["topk"].ids >= 0)).sum())
+            tf = f"{flops / r['t_base'] / 1e12:.0f} ({100 * flops / r['t_base'] / mm:.0f}%)" if tokens >= 512 else ""
+            print(f"| {shape_name} | {tokens} | {n} | {r['t_base'] * 1e6:.1f} | {100 * r['base_floor'] / r['t_base']:.0f}% "
+                  f"| {delta * 1e6:.1f} | {r['lora_floor'] * 1e6:.1f} | {share} "
+                  f"| {t_block_lora / t_block_base:.3f} | {tf} |", flush=True)
+            if str(tokens) in args.sweep_tokens.split(",") and n == max(map(int, args.adapters.split(","))):
+                sweep(layers, tokens, n, device, dtype, bw)
 
 
 # name -> (rank of each of the 8 slots, share of experts each adapter covers, whether the share is drawn per expert
@@ -239,37 +245,40 @@ def rank_cases(args, device, dtype, name, bw) -> None:
     print("| shape | T | case | base us (LoRA tiles) | LoRA delta us | LoRA floor us |")
     print("|---|---|---|---|---|---|")
     for shape_name in args.shapes.split(","):
-        shape = SHAPES[shape_name]
-        hidden, inter, experts, _ = shape
-        per_layer = 3 * hidden * inter * experts * dtype.itemsize
-        copies = 1 if device == "cpu" else max(2, min(4, int(4e9 // per_layer)))
-        layers = Layers(shape, copies, dtype, device)
-        for case, (slot_ranks, coverage, whole_experts, first_slot_only) in RANK_CASES.items():
-            layers.lora = [random_expert_lora(SLOTS, experts, hidden, inter, slot_ranks, dtype, device,
-                                              coverage=coverage, max_rank=MAX_RANK, whole_experts=whole_experts)
-                           for _ in range(copies)]
-            # the bound the engine runs such a step with (LoRAManager.prepare): from the ranks of the slots it uses
-            batch_rank = slot_ranks[0] if first_slot_only else max(slot_ranks)
-            for lora in layers.lora:
-                lora.max_rank_in_use = step_rank_bound(batch_rank, MAX_RANK)
-            for tokens in map(int, args.tokens.split(",")):
-                x = torch.randn(tokens, hidden, device=device, dtype=dtype)
-                topk = select_experts(x @ layers.router[0].T, layers.topk_config)
-                slots = torch.zeros(tokens, dtype=torch.int32, device=device) if first_slot_only else \
-                    (torch.arange(tokens, device=device) % SLOTS).to(torch.int32)
-                # both on the LoRA tile table: the delta is the LoRA work, not also the base table's other tiles
-                cfg = default_config(tokens, layers.top_k, experts, dtype, lora=True)
-                t_base, t_lora = (t / copies for t in measure_pair(lambda: layers.moe(x, topk, slots, False, cfg),
-                                                                   lambda: layers.moe(x, topk, slots, True, cfg), device))
-                ranks = layers.lora[0].ranks.long()  # [3, S, E]
-                pairs = torch.unique(slots.long().repeat_interleave(layers.top_k) * experts + topk.ids.flatten().long())
-                rank_sum = ranks[:, pairs // experts, pairs % experts].sum().item()
-                floor = rank_sum * (hidden + inter) * dtype.itemsize / bw  # A and B of each touched pair, real rank
-                print(f"| {shape_name} | {tokens} | {case} | {t_base * 1e6:.1f} | {(t_lora - t_base) * 1e6:.1f} "
-                      f"| {floor * 1e6:.1f} |", flush=True)
-        del layers
+        rank_cases_of_shape(args, shape_name, device, dtype, bw)
         if device == "cuda":
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # the shape's layers went with the call's frame
+
+
+def rank_cases_of_shape(args, shape_name: str, device, dtype, bw: float) -> None:
+    """rank_cases' rows of one shape."""
+    hidden, inter, experts, _ = shape = SHAPES[shape_name]
+    per_layer = 3 * hidden * inter * experts * dtype.itemsize
+    copies = 1 if device == "cpu" else max(2, min(4, int(4e9 // per_layer)))
+    layers = Layers(shape, copies, dtype, device)
+    for case, (slot_ranks, coverage, whole_experts, first_slot_only) in RANK_CASES.items():
+        layers.lora = [random_expert_lora(SLOTS, experts, hidden, inter, slot_ranks, dtype, device,
+                                          coverage=coverage, max_rank=MAX_RANK, whole_experts=whole_experts)
+                       for _ in range(copies)]
+        # the bound the engine runs such a step with (LoRAManager.prepare): from the ranks of the slots it uses
+        batch_rank = slot_ranks[0] if first_slot_only else max(slot_ranks)
+        for lora in layers.lora:
+            lora.max_rank_in_use = step_rank_bound(batch_rank, MAX_RANK)
+        for tokens in map(int, args.tokens.split(",")):
+            x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+            topk = select_experts(x @ layers.router[0].T, layers.topk_config)
+            slots = torch.zeros(tokens, dtype=torch.int32, device=device) if first_slot_only else \
+                (torch.arange(tokens, device=device) % SLOTS).to(torch.int32)
+            # both on the LoRA tile table: the delta is the LoRA work, not also the base table's other tiles
+            cfg = default_config(tokens, layers.top_k, experts, dtype, lora=True)
+            t_base, t_lora = (t / copies for t in measure_pair(lambda: layers.moe(x, topk, slots, False, cfg),
+                                                               lambda: layers.moe(x, topk, slots, True, cfg), device))
+            ranks = layers.lora[0].ranks.long()  # [3, S, E]
+            pairs = torch.unique(slots.long().repeat_interleave(layers.top_k) * experts + topk.ids.flatten().long())
+            rank_sum = ranks[:, pairs // experts, pairs % experts].sum().item()
+            floor = rank_sum * (hidden + inter) * dtype.itemsize / bw  # A and B of each touched pair, real rank
+            print(f"| {shape_name} | {tokens} | {case} | {t_base * 1e6:.1f} | {(t_lora - t_base) * 1e6:.1f} "
+                  f"| {floor * 1e6:.1f} |", flush=True)
 
 
 def sweep(layers, tokens, n, device, dtype, bw):

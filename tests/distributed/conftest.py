@@ -49,7 +49,7 @@ def split_adapters(tmp_path_factory):
 
 
 @pytest.fixture
-def start_engine(checkpoint, adapters):
+def start_engine(checkpoint, adapters):  # noqa: F811  (the session fixtures imported above)
     """start_engine(family, **EngineConfig fields) -> an engine (fp32 on the CPU unless told) with the family's
     "full" and "partial" adapters; engines over several ranks are shut down after the test."""
     started = []
