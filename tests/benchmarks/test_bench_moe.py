@@ -1,0 +1,52 @@
+"""The MoE kernel benchmark runs end to end (--shapes tiny: the torch path on a CPU, in seconds), its table and its
+rank cases, so the GPU run cannot be the first to find it broken."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from tests.support import random_expert_lora
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_moe import RANK_CASES  # noqa: E402
+
+
+def _run(*args: str) -> list[list[str]]:
+    """bench_moe's table rows of the tiny shape, cells stripped."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "benchmarks/bench_moe.py", "--shapes", "tiny", *args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [[cell.strip() for cell in line.split("|")[1:-1]] for line in run.stdout.splitlines()
+            if line.startswith("| tiny")]
+
+
+def test_tiny_moe_benchmark_reports_each_batch_and_adapter_count():
+    rows = _run("--tokens", "1,40", "--adapters", "1,8")
+    assert [(int(r[1]), int(r[2])) for r in rows] == [(1, 1), (1, 8), (40, 1), (40, 8)]
+    assert all(float(r[3]) > 0 and float(r[6]) > 0 for r in rows)  # base time, LoRA floor
+
+
+def test_tiny_moe_benchmark_reports_every_rank_case():
+    rows = _run("--rank-cases", "--tokens", "40")
+    assert [r[2] for r in rows] == list(RANK_CASES)
+    floors = {r[2]: float(r[5]) for r in rows}
+    assert floors["rank 16 on no expert"] == 0 and floors["rank 64"] > floors["rank 16"] > 0
+    # a quarter of the experts with all three projections, or a quarter drawn per projection: both well under
+    # full coverage
+    assert 0 < floors["rank 16 on 25% of experts"] < floors["rank 16"] / 2
+    assert 0 < floors["rank 16 on 25% of each projection's experts"] < floors["rank 16"] / 2
+
+
+def test_whole_experts_cover_all_three_projections_at_once():
+    """The rank cases' "25% of experts": an adapter covers an expert with gate, up and down, or not at all."""
+    gen = torch.Generator().manual_seed(0)
+    whole = random_expert_lora(8, 64, 32, 16, [8] * 8, torch.float32, coverage=0.25, whole_experts=True, generator=gen)
+    per_projection = random_expert_lora(8, 64, 32, 16, [8] * 8, torch.float32, coverage=0.25, generator=gen)
+    covered, drawn = whole.ranks > 0, per_projection.ranks > 0
+    assert (covered == covered[0]).all() and 0.15 < covered[0].float().mean() < 0.35
+    assert not (drawn == drawn[0]).all() and 0.15 < drawn.float().mean() < 0.35
