@@ -71,9 +71,11 @@ KV_STORES = ((4, 128, 128), (1, 192, 128), (16, 192, 128), (128, 192, 128), (2, 
 #           MLA as one head, DeepSeek-V2-Lite and -V3 (a kv head per query head), non-power-of-two dims
 
 
-def compile_sm90(kernel, constexprs: dict, dtype: str, num_warps: int, num_stages: int, types: dict | None = None):
-    """types: argument types that differ from the defaults below (e.g. an fp32 output). Every kernel is compiled
-    with programmatic dependent launch on, as on Hopper, and must wait for the kernel before it (kernels/pdl.py)."""
+def compile_sm90(kernel, constexprs: dict, dtype: str, num_warps: int, num_stages: int, types: dict | None = None,
+                 maxnreg: int | None = None):
+    """types: argument types that differ from the defaults below (e.g. an fp32 output); maxnreg: the launch's
+    register cap. Every kernel is compiled with programmatic dependent launch on, as on Hopper, and must wait for
+    the kernel before it (kernels/pdl.py)."""
     assert "PDL" in kernel.arg_names, f"{kernel.fn.__name__} has no PDL constexpr"
     constexprs = {**constexprs, "PDL": True}
     signature, attrs = {}, {}
@@ -90,7 +92,8 @@ def compile_sm90(kernel, constexprs: dict, dtype: str, num_warps: int, num_stage
         if name not in NOT_DIVISIBLE:
             attrs[(i,)] = [["tt.divisibility", 16]]
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER,
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+                              options={"num_warps": num_warps, "num_stages": num_stages,
+                                       **({"maxnreg": maxnreg} if maxnreg else {})})
     for instruction in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
         assert instruction in compiled.asm["ptx"], f"{kernel.fn.__name__}: no {instruction} in its PTX"
     return compiled

@@ -1,0 +1,110 @@
+"""Registers, spilled bytes and shared memory of the fused MoE's kernels as Triton builds them for Hopper (sm_90a),
+and how many programs of each an SM holds at once, on any machine: Triton compiles for a target without a GPU, and
+its bundled cuobjdump reads the cubin's resource usage. An occupancy question answered without device time (the
+numbers are this machine's Triton's; the GPU's Triton may allocate differently). Not a test.
+
+    python3 benchmarks/kernel_resources.py                          # Qwen3-30B-A3B's tile rows, LoRA off and on
+    python3 benchmarks/kernel_resources.py --tokens 512 --maxnreg 168   # with a register cap on the LoRA GEMMs
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests/
+
+from bench_moe import SHAPES
+from moelora.kernels.fused_moe import config as fm_config
+from moelora.kernels.fused_moe import gemm as fm_gemm
+from moelora.kernels.fused_moe import shrink as fm_shrink
+from tests.kernels.test_compile_sm90 import compile_sm90
+
+REGISTERS_PER_SM, SHARED_PER_SM, WARPS_PER_SM, PROGRAMS_PER_SM = 65536, 228 * 1024, 64, 32  # Hopper
+SHARED_RESERVED = 1024  # per program, by the driver
+REGISTER_UNIT = 256  # registers are given to a warp in units of this many
+
+
+@dataclass(frozen=True)
+class Resources:
+    registers: int  # per thread
+    spilled: int  # bytes of local memory per thread (spills and stack)
+    shared: int  # bytes per program
+    warps: int
+
+    def programs_per_sm(self) -> dict[str, int]:
+        """How many programs an SM holds by each limit (the least one holds)."""
+        per_warp = -(-self.registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
+        return {"registers": REGISTERS_PER_SM // (per_warp * self.warps),
+                "shared": SHARED_PER_SM // (self.shared + SHARED_RESERVED),
+                "warps": min(PROGRAMS_PER_SM, WARPS_PER_SM // self.warps)}
+
+
+def resources(kernel, constexprs: dict, num_warps: int, num_stages: int, maxnreg: int | None = None) -> Resources:
+    """The kernel compiled for sm_90a in bf16 with the constexprs it takes (others are dropped, so one table serves
+    kernels of different signatures)."""
+    own = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
+    compiled = compile_sm90(kernel, own, "bf16", num_warps, num_stages, maxnreg=maxnreg)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
+    if found is None:
+        raise RuntimeError(f"no resource usage in cuobjdump's output:\n{usage}")
+    registers, stack, static_shared, local = map(int, found.groups())
+    return Resources(registers, max(stack, local), static_shared + compiled.metadata.shared, num_warps)
+
+
+def rows(tokens: int, shape: tuple[int, int, int, int], lora: bool, maxnreg: int | None):
+    """(kernel name, rank tiles, Resources) of each kernel a fused_moe call of `tokens` tokens launches on the
+    default tile table: without LoRA, or with LoRA on the rank-16 tile alone and on tiles up to 64."""
+    _, _, experts, top_k = shape
+    cfg = fm_config.default_config(tokens, top_k, experts, torch.bfloat16, lora=lora)
+    block_shrink = lora and not cfg.pair_blocks and tokens * top_k > cfg.pair_shrink_max_pairs
+    for block_r, rank_tiles in ((16, 1), (64, 3)) if lora else ((16, 1),):
+        cap = (maxnreg or cfg.max_registers) if rank_tiles > 1 else None  # as the launcher applies max_registers
+        common = dict(HAS_LORA=lora, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, BLOCK_R=block_r,
+                      RANK_TILES=rank_tiles, PARTS=fm_config.SUM_PARTS, PAIR_BLOCKS=cfg.pair_blocks,
+                      HALF_TILES=cfg.half_tiles, TOP_K_P=triton.next_power_of_2(top_k), SLOT_STAGES=cfg.slot_stages,
+                      SPLIT_K=fm_config.SHRINK_SPLIT_K, PART_N=fm_config.DOWN_SHRINK_PART, A_ALIGNED=True)
+        yield "gate_up_kernel", rank_tiles, resources(fm_gemm.gate_up_kernel, {**common, "BLOCK_N": cfg.block_n_gate_up},
+                                                      cfg.num_warps, cfg.num_stages, cap)
+        yield "down_kernel", rank_tiles, resources(fm_gemm.down_kernel, {**common, "BLOCK_N": cfg.block_n_down},
+                                                   cfg.num_warps, cfg.num_stages, cap)
+        if block_shrink:
+            yield "shrink_kernel", rank_tiles, resources(fm_shrink.shrink_kernel, common, cfg.shrink_num_warps,
+                                                         cfg.shrink_num_stages)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
+    p.add_argument("--tokens", default="1,128,512,2048,4096")
+    p.add_argument("--maxnreg", type=int, default=None,
+                   help="register cap of the LoRA GEMMs with more than one rank tile (MoEKernelConfig.max_registers)")
+    args = p.parse_args()
+    print(f"# fused MoE kernel resources on sm_90a, {args.shape}, Triton {triton.__version__}\n")
+    print("| T | LoRA | kernel | rank tiles | registers | spilled bytes | shared KiB | programs an SM (registers, "
+          "shared, warps) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for tokens in map(int, args.tokens.split(",")):
+        for lora in (False, True):
+            for name, rank_tiles, r in rows(tokens, SHAPES[args.shape], lora, args.maxnreg):
+                held = r.programs_per_sm()
+                print(f"| {tokens} | {'on' if lora else 'off'} | {name} | {rank_tiles if lora else ''} | {r.registers} "
+                      f"| {r.spilled} | {r.shared / 1024:.1f} | **{min(held.values())}** ({held['registers']}, "
+                      f"{held['shared']}, {held['warps']}) |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
