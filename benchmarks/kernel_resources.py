@@ -29,7 +29,8 @@ from moelora.kernels.fused_moe import shrink as fm_shrink
 from tests.kernels.test_compile_sm90 import compile_sm90
 
 REGISTERS_PER_SM, SHARED_PER_SM, WARPS_PER_SM, PROGRAMS_PER_SM = 65536, 228 * 1024, 64, 32  # Hopper
-SHARED_RESERVED = 1024  # per program, by the driver
+SUB_PARTITIONS = 4  # an SM's register file is four, a warp's registers all in one (CUDA's occupancy calculator)
+SHARED_RESERVED, SHARED_UNIT = 1024, 128  # per program, by the driver; shared memory is given in units of this
 REGISTER_UNIT = 256  # registers are given to a warp in units of this many
 
 
@@ -43,8 +44,9 @@ class Resources:
     def programs_per_sm(self) -> dict[str, int]:
         """How many programs an SM holds by each limit (the least one holds)."""
         per_warp = -(-self.registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
-        return {"registers": REGISTERS_PER_SM // (per_warp * self.warps),
-                "shared": SHARED_PER_SM // (self.shared + SHARED_RESERVED),
+        warps_by_registers = REGISTERS_PER_SM // SUB_PARTITIONS // per_warp * SUB_PARTITIONS
+        shared = -(-(self.shared + SHARED_RESERVED) // SHARED_UNIT) * SHARED_UNIT
+        return {"registers": warps_by_registers // self.warps, "shared": SHARED_PER_SM // shared,
                 "warps": min(PROGRAMS_PER_SM, WARPS_PER_SM // self.warps)}
 
 

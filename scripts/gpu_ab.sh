@@ -14,14 +14,18 @@ if [ $# -lt 2 ]; then
 fi
 IFS=, read -r -a patches <<< "$1"
 shift
+if [ ${#patches[@]} -eq 0 ]; then
+  echo "$usage: no patch" >&2
+  exit 2
+fi
 for i in "${!patches[@]}"; do
   [ -f "${patches[$i]}" ] || { echo "$usage: no file ${patches[$i]}" >&2; exit 2; }
   patches[$i]=$(realpath "${patches[$i]}")
   patch --dry-run -s -p1 < "${patches[$i]}" > /dev/null || { echo "${patches[$i]} does not apply to this tree" >&2; exit 2; }
 done
 source scripts/gpu_common.sh /tmp/gpu_ab
-run() {  # run NAME: the command's output to $OUT/NAME.log and the terminal
-  echo "## $1"
+run() {  # run NAME [WHAT]: the command's output to $OUT/NAME.log and the terminal
+  echo "## $1${2:+: $2}"
   timeout "${RUN_TIMEOUT:-150}" "${command[@]}" 2>&1 | tee "$OUT/$1.log"
 }
 command=("$@")
@@ -29,8 +33,7 @@ run a1
 for i in "${!patches[@]}"; do
   name=b
   [ ${#patches[@]} -gt 1 ] && name=b$((i + 1))
-  echo "## $name: $(basename "${patches[$i]}")"
-  patch -s -p1 < "${patches[$i]}" && run "$name"
+  patch -s -p1 < "${patches[$i]}" && run "$name" "$(basename "${patches[$i]}")"
   patch -s -R -p1 < "${patches[$i]}"
 done
 run a2

@@ -1,5 +1,6 @@
 """The MoE kernel benchmark runs end to end (--shapes tiny: the torch path on a CPU, in seconds), its table and its
 rank cases, so the GPU run cannot be the first to find it broken."""
+import argparse
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from tests.support import random_expert_lora
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import bench_moe  # noqa: E402
 from bench_moe import RANK_CASES  # noqa: E402
 
 
@@ -40,6 +42,20 @@ def test_tiny_moe_benchmark_reports_every_rank_case():
     # full coverage
     assert 0 < floors["rank 16 on 25% of experts"] < floors["rank 16"] / 2
     assert 0 < floors["rank 16 on 25% of each projection's experts"] < floors["rank 16"] / 2
+
+
+def test_each_rank_case_draws_its_coverage_as_it_says(monkeypatch):
+    """bench_moe passes each case's draw (per expert or per projection) to random_expert_lora."""
+    drawn = []
+
+    def recording(*args, **kwargs):
+        if "whole_experts" in kwargs:  # a case's draw (the layers' own first adapters are drawn without)
+            drawn.append((kwargs["coverage"], kwargs["whole_experts"]))
+        return random_expert_lora(*args, **kwargs)
+    monkeypatch.setattr(bench_moe, "random_expert_lora", recording)
+    bench_moe.rank_cases_of_shape(argparse.Namespace(tokens="4"), "tiny", "cpu", torch.float32, 1e12)
+    assert drawn == [(coverage, whole) for _, coverage, whole, _ in RANK_CASES.values()]
+    assert drawn[3] == (0.25, True) and drawn[4] == (0.25, False)
 
 
 def test_whole_experts_cover_all_three_projections_at_once():

@@ -53,3 +53,6 @@ def test_a_patch_that_does_not_apply_runs_nothing(tmp_path):
     assert "no file no.patch" in missing.stderr
     second = _run(tree, "no.patch,ab.patch", "cat", "value.txt")  # every patch is checked before any run
     assert second.returncode == 2 and not (tree / "out" / "a1.log").exists()
+    for empty in ("", ","):
+        none = _run(tree, empty, "cat", "value.txt")
+        assert none.returncode == 2 and "usage" in none.stderr and not (tree / "out" / "a1.log").exists()
