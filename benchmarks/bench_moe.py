@@ -114,6 +114,12 @@ def machine() -> tuple[str, torch.dtype, str, float, float]:
     return device, dtype, name, mm, copy_bandwidth(device)
 
 
+def layer_copies(shape, dtype, device) -> int:
+    """Copies of a layer to cycle through: about 4 GB of expert weights, so they come from HBM, not L2 (one on CPU)."""
+    per_layer = 3 * shape[0] * shape[1] * shape[2] * dtype.itemsize
+    return 1 if device == "cpu" else max(2, min(4, int(4e9 // per_layer)))
+
+
 class Layers:
     """Several copies of one MoE layer (router, experts, LoRA slots) so that timed loops stream
     weights from memory as a real model does."""
@@ -200,8 +206,7 @@ def main():
 def bench_shape(args, shape_name: str, device, dtype, mm: float, bw: float) -> None:
     """main's table rows of one shape."""
     shape = SHAPES[shape_name]
-    per_layer = 3 * shape[0] * shape[1] * shape[2] * dtype.itemsize
-    copies = 1 if device == "cpu" else max(2, min(4, int(4e9 // per_layer)))
+    copies = layer_copies(shape, dtype, device)
     layers = Layers(shape, copies, dtype, device)
     check_once(layers, device, dtype)
     for tokens in map(int, args.tokens.split(",")):
@@ -253,8 +258,7 @@ def rank_cases(args, device, dtype, name, bw) -> None:
 def rank_cases_of_shape(args, shape_name: str, device, dtype, bw: float) -> None:
     """rank_cases' rows of one shape."""
     hidden, inter, experts, _ = shape = SHAPES[shape_name]
-    per_layer = 3 * hidden * inter * experts * dtype.itemsize
-    copies = 1 if device == "cpu" else max(2, min(4, int(4e9 // per_layer)))
+    copies = layer_copies(shape, dtype, device)
     layers = Layers(shape, copies, dtype, device)
     for case, (slot_ranks, coverage, whole_experts, first_slot_only) in RANK_CASES.items():
         layers.lora = [random_expert_lora(SLOTS, experts, hidden, inter, slot_ranks, dtype, device,

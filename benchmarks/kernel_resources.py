@@ -26,7 +26,7 @@ from bench_moe import SHAPES
 from moelora.kernels.fused_moe import config as fm_config
 from moelora.kernels.fused_moe import gemm as fm_gemm
 from moelora.kernels.fused_moe import shrink as fm_shrink
-from tests.kernels.test_compile_sm90 import compile_sm90
+from tests.kernels.test_compile_sm90 import compile_sm90, moe_gemm_constexprs
 
 REGISTERS_PER_SM, SHARED_PER_SM, WARPS_PER_SM, PROGRAMS_PER_SM = 65536, 228 * 1024, 64, 32  # Hopper
 SUB_PARTITIONS = 4  # an SM's register file is four, a warp's registers all in one (CUDA's occupancy calculator)
@@ -75,16 +75,15 @@ def rows(tokens: int, shape: tuple[int, int, int, int], lora: bool, maxnreg: int
     block_shrink = lora and not cfg.pair_blocks and tokens * top_k > cfg.pair_shrink_max_pairs
     for block_r, rank_tiles in ((16, 1), (64, 3)) if lora else ((16, 1),):
         cap = (maxnreg or cfg.max_registers) if rank_tiles > 1 else None  # as the launcher applies max_registers
-        common = dict(HAS_LORA=lora, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, BLOCK_R=block_r,
-                      RANK_TILES=rank_tiles, PARTS=fm_config.SUM_PARTS, PAIR_BLOCKS=cfg.pair_blocks,
-                      HALF_TILES=cfg.half_tiles, TOP_K_P=triton.next_power_of_2(top_k), SLOT_STAGES=cfg.slot_stages,
-                      SPLIT_K=fm_config.SHRINK_SPLIT_K, PART_N=fm_config.DOWN_SHRINK_PART, A_ALIGNED=True)
-        yield "gate_up_kernel", rank_tiles, resources(fm_gemm.gate_up_kernel, {**common, "BLOCK_N": cfg.block_n_gate_up},
+        def constexprs(block_n: int) -> dict:  # (A_ALIGNED: on branches whose shrink takes it)
+            return {**moe_gemm_constexprs(cfg, lora, block_n, block_r, rank_tiles, triton.next_power_of_2(top_k)),
+                    "SPLIT_K": fm_config.SHRINK_SPLIT_K, "PART_N": fm_config.DOWN_SHRINK_PART, "A_ALIGNED": True}
+        yield "gate_up_kernel", rank_tiles, resources(fm_gemm.gate_up_kernel, constexprs(cfg.block_n_gate_up),
                                                       cfg.num_warps, cfg.num_stages, cap)
-        yield "down_kernel", rank_tiles, resources(fm_gemm.down_kernel, {**common, "BLOCK_N": cfg.block_n_down},
+        yield "down_kernel", rank_tiles, resources(fm_gemm.down_kernel, constexprs(cfg.block_n_down),
                                                    cfg.num_warps, cfg.num_stages, cap)
         if block_shrink:
-            yield "shrink_kernel", rank_tiles, resources(fm_shrink.shrink_kernel, common, cfg.shrink_num_warps,
+            yield "shrink_kernel", rank_tiles, resources(fm_shrink.shrink_kernel, constexprs(0), cfg.shrink_num_warps,
                                                          cfg.shrink_num_stages)
 
 

@@ -348,11 +348,11 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req
               extend_starts: torch.Tensor, scale: float, *, is_decode: bool = False, blocks: ExtendBlocks | None = None,
               max_kv_splits: int = DEFAULT_MAX_KV_SPLITS, impl: str = "auto",
               config: AttentionConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Entry point; no device read on the Triton path. is_decode (every extend_len is 1, from ForwardBatch) picks the split-K decode
-    kernels; blocks: the extend kernel's block table (`extend_blocks`, made once a step for every layer; None: built
-    in this call). impl: "triton", "torch" or "auto" (triton on CUDA). out [N, Hq, Dv]: written at the
-    given sequences' tokens only and returned (a step that runs its decode and its extend sequences in
-    two calls fills one output); default a new tensor."""
+    """Entry point; no device read on the Triton path. is_decode (every extend_len is 1, from ForwardBatch) picks
+    the split-K decode kernels; blocks: the extend kernel's block table (`extend_blocks`, made once a step for every
+    layer; None: built in this call). impl: "triton", "torch" or "auto" (triton on CUDA). out [N, Hq, Dv]: written at
+    the given sequences' tokens only and returned (a step that runs its decode and its extend sequences in two calls
+    fills one output); default a new tensor."""
     _check_inputs(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_lens, extend_starts)
     if out is not None and (out.shape != (q.shape[0], q.shape[1], v_cache.shape[-1]) or out.dtype != q.dtype
                             or not out.is_contiguous()):

@@ -99,6 +99,15 @@ def compile_sm90(kernel, constexprs: dict, dtype: str, num_warps: int, num_stage
     return compiled
 
 
+def moe_gemm_constexprs(cfg, has_lora: bool, block_n: int, block_r: int = 64, rank_tiles: int = 3,
+                        top_k_p: int = 8) -> dict:
+    """The constexprs of fused_moe's gate_up and down kernels (gate_up's own, SPLIT_K and PART_N, besides) for a
+    tile row, as the launcher passes them."""
+    return dict(HAS_LORA=has_lora, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                BLOCK_R=block_r, RANK_TILES=rank_tiles, PARTS=fm_config.SUM_PARTS, PAIR_BLOCKS=cfg.pair_blocks,
+                HALF_TILES=cfg.half_tiles, TOP_K_P=top_k_p, SLOT_STAGES=cfg.slot_stages)
+
+
 def compile_all() -> list[dict]:
     """Every kernel in every default config; one summary per compiled kernel."""
     results = []
@@ -113,11 +122,8 @@ def compile_all() -> list[dict]:
             for kernel, block_n, own in ((fm_gemm.gate_up_kernel, cfg.block_n_gate_up,
                                           dict(SPLIT_K=fm_config.SHRINK_SPLIT_K, PART_N=fm_config.DOWN_SHRINK_PART)),
                                          (fm_gemm.down_kernel, cfg.block_n_down, {})):
-                constexprs = dict(HAS_LORA=has_lora, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
-                                  GROUP_M=cfg.group_m, BLOCK_R=64, RANK_TILES=3, PARTS=fm_config.SUM_PARTS,
-                                  PAIR_BLOCKS=cfg.pair_blocks, HALF_TILES=cfg.half_tiles, TOP_K_P=8,
-                                  SLOT_STAGES=cfg.slot_stages, **own)
-                compiled = compile_sm90(kernel, constexprs, dtype, cfg.num_warps, cfg.num_stages)
+                compiled = compile_sm90(kernel, {**moe_gemm_constexprs(cfg, has_lora, block_n), **own}, dtype,
+                                        cfg.num_warps, cfg.num_stages)
                 ptx = compiled.asm["ptx"]
                 results.append(dict(kernel=kernel.fn.__name__, dtype=dtype, lora=has_lora, block_m=cfg.block_m,
                                     pair_blocks=cfg.pair_blocks, slot_stages=cfg.slot_stages,
