@@ -120,7 +120,8 @@ def compile_all() -> list[dict]:
     for cfg, has_lora in sorted(configs, key=lambda c: (c[0].block_m, c[1])):
         for dtype in ("bf16", "fp16"):
             for kernel, block_n, own in ((fm_gemm.gate_up_kernel, cfg.block_n_gate_up,
-                                          dict(SPLIT_K=fm_config.SHRINK_SPLIT_K, PART_N=fm_config.DOWN_SHRINK_PART)),
+                                          dict(SPLIT_K=fm_config.SHRINK_SPLIT_K, PART_N=fm_config.DOWN_SHRINK_PART,
+                                               A_ALIGNED=has_lora)),
                                          (fm_gemm.down_kernel, cfg.block_n_down, {})):
                 compiled = compile_sm90(kernel, {**moe_gemm_constexprs(cfg, has_lora, block_n), **own}, dtype,
                                         cfg.num_warps, cfg.num_stages)
@@ -136,21 +137,26 @@ def compile_all() -> list[dict]:
                                (ma._place_kernel, dict(HAS_SLOTS=True, S1_P=16, CHUNK=256)),
                                (fm_shrink.shrink_kernel,
                                 dict(BLOCK_M=16, BLOCK_K=64, BLOCK_R=64, RANK_TILES=3,
-                                     SPLIT_K=fm_config.SHRINK_SPLIT_K)),
+                                     SPLIT_K=fm_config.SHRINK_SPLIT_K, A_ALIGNED=True)),
                                (fm_shrink.pair_shrink_kernel, dict(BLOCK_M=16, E_P=128, S1_P=16, CHUNK=256, BLOCK_K=64,
-                                                                   BLOCK_R=64, RANK_TILES=3,
+                                                                   BLOCK_R=64, RANK_TILES=3, A_ALIGNED=True,
                                                                    SPLIT_K=fm_config.SHRINK_SPLIT_K)),
                                (fm_reduction.reduce_partials_kernel, dict(BLOCK_ROWS=64, BLOCK_R=16, PARTS=32)),
                                (fm_reduction.moe_sum_kernel, dict(TOP_K_P=8, BLOCK_H=1024)),
                                (so._sum_in_order_kernel, dict(PARTS=4, BLOCK=so.BLOCK))):
         compiled = compile_sm90(kernel, constexprs, "bf16", 8, 1)
         results.append(dict(kernel=kernel.fn.__name__, shared=compiled.metadata.shared, ttgir=""))
-    # the block shrink on its blocks-of-16 launch options (the deepest pipeline)
+    # the block shrink on its blocks-of-16 launch options (the deepest pipeline): with the rank-64 tiles (the most
+    # shared memory), and on the rank-16 tile with rows of A known to start on 16 bytes and not
     cfg = fm_config.default_config(128, 8, 128, torch.bfloat16, lora=True)
-    compiled = compile_sm90(fm_shrink.shrink_kernel, dict(BLOCK_M=cfg.block_m, BLOCK_K=64, BLOCK_R=64, RANK_TILES=3,
-                                                          SPLIT_K=fm_config.SHRINK_SPLIT_K),
-                            "bf16", cfg.shrink_num_warps, cfg.shrink_num_stages)
-    results.append(dict(kernel="shrink_kernel", shared=compiled.metadata.shared, ttgir=""))
+    for block_r, rank_tiles, aligned in ((64, 3, True), (16, 1, True), (16, 1, False)):
+        compiled = compile_sm90(fm_shrink.shrink_kernel, dict(BLOCK_M=cfg.block_m, BLOCK_K=64, BLOCK_R=block_r,
+                                                              RANK_TILES=rank_tiles, SPLIT_K=fm_config.SHRINK_SPLIT_K,
+                                                              A_ALIGNED=aligned),
+                                "bf16", cfg.shrink_num_warps, cfg.shrink_num_stages)
+        results.append(dict(kernel="shrink_kernel", shared=compiled.metadata.shared, block_r=block_r,
+                            a_aligned=aligned, async_copies=compiled.asm["ttgir"].count("async_copy_global_to_local"),
+                            ttgir=""))
     results += (compile_attention() + compile_lora_linear() + compile_rotary() + compile_topk() + compile_rms_norm()
                 + compile_kv_store() + compile_rope_kv_store() + compile_linear())
     return results
@@ -188,7 +194,7 @@ def compiled():
 
 
 def test_all_kernels_fit_shared_memory(compiled):
-    assert len(compiled) == (11 * 2 * 2 + 9 + 1 + 2 * len(ATTENTION_HEADS) + 1 + len(LORA_LINEARS)
+    assert len(compiled) == (11 * 2 * 2 + 9 + 3 + 2 * len(ATTENTION_HEADS) + 1 + len(LORA_LINEARS)
                              + len(ROTARY_HEADS) + len(ROUTERS) + 2 * len(RMS_NORMS) + 1 + len(KV_STORES) + 1
                              + len(ROPE_KV_STORES) + 1
                              + 2 * len(LINEARS) + 1 + len(LORA_EPILOGUES))
@@ -216,6 +222,14 @@ def test_lora_slot_loops_pipeline(compiled):
     for kernel in ("gate_up_kernel", "down_kernel"):
         for dtype in ("bf16", "fp16"):
             assert copies(kernel, dtype, 4) > copies(kernel, dtype, 1), f"{kernel} {dtype}: slot loops not pipelined"
+
+
+def test_shrink_loads_aligned_a_rows_asynchronously(compiled):
+    """Gate and up share the shrink's dot, so its A tile picks a pointer per column; told that every row of A starts
+    on 16 bytes (A_ALIGNED), the compiler loads it in vectors, as async copies in the pipeline, like x."""
+    copies = {r["a_aligned"]: r["async_copies"] for r in compiled
+              if r["kernel"] == "shrink_kernel" and r.get("block_r") == 16}
+    assert copies[False] > 0 and copies[True] == 2 * copies[False], copies  # x alone without the hint; x and A with it
 
 
 def test_pair_blocks_shrink_in_gate_up_synchronises(compiled):

@@ -178,6 +178,25 @@ def test_shrink_per_pair_equals_shrink_per_block(dtype, block_m, shrink_warps, s
     assert_rows_close(per_pair, fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(dtype, device))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_rows_off_16_bytes_take_plain_loads(dtype, device, poison, monkeypatch):
+    """The shrink is told whether every row of A starts on 16 bytes (its vector loads need it): not with a hidden
+    size of 62 (124 or 248 bytes a row), nor for a view one element in, and the results still match, with the
+    shrink per block, per pair, and in the gate_up launch (pair blocks)."""
+    x, w13, w2, topk, lora, slots = _case(70, 62, 40, 9, 4, dtype, device, slot_ranks=SMALL_RANKS)
+    wide = torch.zeros(*lora.a_gate.shape[:3], 64, dtype=dtype, device=device)
+    assert launcher.rows_start_on_16_bytes(wide) and not launcher.rows_start_on_16_bytes(wide.view(-1)[1:])
+    told = []
+    check = launcher.rows_start_on_16_bytes
+    monkeypatch.setattr(launcher, "rows_start_on_16_bytes", lambda *w: told.append(check(*w)) or told[-1])
+    cfg = default_config(70, 4, 9, dtype, lora=True)
+    for config in (dataclasses.replace(cfg, pair_shrink_max_pairs=0),
+                   dataclasses.replace(cfg, pair_shrink_max_pairs=10**6), dataclasses.replace(cfg, pair_blocks=True)):
+        assert_rows_close(fused_moe(x, w13, w2, topk, lora, slots, impl="triton", config=config),
+                          fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(dtype, device))
+    assert told == [False] * 3
+
+
 def _uncover(lora: ExpertLoRASlots, slot: int, expert: int) -> None:
     """The slot's adapter no longer covers the expert: rank 0, and NaN weights that no kernel may read."""
     lora.ranks[:, slot, expert] = 0

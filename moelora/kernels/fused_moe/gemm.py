@@ -24,7 +24,7 @@ def gate_up_kernel(
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     HALF_TILES: tl.constexpr, TOP_K_P: tl.constexpr, SPLIT_K: tl.constexpr, PART_N: tl.constexpr,
-    RANK_TILES: tl.constexpr, SLOT_STAGES: tl.constexpr,
+    RANK_TILES: tl.constexpr, SLOT_STAGES: tl.constexpr, A_ALIGNED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """h[p] = silu(x Wg^T + LoRA_g) * (x Wu^T + LoRA_u) for the pairs p of one block; with LoRA also
@@ -38,7 +38,7 @@ def gate_up_kernel(
         if pid < num_shrink:
             if shrink_one_pair(pid, topk_ids_ptr, token_slots_ptr, x_ptr, xa_ptr, ranks_ptr, ag_ptr, au_ptr, top_k,
                                 H, num_slots, num_experts, num_splits, stride_xt, stride_ae, stride_ar, BLOCK_M,
-                                BLOCK_K, BLOCK_R, SPLIT_K, RANK_TILES):
+                                BLOCK_K, BLOCK_R, SPLIT_K, RANK_TILES, A_ALIGNED):
                 arrive(ready_ptr + pid // num_splits)  # release the pair's xa to its GEMM programs
             return
         pid, num_programs = pid - num_shrink, num_programs - num_shrink

@@ -22,6 +22,12 @@ READY_COUNTERS = 4096
 _ready: dict[torch.device, torch.Tensor] = {}
 
 
+def rows_start_on_16_bytes(*weights: torch.Tensor) -> bool:
+    """Whether every row (along the last dimension) of each weight starts on 16 bytes (the shrink's A_ALIGNED)."""
+    return all(w.data_ptr() % 16 == 0 and all(stride * w.element_size() % 16 == 0 for stride in w.stride()[:-1])
+               for w in weights)
+
+
 def fused_moe_triton(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -63,7 +69,7 @@ def fused_moe_triton(
             blocks = moe_align(topk.ids, None, num_experts, 0, cfg.block_m)
         slots = ranks = topk.ids
         xa = hd = ag = au = bg = bu = ad = bd = w13
-        num_splits, block_r, rank_tiles = 1, LORA_RANK_CHUNK, 1
+        num_splits, block_r, rank_tiles, a_aligned = 1, LORA_RANK_CHUNK, 1, False
         a_strides = b_strides = ad_strides = bd_strides = (0, 0)
     else:
         slots, ranks = token_slots, lora.ranks
@@ -72,6 +78,7 @@ def fused_moe_triton(
         # each block's LoRA runs on the smallest of the rank tiles 16, 32, ..., block_r that holds its ranks
         rank_tiles = (block_r // LORA_RANK_CHUNK).bit_length()
         a_strides, b_strides = ag.stride()[1:3], bg.stride()[1:3]
+        a_aligned = rows_start_on_16_bytes(ag, au)
         ad_strides, bd_strides = ad.stride()[1:3], bd.stride()[1:3]
         num_splits = triton.cdiv(hidden, SHRINK_SPLIT_K)
         xa = torch.empty(num_pairs, 2, num_splits, block_r, dtype=torch.float32, device=x.device)
@@ -90,7 +97,7 @@ def fused_moe_triton(
                 num_pairs, top_k, hidden, num_slots, num_experts, blocks.sorted_ids.numel(), num_splits,
                 x.stride(0), *a_strides,
                 BLOCK_M=cfg.block_m, E_P=e_p, S1_P=s1_p, CHUNK=CHUNK, BLOCK_K=cfg.block_k,
-                BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, RANK_TILES=rank_tiles,
+                BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, RANK_TILES=rank_tiles, A_ALIGNED=a_aligned,
                 num_warps=align_num_warps(num_experts, num_slots), **pdl,
             )
         else:
@@ -100,7 +107,8 @@ def fused_moe_triton(
                 ag, au, num_pairs, top_k, hidden, num_slots, num_experts, num_splits,
                 x.stride(0), *a_strides,
                 BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K,
-                RANK_TILES=rank_tiles, num_warps=cfg.shrink_num_warps, num_stages=cfg.shrink_num_stages, **pdl,
+                RANK_TILES=rank_tiles, A_ALIGNED=a_aligned, num_warps=cfg.shrink_num_warps,
+                num_stages=cfg.shrink_num_stages, **pdl,
             )
         if not cfg.pair_blocks:  # (with pair blocks xa is written in the gate_up launch that reads it)
             xa, num_splits = reduce_partials(xa.view(num_pairs * 2, num_splits, block_r), topk.ids, slots, ranks, 0,
@@ -116,7 +124,7 @@ def fused_moe_triton(
         triton.cdiv(num_tokens, grid_gate_up),
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *a_strides, *b_strides, *ad_strides, y.stride(0),
         BLOCK_N=cfg.block_n_gate_up, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, PART_N=DOWN_SHRINK_PART,
-        RANK_TILES=rank_tiles, **common,
+        RANK_TILES=rank_tiles, A_ALIGNED=a_aligned, **common,
     )
     if lora is not None:
         hd, num_hd_parts = reduce_partials(hd, topk.ids, slots, ranks, 2, num_pairs >= cfg.reduce_partials_min_pairs)

@@ -13,37 +13,43 @@ from moelora.kernels.pdl import wait_for_previous_kernel
 @triton.jit
 def _shrink_rows(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, k_lo, k_hi, num_experts,
                  num_splits, stride_ae, stride_ar, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_R: tl.constexpr, RANK_TILES: tl.constexpr):
+                 BLOCK_R: tl.constexpr, RANK_TILES: tl.constexpr, A_ALIGNED: tl.constexpr):
     """xa_g, xa_u = x[rows] @ A[s, e][:, k_lo:k_hi]^T for gate and up (ranks rank_g, rank_u), stored from xa_rows
     (column 0 of each row's gate partial) for `rows`, on the smallest rank tile that holds both ranks
     (tiles.takes_rank_tile)."""
     for c in tl.static_range(RANK_TILES):
         if takes_rank_tile(tl.maximum(rank_g, rank_u), c, RANK_TILES, BLOCK_R):
             _shrink_tile(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, k_lo, k_hi, num_experts,
-                         num_splits, stride_ae, stride_ar, BLOCK_M, BLOCK_K, c, RANK_TILES, BLOCK_R)
+                         num_splits, stride_ae, stride_ar, BLOCK_M, BLOCK_K, c, RANK_TILES, BLOCK_R, A_ALIGNED)
 
 
 @triton.jit
 def _shrink_tile(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, k_lo, k_hi, num_experts, num_splits,
                  stride_ae, stride_ar, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, C: tl.constexpr,
-                 RANK_TILES: tl.constexpr, BLOCK_R: tl.constexpr):
-    """_shrink_rows on rank tile C (tiles.takes_rank_tile); the partials are laid out BLOCK_R columns a part."""
+                 RANK_TILES: tl.constexpr, BLOCK_R: tl.constexpr, A_ALIGNED: tl.constexpr):
+    """_shrink_rows on rank tile C (tiles.takes_rank_tile); the partials are laid out BLOCK_R columns a part. Gate
+    and up in one dot, A_g's R rows then A_u's as its 2R columns: each x tile goes through the MMAs once, not once a
+    projection (a column's sum does not depend on the dot's other columns, so the bits are those of a dot each).
+    A_ALIGNED: every row of A_g and A_u starts on 16 bytes (launcher.rows_start_on_16_bytes), which the compiler
+    cannot see through the choice between the two pointers; told, it loads A in 16-byte vectors, asynchronously
+    (else one element a thread, through registers)."""
     R: tl.constexpr = BLOCK_R if C == RANK_TILES - 1 else 16 << C
     offs_k = tl.arange(0, BLOCK_K)
-    offs_r = tl.arange(0, R)
+    offs_c = tl.arange(0, 2 * R)
+    up = offs_c >= R
+    r = tl.where(up, offs_c - R, offs_c)  # the column's row of A_g or A_u
     se = (s * num_experts + e).to(tl.int64)  # LoRA buffers are contiguous [S, E, ...]
-    ag_ptrs = ag_ptr + se * stride_ae + offs_r[None, :] * stride_ar + offs_k[:, None]
-    au_ptrs = au_ptr + se * stride_ae + offs_r[None, :] * stride_ar + offs_k[:, None]
-    xa_g = tl.zeros((BLOCK_M, R), dtype=tl.float32)
-    xa_u = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+    col_ptrs = tl.where(up, au_ptr, ag_ptr) + se * stride_ae + r * stride_ar
+    if A_ALIGNED:
+        col_ptrs = tl.multiple_of(col_ptrs, 16)
+    a_ptrs = col_ptrs[None, :] + offs_k[:, None]
+    in_rank = (r < tl.where(up, rank_u, rank_g))[None, :]
+    xa = tl.zeros((BLOCK_M, 2 * R), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_mask = k0 + offs_k < k_hi
         xt = tl.load(x_ptrs + k0, mask=rows[:, None] & k_mask[None, :], other=0.0)
-        xa_g += tl.dot(xt, tl.load(ag_ptrs + k0, mask=k_mask[:, None] & (offs_r[None, :] < rank_g), other=0.0))
-        xa_u += tl.dot(xt, tl.load(au_ptrs + k0, mask=k_mask[:, None] & (offs_r[None, :] < rank_u), other=0.0))
-    xa_ptrs = xa_rows[:, None] + offs_r[None, :]
-    tl.store(xa_ptrs, xa_g, mask=rows[:, None])
-    tl.store(xa_ptrs + num_splits * BLOCK_R, xa_u, mask=rows[:, None])
+        xa += tl.dot(xt, tl.load(a_ptrs + k0, mask=k_mask[:, None] & in_rank, other=0.0))
+    tl.store(xa_rows[:, None] + tl.where(up, num_splits * BLOCK_R + r, r)[None, :], xa, mask=rows[:, None])
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # row counts: kernels/__init__.py
@@ -51,7 +57,7 @@ def shrink_kernel(
     x_ptr, xa_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, token_slots_ptr, ranks_ptr, ag_ptr, au_ptr,
     num_pairs, top_k, H, num_slots, num_experts, num_splits, stride_xt, stride_ae, stride_ar,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
-    RANK_TILES: tl.constexpr,
+    RANK_TILES: tl.constexpr, A_ALIGNED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """xa[p, proj, split] = x[p] @ A_proj[slot(p), e][:, split's K range]^T for gate (proj 0) and up
@@ -74,14 +80,14 @@ def shrink_kernel(
         if rank_g + rank_u > 0:  # (0 also when no row has slot s)
             _shrink_rows(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, split * SPLIT_K,
                          tl.minimum(H, (split + 1) * SPLIT_K), num_experts, num_splits, stride_ae, stride_ar,
-                         BLOCK_M, BLOCK_K, BLOCK_R, RANK_TILES)
+                         BLOCK_M, BLOCK_K, BLOCK_R, RANK_TILES, A_ALIGNED)
 
 
 @triton.jit
 def shrink_one_pair(q, topk_ids_ptr, token_slots_ptr, x_ptr, xa_ptr, ranks_ptr, ag_ptr, au_ptr,
                      top_k, H, num_slots, num_experts, num_splits, stride_xt, stride_ae, stride_ar,
                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
-                     RANK_TILES: tl.constexpr):
+                     RANK_TILES: tl.constexpr, A_ALIGNED: tl.constexpr):
     """Work item q = p * num_splits + split: the gate/up shrink of pair p for one K split. The pair sits in
     row 0 of a BLOCK_M tile so the arithmetic, hence the bits, equal shrink_kernel's for that row.
     Returns whether the pair has an expert here and an adapter (else there is nothing to shrink)."""
@@ -99,7 +105,7 @@ def shrink_one_pair(q, topk_ids_ptr, token_slots_ptr, x_ptr, xa_ptr, ranks_ptr, 
         rank_u = lora_rank(ranks_ptr, 1, s, e, num_slots, num_experts)
         _shrink_rows(x_ptrs, row0, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, split * SPLIT_K,
                      tl.minimum(H, (split + 1) * SPLIT_K), num_experts, num_splits, stride_ae, stride_ar,
-                     BLOCK_M, BLOCK_K, BLOCK_R, RANK_TILES)
+                     BLOCK_M, BLOCK_K, BLOCK_R, RANK_TILES, A_ALIGNED)
     return lora_pair
 
 
@@ -110,7 +116,7 @@ def pair_shrink_kernel(
     num_pairs, top_k, H, num_slots, num_experts, max_rows, num_splits, stride_xt, stride_ae, stride_ar,
     BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr, RANK_TILES: tl.constexpr,
-    PDL: tl.constexpr,
+    A_ALIGNED: tl.constexpr, PDL: tl.constexpr,
 ):
     """Small aligned batches, one launch: program 0 is `moe_align`, then a program per (pair, K split) of
     the gate/up shrink (it needs only the pair's expert and slot, not the blocks)."""
@@ -123,4 +129,4 @@ def pair_shrink_kernel(
     else:
         shrink_one_pair(pid - 1, topk_ids_ptr, token_slots_ptr, x_ptr, xa_ptr, ranks_ptr, ag_ptr, au_ptr, top_k,
                          H, num_slots, num_experts, num_splits, stride_xt, stride_ae, stride_ar, BLOCK_M, BLOCK_K,
-                         BLOCK_R, SPLIT_K, RANK_TILES)
+                         BLOCK_R, SPLIT_K, RANK_TILES, A_ALIGNED)
