@@ -311,12 +311,14 @@ def test_pair_blocks_past_the_ready_counters(device, monkeypatch):
                   config=dataclasses.replace(default_config(1, 2, 4, DTYPES[0], lora=True), pair_blocks=True))
 
 
-@pytest.mark.parametrize("tokens, slot_ranks, with_lora", [(1, SLOT_RANKS, True), (8, SLOT_RANKS, True),
-                                                          (1, [16, 8], True), (1, SLOT_RANKS, False)])
-def test_register_cap_reaches_the_gemm_launches(tokens, slot_ranks, with_lora, device, monkeypatch):
-    """Pair blocks cap the GEMM kernels' registers (MoEKernelConfig.max_registers) when they hold the epilogues of
-    rank tiles past the smallest, so those do not set every program's occupancy; aligned blocks, the smallest
-    rank tile alone and no LoRA leave the compiler's choice."""
+@pytest.mark.parametrize("tokens, slot_ranks, with_lora, cap", [
+    (1, SLOT_RANKS, True, 128), (48, SLOT_RANKS, True, 168), (8, SLOT_RANKS, True, None), (1, [16, 8], True, None),
+    (48, [16, 8], True, None), (1, SLOT_RANKS, False, None), (48, SLOT_RANKS, False, None)])
+def test_register_cap_reaches_the_gemm_launches(tokens, slot_ranks, with_lora, cap, device, monkeypatch):
+    """Pair blocks (T = 1 here) and blocks of 32 rows (T = 48: 24 rows an expert) cap the GEMM kernels' registers
+    (MoEKernelConfig.max_registers) when they hold the epilogues of rank tiles past the smallest, so those do not
+    set every program's occupancy; blocks of 16 rows (T = 8), the smallest rank tile alone and no LoRA leave the
+    compiler's choice."""
     launches = []
 
     class Recorder:
@@ -336,5 +338,4 @@ def test_register_cap_reaches_the_gemm_launches(tokens, slot_ranks, with_lora, d
     cfg = default_config(tokens, 2, 4, DTYPES[0], lora=with_lora)
     got = fused_moe(x, w13, w2, topk, lora, slots, impl="triton", config=cfg)
     assert_rows_close(got, fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(DTYPES[0], device))
-    capped = tokens == 1 and with_lora and max(slot_ranks) > 16
-    assert launches == ([128, 128] if capped else [None, None])
+    assert launches == [cap, cap]

@@ -47,7 +47,7 @@ class MoEKernelConfig:
     # (None: the compiler's choice). The kernels hold an epilogue per rank tile up to the slot buffers'
     # (tiles.takes_rank_tile); the largest one's registers would set the occupancy of every program, also of
     # blocks whose ranks take a small tile. Without LoRA, or with the smallest tile alone, the cap slowed the
-    # kernels at decode (benchmarks/RESULTS.md)
+    # kernels at decode; in blocks of 16 rows a cap of 128 gained nothing (benchmarks/RESULTS.md)
     max_registers: int | None = None
     # software-pipeline stages of the LoRA epilogues' loops over a block's slots (1: none): the next slot's B
     # and A_d tiles load while this one's dots run. In blocks of 16 rows, a few rows of one or two slots at
@@ -78,7 +78,7 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     if not lora and rows_per_expert < 256:
         return MoEKernelConfig(128, 128, 128, block_k, 8, 8, 4, half_tiles=True)
     if rows_per_expert <= 96:
-        return MoEKernelConfig(32, 64, 128, block_k, 8, 4, 4, slot_stages=4)
+        return MoEKernelConfig(32, 64, 128, block_k, 8, 4, 4, slot_stages=4, max_registers=168)
     if rows_per_expert < 256:
         return MoEKernelConfig(64, 64, 128, block_k, 8, 4, 4, slot_stages=4)
     # prefill: wide n tiles, 8 warps
