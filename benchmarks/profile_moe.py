@@ -3,6 +3,7 @@ time goes, to guide kernel work. Not a test.
 
     python3 benchmarks/profile_moe.py --shape qwen3-30b-a3b --tokens 1,32 --adapters 1,8
     python3 benchmarks/profile_moe.py --tokens 32 --adapters 8 --coverage 0.25   # adapters on a quarter of the experts
+    python3 benchmarks/profile_moe.py --shape mixtral-8x7b --tokens 1 --ranks 8,8,16,16,16,32,64,64 --rank-bound 64
     ncu --clock-control none -k regex:shrink_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight \
         python3 benchmarks/profile_moe.py --tokens 512 --adapters 8 --no-profiler   # the 3rd LoRA shrink, in ncu
 """
@@ -49,17 +50,25 @@ def main():
     p.add_argument("--shape", default="qwen3-30b-a3b")
     p.add_argument("--tokens", default="1,32,4096")
     p.add_argument("--adapters", default="1,8")
+    p.add_argument("--ranks", default=None, help=f"the {SLOTS} slots' ranks, comma-separated (default: all {RANK})")
+    p.add_argument("--rank-bound", type=int, default=None,
+                   help="the step's bound on the ranks (ExpertLoRASlots.max_rank_in_use; default: the largest slot rank)")
     p.add_argument("--coverage", type=float, default=1.0, help="share of the experts each adapter covers (0: none)")
     p.add_argument("--per-projection", action="store_true",
                    help="draw --coverage for each projection on its own (default: per expert, all three projections)")
     p.add_argument("--no-profiler", action="store_true",
                    help="only make the calls, e.g. under `ncu -k regex:shrink_kernel --launch-skip 2 --launch-count 1`")
     args = p.parse_args()
+    slot_ranks = list(map(int, args.ranks.split(","))) if args.ranks else [RANK] * SLOTS
+    if len(slot_ranks) != SLOTS or not all(0 <= r <= MAX_RANK for r in slot_ranks):
+        p.error(f"--ranks: {SLOTS} ranks of 0..{MAX_RANK} needed, got {args.ranks}")
     hidden, inter, experts, top_k = SHAPES[args.shape]
     dtype, device = torch.bfloat16, "cuda"
     w13, w2 = random_moe_weights(experts, hidden, inter, dtype, device)
-    lora = random_expert_lora(SLOTS, experts, hidden, inter, [RANK] * SLOTS, dtype, device, coverage=args.coverage,
+    lora = random_expert_lora(SLOTS, experts, hidden, inter, slot_ranks, dtype, device, coverage=args.coverage,
                               max_rank=MAX_RANK, whole_experts=not args.per_projection)
+    if args.rank_bound is not None:
+        lora.max_rank_in_use = args.rank_bound
     router = torch.randn(experts, hidden, device=device, dtype=dtype) / hidden**0.5
     for tokens in map(int, args.tokens.split(",")):
         x = torch.randn(tokens, hidden, device=device, dtype=dtype)
