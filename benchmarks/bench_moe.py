@@ -9,7 +9,8 @@ round-robin) it reports, all measured in one run on one device:
             (--rank-cases times both on the LoRA table: the LoRA work alone)
   block     (router GEMM + top-k + fused_moe) with LoRA over without, both under a CUDA graph
   TFLOP/s   of the base MoE at T >= 512 against the measured bf16 matmul rate
-Timings are CUDA-graph replays over several layer copies, so weights come from HBM, not L2.
+Timings are CUDA-graph replays over several layer copies, so weights come from HBM, not L2; the two sides of a
+delta alternate, replay by replay, and the delta is the median of neighbouring differences (measure_pair).
 
     python3 benchmarks/bench_moe.py                       # all shapes, markdown table to stdout
     python3 benchmarks/bench_moe.py --shapes tiny         # CPU-sized demo (torch path on CPU)
@@ -22,6 +23,7 @@ import statistics
 import time
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 import triton
@@ -44,16 +46,16 @@ SHAPES = {  # hidden, intermediate, experts, top_k
 RANK, MAX_RANK, SLOTS = 16, 64, 8  # adapters of rank 16 in slot buffers sized for rank 64
 
 
-def measure(fn, reps: int = 20) -> float:
-    """Median seconds per call: CUDA-graph replays timed with events, or wall clock on CPU."""
+def timer(fn) -> Callable[[], float]:
+    """A function that runs fn once and returns its seconds: a CUDA-graph replay of fn timed with events, or wall
+    clock on CPU (fn runs once here first: compiles, allocates)."""
     fn()
     if not torch.cuda.is_available():
-        times = []
-        for _ in range(max(3, reps // 5)):
+        def wall() -> float:
             t0 = time.perf_counter()
             fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+            return time.perf_counter() - t0
+        return wall
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -66,15 +68,20 @@ def measure(fn, reps: int = 20) -> float:
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
+
+    def replay() -> float:
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del graph
-    return statistics.median(times)
+        return start.elapsed_time(end) / 1e3
+    return replay
+
+
+def measure(fn, reps: int = 20) -> float:
+    """Median seconds per call of fn (timer's)."""
+    once = timer(fn)
+    return statistics.median(once() for _ in range(reps if torch.cuda.is_available() else max(3, reps // 5)))
 
 
 @triton.jit
@@ -143,12 +150,15 @@ class Layers:
             fused_moe(x, w13, w2, topk, lora if with_lora else None, slots)
 
 
-def measure_pair(fn_a, fn_b, device) -> tuple[float, float]:
-    """measure() of two functions, alternated over rounds (best of each): the GPU's speed drifts by a few %
-    between runs, which, timed once each, can make a small difference come out negative."""
-    rounds = 2 if device == "cuda" else 1
-    times = [(measure(fn_a), measure(fn_b)) for _ in range(rounds)]
-    return min(t[0] for t in times), min(t[1] for t in times)
+def measure_pair(fn_a, fn_b, reps: int = 20) -> tuple[float, float]:
+    """Seconds per call of fn_a, and of fn_b as fn_a's plus the median difference of the two, timed in
+    alternation (a, b, a, b, ...): the GPU's clocks drift over a run, by several % under a large layer's power
+    draw, which moves two medians timed one after the other by more than a small difference, but a pair of
+    neighbouring calls alike."""
+    once_a, once_b = timer(fn_a), timer(fn_b)
+    pairs = [(once_a(), once_b()) for _ in range(reps if torch.cuda.is_available() else max(3, reps // 5))]
+    t_a = statistics.median(a for a, _ in pairs)
+    return t_a, t_a + statistics.median(b - a for a, b in pairs)
 
 
 def bench_point(layers: Layers, tokens, n_adapters, device, dtype, bw, config=None):
@@ -157,7 +167,7 @@ def bench_point(layers: Layers, tokens, n_adapters, device, dtype, bw, config=No
     slots = (torch.arange(tokens, device=device) % n_adapters).to(torch.int32)
     copies = len(layers.w)
     t_base, t_lora = (t / copies for t in measure_pair(lambda: layers.moe(x, topk, slots, False, config),
-                                                       lambda: layers.moe(x, topk, slots, True, config), device))
+                                                       lambda: layers.moe(x, topk, slots, True, config)))
     h, i = layers.hidden, layers.inter
     experts_touched = topk.ids.unique().numel()
     pairs = torch.unique(slots.long().repeat_interleave(layers.top_k) * layers.experts + topk.ids.flatten().long()).numel()
@@ -213,7 +223,7 @@ def bench_shape(args, shape_name: str, device, dtype, mm: float, bw: float) -> N
         for n in map(int, args.adapters.split(",")):
             r = bench_point(layers, tokens, n, device, dtype, bw)
             t_block_base, t_block_lora = measure_pair(lambda: layers.block(r["x"], r["slots"], False),
-                                                      lambda: layers.block(r["x"], r["slots"], True), device)
+                                                      lambda: layers.block(r["x"], r["slots"], True))
             delta = r["t_lora"] - r["t_base"]
             share = f"{100 * r['lora_floor'] / delta:.0f}%" if delta > 0 else "n/a (below noise)"
             flops = 2 * 3 * shape[0] * shape[1] * int(((r["topk"].ids >= 0)).sum())
@@ -276,7 +286,7 @@ def rank_cases_of_shape(args, shape_name: str, device, dtype, bw: float) -> None
             # both on the LoRA tile table: the delta is the LoRA work, not also the base table's other tiles
             cfg = default_config(tokens, layers.top_k, experts, dtype, lora=True)
             t_base, t_lora = (t / copies for t in measure_pair(lambda: layers.moe(x, topk, slots, False, cfg),
-                                                               lambda: layers.moe(x, topk, slots, True, cfg), device))
+                                                               lambda: layers.moe(x, topk, slots, True, cfg)))
             ranks = layers.lora[0].ranks.long()  # [3, S, E]
             pairs = torch.unique(slots.long().repeat_interleave(layers.top_k) * experts + topk.ids.flatten().long())
             rank_sum = ranks[:, pairs // experts, pairs % experts].sum().item()

@@ -66,3 +66,23 @@ def test_whole_experts_cover_all_three_projections_at_once():
     covered, drawn = whole.ranks > 0, per_projection.ranks > 0
     assert (covered == covered[0]).all() and 0.15 < covered[0].float().mean() < 0.35
     assert not (drawn == drawn[0]).all() and 0.15 < drawn.float().mean() < 0.35
+
+
+def test_measure_pair_times_the_two_in_alternation_and_takes_the_median_difference(monkeypatch):
+    """measure_pair's second time is the first's median plus the median of neighbouring differences: a clock that
+    drifts between calls moves both of a pair alike, and one slow outlier does not move it."""
+    calls = []
+
+    def fake_timer(fn):
+        times = iter(fn())
+        def once():
+            calls.append(fn)
+            return next(times)
+        return once
+
+    monkeypatch.setattr(bench_moe, "timer", fake_timer)
+    a = lambda: [1.0, 2.0, 3.0]  # noqa: E731  the clock drifts up 1 s a pair
+    b = lambda: [1.5, 2.5, 9.5]  # noqa: E731  b's last call an outlier
+    t_a, t_b = bench_moe.measure_pair(a, b, reps=3)
+    assert calls == [a, b, a, b, a, b]
+    assert (t_a, t_b) == (2.0, 2.5)
