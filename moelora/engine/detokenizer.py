@@ -13,6 +13,11 @@ if TYPE_CHECKING:
 # on context (SentencePiece drops the leading space of the first token) then give the output the
 # text it has after the prompt.
 PROMPT_CONTEXT_TOKENS = 5
+# A character split over tokens waits for its last bytes, the tokens since the last complete one decoded again
+# with each new token; past this many tokens the text is final, U+FFFD included. Well-formed UTF-8 completes a
+# character within a few tokens; output that never does (bytes a client forces with logit_bias or
+# allowed_token_ids) would otherwise cost the streaming thread the square of its length.
+MAX_PENDING_TOKENS = 16
 
 
 class IncrementalDetokenizer:
@@ -43,6 +48,7 @@ class IncrementalDetokenizer:
         self._prefix, self._read = 0, len(self._ids)
         self._partial = 0  # chars of the text past _read handed to _append while a character is incomplete
         self._text = ""  # decoded output, cut at the stop string once one is found
+        self._stop_ends = [StopStringEnd(stop) for stop in params.stop]
         self._released = 0  # chars of _text handed out
         self.num_tokens = 0
         self.finish_reason: Literal["stop", "length"] | None = None
@@ -88,10 +94,11 @@ class IncrementalDetokenizer:
 
     def _decode_new(self, flush: bool) -> str:
         """Text of the tokens past _read that is final: a character still missing bytes (a U+FFFD at
-        the end) waits for them, unless flushing; the text before it is released already."""
+        the end) waits for them, unless flushing or past MAX_PENDING_TOKENS; the text before it is released
+        already."""
         prefix_text = self._decode(self._ids[self._prefix:self._read])
         new_text = self._decode(self._ids[self._prefix:])[len(prefix_text):]
-        final = new_text if flush else new_text.rstrip("\ufffd")
+        final = new_text if flush or len(self._ids) - self._read > MAX_PENDING_TOKENS else new_text.rstrip("\ufffd")
         piece = final[self._partial:]
         if final == new_text:  # ends on a character boundary: later tokens decode after it
             self._prefix, self._read, self._partial = self._read, len(self._ids), 0
@@ -110,6 +117,8 @@ class IncrementalDetokenizer:
         text still can after)."""
         start = len(self._text)
         self._text += piece
+        for end in self._stop_ends:
+            end.feed(piece)
         if self.num_tokens <= self.params.min_tokens:
             return
         hits = [(i, len(s), s) for s in self.params.stop
@@ -132,4 +141,35 @@ class IncrementalDetokenizer:
 
     def _stop_prefix_len(self) -> int:
         """Length of the longest end of the text that is the start of a stop string."""
-        return max((k for s in self.params.stop for k in range(1, len(s)) if self._text.endswith(s[:k])), default=0)
+        return max((end.matched for end in self._stop_ends), default=0)
+
+
+class StopStringEnd:
+    """How much of a stop string a growing text ends with: the longest proper prefix of the stop string that is
+    an end of the text, kept up to date as text is appended (Knuth-Morris-Pratt), so each character costs O(1)
+    amortized, whatever the lengths of the text and of the stop string."""
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.matched = 0
+        # border[i]: the length of the longest proper prefix of stop[:i + 1] that is also its end
+        self._border = [0] * len(stop)
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self._border[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            self._border[i] = k
+
+    def feed(self, text: str) -> None:
+        """Append text."""
+        stop, k = self.stop, self.matched
+        for ch in text:
+            while k and stop[k] != ch:
+                k = self._border[k - 1]
+            if stop[k] == ch:
+                k += 1
+            if k == len(stop):  # the whole stop string (the caller finds those): keep the longest proper end
+                k = self._border[k - 1]
+        self.matched = k

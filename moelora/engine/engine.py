@@ -37,7 +37,7 @@ from moelora.engine.lora_slots import RankShare
 from moelora.engine.model_runner import ModelRunner, on_device, serve_rank
 from moelora.engine.profiler import profile_files
 from moelora.engine.request import Req
-from moelora.engine.sampler import pack_bitmask
+from moelora.engine.sampler import pack_bitmask, unpack_bitmask
 from moelora.engine.sampling_params import SamplingParams, check_text, generation_defaults
 from moelora.engine.scheduler import Scheduler
 from moelora.engine.step_stats import StepStats
@@ -127,6 +127,9 @@ class Engine:
             self.start_seconds["the other ranks' starts waited for"] = time.perf_counter() - t0
         # None for a model directory without tokenizer files: token ids in and out, no text
         self.tokenizer, self.missing_tokenizer = load_tokenizer(self.config)
+        # characters of the vocabulary's longest token (for byte-level BPE one a byte), hence at least the text's
+        # characters any one token covers
+        self._longest_token = None if self.tokenizer is None else max(map(len, self.tokenizer.get_vocab()), default=1)
         self.eos_token_ids = _eos_token_ids(self.config.model_path, self.tokenizer)
         # as vLLM: only the tokenizer's EOS ends a request as EOS (stop_reason None); the model's others
         # (generation_config.json: Qwen's <|endoftext|> beside <|im_end|>) end it as stop_token_ids do
@@ -309,7 +312,17 @@ class Engine:
         check_text(prompt, "the prompt")
         if self.tokenizer is None:
             raise PromptError(f"a text prompt needs a tokenizer: {self.missing_tokenizer}")
+        if len(prompt) > self.max_prompt_chars:
+            raise PromptError(f"the prompt has {len(prompt)} characters, more than {self.context_len} tokens (the "
+                              f"context) of at most {self._longest_token} characters each can hold; not tokenized")
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Text prompts longer than this are refused before they are encoded: their tokens cannot fit in the
+        context, and encoding megabytes would hold the tokenizer, which every request's text waits for, for
+        seconds."""
+        return self.context_len * (self._longest_token or 1)
 
     def output_detokenizer(self, prompt_ids: Sequence[int], params: SamplingParams) -> IncrementalDetokenizer:
         """Text and stop strings of the outputs of a request added with detokenize=False, for its caller's
@@ -464,12 +477,25 @@ class Engine:
             allowed = torch.zeros(1, self.vocab_size, dtype=torch.bool)
             allowed[0, list(params.allowed_token_ids)] = True
             allowed = pack_bitmask(allowed)[0]
+        if grammar is not None:
+            self._check_first_tokens(grammar, allowed)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         # without the tokenizer it decides only the stop-token and length finishes
         params = self._with_eos_stops(params)
         detokenizer = IncrementalDetokenizer(self.tokenizer if detokenize else None, ids, params, self._tokenizer_eos)
         return Req(rid or uuid.uuid4().hex, ids, params, lora, seed, detokenizer, return_prompt_logprobs,
                    grammar=grammar, allowed_tokens=allowed, arrival=time.perf_counter())
+
+    def _check_first_tokens(self, grammar, allowed: torch.Tensor | None) -> None:
+        """ValueError unless the grammar (and allowed_token_ids, the packed `allowed`) lets the output start with
+        some token: else every logit would be masked and the first token drawn from none."""
+        first = torch.full((1, -(-self.vocab_size // 32)), -1, dtype=torch.int32)
+        grammar.fill_next_token_bitmask(first, 0)
+        if allowed is not None:
+            first[0] &= allowed
+        if not bool(unpack_bitmask(first, self.vocab_size).any()):
+            raise ValueError("SamplingParams.structured_output: the grammar allows no first token"
+                             + (" of allowed_token_ids" if allowed is not None else " (it matches no text)"))
 
     def _sync_lora(self) -> None:
         self._on_ranks(self.runner.sync_lora)

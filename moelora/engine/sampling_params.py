@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -13,6 +14,10 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+# Every stop string is searched for in each token's new text and tracked at the text's end (detokenizer.py), on the
+# thread that streams every request's text: bounded so that one request cannot slow the others' streams.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1 << 16  # all of a request's stop strings together
 _INT64 = (-(2**63), 2**63)
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 
@@ -103,16 +108,21 @@ class SamplingParams:
         """Raise ValueError naming the first bad field and its value."""
         _check(self.max_tokens is None or _is_int64(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
                self.max_tokens, "None or an int >= 1 (that fits in int64)")
-        _check(_is_real(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
-               "a finite number >= 0")
-        _check(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        _check(_is_float32(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
+               "a number >= 0 that fits in float32")
+        _check(_is_float32(self.top_p, positive=True) and self.top_p <= 1, "top_p", self.top_p,
+               "in (0, 1], and > 0 in float32")
         _check(_is_int64(self.top_k) and self.top_k >= -1, "top_k", self.top_k,
                "an int >= -1 (-1 or 0: off) that fits in int64")
         _check(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
         _check(self.seed is None or _is_int64(self.seed), "seed", self.seed, "None or an int that fits in int64")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"{len(self.stop)} strings",
+               f"at most {MAX_STOP_STRINGS} strings")
         for s in self.stop:
             _check(isinstance(s, str) and s != "", "stop", s, "a non-empty string")
             check_text(s, "SamplingParams.stop")
+        _check(sum(map(len, self.stop)) <= MAX_STOP_CHARS, "stop", f"{sum(map(len, self.stop))} characters",
+               f"at most {MAX_STOP_CHARS} characters in all")
         for t in self.stop_token_ids:
             _check(_is_int64(t) and t >= 0, "stop_token_ids", t, "an int >= 0")
         _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an int >= 1")
@@ -124,8 +134,8 @@ class SamplingParams:
             value = getattr(self, name)
             _check(_is_real(value) and -MAX_PENALTY <= value <= MAX_PENALTY, name, value,
                    f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
-        _check(_is_real(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-               self.repetition_penalty, "a finite number > 0")
+        _check(_is_float32(self.repetition_penalty, positive=True), "repetition_penalty", self.repetition_penalty,
+               "a number > 0 that fits in float32 (and is > 0 there)")
         for token, bias in self.logit_bias.items():
             _check(_is_int64(token) and token >= 0, "logit_bias", token, "keyed by token ids (ints >= 0)")
             _check(_is_real(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS, "logit_bias", bias,
@@ -166,6 +176,18 @@ def _is_int64(v: object) -> bool:
 
 def _is_real(v: object) -> bool:
     return _is_int(v) or isinstance(v, float) and math.isfinite(v)
+
+
+def _is_float32(v: object, positive: bool = False) -> bool:
+    """A real number that the sampler's float32 holds: not past its range, and (positive) > 0 there, not
+    rounded to 0."""
+    if not _is_real(v):
+        return False
+    try:
+        as_float32 = struct.unpack("f", struct.pack("f", v))[0]
+    except OverflowError:  # (some Python versions round past the range to inf instead)
+        return False
+    return math.isfinite(as_float32) and (not positive or as_float32 > 0)
 
 
 # the generation_config.json fields that vLLM's --generation-config takes as sampling defaults (not max_new_tokens

@@ -26,6 +26,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 _ANY_OBJECT = '{"type": "object"}'
+# xgrammar's cache of compiled grammars, least recently used first out: each distinct grammar a client sends stays
+# there (about its vocabulary's size in masks), which unbounded grows without end (512 MiB: vLLM's default)
+GRAMMAR_CACHE_BYTES = 512 << 20
 
 
 class GrammarBackend:
@@ -84,7 +87,7 @@ class GrammarBackend:
                                      "(pip install xgrammar)") from e
                 info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
                                                                stop_token_ids=self._stop_token_ids or None)
-                self._compiler = xgrammar.GrammarCompiler(info)
+                self._compiler = xgrammar.GrammarCompiler(info, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
             return self._compiler
 
 

@@ -216,7 +216,7 @@ class OpenAIServing:
                                  sequences=per_prompt, prompt_logprobs=body.logprobs if body.echo else None)
         await self._compile_grammar(body, subs)
         echoes = await self._prompt_texts(prompts) if body.echo else [""] * len(prompts)
-        rids, queue, prompt_tokens = await self._submit(subs)
+        rids, queue, prompt_tokens = await self._submit(subs, {"structured_output": _grammar_field(body)})
         head = self._head("cmpl", body.model)
         choices = [_Choice(text=echoes[i // per_prompt], prompt_tokens=prompt_tokens[i], prompt_only=body.echo_only)
                    for i in range(len(subs))]
@@ -256,7 +256,7 @@ class OpenAIServing:
         k = body.top_logprobs or 0
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         aliases = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
-        aliases |= {"logprobs": "top_logprobs", "prompt": "messages"}
+        aliases |= {"logprobs": "top_logprobs", "prompt": "messages", "structured_output": _grammar_field(body)}
         tools = ChatTools.of(body, self.loop.engine.tokenizer)
         prompt = await self._chat_prompt(body, tools.specs)
         subs = self._submissions(body, [prompt], max_tokens, k if body.logprobs else None,
@@ -337,7 +337,7 @@ class OpenAIServing:
         if spec is None:
             return
         try:
-            await asyncio.to_thread(self.loop.engine.grammars.compile, spec)
+            await self.loop.run_compile(lambda: self.loop.engine.grammars.compile(spec))
         except ValueError as e:
             field = _grammar_field(body)
             message = str(e) if field != "tools" else f"tools: the functions' parameters do not compile ({e})"

@@ -46,6 +46,7 @@ from moelora.server.stats_log import StatsLog
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+GRAMMAR_COMPILE_WORKERS = 4
 
 
 @dataclass
@@ -138,6 +139,9 @@ class EngineLoop:
         # truncation state in a call whose options differ from the last); an encode beside the text thread's decodes
         # only reads it
         self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="moelora-tokenize")
+        # grammars compile here, not in asyncio's default executor: a slow compile (a schema of thousands of optional
+        # properties takes a minute, and cannot be cancelled) then holds up other grammars only, not adapter loads
+        self._grammars = ThreadPoolExecutor(GRAMMAR_COMPILE_WORKERS, thread_name_prefix="moelora-grammar")
         self._streams: dict[str, _Stream] = {}  # text thread only: requests whose outputs it delivers
         self._rids: set[str] = set()  # engine thread only: requests added and not yet seen finished
         self._commands: list[tuple[Callable[[], Any], Future]] = []
@@ -164,6 +168,7 @@ class EngineLoop:
         self._thread.join()
         self._text.shutdown()  # after the engine thread's last deliveries
         self._tokenize.shutdown()
+        self._grammars.shutdown(wait=False, cancel_futures=True)
 
     async def drain(self, timeout: float, cut: Callable[[], bool]) -> None:
         """The server shuts down: refuse new requests (/health says 503), wait up to `timeout` seconds for those in
@@ -220,6 +225,10 @@ class EngineLoop:
         """Run fn in the tokenize thread (a request's tokenizer work: chat templates, encoding, echo's decoding)."""
         return await asyncio.wrap_future(self._tokenize.submit(fn))
 
+    async def run_compile(self, fn: Callable[[], T]) -> T:
+        """Run fn (a grammar's compile) in a grammar thread."""
+        return await asyncio.wrap_future(self._grammars.submit(fn))
+
     async def submit(self, subs: list[Submission], queue: asyncio.Queue) -> tuple[list[str], list[int]]:
         """Add the sequences (all or none); their Deltas, or an EngineError, go to `queue`. Returns their request
         ids and their prompts' token counts (a stream's first chunks report them before any Delta comes). Raises
@@ -230,6 +239,9 @@ class EngineLoop:
             if self._stopping or self._draining:
                 raise EngineError("the server is shutting down")
             waiting = self._pending + self.num_waiting
+            if self.max_queued_requests is not None and len(subs) > self.max_queued_requests:  # never admitted
+                raise ValueError(f"SamplingParams.n: the request has {len(subs)} sequences (n x prompts), more than "
+                                 f"max_queued_requests={self.max_queued_requests} lets wait at once")
             if self.max_queued_requests is not None and waiting + len(subs) > self.max_queued_requests:
                 raise Overloaded(f"{waiting} requests are queued (max_queued_requests={self.max_queued_requests})")
             self._pending += len(subs)

@@ -8,7 +8,7 @@ import json
 import time
 from typing import Any, ClassVar, Literal, get_args
 
-from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator,
+from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, StrictInt, field_validator,
                       model_serializer, model_validator)
 from pydantic_core import PydanticCustomError
 
@@ -295,7 +295,7 @@ class SamplingRequest(RequestBody):
 class CompletionRequest(SamplingRequest):
     unsupported: ClassVar[dict[str, tuple[tuple, str]]] = {
         **_UNSUPPORTED, "suffix": ((None, ""), "fill-in-the-middle (suffix) is not supported")}
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # (strict: true and false are not token ids)
     max_tokens: int | None = 16
     logprobs: int | None = None  # top log-probabilities per token (legacy completions)
     echo: bool = False  # the prompt before the completion (with logprobs: the prompt's first)

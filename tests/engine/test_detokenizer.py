@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from moelora.engine.detokenizer import IncrementalDetokenizer
+from moelora.engine.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer, StopStringEnd
 from moelora.engine.sampling_params import SamplingParams
 from tests.support import tiny_tokenizer
 
@@ -151,3 +151,28 @@ def test_max_tokens_gives_length(tok):
     ids = tok.encode(TEXT)
     det, pieces, taken = _stream(tok, ids[:3], max_tokens=3)
     assert taken == 3 and det.finish_reason == "length" and "".join(pieces) == tok.decode(ids[:3])
+
+
+def test_stop_string_end_is_the_longest_end_that_starts_a_stop_string():
+    """StopStringEnd (updated a piece at a time) against the definition, over texts and stop strings of a small
+    alphabet, where ends overlap most."""
+    rng = random.Random(0)
+    for _ in range(2000):
+        stop = "".join(rng.choice("ab") for _ in range(rng.randint(1, 8)))
+        end, text = StopStringEnd(stop), ""
+        for _ in range(rng.randint(1, 6)):
+            piece = "".join(rng.choice("abc") for _ in range(rng.randint(0, 5)))
+            text += piece
+            end.feed(piece)
+            assert end.matched == max((k for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+
+
+def test_bytes_that_never_complete_a_character_are_released_after_max_pending_tokens(tok):
+    """Output that keeps ending inside a character (a lone continuation byte, again and again: what logit_bias can
+    force) is released as U+FFFD once MAX_PENDING_TOKENS tokens wait, instead of being decoded again with every
+    token; the whole text is still the one-shot decode."""
+    byte = next(t for t in range(len(tok)) if tok.decode([t]) == "\ufffd" and tok.decode([t, t]) == "\ufffd" * 2)
+    det, pieces, _ = _stream(tok, [byte] * (3 * MAX_PENDING_TOKENS), ignore_eos=True)
+    assert "".join(pieces) == det.text == tok.decode([byte] * (3 * MAX_PENDING_TOKENS))
+    released = [n for n, p in enumerate(pieces, 1) if p]
+    assert released and released[0] == MAX_PENDING_TOKENS + 1

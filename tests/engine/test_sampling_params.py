@@ -49,6 +49,12 @@ def test_defaults_are_valid_and_stop_is_normalised():
     ("allowed_token_ids", []),
     ("allowed_token_ids", [3, -2]),
     ("structured_output", {"type": "json_object"}),
+    ("temperature", 1e39),  # past float32's range: inf in the sampler
+    ("top_p", 1e-46),  # 0 in float32: every token filtered out
+    ("repetition_penalty", 1e-46),
+    ("repetition_penalty", 1e39),
+    ("stop", [f"stop {i}" for i in range(65)]),
+    ("stop", ["x" * 40000, "y" * 30000]),
 ])
 def test_invalid_field_is_named(field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be .*got "):

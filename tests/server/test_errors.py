@@ -156,8 +156,16 @@ def test_max_tokens_beyond_the_context_is_refused_not_cut(server):
 
 
 def test_overload_is_503(server, monkeypatch):
-    monkeypatch.setattr(server.loop, "max_queued_requests", 0)
+    monkeypatch.setattr(server.loop, "max_queued_requests", 1)
+    monkeypatch.setattr(server.loop, "_pending", 1)  # one sequence submitted, not yet added
     assert error(post(server, "/v1/completions", OK), 503)["code"] == "overloaded"
+
+
+def test_more_sequences_than_may_ever_wait_is_400_naming_n(server, monkeypatch):
+    """n x prompts past max_queued_requests could never be admitted: a 400 naming n, not a 503 a client retries."""
+    monkeypatch.setattr(server.loop, "max_queued_requests", 2)
+    error(post(server, "/v1/completions", {**OK, "n": 3}), 400, "n", "max_queued_requests=2")
+    assert post(server, "/v1/completions", {**OK, "n": 2}).status_code == 200
 
 
 def test_client_leaving_mid_stream_aborts_its_request(server):

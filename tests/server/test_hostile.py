@@ -57,6 +57,20 @@ def test_numbers_the_engine_cannot_hold(server, path, base, field, value):
     error(raw_post(server, path, content), 400, field)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_text_longer_than_the_context_can_hold_is_refused_before_it_is_encoded(server, path, monkeypatch):
+    """Encoding megabytes holds the one tokenizer thread, so every other request's text, for seconds: a prompt of
+    more characters than context x the longest token's is refused without encoding it."""
+    engine = server.loop.engine
+    encoded = []
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda *args, **kwargs: encoded.append(args) or [1])
+    text = "a" * (engine.max_prompt_chars + 1)
+    body = {**OK, "prompt": text} if path == "/v1/completions" else {**CHAT, "messages": [{"role": "user",
+                                                                                              "content": text}]}
+    error(post(server, path, body), 400, "prompt" if path == "/v1/completions" else "messages", "not tokenized")
+    assert not encoded
+
+
 def test_stop_token_ids_beyond_the_vocabulary(server):
     error(post(server, "/v1/completions", {**OK, "stop_token_ids": [10**6]}), 400, "stop_token_ids", "vocabulary")
 

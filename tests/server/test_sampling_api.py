@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 
 import httpx
 import openai
@@ -266,6 +267,12 @@ def test_json_object(client):
     ("/v1/completions", {"guided_json": '{"type": "nope"}'}, "guided_json", "json schema is not valid"),
     ("/v1/completions", {"guided_grammar": "root ::="}, "guided_grammar", "grammar is not valid"),
     ("/v1/completions", {"guided_choice": []}, "guided_choice", "at least one choice"),
+    ("/v1/completions", {"guided_grammar": "root ::= root"}, "guided_grammar", "allows no first token"),
+    ("/v1/completions", {"guided_json": {"$ref": "#"}}, "guided_json", "allows no first token"),
+    ("/v1/completions", {"stop": [f"s{i}" for i in range(65)]}, "stop", "at most 64 strings"),
+    ("/v1/completions", {"top_p": 1e-46}, "top_p", "float32"),
+    ("/v1/completions", {"temperature": 1e39}, "temperature", "float32"),
+    ("/v1/completions", {"prompt": [True, False]}, "prompt", ""),
     ("/v1/completions", {"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex", "give one"),
     ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format", "needs the json_schema"),
@@ -277,6 +284,34 @@ def test_refused_and_unknown_fields_are_named(server, path, body, param, match):
     base = {"model": "alpha", "max_tokens": 2, **({"prompt": PROMPT} if path == "/v1/completions" else
                                                   {"messages": MESSAGES})}
     error(httpx.post(f"{server.url}{path}", json={**base, **body}), param, match)
+
+
+@pytest.mark.parametrize("path, field", [("/v1/completions", "guided_choice"),
+                                         ("/v1/chat/completions", "response_format")])
+def test_a_grammar_that_allows_none_of_allowed_token_ids_first_is_refused(server, path, field):
+    """Every first token the grammar allows is outside allowed_token_ids: refused up front, not failed at its first
+    token with every logit masked."""
+    z = server.loop.engine.tokenizer.encode("z", add_special_tokens=False)
+    assert len(z) == 1
+    body = {"model": "alpha", "max_tokens": 2, "allowed_token_ids": z,
+            **({"prompt": PROMPT, "guided_choice": ["yes", "no"]} if path == "/v1/completions" else
+               {"messages": MESSAGES, "response_format": {"type": "json_object"}})}
+    error(httpx.post(f"{server.url}{path}", json=body), field, "allows no first token of allowed_token_ids")
+    body["allowed_token_ids"] = None
+    assert httpx.post(f"{server.url}{path}", json=body, timeout=60).status_code == 200
+
+
+def test_grammars_compile_in_their_own_threads(server, monkeypatch):
+    """A grammar compiles in the server's grammar threads, not in asyncio's default executor (which adapter loads
+    use): a slow compile holds up other grammars only. It would fail if the compile ran anywhere else first."""
+    grammars = server.loop.engine.grammars
+    compile_grammar, threads = grammars.compile, []
+    monkeypatch.setattr(grammars, "compile", lambda spec: threads.append(threading.current_thread().name)
+                        or compile_grammar(spec))
+    body = {"model": "alpha", "max_tokens": 2, "prompt": PROMPT, "guided_regex": "[ab]+"}
+    assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+    # (the engine thread then takes it from the compiler's cache, to start the request's matcher)
+    assert threads[0].startswith("moelora-grammar") and threads[1:] == ["moelora-engine"], threads
 
 
 def test_harmless_values_of_refused_fields_are_accepted(server):
