@@ -281,8 +281,12 @@ class Engine:
         failed ones. With overlap scheduling (the default), the tokens of the step launched by the previous call
         (the first call launches one and returns none of its tokens)."""
         outputs, self._aborted = self._aborted, []
-        with on_device(self.runner.device):
-            return outputs + self.stepper.step()
+        try:
+            with on_device(self.runner.device):
+                return outputs + self.stepper.step()
+        except BaseException:  # reported by the next step, with the ends of the requests the failed step ended
+            self._aborted = outputs + self._aborted
+            raise
 
     def abort(self, rid: str) -> bool:
         """Stop a request; the next step reports it finished with reason "abort". False if unknown or done."""
@@ -295,7 +299,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted) or self.stepper.in_flight
+        return self.scheduler.has_unfinished() or bool(self._aborted) or self.stepper.in_flight or self.stepper.has_ends
 
     @property
     def fatal(self) -> str | None:

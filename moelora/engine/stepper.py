@@ -77,6 +77,7 @@ class Stepper:
         self.scheduler, self.runner, self.overlap = scheduler, runner, overlap
         self.fatal: str | None = None  # why the engine cannot go on, once it cannot
         self._touched: list[Req] = []  # the requests of the step being run, and of the one it reads
+        self._ends: list[StepOutput] = []  # the ends of the requests a failed step ended, for the next step to report
         self._in_flight: _Launched | None = None  # overlap scheduling: the step launched last
         self.stats = StepStats()
         trace = os.environ.get("MOELORA_STEP_TRACE")
@@ -90,19 +91,29 @@ class Stepper:
     def step(self) -> list[StepOutput]:
         """Run (or, overlapping, launch) the next step; the outputs of the step that finished. What escapes it (an
         interrupt, a fault outside the request-isolated parts) first fails the requests of the steps it was running
-        (_fail_touched): one scheduled but not yet launched is in no queue, where nothing would find it again."""
+        (_fail_touched): one scheduled but not yet launched is in no queue, where nothing would find it again. Their
+        ends are the next step's first outputs."""
         self._touched = []
+        ends, self._ends = self._ends, []
         try:
-            if self._trace is None:
-                return self._step()
-            started, before = time.perf_counter(), self.stats.as_dict()
+            started, before = time.perf_counter(), self.stats.as_dict() if self._trace is not None else None
             outputs = self._step()
-            self._trace.write(started, before, self.stats.as_dict(), len(outputs), len(self.scheduler.waiting),
-                              len(self.scheduler.running))
-            return outputs
         except BaseException as e:
-            self._fail_touched(e)
+            self._ends = ends + self._fail_touched(e)
             raise
+        if self._trace is not None:
+            try:
+                self._trace.write(started, before, self.stats.as_dict(), len(outputs), len(self.scheduler.waiting),
+                                  len(self.scheduler.running))
+            except Exception:  # a debugging aid (a full disk): not a reason to fail the step's requests
+                logger.exception("writing MOELORA_STEP_TRACE failed; the trace stops")
+                self._trace = None
+        return ends + outputs
+
+    @property
+    def has_ends(self) -> bool:
+        """A failed step ended requests whose ends the next step reports."""
+        return bool(self._ends)
 
     def _step(self) -> list[StepOutput]:
         prev, self._in_flight = self._in_flight, None
@@ -163,22 +174,22 @@ class Stepper:
         """Finish the request with reason "error", freeing what it holds."""
         self.retire(req)
         req.finish_reason, req.error = "error", error
-        return StepOutput(req.rid, [], "", True, "error", [], len(req.prompt_ids), len(req.output_ids), error)
+        return _error_end(req)
 
     # --------------------------------------------------------------------------------- internals
 
-    def _fail_touched(self, e: BaseException) -> None:
-        """After `e` escaped a step: the requests of the steps it ran or read end with an error, and those it had
-        finished but not yet released are released; a launched step left in flight reads as usual (its requests'
-        tokens dropped, as an abort's)."""
+    def _fail_touched(self, e: BaseException) -> list[StepOutput]:
+        """After `e` escaped a step: the requests of the steps it ran or read end with an error (their ends
+        returned), and those it had finished but not yet released are released; a launched step left in flight reads
+        as usual (its requests' tokens dropped, as an abort's)."""
         error = f"its step was interrupted: {_describe(e)}"
         touched = list(dict.fromkeys(self._touched))
-        for req in touched:
-            if not req.finished:
-                req.finish_reason, req.error = "error", error
+        ended = [req for req in touched if not req.finished]
+        for req in ended:
+            req.finish_reason, req.error = "error", error
         self._retire_all(touched)
-        logger.error("a step failed outside its requests (%s); its %d requests ended", _describe(e),
-                     len(set(self._touched)))
+        logger.error("a step failed outside its requests (%s); %d requests ended", _describe(e), len(ended))
+        return [_error_end(req) for req in ended]
 
     def _count(self, batch: ScheduledBatch, scheduled: float) -> None:
         """The step's shape in the stats, and the wait of each request it starts (scheduled: when it was planned)."""
@@ -314,6 +325,11 @@ def _copy_to_host(tokens: SampleOutput) -> tuple[SampleOutput, torch.cuda.Event 
     copied = torch.cuda.Event()
     copied.record()
     return host, copied
+
+
+def _error_end(req: Req) -> StepOutput:
+    """The last output of a request that failed (req.error says why)."""
+    return StepOutput(req.rid, [], "", True, "error", [], len(req.prompt_ids), len(req.output_ids), req.error)
 
 
 def _describe(e: BaseException) -> str:

@@ -284,3 +284,50 @@ def test_a_release_that_fails_leaves_the_others_released_and_answered(make_engin
     assert all(outputs[r][-1].finished and outputs[r][-1].finish_reason == "length" for r in rids)
     assert engine.scheduler.accounting_error() is None and not engine.has_unfinished()
     assert engine.runner.lora.in_flight == {"partial": 1}  # the one reference whose release failed
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("fault", [Injected, KeyboardInterrupt])
+def test_every_request_a_failed_step_ends_gets_its_end_from_the_next_step(make_engine, monkeypatch, overlap, fault):
+    """A fault that escapes a step (here in scheduling, once) ends the requests of the steps it was running with an
+    error, and an abort asked for before it still ends its request: the step API's caller gets each end from the next
+    steps, exactly once, and has_unfinished says so until then (the ends were lost, and a caller waiting for them
+    waited for ever). The requests the fault did not touch finish as they would alone."""
+    engine = make_engine(FAMILY, disable_overlap_schedule=not overlap)
+    rids = [engine.add_request(p, sp, lora=a) for p, sp, a in zip(PROMPTS[:2], PARAMS[:2], LORAS[:2])]
+    outputs: dict[str, list] = {}
+    for _ in range(3):
+        for out in engine.step():
+            outputs.setdefault(out.rid, []).append(out)
+    assert engine.abort(rids[1])
+    schedule = engine.scheduler.schedule
+
+    def once():
+        monkeypatch.setattr(engine.scheduler, "schedule", schedule)
+        raise fault("a fault outside the requests' parts")
+    monkeypatch.setattr(engine.scheduler, "schedule", once)
+    with pytest.raises(fault):
+        engine.step()
+    for rid, outs in drain(engine).items():
+        outputs.setdefault(rid, []).extend(outs)
+    ends = {rid: [(o.finish_reason, o.error) for o in outputs[rid] if o.finished] for rid in rids}
+    assert ends[rids[1]] == [("abort", None)]
+    assert len(ends[rids[0]]) == 1 and ends[rids[0]][0][0] in ("error", "length"), ends
+    assert_released(engine)
+
+
+def test_a_step_trace_that_cannot_be_written_stops_and_fails_no_request(make_engine, solo, monkeypatch, tmp_path):
+    """MOELORA_STEP_TRACE is a debugging aid: a write that fails (a full disk) is logged and the trace stops; the
+    step's outputs are delivered and its requests go on (they were failed, and every later step failed too)."""
+    monkeypatch.setenv("MOELORA_STEP_TRACE", str(tmp_path / "trace.jsonl"))
+    engine = make_engine(FAMILY)
+    trace = engine.stepper._trace
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(trace, "write", full_disk)
+    rids = [engine.add_request(p, sp, lora=a) for p, sp, a in zip(PROMPTS, PARAMS, LORAS)]
+    outputs = drain(engine)
+    assert engine.stepper._trace is None
+    assert [[t for o in outputs[r] for t in o.token_ids] for r in rids] == solo
+    assert_released(engine)
