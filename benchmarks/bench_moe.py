@@ -152,11 +152,17 @@ class Layers:
 
 def measure_pair(fn_a, fn_b, reps: int = 20) -> tuple[float, float]:
     """Seconds per call of fn_a, and of fn_b as fn_a's plus the median difference of the two, timed in
-    alternation (a, b, a, b, ...): the GPU's clocks drift over a run, by several % under a large layer's power
+    alternation (a, b, b, a, a, b, ...): the GPU's clocks drift over a run, by several % under a large layer's power
     draw, which moves two medians timed one after the other by more than a small difference, but a pair of
     neighbouring calls alike."""
     once_a, once_b = timer(fn_a), timer(fn_b)
-    pairs = [(once_a(), once_b()) for _ in range(reps if torch.cuda.is_available() else max(3, reps // 5))]
+    pairs = []
+    for i in range(reps if torch.cuda.is_available() else max(3, reps // 5)):
+        if i % 2:  # b first every other pair: whatever the order does cancels
+            t_b = once_b()
+            pairs.append((once_a(), t_b))
+        else:
+            pairs.append((once_a(), once_b()))
     t_a = statistics.median(a for a, _ in pairs)
     return t_a, t_a + statistics.median(b - a for a, b in pairs)
 

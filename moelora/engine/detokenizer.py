@@ -1,6 +1,7 @@
 """Incremental detokenization of one request for streaming, with stop tokens and stop strings."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Literal
 
@@ -29,7 +30,9 @@ class IncrementalDetokenizer:
     strings unless include_stop_str_in_output; stop strings count only in the text of the tokens after
     the first min_tokens. Once finished, the text released is decode(generated tokens,
     skip_special_tokens) cut where the stop string that completed first begins (or ends) (exactly so
-    for byte-level BPE tokenizers), and `stop_reason` says which stop ended it, as vLLM's does.
+    for byte-level BPE tokenizers, unless a character waits for its bytes over more than MAX_PENDING_TOKENS
+    tokens, which needs tokens that add no bytes, such as skipped special tokens, inside it), and `stop_reason`
+    says which stop ended it, as vLLM's does.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, prompt_ids: Sequence[int], params: SamplingParams,
@@ -48,7 +51,7 @@ class IncrementalDetokenizer:
         self._prefix, self._read = 0, len(self._ids)
         self._partial = 0  # chars of the text past _read handed to _append while a character is incomplete
         self._text = ""  # decoded output, cut at the stop string once one is found
-        self._stop_ends = [StopStringEnd(stop) for stop in params.stop]
+        self._stop_ends = [StopStringEnd(stop) for stop in params.stop] if tokenizer is not None else []  # (no text)
         self._released = 0  # chars of _text handed out
         self.num_tokens = 0
         self.finish_reason: Literal["stop", "length"] | None = None
@@ -152,15 +155,7 @@ class StopStringEnd:
     def __init__(self, stop: str) -> None:
         self.stop = stop
         self.matched = 0
-        # border[i]: the length of the longest proper prefix of stop[:i + 1] that is also its end
-        self._border = [0] * len(stop)
-        k = 0
-        for i in range(1, len(stop)):
-            while k and stop[i] != stop[k]:
-                k = self._border[k - 1]
-            if stop[i] == stop[k]:
-                k += 1
-            self._border[i] = k
+        self._border = _borders(stop)
 
     def feed(self, text: str) -> None:
         """Append text."""
@@ -173,3 +168,17 @@ class StopStringEnd:
             if k == len(stop):  # the whole stop string (the caller finds those): keep the longest proper end
                 k = self._border[k - 1]
         self.matched = k
+
+
+@functools.lru_cache(maxsize=64)  # the n sequences of a request, and its detokenizers on two threads, share one
+def _borders(stop: str) -> tuple[int, ...]:
+    """border[i]: the length of the longest proper prefix of stop[:i + 1] that is also its end."""
+    border = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = border[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        border[i] = k
+    return tuple(border)

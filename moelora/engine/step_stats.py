@@ -86,3 +86,6 @@ class StepTrace:
         self._file.write(json.dumps({"t_ms": round(1e3 * (started - self._opened), 3),
                                      "ms": round(1e3 * (time.perf_counter() - started), 3), **moved,
                                      "outputs": outputs, "waiting": waiting, "running": running}) + "\n")
+
+    def close(self) -> None:
+        self._file.close()

@@ -78,6 +78,7 @@ class Stepper:
         self.fatal: str | None = None  # why the engine cannot go on, once it cannot
         self._touched: list[Req] = []  # the requests of the step being run, and of the one it reads
         self._ends: list[StepOutput] = []  # the ends of the requests a failed step ended, for the next step to report
+        self._produced: list[StepOutput] = []  # the outputs of the step being run, so far
         self._in_flight: _Launched | None = None  # overlap scheduling: the step launched last
         self.stats = StepStats()
         trace = os.environ.get("MOELORA_STEP_TRACE")
@@ -93,37 +94,44 @@ class Stepper:
         interrupt, a fault outside the request-isolated parts) first fails the requests of the steps it was running
         (_fail_touched): one scheduled but not yet launched is in no queue, where nothing would find it again. Their
         ends are the next step's first outputs."""
-        self._touched = []
+        self._touched, self._produced = [], []
         ends, self._ends = self._ends, []
         try:
             started, before = time.perf_counter(), self.stats.as_dict() if self._trace is not None else None
-            outputs = self._step()
-        except BaseException as e:
-            self._ends = ends + self._fail_touched(e)
+            self._step()
+            if self._trace is not None:
+                self._write_trace(started, before)
+        except BaseException as e:  # (the outputs the step made before it are reported too)
+            self._ends = ends + self._produced + self._fail_touched(e)
             raise
-        if self._trace is not None:
-            try:
-                self._trace.write(started, before, self.stats.as_dict(), len(outputs), len(self.scheduler.waiting),
-                                  len(self.scheduler.running))
-            except Exception:  # a debugging aid (a full disk): not a reason to fail the step's requests
-                logger.exception("writing MOELORA_STEP_TRACE failed; the trace stops")
-                self._trace = None
-        return ends + outputs
+        return ends + self._produced
+
+    def _write_trace(self, started: float, before: dict[str, float]) -> None:
+        try:
+            self._trace.write(started, before, self.stats.as_dict(), len(self._produced),
+                              len(self.scheduler.waiting), len(self.scheduler.running))
+        except Exception:  # a debugging aid (a full disk): not a reason to fail the step's requests
+            logger.exception("writing MOELORA_STEP_TRACE failed; the trace stops")
+            self._trace.close()
+            self._trace = None
 
     @property
     def has_ends(self) -> bool:
         """A failed step ended requests whose ends the next step reports."""
         return bool(self._ends)
 
-    def _step(self) -> list[StepOutput]:
+    def _step(self) -> None:
+        """The step; its outputs go to self._produced as they are made."""
         prev, self._in_flight = self._in_flight, None
+        outputs = self._produced
         if self.fatal is not None:
-            return [self.fail(r, self.fatal) for r in self.scheduler.unfinished()]
+            outputs += [self.fail(r, self.fatal) for r in self.scheduler.unfinished()]
+            return
         if prev is not None:
             self._touched += prev.batch.reqs
-        outputs = []
         if prev is not None and any(r.grammar is not None for r in prev.result.sampled):
-            outputs, prev = self._read(prev, []), None  # their next bitmasks need these tokens
+            outputs += self._read(prev, [])  # their next bitmasks need these tokens
+            prev = None
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is not None:
@@ -133,7 +141,8 @@ class Stepper:
         if batch is None:
             assert prev is not None or not self.scheduler.has_unfinished(), \
                 "the scheduler found nothing to run for its unfinished requests"
-            return outputs + (self._read(prev, []) if prev is not None else [])
+            outputs += self._read(prev, []) if prev is not None else []
+            return
         outputs += [self.fail(req, f"allocating its KV cache failed: {_describe(e)}") for req, e in batch.failed]
         if batch.reqs:
             self._count(batch, scheduled)
@@ -142,13 +151,13 @@ class Stepper:
                 self._in_flight = self._launch(batch, prev)
             except Exception as e:  # run again below, synchronously, to find the request it belongs to
                 if _is_device_error(e):
-                    return outputs + self._device_failed(e, batch.reqs)
+                    outputs += self._device_failed(e, batch.reqs)
+                    return
         if prev is not None:
             outputs += self._read(prev, batch.reqs)
         live = [i for i, r in enumerate(batch.reqs) if not r.finished]  # not ended by the step just read
         if live and self._in_flight is None:  # (that step may have ended every one of them)
             outputs += self._run_isolated(batch if len(live) == len(batch.reqs) else batch.subset(live), batch.reqs)
-        return outputs
 
     def retire(self, req: Req) -> None:
         """Release the request's cache, row, grammar and adapter reference (each once, whatever was released)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from moelora.engine.sampling_params import StructuredOutput
@@ -29,6 +30,10 @@ _ANY_OBJECT = '{"type": "object"}'
 # xgrammar's cache of compiled grammars, least recently used first out: each distinct grammar a client sends stays
 # there (about its vocabulary's size in masks), which unbounded grows without end (512 MiB: vLLM's default)
 GRAMMAR_CACHE_BYTES = 512 << 20
+# the grammars compiled last, held here too: a server compiles a request's grammar in a thread of its own, and the
+# engine thread then starts its matcher from this, never compiling it again itself (as it would if other requests'
+# grammars had pushed it out of xgrammar's cache meanwhile)
+RECENT_GRAMMARS = 16
 
 
 class GrammarBackend:
@@ -41,12 +46,25 @@ class GrammarBackend:
         self._tokenizer, self.vocab_size, self._stop_token_ids = tokenizer, vocab_size, stop_token_ids
         self._missing_tokenizer = missing_tokenizer
         self._compiler = None
+        self._recent: OrderedDict[StructuredOutput, Any] = OrderedDict()
         self._lock = threading.Lock()
 
     def compile(self, spec: StructuredOutput) -> Any:
         """The xgrammar CompiledGrammar; ValueError naming SamplingParams.structured_output when the
         spec is not valid (a bad schema, regex or grammar), xgrammar is not installed, or there is no
         tokenizer."""
+        with self._lock:
+            if spec in self._recent:
+                self._recent.move_to_end(spec)
+                return self._recent[spec]
+        compiled = self._compile(spec)
+        with self._lock:
+            self._recent[spec] = compiled
+            while len(self._recent) > RECENT_GRAMMARS:
+                self._recent.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: StructuredOutput) -> Any:
         compiler = self._get_compiler()
         try:
             if spec.kind == "json_schema":

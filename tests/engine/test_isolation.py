@@ -10,7 +10,7 @@ import torch
 from moelora.engine import model_runner
 from moelora.engine import lora_manager
 from moelora.engine.engine import EngineDead, RequestFailed
-from moelora.engine.sampling_params import SamplingParams
+from moelora.engine.sampling_params import SamplingParams, StructuredOutput
 from tests.support import assert_released
 
 FAMILY = "qwen3_moe"
@@ -330,4 +330,35 @@ def test_a_step_trace_that_cannot_be_written_stops_and_fails_no_request(make_eng
     outputs = drain(engine)
     assert engine.stepper._trace is None
     assert [[t for o in outputs[r] for t in o.token_ids] for r in rids] == solo
+    assert_released(engine)
+
+
+def test_the_outputs_a_step_made_before_a_fault_are_reported(make_engine, monkeypatch):
+    """Overlapped, a grammar request's tokens are read before the next step is scheduled: a fault after that read
+    (here in scheduling) must not lose what the read made, the grammar request's last tokens and its end."""
+    grammar = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True,
+                             structured_output=StructuredOutput("regex", "[ab]+"))
+    other = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    alone = make_engine(FAMILY).generate([PROMPTS[0]], grammar)[0]
+    engine = make_engine(FAMILY)
+    rids = [engine.add_request(PROMPTS[0], grammar), engine.add_request(PROMPTS[1], other)]
+    req, schedule = engine.scheduler.find(rids[0]), engine.scheduler.schedule
+
+    def fault_once_it_is_read():
+        if req.finished:
+            monkeypatch.setattr(engine.scheduler, "schedule", schedule)
+            raise Injected("a fault after the read")
+        return schedule()
+    monkeypatch.setattr(engine.scheduler, "schedule", fault_once_it_is_read)
+    outputs: dict[str, list] = {}
+    with pytest.raises(Injected):
+        for _ in range(10):
+            for out in engine.step():
+                outputs.setdefault(out.rid, []).append(out)
+    for rid, outs in drain(engine).items():
+        outputs.setdefault(rid, []).extend(outs)
+    mine = outputs[rids[0]]
+    assert [t for o in mine for t in o.token_ids] == alone.token_ids
+    assert [o.finish_reason for o in mine if o.finished] == [alone.finish_reason]
+    assert [o.finished for o in outputs[rids[1]]].count(True) == 1
     assert_released(engine)
