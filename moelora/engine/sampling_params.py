@@ -121,7 +121,8 @@ class SamplingParams:
         for s in self.stop:
             _check(isinstance(s, str) and s != "", "stop", s, "a non-empty string")
             check_text(s, "SamplingParams.stop")
-        _check(sum(map(len, self.stop)) <= MAX_STOP_CHARS, "stop", f"{sum(map(len, self.stop))} characters",
+        stop_chars = sum(map(len, self.stop))
+        _check(stop_chars <= MAX_STOP_CHARS, "stop", f"{stop_chars} characters",
                f"at most {MAX_STOP_CHARS} characters in all")
         for t in self.stop_token_ids:
             _check(_is_int64(t) and t >= 0, "stop_token_ids", t, "an int >= 0")

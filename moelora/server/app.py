@@ -216,7 +216,7 @@ class OpenAIServing:
                                  sequences=per_prompt, prompt_logprobs=body.logprobs if body.echo else None)
         await self._compile_grammar(body, subs)
         echoes = await self._prompt_texts(prompts) if body.echo else [""] * len(prompts)
-        rids, queue, prompt_tokens = await self._submit(subs, {"structured_output": _grammar_field(body)})
+        rids, queue, prompt_tokens = await self._submit(body, subs)
         head = self._head("cmpl", body.model)
         choices = [_Choice(text=echoes[i // per_prompt], prompt_tokens=prompt_tokens[i], prompt_only=body.echo_only)
                    for i in range(len(subs))]
@@ -256,13 +256,13 @@ class OpenAIServing:
         k = body.top_logprobs or 0
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         aliases = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
-        aliases |= {"logprobs": "top_logprobs", "prompt": "messages", "structured_output": _grammar_field(body)}
+        aliases |= {"logprobs": "top_logprobs", "prompt": "messages"}
         tools = ChatTools.of(body, self.loop.engine.tokenizer)
         prompt = await self._chat_prompt(body, tools.specs)
         subs = self._submissions(body, [prompt], max_tokens, k if body.logprobs else None,
                                  add_special_tokens=False, aliases=aliases, grammar=tools.grammar)
         await self._compile_grammar(body, subs)
-        rids, queue, prompt_tokens = await self._submit(subs, aliases)
+        rids, queue, prompt_tokens = await self._submit(body, subs, aliases)
         head = self._head("chatcmpl", body.model)
         choices = [_Choice(prompt_tokens=p) for p in prompt_tokens]
         outputs = [tools.output() for _ in subs]
@@ -372,9 +372,10 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, f"{e}; use /v1/completions with a prompt", param="messages") from e
 
-    async def _submit(self, subs: list[Submission], aliases: dict[str, str] | None = None
+    async def _submit(self, body: SamplingRequest, subs: list[Submission], aliases: dict[str, str] | None = None
                       ) -> tuple[list[str], asyncio.Queue, list[int]]:
         """The sequences' request ids, the queue of their Deltas, and their prompts' token counts."""
+        aliases = (aliases or {}) | {"structured_output": _grammar_field(body)}
         queue: asyncio.Queue = asyncio.Queue()
         try:
             rids, prompt_tokens = await self.loop.submit(subs, queue)
