@@ -316,11 +316,14 @@ class OpenAIServing:
         Engine.generate). `aliases`: the request's names of SamplingParams fields, for the error's param.
         `grammar`: the structured output tool_choice asks for (no other field then does)."""
         lora = self._adapter(body.model)
-        limit = self.loop.engine.config.max_running_requests
         sequences = sequences or body.n
+        limit, limit_name = self.loop.engine.config.max_running_requests, "max_running_requests"
+        if self.loop.max_queued_requests is not None and self.loop.max_queued_requests < limit:
+            limit, limit_name = self.loop.max_queued_requests, "max_queued_requests"  # more could never be admitted
         if not 1 <= sequences * len(prompts) <= limit:
-            raise APIError(400, f"n must be >= 1 and n * prompts <= max_running_requests ({limit}), got n={sequences} "
-                           f"for {len(prompts)} prompts", param="n" if sequences == body.n else "best_of")
+            field = "prompt" if sequences == 1 else "n" if sequences == body.n else "best_of"
+            raise APIError(400, f"n must be >= 1 and n * prompts <= {limit_name} ({limit}), got n={sequences} "
+                           f"for {len(prompts)} prompts", param=field)
         aliases = (aliases or {}) | {"structured_output": _grammar_field(body)}
         try:  # the model's generation config gives the sampling fields the request leaves unset
             params = body.sampling_params(max_tokens, logprobs, prompt_logprobs, self.loop.engine.sampling_defaults)

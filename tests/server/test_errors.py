@@ -161,11 +161,14 @@ def test_overload_is_503(server, monkeypatch):
     assert error(post(server, "/v1/completions", OK), 503)["code"] == "overloaded"
 
 
-def test_more_sequences_than_may_ever_wait_is_400_naming_n(server, monkeypatch):
-    """n x prompts past max_queued_requests could never be admitted: a 400 naming n, not a 503 a client retries."""
+def test_more_sequences_than_may_ever_wait_is_400_naming_n_or_prompt(server, monkeypatch):
+    """n x prompts past max_queued_requests could never be admitted: a 400 naming n (or, with n = 1, the prompts),
+    not a 503 a client retries."""
     monkeypatch.setattr(server.loop, "max_queued_requests", 2)
-    error(post(server, "/v1/completions", {**OK, "n": 3}), 400, "n", "max_queued_requests=2")
+    error(post(server, "/v1/completions", {**OK, "n": 3}), 400, "n", "max_queued_requests (2)")
+    error(post(server, "/v1/completions", {**OK, "prompt": ["a", "b", "c"]}), 400, "prompt", "got n=1 for 3 prompts")
     assert post(server, "/v1/completions", {**OK, "n": 2}).status_code == 200
+    assert post(server, "/v1/completions", {**OK, "prompt": ["a", "b"]}).status_code == 200
 
 
 def test_client_leaving_mid_stream_aborts_its_request(server):

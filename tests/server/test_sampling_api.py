@@ -268,7 +268,8 @@ def test_json_object(client):
     ("/v1/completions", {"guided_grammar": "root ::="}, "guided_grammar", "grammar is not valid"),
     ("/v1/completions", {"guided_choice": []}, "guided_choice", "at least one choice"),
     ("/v1/completions", {"guided_grammar": "root ::= root"}, "guided_grammar", "allows no first token"),
-    ("/v1/completions", {"guided_json": {"$ref": "#"}}, "guided_json", "allows no first token"),
+    # xgrammar before 0.2.9 compiles it and the first-token check refuses it; later ones refuse the circular $ref
+    ("/v1/completions", {"guided_json": {"$ref": "#"}}, "guided_json", "SamplingParams.structured_output: the "),
     ("/v1/completions", {"stop": [f"s{i}" for i in range(65)]}, "stop", "at most 64 strings"),
     ("/v1/completions", {"top_p": 1e-46}, "top_p", "float32"),
     ("/v1/completions", {"temperature": 1e39}, "temperature", "float32"),
