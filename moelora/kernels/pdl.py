@@ -12,6 +12,8 @@ predecessor's output still cannot pass it). Right after the wait it lets the nex
 programs can only take SM resources once every program of this launch is running, so waits between programs of
 one launch (arrival counters) are not starved. Launches of torch, cuBLAS or NCCL kernels carry no PDL attribute
 and wait as usual; a PDL launch after one of them starts once it has completed.
+fused_moe's GEMMs launch without it when they hold the epilogues of more than one LoRA rank tile (its launcher
+says why).
 
 `pdl_launch(device)` gives the launch keywords: PDL on CUDA devices of compute capability 9 or more, unless the
 environment sets MOELORA_PDL=0 (read once per process: CUDA graphs bake the launches in); off in the Triton

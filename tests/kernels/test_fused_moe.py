@@ -6,6 +6,7 @@ import torch
 from moelora.core import ExpertLoRASlots, TopKOutput
 from moelora.kernels.fused_moe import launcher
 from moelora.kernels.fused_moe import MoEKernelConfig, default_config, fused_moe
+from moelora.kernels.pdl import pdl_launch
 from tests.support import assert_rows_close, random_expert_lora, random_moe_weights, random_topk, rel_tolerance
 
 DTYPES = [torch.bfloat16, torch.float16] if torch.cuda.is_available() else [torch.float16, torch.float32]
@@ -314,28 +315,34 @@ def test_pair_blocks_past_the_ready_counters(device, monkeypatch):
 @pytest.mark.parametrize("tokens, slot_ranks, with_lora, cap", [
     (1, SLOT_RANKS, True, 128), (48, SLOT_RANKS, True, 168), (8, SLOT_RANKS, True, None), (1, [16, 8], True, None),
     (48, [16, 8], True, None), (1, SLOT_RANKS, False, None), (48, SLOT_RANKS, False, None)])
-def test_register_cap_reaches_the_gemm_launches(tokens, slot_ranks, with_lora, cap, device, monkeypatch):
+def test_register_cap_and_pdl_reach_the_gemm_launches(tokens, slot_ranks, with_lora, cap, device, monkeypatch):
     """Pair blocks (T = 1 here) and blocks of 32 rows (T = 48: 24 rows an expert) cap the GEMM kernels' registers
     (MoEKernelConfig.max_registers) when they hold the epilogues of rank tiles past the smallest, so those do not
     set every program's occupancy; blocks of 16 rows (T = 8), the smallest rank tile alone and no LoRA leave the
-    compiler's choice."""
+    compiler's choice. GEMMs holding more than the smallest rank tile launch without PDL, the others with it where
+    the device has it (here it is made to)."""
     launches = []
+    real_pdl = pdl_launch(torch.device(device))
 
-    class Recorder:
-        def __init__(self, kernel):
-            self.kernel = kernel
+    class Recorder:  # records the GEMMs' launch options, then launches with the device's real PDL choice
+        def __init__(self, name):
+            self.name, self.kernel = name, getattr(launcher, name)
 
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                launches.append(kwargs.get("maxnreg"))
-                return self.kernel[grid](*args, **kwargs)
+                if self.name in ("gate_up_kernel", "down_kernel"):
+                    launches.append((kwargs.get("maxnreg"), kwargs["PDL"], kwargs["launch_pdl"]))
+                return self.kernel[grid](*args, **{**kwargs, **(real_pdl if kwargs["PDL"] else {})})
             return launch
 
-    for name in ("gate_up_kernel", "down_kernel"):
-        monkeypatch.setattr(launcher, name, Recorder(getattr(launcher, name)))
+    for name in ("pair_shrink_kernel", "shrink_kernel", "gate_up_kernel", "down_kernel", "moe_sum_kernel"):
+        monkeypatch.setattr(launcher, name, Recorder(name))
     x, w13, w2, topk, lora, slots = _case(tokens, 64, 32, 4, 2, DTYPES[0], device, slot_ranks=slot_ranks)
     lora = lora if with_lora else None
     cfg = default_config(tokens, 2, 4, DTYPES[0], lora=with_lora)
+    expected = fused_moe(x, w13, w2, topk, lora, slots, impl="torch")
+    monkeypatch.setattr(launcher, "pdl_launch", lambda _: {"PDL": True, "launch_pdl": True})
     got = fused_moe(x, w13, w2, topk, lora, slots, impl="triton", config=cfg)
-    assert_rows_close(got, fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(DTYPES[0], device))
-    assert launches == [cap, cap]
+    assert_rows_close(got, expected, rel_tolerance(DTYPES[0], device))
+    pdl = not (with_lora and max(slot_ranks) > 16)
+    assert launches == [(cap, pdl, pdl)] * 2
