@@ -65,7 +65,8 @@ def serve(args: argparse.Namespace) -> int:
     engine = Engine(**fields)
     # "." is the directory it names; a symlink keeps its own name (not its target's, a snapshot hash)
     name = args.served_model_name or Path(os.path.abspath(args.model_path)).name
-    app = create_app(engine, name, args.max_queued_requests, args.api_key, args.log_stats_interval)
+    app = create_app(engine, name, args.max_queued_requests, args.api_key, args.log_stats_interval,
+                     args.max_request_mb << 20)
     # the model's, tokenizer's and kernels' objects live as long as the process: out of the cyclic collector's
     # scans, whose full collections would otherwise walk them all while every thread waits (as vLLM does)
     gc.collect()
@@ -215,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the base model's name in the API (default: the model directory's name)")
     p.add_argument("--max-queued-requests", type=_positive_int,
                    help="refuse requests (503) while this many wait (default: no limit)")
+    p.add_argument("--max-request-mb", type=_positive_int, default=100,
+                   help="refuse (413) a request whose body has more MiB, before reading it (default: 100)")
     p.add_argument("--api-key", type=_non_empty, default=os.environ.get("MOELORA_API_KEY") or None,
                    help="every route but /health and /metrics needs 'Authorization: Bearer KEY' (default: "
                         "$MOELORA_API_KEY; unset: no authentication)")

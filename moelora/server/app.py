@@ -37,6 +37,7 @@ from moelora.engine.lora_manager import AdapterNameError
 from moelora.engine.sampling_params import StructuredOutput
 from moelora.engine.workers import WorkerFailure
 from moelora.lora.errors import AdapterError
+from moelora.server.body_limit import BodyLimit
 from moelora.server.engine_loop import Delta, EngineError, EngineLoop, Overloaded, Submission, merge_deltas
 from moelora.server.errors import APIError, bad_value, error_response, not_found, validation_error
 from moelora.server.metrics import Metrics
@@ -51,6 +52,8 @@ logger = logging.getLogger(__name__)
 # at shutdown, after the drain: uvicorn's wait for the connections still open. The responses of requests that
 # finished in the drain are still being written then (5 s cut some on a loaded 2-core CI machine)
 CLOSE_SECONDS = 30.0
+# a request body's bytes past this are a 413 (BodyLimit): 100 MiB holds a batch of hundreds of long prompts
+MAX_REQUEST_BYTES = 100 << 20
 
 
 Entry = tuple[str, float | None, list[tuple[str, float]] | None]  # a token's text, log-probability, top ones (desc)
@@ -506,11 +509,12 @@ class _Route(APIRoute):
 
 
 def create_app(engine: Engine, served_model_name: str, max_queued_requests: int | None = None,
-               api_key: str | None = None, stats_interval: float = 10.0) -> FastAPI:
+               api_key: str | None = None, stats_interval: float = 10.0,
+               max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     """The app; its engine thread starts and stops with the app's lifespan, which logs what it serves
     first and shuts the engine down (its other ranks, with tp_size > 1) last. With an api_key, every route but
     /health and /metrics answers 401 unless the request carries 'Authorization: Bearer <key>'. stats_interval:
-    seconds between the stats log lines (0: none)."""
+    seconds between the stats log lines (0: none). A request body past max_request_bytes is a 413 (BodyLimit)."""
     if served_model_name in engine.config.lora_paths:
         raise ValueError(f"the served model name {served_model_name!r} is also an adapter's name")
     loop = EngineLoop(engine, Metrics(engine.lora_stats), max_queued_requests, stats_interval)
@@ -529,6 +533,7 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
         engine.shutdown()
 
     app = FastAPI(title="moelora", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     app.router.route_class = _Route
     app.state.engine_loop = loop
     serving = OpenAIServing(loop, served_model_name)

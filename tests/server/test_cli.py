@@ -113,10 +113,11 @@ def test_errors_name_the_flags_of_the_fields(demo_dir):
 
 def test_server_flags_that_would_mean_nothing_are_usage_errors(capsys):
     """An empty API key (an unset variable's "--api-key $KEY") would turn authentication off; an empty served name
-    names no model; a queue of 0 refuses every request; a negative stats interval logs at every step."""
+    names no model; a queue of 0 refuses every request, as a body cap of 0 MiB would; a negative stats interval logs at every step."""
     for flag, value, message in [("--api-key", "", "must not be empty"), ("--served-model-name", " ", "must not be empty"),
                                  ("--max-queued-requests", "0", "must be 1 or more"),
                                  ("--max-queued-requests", "-1", "must be 1 or more"),
+                                 ("--max-request-mb", "0", "must be 1 or more"),
                                  ("--log-stats-interval", "-1", "must be 0 or more seconds"),
                                  ("--log-stats-interval", "nan", "must be 0 or more seconds")]:
         assert f"argument {flag}: {message}" in usage_error(["serve", "--model-path", "m", flag, value], capsys)

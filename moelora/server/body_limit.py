@@ -1,0 +1,62 @@
+"""A cap on the bytes of a request's body, before any of the app reads it: FastAPI reads a JSON body whole into
+memory before it validates a field, so without one a single client's multi-gigabyte POST could take the memory
+every request's server shares. Over the cap the request gets a 413 in OpenAI's error shape; a declared
+Content-Length over it is refused before the body is read at all, a chunked body once its bytes pass it."""
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
+
+from moelora.server.errors import error_response
+from moelora.server.protocol import ErrorInfo
+
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class BodyTooLarge(Exception):
+    """Raised into the app by the body's reader once the bytes pass the cap (the app stops reading)."""
+
+
+class BodyLimit:
+    """ASGI middleware: HTTP requests whose body passes max_bytes are answered 413, whatever the route."""
+
+    def __init__(self, app: Callable[[Message, Receive, Send], Awaitable[None]], max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(scope, receive, send, f"{int(declared)} bytes")
+        received, too_large, started = 0, False, False
+
+        async def limited_receive() -> Message:
+            nonlocal received, too_large
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    too_large = True
+                    raise BodyTooLarge()
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if too_large:  # whatever the app made of the reader's exception (FastAPI: a 400), the answer is the 413
+                return
+            started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except BodyTooLarge:
+            pass
+        if too_large and not started:
+            await self._refuse(scope, receive, send, f"more than {self.max_bytes} bytes")
+
+    async def _refuse(self, scope: Message, receive: Receive, send: Send, size: str) -> None:
+        info = ErrorInfo(message=f"the request's body has {size}, more than the server takes ({self.max_bytes} bytes: "
+                                 "--max-request-mb)", type="invalid_request_error", code="request_too_large")
+        await error_response(413, info)(scope, receive, send)
