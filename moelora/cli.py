@@ -217,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued-requests", type=_positive_int,
                    help="refuse requests (503) while this many wait (default: no limit)")
     p.add_argument("--max-request-mb", type=_positive_int, default=100,
-                   help="refuse (413) a request whose body has more MiB, before reading it (default: 100)")
+                   help="refuse (413) a request whose body has more MiB: by its Content-Length before reading it, a chunked "
+                        "body once that much has come (default: 100)")
     p.add_argument("--api-key", type=_non_empty, default=os.environ.get("MOELORA_API_KEY") or None,
                    help="every route but /health and /metrics needs 'Authorization: Bearer KEY' (default: "
                         "$MOELORA_API_KEY; unset: no authentication)")

@@ -37,7 +37,7 @@ from moelora.engine.lora_manager import AdapterNameError
 from moelora.engine.sampling_params import StructuredOutput
 from moelora.engine.workers import WorkerFailure
 from moelora.lora.errors import AdapterError
-from moelora.server.body_limit import BodyLimit
+from moelora.server.body_limit import BodyLimit, BodyTooLarge
 from moelora.server.engine_loop import Delta, EngineError, EngineLoop, Overloaded, Submission, merge_deltas
 from moelora.server.errors import APIError, bad_value, error_response, not_found, validation_error
 from moelora.server.metrics import Metrics
@@ -499,8 +499,8 @@ class _Route(APIRoute):
         async def guarded(request: Request) -> Response:
             try:
                 return await handler(request)
-            except (APIError, HTTPException, RequestValidationError):
-                raise  # the app's exception handlers answer these
+            except (APIError, HTTPException, RequestValidationError, BodyTooLarge):
+                raise  # the app's exception handlers answer these (BodyLimit the last)
             except Exception as e:
                 logger.exception("%s %s failed", request.method, request.url.path)
                 return error_response(500, ErrorInfo(message=f"internal error: {type(e).__name__}: {e}",

@@ -29,7 +29,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._refuse(scope, receive, send, f"{int(declared)} bytes")
+            return await self._refuse(scope, receive, send, f" ({int(declared)} bytes)")
         received, too_large, started = 0, False, False
 
         async def limited_receive() -> Message:
@@ -52,11 +52,17 @@ class BodyLimit:
         try:
             await self.app(scope, limited_receive, guarded_send)
         except BodyTooLarge:
-            pass
+            if started:  # a response already under way cannot become the 413: it ends cut short, as an error
+                raise
         if too_large and not started:
-            await self._refuse(scope, receive, send, f"more than {self.max_bytes} bytes")
+            await self._refuse(scope, receive, send, "")
 
-    async def _refuse(self, scope: Message, receive: Receive, send: Send, size: str) -> None:
-        info = ErrorInfo(message=f"the request's body has {size}, more than the server takes ({self.max_bytes} bytes: "
-                                 "--max-request-mb)", type="invalid_request_error", code="request_too_large")
-        await error_response(413, info)(scope, receive, send)
+    async def _refuse(self, scope: Message, receive: Receive, send: Send, declared: str) -> None:
+        """The 413. A client that waits for "100 Continue" before it sends its body never sends it: the connection
+        closes, else the server would read its next request as this one's body."""
+        info = ErrorInfo(message=f"the request's body{declared} is larger than the server takes ({self.max_bytes} "
+                                 "bytes: --max-request-mb)", type="invalid_request_error", code="request_too_large")
+        response = error_response(413, info)
+        if dict(scope["headers"]).get(b"expect", b"").lower() == b"100-continue":
+            response.headers["connection"] = "close"
+        await response(scope, receive, send)
