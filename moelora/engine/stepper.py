@@ -307,7 +307,8 @@ class Stepper:
             req.cumulative_logprob += logprobs[i]
             try:
                 if req.grammar is not None and not req.grammar.accept_token(token):
-                    raise RuntimeError(f"the grammar rejected token {token}")
+                    raise RuntimeError(f"the grammar rejected token {token}: no token it allows could be sampled "
+                                       "(allowed_token_ids, logit_bias or min_tokens may rule them all out)")
                 text = req.detokenizer.add(token)
                 if req.grammar is not None and req.grammar.is_terminated() and not req.detokenizer.finished:
                     text += req.detokenizer.finish("stop")  # complete (its stop token came under ignore_eos)
