@@ -1,7 +1,9 @@
 """A cap on the bytes of a request's body, before any of the app reads it: FastAPI reads a JSON body whole into
 memory before it validates a field, so without one a single client's multi-gigabyte POST could take the memory
 every request's server shares. Over the cap the request gets a 413 in OpenAI's error shape; a declared
-Content-Length over it is refused before the body is read at all, a chunked body once its bytes pass it."""
+Content-Length over it is refused before the body is read at all, a chunked body once its bytes pass it.
+Starlette's own RequestBodyLimitMiddleware is not used: it came in Starlette 1.10 (the project takes FastAPI from
+0.110 on) and answers in plain text, not in the API's error shape."""
 from __future__ import annotations
 
 from typing import Any, Awaitable, Callable
