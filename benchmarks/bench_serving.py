@@ -327,19 +327,25 @@ def free_memory(device: str) -> None:
 
 
 def summary(jobs: list[Workload], results: dict[tuple[str, Workload], Result], floors: dict[Workload, float]) -> None:
-    """Ours with LoRA against ours without, same phase and batch, beside the most the floors allow (LoRA off's floor
-    over LoRA on's: the adapters' bytes or FLOPs alone); ours against transformers where both ran."""
+    """Ours with LoRA against ours without, same phase and batch, beside the most two floors allow: both runs at their
+    floors (LoRA off's floor over LoRA on's), and LoRA off as measured with the adapters' work at its floor added
+    (the adapters' bytes or FLOPs alone); ours against transformers where both ran."""
     def tokens_per_second(impl: str, w: Workload) -> float | None:
         r = results.get((impl, w))
         return r.tokens / r.seconds if r else None
 
-    print("\n| phase | batch | adapters | ours tokens/s | LoRA-on / LoRA-off | at the floors | HF tokens/s | ours / HF |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| phase | batch | adapters | ours tokens/s | LoRA-on / LoRA-off | at the floors | LoRA work at its floor "
+          "| HF tokens/s | ours / HF |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for w in jobs:
         ours, hf = tokens_per_second("ours", w), tokens_per_second("hf", w)
         off = next((v for v in jobs if (v.phase, v.batch, v.adapters) == (w.phase, w.batch, 0)), None)
         off_speed = tokens_per_second("ours", off) if off is not None else None
-        lora = f"{ours / off_speed:.2f} | {floors[off] / floors[w]:.2f}" if w.adapters and ours and off_speed else " | "
+        lora = " | | "
+        if w.adapters and ours and off_speed:
+            r = results["ours", off]
+            step, lora_floor = r.seconds / r.steps, (floors[w] - floors[off]) / max(w.new_tokens - 1, 1)  # a step's
+            lora = f"{ours / off_speed:.2f} | {floors[off] / floors[w]:.2f} | {step / (step + lora_floor):.2f}"
         versus = f"{hf:.0f} | {ours / hf:.2f}" if ours and hf else " | "
         print(f"| {w.phase} | {w.batch} | {w.adapters} | {f'{ours:.0f}' if ours else ''} | {lora} | {versus} |")
 
