@@ -12,8 +12,9 @@ predecessor's output still cannot pass it). Right after the wait it lets the nex
 programs can only take SM resources once every program of this launch is running, so waits between programs of
 one launch (arrival counters) are not starved. Launches of torch, cuBLAS or NCCL kernels carry no PDL attribute
 and wait as usual; a PDL launch after one of them starts once it has completed.
-fused_moe's GEMMs launch without it when they hold the epilogues of more than one LoRA rank tile (its launcher
-says why).
+fused_moe's GEMMs that hold the epilogues of more than one LoRA rank tile let the next kernel launch only at the end
+of their programs (`launch_next_kernel`): launched right after their wait, its waiting programs crowded theirs, and a
+Mixtral-8x7B layer's LoRA cost 4-7x as much at one token on an H200 (benchmarks/RESULTS.md, sessions 32 and 33).
 
 `pdl_launch(device)` gives the launch keywords: PDL on CUDA devices of compute capability 9 or more, unless the
 environment sets MOELORA_PDL=0 (read once per process: CUDA graphs bake the launches in); off in the Triton
@@ -46,11 +47,20 @@ def pdl_launch(device: torch.device) -> dict[str, bool]:
 
 
 @triton.jit
-def wait_for_previous_kernel(PDL: tl.constexpr):
+def wait_for_previous_kernel(PDL: tl.constexpr, LAUNCH_NEXT: tl.constexpr = True):
     """First statement of every kernel: with PDL, wait until the kernel before this launch has completed and its
-    writes are visible, then let the next launch start."""
+    writes are visible, then (LAUNCH_NEXT) let the next launch start. A kernel whose programs the next launch's
+    would crowd waits with LAUNCH_NEXT=False and calls launch_next_kernel itself when its work is done."""
     if PDL:  # not tl.extra.cuda.gdc_wait: in Triton 3.6 it has no memory clobber, so loads could move above it
         tl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r,~{memory}", [], dtype=tl.int32,
                                   is_pure=False, pack=1)
+        if LAUNCH_NEXT:
+            launch_next_kernel(PDL)
+
+
+@triton.jit
+def launch_next_kernel(PDL: tl.constexpr):
+    """With PDL, let the next launch start once every program of this one has come here (or ended)."""
+    if PDL:
         tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=tl.int32,
                                   is_pure=False, pack=1)

@@ -25,6 +25,7 @@ from moelora.kernels.fused_moe import gemm as fm_gemm
 from moelora.kernels.fused_moe import reduction as fm_reduction
 from moelora.kernels.fused_moe import shrink as fm_shrink
 from moelora.kernels.gemm_tiles import gemm_block_k
+from moelora.kernels.lora_tiles import LORA_RANK_CHUNK
 from moelora.kernels import kv_store as kv
 from moelora.kernels import linear as li
 from moelora.kernels import lora_linear as ll
@@ -108,6 +109,29 @@ def moe_gemm_constexprs(cfg, has_lora: bool, block_n: int, block_r: int = 64, ra
                 HALF_TILES=cfg.half_tiles, TOP_K_P=top_k_p, SLOT_STAGES=cfg.slot_stages)
 
 
+def compile_moe_gemms(cfg, has_lora: bool, dtype: str, rank_tiles: int | None = None) -> list[dict]:
+    """fused_moe's gate_up and down kernels of one tile row, compiled; one summary each. rank_tiles: with LoRA 3 unless
+    given, else 1, as the launcher passes it. launches_next_first: the PTX lets the next launch start before its first
+    MMA (right after the PDL wait), not only after MMAs (at the end of each of the kernel's paths)."""
+    rank_tiles = rank_tiles or (3 if has_lora else 1)
+    results = []
+    for kernel, block_n, own in ((fm_gemm.gate_up_kernel, cfg.block_n_gate_up,
+                                  dict(SPLIT_K=fm_config.SHRINK_SPLIT_K, PART_N=fm_config.DOWN_SHRINK_PART,
+                                       A_ALIGNED=has_lora)),
+                                 (fm_gemm.down_kernel, cfg.block_n_down, {})):
+        constexprs = moe_gemm_constexprs(cfg, has_lora, block_n, LORA_RANK_CHUNK << (rank_tiles - 1), rank_tiles)
+        compiled = compile_sm90(kernel, {**constexprs, **own}, dtype, cfg.num_warps, cfg.num_stages)
+        ptx = compiled.asm["ptx"]
+        mmas = [m.start() for m in re.finditer(r"\b(?:wgmma\.mma_async|mma\.sync)", ptx)]
+        results.append(dict(kernel=kernel.fn.__name__, dtype=dtype, lora=has_lora, block_m=cfg.block_m,
+                            pair_blocks=cfg.pair_blocks, slot_stages=cfg.slot_stages, rank_tiles=rank_tiles,
+                            shared=compiled.metadata.shared, ttgir=compiled.asm["ttgir"],
+                            arrive="atom.global.gpu.acq_rel.add" in ptx, acquire="global.gpu.acquire" in ptx,
+                            cg_loads="ld.global.cg" in ptx,
+                            launches_next_first=ptx.find("griddepcontrol.launch_dependents") < mmas[0]))
+    return results
+
+
 def compile_all() -> list[dict]:
     """Every kernel in every default config; one summary per compiled kernel."""
     results = []
@@ -119,18 +143,9 @@ def compile_all() -> list[dict]:
                  True))
     for cfg, has_lora in sorted(configs, key=lambda c: (c[0].block_m, c[1])):
         for dtype in ("bf16", "fp16"):
-            for kernel, block_n, own in ((fm_gemm.gate_up_kernel, cfg.block_n_gate_up,
-                                          dict(SPLIT_K=fm_config.SHRINK_SPLIT_K, PART_N=fm_config.DOWN_SHRINK_PART,
-                                               A_ALIGNED=has_lora)),
-                                         (fm_gemm.down_kernel, cfg.block_n_down, {})):
-                compiled = compile_sm90(kernel, {**moe_gemm_constexprs(cfg, has_lora, block_n), **own}, dtype,
-                                        cfg.num_warps, cfg.num_stages)
-                ptx = compiled.asm["ptx"]
-                results.append(dict(kernel=kernel.fn.__name__, dtype=dtype, lora=has_lora, block_m=cfg.block_m,
-                                    pair_blocks=cfg.pair_blocks, slot_stages=cfg.slot_stages,
-                                    shared=compiled.metadata.shared,
-                                    ttgir=compiled.asm["ttgir"], arrive="atom.global.gpu.acq_rel.add" in ptx,
-                                    acquire="global.gpu.acquire" in ptx, cg_loads="ld.global.cg" in ptx))
+            results += compile_moe_gemms(cfg, has_lora, dtype)
+    # LoRA on the smallest rank tile alone, the pair blocks' row (the others above hold three rank tiles)
+    results += compile_moe_gemms(fm_config.default_config(1, 8, 128, torch.bfloat16, lora=True), True, "bf16", 1)
     for kernel, constexprs in ((ma._moe_align_kernel, dict(HAS_SLOTS=True, BLOCK_M=16, E_P=256, S1_P=64, CHUNK=256)),
                                (ma._count_kernel, dict(HAS_SLOTS=True, S1_P=16, CHUNK=256)),
                                (ma._lay_out_kernel, dict(BLOCK_M=64, E_P=256, S1_P=16, CHUNK=256)),
@@ -194,7 +209,7 @@ def compiled():
 
 
 def test_all_kernels_fit_shared_memory(compiled):
-    assert len(compiled) == (11 * 2 * 2 + 9 + 3 + 2 * len(ATTENTION_HEADS) + 1 + len(LORA_LINEARS)
+    assert len(compiled) == (11 * 2 * 2 + 2 + 9 + 3 + 2 * len(ATTENTION_HEADS) + 1 + len(LORA_LINEARS)
                              + len(ROTARY_HEADS) + len(ROUTERS) + 2 * len(RMS_NORMS) + 1 + len(KV_STORES) + 1
                              + len(ROPE_KV_STORES) + 1
                              + 2 * len(LINEARS) + 1 + len(LORA_EPILOGUES))
@@ -242,6 +257,17 @@ def test_pair_blocks_shrink_in_gate_up_synchronises(compiled):
         fused = r["pair_blocks"] and r["lora"]
         where = f"gate_up_kernel {r['dtype']} block_m={r['block_m']} lora={r['lora']} pair_blocks={r['pair_blocks']}"
         assert (r["arrive"], r["acquire"], r["cg_loads"]) == (fused,) * 3, where
+
+
+def test_gemms_of_several_rank_tiles_let_the_next_launch_start_after_their_work(compiled):
+    """With PDL the next kernel's programs, launched early, would crowd these GEMMs' heavy programs on the SMs
+    (benchmarks/RESULTS.md, sessions 32 and 33): the GEMMs that hold more than the smallest rank tile let it start
+    at the end of their programs, after their MMAs; every other one right after its wait."""
+    gemms = [r for r in compiled if r["kernel"] in ("gate_up_kernel", "down_kernel")]
+    assert {r["rank_tiles"] for r in gemms} == {1, 3}
+    for r in gemms:
+        where = f"{r['kernel']} {r['dtype']} block_m={r['block_m']} lora={r['lora']} rank_tiles={r['rank_tiles']}"
+        assert r["launches_next_first"] == (r["rank_tiles"] == 1), where
 
 
 def compile_lora_linear() -> list[dict]:

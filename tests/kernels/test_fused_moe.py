@@ -319,8 +319,7 @@ def test_register_cap_and_pdl_reach_the_gemm_launches(tokens, slot_ranks, with_l
     """Pair blocks (T = 1 here) and blocks of 32 rows (T = 48: 24 rows an expert) cap the GEMM kernels' registers
     (MoEKernelConfig.max_registers) when they hold the epilogues of rank tiles past the smallest, so those do not
     set every program's occupancy; blocks of 16 rows (T = 8), the smallest rank tile alone and no LoRA leave the
-    compiler's choice. GEMMs holding more than the smallest rank tile launch without PDL, the others with it where
-    the device has it (here it is made to)."""
+    compiler's choice. All launch with PDL where the device has it (here it is made to)."""
     launches = []
     real_pdl = pdl_launch(torch.device(device))
 
@@ -344,5 +343,4 @@ def test_register_cap_and_pdl_reach_the_gemm_launches(tokens, slot_ranks, with_l
     monkeypatch.setattr(launcher, "pdl_launch", lambda _: {"PDL": True, "launch_pdl": True})
     got = fused_moe(x, w13, w2, topk, lora, slots, impl="triton", config=cfg)
     assert_rows_close(got, expected, rel_tolerance(DTYPES[0], device))
-    pdl = not (with_lora and max(slot_ranks) > 16)
-    assert launches == [(cap, pdl, pdl)] * 2
+    assert launches == [(cap, True, True)] * 2

@@ -11,7 +11,7 @@ from moelora.kernels.fused_moe.tiles import (adapter_slots, at_most_half_full, b
                                              lora_tile, next_run_slot, previous_row_slots, row_ranks, row_slots,
                                              slot_rank, slot_runs, sum_partials, takes_rank_tile)
 from moelora.kernels.gemm_tiles import arrive, gemm_loop, wait_arrivals
-from moelora.kernels.pdl import wait_for_previous_kernel
+from moelora.kernels.pdl import launch_next_kernel, wait_for_previous_kernel
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_tokens", "tokens_per_program"])  # row counts: kernels/__init__.py
@@ -30,8 +30,10 @@ def gate_up_kernel(
     """h[p] = silu(x Wg^T + LoRA_g) * (x Wu^T + LoRA_u) for the pairs p of one block; with LoRA also
     this n-tile's parts of the down shrink (_down_shrink_part). With pair blocks and
     LoRA the first num_pairs * num_splits programs are the gate/up shrink (a launch of its own costs a
-    decode step more than the shrink's work); the GEMM programs wait for it only in the epilogue."""
-    wait_for_previous_kernel(PDL)
+    decode step more than the shrink's work); the GEMM programs wait for it only in the epilogue. Holding the
+    epilogues of more than one rank tile, its programs let the next launch start only when their work is done:
+    launched earlier, that kernel's waiting programs crowded these (benchmarks/RESULTS.md, sessions 32-33)."""
+    wait_for_previous_kernel(PDL, RANK_TILES == 1)
     pid, num_programs = tl.program_id(0), tl.num_programs(0)
     if PAIR_BLOCKS and HAS_LORA:
         num_shrink = num_pairs * num_splits
@@ -66,6 +68,8 @@ def gate_up_kernel(
                        stride_adr,
                        HAS_LORA, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, PART_N, RANK_TILES,
                        SLOT_STAGES)
+    if RANK_TILES > 1:
+        launch_next_kernel(PDL)
 
 
 @triton.jit
@@ -230,8 +234,9 @@ def down_kernel(
     PDL: tl.constexpr,
 ):
     """out[p] = w[p] * (h[p] Wd^T + LoRA_d) for the pairs p of one block (the down shrink is the sum
-    of the gate_up kernel's per-tile parts), then y for the tokens whose last pair this was."""
-    wait_for_previous_kernel(PDL)
+    of the gate_up kernel's per-tile parts), then y for the tokens whose last pair this was. With more than one
+    rank tile, the next launch starts when the programs' work is done (as gate_up_kernel's)."""
+    wait_for_previous_kernel(PDL, RANK_TILES == 1)
     in_use, e, pid_m, pid_n = block_info(tl.program_id(0), tl.num_programs(0), block_expert_ptr, num_rows_ptr,
                                           num_experts, H, BLOCK_M, BLOCK_N, GROUP_M, PAIR_BLOCKS)
     if not in_use:
@@ -253,6 +258,8 @@ def down_kernel(
                     stride_yt,
                     HAS_LORA, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, TOP_K_P, RANK_TILES,
                     SLOT_STAGES)
+    if RANK_TILES > 1:
+        launch_next_kernel(PDL)
 
 
 @triton.jit

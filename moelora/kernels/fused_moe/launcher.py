@@ -115,10 +115,6 @@ def fused_moe_triton(
                                              num_pairs >= cfg.reduce_partials_min_pairs)
     if cfg.max_registers is not None and rank_tiles > 1:  # the cap is for the larger rank tiles' epilogues
         common["maxnreg"] = cfg.max_registers
-    if rank_tiles > 1:  # the GEMMs that hold the larger rank tiles' epilogues launch without PDL: with it, a
-        # Mixtral-8x7B layer's LoRA cost 4-7x as much at one token and 1.5-2x at 32 (the kernels alone, in ncu, did
-        # not change); Qwen3-30B-A3B's, 0.4-1.5 us less (benchmarks/RESULTS.md, session 32)
-        common.update(PDL=False, launch_pdl=False)
     num_m = blocks.block_expert.numel()
     grid_gate_up = num_m * num_n_gate_up
     gate_up_kernel[(num_shrink + grid_gate_up,)](
