@@ -172,6 +172,11 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, str
     w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]
     rows = offs_m.to(tl.int64)  # of split 0's partial; split s's are M further down
     out_mask = m_mask[:, None] & n_mask[None, :]
+    # tiles of 32 rows and more load their rows' slots before the K loop, where the load's round trip hides; on
+    # smaller tiles that made the GEMM slower (o_proj at one row, 4.8 -> 8.0 us; benchmarks/RESULTS.md, session 19)
+    SLOTS_FIRST: tl.constexpr = HAS_LORA and BLOCK_M >= 32
+    if SLOTS_FIRST:
+        row_slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1)
     # both paths: (((0 + part_0) + part_1) + ...), each part summed from its own zero accumulator
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     last = True  # this program finishes the tile
@@ -192,9 +197,10 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, str
         if HAS_LORA:
             if HAS_SHRINK:  # every tile's finishing program counts in: the last puts the counter back to 0
                 wait_arrivals(done_ptr, num_shrink // SHRINK_SPLITS, tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N))
-            acc = add_linear_lora(acc, offs_m, m_mask, pid_n * BLOCK_N, xa_ptr, lora_b_ptr, lora_ranks_ptr,
-                                  slots_ptr, num_slots, stride_lbs, stride_lbr, PART_BOUNDS, BLOCK_N, BLOCK_R,
-                                  BLOCK_S)
+            if not SLOTS_FIRST:
+                row_slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1)
+            acc = add_linear_lora(acc, row_slot, offs_m, pid_n * BLOCK_N, xa_ptr, lora_b_ptr, lora_ranks_ptr,
+                                  num_slots, stride_lbs, stride_lbr, PART_BOUNDS, BLOCK_N, BLOCK_R, BLOCK_S)
         _store_rows(acc, b_ptr, y_ptr, offs_m, offs_n, out_mask, N, HAS_BIAS)
 
 

@@ -89,10 +89,11 @@ def shrink_linear_block(pid, x_ptr, a_ptr, ranks_ptr, part_ptr, xa_ptr, count_pt
 
 
 @triton.jit
-def add_linear_lora(acc, offs_m, m_mask, n0, xa_ptr, b_ptr, ranks_ptr, slots_ptr, num_slots, stride_bs, stride_br,
+def add_linear_lora(acc, row_slot, offs_m, n0, xa_ptr, b_ptr, ranks_ptr, num_slots, stride_bs, stride_br,
                     PART_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] (rows offs_m, columns n0..) plus each row's LoRA delta, the epilogue of a dense
-    GEMM: for row m of slot s = slots[m] and each part p whose columns meet the tile,
+    GEMM: for row m of slot s = row_slot[m] (the caller's load of the step's slots, -1 past the rows) and each part p
+    whose columns meet the tile,
     xa[m, p] @ B[s, :ranks[s, p], part p's columns], where xa [M, P, BLOCK_R] is the shrink's output in B's
     dtype, read from L2 (.cg: the shrink may have written it in this launch).
 
@@ -102,7 +103,6 @@ def add_linear_lora(acc, offs_m, m_mask, n0, xa_ptr, b_ptr, ranks_ptr, slots_ptr
     whatever shares its tile, and a row without an adapter (slot < 0 or >= num_slots) keeps the bits it had.
     Nothing is read for slots no row of the tile uses, past a slot's rank, or of rows without an adapter."""
     P: tl.constexpr = len(PART_BOUNDS) - 1
-    row_slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1)
     row_slot = tl.where((row_slot >= 0) & (row_slot < num_slots), row_slot, -1)
     if tl.max(row_slot) >= 0:
         cols = tl.arange(0, BLOCK_S * BLOCK_R)

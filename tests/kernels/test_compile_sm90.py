@@ -65,9 +65,10 @@ ROPE_KV_STORES = ((128, True, False), (128, False, False), (64, True, True))
 # decode, one after the other at prefill), qkv (1) and router (16, in parallel at decode, serial at prefill)
 LINEARS = ((1, 2048, 4096), (1, 5120, 2048), (100, 5120, 2048), (512, 2048, 4096), (4096, 5120, 2048),
            (1, 128, 2048), (4096, 128, 2048))
-# M, N, K, out parts of the GEMM with the LoRA epilogue: Qwen3-30B-A3B's qkv and o_proj at decode and prefill
+# M, N, K, out parts of the GEMM with the LoRA epilogue: Qwen3-30B-A3B's qkv and o_proj at decode (o_proj also at 32
+# rows: its slots loaded before the K loop) and prefill
 LORA_EPILOGUES = ((1, 5120, 2048, (4096, 512, 512)), (4096, 5120, 2048, (4096, 512, 512)), (1, 2048, 4096, (2048,)),
-                  (4096, 2048, 4096, (2048,)))
+                  (32, 2048, 4096, (2048,)), (4096, 2048, 4096, (2048,)))
 KV_STORES = ((4, 128, 128), (1, 192, 128), (16, 192, 128), (128, 192, 128), (2, 80, 80))  # kv heads, Dk, Dv: Qwen3,
 #           MLA as one head, DeepSeek-V2-Lite and -V3 (a kv head per query head), non-power-of-two dims
 
