@@ -172,9 +172,9 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, str
     w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]
     rows = offs_m.to(tl.int64)  # of split 0's partial; split s's are M further down
     out_mask = m_mask[:, None] & n_mask[None, :]
-    # tiles of 32 rows load their rows' slots before the K loop, where the load's round trip hides (o_proj at 32
-    # rows: a LoRA delta of 6.1 us instead of 10.0); on tiles of 16 rows (o_proj at one row, 4.8 -> 8.0 us) and of
-    # 64 (o_proj at 128 rows, 7.1 -> 8.5 us) that made the GEMM slower (benchmarks/RESULTS.md, sessions 19 and 33)
+    # tiles of 32 rows load their rows' slots before the K loop, where the load's round trip hides behind it (o_proj's
+    # LoRA cost 40% less); on tiles of 16 and of 64 rows the early load measured slower (benchmarks/RESULTS.md,
+    # sessions 19 and 33)
     SLOTS_FIRST: tl.constexpr = HAS_LORA and BLOCK_M == 32
     if SLOTS_FIRST:
         row_slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1)
