@@ -26,6 +26,7 @@ from bench_moe import SHAPES
 from moelora.kernels.fused_moe import config as fm_config
 from moelora.kernels.fused_moe import gemm as fm_gemm
 from moelora.kernels.fused_moe import shrink as fm_shrink
+from moelora.kernels.lora_tiles import LORA_RANK_CHUNK
 from tests.kernels.test_compile_sm90 import compile_sm90, moe_gemm_constexprs
 
 REGISTERS_PER_SM, SHARED_PER_SM, WARPS_PER_SM, PROGRAMS_PER_SM = 65536, 228 * 1024, 64, 32  # Hopper
@@ -69,7 +70,8 @@ def resources(kernel, constexprs: dict, num_warps: int, num_stages: int, maxnreg
 
 def rows(tokens: int, shape: tuple[int, int, int, int], lora: bool, maxnreg: int | None):
     """(kernel name, rank tiles, Resources) of each kernel a fused_moe call of `tokens` tokens launches on the
-    default tile table: without LoRA, or with LoRA on the rank-16 tile alone and on tiles up to 64."""
+    default tile table: without LoRA, or with LoRA on the rank-16 tile alone and on tiles up to 64 (the block
+    shrink then, where the config says so, a launch per tile)."""
     _, _, experts, top_k = shape
     cfg = fm_config.default_config(tokens, top_k, experts, torch.bfloat16, lora=lora)
     block_shrink = lora and not cfg.pair_blocks and tokens * top_k > cfg.pair_shrink_max_pairs
@@ -82,9 +84,10 @@ def rows(tokens: int, shape: tuple[int, int, int, int], lora: bool, maxnreg: int
                                                       cfg.num_warps, cfg.num_stages, cap)
         yield "down_kernel", rank_tiles, resources(fm_gemm.down_kernel, constexprs(cfg.block_n_down),
                                                    cfg.num_warps, cfg.num_stages, cap)
-        if block_shrink:
-            yield "shrink_kernel", rank_tiles, resources(fm_shrink.shrink_kernel, constexprs(0), cfg.shrink_num_warps,
-                                                         cfg.shrink_num_stages)
+        for tile in (range(rank_tiles) if cfg.shrink_per_rank_tile else (-1,)) if block_shrink else ():
+            name = f"shrink_kernel (tile {LORA_RANK_CHUNK << tile})" if tile >= 0 else "shrink_kernel"
+            yield name, rank_tiles, resources(fm_shrink.shrink_kernel, {**constexprs(0), "TILE": tile},
+                                              cfg.shrink_num_warps, cfg.shrink_num_stages)
 
 
 def main():

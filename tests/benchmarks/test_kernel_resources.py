@@ -35,9 +35,15 @@ def test_resources_of_each_kernel_at_a_prefill_batch():
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in run.stdout.splitlines()
             if line.startswith("| 512")]
     # without LoRA the two GEMMs; with it the GEMMs and the block shrink, on the rank-16 tile and on tiles to 64
+    # (a shrink launch per tile)
     assert [(r[1], r[2], r[3]) for r in rows] == [
         ("off", "gate_up_kernel", ""), ("off", "down_kernel", ""),
-        *[("on", kernel, tiles) for tiles in ("1", "3") for kernel in ("gate_up_kernel", "down_kernel", "shrink_kernel")]]
+        ("on", "gate_up_kernel", "1"), ("on", "down_kernel", "1"), ("on", "shrink_kernel (tile 16)", "1"),
+        ("on", "gate_up_kernel", "3"), ("on", "down_kernel", "3"),
+        *[("on", f"shrink_kernel (tile {tile})", "3") for tile in (16, 32, 64)]]
     assert all(0 < int(r[4]) <= 255 and int(r[5]) >= 0 and float(r[6]) > 0 for r in rows)
-    capped = [int(r[4]) for r in rows if r[1] == "on" and r[3] == "3" and r[2] != "shrink_kernel"]
+    capped = [int(r[4]) for r in rows if r[1] == "on" and r[3] == "3" and not r[2].startswith("shrink_kernel")]
     assert capped and all(regs <= 168 for regs in capped)  # the cap reaches the GEMMs with more than one rank tile
+    # each shrink launch holds the registers of its own tile: the rank-16 launch among tiles to 64 as many as alone
+    shrink16 = {r[3]: int(r[4]) for r in rows if r[2] == "shrink_kernel (tile 16)"}
+    assert shrink16["3"] == shrink16["1"], shrink16

@@ -152,7 +152,7 @@ def compile_all() -> list[dict]:
                                (ma._lay_out_kernel, dict(BLOCK_M=64, E_P=256, S1_P=16, CHUNK=256)),
                                (ma._place_kernel, dict(HAS_SLOTS=True, S1_P=16, CHUNK=256)),
                                (fm_shrink.shrink_kernel,
-                                dict(BLOCK_M=16, BLOCK_K=64, BLOCK_R=64, RANK_TILES=3,
+                                dict(BLOCK_M=16, BLOCK_K=64, BLOCK_R=64, RANK_TILES=3, TILE=2,
                                      SPLIT_K=fm_config.SHRINK_SPLIT_K, A_ALIGNED=True)),
                                (fm_shrink.pair_shrink_kernel, dict(BLOCK_M=16, E_P=128, S1_P=16, CHUNK=256, BLOCK_K=64,
                                                                    BLOCK_R=64, RANK_TILES=3, A_ALIGNED=True,
@@ -167,8 +167,8 @@ def compile_all() -> list[dict]:
     cfg = fm_config.default_config(128, 8, 128, torch.bfloat16, lora=True)
     for block_r, rank_tiles, aligned in ((64, 3, True), (16, 1, True), (16, 1, False)):
         compiled = compile_sm90(fm_shrink.shrink_kernel, dict(BLOCK_M=cfg.block_m, BLOCK_K=64, BLOCK_R=block_r,
-                                                              RANK_TILES=rank_tiles, SPLIT_K=fm_config.SHRINK_SPLIT_K,
-                                                              A_ALIGNED=aligned),
+                                                              RANK_TILES=rank_tiles, TILE=rank_tiles - 1,
+                                                              SPLIT_K=fm_config.SHRINK_SPLIT_K, A_ALIGNED=aligned),
                                 "bf16", cfg.shrink_num_warps, cfg.shrink_num_stages)
         results.append(dict(kernel="shrink_kernel", shared=compiled.metadata.shared, block_r=block_r,
                             a_aligned=aligned, async_copies=compiled.asm["ttgir"].count("async_copy_global_to_local"),

@@ -180,6 +180,22 @@ def test_shrink_per_pair_equals_shrink_per_block(dtype, block_m, shrink_warps, s
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_shrink_launch_per_rank_tile_equals_one_launch(dtype, device, poison):
+    """The block shrink as a launch per rank tile (each launch the slots whose ranks take its tile) writes the bits of
+    one launch over every tile, and of the shrink per pair; blocks hold slots of all three tiles (ranks 4 to 64)."""
+    x, w13, w2, topk, lora, slots = _case(70, 48, 40, 5, 3, dtype, device, coverage=1.0)
+    cfg = dataclasses.replace(default_config(70, 3, 5, dtype, lora=True), pair_shrink_max_pairs=0)
+    per_tile, one, per_pair = (
+        fused_moe(x, w13, w2, topk, lora, slots, impl="triton", config=dataclasses.replace(cfg, **changes))
+        for changes in (dict(shrink_per_rank_tile=True), dict(shrink_per_rank_tile=False),
+                        dict(pair_shrink_max_pairs=10**6)))
+    assert torch.equal(per_tile, one) and torch.equal(per_tile, per_pair)
+    assert_rows_close(per_tile, fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(dtype, device))
+    base = fused_moe(x, w13, w2, topk, impl="triton", config=cfg)
+    assert not torch.equal(per_tile[slots >= 0], base[slots >= 0]), "LoRA was not applied"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_a_rows_off_16_bytes_take_plain_loads(dtype, device, poison, monkeypatch):
     """The shrink is told whether every row of A starts on 16 bytes (its vector loads need it): not with a hidden
     size of 62 (124 or 248 bytes a row), nor for a view one element in, and the results still match, with the

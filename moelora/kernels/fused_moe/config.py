@@ -58,6 +58,10 @@ class MoEKernelConfig:
     # (benchmarks/RESULTS.md)
     shrink_num_warps: int = 4
     shrink_num_stages: int = 3
+    # the block shrink as a launch per rank tile, each compiled for its tile alone: with one launch the largest
+    # tile's registers set how many programs an SM holds for every tile. Mixed ranks at 32-row blocks gained; at
+    # 16-row blocks the extra launches cost more than that (benchmarks/RESULTS.md, session 34)
+    shrink_per_rank_tile: bool = False
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype, *,
@@ -78,7 +82,8 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     if not lora and rows_per_expert < 256:
         return MoEKernelConfig(128, 128, 128, block_k, 8, 8, 4, half_tiles=True)
     if rows_per_expert <= 96:
-        return MoEKernelConfig(32, 64, 128, block_k, 8, 4, 4, slot_stages=4, max_registers=168)
+        return MoEKernelConfig(32, 64, 128, block_k, 8, 4, 4, slot_stages=4, max_registers=168,
+                               shrink_per_rank_tile=True)
     if rows_per_expert < 256:
         return MoEKernelConfig(64, 64, 128, block_k, 8, 4, 4, slot_stages=4)
     # prefill: wide n tiles, 8 warps

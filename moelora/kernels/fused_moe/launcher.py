@@ -102,14 +102,16 @@ def fused_moe_triton(
             )
         else:
             blocks = moe_align(topk.ids, token_slots, num_experts, num_slots, cfg.block_m)
-            shrink_kernel[(blocks.block_expert.numel(), num_splits)](
-                x, xa, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, slots, ranks,
-                ag, au, num_pairs, top_k, hidden, num_slots, num_experts, num_splits,
-                x.stride(0), *a_strides,
-                BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K,
-                RANK_TILES=rank_tiles, A_ALIGNED=a_aligned, num_warps=cfg.shrink_num_warps,
-                num_stages=cfg.shrink_num_stages, **pdl,
-            )
+            # a launch per rank tile, each compiled for its tile alone (shrink_kernel's TILE; -1: all tiles)
+            for tile in range(rank_tiles) if cfg.shrink_per_rank_tile else (-1,):
+                shrink_kernel[(blocks.block_expert.numel(), num_splits)](
+                    x, xa, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, slots, ranks,
+                    ag, au, num_pairs, top_k, hidden, num_slots, num_experts, num_splits,
+                    x.stride(0), *a_strides,
+                    BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K,
+                    RANK_TILES=rank_tiles, A_ALIGNED=a_aligned, TILE=tile, num_warps=cfg.shrink_num_warps,
+                    num_stages=cfg.shrink_num_stages, **pdl,
+                )
         if not cfg.pair_blocks:  # (with pair blocks xa is written in the gate_up launch that reads it)
             xa, num_splits = reduce_partials(xa.view(num_pairs * 2, num_splits, block_r), topk.ids, slots, ranks, 0,
                                              num_pairs >= cfg.reduce_partials_min_pairs)

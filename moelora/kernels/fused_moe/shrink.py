@@ -13,12 +13,12 @@ from moelora.kernels.pdl import wait_for_previous_kernel
 @triton.jit
 def _shrink_rows(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, k_lo, k_hi, num_experts,
                  num_splits, stride_ae, stride_ar, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_R: tl.constexpr, RANK_TILES: tl.constexpr, A_ALIGNED: tl.constexpr):
+                 BLOCK_R: tl.constexpr, RANK_TILES: tl.constexpr, A_ALIGNED: tl.constexpr, TILE: tl.constexpr = -1):
     """xa_g, xa_u = x[rows] @ A[s, e][:, k_lo:k_hi]^T for gate and up (ranks rank_g, rank_u), stored from xa_rows
     (column 0 of each row's gate partial) for `rows`, on the smallest rank tile that holds both ranks
-    (tiles.takes_rank_tile)."""
+    (tiles.takes_rank_tile); with TILE >= 0 only if that is tile TILE (the others are not compiled)."""
     for c in tl.static_range(RANK_TILES):
-        if takes_rank_tile(tl.maximum(rank_g, rank_u), c, RANK_TILES, BLOCK_R):
+        if (TILE < 0 or TILE == c) and takes_rank_tile(tl.maximum(rank_g, rank_u), c, RANK_TILES, BLOCK_R):
             _shrink_tile(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, k_lo, k_hi, num_experts,
                          num_splits, stride_ae, stride_ar, BLOCK_M, BLOCK_K, c, RANK_TILES, BLOCK_R, A_ALIGNED)
 
@@ -57,12 +57,14 @@ def shrink_kernel(
     x_ptr, xa_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, token_slots_ptr, ranks_ptr, ag_ptr, au_ptr,
     num_pairs, top_k, H, num_slots, num_experts, num_splits, stride_xt, stride_ae, stride_ar,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
-    RANK_TILES: tl.constexpr, A_ALIGNED: tl.constexpr,
+    RANK_TILES: tl.constexpr, A_ALIGNED: tl.constexpr, TILE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """xa[p, proj, split] = x[p] @ A_proj[slot(p), e][:, split's K range]^T for gate (proj 0) and up
     (proj 1), one program per (block, K split), looping over the slots in the block. The gate_up GEMM
-    sums the splits in a fixed order."""
+    sums the splits in a fixed order. TILE >= 0: only the slots whose ranks take rank tile TILE, the launch compiled
+    for that tile alone (a launch per tile: the registers of the largest tile's loop would set how many programs of
+    the smaller tiles an SM holds)."""
     wait_for_previous_kernel(PDL)
     pid_m, split = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -80,7 +82,7 @@ def shrink_kernel(
         if rank_g + rank_u > 0:  # (0 also when no row has slot s)
             _shrink_rows(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, split * SPLIT_K,
                          tl.minimum(H, (split + 1) * SPLIT_K), num_experts, num_splits, stride_ae, stride_ar,
-                         BLOCK_M, BLOCK_K, BLOCK_R, RANK_TILES, A_ALIGNED)
+                         BLOCK_M, BLOCK_K, BLOCK_R, RANK_TILES, A_ALIGNED, TILE)
 
 
 @triton.jit
