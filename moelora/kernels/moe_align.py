@@ -197,7 +197,9 @@ def _place_kernel(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, num
                  tl.num_programs(0) * CHUNK, num_pairs, top_k, num_experts, num_slots, HAS_SLOTS, S1_P, CHUNK)
 
 
-SINGLE_PROGRAM_MAX_PAIRS = 2048  # above this, count / lay out / place run as three grid-wide kernels
+# above this, count / lay out / place run as three grid-wide kernels: one program's time grows with the pairs, the
+# three launches' stays about 7 us (benchmarks/RESULTS.md, session 34)
+SINGLE_PROGRAM_MAX_PAIRS = 256
 CHUNK = 256  # pairs per vector in the align kernels
 
 
