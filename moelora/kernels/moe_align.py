@@ -4,7 +4,8 @@ Blocks are padded per expert, so an expert's weights are read once per block wha
 adapters its tokens use. Inside an expert the pairs are ordered by adapter slot (base tokens
 first), so a block's rows hold few distinct slots, each a contiguous run: the LoRA epilogues loop
 over the slots present. Expert ids outside [0, E) (-1 marks an expert owned by another rank) are
-dropped, never indexed; slots outside [0, S) count as "no adapter".
+dropped, never indexed; slots outside [0, S) count as "no adapter". Where asked for, the alignment also
+lists each (expert, slot) key's run of rows (AlignedBlocks.segments), for the LoRA shrink's programs.
 
 Output sizes depend only on (T*k, E, S, BLOCK_M), never on the routing, so the kernel needs no
 host synchronisation and can be captured in a CUDA graph; the GEMMs skip blocks past `num_rows`.
@@ -25,6 +26,15 @@ class AlignedBlocks(NamedTuple):
     block_expert: torch.Tensor  # [max_rows // block_m] int32: expert of each block; -1 past num_rows
     num_rows: torch.Tensor  # [1] int32: rows in use, a multiple of block_m
     block_m: int
+    # where asked for: the runs of rows of one (expert, slot >= 0) key, in key order: [3, max_segments(...)] int32
+    # rows (first row, rows, expert * num_slots + slot), the first num_segments[0] in use
+    segments: torch.Tensor | None = None
+    num_segments: torch.Tensor | None = None
+
+
+def max_segments(num_pairs: int, num_experts: int, num_slots: int) -> int:
+    """Upper bound on the (expert, slot) keys with pairs: each holds at least one pair."""
+    return max(1, min(num_pairs, num_experts * num_slots))
 
 
 def max_aligned_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -47,6 +57,7 @@ def moe_align_reference(
     num_experts: int,
     num_slots: int,
     block_m: int,
+    segments: bool = False,
 ) -> AlignedBlocks:
     """Torch version of `moe_align`; orders pairs stably by (expert, slot, pair index)."""
     num_pairs = topk_ids.numel()
@@ -75,7 +86,24 @@ def moe_align_reference(
     block_rows = torch.arange(max_rows // block_m, device=device) * block_m
     block_expert = torch.searchsorted(torch.cumsum(padded, 0), block_rows, right=True)
     block_expert = torch.where(block_rows < num_rows, block_expert, -1).to(torch.int32)
-    return AlignedBlocks(sorted_ids, block_expert, num_rows.reshape(1).to(torch.int32), block_m)
+    blocks = AlignedBlocks(sorted_ids, block_expert, num_rows.reshape(1).to(torch.int32), block_m)
+    if not segments:
+        return blocks
+    pair_slots = _pair_slots(topk_ids, token_slots, num_slots)
+    key_counts = torch.zeros(num_experts * num_slots + 1, dtype=torch.int64, device=device)
+    lora_pair = valid & (pair_slots >= 0)
+    key_counts.scatter_add_(0, torch.where(lora_pair, experts * num_slots + pair_slots, num_experts * num_slots),
+                            torch.ones_like(experts))
+    keys = key_counts[:-1].nonzero().flatten()
+    key_e = keys // num_slots
+    # a key's rows follow its expert's base rows and the rows of the expert's smaller slots
+    per_key = key_counts[:-1].view(num_experts, num_slots)
+    before = torch.cumsum(per_key, 1) - per_key
+    base = counts - per_key.sum(1)
+    first = start[key_e] + base[key_e] + before.flatten()[keys]
+    segs = torch.zeros(3, max_segments(num_pairs, num_experts, num_slots), dtype=torch.int32, device=device)
+    segs[:, :len(keys)] = torch.stack([first, key_counts[keys], keys]).to(torch.int32)
+    return blocks._replace(segments=segs, num_segments=torch.tensor([len(keys)], dtype=torch.int32, device=device))
 
 
 @triton.jit
@@ -108,18 +136,30 @@ def _count_pairs(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, firs
 
 
 @triton.jit
-def _lay_out_blocks(block_expert_ptr, num_rows_ptr, cursor_ptr, max_rows,
-                    BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr):
+def _lay_out_blocks(block_expert_ptr, num_rows_ptr, cursor_ptr, segments_ptr, num_segments_ptr, max_rows, num_slots,
+                    max_segs, BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr,
+                    SEGMENTS: tl.constexpr):
     """From the counts: each expert's first row (padded to BLOCK_M), each key's first row (slots
-    unpadded inside an expert) into cursor, the blocks' experts and the rows in use."""
+    unpadded inside an expert) into cursor, the blocks' experts and the rows in use; with SEGMENTS the
+    (first row, rows, expert * num_slots + slot) of each key with a slot and pairs (AlignedBlocks.segments)."""
     offs_e = tl.arange(0, E_P)
-    keys_2d = offs_e[:, None] * S1_P + tl.arange(0, S1_P)[None, :]
+    offs_s1 = tl.arange(0, S1_P)
+    keys_2d = offs_e[:, None] * S1_P + offs_s1[None, :]
     counts = tl.load(cursor_ptr + keys_2d)
     per_expert = tl.sum(counts, axis=1)
     padded = (per_expert + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     expert_start = tl.cumsum(padded, axis=0) - padded
-    tl.store(cursor_ptr + keys_2d, expert_start[:, None] + tl.cumsum(counts, axis=1) - counts)
+    key_start = expert_start[:, None] + tl.cumsum(counts, axis=1) - counts
+    tl.store(cursor_ptr + keys_2d, key_start)
     tl.store(num_rows_ptr, tl.sum(padded, axis=0))
+    if SEGMENTS:  # (slot -1 is column 0: the base rows)
+        used = tl.reshape((counts > 0) & (offs_s1 > 0)[None, :], (E_P * S1_P,))
+        seg = tl.cumsum(used.to(tl.int32), axis=0) - 1
+        key = tl.reshape(offs_e[:, None] * num_slots + offs_s1[None, :] - 1, (E_P * S1_P,))
+        tl.store(segments_ptr + seg, tl.reshape(key_start, (E_P * S1_P,)), mask=used)
+        tl.store(segments_ptr + max_segs + seg, tl.reshape(counts, (E_P * S1_P,)), mask=used)
+        tl.store(segments_ptr + 2 * max_segs + seg, key, mask=used)
+        tl.store(num_segments_ptr, tl.sum(used.to(tl.int32), axis=0))
     offs = tl.arange(0, CHUNK)
     for block0 in range(0, max_rows // BLOCK_M, CHUNK):
         tl.store(block_expert_ptr + block0 + offs, -1, mask=block0 + offs < max_rows // BLOCK_M)
@@ -143,8 +183,9 @@ def _place_pairs(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, firs
 
 @triton.jit
 def moe_align_program(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr,
-                      num_pairs, top_k, num_experts, num_slots, max_rows, HAS_SLOTS: tl.constexpr,
-                      BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr):
+                      segments_ptr, num_segments_ptr, num_pairs, top_k, num_experts, num_slots, max_rows, max_segs,
+                      HAS_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr,
+                      CHUNK: tl.constexpr, SEGMENTS: tl.constexpr):
     """Small batches: the three phases in one program, separated by barriers. `cursor` holds, per
     (expert, slot) key, first the pair count, then the next free row. Also called by other kernels
     that run the alignment as one program of a larger launch."""
@@ -154,7 +195,8 @@ def moe_align_program(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_exper
     _count_pairs(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, 0, CHUNK, num_pairs, top_k, num_experts,
                  num_slots, max_rows, HAS_SLOTS, S1_P, CHUNK)
     tl.debug_barrier()
-    _lay_out_blocks(block_expert_ptr, num_rows_ptr, cursor_ptr, max_rows, BLOCK_M, E_P, S1_P, CHUNK)
+    _lay_out_blocks(block_expert_ptr, num_rows_ptr, cursor_ptr, segments_ptr, num_segments_ptr, max_rows, num_slots,
+                    max_segs, BLOCK_M, E_P, S1_P, CHUNK, SEGMENTS)
     tl.debug_barrier()
     _place_pairs(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, 0, CHUNK, num_pairs, top_k, num_experts,
                  num_slots, HAS_SLOTS, S1_P, CHUNK)
@@ -162,14 +204,15 @@ def moe_align_program(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_exper
 
 @triton.jit(do_not_specialize=["num_pairs"])  # row counts: kernels/__init__.py
 def _moe_align_kernel(
-    topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr,
-    num_pairs, top_k, num_experts, num_slots, max_rows,
+    topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr, segments_ptr,
+    num_segments_ptr, num_pairs, top_k, num_experts, num_slots, max_rows, max_segs,
     HAS_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr,
-    CHUNK: tl.constexpr, PDL: tl.constexpr,
+    CHUNK: tl.constexpr, SEGMENTS: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     moe_align_program(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr,
-                      num_pairs, top_k, num_experts, num_slots, max_rows, HAS_SLOTS, BLOCK_M, E_P, S1_P, CHUNK)
+                      segments_ptr, num_segments_ptr, num_pairs, top_k, num_experts, num_slots, max_rows, max_segs,
+                      HAS_SLOTS, BLOCK_M, E_P, S1_P, CHUNK, SEGMENTS)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # row counts: kernels/__init__.py
@@ -182,11 +225,12 @@ def _count_kernel(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, num
 
 
 @triton.jit
-def _lay_out_kernel(block_expert_ptr, num_rows_ptr, cursor_ptr, max_rows,
-                    BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr,
-                    PDL: tl.constexpr):
+def _lay_out_kernel(block_expert_ptr, num_rows_ptr, cursor_ptr, segments_ptr, num_segments_ptr, max_rows, num_slots,
+                    max_segs, BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr,
+                    SEGMENTS: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
-    _lay_out_blocks(block_expert_ptr, num_rows_ptr, cursor_ptr, max_rows, BLOCK_M, E_P, S1_P, CHUNK)
+    _lay_out_blocks(block_expert_ptr, num_rows_ptr, cursor_ptr, segments_ptr, num_segments_ptr, max_rows, num_slots,
+                    max_segs, BLOCK_M, E_P, S1_P, CHUNK, SEGMENTS)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # row counts: kernels/__init__.py
@@ -213,14 +257,18 @@ def align_num_warps(num_experts: int, num_slots: int) -> int:
     return 8 if e_p * s1_p >= 4096 else 4
 
 
-def alloc_aligned(num_pairs: int, num_experts: int, num_slots: int, block_m: int,
-                  device: torch.device) -> tuple[AlignedBlocks, torch.Tensor]:
+def alloc_aligned(num_pairs: int, num_experts: int, num_slots: int, block_m: int, device: torch.device,
+                  segments: bool = False) -> tuple[AlignedBlocks, torch.Tensor]:
     """Uninitialised outputs of moe_align at their fixed sizes, and its per-key cursor scratch."""
     max_rows = max_aligned_rows(num_pairs, num_experts, block_m)
     e_p, s1_p = key_tile(num_experts, num_slots)
     blocks = AlignedBlocks(torch.empty(max_rows, dtype=torch.int32, device=device),
                            torch.empty(max_rows // block_m, dtype=torch.int32, device=device),
                            torch.empty(1, dtype=torch.int32, device=device), block_m)
+    if segments:
+        blocks = blocks._replace(
+            segments=torch.empty(3, max_segments(num_pairs, num_experts, num_slots), dtype=torch.int32, device=device),
+            num_segments=torch.empty(1, dtype=torch.int32, device=device))
     return blocks, torch.empty(e_p * s1_p, dtype=torch.int32, device=device)
 
 
@@ -230,8 +278,10 @@ def moe_align(
     num_experts: int,
     num_slots: int,
     block_m: int,
+    segments: bool = False,
 ) -> AlignedBlocks:
-    """Triton version. topk_ids [T, k] int32; token_slots [T] int32 (-1: no adapter) or None."""
+    """Triton version. topk_ids [T, k] int32; token_slots [T] int32 (-1: no adapter) or None; segments: also
+    AlignedBlocks.segments (with token_slots)."""
     if topk_ids.dtype != torch.int32 or not topk_ids.is_contiguous():
         raise ValueError(f"topk_ids must be contiguous int32, got {topk_ids.dtype}")
     if token_slots is not None and (token_slots.dtype != torch.int32 or token_slots.shape != topk_ids.shape[:1]):
@@ -239,23 +289,26 @@ def moe_align(
             f"token_slots must be int32 of shape ({topk_ids.shape[0]},), got {token_slots.dtype} {tuple(token_slots.shape)}"
         )
     num_pairs = topk_ids.numel()
-    blocks, cursor = alloc_aligned(num_pairs, num_experts, num_slots, block_m, topk_ids.device)
-    sorted_ids, block_expert, num_rows, _ = blocks
+    segments = segments and token_slots is not None
+    blocks, cursor = alloc_aligned(num_pairs, num_experts, num_slots, block_m, topk_ids.device, segments)
+    sorted_ids, block_expert, num_rows = blocks.sorted_ids, blocks.block_expert, blocks.num_rows
+    segs = (blocks.segments, blocks.num_segments) if segments else (cursor, cursor)  # (never written without)
     max_rows, (e_p, s1_p) = sorted_ids.numel(), key_tile(num_experts, num_slots)
+    max_segs = segs[0].shape[-1] if segments else 1
     slots = token_slots if token_slots is not None else topk_ids
     keys = dict(HAS_SLOTS=token_slots is not None, S1_P=s1_p, CHUNK=CHUNK)
     warps, pdl = align_num_warps(num_experts, num_slots), pdl_launch(topk_ids.device)
     if num_pairs <= SINGLE_PROGRAM_MAX_PAIRS:
-        _moe_align_kernel[(1,)](topk_ids, slots, sorted_ids, block_expert, num_rows, cursor, num_pairs,
-                                topk_ids.shape[1], num_experts, num_slots, max_rows, BLOCK_M=block_m, E_P=e_p, **keys,
-                                num_warps=warps, **pdl)
+        _moe_align_kernel[(1,)](topk_ids, slots, sorted_ids, block_expert, num_rows, cursor, *segs, num_pairs,
+                                topk_ids.shape[1], num_experts, num_slots, max_rows, max_segs, BLOCK_M=block_m,
+                                E_P=e_p, SEGMENTS=segments, **keys, num_warps=warps, **pdl)
     else:
         cursor.zero_()
         grid = (triton.cdiv(max_rows, CHUNK),)
         _count_kernel[grid](topk_ids, slots, sorted_ids, cursor, num_pairs, topk_ids.shape[1], num_experts, num_slots,
                             max_rows, **keys, **pdl)
-        _lay_out_kernel[(1,)](block_expert, num_rows, cursor, max_rows, BLOCK_M=block_m, E_P=e_p, S1_P=s1_p,
-                              CHUNK=CHUNK, num_warps=warps, **pdl)
+        _lay_out_kernel[(1,)](block_expert, num_rows, cursor, *segs, max_rows, num_slots, max_segs, BLOCK_M=block_m,
+                              E_P=e_p, S1_P=s1_p, CHUNK=CHUNK, SEGMENTS=segments, num_warps=warps, **pdl)
         _place_kernel[grid](topk_ids, slots, sorted_ids, cursor, num_pairs, topk_ids.shape[1], num_experts, num_slots,
                             **keys, **pdl)
     return blocks

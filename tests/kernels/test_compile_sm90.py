@@ -40,14 +40,15 @@ HOPPER = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 227 * 1024
 INT_PTRS = {"sorted_ids_ptr", "block_expert_ptr", "block_slot_ptr", "num_rows_ptr", "ranks_ptr", "topk_ids_ptr",
             "token_slots_ptr", "cursor_ptr", "counter_ptr", "ready_ptr", "req_to_token_ptr", "req_pool_ptr", "seq_lens_ptr",
-            "extend_lens_ptr", "extend_starts_ptr", "blocks_ptr", "ids_ptr", "lora_ranks_ptr", "slots_ptr"}
+            "extend_lens_ptr", "extend_starts_ptr", "blocks_ptr", "ids_ptr", "lora_ranks_ptr", "slots_ptr",
+            "segments_ptr", "num_segments_ptr"}
 FP32_PTRS = {"topk_weights_ptr", "xa_ptr", "hd_ptr", "mid_o_ptr", "mid_lse_ptr", "inv_freq_ptr", "bias_ptr",
              "weights_ptr"}
 FP32_SCALARS = {"qk_scale", "scale", "routed_scaling_factor", "eps", "q_eps", "k_eps"}
 NOT_DIVISIBLE = {"num_pairs", "top_k", "num_slots", "num_experts", "max_rows", "group", "num_q_heads", "max_splits",
                  "qk_scale", "num_tokens", "num_splits", "num_hd_parts", "num_k_heads", "stride_lt", "scale",
                  "rows_per_token", "num_parts", "num_n_down", "tokens_per_program", "routed_scaling_factor", "num_heads", "eps", "M",
-                 "num_kv_heads", "q_eps", "k_eps"}
+                 "num_kv_heads", "q_eps", "k_eps", "max_segs"}
 ATTENTION_HEADS = ((128, 128, 8), (192, 128, 1), (64, 64, 4))  # Dk, Dv, q heads per kv head: Qwen3, MLA, small
 LORA_LINEARS = ((2048, (4096, 512, 512), 16), (2048, (4096, 512, 512), 64), (4096, (2048,), 16))  # Qwen3-30B-A3B
 #                 qkv and o: in features, out sizes, rank tile
@@ -147,9 +148,10 @@ def compile_all() -> list[dict]:
             results += compile_moe_gemms(cfg, has_lora, dtype)
     # LoRA on the smallest rank tile alone, the pair blocks' row (the others above hold three rank tiles)
     results += compile_moe_gemms(fm_config.default_config(1, 8, 128, torch.bfloat16, lora=True), True, "bf16", 1)
-    for kernel, constexprs in ((ma._moe_align_kernel, dict(HAS_SLOTS=True, BLOCK_M=16, E_P=256, S1_P=64, CHUNK=256)),
+    for kernel, constexprs in ((ma._moe_align_kernel, dict(HAS_SLOTS=True, BLOCK_M=16, E_P=256, S1_P=64, CHUNK=256,
+                                                          SEGMENTS=True)),
                                (ma._count_kernel, dict(HAS_SLOTS=True, S1_P=16, CHUNK=256)),
-                               (ma._lay_out_kernel, dict(BLOCK_M=64, E_P=256, S1_P=16, CHUNK=256)),
+                               (ma._lay_out_kernel, dict(BLOCK_M=64, E_P=256, S1_P=16, CHUNK=256, SEGMENTS=True)),
                                (ma._place_kernel, dict(HAS_SLOTS=True, S1_P=16, CHUNK=256)),
                                (fm_shrink.shrink_kernel,
                                 dict(BLOCK_M=16, BLOCK_K=64, BLOCK_R=64, RANK_TILES=3, TILE=2,
@@ -162,11 +164,11 @@ def compile_all() -> list[dict]:
                                (so._sum_in_order_kernel, dict(PARTS=4, BLOCK=so.BLOCK))):
         compiled = compile_sm90(kernel, constexprs, "bf16", 8, 1)
         results.append(dict(kernel=kernel.fn.__name__, shared=compiled.metadata.shared, ttgir=""))
-    # the block shrink on its blocks-of-16 launch options (the deepest pipeline): with the rank-64 tiles (the most
-    # shared memory), and on the rank-16 tile with rows of A known to start on 16 bytes and not
+    # the segment shrink on the 16-row tile row's launch options (the deepest pipeline): with the rank-64 tiles (the
+    # most shared memory), and on the rank-16 tile with rows of A known to start on 16 bytes and not
     cfg = fm_config.default_config(128, 8, 128, torch.bfloat16, lora=True)
     for block_r, rank_tiles, aligned in ((64, 3, True), (16, 1, True), (16, 1, False)):
-        compiled = compile_sm90(fm_shrink.shrink_kernel, dict(BLOCK_M=cfg.block_m, BLOCK_K=64, BLOCK_R=block_r,
+        compiled = compile_sm90(fm_shrink.shrink_kernel, dict(BLOCK_M=cfg.shrink_block_m, BLOCK_K=64, BLOCK_R=block_r,
                                                               RANK_TILES=rank_tiles, TILE=rank_tiles - 1,
                                                               SPLIT_K=fm_config.SHRINK_SPLIT_K, A_ALIGNED=aligned),
                                 "bf16", cfg.shrink_num_warps, cfg.shrink_num_stages)

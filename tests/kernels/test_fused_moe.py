@@ -164,18 +164,24 @@ def test_partials_summed_once_equal_partials_summed_per_program(dtype, device, p
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_m,shrink_warps,shrink_stages", [(32, 4, 3), (16, 2, 4)])
-def test_shrink_per_pair_equals_shrink_per_block(dtype, block_m, shrink_warps, shrink_stages, device, poison):
-    """Small batches shrink per pair inside the alignment's launch, large ones per block (on the warps and
-    stages of the block's tile row): a row's bits must not depend on which one its batch size picks."""
+@pytest.mark.parametrize("shrink_block_m,shrink_warps,shrink_stages", [(32, 4, 3), (16, 2, 4)])
+@pytest.mark.parametrize("one_slot", [False, True])
+def test_shrink_per_pair_equals_shrink_per_segment(dtype, shrink_block_m, shrink_warps, shrink_stages, one_slot,
+                                                   device, poison):
+    """Small batches shrink per pair inside the alignment's launch, large ones per (expert, slot) segment (on the
+    rows, warps and stages of the tile row): a row's bits must not depend on which one its batch size picks. With
+    one slot for every token, segments run longer than a program's rows (18 on average, against 16)."""
     x, w13, w2, topk, lora, slots = _case(45, 72, 40, 5, 2, dtype, device, slot_ranks=SMALL_RANKS)
+    if one_slot:
+        slots = torch.zeros_like(slots)
     cfg = default_config(45, 2, 5, dtype, lora=True)
-    per_block = fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
-                          config=dataclasses.replace(cfg, pair_shrink_max_pairs=0, block_m=block_m,
-                                                     shrink_num_warps=shrink_warps, shrink_num_stages=shrink_stages))
+    per_segment = fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
+                            config=dataclasses.replace(cfg, pair_shrink_max_pairs=0, shrink_block_m=shrink_block_m,
+                                                       shrink_num_warps=shrink_warps,
+                                                       shrink_num_stages=shrink_stages))
     per_pair = fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
                          config=dataclasses.replace(cfg, pair_shrink_max_pairs=10**6))
-    assert torch.equal(per_block, per_pair)
+    assert torch.equal(per_segment, per_pair)
     assert_rows_close(per_pair, fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(dtype, device))
 
 

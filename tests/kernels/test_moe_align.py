@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from moelora.kernels.moe_align import max_aligned_rows, moe_align, moe_align_reference
+from moelora.kernels.moe_align import max_aligned_rows, max_segments, moe_align, moe_align_reference
 
 CASES = [  # tokens, top_k, experts, slots, block_m
     (1, 1, 4, 0, 16),
@@ -77,6 +77,28 @@ def test_moe_align_matches_reference(tokens, top_k, experts, slots, block_m, wit
     key = ids.flatten().cpu().long() * (slots + 1) + 1 + _pair_slots(ids, none if token_slots is None else token_slots, slots)
     key = torch.cat([key, torch.tensor([-1])])  # padding rows
     assert torch.equal(key[got.sorted_ids.cpu().long()], key[ref.sorted_ids.cpu().long()])
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,slots,block_m", [c for c in CASES if c[3] > 0])
+def test_segments_are_the_runs_of_each_expert_and_slot(tokens, top_k, experts, slots, block_m, device, poison):
+    """AlignedBlocks.segments: for each (expert, slot >= 0) key with pairs, in key order, its first row, its rows
+    and its key, as the reference lays them out; every such pair's row lies in its key's segment, and nothing
+    past num_segments is read."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    ids, token_slots = _random_routing(tokens, top_k, experts, slots, device, gen)
+    got = moe_align(ids, token_slots, experts, slots, block_m, segments=True)
+    ref = moe_align_reference(ids, token_slots, experts, slots, block_m, segments=True)
+    n = int(ref.num_segments)
+    assert int(got.num_segments) == n and (n > 0 or tokens == 1)  # (one token may have no slot)
+    assert got.segments.shape == ref.segments.shape == (3, max_segments(tokens * top_k, experts, slots))
+    assert torch.equal(got.segments[:, :n].cpu(), ref.segments[:, :n].cpu())
+    pair_slots = _pair_slots(ids, token_slots, slots).cpu()
+    for first, rows, key in got.segments[:, :n].T.cpu().tolist():
+        pairs = got.sorted_ids[first:first + rows].cpu().long()
+        assert ((ids.flatten().cpu()[pairs] * slots + pair_slots[pairs]) == key).all()
+    lora_pairs = ((ids.flatten().cpu() >= 0) & (ids.flatten().cpu() < experts) & (pair_slots >= 0)).sum()
+    assert int(got.segments[1, :n].sum()) == int(lora_pairs)
+    assert moe_align(ids, token_slots, experts, slots, block_m).segments is None  # only where asked for
 
 
 def test_moe_align_rejects_bad_dtypes(device):

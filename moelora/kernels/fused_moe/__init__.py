@@ -6,10 +6,11 @@
 Grouped GEMMs over blocks from `moe_align` (one expert per block, rows ordered by adapter slot), or,
 for a few pairs, over one block per (token, expert) pair, which needs no alignment launch:
 
-    shrink_kernel:   xa[p]    = x A_g^T, x A_u^T          K-split partials, rows with an adapter only (at
-                     some tiles a launch per rank tile); for a few pairs a program per (pair, split) in the
-                     alignment's launch, or with a block per pair in the first programs of the gate_up launch,
-                     whose epilogues wait on a ready count per pair
+    shrink_kernel:   xa[p]    = x A_g^T, x A_u^T          K-split partials, rows with an adapter only, a
+                     program per (expert, slot) segment of the aligned rows (at some tiles a launch per rank
+                     tile); for a few pairs a program per (pair, split) in the alignment's launch, or with a
+                     block per pair in the first programs of the gate_up launch, whose epilogues wait on a ready
+                     count per pair
     gate_up_kernel:  h[p]     = silu(x Wg^T + xa_g Bg^T) * (x Wu^T + xa_u Bu^T)
                      hd[p, n] = h[p, part n] Ad[:, part n]^T   down shrink, one part per 64 columns of I
     down_kernel:     o[p]     = w[p] * (h Wd^T + (sum_n hd[p, n]) Bd^T); with a block per pair also

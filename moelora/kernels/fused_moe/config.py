@@ -53,12 +53,14 @@ class MoEKernelConfig:
     # and A_d tiles load while this one's dots run. In blocks of 16 rows, a few rows of one or two slots at
     # decode, it gained at some shapes and lost at others (benchmarks/RESULTS.md)
     slot_stages: int = 1
-    # warps and pipeline stages of the block shrink (shrink.shrink_kernel, aligned blocks past
-    # pair_shrink_max_pairs): in blocks of 16 rows, 2 warps and 4 stages beat 4 and 3; in blocks of 32 they lost
-    # (benchmarks/RESULTS.md)
+    # rows a program of the segment shrink (shrink.shrink_kernel, aligned blocks past pair_shrink_max_pairs) takes
+    # at a time from its (expert, slot) segment, and its warps and pipeline stages. (Tuned for its predecessor, a
+    # program per block: in blocks of 16 rows, 2 warps and 4 stages beat 4 and 3; in blocks of 32 they lost,
+    # benchmarks/RESULTS.md)
+    shrink_block_m: int = 16
     shrink_num_warps: int = 4
     shrink_num_stages: int = 3
-    # the block shrink as a launch per rank tile, each compiled for its tile alone: with one launch the largest
+    # the segment shrink as a launch per rank tile, each compiled for its tile alone: with one launch the largest
     # tile's registers set how many programs an SM holds for every tile. Mixed ranks at 32-row blocks gained; at
     # 16-row blocks the extra launches cost more than that (benchmarks/RESULTS.md, session 34)
     shrink_per_rank_tile: bool = False
@@ -83,8 +85,8 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
         return MoEKernelConfig(128, 128, 128, block_k, 8, 8, 4, half_tiles=True)
     if rows_per_expert <= 96:
         return MoEKernelConfig(32, 64, 128, block_k, 8, 4, 4, slot_stages=4, max_registers=168,
-                               shrink_per_rank_tile=True)
+                               shrink_per_rank_tile=True, shrink_num_warps=2, shrink_num_stages=4)
     if rows_per_expert < 256:
-        return MoEKernelConfig(64, 64, 128, block_k, 8, 4, 4, slot_stages=4)
+        return MoEKernelConfig(64, 64, 128, block_k, 8, 4, 4, slot_stages=4, shrink_block_m=32)
     # prefill: wide n tiles, 8 warps
-    return MoEKernelConfig(128, 128, 256, block_k, 8, 8, 4, half_tiles=True, slot_stages=4)
+    return MoEKernelConfig(128, 128, 256, block_k, 8, 8, 4, half_tiles=True, slot_stages=4, shrink_block_m=32)

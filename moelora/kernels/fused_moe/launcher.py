@@ -101,14 +101,14 @@ def fused_moe_triton(
                 num_warps=align_num_warps(num_experts, num_slots), **pdl,
             )
         else:
-            blocks = moe_align(topk.ids, token_slots, num_experts, num_slots, cfg.block_m)
+            blocks = moe_align(topk.ids, token_slots, num_experts, num_slots, cfg.block_m, segments=True)
+            max_segs = blocks.segments.shape[1]
             # a launch per rank tile, each compiled for its tile alone (shrink_kernel's TILE; -1: all tiles)
             for tile in range(rank_tiles) if cfg.shrink_per_rank_tile else (-1,):
-                shrink_kernel[(blocks.block_expert.numel(), num_splits)](
-                    x, xa, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, slots, ranks,
-                    ag, au, num_pairs, top_k, hidden, num_slots, num_experts, num_splits,
-                    x.stride(0), *a_strides,
-                    BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K,
+                shrink_kernel[(max_segs, num_splits)](
+                    x, xa, blocks.sorted_ids, blocks.segments, blocks.num_segments, ranks, ag, au,
+                    num_pairs, top_k, hidden, num_slots, num_experts, num_splits, max_segs, x.stride(0), *a_strides,
+                    BLOCK_M=cfg.shrink_block_m, BLOCK_K=cfg.block_k, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K,
                     RANK_TILES=rank_tiles, A_ALIGNED=a_aligned, TILE=tile, num_warps=cfg.shrink_num_warps,
                     num_stages=cfg.shrink_num_stages, **pdl,
                 )

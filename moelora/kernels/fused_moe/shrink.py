@@ -1,11 +1,11 @@
-"""The gate/up LoRA shrink xa = x A^T, in K-split partials: per aligned block (looping over its slots), or per
+"""The gate/up LoRA shrink xa = x A^T, in K-split partials: per (expert, slot) segment of the aligned rows, or per
 (token, expert) pair, either in the alignment's launch or in the first programs of the gate_up launch."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from moelora.kernels.fused_moe.tiles import lora_rank, row_ranks, row_slots, slot_rank, takes_rank_tile
+from moelora.kernels.fused_moe.tiles import lora_rank, takes_rank_tile
 from moelora.kernels.moe_align import moe_align_program
 from moelora.kernels.pdl import wait_for_previous_kernel
 
@@ -52,34 +52,38 @@ def _shrink_tile(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, k_
     tl.store(xa_rows[:, None] + tl.where(up, num_splits * BLOCK_R + r, r)[None, :], xa, mask=rows[:, None])
 
 
-@triton.jit(do_not_specialize=["num_pairs"])  # row counts: kernels/__init__.py
+@triton.jit(do_not_specialize=["num_pairs", "max_segs"])  # row counts: kernels/__init__.py
 def shrink_kernel(
-    x_ptr, xa_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, token_slots_ptr, ranks_ptr, ag_ptr, au_ptr,
-    num_pairs, top_k, H, num_slots, num_experts, num_splits, stride_xt, stride_ae, stride_ar,
+    x_ptr, xa_ptr, sorted_ids_ptr, segments_ptr, num_segments_ptr, ranks_ptr, ag_ptr, au_ptr,
+    num_pairs, top_k, H, num_slots, num_experts, num_splits, max_segs, stride_xt, stride_ae, stride_ar,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
     RANK_TILES: tl.constexpr, A_ALIGNED: tl.constexpr, TILE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """xa[p, proj, split] = x[p] @ A_proj[slot(p), e][:, split's K range]^T for gate (proj 0) and up
-    (proj 1), one program per (block, K split), looping over the slots in the block. The gate_up GEMM
-    sums the splits in a fixed order. TILE >= 0: only the slots whose ranks take rank tile TILE, the launch compiled
-    for that tile alone (a launch per tile: the registers of the largest tile's loop would set how many programs of
-    the smaller tiles an SM holds)."""
+    (proj 1), one program per (segment, K split): a segment is the rows of one (expert, slot) key
+    (AlignedBlocks.segments), BLOCK_M at a time. Each program reads its key's A once and runs one chain of loads,
+    where a program per block walked the block's slots one after the other. The gate_up GEMM sums the splits in a
+    fixed order. TILE >= 0: only the segments whose ranks take rank tile TILE, the launch compiled for that tile
+    alone (a launch per tile: the registers of the largest tile's loop would set how many programs of the smaller
+    tiles an SM holds)."""
     wait_for_previous_kernel(PDL)
-    pid_m, split = tl.program_id(0), tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+    seg, split = tl.program_id(0), tl.program_id(1)
+    if seg >= tl.load(num_segments_ptr):
         return
-    e = tl.load(block_expert_ptr + pid_m)
-    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    slot, lo, hi = row_slots(tl.load(token_slots_ptr + pair // top_k, mask=pair < num_pairs, other=-1), num_slots)
-    x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + tl.arange(0, BLOCK_K)[None, :]
-    xa_rows = xa_ptr + ((pair.to(tl.int64) * 2) * num_splits + split) * BLOCK_R
-    row_rank_g = row_ranks(ranks_ptr, slot, e, num_slots, num_experts, 0)
-    row_rank_u = row_ranks(ranks_ptr, slot, e, num_slots, num_experts, 1)
-    for s in range(lo, hi + 1):
-        rows = slot == s
-        rank_g, rank_u = slot_rank(row_rank_g, rows), slot_rank(row_rank_u, rows)
-        if rank_g + rank_u > 0:  # (0 also when no row has slot s)
+    first = tl.load(segments_ptr + seg)
+    end = first + tl.load(segments_ptr + max_segs + seg)
+    key = tl.load(segments_ptr + 2 * max_segs + seg)
+    e, s = key // num_slots, key % num_slots
+    rank_g = lora_rank(ranks_ptr, 0, s, e, num_slots, num_experts)
+    rank_u = lora_rank(ranks_ptr, 1, s, e, num_slots, num_experts)
+    if rank_g + rank_u > 0:
+        for row0 in range(first, end, BLOCK_M):
+            offs = row0 + tl.arange(0, BLOCK_M)
+            pair = tl.load(sorted_ids_ptr + offs, mask=offs < end, other=num_pairs)
+            rows = pair < num_pairs
+            x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + tl.arange(0, BLOCK_K)[None, :]
+            xa_rows = xa_ptr + ((pair.to(tl.int64) * 2) * num_splits + split) * BLOCK_R
             _shrink_rows(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, split * SPLIT_K,
                          tl.minimum(H, (split + 1) * SPLIT_K), num_experts, num_splits, stride_ae, stride_ar,
                          BLOCK_M, BLOCK_K, BLOCK_R, RANK_TILES, A_ALIGNED, TILE)
@@ -126,8 +130,8 @@ def pair_shrink_kernel(
     pid = tl.program_id(0)
     if pid == 0:
         moe_align_program(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr,
-                          cursor_ptr, num_pairs, top_k, num_experts, num_slots, max_rows, True, BLOCK_M, E_P,
-                          S1_P, CHUNK)
+                          cursor_ptr, cursor_ptr, cursor_ptr, num_pairs, top_k, num_experts, num_slots, max_rows, 1,
+                          True, BLOCK_M, E_P, S1_P, CHUNK, False)
     else:
         shrink_one_pair(pid - 1, topk_ids_ptr, token_slots_ptr, x_ptr, xa_ptr, ranks_ptr, ag_ptr, au_ptr, top_k,
                          H, num_slots, num_experts, num_splits, stride_xt, stride_ae, stride_ar, BLOCK_M, BLOCK_K,
