@@ -87,7 +87,7 @@ def rows(tokens: int, shape: tuple[int, int, int, int], lora: bool, maxnreg: int
         for tile in (range(rank_tiles) if cfg.shrink_per_rank_tile else (-1,)) if block_shrink else ():
             name = f"shrink_kernel (tile {LORA_RANK_CHUNK << tile})" if tile >= 0 else "shrink_kernel"
             yield name, rank_tiles, resources(fm_shrink.shrink_kernel,
-                                              {**constexprs(0), "TILE": tile, "BLOCK_M": cfg.shrink_block_m},
+                                              {**constexprs(0), "TILE": tile},
                                               cfg.shrink_num_warps, cfg.shrink_num_stages)
 
 

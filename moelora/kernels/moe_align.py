@@ -5,7 +5,8 @@ adapters its tokens use. Inside an expert the pairs are ordered by adapter slot 
 first), so a block's rows hold few distinct slots, each a contiguous run: the LoRA epilogues loop
 over the slots present. Expert ids outside [0, E) (-1 marks an expert owned by another rank) are
 dropped, never indexed; slots outside [0, S) count as "no adapter". Where asked for, the alignment also
-lists each (expert, slot) key's run of rows (AlignedBlocks.segments), for the LoRA shrink's programs.
+lists each (expert, slot) key's run of rows in pieces of a bounded length (AlignedBlocks.segments), for the LoRA
+shrink's programs.
 
 Output sizes depend only on (T*k, E, S, BLOCK_M), never on the routing, so the kernel needs no
 host synchronisation and can be captured in a CUDA graph; the GEMMs skip blocks past `num_rows`.
@@ -26,15 +27,16 @@ class AlignedBlocks(NamedTuple):
     block_expert: torch.Tensor  # [max_rows // block_m] int32: expert of each block; -1 past num_rows
     num_rows: torch.Tensor  # [1] int32: rows in use, a multiple of block_m
     block_m: int
-    # where asked for: the runs of rows of one (expert, slot >= 0) key, in key order: [3, max_segments(...)] int32
-    # rows (first row, rows, expert * num_slots + slot), the first num_segments[0] in use
+    # where asked for (moe_align's segment_rows): the run of rows of each (expert, slot >= 0) key in pieces of at
+    # most segment_rows rows, in key order: [3, max_segments(...)] int32 rows (first row, rows,
+    # expert * num_slots + slot), the first num_segments[0] in use
     segments: torch.Tensor | None = None
     num_segments: torch.Tensor | None = None
 
 
-def max_segments(num_pairs: int, num_experts: int, num_slots: int) -> int:
-    """Upper bound on the (expert, slot) keys with pairs: each holds at least one pair."""
-    return max(1, min(num_pairs, num_experts * num_slots))
+def max_segments(num_pairs: int, num_experts: int, num_slots: int, segment_rows: int) -> int:
+    """Upper bound on the segments: each holds a pair at least, and a key's pieces but its last are full."""
+    return max(1, min(num_pairs, triton.cdiv(num_pairs, segment_rows) + min(num_pairs, num_experts * num_slots)))
 
 
 def max_aligned_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -57,7 +59,7 @@ def moe_align_reference(
     num_experts: int,
     num_slots: int,
     block_m: int,
-    segments: bool = False,
+    segment_rows: int = 0,
 ) -> AlignedBlocks:
     """Torch version of `moe_align`; orders pairs stably by (expert, slot, pair index)."""
     num_pairs = topk_ids.numel()
@@ -87,7 +89,7 @@ def moe_align_reference(
     block_expert = torch.searchsorted(torch.cumsum(padded, 0), block_rows, right=True)
     block_expert = torch.where(block_rows < num_rows, block_expert, -1).to(torch.int32)
     blocks = AlignedBlocks(sorted_ids, block_expert, num_rows.reshape(1).to(torch.int32), block_m)
-    if not segments:
+    if not segment_rows or token_slots is None:
         return blocks
     pair_slots = _pair_slots(topk_ids, token_slots, num_slots)
     key_counts = torch.zeros(num_experts * num_slots + 1, dtype=torch.int64, device=device)
@@ -101,9 +103,14 @@ def moe_align_reference(
     before = torch.cumsum(per_key, 1) - per_key
     base = counts - per_key.sum(1)
     first = start[key_e] + base[key_e] + before.flatten()[keys]
-    segs = torch.zeros(3, max_segments(num_pairs, num_experts, num_slots), dtype=torch.int32, device=device)
-    segs[:, :len(keys)] = torch.stack([first, key_counts[keys], keys]).to(torch.int32)
-    return blocks._replace(segments=segs, num_segments=torch.tensor([len(keys)], dtype=torch.int32, device=device))
+    pieces = [(f + j, min(segment_rows, c - j), k) for f, c, k in zip(first.tolist(), key_counts[keys].tolist(),
+                                                                       keys.tolist())
+              for j in range(0, c, segment_rows)]
+    segs = torch.zeros(3, max_segments(num_pairs, num_experts, num_slots, segment_rows), dtype=torch.int32,
+                       device=device)
+    if pieces:
+        segs[:, :len(pieces)] = torch.tensor(pieces, dtype=torch.int32, device=device).T
+    return blocks._replace(segments=segs, num_segments=torch.tensor([len(pieces)], dtype=torch.int32, device=device))
 
 
 @triton.jit
@@ -138,10 +145,11 @@ def _count_pairs(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, firs
 @triton.jit
 def _lay_out_blocks(block_expert_ptr, num_rows_ptr, cursor_ptr, segments_ptr, num_segments_ptr, max_rows, num_slots,
                     max_segs, BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr,
-                    SEGMENTS: tl.constexpr):
+                    SEGMENT_ROWS: tl.constexpr):
     """From the counts: each expert's first row (padded to BLOCK_M), each key's first row (slots
-    unpadded inside an expert) into cursor, the blocks' experts and the rows in use; with SEGMENTS the
-    (first row, rows, expert * num_slots + slot) of each key with a slot and pairs (AlignedBlocks.segments)."""
+    unpadded inside an expert) into cursor, the blocks' experts and the rows in use; with SEGMENT_ROWS > 0 the
+    (first row, rows, expert * num_slots + slot) of each piece of at most SEGMENT_ROWS rows of each key with a slot
+    and pairs (AlignedBlocks.segments)."""
     offs_e = tl.arange(0, E_P)
     offs_s1 = tl.arange(0, S1_P)
     keys_2d = offs_e[:, None] * S1_P + offs_s1[None, :]
@@ -152,14 +160,19 @@ def _lay_out_blocks(block_expert_ptr, num_rows_ptr, cursor_ptr, segments_ptr, nu
     key_start = expert_start[:, None] + tl.cumsum(counts, axis=1) - counts
     tl.store(cursor_ptr + keys_2d, key_start)
     tl.store(num_rows_ptr, tl.sum(padded, axis=0))
-    if SEGMENTS:  # (slot -1 is column 0: the base rows)
-        used = tl.reshape((counts > 0) & (offs_s1 > 0)[None, :], (E_P * S1_P,))
-        seg = tl.cumsum(used.to(tl.int32), axis=0) - 1
+    if SEGMENT_ROWS > 0:  # (slot -1 is column 0: the base rows)
+        count = tl.reshape(tl.where((offs_s1 > 0)[None, :], counts, 0), (E_P * S1_P,))
+        pieces = (count + SEGMENT_ROWS - 1) // SEGMENT_ROWS
+        first_piece = tl.cumsum(pieces, axis=0) - pieces
+        first_row = tl.reshape(key_start, (E_P * S1_P,))
         key = tl.reshape(offs_e[:, None] * num_slots + offs_s1[None, :] - 1, (E_P * S1_P,))
-        tl.store(segments_ptr + seg, tl.reshape(key_start, (E_P * S1_P,)), mask=used)
-        tl.store(segments_ptr + max_segs + seg, tl.reshape(counts, (E_P * S1_P,)), mask=used)
-        tl.store(segments_ptr + 2 * max_segs + seg, key, mask=used)
-        tl.store(num_segments_ptr, tl.sum(used.to(tl.int32), axis=0))
+        for j in range(0, tl.max(pieces, axis=0)):
+            piece = pieces > j
+            tl.store(segments_ptr + first_piece + j, first_row + j * SEGMENT_ROWS, mask=piece)
+            tl.store(segments_ptr + max_segs + first_piece + j, tl.minimum(count - j * SEGMENT_ROWS, SEGMENT_ROWS),
+                     mask=piece)
+            tl.store(segments_ptr + 2 * max_segs + first_piece + j, key, mask=piece)
+        tl.store(num_segments_ptr, tl.sum(pieces, axis=0))
     offs = tl.arange(0, CHUNK)
     for block0 in range(0, max_rows // BLOCK_M, CHUNK):
         tl.store(block_expert_ptr + block0 + offs, -1, mask=block0 + offs < max_rows // BLOCK_M)
@@ -185,7 +198,7 @@ def _place_pairs(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, firs
 def moe_align_program(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr,
                       segments_ptr, num_segments_ptr, num_pairs, top_k, num_experts, num_slots, max_rows, max_segs,
                       HAS_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr,
-                      CHUNK: tl.constexpr, SEGMENTS: tl.constexpr):
+                      CHUNK: tl.constexpr, SEGMENT_ROWS: tl.constexpr):
     """Small batches: the three phases in one program, separated by barriers. `cursor` holds, per
     (expert, slot) key, first the pair count, then the next free row. Also called by other kernels
     that run the alignment as one program of a larger launch."""
@@ -196,23 +209,23 @@ def moe_align_program(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_exper
                  num_slots, max_rows, HAS_SLOTS, S1_P, CHUNK)
     tl.debug_barrier()
     _lay_out_blocks(block_expert_ptr, num_rows_ptr, cursor_ptr, segments_ptr, num_segments_ptr, max_rows, num_slots,
-                    max_segs, BLOCK_M, E_P, S1_P, CHUNK, SEGMENTS)
+                    max_segs, BLOCK_M, E_P, S1_P, CHUNK, SEGMENT_ROWS)
     tl.debug_barrier()
     _place_pairs(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, 0, CHUNK, num_pairs, top_k, num_experts,
                  num_slots, HAS_SLOTS, S1_P, CHUNK)
 
 
-@triton.jit(do_not_specialize=["num_pairs"])  # row counts: kernels/__init__.py
+@triton.jit(do_not_specialize=["num_pairs", "max_segs"])  # row counts: kernels/__init__.py
 def _moe_align_kernel(
     topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr, segments_ptr,
     num_segments_ptr, num_pairs, top_k, num_experts, num_slots, max_rows, max_segs,
     HAS_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr,
-    CHUNK: tl.constexpr, SEGMENTS: tl.constexpr, PDL: tl.constexpr,
+    CHUNK: tl.constexpr, SEGMENT_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     moe_align_program(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr,
                       segments_ptr, num_segments_ptr, num_pairs, top_k, num_experts, num_slots, max_rows, max_segs,
-                      HAS_SLOTS, BLOCK_M, E_P, S1_P, CHUNK, SEGMENTS)
+                      HAS_SLOTS, BLOCK_M, E_P, S1_P, CHUNK, SEGMENT_ROWS)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # row counts: kernels/__init__.py
@@ -224,13 +237,13 @@ def _count_kernel(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, num
                  tl.num_programs(0) * CHUNK, num_pairs, top_k, num_experts, num_slots, max_rows, HAS_SLOTS, S1_P, CHUNK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_segs"])  # a row count: kernels/__init__.py
 def _lay_out_kernel(block_expert_ptr, num_rows_ptr, cursor_ptr, segments_ptr, num_segments_ptr, max_rows, num_slots,
                     max_segs, BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr,
-                    SEGMENTS: tl.constexpr, PDL: tl.constexpr):
+                    SEGMENT_ROWS: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     _lay_out_blocks(block_expert_ptr, num_rows_ptr, cursor_ptr, segments_ptr, num_segments_ptr, max_rows, num_slots,
-                    max_segs, BLOCK_M, E_P, S1_P, CHUNK, SEGMENTS)
+                    max_segs, BLOCK_M, E_P, S1_P, CHUNK, SEGMENT_ROWS)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # row counts: kernels/__init__.py
@@ -258,16 +271,17 @@ def align_num_warps(num_experts: int, num_slots: int) -> int:
 
 
 def alloc_aligned(num_pairs: int, num_experts: int, num_slots: int, block_m: int, device: torch.device,
-                  segments: bool = False) -> tuple[AlignedBlocks, torch.Tensor]:
+                  segment_rows: int = 0) -> tuple[AlignedBlocks, torch.Tensor]:
     """Uninitialised outputs of moe_align at their fixed sizes, and its per-key cursor scratch."""
     max_rows = max_aligned_rows(num_pairs, num_experts, block_m)
     e_p, s1_p = key_tile(num_experts, num_slots)
     blocks = AlignedBlocks(torch.empty(max_rows, dtype=torch.int32, device=device),
                            torch.empty(max_rows // block_m, dtype=torch.int32, device=device),
                            torch.empty(1, dtype=torch.int32, device=device), block_m)
-    if segments:
+    if segment_rows:
         blocks = blocks._replace(
-            segments=torch.empty(3, max_segments(num_pairs, num_experts, num_slots), dtype=torch.int32, device=device),
+            segments=torch.empty(3, max_segments(num_pairs, num_experts, num_slots, segment_rows), dtype=torch.int32,
+                                 device=device),
             num_segments=torch.empty(1, dtype=torch.int32, device=device))
     return blocks, torch.empty(e_p * s1_p, dtype=torch.int32, device=device)
 
@@ -278,10 +292,10 @@ def moe_align(
     num_experts: int,
     num_slots: int,
     block_m: int,
-    segments: bool = False,
+    segment_rows: int = 0,
 ) -> AlignedBlocks:
-    """Triton version. topk_ids [T, k] int32; token_slots [T] int32 (-1: no adapter) or None; segments: also
-    AlignedBlocks.segments (with token_slots)."""
+    """Triton version. topk_ids [T, k] int32; token_slots [T] int32 (-1: no adapter) or None; segment_rows > 0
+    (with token_slots): also AlignedBlocks.segments, in pieces of at most that many rows."""
     if topk_ids.dtype != torch.int32 or not topk_ids.is_contiguous():
         raise ValueError(f"topk_ids must be contiguous int32, got {topk_ids.dtype}")
     if token_slots is not None and (token_slots.dtype != torch.int32 or token_slots.shape != topk_ids.shape[:1]):
@@ -289,26 +303,26 @@ def moe_align(
             f"token_slots must be int32 of shape ({topk_ids.shape[0]},), got {token_slots.dtype} {tuple(token_slots.shape)}"
         )
     num_pairs = topk_ids.numel()
-    segments = segments and token_slots is not None
-    blocks, cursor = alloc_aligned(num_pairs, num_experts, num_slots, block_m, topk_ids.device, segments)
+    segment_rows = segment_rows if token_slots is not None else 0
+    blocks, cursor = alloc_aligned(num_pairs, num_experts, num_slots, block_m, topk_ids.device, segment_rows)
     sorted_ids, block_expert, num_rows = blocks.sorted_ids, blocks.block_expert, blocks.num_rows
-    segs = (blocks.segments, blocks.num_segments) if segments else (cursor, cursor)  # (never written without)
+    segs = (blocks.segments, blocks.num_segments) if segment_rows else (cursor, cursor)  # (never written without)
     max_rows, (e_p, s1_p) = sorted_ids.numel(), key_tile(num_experts, num_slots)
-    max_segs = segs[0].shape[-1] if segments else 1
+    max_segs = segs[0].shape[-1] if segment_rows else 1
     slots = token_slots if token_slots is not None else topk_ids
     keys = dict(HAS_SLOTS=token_slots is not None, S1_P=s1_p, CHUNK=CHUNK)
     warps, pdl = align_num_warps(num_experts, num_slots), pdl_launch(topk_ids.device)
     if num_pairs <= SINGLE_PROGRAM_MAX_PAIRS:
         _moe_align_kernel[(1,)](topk_ids, slots, sorted_ids, block_expert, num_rows, cursor, *segs, num_pairs,
                                 topk_ids.shape[1], num_experts, num_slots, max_rows, max_segs, BLOCK_M=block_m,
-                                E_P=e_p, SEGMENTS=segments, **keys, num_warps=warps, **pdl)
+                                E_P=e_p, SEGMENT_ROWS=segment_rows, **keys, num_warps=warps, **pdl)
     else:
         cursor.zero_()
         grid = (triton.cdiv(max_rows, CHUNK),)
         _count_kernel[grid](topk_ids, slots, sorted_ids, cursor, num_pairs, topk_ids.shape[1], num_experts, num_slots,
                             max_rows, **keys, **pdl)
         _lay_out_kernel[(1,)](block_expert, num_rows, cursor, *segs, max_rows, num_slots, max_segs, BLOCK_M=block_m,
-                              E_P=e_p, S1_P=s1_p, CHUNK=CHUNK, SEGMENTS=segments, num_warps=warps, **pdl)
+                              E_P=e_p, S1_P=s1_p, CHUNK=CHUNK, SEGMENT_ROWS=segment_rows, num_warps=warps, **pdl)
         _place_kernel[grid](topk_ids, slots, sorted_ids, cursor, num_pairs, topk_ids.shape[1], num_experts, num_slots,
                             **keys, **pdl)
     return blocks

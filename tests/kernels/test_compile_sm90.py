@@ -149,12 +149,12 @@ def compile_all() -> list[dict]:
     # LoRA on the smallest rank tile alone, the pair blocks' row (the others above hold three rank tiles)
     results += compile_moe_gemms(fm_config.default_config(1, 8, 128, torch.bfloat16, lora=True), True, "bf16", 1)
     for kernel, constexprs in ((ma._moe_align_kernel, dict(HAS_SLOTS=True, BLOCK_M=16, E_P=256, S1_P=64, CHUNK=256,
-                                                          SEGMENTS=True)),
+                                                          SEGMENT_ROWS=64)),
                                (ma._count_kernel, dict(HAS_SLOTS=True, S1_P=16, CHUNK=256)),
-                               (ma._lay_out_kernel, dict(BLOCK_M=64, E_P=256, S1_P=16, CHUNK=256, SEGMENTS=True)),
+                               (ma._lay_out_kernel, dict(BLOCK_M=64, E_P=256, S1_P=16, CHUNK=256, SEGMENT_ROWS=64)),
                                (ma._place_kernel, dict(HAS_SLOTS=True, S1_P=16, CHUNK=256)),
                                (fm_shrink.shrink_kernel,
-                                dict(BLOCK_M=16, BLOCK_K=64, BLOCK_R=64, RANK_TILES=3, TILE=2,
+                                dict(BLOCK_K=64, BLOCK_R=64, RANK_TILES=3, TILE=2,
                                      SPLIT_K=fm_config.SHRINK_SPLIT_K, A_ALIGNED=True)),
                                (fm_shrink.pair_shrink_kernel, dict(BLOCK_M=16, E_P=128, S1_P=16, CHUNK=256, BLOCK_K=64,
                                                                    BLOCK_R=64, RANK_TILES=3, A_ALIGNED=True,
@@ -168,7 +168,7 @@ def compile_all() -> list[dict]:
     # most shared memory), and on the rank-16 tile with rows of A known to start on 16 bytes and not
     cfg = fm_config.default_config(128, 8, 128, torch.bfloat16, lora=True)
     for block_r, rank_tiles, aligned in ((64, 3, True), (16, 1, True), (16, 1, False)):
-        compiled = compile_sm90(fm_shrink.shrink_kernel, dict(BLOCK_M=cfg.shrink_block_m, BLOCK_K=64, BLOCK_R=block_r,
+        compiled = compile_sm90(fm_shrink.shrink_kernel, dict(BLOCK_K=64, BLOCK_R=block_r,
                                                               RANK_TILES=rank_tiles, TILE=rank_tiles - 1,
                                                               SPLIT_K=fm_config.SHRINK_SPLIT_K, A_ALIGNED=aligned),
                                 "bf16", cfg.shrink_num_warps, cfg.shrink_num_stages)

@@ -14,7 +14,7 @@ SHAPES = [  # tokens, hidden, inter, experts, top_k
     (1, 64, 32, 4, 2),
     (37, 80, 56, 6, 3),  # non-powers of two; T*k > BLOCK_M
     (20, 48, 40, 9, 4),
-    (70, 48, 40, 9, 4),  # T*k > pair_shrink_max_pairs: shrink per block, after the alignment
+    (70, 48, 40, 9, 4),  # T*k > pair_shrink_max_pairs: shrink per segment, after the alignment
     (90, 48, 40, 6, 4),  # 60 rows an expert: the base MoE on 128-row blocks as half tiles, LoRA on 32-row ones
 ]
 SLOT_RANKS = [4, 8, 16, 64]  # rank tile 64
@@ -164,20 +164,18 @@ def test_partials_summed_once_equal_partials_summed_per_program(dtype, device, p
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shrink_block_m,shrink_warps,shrink_stages", [(32, 4, 3), (16, 2, 4)])
+@pytest.mark.parametrize("shrink_warps,shrink_stages", [(4, 3), (2, 4)])
 @pytest.mark.parametrize("one_slot", [False, True])
-def test_shrink_per_pair_equals_shrink_per_segment(dtype, shrink_block_m, shrink_warps, shrink_stages, one_slot,
-                                                   device, poison):
+def test_shrink_per_pair_equals_shrink_per_segment(dtype, shrink_warps, shrink_stages, one_slot, device, poison):
     """Small batches shrink per pair inside the alignment's launch, large ones per (expert, slot) segment (on the
-    rows, warps and stages of the tile row): a row's bits must not depend on which one its batch size picks. With
-    one slot for every token, segments run longer than a program's rows (18 on average, against 16)."""
+    warps and stages of the tile row): a row's bits must not depend on which one its batch size picks. With one
+    slot for every token, segments run longer than a program's tile of rows (18 on average, against 16)."""
     x, w13, w2, topk, lora, slots = _case(45, 72, 40, 5, 2, dtype, device, slot_ranks=SMALL_RANKS)
     if one_slot:
         slots = torch.zeros_like(slots)
     cfg = default_config(45, 2, 5, dtype, lora=True)
     per_segment = fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
-                            config=dataclasses.replace(cfg, pair_shrink_max_pairs=0, shrink_block_m=shrink_block_m,
-                                                       shrink_num_warps=shrink_warps,
+                            config=dataclasses.replace(cfg, pair_shrink_max_pairs=0, shrink_num_warps=shrink_warps,
                                                        shrink_num_stages=shrink_stages))
     per_pair = fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
                          config=dataclasses.replace(cfg, pair_shrink_max_pairs=10**6))
@@ -187,8 +185,9 @@ def test_shrink_per_pair_equals_shrink_per_segment(dtype, shrink_block_m, shrink
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_shrink_launch_per_rank_tile_equals_one_launch(dtype, device, poison):
-    """The block shrink as a launch per rank tile (each launch the slots whose ranks take its tile) writes the bits of
-    one launch over every tile, and of the shrink per pair; blocks hold slots of all three tiles (ranks 4 to 64)."""
+    """The segment shrink as a launch per rank tile (each launch the segments whose ranks take its tile) writes the
+    bits of one launch over every tile, and of the shrink per pair; experts hold slots of all three tiles (ranks 4
+    to 64)."""
     x, w13, w2, topk, lora, slots = _case(70, 48, 40, 5, 3, dtype, device, coverage=1.0)
     cfg = dataclasses.replace(default_config(70, 3, 5, dtype, lora=True), pair_shrink_max_pairs=0)
     per_tile, one, per_pair = (
@@ -205,7 +204,7 @@ def test_shrink_launch_per_rank_tile_equals_one_launch(dtype, device, poison):
 def test_a_rows_off_16_bytes_take_plain_loads(dtype, device, poison, monkeypatch):
     """The shrink is told whether every row of A starts on 16 bytes (its vector loads need it): not with a hidden
     size of 62 (124 or 248 bytes a row), nor for a view one element in, and the results still match, with the
-    shrink per block, per pair, and in the gate_up launch (pair blocks)."""
+    shrink per segment, per pair, and in the gate_up launch (pair blocks)."""
     x, w13, w2, topk, lora, slots = _case(70, 62, 40, 9, 4, dtype, device, slot_ranks=SMALL_RANKS)
     wide = torch.zeros(*lora.a_gate.shape[:3], 64, dtype=dtype, device=device)
     assert launcher.rows_start_on_16_bytes(wide) and not launcher.rows_start_on_16_bytes(wide.view(-1)[1:])

@@ -32,7 +32,7 @@ def _layer(shape, tokens, gen):
     return x, w13, w2, topk._replace(ids=ids), lora, slots
 
 
-# 1: pair blocks; 32: the shrink per pair; 150 and 300: the block shrink in blocks of 16 and 32 rows (Qwen3)
+# 1: pair blocks; 32: the shrink per pair; 150 and 300: the segment shrink beside blocks of 16 and 32 rows (Qwen3)
 @pytest.mark.parametrize("tokens", [1, 32, 150, 300])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_real_shape_matches_reference(shape, tokens, poison):

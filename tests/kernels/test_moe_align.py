@@ -80,24 +80,29 @@ def test_moe_align_matches_reference(tokens, top_k, experts, slots, block_m, wit
 
 
 @pytest.mark.parametrize("tokens,top_k,experts,slots,block_m", [c for c in CASES if c[3] > 0])
-def test_segments_are_the_runs_of_each_expert_and_slot(tokens, top_k, experts, slots, block_m, device, poison):
-    """AlignedBlocks.segments: for each (expert, slot >= 0) key with pairs, in key order, its first row, its rows
-    and its key, as the reference lays them out; every such pair's row lies in its key's segment, and nothing
-    past num_segments is read."""
+@pytest.mark.parametrize("segment_rows", [3, 64])
+def test_segments_are_the_runs_of_each_expert_and_slot(tokens, top_k, experts, slots, block_m, segment_rows, device,
+                                                        poison):
+    """AlignedBlocks.segments: each (expert, slot >= 0) key's run of rows, in key order, in pieces of at most
+    segment_rows rows (all full but the last), as the reference lays them out: every row of a piece holds a pair of
+    the piece's key, and the pieces hold every pair with an expert here and a slot."""
     gen = torch.Generator().manual_seed(torch.seed())
     ids, token_slots = _random_routing(tokens, top_k, experts, slots, device, gen)
-    got = moe_align(ids, token_slots, experts, slots, block_m, segments=True)
-    ref = moe_align_reference(ids, token_slots, experts, slots, block_m, segments=True)
-    n = int(ref.num_segments)
-    assert int(got.num_segments) == n and (n > 0 or tokens == 1)  # (one token may have no slot)
-    assert got.segments.shape == ref.segments.shape == (3, max_segments(tokens * top_k, experts, slots))
-    assert torch.equal(got.segments[:, :n].cpu(), ref.segments[:, :n].cpu())
+    got = moe_align(ids, token_slots, experts, slots, block_m, segment_rows)
+    ref = moe_align_reference(ids, token_slots, experts, slots, block_m, segment_rows)
     pair_slots = _pair_slots(ids, token_slots, slots).cpu()
+    flat = ids.flatten().cpu().long()
+    lora_pair = (flat >= 0) & (flat < experts) & (pair_slots >= 0)
+    per_key = torch.bincount((flat * slots + pair_slots)[lora_pair], minlength=experts * slots)
+    n = int(((per_key + segment_rows - 1) // segment_rows).sum())  # a key of c pairs: ceil(c / segment_rows) pieces
+    assert int(got.num_segments) == int(ref.num_segments) == n
+    assert got.segments.shape == ref.segments.shape == (3, max_segments(tokens * top_k, experts, slots, segment_rows))
+    assert torch.equal(got.segments[:, :n].cpu(), ref.segments[:, :n].cpu())
     for first, rows, key in got.segments[:, :n].T.cpu().tolist():
+        assert 0 < rows <= segment_rows
         pairs = got.sorted_ids[first:first + rows].cpu().long()
-        assert ((ids.flatten().cpu()[pairs] * slots + pair_slots[pairs]) == key).all()
-    lora_pairs = ((ids.flatten().cpu() >= 0) & (ids.flatten().cpu() < experts) & (pair_slots >= 0)).sum()
-    assert int(got.segments[1, :n].sum()) == int(lora_pairs)
+        assert ((flat[pairs] * slots + pair_slots[pairs]) == key).all()
+    assert int(got.segments[1, :n].sum()) == int(lora_pair.sum())
     assert moe_align(ids, token_slots, experts, slots, block_m).segments is None  # only where asked for
 
 

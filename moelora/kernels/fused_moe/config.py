@@ -18,6 +18,9 @@ from moelora.kernels.gemm_tiles import gemm_block_k
 # dtype (gemm_block_k). The tiles follow the batch.
 DOWN_SHRINK_PART = 64
 SHRINK_SPLIT_K = 512
+# the LoRA shrink's programs take an (expert, slot) key's rows in pieces of at most this many (moe_align's
+# segment_rows): a key of many rows (few experts, few adapters, a long prefill) is then several programs, not one
+SEGMENT_ROWS = 64
 SUM_PARTS = 8  # partial sums (shrink splits, down-shrink parts) read per load in the LoRA epilogues
 REDUCE_PROGRAMS = 512  # about this many programs sum the partials once per row (reduction.reduce_partials)
 # Up to this many tokens every (token, expert) pair is its own block (pair_blocks): no alignment launch, but
@@ -38,7 +41,7 @@ class MoEKernelConfig:
     pair_blocks: bool = False  # each (token, expert) pair is its own block (row 0 of BLOCK_M): no alignment
     half_tiles: bool = False  # blocks with at most block_m / 2 pairs run as tiles of block_m / 2 rows
     # aligned blocks with LoRA: up to this many pairs the gate/up shrink runs per pair, in the alignment's
-    # launch; past it, per block after the alignment
+    # launch; past it, per (expert, slot) segment after the alignment
     pair_shrink_max_pairs: int = 256
     # from this many pairs on, one launch sums the LoRA partials per row before the GEMMs read them, instead
     # of every (block, n-tile) program summing its rows' partials itself
@@ -53,16 +56,15 @@ class MoEKernelConfig:
     # and A_d tiles load while this one's dots run. In blocks of 16 rows, a few rows of one or two slots at
     # decode, it gained at some shapes and lost at others (benchmarks/RESULTS.md)
     slot_stages: int = 1
-    # rows a program of the segment shrink (shrink.shrink_kernel, aligned blocks past pair_shrink_max_pairs) takes
-    # at a time from its (expert, slot) segment, and its warps and pipeline stages. (Tuned for its predecessor, a
-    # program per block: in blocks of 16 rows, 2 warps and 4 stages beat 4 and 3; in blocks of 32 they lost,
-    # benchmarks/RESULTS.md)
-    shrink_block_m: int = 16
+    # warps and pipeline stages of the segment shrink (shrink.shrink_kernel, aligned blocks past
+    # pair_shrink_max_pairs). Tuned for its predecessor, a program per block: in blocks of 16 rows, 2 warps and 4
+    # stages beat 4 and 3; in blocks of 32 they lost (benchmarks/RESULTS.md)
     shrink_num_warps: int = 4
     shrink_num_stages: int = 3
     # the segment shrink as a launch per rank tile, each compiled for its tile alone: with one launch the largest
-    # tile's registers set how many programs an SM holds for every tile. Mixed ranks at 32-row blocks gained; at
-    # 16-row blocks the extra launches cost more than that (benchmarks/RESULTS.md, session 34)
+    # tile's registers set how many programs an SM holds for every tile. Measured on its predecessor, a program per
+    # block: mixed ranks at 32-row blocks gained; at 16-row blocks the extra launches cost more than that
+    # (benchmarks/RESULTS.md, session 34)
     shrink_per_rank_tile: bool = False
 
 
@@ -87,6 +89,6 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
         return MoEKernelConfig(32, 64, 128, block_k, 8, 4, 4, slot_stages=4, max_registers=168,
                                shrink_per_rank_tile=True, shrink_num_warps=2, shrink_num_stages=4)
     if rows_per_expert < 256:
-        return MoEKernelConfig(64, 64, 128, block_k, 8, 4, 4, slot_stages=4, shrink_block_m=32)
+        return MoEKernelConfig(64, 64, 128, block_k, 8, 4, 4, slot_stages=4)
     # prefill: wide n tiles, 8 warps
-    return MoEKernelConfig(128, 128, 256, block_k, 8, 8, 4, half_tiles=True, slot_stages=4, shrink_block_m=32)
+    return MoEKernelConfig(128, 128, 256, block_k, 8, 8, 4, half_tiles=True, slot_stages=4)

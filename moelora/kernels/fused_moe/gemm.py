@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.fused_moe.reduction import prepare_topk_sum, sum_topk_if_last
-from moelora.kernels.fused_moe.shrink import shrink_one_pair
+from moelora.kernels.fused_moe.shrink import SHRINK_ROWS, shrink_one_pair
 from moelora.kernels.fused_moe.tiles import (adapter_slots, at_most_half_full, block_info, block_rows, lora_expand,
                                              lora_tile, next_run_slot, previous_row_slots, row_ranks, row_slots,
                                              slot_rank, slot_runs, sum_partials, takes_rank_tile)
@@ -39,7 +39,7 @@ def gate_up_kernel(
         num_shrink = num_pairs * num_splits
         if pid < num_shrink:
             if shrink_one_pair(pid, topk_ids_ptr, token_slots_ptr, x_ptr, xa_ptr, ranks_ptr, ag_ptr, au_ptr, top_k,
-                                H, num_slots, num_experts, num_splits, stride_xt, stride_ae, stride_ar, BLOCK_M,
+                                H, num_slots, num_experts, num_splits, stride_xt, stride_ae, stride_ar, SHRINK_ROWS,
                                 BLOCK_K, BLOCK_R, SPLIT_K, RANK_TILES, A_ALIGNED):
                 arrive(ready_ptr + pid // num_splits)  # release the pair's xa to its GEMM programs
             return

@@ -1,4 +1,4 @@
-"""fused_moe_triton: picks the path (pair blocks, or aligned blocks with the shrink per pair or per block) and
+"""fused_moe_triton: picks the path (pair blocks, or aligned blocks with the shrink per pair or per segment) and
 launches the kernels of one MoE block."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import torch
 import triton
 
 from moelora.core import ExpertLoRASlots, TopKOutput
-from moelora.kernels.fused_moe.config import (DOWN_SHRINK_PART, SHRINK_SPLIT_K, SUM_PARTS, MoEKernelConfig,
-                                              default_config)
+from moelora.kernels.fused_moe.config import (DOWN_SHRINK_PART, SEGMENT_ROWS, SHRINK_SPLIT_K, SUM_PARTS,
+                                              MoEKernelConfig, default_config)
 from moelora.kernels.fused_moe.gemm import down_kernel, gate_up_kernel
 from moelora.kernels.fused_moe.reduction import moe_sum_kernel, reduce_partials
 from moelora.kernels.fused_moe.shrink import pair_shrink_kernel, shrink_kernel
@@ -101,14 +101,14 @@ def fused_moe_triton(
                 num_warps=align_num_warps(num_experts, num_slots), **pdl,
             )
         else:
-            blocks = moe_align(topk.ids, token_slots, num_experts, num_slots, cfg.block_m, segments=True)
+            blocks = moe_align(topk.ids, token_slots, num_experts, num_slots, cfg.block_m, SEGMENT_ROWS)
             max_segs = blocks.segments.shape[1]
             # a launch per rank tile, each compiled for its tile alone (shrink_kernel's TILE; -1: all tiles)
             for tile in range(rank_tiles) if cfg.shrink_per_rank_tile else (-1,):
                 shrink_kernel[(max_segs, num_splits)](
                     x, xa, blocks.sorted_ids, blocks.segments, blocks.num_segments, ranks, ag, au,
                     num_pairs, top_k, hidden, num_slots, num_experts, num_splits, max_segs, x.stride(0), *a_strides,
-                    BLOCK_M=cfg.shrink_block_m, BLOCK_K=cfg.block_k, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K,
+                    BLOCK_K=cfg.block_k, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K,
                     RANK_TILES=rank_tiles, A_ALIGNED=a_aligned, TILE=tile, num_warps=cfg.shrink_num_warps,
                     num_stages=cfg.shrink_num_stages, **pdl,
                 )

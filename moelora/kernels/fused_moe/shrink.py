@@ -9,6 +9,10 @@ from moelora.kernels.fused_moe.tiles import lora_rank, takes_rank_tile
 from moelora.kernels.moe_align import moe_align_program
 from moelora.kernels.pdl import wait_for_previous_kernel
 
+# The rows of every shrink's tile, on every path (a segment's rows this many at a time, a pair in row 0 of such a
+# tile): the tile's shape picks the MMA instructions, and a row's bits must not depend on which path its batch takes.
+SHRINK_ROWS = tl.constexpr(16)
+
 
 @triton.jit
 def _shrink_rows(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, k_lo, k_hi, num_experts,
@@ -56,17 +60,17 @@ def _shrink_tile(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, k_
 def shrink_kernel(
     x_ptr, xa_ptr, sorted_ids_ptr, segments_ptr, num_segments_ptr, ranks_ptr, ag_ptr, au_ptr,
     num_pairs, top_k, H, num_slots, num_experts, num_splits, max_segs, stride_xt, stride_ae, stride_ar,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
     RANK_TILES: tl.constexpr, A_ALIGNED: tl.constexpr, TILE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """xa[p, proj, split] = x[p] @ A_proj[slot(p), e][:, split's K range]^T for gate (proj 0) and up
-    (proj 1), one program per (segment, K split): a segment is the rows of one (expert, slot) key
-    (AlignedBlocks.segments), BLOCK_M at a time. Each program reads its key's A once and runs one chain of loads,
-    where a program per block walked the block's slots one after the other. The gate_up GEMM sums the splits in a
-    fixed order. TILE >= 0: only the segments whose ranks take rank tile TILE, the launch compiled for that tile
-    alone (a launch per tile: the registers of the largest tile's loop would set how many programs of the smaller
-    tiles an SM holds)."""
+    (proj 1), one program per (segment, K split): a segment is a piece of the rows of one (expert, slot) key
+    (AlignedBlocks.segments), taken SHRINK_ROWS at a time. Each program runs one chain of loads, where a program per
+    block walked the block's slots one after the other. The gate_up GEMM sums the splits in a fixed order.
+    TILE >= 0: only the segments whose ranks take rank tile TILE, the launch compiled for that tile alone (a launch
+    per tile: the registers of the largest tile's loop would set how many programs of the smaller tiles an SM
+    holds)."""
     wait_for_previous_kernel(PDL)
     seg, split = tl.program_id(0), tl.program_id(1)
     if seg >= tl.load(num_segments_ptr):
@@ -78,15 +82,15 @@ def shrink_kernel(
     rank_g = lora_rank(ranks_ptr, 0, s, e, num_slots, num_experts)
     rank_u = lora_rank(ranks_ptr, 1, s, e, num_slots, num_experts)
     if rank_g + rank_u > 0:
-        for row0 in range(first, end, BLOCK_M):
-            offs = row0 + tl.arange(0, BLOCK_M)
+        for row0 in range(first, end, SHRINK_ROWS):
+            offs = row0 + tl.arange(0, SHRINK_ROWS)
             pair = tl.load(sorted_ids_ptr + offs, mask=offs < end, other=num_pairs)
             rows = pair < num_pairs
             x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + tl.arange(0, BLOCK_K)[None, :]
             xa_rows = xa_ptr + ((pair.to(tl.int64) * 2) * num_splits + split) * BLOCK_R
             _shrink_rows(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, split * SPLIT_K,
                          tl.minimum(H, (split + 1) * SPLIT_K), num_experts, num_splits, stride_ae, stride_ar,
-                         BLOCK_M, BLOCK_K, BLOCK_R, RANK_TILES, A_ALIGNED, TILE)
+                         SHRINK_ROWS, BLOCK_K, BLOCK_R, RANK_TILES, A_ALIGNED, TILE)
 
 
 @triton.jit
@@ -95,7 +99,7 @@ def shrink_one_pair(q, topk_ids_ptr, token_slots_ptr, x_ptr, xa_ptr, ranks_ptr, 
                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
                      RANK_TILES: tl.constexpr, A_ALIGNED: tl.constexpr):
     """Work item q = p * num_splits + split: the gate/up shrink of pair p for one K split. The pair sits in
-    row 0 of a BLOCK_M tile so the arithmetic, hence the bits, equal shrink_kernel's for that row.
+    row 0 of a BLOCK_M tile (SHRINK_ROWS) so the arithmetic, hence the bits, equal shrink_kernel's for that row.
     Returns whether the pair has an expert here and an adapter (else there is nothing to shrink)."""
     p = q // num_splits
     split = q % num_splits
@@ -131,8 +135,8 @@ def pair_shrink_kernel(
     if pid == 0:
         moe_align_program(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_expert_ptr, num_rows_ptr,
                           cursor_ptr, cursor_ptr, cursor_ptr, num_pairs, top_k, num_experts, num_slots, max_rows, 1,
-                          True, BLOCK_M, E_P, S1_P, CHUNK, False)
+                          True, BLOCK_M, E_P, S1_P, CHUNK, 0)
     else:
         shrink_one_pair(pid - 1, topk_ids_ptr, token_slots_ptr, x_ptr, xa_ptr, ranks_ptr, ag_ptr, au_ptr, top_k,
-                         H, num_slots, num_experts, num_splits, stride_xt, stride_ae, stride_ar, BLOCK_M, BLOCK_K,
+                         H, num_slots, num_experts, num_splits, stride_xt, stride_ae, stride_ar, SHRINK_ROWS, BLOCK_K,
                          BLOCK_R, SPLIT_K, RANK_TILES, A_ALIGNED)
