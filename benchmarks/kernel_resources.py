@@ -79,7 +79,8 @@ def rows(tokens: int, shape: tuple[int, int, int, int], lora: bool, maxnreg: int
         cap = (maxnreg or cfg.max_registers) if rank_tiles > 1 else None  # as the launcher applies max_registers
         def constexprs(block_n: int) -> dict:  # (A_ALIGNED: on branches whose shrink takes it)
             return {**moe_gemm_constexprs(cfg, lora, block_n, block_r, rank_tiles, triton.next_power_of_2(top_k)),
-                    "SPLIT_K": fm_config.SHRINK_SPLIT_K, "PART_N": fm_config.DOWN_SHRINK_PART, "A_ALIGNED": True}
+                    "SPLIT_K": fm_config.SHRINK_SPLIT_K, "PART_N": fm_config.DOWN_SHRINK_PART, "A_ALIGNED": True,
+                    "SHRINK_ROWS": cfg.shrink_rows}
         yield "gate_up_kernel", rank_tiles, resources(fm_gemm.gate_up_kernel, constexprs(cfg.block_n_gate_up),
                                                       cfg.num_warps, cfg.num_stages, cap)
         yield "down_kernel", rank_tiles, resources(fm_gemm.down_kernel, constexprs(cfg.block_n_down),

@@ -119,7 +119,7 @@ def compile_moe_gemms(cfg, has_lora: bool, dtype: str, rank_tiles: int | None = 
     results = []
     for kernel, block_n, own in ((fm_gemm.gate_up_kernel, cfg.block_n_gate_up,
                                   dict(SPLIT_K=fm_config.SHRINK_SPLIT_K, PART_N=fm_config.DOWN_SHRINK_PART,
-                                       A_ALIGNED=has_lora)),
+                                       A_ALIGNED=has_lora, SHRINK_ROWS=cfg.shrink_rows)),
                                  (fm_gemm.down_kernel, cfg.block_n_down, {})):
         constexprs = moe_gemm_constexprs(cfg, has_lora, block_n, LORA_RANK_CHUNK << (rank_tiles - 1), rank_tiles)
         compiled = compile_sm90(kernel, {**constexprs, **own}, dtype, cfg.num_warps, cfg.num_stages)
@@ -154,10 +154,11 @@ def compile_all() -> list[dict]:
                                (ma._lay_out_kernel, dict(BLOCK_M=64, E_P=256, S1_P=16, CHUNK=256, SEGMENT_ROWS=64)),
                                (ma._place_kernel, dict(HAS_SLOTS=True, S1_P=16, CHUNK=256)),
                                (fm_shrink.shrink_kernel,
-                                dict(BLOCK_K=64, BLOCK_R=64, RANK_TILES=3, TILE=2,
+                                dict(SHRINK_ROWS=16, BLOCK_K=64, BLOCK_R=64, RANK_TILES=3, TILE=2,
                                      SPLIT_K=fm_config.SHRINK_SPLIT_K, A_ALIGNED=True)),
                                (fm_shrink.pair_shrink_kernel, dict(BLOCK_M=16, E_P=128, S1_P=16, CHUNK=256, BLOCK_K=64,
-                                                                   BLOCK_R=64, RANK_TILES=3, A_ALIGNED=True,
+                                                                   SHRINK_ROWS=16, BLOCK_R=64, RANK_TILES=3,
+                                                                   A_ALIGNED=True,
                                                                    SPLIT_K=fm_config.SHRINK_SPLIT_K)),
                                (fm_reduction.reduce_partials_kernel, dict(BLOCK_ROWS=64, BLOCK_R=16, PARTS=32)),
                                (fm_reduction.moe_sum_kernel, dict(TOP_K_P=8, BLOCK_H=1024)),
@@ -165,13 +166,15 @@ def compile_all() -> list[dict]:
         compiled = compile_sm90(kernel, constexprs, "bf16", 8, 1)
         results.append(dict(kernel=kernel.fn.__name__, shared=compiled.metadata.shared, ttgir=""))
     # the segment shrink on the 16-row tile row's launch options (the deepest pipeline): with the rank-64 tiles (the
-    # most shared memory), and on the rank-16 tile with rows of A known to start on 16 bytes and not
-    cfg = fm_config.default_config(128, 8, 128, torch.bfloat16, lora=True)
-    for block_r, rank_tiles, aligned in ((64, 3, True), (16, 1, True), (16, 1, False)):
-        compiled = compile_sm90(fm_shrink.shrink_kernel, dict(BLOCK_K=64, BLOCK_R=block_r,
-                                                              RANK_TILES=rank_tiles, TILE=rank_tiles - 1,
-                                                              SPLIT_K=fm_config.SHRINK_SPLIT_K, A_ALIGNED=aligned),
-                                "bf16", cfg.shrink_num_warps, cfg.shrink_num_stages)
+    # most shared memory), and on the rank-16 tile with rows of A known to start on 16 bytes and not; and on the
+    # prefill row's tile of 128 rows with the rank-64 tiles
+    for tokens, block_r, rank_tiles, aligned in ((128, 64, 3, True), (128, 16, 1, True), (128, 16, 1, False),
+                                                 (8192, 64, 3, True)):
+        cfg = fm_config.default_config(tokens, 8, 128, torch.bfloat16, lora=True)
+        constexprs = dict(SHRINK_ROWS=cfg.shrink_rows, BLOCK_K=64, BLOCK_R=block_r, RANK_TILES=rank_tiles,
+                          TILE=rank_tiles - 1, SPLIT_K=fm_config.SHRINK_SPLIT_K, A_ALIGNED=aligned)
+        compiled = compile_sm90(fm_shrink.shrink_kernel, constexprs, "bf16", cfg.shrink_num_warps,
+                                cfg.shrink_num_stages)
         results.append(dict(kernel="shrink_kernel", shared=compiled.metadata.shared, block_r=block_r,
                             a_aligned=aligned, async_copies=compiled.asm["ttgir"].count("async_copy_global_to_local"),
                             ttgir=""))

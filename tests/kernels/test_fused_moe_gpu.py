@@ -32,8 +32,9 @@ def _layer(shape, tokens, gen):
     return x, w13, w2, topk._replace(ids=ids), lora, slots
 
 
-# 1: pair blocks; 32: the shrink per pair; 150 and 300: the segment shrink beside blocks of 16 and 32 rows (Qwen3)
-@pytest.mark.parametrize("tokens", [1, 32, 150, 300])
+# 1: pair blocks; 32: the shrink per pair; 150 and 300: the segment shrink beside blocks of 16 and 32 rows (Qwen3);
+# 2048: its tiles of 64 rows (Qwen3, DeepSeek) and 128 (Mixtral's prefill row)
+@pytest.mark.parametrize("tokens", [1, 32, 150, 300, 2048])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_real_shape_matches_reference(shape, tokens, poison):
     gen = torch.Generator("cuda").manual_seed(torch.seed())

@@ -18,9 +18,6 @@ from moelora.kernels.gemm_tiles import gemm_block_k
 # dtype (gemm_block_k). The tiles follow the batch.
 DOWN_SHRINK_PART = 64
 SHRINK_SPLIT_K = 512
-# the LoRA shrink's programs take an (expert, slot) key's rows in pieces of at most this many (moe_align's
-# segment_rows): a key of many rows (few experts, few adapters, a long prefill) is then several programs, not one
-SEGMENT_ROWS = 64
 SUM_PARTS = 8  # partial sums (shrink splits, down-shrink parts) read per load in the LoRA epilogues
 REDUCE_PROGRAMS = 512  # about this many programs sum the partials once per row (reduction.reduce_partials)
 # Up to this many tokens every (token, expert) pair is its own block (pair_blocks): no alignment launch, but
@@ -66,6 +63,14 @@ class MoEKernelConfig:
     # block: mixed ranks at 32-row blocks gained; at 16-row blocks the extra launches cost more than that
     # (benchmarks/RESULTS.md, session 34)
     shrink_per_rank_tile: bool = False
+    # rows of the gate/up shrink's tile, on every path of this config (per segment, per pair, pair blocks): the
+    # tile's shape picks the MMA instructions, and a row's bits must not depend on which path its batch takes.
+    # The segment shrink takes an (expert, slot) key's rows in pieces of at most segment_rows (moe_align), a
+    # program each, shrink_rows at a time: a key of many rows is then several programs. At decode tiles of 16
+    # rows in pieces of 64 won; at prefill a tile and a piece of block_m rows (one load of A for many rows), where
+    # tiles of 16 cost a fifth more with one adapter (benchmarks/RESULTS.md, session 35)
+    shrink_rows: int = 16
+    segment_rows: int = 64
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype, *,
@@ -89,6 +94,7 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
         return MoEKernelConfig(32, 64, 128, block_k, 8, 4, 4, slot_stages=4, max_registers=168,
                                shrink_per_rank_tile=True, shrink_num_warps=2, shrink_num_stages=4)
     if rows_per_expert < 256:
-        return MoEKernelConfig(64, 64, 128, block_k, 8, 4, 4, slot_stages=4)
+        return MoEKernelConfig(64, 64, 128, block_k, 8, 4, 4, slot_stages=4, shrink_rows=64, segment_rows=64)
     # prefill: wide n tiles, 8 warps
-    return MoEKernelConfig(128, 128, 256, block_k, 8, 8, 4, half_tiles=True, slot_stages=4)
+    return MoEKernelConfig(128, 128, 256, block_k, 8, 8, 4, half_tiles=True, slot_stages=4, shrink_rows=128,
+                           segment_rows=128)

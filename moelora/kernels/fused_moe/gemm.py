@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.fused_moe.reduction import prepare_topk_sum, sum_topk_if_last
-from moelora.kernels.fused_moe.shrink import SHRINK_ROWS, shrink_one_pair
+from moelora.kernels.fused_moe.shrink import shrink_one_pair
 from moelora.kernels.fused_moe.tiles import (adapter_slots, at_most_half_full, block_info, block_rows, lora_expand,
                                              lora_tile, next_run_slot, previous_row_slots, row_ranks, row_slots,
                                              slot_rank, slot_runs, sum_partials, takes_rank_tile)
@@ -24,7 +24,7 @@ def gate_up_kernel(
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     HALF_TILES: tl.constexpr, TOP_K_P: tl.constexpr, SPLIT_K: tl.constexpr, PART_N: tl.constexpr,
-    RANK_TILES: tl.constexpr, SLOT_STAGES: tl.constexpr, A_ALIGNED: tl.constexpr,
+    RANK_TILES: tl.constexpr, SLOT_STAGES: tl.constexpr, A_ALIGNED: tl.constexpr, SHRINK_ROWS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """h[p] = silu(x Wg^T + LoRA_g) * (x Wu^T + LoRA_u) for the pairs p of one block; with LoRA also

@@ -6,8 +6,8 @@ import torch
 import triton
 
 from moelora.core import ExpertLoRASlots, TopKOutput
-from moelora.kernels.fused_moe.config import (DOWN_SHRINK_PART, SEGMENT_ROWS, SHRINK_SPLIT_K, SUM_PARTS,
-                                              MoEKernelConfig, default_config)
+from moelora.kernels.fused_moe.config import (DOWN_SHRINK_PART, SHRINK_SPLIT_K, SUM_PARTS, MoEKernelConfig,
+                                              default_config)
 from moelora.kernels.fused_moe.gemm import down_kernel, gate_up_kernel
 from moelora.kernels.fused_moe.reduction import moe_sum_kernel, reduce_partials
 from moelora.kernels.fused_moe.shrink import pair_shrink_kernel, shrink_kernel
@@ -96,19 +96,20 @@ def fused_moe_triton(
                 x, xa, ranks, ag, au,
                 num_pairs, top_k, hidden, num_slots, num_experts, blocks.sorted_ids.numel(), num_splits,
                 x.stride(0), *a_strides,
-                BLOCK_M=cfg.block_m, E_P=e_p, S1_P=s1_p, CHUNK=CHUNK, BLOCK_K=cfg.block_k,
-                BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, RANK_TILES=rank_tiles, A_ALIGNED=a_aligned,
+                BLOCK_M=cfg.block_m, E_P=e_p, S1_P=s1_p, CHUNK=CHUNK, SHRINK_ROWS=cfg.shrink_rows,
+                BLOCK_K=cfg.block_k, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, RANK_TILES=rank_tiles,
+                A_ALIGNED=a_aligned,
                 num_warps=align_num_warps(num_experts, num_slots), **pdl,
             )
         else:
-            blocks = moe_align(topk.ids, token_slots, num_experts, num_slots, cfg.block_m, SEGMENT_ROWS)
+            blocks = moe_align(topk.ids, token_slots, num_experts, num_slots, cfg.block_m, cfg.segment_rows)
             max_segs = blocks.segments.shape[1]
             # a launch per rank tile, each compiled for its tile alone (shrink_kernel's TILE; -1: all tiles)
             for tile in range(rank_tiles) if cfg.shrink_per_rank_tile else (-1,):
                 shrink_kernel[(max_segs, num_splits)](
                     x, xa, blocks.sorted_ids, blocks.segments, blocks.num_segments, ranks, ag, au,
                     num_pairs, top_k, hidden, num_slots, num_experts, num_splits, max_segs, x.stride(0), *a_strides,
-                    BLOCK_K=cfg.block_k, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K,
+                    SHRINK_ROWS=cfg.shrink_rows, BLOCK_K=cfg.block_k, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K,
                     RANK_TILES=rank_tiles, A_ALIGNED=a_aligned, TILE=tile, num_warps=cfg.shrink_num_warps,
                     num_stages=cfg.shrink_num_stages, **pdl,
                 )
@@ -126,7 +127,7 @@ def fused_moe_triton(
         triton.cdiv(num_tokens, grid_gate_up),
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *a_strides, *b_strides, *ad_strides, y.stride(0),
         BLOCK_N=cfg.block_n_gate_up, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, PART_N=DOWN_SHRINK_PART,
-        RANK_TILES=rank_tiles, A_ALIGNED=a_aligned, **common,
+        RANK_TILES=rank_tiles, A_ALIGNED=a_aligned, SHRINK_ROWS=cfg.shrink_rows, **common,
     )
     if lora is not None:
         hd, num_hd_parts = reduce_partials(hd, topk.ids, slots, ranks, 2, num_pairs >= cfg.reduce_partials_min_pairs)

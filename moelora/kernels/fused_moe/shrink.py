@@ -9,10 +9,6 @@ from moelora.kernels.fused_moe.tiles import lora_rank, takes_rank_tile
 from moelora.kernels.moe_align import moe_align_program
 from moelora.kernels.pdl import wait_for_previous_kernel
 
-# The rows of every shrink's tile, on every path (a segment's rows this many at a time, a pair in row 0 of such a
-# tile): the tile's shape picks the MMA instructions, and a row's bits must not depend on which path its batch takes.
-SHRINK_ROWS = tl.constexpr(16)
-
 
 @triton.jit
 def _shrink_rows(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, k_lo, k_hi, num_experts,
@@ -60,14 +56,15 @@ def _shrink_tile(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, k_
 def shrink_kernel(
     x_ptr, xa_ptr, sorted_ids_ptr, segments_ptr, num_segments_ptr, ranks_ptr, ag_ptr, au_ptr,
     num_pairs, top_k, H, num_slots, num_experts, num_splits, max_segs, stride_xt, stride_ae, stride_ar,
-    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
+    SHRINK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
     RANK_TILES: tl.constexpr, A_ALIGNED: tl.constexpr, TILE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """xa[p, proj, split] = x[p] @ A_proj[slot(p), e][:, split's K range]^T for gate (proj 0) and up
     (proj 1), one program per (segment, K split): a segment is a piece of the rows of one (expert, slot) key
-    (AlignedBlocks.segments), taken SHRINK_ROWS at a time. Each program runs one chain of loads, where a program per
-    block walked the block's slots one after the other. The gate_up GEMM sums the splits in a fixed order.
+    (AlignedBlocks.segments), taken SHRINK_ROWS (MoEKernelConfig.shrink_rows) at a time. Each program runs one
+    chain of loads, where a program per block walked the block's slots one after the other. The gate_up GEMM sums
+    the splits in a fixed order.
     TILE >= 0: only the segments whose ranks take rank tile TILE, the launch compiled for that tile alone (a launch
     per tile: the registers of the largest tile's loop would set how many programs of the smaller tiles an SM
     holds)."""
@@ -99,7 +96,8 @@ def shrink_one_pair(q, topk_ids_ptr, token_slots_ptr, x_ptr, xa_ptr, ranks_ptr, 
                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
                      RANK_TILES: tl.constexpr, A_ALIGNED: tl.constexpr):
     """Work item q = p * num_splits + split: the gate/up shrink of pair p for one K split. The pair sits in
-    row 0 of a BLOCK_M tile (SHRINK_ROWS) so the arithmetic, hence the bits, equal shrink_kernel's for that row.
+    row 0 of a BLOCK_M tile (MoEKernelConfig.shrink_rows) so the arithmetic, hence the bits, equal
+    shrink_kernel's for that row.
     Returns whether the pair has an expert here and an adapter (else there is nothing to shrink)."""
     p = q // num_splits
     split = q % num_splits
@@ -125,8 +123,8 @@ def pair_shrink_kernel(
     x_ptr, xa_ptr, ranks_ptr, ag_ptr, au_ptr,
     num_pairs, top_k, H, num_slots, num_experts, max_rows, num_splits, stride_xt, stride_ae, stride_ar,
     BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr, RANK_TILES: tl.constexpr,
-    A_ALIGNED: tl.constexpr, PDL: tl.constexpr,
+    SHRINK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
+    RANK_TILES: tl.constexpr, A_ALIGNED: tl.constexpr, PDL: tl.constexpr,
 ):
     """Small aligned batches, one launch: program 0 is `moe_align`, then a program per (pair, K split) of
     the gate/up shrink (it needs only the pair's expert and slot, not the blocks)."""
