@@ -54,14 +54,13 @@ class MoEKernelConfig:
     # decode, it gained at some shapes and lost at others (benchmarks/RESULTS.md)
     slot_stages: int = 1
     # warps and pipeline stages of the segment shrink (shrink.shrink_kernel, aligned blocks past
-    # pair_shrink_max_pairs). Tuned for its predecessor, a program per block: in blocks of 16 rows, 2 warps and 4
-    # stages beat 4 and 3; in blocks of 32 they lost (benchmarks/RESULTS.md)
+    # pair_shrink_max_pairs): its 16-row tiles take 2 warps and 4 stages, which beat 4 and 3 on 16-row tiles of
+    # its predecessor, a program per block (benchmarks/RESULTS.md)
     shrink_num_warps: int = 4
     shrink_num_stages: int = 3
     # the segment shrink as a launch per rank tile, each compiled for its tile alone: with one launch the largest
-    # tile's registers set how many programs an SM holds for every tile. Measured on its predecessor, a program per
-    # block: mixed ranks at 32-row blocks gained; at 16-row blocks the extra launches cost more than that
-    # (benchmarks/RESULTS.md, session 34)
+    # tile's registers set how many programs an SM holds for every tile. Mixed ranks at 32-row blocks gained; at
+    # 16-row blocks the extra launches cost more than that (benchmarks/RESULTS.md, sessions 34 and 35)
     shrink_per_rank_tile: bool = False
     # rows of the gate/up shrink's tile, on every path of this config (per segment, per pair, pair blocks): the
     # tile's shape picks the MMA instructions, and a row's bits must not depend on which path its batch takes.
