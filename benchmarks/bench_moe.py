@@ -241,12 +241,13 @@ def bench_shape(args, shape_name: str, device, dtype, mm: float, bw: float) -> N
                 sweep(layers, tokens, n, device, dtype, bw)
 
 
+MIXED_CASE = "ranks 8,8,16,16,16,32,64,64"
 # name -> (rank of each of the 8 slots, share of experts each adapter covers, whether the share is drawn per expert
 # (all three projections) rather than per projection, whether every token uses slot 0)
 RANK_CASES = {
     "rank 16": ([16] * SLOTS, 1.0, True, False),
     "rank 64": ([64] * SLOTS, 1.0, True, False),
-    "ranks 8,8,16,16,16,32,64,64": ([8, 8, 16, 16, 16, 32, 64, 64], 1.0, True, False),
+    MIXED_CASE: ([8, 8, 16, 16, 16, 32, 64, 64], 1.0, True, False),
     "rank 16 on 25% of experts": ([16] * SLOTS, 0.25, True, False),
     # each projection's 25% drawn on its own: 44% of the (slot, expert) pairs have gate or up LoRA
     "rank 16 on 25% of each projection's experts": ([16] * SLOTS, 0.25, False, False),
@@ -265,17 +266,37 @@ def rank_cases(args, device, dtype, name, bw) -> None:
           "tokens round-robin over them unless the case says otherwise\n")
     print("| shape | T | case | base us (LoRA tiles) | LoRA delta us | LoRA floor us |")
     print("|---|---|---|---|---|---|")
+    deltas = {}
     for shape_name in args.shapes.split(","):
-        rank_cases_of_shape(args, shape_name, device, dtype, bw)
+        deltas[shape_name] = rank_cases_of_shape(args, shape_name, device, dtype, bw)
         if device == "cuda":
             torch.cuda.empty_cache()  # the shape's layers went with the call's frame
+    mixed = RANK_CASES[MIXED_CASE][0]
+    weight = (statistics.mean(mixed) - 16) / (64 - 16)
+    print(f"\nIssue 21's ratios (rank-weighted mean: rank 16 + {weight:.2f} x (rank 64 - rank 16), the mixed pool's "
+          f"mean rank being {statistics.mean(mixed):g})\n")
+    print("| shape | T | mixed / rank-weighted mean (<= 1.15) | 25% / full (<= 0.40) "
+          "| rank-8 tokens beside rank 64 / rank-8 pool (within 10%) |")
+    print("|---|---|---|---|---|")
+    for shape_name, by_case in deltas.items():
+        for tokens in map(int, args.tokens.split(",")):
+            d = {case: by_case[case, tokens] for case in RANK_CASES}
+            mean = d["rank 16"] + weight * (d["rank 64"] - d["rank 16"])
+            print(f"| {shape_name} | {tokens} | {_ratio(d[MIXED_CASE], mean)} "
+                  f"| {_ratio(d['rank 16 on 25% of experts'], d['rank 16'])} "
+                  f"| {_ratio(d['rank-8 tokens, rank 64 resident'], d['rank-8 tokens, rank 8 resident'])} |")
 
 
-def rank_cases_of_shape(args, shape_name: str, device, dtype, bw: float) -> None:
-    """rank_cases' rows of one shape."""
+def _ratio(a: float, b: float) -> str:
+    return f"{a:.1f} / {b:.1f} = {a / b:.2f}" if b > 0 else f"{a:.1f} / {b:.1f}"
+
+
+def rank_cases_of_shape(args, shape_name: str, device, dtype, bw: float) -> dict[tuple[str, int], float]:
+    """rank_cases' rows of one shape; returns the LoRA delta in us by (case, T)."""
     hidden, inter, experts, _ = shape = SHAPES[shape_name]
     copies = layer_copies(shape, dtype, device)
     layers = Layers(shape, copies, dtype, device)
+    deltas = {}
     for case, (slot_ranks, coverage, whole_experts, first_slot_only) in RANK_CASES.items():
         layers.lora = [random_expert_lora(SLOTS, experts, hidden, inter, slot_ranks, dtype, device,
                                           coverage=coverage, max_rank=MAX_RANK, whole_experts=whole_experts)
@@ -297,8 +318,10 @@ def rank_cases_of_shape(args, shape_name: str, device, dtype, bw: float) -> None
             pairs = torch.unique(slots.long().repeat_interleave(layers.top_k) * experts + topk.ids.flatten().long())
             rank_sum = ranks[:, pairs // experts, pairs % experts].sum().item()
             floor = rank_sum * (hidden + inter) * dtype.itemsize / bw  # A and B of each touched pair, real rank
-            print(f"| {shape_name} | {tokens} | {case} | {t_base * 1e6:.1f} | {(t_lora - t_base) * 1e6:.1f} "
+            deltas[case, tokens] = (t_lora - t_base) * 1e6
+            print(f"| {shape_name} | {tokens} | {case} | {t_base * 1e6:.1f} | {deltas[case, tokens]:.1f} "
                   f"| {floor * 1e6:.1f} |", flush=True)
+    return deltas
 
 
 def sweep(layers, tokens, n, device, dtype, bw):

@@ -14,11 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_moe  # noqa: E402
-from bench_moe import RANK_CASES  # noqa: E402
+from bench_moe import MIXED_CASE as MIXED, RANK_CASES  # noqa: E402
 
 
 def _run(*args: str) -> list[list[str]]:
-    """bench_moe's table rows of the tiny shape, cells stripped."""
+    """bench_moe's table rows of the tiny shape (of every table), cells stripped."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, "benchmarks/bench_moe.py", "--shapes", "tiny", *args], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
@@ -34,9 +34,21 @@ def test_tiny_moe_benchmark_reports_each_batch_and_adapter_count():
 
 
 def test_tiny_moe_benchmark_reports_every_rank_case():
-    rows = _run("--rank-cases", "--tokens", "40")
-    assert [r[2] for r in rows] == list(RANK_CASES)
-    floors = {r[2]: float(r[5]) for r in rows}
+    rows = _run("--rank-cases", "--tokens", "8,40")
+    cases, ratios = [r for r in rows if len(r) == 6], [r for r in rows if len(r) == 5]
+    assert [(r[2], r[1]) for r in cases] == [(case, t) for case in RANK_CASES for t in ("8", "40")]
+    delta = {(r[2], r[1]): float(r[4]) for r in cases}
+    # issue 21's three ratios per T, from the rows above: "a / b = a/b"
+    assert [r[1] for r in ratios] == ["8", "40"]
+    for _, t, mixed, quarter, rank8 in ratios:
+        mean = delta["rank 16", t] + 0.25 * (delta["rank 64", t] - delta["rank 16", t])
+        for cell, (a, b) in ((mixed, (delta[MIXED, t], mean)),
+                             (quarter, (delta["rank 16 on 25% of experts", t], delta["rank 16", t])),
+                             (rank8, (delta["rank-8 tokens, rank 64 resident", t],
+                                      delta["rank-8 tokens, rank 8 resident", t]))):
+            shown_a, shown_b = map(float, cell.split(" = ")[0].split(" / "))
+            assert abs(shown_a - a) <= 0.051 and abs(shown_b - b) <= 0.1, (cell, a, b)  # the rows' rounding
+    floors = {r[2]: float(r[5]) for r in cases if r[1] == "40"}
     assert floors["rank 16 on no expert"] == 0 and floors["rank 64"] > floors["rank 16"] > 0
     # a quarter of the experts with all three projections, or a quarter drawn per projection: both well under
     # full coverage
