@@ -70,11 +70,11 @@ def resources(kernel, constexprs: dict, num_warps: int, num_stages: int, maxnreg
 
 def rows(tokens: int, shape: tuple[int, int, int, int], lora: bool, maxnreg: int | None):
     """(kernel name, rank tiles, Resources) of each kernel a fused_moe call of `tokens` tokens launches on the
-    default tile table: without LoRA, or with LoRA on the rank-16 tile alone and on tiles up to 64 (the block
+    default tile table: without LoRA, or with LoRA on the rank-16 tile alone and on tiles up to 64 (the segment
     shrink then, where the config says so, a launch per tile)."""
     _, _, experts, top_k = shape
     cfg = fm_config.default_config(tokens, top_k, experts, torch.bfloat16, lora=lora)
-    block_shrink = lora and not cfg.pair_blocks and tokens * top_k > cfg.pair_shrink_max_pairs
+    segment_shrink = lora and not cfg.pair_blocks and tokens * top_k > cfg.pair_shrink_max_pairs
     for block_r, rank_tiles in ((16, 1), (64, 3)) if lora else ((16, 1),):
         cap = (maxnreg or cfg.max_registers) if rank_tiles > 1 else None  # as the launcher applies max_registers
         def constexprs(block_n: int) -> dict:  # (A_ALIGNED: on branches whose shrink takes it)
@@ -85,10 +85,9 @@ def rows(tokens: int, shape: tuple[int, int, int, int], lora: bool, maxnreg: int
                                                       cfg.num_warps, cfg.num_stages, cap)
         yield "down_kernel", rank_tiles, resources(fm_gemm.down_kernel, constexprs(cfg.block_n_down),
                                                    cfg.num_warps, cfg.num_stages, cap)
-        for tile in (range(rank_tiles) if cfg.shrink_per_rank_tile else (-1,)) if block_shrink else ():
+        for tile in (range(rank_tiles) if cfg.shrink_per_rank_tile else (-1,)) if segment_shrink else ():
             name = f"shrink_kernel (tile {LORA_RANK_CHUNK << tile})" if tile >= 0 else "shrink_kernel"
-            yield name, rank_tiles, resources(fm_shrink.shrink_kernel,
-                                              {**constexprs(0), "TILE": tile},
+            yield name, rank_tiles, resources(fm_shrink.shrink_kernel, {**constexprs(0), "TILE": tile},
                                               cfg.shrink_num_warps, cfg.shrink_num_stages)
 
 

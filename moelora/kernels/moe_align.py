@@ -8,7 +8,7 @@ dropped, never indexed; slots outside [0, S) count as "no adapter". Where asked 
 lists each (expert, slot) key's run of rows in pieces of a bounded length (AlignedBlocks.segments), for the LoRA
 shrink's programs.
 
-Output sizes depend only on (T*k, E, S, BLOCK_M), never on the routing, so the kernel needs no
+Output sizes depend only on (T*k, E, S, BLOCK_M, segment_rows), never on the routing, so the kernel needs no
 host synchronisation and can be captured in a CUDA graph; the GEMMs skip blocks past `num_rows`.
 """
 from __future__ import annotations

@@ -34,7 +34,7 @@ def test_resources_of_each_kernel_at_a_prefill_batch():
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in run.stdout.splitlines()
             if line.startswith("| 512")]
-    # without LoRA the two GEMMs; with it the GEMMs and the block shrink, on the rank-16 tile and on tiles to 64
+    # without LoRA the two GEMMs; with it the GEMMs and the segment shrink, on the rank-16 tile and on tiles to 64
     # (a shrink launch per tile)
     assert [(r[1], r[2], r[3]) for r in rows] == [
         ("off", "gate_up_kernel", ""), ("off", "down_kernel", ""),

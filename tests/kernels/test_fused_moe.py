@@ -164,18 +164,19 @@ def test_partials_summed_once_equal_partials_summed_per_program(dtype, device, p
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shrink_warps,shrink_stages,shrink_rows,segment_rows", [(4, 3, 16, 64), (2, 4, 32, 32)])
+@pytest.mark.parametrize("shrink_warps,shrink_stages,shrink_rows,segment_rows", [(2, 4, 16, 64), (4, 3, 64, 64),
+                                                                                (4, 3, 16, 8)])
 @pytest.mark.parametrize("one_slot", [False, True])
 def test_shrink_per_pair_equals_shrink_per_segment(dtype, shrink_warps, shrink_stages, shrink_rows, segment_rows,
                                                   one_slot, device, poison):
     """Small batches shrink per pair inside the alignment's launch, large ones per (expert, slot) segment (on the
-    warps, stages and tiles of the decode and the prefill rows): a row's bits must not depend on which one its
-    batch size picks. With one slot for every token, segments of 64 rows run longer than a program's tile of 16
-    (18 rows a key on average)."""
-    x, w13, w2, topk, lora, slots = _case(45, 72, 40, 5, 2, dtype, device, slot_ranks=SMALL_RANKS)
+    warps, stages and tiles of the decode rows, of the 64-row row, and in pieces shorter than a key): a row's bits
+    must not depend on which one its batch size picks. With one slot for every token (24 rows a key on average)
+    a piece of 64 rows runs longer than a tile of 16, and pieces of 8 cut each key into several."""
+    x, w13, w2, topk, lora, slots = _case(60, 72, 40, 5, 2, dtype, device, slot_ranks=SMALL_RANKS)
     if one_slot:
         slots = torch.zeros_like(slots)
-    cfg = dataclasses.replace(default_config(45, 2, 5, dtype, lora=True), shrink_rows=shrink_rows,
+    cfg = dataclasses.replace(default_config(60, 2, 5, dtype, lora=True), shrink_rows=shrink_rows,
                               segment_rows=segment_rows)
     per_segment = fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
                             config=dataclasses.replace(cfg, pair_shrink_max_pairs=0, shrink_num_warps=shrink_warps,

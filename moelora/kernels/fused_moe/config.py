@@ -54,16 +54,18 @@ class MoEKernelConfig:
     # decode, it gained at some shapes and lost at others (benchmarks/RESULTS.md)
     slot_stages: int = 1
     # warps and pipeline stages of the segment shrink (shrink.shrink_kernel, aligned blocks past
-    # pair_shrink_max_pairs): its 16-row tiles take 2 warps and 4 stages, which beat 4 and 3 on 16-row tiles of
-    # its predecessor, a program per block (benchmarks/RESULTS.md)
+    # pair_shrink_max_pairs): the 16-row tiles of the decode rows take 2 warps and 4 stages, which beat 4 and 3 on
+    # 16-row tiles of its predecessor, a program per block; the 64- and 128-row tiles take these defaults
+    # (benchmarks/RESULTS.md)
     shrink_num_warps: int = 4
     shrink_num_stages: int = 3
     # the segment shrink as a launch per rank tile, each compiled for its tile alone: with one launch the largest
     # tile's registers set how many programs an SM holds for every tile. Mixed ranks at 32-row blocks gained; at
     # 16-row blocks the extra launches cost more than that (benchmarks/RESULTS.md, sessions 34 and 35)
     shrink_per_rank_tile: bool = False
-    # rows of the gate/up shrink's tile, on every path of this config (per segment, per pair, pair blocks): the
-    # tile's shape picks the MMA instructions, and a row's bits must not depend on which path its batch takes.
+    # rows of the gate/up shrink's tile, the same on every path of this config (per segment, per pair, pair
+    # blocks), so that the paths' arithmetic for a row is one by construction (the tiles of different rows of
+    # the table are checked bit for bit on the GPU: test_fused_moe_gpu's row_does_not_depend_on_batch).
     # The segment shrink takes an (expert, slot) key's rows in pieces of at most segment_rows (moe_align), a
     # program each, shrink_rows at a time: a key of many rows is then several programs. At decode tiles of 16
     # rows in pieces of 64 won; at prefill a tile and a piece of block_m rows (one load of A for many rows), where

@@ -93,10 +93,10 @@ def shrink_kernel(
 @triton.jit
 def shrink_one_pair(q, topk_ids_ptr, token_slots_ptr, x_ptr, xa_ptr, ranks_ptr, ag_ptr, au_ptr,
                      top_k, H, num_slots, num_experts, num_splits, stride_xt, stride_ae, stride_ar,
-                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
+                     SHRINK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
                      RANK_TILES: tl.constexpr, A_ALIGNED: tl.constexpr):
     """Work item q = p * num_splits + split: the gate/up shrink of pair p for one K split. The pair sits in
-    row 0 of a BLOCK_M tile (MoEKernelConfig.shrink_rows) so the arithmetic, hence the bits, equal
+    row 0 of a SHRINK_ROWS tile (MoEKernelConfig.shrink_rows) so the arithmetic, hence the bits, equal
     shrink_kernel's for that row.
     Returns whether the pair has an expert here and an adapter (else there is nothing to shrink)."""
     p = q // num_splits
@@ -105,15 +105,15 @@ def shrink_one_pair(q, topk_ids_ptr, token_slots_ptr, x_ptr, xa_ptr, ranks_ptr, 
     s = tl.load(token_slots_ptr + p // top_k)
     lora_pair = (e >= 0) & (e < num_experts) & (s >= 0) & (s < num_slots)
     if lora_pair:
-        row0 = tl.arange(0, BLOCK_M) == 0
-        pair = p + tl.zeros((BLOCK_M,), dtype=tl.int32)
+        row0 = tl.arange(0, SHRINK_ROWS) == 0
+        pair = p + tl.zeros((SHRINK_ROWS,), dtype=tl.int32)
         x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + tl.arange(0, BLOCK_K)[None, :]
         xa_rows = xa_ptr + ((pair.to(tl.int64) * 2) * num_splits + split) * BLOCK_R
         rank_g = lora_rank(ranks_ptr, 0, s, e, num_slots, num_experts)
         rank_u = lora_rank(ranks_ptr, 1, s, e, num_slots, num_experts)
         _shrink_rows(x_ptrs, row0, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, split * SPLIT_K,
                      tl.minimum(H, (split + 1) * SPLIT_K), num_experts, num_splits, stride_ae, stride_ar,
-                     BLOCK_M, BLOCK_K, BLOCK_R, RANK_TILES, A_ALIGNED)
+                     SHRINK_ROWS, BLOCK_K, BLOCK_R, RANK_TILES, A_ALIGNED)
     return lora_pair
 
 
