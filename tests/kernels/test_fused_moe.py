@@ -329,6 +329,18 @@ def test_rejects_bad_inputs(device):
         fused_moe(x, w13, w2, topk, impl="cuda")
 
 
+@pytest.mark.parametrize("field,value,rule", [("block_m", 24, "a power of two of at least 16"),
+                                              ("shrink_rows", 8, "a power of two of at least 16"),
+                                              ("num_warps", 3, "a power of two from 1 to 32"),
+                                              ("segment_rows", 0, "an int of at least 1"),
+                                              ("pair_shrink_max_pairs", -1, "an int of at least 0"),
+                                              ("max_registers", 300, "None or an int from 32 to 255")])
+def test_config_names_a_bad_field(field, value, rule):
+    good = default_config(64, 2, 8, DTYPES[0], lora=True)
+    with pytest.raises(ValueError, match=rf"MoEKernelConfig\.{field} must be {rule}, got {value}"):
+        dataclasses.replace(good, **{field: value})
+
+
 def test_pair_blocks_past_the_ready_counters(device, monkeypatch):
     x, w13, w2, topk, lora, slots = _case(3, 64, 32, 4, 2, DTYPES[0], device)
     monkeypatch.setattr(launcher, "READY_COUNTERS", 5)

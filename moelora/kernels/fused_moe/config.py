@@ -73,6 +73,29 @@ class MoEKernelConfig:
     shrink_rows: int = 16
     segment_rows: int = 64
 
+    def __post_init__(self):
+        """A config is a public knob (fused_moe's config=): a bad field is named here, not in a Triton compile error
+        or a launch that reads out of bounds."""
+        def fail(name: str, rule: str):
+            raise ValueError(f"MoEKernelConfig.{name} must be {rule}, got {getattr(self, name)!r}")
+        for name in ("block_m", "block_n_gate_up", "block_n_down", "block_k", "shrink_rows"):
+            value = getattr(self, name)  # tensor-core tiles: 16 rows or columns at least
+            if not isinstance(value, int) or value < 16 or value & (value - 1):
+                fail(name, "a power of two of at least 16")
+        for name in ("num_warps", "shrink_num_warps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 1 <= value <= 32 or value & (value - 1):
+                fail(name, "a power of two from 1 to 32")
+        for name in ("group_m", "num_stages", "slot_stages", "shrink_num_stages", "segment_rows"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                fail(name, "an int of at least 1")
+        for name in ("pair_shrink_max_pairs", "reduce_partials_min_pairs"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                fail(name, "an int of at least 0")
+        if self.max_registers is not None and not (isinstance(self.max_registers, int) and
+                                                   32 <= self.max_registers <= 255):
+            fail("max_registers", "None or an int from 32 to 255")
+
 
 def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype, *,
                    lora: bool) -> MoEKernelConfig:
