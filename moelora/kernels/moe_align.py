@@ -36,7 +36,7 @@ class AlignedBlocks(NamedTuple):
 
 def max_segments(num_pairs: int, num_experts: int, num_slots: int, segment_rows: int) -> int:
     """Upper bound on the segments: each holds a pair at least, and a key's pieces but its last are full."""
-    return max(1, min(num_pairs, triton.cdiv(num_pairs, segment_rows) + min(num_pairs, num_experts * num_slots)))
+    return max(1, min(num_pairs, triton.cdiv(num_pairs, segment_rows) + num_experts * num_slots))
 
 
 def max_aligned_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
