@@ -6,10 +6,11 @@ time goes, to guide kernel work. Not a test.
     python3 benchmarks/profile_moe.py --shape mixtral-8x7b --tokens 1 --ranks 8,8,16,16,16,32,64,64 --rank-bound 64
     MOELORA_PDL=0 python3 benchmarks/profile_moe.py --tokens 4096 --adapters 1,8   # each kernel's own share
 
-With programmatic dependent launch (kernels/pdl.py, on by default on Hopper) a kernel starts while the one before
-it finishes, and its recorded time takes in that wait; MOELORA_PDL=0 gives times that add up.
     ncu --clock-control none -k regex:shrink_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight \
         python3 benchmarks/profile_moe.py --tokens 512 --adapters 8 --no-profiler   # the 3rd LoRA shrink, in ncu
+
+With programmatic dependent launch (kernels/pdl.py, on by default on Hopper) a kernel starts while the one before
+it finishes, and its recorded time takes in that wait; MOELORA_PDL=0 gives times that add up.
 """
 from __future__ import annotations
 
