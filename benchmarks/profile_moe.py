@@ -5,7 +5,6 @@ time goes, to guide kernel work. Not a test.
     python3 benchmarks/profile_moe.py --tokens 32 --adapters 8 --coverage 0.25   # adapters on a quarter of the experts
     python3 benchmarks/profile_moe.py --shape mixtral-8x7b --tokens 1 --ranks 8,8,16,16,16,32,64,64 --rank-bound 64
     MOELORA_PDL=0 python3 benchmarks/profile_moe.py --tokens 4096 --adapters 1,8   # each kernel's own share
-
     ncu --clock-control none -k regex:shrink_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight \
         python3 benchmarks/profile_moe.py --tokens 512 --adapters 8 --no-profiler   # the 3rd LoRA shrink, in ncu
 
