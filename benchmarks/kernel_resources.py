@@ -80,7 +80,7 @@ def rows(tokens: int, shape: tuple[int, int, int, int], lora: bool, maxnreg: int
         def constexprs(block_n: int) -> dict:  # (A_ALIGNED: on branches whose shrink takes it)
             return {**moe_gemm_constexprs(cfg, lora, block_n, block_r, rank_tiles, triton.next_power_of_2(top_k)),
                     "SPLIT_K": fm_config.SHRINK_SPLIT_K, "PART_N": fm_config.DOWN_SHRINK_PART, "A_ALIGNED": True,
-                    "SHRINK_ROWS": cfg.shrink_rows}
+                    "SHRINK_ROWS": cfg.shrink_rows, "DOWN_SHRINK": not (segment_shrink and cfg.down_shrink_launch)}
         yield "gate_up_kernel", rank_tiles, resources(fm_gemm.gate_up_kernel, constexprs(cfg.block_n_gate_up),
                                                       cfg.num_warps, cfg.num_stages, cap)
         yield "down_kernel", rank_tiles, resources(fm_gemm.down_kernel, constexprs(cfg.block_n_down),
@@ -89,6 +89,9 @@ def rows(tokens: int, shape: tuple[int, int, int, int], lora: bool, maxnreg: int
             name = f"shrink_kernel (tile {LORA_RANK_CHUNK << tile})" if tile >= 0 else "shrink_kernel"
             yield name, rank_tiles, resources(fm_shrink.shrink_kernel, {**constexprs(0), "TILE": tile},
                                               cfg.shrink_num_warps, cfg.shrink_num_stages)
+        if segment_shrink and cfg.down_shrink_launch:
+            yield "down_shrink_kernel", rank_tiles, resources(fm_shrink.down_shrink_kernel, constexprs(0),
+                                                              cfg.shrink_num_warps, cfg.shrink_num_stages)
 
 
 def main():

@@ -104,8 +104,8 @@ def compile_sm90(kernel, constexprs: dict, dtype: str, num_warps: int, num_stage
 
 def moe_gemm_constexprs(cfg, has_lora: bool, block_n: int, block_r: int = 64, rank_tiles: int = 3,
                         top_k_p: int = 8) -> dict:
-    """The constexprs of fused_moe's gate_up and down kernels (gate_up's own, SPLIT_K and PART_N, besides) for a
-    tile row, as the launcher passes them."""
+    """The constexprs of fused_moe's gate_up and down kernels (gate_up's own, SPLIT_K, PART_N, DOWN_SHRINK,
+    besides) for a tile row, as the launcher passes them."""
     return dict(HAS_LORA=has_lora, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                 BLOCK_R=block_r, RANK_TILES=rank_tiles, PARTS=fm_config.SUM_PARTS, PAIR_BLOCKS=cfg.pair_blocks,
                 HALF_TILES=cfg.half_tiles, TOP_K_P=top_k_p, SLOT_STAGES=cfg.slot_stages)
@@ -119,7 +119,8 @@ def compile_moe_gemms(cfg, has_lora: bool, dtype: str, rank_tiles: int | None = 
     results = []
     for kernel, block_n, own in ((fm_gemm.gate_up_kernel, cfg.block_n_gate_up,
                                   dict(SPLIT_K=fm_config.SHRINK_SPLIT_K, PART_N=fm_config.DOWN_SHRINK_PART,
-                                       A_ALIGNED=has_lora, SHRINK_ROWS=cfg.shrink_rows)),
+                                       A_ALIGNED=has_lora, SHRINK_ROWS=cfg.shrink_rows,
+                                       DOWN_SHRINK=not cfg.down_shrink_launch)),
                                  (fm_gemm.down_kernel, cfg.block_n_down, {})):
         constexprs = moe_gemm_constexprs(cfg, has_lora, block_n, LORA_RANK_CHUNK << (rank_tiles - 1), rank_tiles)
         compiled = compile_sm90(kernel, {**constexprs, **own}, dtype, cfg.num_warps, cfg.num_stages)
@@ -180,6 +181,13 @@ def compile_all() -> list[dict]:
                             a_aligned=aligned, ttgir="",
                             x_copies=sum(f"tensor<{cfg.shrink_rows}x64x!tt.ptr" in line for line in copies),
                             a_copies=sum(f"tensor<64x{2 * block_r}x!tt.ptr" in line for line in copies)))
+    # the down shrink's launch of the prefill row, with the rank-64 tiles
+    cfg = fm_config.default_config(8192, 8, 128, torch.bfloat16, lora=True)
+    assert cfg.down_shrink_launch
+    compiled = compile_sm90(fm_shrink.down_shrink_kernel,
+                            dict(SHRINK_ROWS=cfg.shrink_rows, PART_N=fm_config.DOWN_SHRINK_PART, BLOCK_R=64,
+                                 RANK_TILES=3), "bf16", cfg.shrink_num_warps, cfg.shrink_num_stages)
+    results.append(dict(kernel="down_shrink_kernel", shared=compiled.metadata.shared, ttgir=compiled.asm["ttgir"]))
     results += (compile_attention() + compile_lora_linear() + compile_rotary() + compile_topk() + compile_rms_norm()
                 + compile_kv_store() + compile_rope_kv_store() + compile_linear())
     return results
@@ -217,7 +225,7 @@ def compiled():
 
 
 def test_all_kernels_fit_shared_memory(compiled):
-    assert len(compiled) == (11 * 2 * 2 + 2 + 9 + 4 + 2 * len(ATTENTION_HEADS) + 1 + len(LORA_LINEARS)
+    assert len(compiled) == (11 * 2 * 2 + 2 + 9 + 4 + 1 + 2 * len(ATTENTION_HEADS) + 1 + len(LORA_LINEARS)
                              + len(ROTARY_HEADS) + len(ROUTERS) + 2 * len(RMS_NORMS) + 1 + len(KV_STORES) + 1
                              + len(ROPE_KV_STORES) + 1
                              + 2 * len(LINEARS) + 1 + len(LORA_EPILOGUES))
@@ -257,6 +265,17 @@ def test_shrink_loads_aligned_a_rows_asynchronously(compiled):
     unaligned = [r for r in compiled if r["kernel"] == "shrink_kernel" and r.get("block_r") == 16
                  and not r["a_aligned"]]
     assert unaligned and unaligned[0]["x_copies"] == x_copies  # the hint changes A's loads only
+
+
+def test_down_shrink_parts_are_dots_from_zero(compiled):
+    """The down shrink's launch sums I's parts as reduce_partials sums the gate_up epilogue's parts: each part a
+    dot from a zero accumulator, then added. A dot that took the running sum as its accumulator (the compiler
+    fuses `sum + dot` so) would add in another order, other bits."""
+    ttgir = next(r["ttgir"] for r in compiled if r["kernel"] == "down_shrink_kernel")
+    zeros = set(re.findall(r"(%\S+) = arith.constant dense<0.000000e\+00> : tensor<\d+x\d+xf32", ttgir))
+    accumulators = re.findall(r"ttng.warp_group_dot %\S+, %\S+, (%[^\s,]+)", ttgir)
+    assert len(accumulators) == 3, "a dot per rank tile"
+    assert set(accumulators) <= zeros, f"accumulators {accumulators}, zero constants {zeros}"
 
 
 def test_pair_blocks_shrink_in_gate_up_synchronises(compiled):

@@ -164,6 +164,27 @@ def test_partials_summed_once_equal_partials_summed_per_program(dtype, device, p
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("slot_ranks,shrink_rows,segment_rows", [(SLOT_RANKS, 16, 64), (SMALL_RANKS, 16, 16),
+                                                                  (SMALL_RANKS, 64, 64)])
+def test_down_shrink_launch_equals_down_shrink_in_gate_up(dtype, slot_ranks, shrink_rows, segment_rows, device,
+                                                          poison):
+    """The down shrink per segment in a launch of its own (prefill tiles) gives the bits of the gate_up epilogue's
+    parts, summed once per row or by every down program: four parts of I (the last one partly past it), keys of
+    every rank tile, projections covered on their own (keys with down LoRA only, or none), pieces of a key in
+    one tile or in several."""
+    x, w13, w2, topk, lora, slots = _case(70, 48, 200, 5, 3, dtype, device, slot_ranks=slot_ranks)
+    cfg = dataclasses.replace(default_config(70, 3, 5, dtype, lora=True), pair_shrink_max_pairs=0,
+                              shrink_rows=shrink_rows, segment_rows=segment_rows)
+    assert lora.ranks[2].gt(0).any() and lora.ranks[2].eq(0).any()
+    launch, summed_once, per_program = (
+        fused_moe(x, w13, w2, topk, lora, slots, impl="triton", config=dataclasses.replace(cfg, **changes))
+        for changes in (dict(down_shrink_launch=True), dict(reduce_partials_min_pairs=0),
+                        dict(reduce_partials_min_pairs=10**9)))
+    assert torch.equal(launch, summed_once) and torch.equal(launch, per_program)
+    assert_rows_close(launch, fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(dtype, device))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shrink_warps,shrink_stages,shrink_rows,segment_rows", [(2, 4, 16, 64), (4, 3, 64, 64),
                                                                                 (4, 3, 16, 8)])
 @pytest.mark.parametrize("one_slot", [False, True])

@@ -86,9 +86,10 @@ def test_row_does_not_depend_on_batch(shape, poison):
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_prefill_tiles_agree(shape, poison):
-    """Prefill tiles run the blocks at most half full as half tiles (64 of 128 rows), and with LoRA a 128-column
-    gate_up tile computes two 64-column down-shrink parts: bit for bit what full tiles and 64-column gate_up
-    tiles give (1024 tokens: most blocks at most half full, some more)."""
+    """Prefill tiles run the blocks at most half full as half tiles (64 of 128 rows), and with LoRA the down
+    shrink in a launch of its own: bit for bit what full tiles give, and the down shrink in the gate_up epilogue,
+    in 128- and 64-column gate_up tiles (two parts a tile or one; 1024 tokens: most blocks at most half full,
+    some more)."""
     gen = torch.Generator("cuda").manual_seed(torch.seed())
     x, w13, w2, topk, lora, slots = _layer(shape, 1024, gen)
     for with_lora in (False, True):
@@ -96,8 +97,11 @@ def test_prefill_tiles_agree(shape, poison):
         assert cfg.half_tiles and cfg.block_m == 128
         adapters = (lora, slots) if with_lora else ()
         got = fused_moe(x, w13, w2, topk, *adapters, config=cfg)
+        assert cfg.down_shrink_launch
         for other in (dataclasses.replace(cfg, half_tiles=False),
-                      dataclasses.replace(cfg, block_n_gate_up=192 - cfg.block_n_gate_up, num_warps=4, num_stages=3)):
+                      dataclasses.replace(cfg, down_shrink_launch=False),
+                      dataclasses.replace(cfg, down_shrink_launch=False, block_n_gate_up=192 - cfg.block_n_gate_up,
+                                          num_warps=4, num_stages=3)):
             assert torch.equal(got, fused_moe(x, w13, w2, topk, *adapters, config=other)), f"{shape} {other}"
 
 

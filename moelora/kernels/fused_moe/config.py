@@ -72,6 +72,11 @@ class MoEKernelConfig:
     # tiles of 16 cost a fifth more with one adapter (benchmarks/RESULTS.md, session 35)
     shrink_rows: int = 16
     segment_rows: int = 64
+    # aligned blocks with the segment shrink: the down shrink per segment in a launch of its own after gate_up
+    # (shrink.down_shrink_kernel), summed over I's parts at once, instead of a part per gate_up tile in its
+    # epilogue and their sum. At prefill tiles (one program an SM) the epilogue's parts cost more than the launch
+    # (benchmarks/RESULTS.md, session 37)
+    down_shrink_launch: bool = False
 
     def __post_init__(self):
         """A config is a public knob (fused_moe's config=): a bad field is named here, not in a Triton compile error
@@ -121,4 +126,4 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
         return MoEKernelConfig(64, 64, 128, block_k, 8, 4, 4, slot_stages=4, shrink_rows=64, segment_rows=64)
     # prefill: wide n tiles, 8 warps
     return MoEKernelConfig(128, 128, 256, block_k, 8, 8, 4, half_tiles=True, slot_stages=4, shrink_rows=128,
-                           segment_rows=128)
+                           segment_rows=128, down_shrink_launch=True)

@@ -1,5 +1,6 @@
 """The grouped expert GEMMs with the LoRA of many adapters in their epilogues: gate_up (SiLU * up, and the
-down shrink's parts) and down (the routing weight, and with pair blocks the top-k sum)."""
+down shrink's parts, or at prefill tiles none: shrink.down_shrink_kernel) and down (the routing weight, and with
+pair blocks the top-k sum)."""
 from __future__ import annotations
 
 import triton
@@ -25,10 +26,10 @@ def gate_up_kernel(
     GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     HALF_TILES: tl.constexpr, TOP_K_P: tl.constexpr, SPLIT_K: tl.constexpr, PART_N: tl.constexpr,
     RANK_TILES: tl.constexpr, SLOT_STAGES: tl.constexpr, A_ALIGNED: tl.constexpr, SHRINK_ROWS: tl.constexpr,
-    PDL: tl.constexpr,
+    DOWN_SHRINK: tl.constexpr, PDL: tl.constexpr,
 ):
-    """h[p] = silu(x Wg^T + LoRA_g) * (x Wu^T + LoRA_u) for the pairs p of one block; with LoRA also
-    this n-tile's parts of the down shrink (_down_shrink_part). With pair blocks and
+    """h[p] = silu(x Wg^T + LoRA_g) * (x Wu^T + LoRA_u) for the pairs p of one block; with LoRA and DOWN_SHRINK
+    also this n-tile's parts of the down shrink (_down_shrink_part). With pair blocks and
     LoRA the first num_pairs * num_splits programs are the gate/up shrink (a launch of its own costs a
     decode step more than the shrink's work); the GEMM programs wait for it only in the epilogue. Holding the
     epilogues of more than one rank tile, its programs let the next launch start only when their work is done:
@@ -60,14 +61,14 @@ def gate_up_kernel(
                        num_splits, stride_xt, stride_we, stride_wn, stride_ht, stride_be, stride_br, stride_ade,
                        stride_adr,
                        HAS_LORA, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, PART_N,
-                       RANK_TILES, SLOT_STAGES)
+                       RANK_TILES, SLOT_STAGES, DOWN_SHRINK)
     else:
         _gate_up_block(x_ptr, w_ptr, h_ptr, sorted_ids_ptr, token_slots_ptr, ranks_ptr, xa_ptr, bg_ptr, bu_ptr,
                        ad_ptr, hd_ptr, ready_ptr, e, pid_m, pid_n, num_pairs, top_k, H, I, num_slots, num_experts,
                        num_splits, stride_xt, stride_we, stride_wn, stride_ht, stride_be, stride_br, stride_ade,
                        stride_adr,
                        HAS_LORA, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, PART_N, RANK_TILES,
-                       SLOT_STAGES)
+                       SLOT_STAGES, DOWN_SHRINK)
     if RANK_TILES > 1:
         launch_next_kernel(PDL)
 
@@ -79,7 +80,7 @@ def _gate_up_block(
     stride_ht, stride_be, stride_br, stride_ade, stride_adr,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr, PART_N: tl.constexpr,
-    RANK_TILES: tl.constexpr, SLOT_STAGES: tl.constexpr,
+    RANK_TILES: tl.constexpr, SLOT_STAGES: tl.constexpr, DOWN_SHRINK: tl.constexpr,
 ):
     """The work of one (block, n-tile) program of gate_up_kernel on a tile of ROWS rows."""
     pair, row_ok = block_rows(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M, ROWS, PAIR_BLOCKS)
@@ -98,7 +99,9 @@ def _gate_up_block(
         slot, _, hi = row_slots(token_slot, num_slots)
         rank_g = row_ranks(ranks_ptr, slot, e, num_slots, num_experts, 0)
         rank_u = row_ranks(ranks_ptr, slot, e, num_slots, num_experts, 1)
-        rank_d = row_ranks(ranks_ptr, slot, e, num_slots, num_experts, 2)
+        rank_d = tl.zeros_like(rank_g)  # without the down shrink here, runs and rank tile follow gate and up alone
+        if DOWN_SHRINK:
+            rank_d = row_ranks(ranks_ptr, slot, e, num_slots, num_experts, 2)
         start, s0, num_runs = slot_runs(slot, prev_slot, rank_g + rank_u + rank_d, num_slots)
         r = tl.max(tl.maximum(tl.maximum(rank_g, rank_u), rank_d), axis=0)
         for c in tl.static_range(RANK_TILES):
@@ -107,7 +110,7 @@ def _gate_up_block(
                     acc_g, acc_u, h_ptr, pair, row_ok, slot, start, s0, num_runs, hi, e, pid_n, offs_n, n_mask,
                     rank_g, rank_u, rank_d, xa_ptr, bg_ptr, bu_ptr, ad_ptr, hd_ptr, ready_ptr, I, num_slots,
                     num_experts, num_splits, stride_ht, stride_be, stride_br, stride_ade, stride_adr, ROWS, BLOCK_N,
-                    c, RANK_TILES, BLOCK_R, PARTS, PAIR_BLOCKS, PART_N, SLOT_STAGES)
+                    c, RANK_TILES, BLOCK_R, PARTS, PAIR_BLOCKS, PART_N, SLOT_STAGES, DOWN_SHRINK)
         if r == 0:  # no adapter in the block covers expert e: the plain result, no LoRA work
             if PAIR_BLOCKS:
                 if hi >= 0:  # row 0 has an adapter, so its pair's shrink programs signal: count in
@@ -133,11 +136,12 @@ def _gate_up_lora(
     stride_ht, stride_be, stride_br, stride_ade, stride_adr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr, RANK_TILES: tl.constexpr, BLOCK_R: tl.constexpr,
     PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr, PART_N: tl.constexpr, SLOT_STAGES: tl.constexpr,
+    DOWN_SHRINK: tl.constexpr,
 ):
     """The epilogue of a gate_up program whose block's LoRA takes rank tile C (tiles.takes_rank_tile): the
-    gate/up deltas, h stored, and this tile's parts of the down shrink (_down_shrink_part). The partials are
-    laid out BLOCK_R columns a part; each row's down-shrink parts are written below its rank (row_rank_d) only.
-    Returns the accumulators with the deltas."""
+    gate/up deltas, h stored, and with DOWN_SHRINK this tile's parts of the down shrink (_down_shrink_part). The
+    partials are laid out BLOCK_R columns a part; each row's down-shrink parts are written below its rank
+    (row_rank_d) only. Returns the accumulators with the deltas."""
     R: tl.constexpr = BLOCK_R if C == RANK_TILES - 1 else 16 << C
     # the first run's ranks and B and A_d tiles first (start, s0, num_runs: the block's runs of rows whose slot has
     # LoRA on expert e, tiles.slot_runs): their loads overlap the xa loads and, with pair blocks (one slot), the
@@ -180,19 +184,21 @@ def _gate_up_lora(
             acc_g = lora_expand(acc_g, xa_g, rows, rank_g, bg)
             acc_u = lora_expand(acc_u, xa_u, rows, rank_u, bu)
     h = _store_h(acc_g, acc_u, h_ptr, pair, row_ok, offs_n, n_mask, stride_ht)
-    # this tile's parts of the down shrink, one per PART_N (DOWN_SHRINK_PART) columns of I
-    if BLOCK_N == PART_N:
-        _down_shrink_part(h, pid_n, offs_p0, pair, slot, start, s0, num_runs, e, row_rank_d, ad0, ad_ptr,
-                          hd_ptr, I, num_slots, num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R, PART_N,
-                          SLOT_STAGES)
-    else:  # two parts: the tile's column halves
-        h0, h1 = tl.split(tl.permute(tl.reshape(h, (ROWS, 2, PART_N)), (0, 2, 1)))
-        _down_shrink_part(h0, 2 * pid_n, offs_p0, pair, slot, start, s0, num_runs, e, row_rank_d, ad0,
-                          ad_ptr, hd_ptr, I, num_slots, num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R, PART_N,
-                          SLOT_STAGES)
-        _down_shrink_part(h1, 2 * pid_n + 1, offs_p1, pair, slot, start, s0, num_runs, e, row_rank_d, ad1,
-                          ad_ptr, hd_ptr, I, num_slots, num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R, PART_N,
-                          SLOT_STAGES)
+    # this tile's parts of the down shrink, one per PART_N (DOWN_SHRINK_PART) columns of I (without DOWN_SHRINK
+    # the A_d tiles above are never used, so never loaded)
+    if DOWN_SHRINK:
+        if BLOCK_N == PART_N:
+            _down_shrink_part(h, pid_n, offs_p0, pair, slot, start, s0, num_runs, e, row_rank_d, ad0, ad_ptr,
+                              hd_ptr, I, num_slots, num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R, PART_N,
+                              SLOT_STAGES)
+        else:  # two parts: the tile's column halves
+            h0, h1 = tl.split(tl.permute(tl.reshape(h, (ROWS, 2, PART_N)), (0, 2, 1)))
+            _down_shrink_part(h0, 2 * pid_n, offs_p0, pair, slot, start, s0, num_runs, e, row_rank_d, ad0,
+                              ad_ptr, hd_ptr, I, num_slots, num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R,
+                              PART_N, SLOT_STAGES)
+            _down_shrink_part(h1, 2 * pid_n + 1, offs_p1, pair, slot, start, s0, num_runs, e, row_rank_d, ad1,
+                              ad_ptr, hd_ptr, I, num_slots, num_experts, stride_ade, stride_adr, ROWS, R, BLOCK_R,
+                              PART_N, SLOT_STAGES)
     return acc_g, acc_u
 
 

@@ -10,7 +10,7 @@ from moelora.kernels.fused_moe.config import (DOWN_SHRINK_PART, SHRINK_SPLIT_K, 
                                               default_config)
 from moelora.kernels.fused_moe.gemm import down_kernel, gate_up_kernel
 from moelora.kernels.fused_moe.reduction import moe_sum_kernel, reduce_partials
-from moelora.kernels.fused_moe.shrink import pair_shrink_kernel, shrink_kernel
+from moelora.kernels.fused_moe.shrink import down_shrink_kernel, pair_shrink_kernel, shrink_kernel
 from moelora.kernels.gemm_tiles import zeroed_counters
 from moelora.kernels.lora_tiles import LORA_RANK_CHUNK, rank_tile
 from moelora.kernels.moe_align import AlignedBlocks, CHUNK, align_num_warps, alloc_aligned, key_tile, moe_align
@@ -64,6 +64,7 @@ def fused_moe_triton(
     if cfg.pair_blocks:  # block p = pair p: its expert is topk.ids[p]; no sorted ids or row count to read
         blocks = AlignedBlocks(topk.ids, topk.ids.view(-1), topk.ids, cfg.block_m)
     num_shrink, ready = 0, topk.ids  # gate/up shrink programs in the gate_up launch (then it reads `ready`)
+    down_shrink_launch = False  # the down shrink in a launch of its own (needs the segments), else in gate_up
     if lora is None:  # HAS_LORA=False never reads these
         if not cfg.pair_blocks:
             blocks = moe_align(topk.ids, None, num_experts, 0, cfg.block_m)
@@ -82,7 +83,6 @@ def fused_moe_triton(
         ad_strides, bd_strides = ad.stride()[1:3], bd.stride()[1:3]
         num_splits = triton.cdiv(hidden, SHRINK_SPLIT_K)
         xa = torch.empty(num_pairs, 2, num_splits, block_r, dtype=torch.float32, device=x.device)
-        hd = torch.empty(num_pairs, num_hd_parts, block_r, dtype=torch.float32, device=x.device)
         if cfg.pair_blocks:  # the shrink runs in the gate_up launch, its GEMM programs wait on a counter per pair
             if num_pairs > READY_COUNTERS:
                 raise ValueError(f"pair blocks with LoRA on {num_pairs} pairs: more than the {READY_COUNTERS} counters")
@@ -102,6 +102,7 @@ def fused_moe_triton(
                 num_warps=align_num_warps(num_experts, num_slots), **pdl,
             )
         else:
+            down_shrink_launch = cfg.down_shrink_launch
             blocks = moe_align(topk.ids, token_slots, num_experts, num_slots, cfg.block_m, cfg.segment_rows)
             max_segs = blocks.segments.shape[1]
             # a launch per rank tile, each compiled for its tile alone (shrink_kernel's TILE; -1: all tiles)
@@ -116,6 +117,9 @@ def fused_moe_triton(
         if not cfg.pair_blocks:  # (with pair blocks xa is written in the gate_up launch that reads it)
             xa, num_splits = reduce_partials(xa.view(num_pairs * 2, num_splits, block_r), topk.ids, slots, ranks, 0,
                                              num_pairs >= cfg.reduce_partials_min_pairs)
+        if down_shrink_launch:  # its sum over the parts, as reduce_partials leaves it
+            num_hd_parts = 1
+        hd = torch.empty(num_pairs, num_hd_parts, block_r, dtype=torch.float32, device=x.device)
     if cfg.max_registers is not None and rank_tiles > 1:  # the cap is for the larger rank tiles' epilogues
         common["maxnreg"] = cfg.max_registers
     num_m = blocks.block_expert.numel()
@@ -127,9 +131,17 @@ def fused_moe_triton(
         triton.cdiv(num_tokens, grid_gate_up),
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *a_strides, *b_strides, *ad_strides, y.stride(0),
         BLOCK_N=cfg.block_n_gate_up, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, PART_N=DOWN_SHRINK_PART,
-        RANK_TILES=rank_tiles, A_ALIGNED=a_aligned, SHRINK_ROWS=cfg.shrink_rows, **common,
+        RANK_TILES=rank_tiles, A_ALIGNED=a_aligned, SHRINK_ROWS=cfg.shrink_rows, DOWN_SHRINK=not down_shrink_launch,
+        **common,
     )
-    if lora is not None:
+    if down_shrink_launch:
+        down_shrink_kernel[(max_segs,)](
+            h, hd, blocks.sorted_ids, blocks.segments, blocks.num_segments, ranks, ad,
+            num_pairs, inter, num_slots, num_experts, max_segs, h.stride(0), *ad_strides,
+            SHRINK_ROWS=cfg.shrink_rows, PART_N=DOWN_SHRINK_PART, BLOCK_R=block_r, RANK_TILES=rank_tiles,
+            num_warps=cfg.shrink_num_warps, num_stages=cfg.shrink_num_stages, **pdl,
+        )
+    elif lora is not None:
         hd, num_hd_parts = reduce_partials(hd, topk.ids, slots, ranks, 2, num_pairs >= cfg.reduce_partials_min_pairs)
     down_kernel[(num_m * num_n_down,)](
         h, w2, out, topk.weights, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, slots,

@@ -1,11 +1,13 @@
-"""The gate/up LoRA shrink xa = x A^T, in K-split partials: per (expert, slot) segment of the aligned rows, or per
-(token, expert) pair, either in the alignment's launch or in the first programs of the gate_up launch."""
+"""The LoRA shrinks. Gate/up: xa = x A^T, in K-split partials, per (expert, slot) segment of the aligned rows, or per
+(token, expert) pair, either in the alignment's launch or in the first programs of the gate_up launch. Down, at
+prefill tiles: hd = h A_d^T per segment after the gate_up launch (down_shrink_kernel), where other tiles compute it
+in the gate_up epilogue, a part per DOWN_SHRINK_PART columns of h."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from moelora.kernels.fused_moe.tiles import lora_rank, takes_rank_tile
+from moelora.kernels.fused_moe.tiles import lora_rank, lora_tile, takes_rank_tile
 from moelora.kernels.moe_align import moe_align_program
 from moelora.kernels.pdl import wait_for_previous_kernel
 
@@ -52,6 +54,15 @@ def _shrink_tile(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, k_
     tl.store(xa_rows[:, None] + tl.where(up, num_splits * BLOCK_R + r, r)[None, :], xa, mask=rows[:, None])
 
 
+@triton.jit
+def _segment(seg, segments_ptr, max_segs, num_slots):
+    """Segment seg's rows [first, end) of the sorted ids, and its key's expert and slot (AlignedBlocks.segments)."""
+    first = tl.load(segments_ptr + seg)
+    end = first + tl.load(segments_ptr + max_segs + seg)
+    key = tl.load(segments_ptr + 2 * max_segs + seg)
+    return first, end, key // num_slots, key % num_slots
+
+
 @triton.jit(do_not_specialize=["num_pairs", "max_segs"])  # row counts: kernels/__init__.py
 def shrink_kernel(
     x_ptr, xa_ptr, sorted_ids_ptr, segments_ptr, num_segments_ptr, ranks_ptr, ag_ptr, au_ptr,
@@ -72,10 +83,7 @@ def shrink_kernel(
     seg, split = tl.program_id(0), tl.program_id(1)
     if seg >= tl.load(num_segments_ptr):
         return
-    first = tl.load(segments_ptr + seg)
-    end = first + tl.load(segments_ptr + max_segs + seg)
-    key = tl.load(segments_ptr + 2 * max_segs + seg)
-    e, s = key // num_slots, key % num_slots
+    first, end, e, s = _segment(seg, segments_ptr, max_segs, num_slots)
     rank_g = lora_rank(ranks_ptr, 0, s, e, num_slots, num_experts)
     rank_u = lora_rank(ranks_ptr, 1, s, e, num_slots, num_experts)
     if rank_g + rank_u > 0:
@@ -88,6 +96,52 @@ def shrink_kernel(
             _shrink_rows(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, split * SPLIT_K,
                          tl.minimum(H, (split + 1) * SPLIT_K), num_experts, num_splits, stride_ae, stride_ar,
                          SHRINK_ROWS, BLOCK_K, BLOCK_R, RANK_TILES, A_ALIGNED, TILE)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_segs"])  # row counts: kernels/__init__.py
+def down_shrink_kernel(
+    h_ptr, hd_ptr, sorted_ids_ptr, segments_ptr, num_segments_ptr, ranks_ptr, ad_ptr,
+    num_pairs, I, num_slots, num_experts, max_segs, stride_ht, stride_ade, stride_adr,
+    SHRINK_ROWS: tl.constexpr, PART_N: tl.constexpr, BLOCK_R: tl.constexpr, RANK_TILES: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """hd[p, :rank] = sum over the parts of I, in order, of h[p, part] @ A_d[slot(p), e][:, part]^T, one program per
+    segment (as shrink_kernel's), SHRINK_ROWS rows at a time: the down shrink of the gate_up epilogue's parts
+    (gemm._down_shrink_part) summed as reduce_partials sums them, so the same bits, with neither the parts'
+    round trip through memory nor their dots in the gate_up epilogue, which at prefill tiles cost more there
+    than this launch (benchmarks/RESULTS.md, session 37). Rows whose key has no down LoRA are not written."""
+    wait_for_previous_kernel(PDL)
+    seg = tl.program_id(0)
+    if seg >= tl.load(num_segments_ptr):
+        return
+    first, end, e, s = _segment(seg, segments_ptr, max_segs, num_slots)
+    rank_d = lora_rank(ranks_ptr, 2, s, e, num_slots, num_experts)
+    for c in tl.static_range(RANK_TILES):
+        if takes_rank_tile(rank_d, c, RANK_TILES, BLOCK_R):
+            for row0 in range(first, end, SHRINK_ROWS):
+                offs = row0 + tl.arange(0, SHRINK_ROWS)
+                pair = tl.load(sorted_ids_ptr + offs, mask=offs < end, other=num_pairs)
+                _down_shrink_tile(h_ptr, hd_ptr, pair, pair < num_pairs, ad_ptr, rank_d, s, e, I, num_experts,
+                                  stride_ht, stride_ade, stride_adr, SHRINK_ROWS, PART_N, c, RANK_TILES, BLOCK_R)
+
+
+@triton.jit
+def _down_shrink_tile(h_ptr, hd_ptr, pair, rows, ad_ptr, rank_d, s, e, I, num_experts, stride_ht, stride_ade,
+                      stride_adr, ROWS: tl.constexpr, PART_N: tl.constexpr, C: tl.constexpr,
+                      RANK_TILES: tl.constexpr, BLOCK_R: tl.constexpr):
+    """down_shrink_kernel's rows `rows` of one (expert e, slot s) on rank tile C, stored BLOCK_R columns a row.
+    Each part is a dot of its own from zero, added to the sum through a select: an add of the dot itself would fuse
+    into its MMA as the accumulator, another order of the adds."""
+    R: tl.constexpr = BLOCK_R if C == RANK_TILES - 1 else 16 << C
+    offs_n, offs_r = tl.arange(0, PART_N), tl.arange(0, R)
+    h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_ht + offs_n[None, :]
+    hd = tl.zeros((ROWS, R), dtype=tl.float32)
+    for n0 in range(0, I, PART_N):
+        h = tl.load(h_ptrs + n0, mask=rows[:, None] & (n0 + offs_n < I)[None, :], other=0.0)
+        ad = lora_tile(ad_ptr, s, e, num_experts, stride_ade, stride_adr, n0 + offs_n, n0 + offs_n < I, rank_d, R)
+        hd += tl.where(rows[:, None], tl.dot(h, tl.trans(ad)), 0.0)
+    hd_ptrs = hd_ptr + pair.to(tl.int64)[:, None] * BLOCK_R + offs_r[None, :]
+    tl.store(hd_ptrs, hd, mask=rows[:, None] & (offs_r < rank_d)[None, :])
 
 
 @triton.jit
