@@ -175,7 +175,10 @@ def test_down_shrink_launch_equals_down_shrink_in_gate_up(dtype, slot_ranks, shr
     x, w13, w2, topk, lora, slots = _case(70, 48, 200, 5, 3, dtype, device, slot_ranks=slot_ranks)
     cfg = dataclasses.replace(default_config(70, 3, 5, dtype, lora=True), pair_shrink_max_pairs=0,
                               shrink_rows=shrink_rows, segment_rows=segment_rows)
-    assert lora.ranks[2].gt(0).any() and lora.ranks[2].eq(0).any()
+    # a key with down LoRA alone and one without it (the buffers past a rank hold NaN: nothing new is read)
+    down_only, no_down = (lora.ranks[2] > 0).nonzero()[:2].tolist()
+    lora.ranks[:2, down_only[0], down_only[1]] = 0
+    lora.ranks[2, no_down[0], no_down[1]] = 0
     launch, summed_once, per_program = (
         fused_moe(x, w13, w2, topk, lora, slots, impl="triton", config=dataclasses.replace(cfg, **changes))
         for changes in (dict(down_shrink_launch=True), dict(reduce_partials_min_pairs=0),

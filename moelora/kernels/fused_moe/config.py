@@ -14,8 +14,8 @@ from moelora.kernels.gemm_tiles import gemm_block_k
 # A row's result must not depend on what it is batched with, so everything that sets the order of
 # its fp32 sums is fixed here, never by the config: the gate/up shrink's K split (SHRINK_SPLIT_K columns
 # of H per partial) and the parts of I the down shrink is summed over, in order (DOWN_SHRINK_PART columns
-# each: a gate_up n tile, with LoRA 64 or 128 columns wide, computes one or two). BLOCK_K is fixed per
-# dtype (gemm_block_k). The tiles follow the batch.
+# each: a gate_up n tile, with LoRA 64 or 128 columns wide, computes one or two, or with down_shrink_launch a
+# program per segment all of them). BLOCK_K is fixed per dtype (gemm_block_k). The tiles follow the batch.
 DOWN_SHRINK_PART = 64
 SHRINK_SPLIT_K = 512
 SUM_PARTS = 8  # partial sums (shrink splits, down-shrink parts) read per load in the LoRA epilogues

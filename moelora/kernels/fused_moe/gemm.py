@@ -150,13 +150,14 @@ def _gate_up_lora(
     rank_g, rank_u, rank_d = slot_rank(row_rank_g, first), slot_rank(row_rank_u, first), slot_rank(row_rank_d, first)
     bg = lora_tile(bg_ptr, s0, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_g, R)
     bu = lora_tile(bu_ptr, s0, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_u, R)
-    offs_p0 = pid_n * BLOCK_N + tl.arange(0, PART_N)  # the tile's down-shrink parts: 1 or 2 (column halves)
-    offs_p1 = offs_p0 + PART_N
-    ad0 = lora_tile(ad_ptr, s0, e, num_experts, stride_ade, stride_adr, offs_p0, offs_p0 < I, rank_d, R)
-    ad1 = ad0  # the second part's tile; a one-part tile never reads it
-    if BLOCK_N != PART_N:
-        tl.static_assert(BLOCK_N == 2 * PART_N)
-        ad1 = lora_tile(ad_ptr, s0, e, num_experts, stride_ade, stride_adr, offs_p1, offs_p1 < I, rank_d, R)
+    if DOWN_SHRINK:
+        offs_p0 = pid_n * BLOCK_N + tl.arange(0, PART_N)  # the tile's down-shrink parts: 1 or 2 (column halves)
+        offs_p1 = offs_p0 + PART_N
+        ad0 = lora_tile(ad_ptr, s0, e, num_experts, stride_ade, stride_adr, offs_p0, offs_p0 < I, rank_d, R)
+        ad1 = ad0  # the second part's tile; a one-part tile never reads it
+        if BLOCK_N != PART_N:
+            tl.static_assert(BLOCK_N == 2 * PART_N)
+            ad1 = lora_tile(ad_ptr, s0, e, num_experts, stride_ade, stride_adr, offs_p1, offs_p1 < I, rank_d, R)
     # the shrink x @ A^T, summed once for all rows; each slot's loop picks its rows
     if PAIR_BLOCKS:
         if hi >= 0:  # row 0 has an adapter: exactly then its pair's shrink programs signal
@@ -184,8 +185,7 @@ def _gate_up_lora(
             acc_g = lora_expand(acc_g, xa_g, rows, rank_g, bg)
             acc_u = lora_expand(acc_u, xa_u, rows, rank_u, bu)
     h = _store_h(acc_g, acc_u, h_ptr, pair, row_ok, offs_n, n_mask, stride_ht)
-    # this tile's parts of the down shrink, one per PART_N (DOWN_SHRINK_PART) columns of I (without DOWN_SHRINK
-    # the A_d tiles above are never used, so never loaded)
+    # this tile's parts of the down shrink, one per PART_N (DOWN_SHRINK_PART) columns of I
     if DOWN_SHRINK:
         if BLOCK_N == PART_N:
             _down_shrink_part(h, pid_n, offs_p0, pair, slot, start, s0, num_runs, e, row_rank_d, ad0, ad_ptr,
@@ -240,8 +240,9 @@ def down_kernel(
     PDL: tl.constexpr,
 ):
     """out[p] = w[p] * (h[p] Wd^T + LoRA_d) for the pairs p of one block (the down shrink is the sum
-    of the gate_up kernel's per-tile parts), then y for the tokens whose last pair this was. With more than one
-    rank tile, the next launch starts when the programs' work is done (as gate_up_kernel's)."""
+    of the gate_up kernel's per-tile parts, or down_shrink_kernel's sum of them), then y for the tokens whose
+    last pair this was. With more than one rank tile, the next launch starts when the programs' work is done
+    (as gate_up_kernel's)."""
     wait_for_previous_kernel(PDL, RANK_TILES == 1)
     in_use, e, pid_m, pid_n = block_info(tl.program_id(0), tl.num_programs(0), block_expert_ptr, num_rows_ptr,
                                           num_experts, H, BLOCK_M, BLOCK_N, GROUP_M, PAIR_BLOCKS)
