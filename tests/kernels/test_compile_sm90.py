@@ -149,9 +149,13 @@ def compile_all() -> list[dict]:
             results += compile_moe_gemms(cfg, has_lora, dtype)
     # LoRA on the smallest rank tile alone, the pair blocks' row (the others above hold three rank tiles)
     results += compile_moe_gemms(fm_config.default_config(1, 8, 128, torch.bfloat16, lora=True), True, "bf16", 1)
-    # the prefill row with the down shrink in gate_up's epilogue (its shrink per pair, or down_shrink_launch off)
+    # the prefill row with the down shrink in gate_up's epilogue (its shrink per pair, or down_shrink_launch off),
+    # and the 64-row row so, as it runs with fewer experts than DOWN_SHRINK_LAUNCH_MIN_EXPERTS
     prefill = fm_config.default_config(8192, 8, 128, torch.bfloat16, lora=True)
     results += compile_moe_gemms(dataclasses.replace(prefill, down_shrink_launch=False), True, "bf16")
+    few_experts = fm_config.default_config(1024, 8, 64, torch.bfloat16, lora=True)
+    assert few_experts.block_m == 64 and not few_experts.down_shrink_launch
+    results += compile_moe_gemms(few_experts, True, "bf16")
     for kernel, constexprs in ((ma._moe_align_kernel, dict(HAS_SLOTS=True, BLOCK_M=16, E_P=256, S1_P=64, CHUNK=256,
                                                           SEGMENT_ROWS=64)),
                                (ma._count_kernel, dict(HAS_SLOTS=True, S1_P=16, CHUNK=256)),
@@ -184,13 +188,15 @@ def compile_all() -> list[dict]:
                             a_aligned=aligned, ttgir="",
                             x_copies=sum(f"tensor<{cfg.shrink_rows}x64x!tt.ptr" in line for line in copies),
                             a_copies=sum(f"tensor<64x{2 * block_r}x!tt.ptr" in line for line in copies)))
-    # the down shrink's launch of the prefill row, with the rank-64 tiles
-    cfg = fm_config.default_config(8192, 8, 128, torch.bfloat16, lora=True)
-    assert cfg.down_shrink_launch
-    compiled = compile_sm90(fm_shrink.down_shrink_kernel,
-                            dict(SHRINK_ROWS=cfg.shrink_rows, PART_N=fm_config.DOWN_SHRINK_PART, BLOCK_R=64,
-                                 RANK_TILES=3), "bf16", cfg.shrink_num_warps, cfg.shrink_num_stages)
-    results.append(dict(kernel="down_shrink_kernel", shared=compiled.metadata.shared, ttgir=compiled.asm["ttgir"]))
+    # the down shrink's launch of the 64-row and the prefill rows, with the rank-64 tiles
+    for tokens in (2048, 8192):
+        cfg = fm_config.default_config(tokens, 8, 128, torch.bfloat16, lora=True)
+        assert cfg.down_shrink_launch
+        compiled = compile_sm90(fm_shrink.down_shrink_kernel,
+                                dict(SHRINK_ROWS=cfg.shrink_rows, PART_N=fm_config.DOWN_SHRINK_PART, BLOCK_R=64,
+                                     RANK_TILES=3), "bf16", cfg.shrink_num_warps, cfg.shrink_num_stages)
+        results.append(dict(kernel="down_shrink_kernel", shrink_rows=cfg.shrink_rows,
+                            shared=compiled.metadata.shared, ttgir=compiled.asm["ttgir"]))
     results += (compile_attention() + compile_lora_linear() + compile_rotary() + compile_topk() + compile_rms_norm()
                 + compile_kv_store() + compile_rope_kv_store() + compile_linear())
     return results
@@ -228,7 +234,7 @@ def compiled():
 
 
 def test_all_kernels_fit_shared_memory(compiled):
-    assert len(compiled) == (11 * 2 * 2 + 2 + 2 + 9 + 4 + 1 + 2 * len(ATTENTION_HEADS) + 1 + len(LORA_LINEARS)
+    assert len(compiled) == (11 * 2 * 2 + 2 + 2 + 2 + 9 + 4 + 2 + 2 * len(ATTENTION_HEADS) + 1 + len(LORA_LINEARS)
                              + len(ROTARY_HEADS) + len(ROUTERS) + 2 * len(RMS_NORMS) + 1 + len(KV_STORES) + 1
                              + len(ROPE_KV_STORES) + 1
                              + 2 * len(LINEARS) + 1 + len(LORA_EPILOGUES))
@@ -274,11 +280,13 @@ def test_down_shrink_parts_are_dots_from_zero(compiled):
     """The down shrink's launch sums I's parts as reduce_partials sums the gate_up epilogue's parts: each part a
     dot from a zero accumulator, then added. A dot that took the running sum as its accumulator (the compiler
     fuses `sum + dot` so) would add in another order, other bits."""
-    ttgir = next(r["ttgir"] for r in compiled if r["kernel"] == "down_shrink_kernel")
-    zeros = set(re.findall(r"(%\S+) = arith.constant dense<0.000000e\+00> : tensor<\d+x\d+xf32", ttgir))
-    accumulators = re.findall(r"ttng.warp_group_dot %\S+, %\S+, (%[^\s,]+)", ttgir)
-    assert len(accumulators) == 3, "a dot per rank tile"
-    assert set(accumulators) <= zeros, f"accumulators {accumulators}, zero constants {zeros}"
+    launches = [r for r in compiled if r["kernel"] == "down_shrink_kernel"]
+    assert sorted(r["shrink_rows"] for r in launches) == [64, 128]
+    for r in launches:
+        zeros = set(re.findall(r"(%\S+) = arith.constant dense<0.000000e\+00> : tensor<\d+x\d+xf32", r["ttgir"]))
+        accumulators = re.findall(r"ttng.warp_group_dot %\S+, %\S+, (%[^\s,]+)", r["ttgir"])
+        assert len(accumulators) == 3, f"{r['shrink_rows']} rows: a dot per rank tile"
+        assert set(accumulators) <= zeros, f"{r['shrink_rows']} rows: accumulators {accumulators}, zeros {zeros}"
 
 
 def test_pair_blocks_shrink_in_gate_up_synchronises(compiled):

@@ -106,6 +106,26 @@ def test_prefill_tiles_agree(shape, poison):
             assert torch.equal(got, fused_moe(x, w13, w2, topk, *adapters, config=other)), f"{shape} {other}"
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_down_shrink_launch_agrees_on_64_row_tiles(shape, poison):
+    """At 128 pairs an expert (the 64-row tiles' row) the down shrink in a launch of its own (Qwen3's default) is
+    bit for bit what the gate_up epilogue's parts give (the others'), and a token alone (decode tiles) gets the
+    bits it gets in the batch."""
+    gen = torch.Generator("cuda").manual_seed(torch.seed())
+    _, _, experts, top_k = SHAPES[shape]
+    x, w13, w2, topk, lora, slots = _layer(shape, 128 * experts // top_k, gen)
+    cfg = default_config(x.shape[0], top_k, experts, x.dtype, lora=True)
+    assert cfg.block_m == 64 and cfg.down_shrink_launch == (shape == "qwen3-30b-a3b")
+    got = fused_moe(x, w13, w2, topk, lora, slots)
+    for launch in (False, True):
+        other = fused_moe(x, w13, w2, topk, lora, slots, config=dataclasses.replace(cfg, down_shrink_launch=launch))
+        assert torch.equal(got, other), f"{shape} down_shrink_launch={launch}"
+    for t in (0, 1, x.shape[0] - 1):
+        topk_t = topk._replace(weights=topk.weights[t:t + 1], ids=topk.ids[t:t + 1])
+        alone = fused_moe(x[t:t + 1], w13, w2, topk_t, lora, slots[t:t + 1])
+        assert torch.equal(alone[0], got[t]), f"token {t} (slot {int(slots[t])}) differs alone vs in the batch"
+
+
 @pytest.mark.parametrize("tokens", [1, 2])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_pair_blocks_shrink_in_gate_up_has_no_race(shape, tokens, poison):

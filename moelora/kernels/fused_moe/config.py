@@ -23,6 +23,10 @@ REDUCE_PROGRAMS = 512  # about this many programs sum the partials once per row 
 # Up to this many tokens every (token, expert) pair is its own block (pair_blocks): no alignment launch, but
 # an expert picked by several tokens is read once per pair.
 PAIR_BLOCKS_MAX_TOKENS = 2
+# on blocks of 64 rows the down shrink's launch (a program per piece of 64 rows, each over all of I) has programs
+# enough where the experts are many: with Qwen3's 128 it beat the gate_up epilogue's parts, with Mixtral's 8 it lost
+# (benchmarks/RESULTS.md, session 38)
+DOWN_SHRINK_LAUNCH_MIN_EXPERTS = 128
 
 
 @dataclass(frozen=True)
@@ -74,8 +78,8 @@ class MoEKernelConfig:
     segment_rows: int = 64
     # aligned blocks with the segment shrink: the down shrink per segment in a launch of its own after gate_up
     # (shrink.down_shrink_kernel), summed over I's parts at once, instead of a part per gate_up tile in its
-    # epilogue and their sum. At prefill tiles (one program an SM) the epilogue's parts cost more than the launch
-    # (benchmarks/RESULTS.md, session 37)
+    # epilogue and their sum. On prefill tiles (one program an SM) the epilogue's parts cost more than the launch,
+    # and on blocks of 64 rows where the experts are many (benchmarks/RESULTS.md, sessions 37 and 38)
     down_shrink_launch: bool = False
 
     def __post_init__(self):
@@ -123,7 +127,8 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
         return MoEKernelConfig(32, 64, 128, block_k, 8, 4, 4, slot_stages=4, max_registers=168,
                                shrink_per_rank_tile=True, shrink_num_warps=2, shrink_num_stages=4)
     if rows_per_expert < 256:
-        return MoEKernelConfig(64, 64, 128, block_k, 8, 4, 4, slot_stages=4, shrink_rows=64, segment_rows=64)
+        return MoEKernelConfig(64, 64, 128, block_k, 8, 4, 4, slot_stages=4, shrink_rows=64, segment_rows=64,
+                               down_shrink_launch=num_experts >= DOWN_SHRINK_LAUNCH_MIN_EXPERTS)
     # prefill: wide n tiles, 8 warps
     return MoEKernelConfig(128, 128, 256, block_k, 8, 8, 4, half_tiles=True, slot_stages=4, shrink_rows=128,
                            segment_rows=128, down_shrink_launch=True)
