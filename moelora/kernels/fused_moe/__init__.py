@@ -13,7 +13,7 @@ for a few pairs, over one block per (token, expert) pair, which needs no alignme
                      count per pair
     gate_up_kernel:  h[p]     = silu(x Wg^T + xa_g Bg^T) * (x Wu^T + xa_u Bu^T)
                      hd[p, n] = h[p, part n] Ad[:, part n]^T   down shrink, one part per 64 columns of I
-                     (but at prefill tiles, where down_shrink_kernel computes their sum per segment after it)
+                     (not with config.down_shrink_launch: down_shrink_kernel sums them per segment after it)
     down_kernel:     o[p]     = w[p] * (h Wd^T + (sum_n hd[p, n]) Bd^T); with a block per pair also
                      y[t] = sum_j o[t*k+j] by the program that finishes t's last pair (fresh in L2)
     moe_sum_kernel:  the same y[t] (same order, same bits) for aligned blocks: a sum in the down kernel's
