@@ -145,20 +145,28 @@ def _count_pairs(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, firs
 @triton.jit
 def _lay_out_blocks(block_expert_ptr, num_rows_ptr, cursor_ptr, segments_ptr, num_segments_ptr, max_rows, num_slots,
                     max_segs, BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr,
-                    SEGMENT_ROWS: tl.constexpr):
-    """From the counts: each expert's first row (padded to BLOCK_M), each key's first row (slots
-    unpadded inside an expert) into cursor, the blocks' experts and the rows in use; with SEGMENT_ROWS > 0 the
-    (first row, rows, expert * num_slots + slot) of each piece of at most SEGMENT_ROWS rows of each key with a slot
-    and pairs (AlignedBlocks.segments)."""
+                    SEGMENT_ROWS: tl.constexpr, COPIES: tl.constexpr):
+    """From the counts (in COPIES copies of the E_P * S1_P keys' counters, each counted by its own programs): each
+    expert's first row (padded to BLOCK_M), each key's first row (slots unpadded inside an expert), and in each
+    copy the first row of that copy's share of the key's run, into cursor; the blocks' experts and the rows in
+    use; with SEGMENT_ROWS > 0 the (first row, rows, expert * num_slots + slot) of each piece of at most
+    SEGMENT_ROWS rows of each key with a slot and pairs (AlignedBlocks.segments)."""
     offs_e = tl.arange(0, E_P)
     offs_s1 = tl.arange(0, S1_P)
     keys_2d = offs_e[:, None] * S1_P + offs_s1[None, :]
     counts = tl.load(cursor_ptr + keys_2d)
+    for c in tl.static_range(1, COPIES):
+        counts += tl.load(cursor_ptr + c * E_P * S1_P + keys_2d)
     per_expert = tl.sum(counts, axis=1)
     padded = (per_expert + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     expert_start = tl.cumsum(padded, axis=0) - padded
     key_start = expert_start[:, None] + tl.cumsum(counts, axis=1) - counts
-    tl.store(cursor_ptr + keys_2d, key_start)
+    tl.debug_barrier()  # every thread's loads of the counts before any store over them
+    copy_start = key_start
+    for c in tl.static_range(COPIES):  # a copy's counts are loaded before its starts overwrite them
+        copy_counts = tl.load(cursor_ptr + c * E_P * S1_P + keys_2d)
+        tl.store(cursor_ptr + c * E_P * S1_P + keys_2d, copy_start)
+        copy_start += copy_counts
     tl.store(num_rows_ptr, tl.sum(padded, axis=0))
     if SEGMENT_ROWS > 0:  # (slot -1 is column 0: the base rows)
         count = tl.reshape(tl.where((offs_s1 > 0)[None, :], counts, 0), (E_P * S1_P,))
@@ -209,7 +217,7 @@ def moe_align_program(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_exper
                  num_slots, max_rows, HAS_SLOTS, S1_P, CHUNK)
     tl.debug_barrier()
     _lay_out_blocks(block_expert_ptr, num_rows_ptr, cursor_ptr, segments_ptr, num_segments_ptr, max_rows, num_slots,
-                    max_segs, BLOCK_M, E_P, S1_P, CHUNK, SEGMENT_ROWS)
+                    max_segs, BLOCK_M, E_P, S1_P, CHUNK, SEGMENT_ROWS, 1)
     tl.debug_barrier()
     _place_pairs(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, 0, CHUNK, num_pairs, top_k, num_experts,
                  num_slots, HAS_SLOTS, S1_P, CHUNK)
@@ -230,9 +238,10 @@ def _moe_align_kernel(
 
 @triton.jit(do_not_specialize=["num_pairs"])  # row counts: kernels/__init__.py
 def _count_kernel(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, num_pairs, top_k, num_experts,
-                  num_slots, max_rows, HAS_SLOTS: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr,
-                  PDL: tl.constexpr):
+                  num_slots, max_rows, HAS_SLOTS: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr,
+                  CHUNK: tl.constexpr, COPIES: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
+    cursor_ptr += tl.program_id(0) % COPIES * (E_P * S1_P)  # this program's copy of the counters
     _count_pairs(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, tl.program_id(0) * CHUNK,
                  tl.num_programs(0) * CHUNK, num_pairs, top_k, num_experts, num_slots, max_rows, HAS_SLOTS, S1_P, CHUNK)
 
@@ -240,16 +249,18 @@ def _count_kernel(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, num
 @triton.jit(do_not_specialize=["max_segs"])  # a row count: kernels/__init__.py
 def _lay_out_kernel(block_expert_ptr, num_rows_ptr, cursor_ptr, segments_ptr, num_segments_ptr, max_rows, num_slots,
                     max_segs, BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr,
-                    SEGMENT_ROWS: tl.constexpr, PDL: tl.constexpr):
+                    SEGMENT_ROWS: tl.constexpr, COPIES: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     _lay_out_blocks(block_expert_ptr, num_rows_ptr, cursor_ptr, segments_ptr, num_segments_ptr, max_rows, num_slots,
-                    max_segs, BLOCK_M, E_P, S1_P, CHUNK, SEGMENT_ROWS)
+                    max_segs, BLOCK_M, E_P, S1_P, CHUNK, SEGMENT_ROWS, COPIES)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # row counts: kernels/__init__.py
 def _place_kernel(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, num_pairs, top_k, num_experts, num_slots,
-                  HAS_SLOTS: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+                  HAS_SLOTS: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr,
+                  COPIES: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
+    cursor_ptr += tl.program_id(0) % COPIES * (E_P * S1_P)  # the copy this program counted in (same grid, same chunks)
     _place_pairs(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, tl.program_id(0) * CHUNK,
                  tl.num_programs(0) * CHUNK, num_pairs, top_k, num_experts, num_slots, HAS_SLOTS, S1_P, CHUNK)
 
@@ -258,6 +269,20 @@ def _place_kernel(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, num
 # three launches' stays about 7 us (benchmarks/RESULTS.md, session 34)
 SINGLE_PROGRAM_MAX_PAIRS = 256
 CHUNK = 256  # pairs per vector in the align kernels
+# the grid's programs count and place in up to this many copies of the keys' counters (program p in copy p % copies),
+# so that the atomics on one key's counter queue a copies-th as long: with one adapter every pair of an expert has one
+# key. The one lay-out program reads and writes every copy, so a copy is added only where it brings at least
+# PAIRS_PER_COUNTER pairs a counter, and the copies stop at CURSOR_COPY_KEYS counters in all.
+CURSOR_COPIES = 8
+CURSOR_COPY_KEYS = 16384
+PAIRS_PER_COUNTER = 4
+
+
+def cursor_copies(num_pairs: int, num_experts: int, num_slots: int) -> int:
+    """Copies of the (expert, slot) counters the grid-wide align kernels count in."""
+    e_p, s1_p = key_tile(num_experts, num_slots)
+    keys = e_p * s1_p
+    return max(1, min(CURSOR_COPIES, CURSOR_COPY_KEYS // keys, num_pairs // (PAIRS_PER_COUNTER * keys)))
 
 
 def key_tile(num_experts: int, num_slots: int) -> tuple[int, int]:
@@ -271,8 +296,9 @@ def align_num_warps(num_experts: int, num_slots: int) -> int:
 
 
 def alloc_aligned(num_pairs: int, num_experts: int, num_slots: int, block_m: int, device: torch.device,
-                  segment_rows: int = 0) -> tuple[AlignedBlocks, torch.Tensor]:
-    """Uninitialised outputs of moe_align at their fixed sizes, and its per-key cursor scratch."""
+                  segment_rows: int = 0, cursor_copies: int = 1) -> tuple[AlignedBlocks, torch.Tensor]:
+    """Uninitialised outputs of moe_align at their fixed sizes, and its per-key cursor scratch (cursor_copies
+    copies)."""
     max_rows = max_aligned_rows(num_pairs, num_experts, block_m)
     e_p, s1_p = key_tile(num_experts, num_slots)
     blocks = AlignedBlocks(torch.empty(max_rows, dtype=torch.int32, device=device),
@@ -283,7 +309,7 @@ def alloc_aligned(num_pairs: int, num_experts: int, num_slots: int, block_m: int
             segments=torch.empty(3, max_segments(num_pairs, num_experts, num_slots, segment_rows), dtype=torch.int32,
                                  device=device),
             num_segments=torch.empty(1, dtype=torch.int32, device=device))
-    return blocks, torch.empty(e_p * s1_p, dtype=torch.int32, device=device)
+    return blocks, torch.empty(cursor_copies * e_p * s1_p, dtype=torch.int32, device=device)
 
 
 def moe_align(
@@ -304,7 +330,9 @@ def moe_align(
         )
     num_pairs = topk_ids.numel()
     segment_rows = segment_rows if token_slots is not None else 0
-    blocks, cursor = alloc_aligned(num_pairs, num_experts, num_slots, block_m, topk_ids.device, segment_rows)
+    single = num_pairs <= SINGLE_PROGRAM_MAX_PAIRS
+    copies = 1 if single else cursor_copies(num_pairs, num_experts, num_slots)
+    blocks, cursor = alloc_aligned(num_pairs, num_experts, num_slots, block_m, topk_ids.device, segment_rows, copies)
     sorted_ids, block_expert, num_rows = blocks.sorted_ids, blocks.block_expert, blocks.num_rows
     segs = (blocks.segments, blocks.num_segments) if segment_rows else (cursor, cursor)  # (never written without)
     max_rows, (e_p, s1_p) = sorted_ids.numel(), key_tile(num_experts, num_slots)
@@ -312,7 +340,7 @@ def moe_align(
     slots = token_slots if token_slots is not None else topk_ids
     keys = dict(HAS_SLOTS=token_slots is not None, S1_P=s1_p, CHUNK=CHUNK)
     warps, pdl = align_num_warps(num_experts, num_slots), pdl_launch(topk_ids.device)
-    if num_pairs <= SINGLE_PROGRAM_MAX_PAIRS:
+    if single:
         _moe_align_kernel[(1,)](topk_ids, slots, sorted_ids, block_expert, num_rows, cursor, *segs, num_pairs,
                                 topk_ids.shape[1], num_experts, num_slots, max_rows, max_segs, BLOCK_M=block_m,
                                 E_P=e_p, SEGMENT_ROWS=segment_rows, **keys, num_warps=warps, **pdl)
@@ -320,9 +348,10 @@ def moe_align(
         cursor.zero_()
         grid = (triton.cdiv(max_rows, CHUNK),)
         _count_kernel[grid](topk_ids, slots, sorted_ids, cursor, num_pairs, topk_ids.shape[1], num_experts, num_slots,
-                            max_rows, **keys, **pdl)
+                            max_rows, E_P=e_p, COPIES=copies, **keys, **pdl)
         _lay_out_kernel[(1,)](block_expert, num_rows, cursor, *segs, max_rows, num_slots, max_segs, BLOCK_M=block_m,
-                              E_P=e_p, S1_P=s1_p, CHUNK=CHUNK, SEGMENT_ROWS=segment_rows, num_warps=warps, **pdl)
+                              E_P=e_p, S1_P=s1_p, CHUNK=CHUNK, SEGMENT_ROWS=segment_rows, COPIES=copies,
+                              num_warps=warps, **pdl)
         _place_kernel[grid](topk_ids, slots, sorted_ids, cursor, num_pairs, topk_ids.shape[1], num_experts, num_slots,
-                            **keys, **pdl)
+                            E_P=e_p, COPIES=copies, **keys, **pdl)
     return blocks

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from moelora.kernels.moe_align import max_aligned_rows, max_segments, moe_align, moe_align_reference
+from moelora.kernels.moe_align import SINGLE_PROGRAM_MAX_PAIRS, cursor_copies, max_aligned_rows, max_segments, moe_align, moe_align_reference
 
 CASES = [  # tokens, top_k, experts, slots, block_m
     (1, 1, 4, 0, 16),
@@ -10,7 +10,9 @@ CASES = [  # tokens, top_k, experts, slots, block_m
     (37, 4, 6, 4, 16),  # more pairs per expert than one block
     (64, 6, 64, 8, 32),
     (300, 2, 8, 33, 64),  # many slots, several blocks per expert
-    (700, 4, 16, 5, 64),  # past SINGLE_PROGRAM_MAX_PAIRS: the three grid-wide kernels
+    (700, 4, 16, 5, 64),  # past SINGLE_PROGRAM_MAX_PAIRS: the three grid-wide kernels, 5 copies of the counters
+    (600, 2, 128, 63, 16),  # 128 x 64 keys: 1 copy
+    (1100, 2, 128, 1, 16),  # 2 copies
 ]
 
 
@@ -58,6 +60,12 @@ def _check_layout(blocks, ids, token_slots, experts, slots):
         assert n > 0 and (seg[n:] == num_pairs).all() and len(seg) == -(-n // bm) * bm
         seg_slots = pair_slot[seg[:n]]
         assert (seg_slots[1:] >= seg_slots[:-1]).all(), f"expert {e}: pairs not ordered by slot"
+
+
+def test_cases_count_in_one_and_in_several_copies():
+    """The grid-wide cases cover one copy of the counters, two, and a number that does not divide the grid."""
+    copies = {cursor_copies(t * k, e, s) for t, k, e, s, _ in CASES if t * k > SINGLE_PROGRAM_MAX_PAIRS}
+    assert copies == {1, 2, 5}
 
 
 @pytest.mark.parametrize("tokens,top_k,experts,slots,block_m", CASES)
