@@ -43,8 +43,12 @@ def test_real_shapes_match_torch(shape, tokens, poison):
     gen = torch.Generator("cuda").manual_seed(torch.seed())
     w, b = _weights(shape, gen, bias=shape == "qwen3 qkv")  # Qwen2-MoE's qkv has a bias
     x = _x(tokens, shape, gen)
-    got = linear(x, w, b)
-    assert_rows_close(got, linear(x, w, b, impl="torch"), rel_tolerance(torch.bfloat16, "cuda"), f"{shape} M={tokens}")
+    got, expected = linear(x, w, b), linear(x, w, b, impl="torch")
+    # a row of one sum near 0 can differ by more than 2 eps of itself from the order of its adds alone (a shape of
+    # one output column failed so at 4096 tokens against cuBLAS): narrow outputs compare each column over the tokens
+    if got.shape[1] < 16:
+        got, expected = got.T, expected.T
+    assert_rows_close(got, expected, rel_tolerance(torch.bfloat16, "cuda"), f"{shape} M={tokens}")
 
 
 @needs_cuda
