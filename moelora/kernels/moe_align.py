@@ -161,12 +161,15 @@ def _lay_out_blocks(block_expert_ptr, num_rows_ptr, cursor_ptr, segments_ptr, nu
     padded = (per_expert + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     expert_start = tl.cumsum(padded, axis=0) - padded
     key_start = expert_start[:, None] + tl.cumsum(counts, axis=1) - counts
-    tl.debug_barrier()  # every thread's loads of the counts before any store over them
-    copy_start = key_start
-    for c in tl.static_range(COPIES):  # a copy's counts are loaded before its starts overwrite them
-        copy_counts = tl.load(cursor_ptr + c * E_P * S1_P + keys_2d)
-        tl.store(cursor_ptr + c * E_P * S1_P + keys_2d, copy_start)
-        copy_start += copy_counts
+    if COPIES == 1:  # (the one-program alignment of decode steps: no reload, no barrier on its chain)
+        tl.store(cursor_ptr + keys_2d, key_start)
+    else:
+        tl.debug_barrier()  # every thread's loads of the counts before any store over them
+        copy_start = key_start
+        for c in tl.static_range(COPIES):  # a copy's counts are loaded before its starts overwrite them
+            copy_counts = tl.load(cursor_ptr + c * E_P * S1_P + keys_2d)
+            tl.store(cursor_ptr + c * E_P * S1_P + keys_2d, copy_start)
+            copy_start += copy_counts
     tl.store(num_rows_ptr, tl.sum(padded, axis=0))
     if SEGMENT_ROWS > 0:  # (slot -1 is column 0: the base rows)
         count = tl.reshape(tl.where((offs_s1 > 0)[None, :], counts, 0), (E_P * S1_P,))
