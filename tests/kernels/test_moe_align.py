@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from moelora.kernels.moe_align import SINGLE_PROGRAM_MAX_PAIRS, cursor_copies, max_aligned_rows, max_segments, moe_align, moe_align_reference
+from moelora.kernels.moe_align import (SINGLE_PROGRAM_MAX_PAIRS, cursor_copies, max_aligned_rows, max_segments,
+                                       moe_align, moe_align_reference)
 
 CASES = [  # tokens, top_k, experts, slots, block_m
     (1, 1, 4, 0, 16),
