@@ -275,7 +275,10 @@ CHUNK = 256  # pairs per vector in the align kernels
 # the grid's programs count and place in up to this many copies of the keys' counters (program p in copy p % copies),
 # so that the atomics on one key's counter queue a copies-th as long: with one adapter every pair of an expert has one
 # key. The one lay-out program reads and writes every copy, so a copy is added only where it brings at least
-# PAIRS_PER_COUNTER pairs a counter, and the copies stop at CURSOR_COPY_KEYS counters in all.
+# PAIRS_PER_COUNTER pairs a counter, and the copies stop at CURSOR_COPY_KEYS counters in all. The copies are a power
+# of two that changes only where the pairs cross a power of two: each is a compiled variant (COPIES), and the
+# engine's warm-up steps reach every class of token counts whose bounds are a factor of two apart
+# (model_runner.warm_up_sizes), so none is first compiled while serving.
 CURSOR_COPIES = 8
 CURSOR_COPY_KEYS = 16384
 PAIRS_PER_COUNTER = 4
@@ -285,7 +288,8 @@ def cursor_copies(num_pairs: int, num_experts: int, num_slots: int) -> int:
     """Copies of the (expert, slot) counters the grid-wide align kernels count in."""
     e_p, s1_p = key_tile(num_experts, num_slots)
     keys = e_p * s1_p
-    return max(1, min(CURSOR_COPIES, CURSOR_COPY_KEYS // keys, num_pairs // (PAIRS_PER_COUNTER * keys)))
+    fill = num_pairs // (PAIRS_PER_COUNTER * keys)
+    return max(1, min(CURSOR_COPIES, CURSOR_COPY_KEYS // keys, 1 << max(fill.bit_length() - 1, 0)))
 
 
 def key_tile(num_experts: int, num_slots: int) -> tuple[int, int]:

@@ -325,10 +325,13 @@ def test_the_summary_says_how_long_the_start_took(make_engine):
 def test_warm_up_sizes_reach_every_size_class():
     from moelora.engine.model_runner import warm_up_sizes
     sizes = warm_up_sizes(4096)
-    assert sizes[:5] == [1, 2, 3, 4, 5] and sizes[-2:] == [2049, 4096] and max(warm_up_sizes(100)) == 65
-    # any class of token counts (lo, hi] with hi >= 2 lo holds a size: fused_moe's rows per expert, linear's rows
-    for lo in range(1, 2049):
-        assert any(lo < n <= 2 * lo for n in sizes), lo
+    assert sizes[:5] == [1, 2, 3, 4, 5] and sizes[-2:] == [2049, 4096] and warm_up_sizes(100)[-2:] == [65, 100]
+    # any class of token counts (lo, hi] with hi >= 2 lo holds a size: fused_moe's rows per expert, linear's rows,
+    # the alignment's copies of its counters; so does one that the most tokens of a step cut short
+    for most in (4096, 100, 3000):
+        sizes = warm_up_sizes(most)
+        for lo in range(1, most):
+            assert any(lo < n <= min(2 * lo, most) for n in sizes), (most, lo)
 
 
 def test_warm_up_leaves_no_trace(make_engine, alone):

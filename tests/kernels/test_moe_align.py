@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from moelora.kernels.moe_align import (SINGLE_PROGRAM_MAX_PAIRS, cursor_copies, max_aligned_rows, max_segments,
+from moelora.kernels.moe_align import (CHUNK, SINGLE_PROGRAM_MAX_PAIRS, cursor_copies, max_aligned_rows, max_segments,
                                        moe_align, moe_align_reference)
 
 CASES = [  # tokens, top_k, experts, slots, block_m
@@ -11,9 +11,9 @@ CASES = [  # tokens, top_k, experts, slots, block_m
     (37, 4, 6, 4, 16),  # more pairs per expert than one block
     (64, 6, 64, 8, 32),
     (300, 2, 8, 33, 64),  # many slots, several blocks per expert
-    (700, 4, 16, 5, 64),  # past SINGLE_PROGRAM_MAX_PAIRS: the three grid-wide kernels, 5 copies of the counters
+    (700, 4, 16, 5, 64),  # past SINGLE_PROGRAM_MAX_PAIRS: the grid-wide kernels, 4 copies of the counters, 15 programs
     (600, 2, 128, 63, 16),  # 128 x 64 keys: 1 copy
-    (1100, 2, 128, 1, 16),  # 2 copies
+    (1100, 2, 128, 1, 16),  # 2 copies over 17 programs
 ]
 
 
@@ -64,9 +64,23 @@ def _check_layout(blocks, ids, token_slots, experts, slots):
 
 
 def test_cases_count_in_one_and_in_several_copies():
-    """The grid-wide cases cover one copy of the counters, two, and a number that does not divide the grid."""
+    """The grid-wide cases cover one copy of the counters and several, in grids of programs that the copies do not
+    divide."""
     copies = {cursor_copies(t * k, e, s) for t, k, e, s, _ in CASES if t * k > SINGLE_PROGRAM_MAX_PAIRS}
-    assert copies == {1, 2, 5}
+    assert copies == {1, 2, 4}
+    for t, k, e, s, bm in CASES:
+        n = cursor_copies(t * k, e, s)
+        if t * k > SINGLE_PROGRAM_MAX_PAIRS and n > 1:
+            assert -(-max_aligned_rows(t * k, e, bm) // CHUNK) % n, (t, k, e, s)
+
+
+@pytest.mark.parametrize("experts,slots", [(8, 0), (128, 0), (128, 8), (64, 33), (256, 15)])
+def test_copies_change_only_where_the_pairs_cross_a_power_of_two(experts, slots):
+    """Each number of copies is a compiled variant: a power of two, the same over [2^j, 2^(j+1)) pairs, so that the
+    engine's warm-up steps (token counts 2^i) reach each one."""
+    for pairs in range(1, 1 << 17, 7):
+        n = cursor_copies(pairs, experts, slots)
+        assert n & (n - 1) == 0 and n == cursor_copies(1 << (pairs.bit_length() - 1), experts, slots), pairs
 
 
 @pytest.mark.parametrize("tokens,top_k,experts,slots,block_m", CASES)
