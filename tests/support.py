@@ -117,8 +117,9 @@ def random_linear_lora(in_features: int, out_sizes: tuple[int, ...], slot_ranks:
                        device="cpu", poison_unused: bool = False, max_rank: int | None = None,
                        generator: torch.Generator | None = None) -> LinearLoRASlots:
     """Slot buffers of a dense layer with parts `out_sizes`; slot s adapts part p with rank slot_ranks[s][p]
-    (0: not adapted). poison_unused fills what a correct kernel must not read (past each rank, parts of
-    rank 0) with NaN; otherwise it is zero, as the slot buffers hold it."""
+    (0: not adapted). Past each rank (and in parts of rank 0) the buffers hold zeros, as the engine's slots do;
+    poison_unused fills A there with NaN, which a correct kernel must not read, and B with finite garbage, which
+    the GEMM's epilogue reads times xa's zeros."""
     ranks = torch.tensor(slot_ranks, dtype=torch.int32)
     max_rank = max_rank or max(int(ranks.max()), 1)
     num_slots, n_out = len(slot_ranks), sum(out_sizes)
@@ -127,8 +128,10 @@ def random_linear_lora(in_features: int, out_sizes: tuple[int, ...], slot_ranks:
     part = torch.repeat_interleave(torch.arange(len(out_sizes)), torch.tensor(out_sizes))  # part of each out row
     unused_a = torch.arange(max_rank).view(1, 1, -1) >= ranks.unsqueeze(-1)  # [S, P, R]
     unused_b = torch.arange(max_rank).view(1, -1, 1) >= ranks[:, part].unsqueeze(1)  # [S, R, out]
-    fill = float("nan") if poison_unused else 0.0
-    a, b = a.masked_fill(unused_a.unsqueeze(-1), fill), b.masked_fill(unused_b, fill)
+    a = a.masked_fill(unused_a.unsqueeze(-1), float("nan") if poison_unused else 0.0)
+    b = b.masked_fill(unused_b, 0.0)
+    if poison_unused:
+        b = torch.where(unused_b, 1e3 * torch.randn(b.shape, generator=generator), b)
     return LinearLoRASlots(a.to(device, dtype), b.to(device, dtype), ranks.to(device), int(ranks.max()))
 
 

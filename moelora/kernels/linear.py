@@ -44,7 +44,7 @@ from torch import nn
 
 from moelora.kernels.gemm_tiles import (arrive, gemm_block_k, gemm_loop, grouped_tile, wait_arrivals,
                                        zeroed_counters)
-from moelora.kernels.lora_tiles import add_linear_lora, shrink_linear_block
+from moelora.kernels.lora_tiles import add_linear_lora, linear_lora_rows, load_linear_lora_b, shrink_linear_block
 from moelora.kernels.pdl import pdl_launch, wait_for_previous_kernel
 
 MIN_PROGRAMS = 120  # about one program per SM of an H100 / H200 (132): below it, a smaller tile is tried
@@ -134,7 +134,7 @@ def _store_rows(acc, b_ptr, y_ptr, offs_m, offs_n, out_mask, N, HAS_BIAS: tl.con
 
 @triton.jit(do_not_specialize=["M", "num_shrink"])  # row counts: kernels/__init__.py
 def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, SPLIT_K,
-                   xa_ptr, lora_b_ptr, lora_ranks_ptr, slots_ptr, num_slots, stride_lbs, stride_lbr,
+                   xa_ptr, lora_b_ptr, lora_ranks_ptr, slots_ptr, num_slots, lora_b_rows, stride_lbs, stride_lbr,
                    a_ptr, xa_part_ptr, shrink_count_ptr, sorted_ids_ptr, block_slot_ptr, done_ptr, num_shrink,
                    stride_as, stride_ap, stride_ar,
                    HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, PARALLEL: tl.constexpr,
@@ -180,10 +180,14 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, str
         row_slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1)
     # both paths: (((0 + part_0) + part_1) + ...), each part summed from its own zero accumulator
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PARALLEL:
+        part = _split_sum(x_ptrs, m_mask, w_ptrs, n_mask, K, SPLIT_K, tl.program_id(1), BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        for s in range(SPLITS):
+            acc += _split_sum(x_ptrs, m_mask, w_ptrs, n_mask, K, SPLIT_K, s, BLOCK_M, BLOCK_N, BLOCK_K)
     last = True  # this program finishes the tile
     if PARALLEL:
         split = tl.program_id(1)
-        part = _split_sum(x_ptrs, m_mask, w_ptrs, n_mask, K, SPLIT_K, split, BLOCK_M, BLOCK_N, BLOCK_K)
         tl.store(part_ptr + (rows + split * M)[:, None] * N + offs_n[None, :], part, mask=out_mask)
         last = arrive(count_ptr + tile) == SPLITS - 1
         if last:
@@ -191,17 +195,19 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, str
             for s in tl.static_range(SPLITS):
                 acc += tl.load(part_ptr + (rows + s * M)[:, None] * N + offs_n[None, :], mask=out_mask,
                                cache_modifier=".cg")
-    else:
-        for s in range(SPLITS):
-            acc += _split_sum(x_ptrs, m_mask, w_ptrs, n_mask, K, SPLIT_K, s, BLOCK_M, BLOCK_N, BLOCK_K)
     if last:
         if HAS_LORA:
-            if HAS_SHRINK:  # every tile's finishing program counts in: the last puts the counter back to 0
-                wait_arrivals(done_ptr, num_shrink // SHRINK_SPLITS, tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N))
-            if not SLOTS_FIRST:
+            if not SLOTS_FIRST:  # beside the K splits' partials
                 row_slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1)
-            acc = add_linear_lora(acc, row_slot, offs_m, pid_n * BLOCK_N, xa_ptr, lora_b_ptr, lora_ranks_ptr,
-                                  num_slots, stride_lbs, stride_lbr, PART_BOUNDS, BLOCK_N, BLOCK_R, BLOCK_S)
+            row_slot, lora_mine, lora_used = linear_lora_rows(row_slot, num_slots, lora_b_rows, BLOCK_R, BLOCK_S)
+            lora_bt = None
+            if HAS_SHRINK:  # B's round trip beside the wait; every tile's finishing program counts in, the last
+                # puts the counter back to 0
+                lora_bt = load_linear_lora_b(lora_used, pid_n * BLOCK_N, 0, N, lora_b_ptr, stride_lbs, stride_lbr,
+                                             BLOCK_N, BLOCK_R, BLOCK_S)
+                wait_arrivals(done_ptr, num_shrink // SHRINK_SPLITS, tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N))
+            acc = add_linear_lora(acc, row_slot, lora_mine, lora_used, lora_bt, offs_m, pid_n * BLOCK_N, xa_ptr,
+                                  lora_b_ptr, stride_lbs, stride_lbr, PART_BOUNDS, BLOCK_N, BLOCK_R, BLOCK_S)
         _store_rows(acc, b_ptr, y_ptr, offs_m, offs_n, out_mask, N, HAS_BIAS)
 
 
@@ -260,7 +266,8 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         done = zeroed_counters(_shrink_done, 1, x.device, "linear LoRA shrink in the GEMM launch")
     _linear_kernel[(num_shrink + tiles, splits if parallel else 1)](
         x, weight, weight if bias is None else bias, y, part, counters, M, N, K, x.stride(0), split_k,
-        xa, lora_b, ranks, slots, lora_b.shape[0] if lora is not None else 0, lora_b.stride(0), lora_b.stride(-2),
+        xa, lora_b, ranks, slots, *((lora_b.shape[0], lora_b.shape[1]) if lora is not None else (0, 0)),
+        lora_b.stride(0), lora_b.stride(-2),
         a, xa_part, shrink_counters, sorted_ids, block_slot, done, num_shrink,
         *(a.stride()[:3] if shrink is not None else (0, 0, 0)),
         HAS_BIAS=bias is not None, SPLITS=splits, PARALLEL=parallel,  # HAS_BIAS=False never reads b

@@ -52,8 +52,9 @@ def shrink_linear_block(pid, x_ptr, a_ptr, ranks_ptr, part_ptr, xa_ptr, count_pt
     """Program pid = (block, part, split) of a dense layer's shrink: xa[n, part, :] = round(x[n] @ A[slot, part,
     :rank]^T) for the BLOCK_M tokens of one block of `align_tokens_by_slot`, K in SPLITS splits of SPLIT_K. With
     more than one split each program writes its fp32 partial to part [n, part, split, :] and the last of the
-    (block, part)'s programs to arrive adds them up in split order and rounds once to xa's dtype. Blocks of no
-    slot (-1) and parts of rank 0 read and write nothing. Returns whether this program finished its (block,
+    (block, part)'s programs to arrive adds them up in split order and rounds once to xa's dtype; xa is zero past
+    the rank. Blocks of no slot (-1) read and write nothing; a part of rank 0 reads nothing and its split 0
+    writes xa's zeros (the GEMM's epilogue reads them). Returns whether this program finished its (block,
     part): the one that stored its xa, or split 0 of one with nothing to do."""
     block, part, split = pid // (P * SPLITS), pid // SPLITS % P, pid % SPLITS
     finished = split == 0
@@ -61,16 +62,18 @@ def shrink_linear_block(pid, x_ptr, a_ptr, ranks_ptr, part_ptr, xa_ptr, count_pt
     tokens = tl.load(sorted_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))  # beside the slot's: one round trip
     if slot >= 0:
         rank = tl.load(ranks_ptr + slot * P + part)
+        row_ok = tokens < num_tokens
+        offs_k, offs_r = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_R)
+        out_ptrs = xa_ptr + (tokens.to(tl.int64) * P + part)[:, None] * BLOCK_R + offs_r[None, :]
+        if (rank == 0) & finished:  # the epilogue reads every part's xa of a row with an adapter
+            tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_R), dtype=xa_ptr.dtype.element_ty), mask=row_ok[:, None])
         if rank > 0:
-            row_ok = tokens < num_tokens
-            offs_k, offs_r = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_R)
             x_ptrs = x_ptr + tokens.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
             a_ptrs = (a_ptr + slot.to(tl.int64) * stride_as + part * stride_ap + offs_r[None, :] * stride_ar
                       + offs_k[:, None])
             k_lo = split * SPLIT_K
             xa = shrink_k_range(x_ptrs, a_ptrs, row_ok, rank, k_lo, tl.minimum(K, k_lo + SPLIT_K),
                                 BLOCK_M, BLOCK_K, BLOCK_R)
-            out_ptrs = xa_ptr + (tokens.to(tl.int64) * P + part)[:, None] * BLOCK_R + offs_r[None, :]
             if SPLITS == 1:
                 tl.store(out_ptrs, xa.to(xa_ptr.dtype.element_ty), mask=row_ok[:, None])
             else:
@@ -89,35 +92,59 @@ def shrink_linear_block(pid, x_ptr, a_ptr, ranks_ptr, part_ptr, xa_ptr, count_pt
 
 
 @triton.jit
-def add_linear_lora(acc, row_slot, offs_m, n0, xa_ptr, b_ptr, ranks_ptr, num_slots, stride_bs, stride_br,
+def linear_lora_rows(row_slot, num_slots, b_rows, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The rows' side of a dense GEMM's LoRA epilogue (`add_linear_lora`), no memory read: row_slot with -1 for
+    rows without an adapter (slot < 0 or >= num_slots; row_slot is the caller's load of the step's slots, -1
+    past the rows), `mine` [BLOCK_M, BLOCK_S * BLOCK_R], the stacked slot columns that are each row's, and `used`
+    [BLOCK_S * BLOCK_R], the columns of slots the tile's rows use, up to the buffers' b_rows."""
+    row_slot = tl.where((row_slot >= 0) & (row_slot < num_slots), row_slot, -1)
+    cols = tl.arange(0, BLOCK_S * BLOCK_R)
+    mine = row_slot[:, None] == (cols // BLOCK_R)[None, :]
+    used = (tl.max(mine.to(tl.int32), axis=0) > 0) & (cols % BLOCK_R < b_rows)
+    return row_slot, mine, used
+
+
+@triton.jit
+def load_linear_lora_b(used, n0, lo, hi, b_ptr, stride_bs, stride_br, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_S: tl.constexpr):
+    """[BLOCK_S * BLOCK_R, BLOCK_N]: the B rows of the `used` columns (`linear_lora_rows`) at output columns
+    n0.., those in [lo, hi) alone, zero elsewhere. B past a part's rank is read: the slot buffers hold zeros there
+    (LinearLoRASlots), as xa does."""
+    cols = tl.arange(0, BLOCK_S * BLOCK_R)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    b_ptrs = b_ptr + (cols // BLOCK_R)[:, None] * stride_bs + (cols % BLOCK_R)[:, None] * stride_br + offs_n[None, :]
+    return tl.load(b_ptrs, mask=used[:, None] & ((offs_n >= lo) & (offs_n < hi))[None, :], other=0.0)
+
+
+@triton.jit
+def add_linear_lora(acc, row_slot, mine, used, bt, offs_m, n0, xa_ptr, b_ptr, stride_bs, stride_br,
                     PART_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] (rows offs_m, columns n0..) plus each row's LoRA delta, the epilogue of a dense
-    GEMM: for row m of slot s = row_slot[m] (the caller's load of the step's slots, -1 past the rows) and each part p
-    whose columns meet the tile,
-    xa[m, p] @ B[s, :ranks[s, p], part p's columns], where xa [M, P, BLOCK_R] is the shrink's output in B's
-    dtype, read from L2 (.cg: the shrink may have written it in this launch).
+    GEMM: for row m of slot s = row_slot[m] and each part p whose columns meet the tile,
+    xa[m, p] @ B[s, :, part p's columns], where xa [M, P, BLOCK_R] is the shrink's output in B's dtype, zero
+    past each rank (`shrink_linear_block`), read from L2 (.cg: the shrink may have written it in this launch).
+    row_slot, mine and used are `linear_lora_rows'`; bt is the tile's B (`load_linear_lora_b` over all columns),
+    loaded early where the GEMM waits before its epilogue, or None: each part's B loaded here.
 
     One tl.dot per part for all the tile's slots together: the slots' B tiles stacked along K (BLOCK_S slots
     of BLOCK_R rows, BLOCK_S >= num_slots) and each row's xa placed in its own slot's BLOCK_R columns, zero in
     the others. The zero columns add exactly 0 to a row, so its bits follow from its own slot and xa alone,
-    whatever shares its tile, and a row without an adapter (slot < 0 or >= num_slots) keeps the bits it had.
-    Nothing is read for slots no row of the tile uses, past a slot's rank, or of rows without an adapter."""
+    whatever shares its tile, and a row without an adapter keeps the bits it had. xa is not read for rows
+    without an adapter, nor B for slots no row of the tile uses."""
     P: tl.constexpr = len(PART_BOUNDS) - 1
-    row_slot = tl.where((row_slot >= 0) & (row_slot < num_slots), row_slot, -1)
     if tl.max(row_slot) >= 0:
-        cols = tl.arange(0, BLOCK_S * BLOCK_R)
-        col_slot, col_r = cols // BLOCK_R, cols % BLOCK_R
-        mine = row_slot[:, None] == col_slot[None, :]  # [BLOCK_M, BLOCK_S * BLOCK_R]
-        used = tl.max(mine.to(tl.int32), axis=0) > 0  # the column's slot has rows in the tile
+        col_r = tl.arange(0, BLOCK_S * BLOCK_R) % BLOCK_R
         offs_n = n0 + tl.arange(0, BLOCK_N)
         for p in tl.static_range(P):
             lo, hi = PART_BOUNDS[p], PART_BOUNDS[p + 1]
             if (n0 < hi) & (n0 + BLOCK_N > lo):
-                use = used & (col_r < tl.load(ranks_ptr + col_slot * P + p, mask=used, other=0))
                 xa_ptrs = xa_ptr + (offs_m.to(tl.int64) * P + p)[:, None] * BLOCK_R + col_r[None, :]
-                xa = tl.load(xa_ptrs, mask=mine & use[None, :], other=0.0, cache_modifier=".cg")
-                b_ptrs = b_ptr + col_slot[:, None] * stride_bs + col_r[:, None] * stride_br + offs_n[None, :]
-                in_part = (offs_n >= lo) & (offs_n < hi)
-                bt = tl.load(b_ptrs, mask=use[:, None] & in_part[None, :], other=0.0)
-                acc = tl.dot(xa, bt, acc)
+                xa = tl.load(xa_ptrs, mask=mine, other=0.0, cache_modifier=".cg")
+                if bt is None:
+                    acc = tl.dot(xa, load_linear_lora_b(used, n0, lo, hi, b_ptr, stride_bs, stride_br, BLOCK_N,
+                                                        BLOCK_R, BLOCK_S), acc)
+                elif (n0 >= lo) & (n0 + BLOCK_N <= hi):  # the tile within the part: all of bt
+                    acc = tl.dot(xa, bt, acc)
+                else:
+                    acc = tl.dot(xa, tl.where(((offs_n >= lo) & (offs_n < hi))[None, :], bt, 0.0), acc)
     return acc

@@ -6,7 +6,7 @@ from moelora.kernels import linear as linear_module
 from moelora.kernels import lora_linear as lora_linear_module
 from moelora.kernels.linear import LinearConfig, linear
 from moelora.kernels.lora_linear import LoRALinearConfig, align_tokens_by_slot, lora_linear
-from tests.support import assert_rows_close, random_linear_lora, rel_tolerance
+from tests.support import assert_rows_close, random_linear_lora, rel_tolerance, surrounded
 
 DTYPES = [torch.bfloat16, torch.float16] if torch.cuda.is_available() else [torch.float16, torch.float32]
 SLOT_RANKS = [[4, 4, 4], [8, 0, 16], [64, 16, 0], [0, 0, 0]]  # per slot and part; slot 3 adapts no part here
@@ -77,7 +77,8 @@ def _shrink_in_own_launch(monkeypatch, tokens: int = 0):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_matches_reference_and_keeps_base_rows(case, dtype, bias, fused_shrink, device, poison, monkeypatch):
     """Adapter rows: the reference within the dtype's tolerance. Every other row: the bits of the plain GEMM
-    (whose unused xa rows are NaN here, as are A and B past each rank and parts of rank 0). The shrink in the
+    (whose unused xa rows are NaN here, as is A past each rank and in parts of rank 0, and B there garbage,
+    which the epilogue multiplies by xa's zeros). The shrink in the
     GEMM's launch or in its own; either way the launch leaves its counters at 0 for the next."""
     if not fused_shrink:
         _shrink_in_own_launch(monkeypatch)
@@ -111,13 +112,32 @@ def test_row_does_not_depend_on_batch(linear_config, batch_shrink_fused, device,
         assert torch.equal(alone[0], batch[t]), f"token {t} (slot {int(slots[t])}) differs alone vs in the batch"
 
 
+@pytest.mark.parametrize("fused_shrink", [True, False])
+def test_rank_tile_past_the_buffers_reads_no_other_slot(fused_shrink, device, poison, monkeypatch):
+    """Slots of rank 8 on the smallest rank tile (16 columns a slot): B's 8 rows a slot are read and no further, so
+    the last slot's tile does not run past the buffer (NaN beyond it here), nor another slot's into the next's."""
+    if not fused_shrink:
+        _shrink_in_own_launch(monkeypatch)
+    dtype = DTYPES[0]
+    gen = torch.Generator().manual_seed(torch.seed())
+    lora = random_linear_lora(48, (40, 24), [[8, 8], [4, 8], [8, 0]], dtype, device, poison_unused=True,
+                              generator=gen)
+    lora = LinearLoRASlots(lora.a, surrounded(lora.b, lora.b[0].numel(), float("nan")), lora.ranks)
+    x = torch.randn(19, 48, generator=gen).to(device, dtype)
+    weight = (torch.randn(64, 48, generator=gen) / 48**0.5).to(device, dtype)
+    slots = torch.tensor([2, 0, 1, -1] * 4 + [2, 2, 1], dtype=torch.int32, device=device)
+    got = lora_linear(x, weight, None, lora, (40, 24), slots, impl="triton", config=SMALL)
+    assert_rows_close(got, lora_linear(x, weight, None, lora, (40, 24), slots, impl="torch"),
+                      rel_tolerance(dtype, device))
+
+
 def test_no_adapter_tokens_read_nothing(device, poison):
-    """All tokens on slots whose ranks are 0 or outside the slots: the plain GEMM's bits, though every LoRA
-    weight is NaN."""
+    """All tokens on slots whose ranks are 0 or outside the slots: the plain GEMM's bits, though every A is NaN
+    and every B garbage (B past the ranks is read, times xa's zeros)."""
     dtype = DTYPES[0]
     x, weight, bias, lora, out_sizes, _ = _case(19, 48, (40, 24, 24), dtype, device)
     slots = torch.tensor([3, -1, 9] * 6 + [3], dtype=torch.int32, device=device)
-    nan = LinearLoRASlots(torch.full_like(lora.a, float("nan")), torch.full_like(lora.b, float("nan")), lora.ranks)
+    nan = LinearLoRASlots(torch.full_like(lora.a, float("nan")), 1e3 * torch.randn_like(lora.b), lora.ranks)
     got = lora_linear(x, weight, bias, nan, out_sizes, slots, impl="triton", config=SMALL)
     assert torch.equal(_bits(got), _bits(linear(x, weight, bias, impl="triton")))
 
