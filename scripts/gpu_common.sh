@@ -19,8 +19,9 @@ PYTEST_FLAGS=$(pytest_flags "${TEST_WORKERS:-8}" loadfile)
 # Triton's on-disk cache travels between device calls, and sessions: most of a cold start is compiling (200-240 s per
 # new 30B layout on 2 H200s, 27 s warm). Restored here from .triton_cache/ (git-ignored; the call carries it:
 # carry [".triton_cache"]) into an empty cache; saved at exit as $OUT/triton_cache.part-NN, a gzip'd tar in 15 MiB
-# parts, when it fits in TRITON_CACHE_PARTS (default 4: a call returns 8 files at most, gpu_engine_check.sh 4 others)
-# and in TRITON_CACHE_MAX_MIB (default 54: a call carries 64 MiB, the working tree about 8 of them);
+# parts, when it fits in TRITON_CACHE_PARTS (default 4) less the parts that the other files under $OUT leave no room
+# for (a call returns 8 files at most: a cache whose last part stayed behind cannot be unpacked), and in
+# TRITON_CACHE_MAX_MIB (default 54: a call carries 64 MiB, the working tree about 8 of them);
 # TRITON_CACHE_PARTS=0 only reports its size (a second script in the same call). Copy the parts into .triton_cache/
 # for the next call. Triton's index names its files by absolute path: it travels between machines of one image.
 TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
@@ -37,11 +38,14 @@ save_triton_cache() {
   tar -C "$TRITON_CACHE" -czf "$tgz" . 2>/dev/null
   local mib=$(( ($(stat -c %s "$tgz") + 2**20 - 1) / 2**20 ))
   echo "triton cache: $(find "$TRITON_CACHE" -type f | wc -l) files, $mib MiB compressed" | tee -a "$OUT/device.txt"
-  local most=$(( 15 * parts < ${TRITON_CACHE_MAX_MIB:-54} ? 15 * parts : ${TRITON_CACHE_MAX_MIB:-54} ))
+  local room=$(( 8 - $(find "$OUT" -type f ! -name 'triton_cache.part-*' | wc -l) ))
+  local fit=$(( parts < room ? parts : room ))
+  local most=$(( 15 * fit < ${TRITON_CACHE_MAX_MIB:-54} ? 15 * fit : ${TRITON_CACHE_MAX_MIB:-54} ))
   if [ "$parts" -gt 0 ] && [ "$mib" -le "$most" ]; then
     split -b 15M -d "$tgz" "$OUT/triton_cache.part-"
   elif [ "$parts" -gt 0 ]; then
-    echo "triton cache not saved: over $most MiB (TRITON_CACHE_PARTS, TRITON_CACHE_MAX_MIB)" | tee -a "$OUT/device.txt"
+    echo "triton cache not saved: over $most MiB ($fit parts: TRITON_CACHE_PARTS, TRITON_CACHE_MAX_MIB, and room for" \
+      "$room of the 8 files a call returns)" | tee -a "$OUT/device.txt"
   fi
   rm -f "$tgz"
 }
