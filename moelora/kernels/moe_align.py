@@ -145,8 +145,9 @@ def _count_pairs(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, firs
 @triton.jit
 def _lay_out_blocks(block_expert_ptr, num_rows_ptr, cursor_ptr, segments_ptr, num_segments_ptr, max_rows, num_slots,
                     max_segs, BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr,
-                    SEGMENT_ROWS: tl.constexpr, COPIES: tl.constexpr):
-    """From the counts (in COPIES copies of the E_P * S1_P keys' counters, each counted by its own programs): each
+                    SEGMENT_ROWS: tl.constexpr, copies, MAX_COPIES: tl.constexpr):
+    """From the counts (in copies <= MAX_COPIES copies of the E_P * S1_P keys' counters, each counted by its own
+    programs; copies a run-time value, so that the number of tokens picks no compiled variant): each
     expert's first row (padded to BLOCK_M), each key's first row (slots unpadded inside an expert), and in each
     copy the first row of that copy's share of the key's run, into cursor; the blocks' experts and the rows in
     use; with SEGMENT_ROWS > 0 the (first row, rows, expert * num_slots + slot) of each piece of at most
@@ -155,20 +156,21 @@ def _lay_out_blocks(block_expert_ptr, num_rows_ptr, cursor_ptr, segments_ptr, nu
     offs_s1 = tl.arange(0, S1_P)
     keys_2d = offs_e[:, None] * S1_P + offs_s1[None, :]
     counts = tl.load(cursor_ptr + keys_2d)
-    for c in tl.static_range(1, COPIES):
-        counts += tl.load(cursor_ptr + c * E_P * S1_P + keys_2d)
+    for c in tl.static_range(1, MAX_COPIES):  # unrolled: the copies' loads in flight together
+        counts += tl.load(cursor_ptr + c * E_P * S1_P + keys_2d, mask=(keys_2d * 0 + c) < copies, other=0)
     per_expert = tl.sum(counts, axis=1)
     padded = (per_expert + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     expert_start = tl.cumsum(padded, axis=0) - padded
     key_start = expert_start[:, None] + tl.cumsum(counts, axis=1) - counts
-    if COPIES == 1:  # (the one-program alignment of decode steps: no reload, no barrier on its chain)
+    if MAX_COPIES == 1:  # (the one-program alignment of decode steps: no reload, no barrier on its chain)
         tl.store(cursor_ptr + keys_2d, key_start)
     else:
         tl.debug_barrier()  # every thread's loads of the counts before any store over them
         copy_start = key_start
-        for c in tl.static_range(COPIES):  # a copy's counts are loaded before its starts overwrite them
-            copy_counts = tl.load(cursor_ptr + c * E_P * S1_P + keys_2d)
-            tl.store(cursor_ptr + c * E_P * S1_P + keys_2d, copy_start)
+        for c in tl.static_range(MAX_COPIES):  # a copy's counts are loaded before its starts overwrite them
+            in_use = (keys_2d * 0 + c) < copies
+            copy_counts = tl.load(cursor_ptr + c * E_P * S1_P + keys_2d, mask=in_use, other=0)
+            tl.store(cursor_ptr + c * E_P * S1_P + keys_2d, copy_start, mask=in_use)
             copy_start += copy_counts
     tl.store(num_rows_ptr, tl.sum(padded, axis=0))
     if SEGMENT_ROWS > 0:  # (slot -1 is column 0: the base rows)
@@ -220,7 +222,7 @@ def moe_align_program(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, block_exper
                  num_slots, max_rows, HAS_SLOTS, S1_P, CHUNK)
     tl.debug_barrier()
     _lay_out_blocks(block_expert_ptr, num_rows_ptr, cursor_ptr, segments_ptr, num_segments_ptr, max_rows, num_slots,
-                    max_segs, BLOCK_M, E_P, S1_P, CHUNK, SEGMENT_ROWS, 1)
+                    max_segs, BLOCK_M, E_P, S1_P, CHUNK, SEGMENT_ROWS, 1, 1)
     tl.debug_barrier()
     _place_pairs(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, 0, CHUNK, num_pairs, top_k, num_experts,
                  num_slots, HAS_SLOTS, S1_P, CHUNK)
@@ -239,31 +241,31 @@ def _moe_align_kernel(
                       HAS_SLOTS, BLOCK_M, E_P, S1_P, CHUNK, SEGMENT_ROWS)
 
 
-@triton.jit(do_not_specialize=["num_pairs"])  # row counts: kernels/__init__.py
+@triton.jit(do_not_specialize=["num_pairs", "copies"])  # row counts and what follows them: kernels/__init__.py
 def _count_kernel(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, num_pairs, top_k, num_experts,
-                  num_slots, max_rows, HAS_SLOTS: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr,
-                  CHUNK: tl.constexpr, COPIES: tl.constexpr, PDL: tl.constexpr):
+                  num_slots, max_rows, copies, HAS_SLOTS: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr,
+                  CHUNK: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
-    cursor_ptr += tl.program_id(0) % COPIES * (E_P * S1_P)  # this program's copy of the counters
+    cursor_ptr += tl.program_id(0) % copies * (E_P * S1_P)  # this program's copy of the counters
     _count_pairs(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, tl.program_id(0) * CHUNK,
                  tl.num_programs(0) * CHUNK, num_pairs, top_k, num_experts, num_slots, max_rows, HAS_SLOTS, S1_P, CHUNK)
 
 
-@triton.jit(do_not_specialize=["max_segs"])  # a row count: kernels/__init__.py
+@triton.jit(do_not_specialize=["max_segs", "copies"])  # a row count and what follows it: kernels/__init__.py
 def _lay_out_kernel(block_expert_ptr, num_rows_ptr, cursor_ptr, segments_ptr, num_segments_ptr, max_rows, num_slots,
-                    max_segs, BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr,
-                    SEGMENT_ROWS: tl.constexpr, COPIES: tl.constexpr, PDL: tl.constexpr):
+                    max_segs, copies, BLOCK_M: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr,
+                    CHUNK: tl.constexpr, SEGMENT_ROWS: tl.constexpr, MAX_COPIES: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     _lay_out_blocks(block_expert_ptr, num_rows_ptr, cursor_ptr, segments_ptr, num_segments_ptr, max_rows, num_slots,
-                    max_segs, BLOCK_M, E_P, S1_P, CHUNK, SEGMENT_ROWS, COPIES)
+                    max_segs, BLOCK_M, E_P, S1_P, CHUNK, SEGMENT_ROWS, copies, MAX_COPIES)
 
 
-@triton.jit(do_not_specialize=["num_pairs"])  # row counts: kernels/__init__.py
+@triton.jit(do_not_specialize=["num_pairs", "copies"])  # row counts and what follows them: kernels/__init__.py
 def _place_kernel(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, num_pairs, top_k, num_experts, num_slots,
-                  HAS_SLOTS: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr,
-                  COPIES: tl.constexpr, PDL: tl.constexpr):
+                  copies, HAS_SLOTS: tl.constexpr, E_P: tl.constexpr, S1_P: tl.constexpr, CHUNK: tl.constexpr,
+                  PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
-    cursor_ptr += tl.program_id(0) % COPIES * (E_P * S1_P)  # the copy this program counted in (same grid, same chunks)
+    cursor_ptr += tl.program_id(0) % copies * (E_P * S1_P)  # the copy this program counted in (same grid, same chunks)
     _place_pairs(topk_ids_ptr, token_slots_ptr, sorted_ids_ptr, cursor_ptr, tl.program_id(0) * CHUNK,
                  tl.num_programs(0) * CHUNK, num_pairs, top_k, num_experts, num_slots, HAS_SLOTS, S1_P, CHUNK)
 
@@ -275,21 +277,24 @@ CHUNK = 256  # pairs per vector in the align kernels
 # the grid's programs count and place in up to this many copies of the keys' counters (program p in copy p % copies),
 # so that the atomics on one key's counter queue a copies-th as long: with one adapter every pair of an expert has one
 # key. The one lay-out program reads and writes every copy, so a copy is added only where it brings at least
-# PAIRS_PER_COUNTER pairs a counter, and the copies stop at CURSOR_COPY_KEYS counters in all. The copies are a power
-# of two that changes only where the pairs cross a power of two: each is a compiled variant (COPIES), and the
-# engine's warm-up steps reach every class of token counts whose bounds are a factor of two apart
-# (model_runner.warm_up_sizes), so none is first compiled while serving.
+# PAIRS_PER_COUNTER pairs a counter, and the copies stop at CURSOR_COPY_KEYS counters in all. The kernels take the
+# copies at run time, their bound (which the keys alone set) as a constexpr: a number of tokens that the start's
+# warm-up steps never ran picks no kernel variant of its own, so none compiles while serving.
 CURSOR_COPIES = 8
 CURSOR_COPY_KEYS = 16384
 PAIRS_PER_COUNTER = 4
 
 
+def max_cursor_copies(num_experts: int, num_slots: int) -> int:
+    """The most copies of the (expert, slot) counters the grid-wide align kernels count in, for any pairs."""
+    e_p, s1_p = key_tile(num_experts, num_slots)
+    return max(1, min(CURSOR_COPIES, CURSOR_COPY_KEYS // (e_p * s1_p)))
+
+
 def cursor_copies(num_pairs: int, num_experts: int, num_slots: int) -> int:
     """Copies of the (expert, slot) counters the grid-wide align kernels count in."""
     e_p, s1_p = key_tile(num_experts, num_slots)
-    keys = e_p * s1_p
-    fill = num_pairs // (PAIRS_PER_COUNTER * keys)
-    return max(1, min(CURSOR_COPIES, CURSOR_COPY_KEYS // keys, 1 << max(fill.bit_length() - 1, 0)))
+    return max(1, min(max_cursor_copies(num_experts, num_slots), num_pairs // (PAIRS_PER_COUNTER * e_p * s1_p)))
 
 
 def key_tile(num_experts: int, num_slots: int) -> tuple[int, int]:
@@ -355,10 +360,10 @@ def moe_align(
         cursor.zero_()
         grid = (triton.cdiv(max_rows, CHUNK),)
         _count_kernel[grid](topk_ids, slots, sorted_ids, cursor, num_pairs, topk_ids.shape[1], num_experts, num_slots,
-                            max_rows, E_P=e_p, COPIES=copies, **keys, **pdl)
-        _lay_out_kernel[(1,)](block_expert, num_rows, cursor, *segs, max_rows, num_slots, max_segs, BLOCK_M=block_m,
-                              E_P=e_p, S1_P=s1_p, CHUNK=CHUNK, SEGMENT_ROWS=segment_rows, COPIES=copies,
-                              num_warps=warps, **pdl)
+                            max_rows, copies, E_P=e_p, **keys, **pdl)
+        _lay_out_kernel[(1,)](block_expert, num_rows, cursor, *segs, max_rows, num_slots, max_segs, copies,
+                              BLOCK_M=block_m, E_P=e_p, S1_P=s1_p, CHUNK=CHUNK, SEGMENT_ROWS=segment_rows,
+                              MAX_COPIES=max_cursor_copies(num_experts, num_slots), num_warps=warps, **pdl)
         _place_kernel[grid](topk_ids, slots, sorted_ids, cursor, num_pairs, topk_ids.shape[1], num_experts, num_slots,
-                            E_P=e_p, COPIES=copies, **keys, **pdl)
+                            copies, E_P=e_p, **keys, **pdl)
     return blocks

@@ -156,15 +156,12 @@ def compile_all() -> list[dict]:
     few_experts = fm_config.default_config(1024, 8, 64, torch.bfloat16, lora=True)
     assert few_experts.block_m == 64 and not few_experts.down_shrink_launch
     results += compile_moe_gemms(few_experts, True, "bf16")
-    align_copies = ma.cursor_copies(1 << 20, 256, 15)  # the most that 256 x 16 keys get
     for kernel, constexprs in ((ma._moe_align_kernel, dict(HAS_SLOTS=True, BLOCK_M=16, E_P=256, S1_P=64, CHUNK=256,
                                                           SEGMENT_ROWS=64)),
-                               (ma._count_kernel, dict(HAS_SLOTS=True, E_P=256, S1_P=16, CHUNK=256,
-                                                       COPIES=align_copies)),
+                               (ma._count_kernel, dict(HAS_SLOTS=True, E_P=256, S1_P=16, CHUNK=256)),
                                (ma._lay_out_kernel, dict(BLOCK_M=64, E_P=256, S1_P=16, CHUNK=256, SEGMENT_ROWS=64,
-                                                         COPIES=align_copies)),
-                               (ma._place_kernel, dict(HAS_SLOTS=True, E_P=256, S1_P=16, CHUNK=256,
-                                                       COPIES=align_copies)),
+                                                         MAX_COPIES=ma.max_cursor_copies(256, 15))),
+                               (ma._place_kernel, dict(HAS_SLOTS=True, E_P=256, S1_P=16, CHUNK=256)),
                                (fm_shrink.shrink_kernel,
                                 dict(SHRINK_ROWS=16, BLOCK_K=64, BLOCK_R=64, RANK_TILES=3, TILE=2,
                                      SPLIT_K=fm_config.SHRINK_SPLIT_K, A_ALIGNED=True)),

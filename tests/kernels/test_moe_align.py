@@ -11,7 +11,7 @@ CASES = [  # tokens, top_k, experts, slots, block_m
     (37, 4, 6, 4, 16),  # more pairs per expert than one block
     (64, 6, 64, 8, 32),
     (300, 2, 8, 33, 64),  # many slots, several blocks per expert
-    (700, 4, 16, 5, 64),  # past SINGLE_PROGRAM_MAX_PAIRS: the grid-wide kernels, 4 copies of the counters, 15 programs
+    (720, 4, 16, 5, 64),  # past SINGLE_PROGRAM_MAX_PAIRS: the grid-wide kernels, 5 copies of the counters, 16 programs
     (600, 2, 128, 63, 16),  # 128 x 64 keys: 1 copy
     (1100, 2, 128, 1, 16),  # 2 copies over 17 programs
 ]
@@ -67,20 +67,44 @@ def test_cases_count_in_one_and_in_several_copies():
     """The grid-wide cases cover one copy of the counters and several, in grids of programs that the copies do not
     divide."""
     copies = {cursor_copies(t * k, e, s) for t, k, e, s, _ in CASES if t * k > SINGLE_PROGRAM_MAX_PAIRS}
-    assert copies == {1, 2, 4}
+    assert copies == {1, 2, 5}
     for t, k, e, s, bm in CASES:
         n = cursor_copies(t * k, e, s)
         if t * k > SINGLE_PROGRAM_MAX_PAIRS and n > 1:
             assert -(-max_aligned_rows(t * k, e, bm) // CHUNK) % n, (t, k, e, s)
 
 
-@pytest.mark.parametrize("experts,slots", [(8, 0), (128, 0), (128, 8), (64, 33), (256, 15)])
-def test_copies_change_only_where_the_pairs_cross_a_power_of_two(experts, slots):
-    """Each number of copies is a compiled variant: a power of two, the same over [2^j, 2^(j+1)) pairs, so that the
-    engine's warm-up steps (token counts 2^i) reach each one."""
-    for pairs in range(1, 1 << 17, 7):
-        n = cursor_copies(pairs, experts, slots)
-        assert n & (n - 1) == 0 and n == cursor_copies(1 << (pairs.bit_length() - 1), experts, slots), pairs
+@pytest.mark.parametrize("experts,slots,block_m,segment_rows", [(128, 0, 64, 0), (128, 8, 64, 64), (16, 3, 16, 0)])
+def test_the_number_of_pairs_picks_no_kernel_variant(experts, slots, block_m, segment_rows, monkeypatch):
+    """The grid-wide kernels' constexprs follow the experts, slots and tiles alone, and their integers that follow
+    the pairs (the count, the copies of the counters) are not specialised: a number of tokens the engine's warm-up
+    never ran compiles nothing new (kernels/__init__.py)."""
+    import moelora.kernels.moe_align as ma
+
+    launches = {}
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **constexprs: launches.setdefault(self.kernel.fn.__name__, set()).add(
+                tuple(sorted(constexprs.items())))
+
+    for name in ("_count_kernel", "_lay_out_kernel", "_place_kernel"):
+        kernel = getattr(ma, name)
+        # (the interpreter keeps the decorator's names, a compiled kernel their indices)
+        unspecialised = kernel.kwargs["do_not_specialize"] if hasattr(kernel, "kwargs") else kernel.do_not_specialize
+        unspecialised = {kernel.arg_names[i] if isinstance(i, int) else i for i in unspecialised}
+        assert {"num_pairs", "copies"} & set(kernel.arg_names) <= unspecialised, name
+        monkeypatch.setattr(ma, name, Recorder(kernel))
+    copies = set()
+    for tokens in range(SINGLE_PROGRAM_MAX_PAIRS + 1, 1 << 17, 997):
+        ids = torch.zeros(tokens, 1, dtype=torch.int32)
+        moe_align(ids, torch.zeros(tokens, dtype=torch.int32) if slots else None, experts, slots, block_m,
+                  segment_rows)
+        copies.add(cursor_copies(tokens, experts, slots))
+    assert len(copies) > 2 and all(len(variants) == 1 for variants in launches.values()), launches
 
 
 @pytest.mark.parametrize("tokens,top_k,experts,slots,block_m", CASES)
