@@ -74,7 +74,7 @@ def warm_up_sizes(max_tokens: int) -> list[int]:
     """1, 2, 3, then 2^i and 2^i + 1 up to max_tokens, and max_tokens: every class of token counts whose bounds are
     at least a factor of two apart holds a power of two, a class that starts at a power of two holds 2^i + 1, and
     one that max_tokens cuts short holds max_tokens."""
-    sizes = {n for n in (1, 2, 3, max_tokens) if n <= max_tokens}
+    sizes = {n for n in (1, 2, 3, max_tokens) if 1 <= n <= max_tokens}
     power = 4
     while power <= max_tokens:
         sizes |= {n for n in (power, power + 1) if n <= max_tokens}

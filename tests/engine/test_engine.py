@@ -326,6 +326,7 @@ def test_warm_up_sizes_reach_every_size_class():
     from moelora.engine.model_runner import warm_up_sizes
     sizes = warm_up_sizes(4096)
     assert sizes[:5] == [1, 2, 3, 4, 5] and sizes[-2:] == [2049, 4096] and warm_up_sizes(100)[-2:] == [65, 100]
+    assert warm_up_sizes(0) == [] and warm_up_sizes(1) == [1]
     # any class of token counts (lo, hi] with hi >= 2 lo holds a size: fused_moe's rows per expert, linear's rows,
     # the alignment's copies of its counters; so does one that the most tokens of a step cut short
     for most in (4096, 100, 3000):
