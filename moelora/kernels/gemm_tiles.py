@@ -81,9 +81,13 @@ def wait_arrivals(counter_ptr, arrivals, num_readers):
     in (acquire: read what the arrivals wrote after it, with cache_modifier=".cg"; the barrier puts every
     thread's loads after it); the last one, after which no program of the launch touches the counter, puts it
     back to 0 for the next launch (no memset launch). The wait polls with plain loads, which do not queue with
-    the arrivals' atomics on the counter's address as polling atomics do."""
+    the arrivals' atomics on the counter's address as polling atomics do. Each warp polls on its own, and one
+    thread counts the program in: the barrier behind the poll keeps it from counting in while a warp of its
+    program still polls (one that came late from a load before the wait), which could then read the 0 that the
+    last reader puts back, and wait forever."""
     while tl.load(counter_ptr, volatile=True) < arrivals:
         pass
+    tl.debug_barrier()
     if tl.atomic_add(counter_ptr, 1, sem="acquire", scope="gpu") == arrivals + num_readers - 1:
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
     tl.debug_barrier()

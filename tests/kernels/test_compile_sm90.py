@@ -102,6 +102,17 @@ def compile_sm90(kernel, constexprs: dict, dtype: str, num_warps: int, num_stage
     return compiled
 
 
+def waits_as_one(ptx: str) -> bool:
+    """Each spin-wait of gemm_tiles.wait_arrivals (a volatile poll, then the acquire add that counts the program in)
+    has a barrier between its poll and its add: each warp polls on its own, and a program that counts itself in
+    while one of its warps still polls lets the last reader put the counter back to 0 under that warp."""
+    for poll in re.finditer(r"ld\.volatile\.global", ptx):
+        add = ptx.find("atom.global.gpu.acquire.add", poll.end())
+        if add < 0 or "bar.sync" not in ptx[poll.end():add]:
+            return False
+    return True
+
+
 def moe_gemm_constexprs(cfg, has_lora: bool, block_n: int, block_r: int = 64, rank_tiles: int = 3,
                         top_k_p: int = 8) -> dict:
     """The constexprs of fused_moe's gate_up and down kernels (gate_up's own, SPLIT_K, PART_N, DOWN_SHRINK,
@@ -130,7 +141,7 @@ def compile_moe_gemms(cfg, has_lora: bool, dtype: str, rank_tiles: int | None = 
                             pair_blocks=cfg.pair_blocks, slot_stages=cfg.slot_stages, rank_tiles=rank_tiles,
                             shared=compiled.metadata.shared, ttgir=compiled.asm["ttgir"],
                             arrive="atom.global.gpu.acq_rel.add" in ptx, acquire="global.gpu.acquire" in ptx,
-                            cg_loads="ld.global.cg" in ptx,
+                            cg_loads="ld.global.cg" in ptx, waits_as_one=waits_as_one(ptx),
                             launches_next_first=ptx.find("griddepcontrol.launch_dependents") < mmas[0]))
     return results
 
@@ -292,14 +303,15 @@ def test_down_shrink_parts_are_dots_from_zero(compiled):
 
 def test_pair_blocks_shrink_in_gate_up_synchronises(compiled):
     """With pair blocks and LoRA the gate/up shrink runs in the gate_up launch: its programs signal with a
-    gpu-scope acq_rel add (gemm_tiles.arrive), the GEMM programs spin on a gpu-scope acquire and read xa from
-    L2 (.cg); no other gate_up variant carries any of it."""
+    gpu-scope acq_rel add (gemm_tiles.arrive), the GEMM programs spin on a gpu-scope acquire (a barrier behind
+    every warp's poll: waits_as_one) and read xa from L2 (.cg); no other gate_up variant carries any of it."""
     gate_ups = [r for r in compiled if r["kernel"] == "gate_up_kernel"]
     assert any(r["pair_blocks"] and r["lora"] for r in gate_ups)
     for r in gate_ups:
         fused = r["pair_blocks"] and r["lora"]
         where = f"gate_up_kernel {r['dtype']} block_m={r['block_m']} lora={r['lora']} pair_blocks={r['pair_blocks']}"
         assert (r["arrive"], r["acquire"], r["cg_loads"]) == (fused,) * 3, where
+        assert r["waits_as_one"], where
 
 
 def test_gemms_of_several_rank_tiles_let_the_next_launch_start_after_their_work(compiled):
@@ -461,7 +473,8 @@ def compile_linear() -> list[dict]:
         results.append(dict(kernel="_linear_kernel", dtype=dtype, m=m, n=n, block_m=cfg.block_m, bias=has_bias, lora=bool(parts),
                             shrink=shrink, splits=splits, parallel=parallel, shared=compiled.metadata.shared,
                             ttgir=compiled.asm["ttgir"], arrive="atom.global.gpu.acq_rel.add" in ptx,
-                            acquire="global.gpu.acquire" in ptx, cg_loads="ld.global.cg" in ptx))
+                            acquire="global.gpu.acquire" in ptx, cg_loads="ld.global.cg" in ptx,
+                            waits_as_one=waits_as_one(ptx)))
     return results
 
 
@@ -489,12 +502,12 @@ def test_rotary_uses_accurate_sin_cos(compiled):
 
 def test_linear_shrink_in_gemm_synchronises(compiled):
     """At decode sizes the LoRA shrink runs in the GEMM's first programs: they signal with a gpu-scope acq_rel
-    add, the tiles' epilogues spin on a gpu-scope acquire and read xa from L2 (.cg); no GEMM without it
-    spins."""
+    add, the tiles' epilogues spin on a gpu-scope acquire (a barrier behind every warp's poll:
+    waits_as_one) and read xa from L2 (.cg); no GEMM without it spins."""
     linears = [r for r in compiled if r["kernel"] == "_linear_kernel"]
     assert {(r["lora"], r["shrink"]) for r in linears} == {(False, False), (True, False), (True, True)}
     for r in linears:
         where = f"_linear_kernel {r['dtype']} M={r['m']} N={r['n']} lora={r['lora']} shrink={r['shrink']}"
         assert r["acquire"] == r["shrink"], where
         if r["shrink"]:
-            assert r["arrive"] and r["cg_loads"], where
+            assert r["arrive"] and r["cg_loads"] and r["waits_as_one"], where
