@@ -9,6 +9,7 @@ cache."""
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,6 +190,18 @@ def record_compiles(monkeypatch) -> list[str]:
     monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook",
                         lambda *args, fn, **kwargs: compiled.append(fn.name))
     return compiled
+
+
+def assert_gpu_finishes(seconds: float, what: str) -> None:
+    """The work queued on the current CUDA stream finishes within `seconds`, else the test fails naming `what`:
+    a kernel that spins on a counter (gemm_tiles.wait_arrivals) and waits forever fails here, where a synchronize
+    would hang the run (the GPU stays busy with it: the GPU tests after it cannot run)."""
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.monotonic() + seconds
+    while not done.query():
+        assert time.monotonic() < deadline, f"{what}: not done after {seconds} s, a kernel waits forever"
+        time.sleep(0.01)
 
 
 def rel_tolerance(dtype: torch.dtype, device: torch.device | str = "cpu") -> float:

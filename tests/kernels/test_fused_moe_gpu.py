@@ -6,8 +6,8 @@ import torch
 
 from moelora.kernels.fused_moe import launcher
 from moelora.kernels.fused_moe import default_config, fused_moe
-from tests.support import (assert_rows_close, random_expert_lora, random_moe_weights, random_topk, record_compiles,
-                           rel_tolerance)
+from tests.support import (assert_gpu_finishes, assert_rows_close, random_expert_lora, random_moe_weights,
+                           random_topk, record_compiles, rel_tolerance)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -131,8 +131,8 @@ def test_down_shrink_launch_agrees_on_64_row_tiles(shape, poison):
 def test_pair_blocks_shrink_in_gate_up_has_no_race(shape, tokens, poison):
     """With pair blocks the gate/up shrink runs in the gate_up launch and the GEMM programs wait on a ready
     counter per pair; a missed wait or a counter not back at 0 shows up as an occasional mismatch against
-    aligned blocks (the shrink in a launch of its own). 50 calls, then 10 replays of a CUDA graph of one on
-    fresh inputs, each bit for bit."""
+    aligned blocks (the shrink in a launch of its own), a waiter that misses the arrivals as a launch that never
+    ends. 50 calls, then 10 replays of a CUDA graph of one on fresh inputs, each bit for bit."""
     gen = torch.Generator("cuda").manual_seed(torch.seed())
     x, w13, w2, topk, lora, _ = _layer(shape, tokens, gen)
     slots = torch.randint(0, len(SLOT_RANKS), (tokens,), generator=gen, device="cuda", dtype=torch.int32)
@@ -140,8 +140,10 @@ def test_pair_blocks_shrink_in_gate_up_has_no_race(shape, tokens, poison):
     assert cfg.pair_blocks
     aligned_cfg = dataclasses.replace(cfg, pair_blocks=False)
     expected = fused_moe(x, w13, w2, topk, lora, slots, config=aligned_cfg)
-    for i in range(50):
-        assert torch.equal(fused_moe(x, w13, w2, topk, lora, slots, config=cfg), expected), f"call {i}"
+    outs = [fused_moe(x, w13, w2, topk, lora, slots, config=cfg) for _ in range(50)]
+    assert_gpu_finishes(60, f"{shape} T={tokens}: 50 calls with the shrink in gate_up")
+    for i, out in enumerate(outs):
+        assert torch.equal(out, expected), f"call {i}"
     ready = launcher._ready[x.device]
     torch.cuda.synchronize()
     assert not ready.any(), "ready counters not back at 0"

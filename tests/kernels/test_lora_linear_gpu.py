@@ -2,9 +2,10 @@
 import pytest
 import torch
 
-from moelora.kernels.linear import linear
+from moelora.kernels.linear import _shrink_done, linear
 from moelora.kernels.lora_linear import lora_linear
-from tests.support import assert_rows_close, random_linear_lora, rel_tolerance
+from tests.support import (assert_gpu_finishes, assert_rows_close, random_linear_lora,
+                           rel_tolerance)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -64,3 +65,27 @@ def test_replays_in_a_cuda_graph():
         graph.replay()
         expected = lora_linear(x, weight, None, lora, out_sizes, new_slots, impl="torch")
         assert_rows_close(y, expected, rel_tolerance(torch.bfloat16, "cuda"), "graph replay")
+
+
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_shrink_in_the_gemm_launch_never_waits_forever(layer):
+    """Decode rows of 8 adapters: the shrink runs in the GEMM's first programs and each tile's last program waits
+    for it (gemm_tiles.wait_arrivals), then the last waiter puts the counter back to 0. 4000 launches back to back
+    from a CUDA graph, as a server's decode steps run them, finish and agree with the reference; a program that
+    counted in while one of its warps still polled let that warp wait forever (bench_serving at batch 8 with 8
+    adapters hung the GPU so)."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    x, weight, lora, out_sizes, _ = _layer(layer, 8, gen)
+    slots = torch.arange(8, dtype=torch.int32, device="cuda")
+    lora_linear(x, weight, None, lora, out_sizes, slots)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(100):
+            y = lora_linear(x, weight, None, lora, out_sizes, slots)
+    for _ in range(40):
+        graph.replay()
+    assert_gpu_finishes(60, f"{layer}: 4000 launches with the shrink in the GEMM")
+    expected = lora_linear(x, weight, None, lora, out_sizes, slots, impl="torch")
+    assert_rows_close(y, expected, rel_tolerance(torch.bfloat16, "cuda"), "after 4000 launches")
+    assert not _shrink_done[x.device].any(), "the shrink's counter not back at 0"
