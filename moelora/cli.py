@@ -66,7 +66,7 @@ def serve(args: argparse.Namespace) -> int:
     # "." is the directory it names; a symlink keeps its own name (not its target's, a snapshot hash)
     name = args.served_model_name or Path(os.path.abspath(args.model_path)).name
     app = create_app(engine, name, args.max_queued_requests, args.api_key, args.log_stats_interval,
-                     args.max_request_mb << 20)
+                     args.max_request_mb << 20, args.watchdog_timeout)
     # the model's, tokenizer's and kernels' objects live as long as the process: out of the cyclic collector's
     # scans, whose full collections would otherwise walk them all while every thread waits (as vLLM does)
     gc.collect()
@@ -231,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM or Ctrl-C, seconds the requests in flight get to finish (new ones refused, "
                         "/health 503) before they are ended: a stream with an error event, others with a 500; 0 ends "
                         "them at once (vLLM's flag; default: 0)")
+    p.add_argument("--watchdog-timeout", type=_seconds, default=300.0, metavar="SECONDS",
+                   help="seconds one engine step may take: past it the device is taken to hang, the server ends every "
+                        "request with an error, logs where the engine is and exits with status 1, for whatever runs "
+                        "it to start it again; 0: never (SGLang's flag; default: 300)")
     p.set_defaults(run=serve)
 
     from moelora.engine.sampling_params import SamplingParams

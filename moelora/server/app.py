@@ -510,14 +510,15 @@ class _Route(APIRoute):
 
 def create_app(engine: Engine, served_model_name: str, max_queued_requests: int | None = None,
                api_key: str | None = None, stats_interval: float = 10.0,
-               max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = MAX_REQUEST_BYTES, watchdog_timeout: float = 300.0) -> FastAPI:
     """The app; its engine thread starts and stops with the app's lifespan, which logs what it serves
     first and shuts the engine down (its other ranks, with tp_size > 1) last. With an api_key, every route but
     /health and /metrics answers 401 unless the request carries 'Authorization: Bearer <key>'. stats_interval:
-    seconds between the stats log lines (0: none). A request body past max_request_bytes is a 413 (BodyLimit)."""
+    seconds between the stats log lines (0: none). A request body past max_request_bytes is a 413 (BodyLimit).
+    watchdog_timeout: seconds one engine step may take before the server exits (EngineLoop; 0: never)."""
     if served_model_name in engine.config.lora_paths:
         raise ValueError(f"the served model name {served_model_name!r} is also an adapter's name")
-    loop = EngineLoop(engine, Metrics(engine.lora_stats), max_queued_requests, stats_interval)
+    loop = EngineLoop(engine, Metrics(engine.lora_stats), max_queued_requests, stats_interval, watchdog_timeout)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

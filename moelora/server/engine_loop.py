@@ -22,6 +22,12 @@ A request the engine fails gets an EngineError in its queue; a step that raises 
 own isolation fails the requests in flight and the thread goes on, unless the engine's books no
 longer balance or its device failed: then `healthy` turns False (and /health says 503).
 
+The watchdog (SGLang's --watchdog-timeout): when the engine thread has been busy in one step (or one command) for
+longer than watchdog_timeout, the device is taken to hang (a kernel that never ends: nothing in the process can stop
+it, and the thread waits on it for good). It logs the engine thread's stack, turns `healthy` False, ends every
+stream with an error, and after WATCHDOG_EXIT_DELAY seconds (for those errors to reach their clients) kills the
+other ranks and exits the process with status 1, so that whatever runs the server can start it again.
+
 When the server shuts down, `drain` refuses new requests, gives those in flight a while to finish, and fails the
 rest ("the server is shutting down"), so that their responses end and the server can stop.
 """
@@ -29,8 +35,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
+import os
+import sys
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,6 +57,7 @@ from moelora.server.stats_log import StatsLog
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 GRAMMAR_COMPILE_WORKERS = 4
+WATCHDOG_EXIT_DELAY = 2.0  # seconds between the watchdog's error events and the process's exit
 
 
 @dataclass
@@ -123,8 +134,11 @@ class _Stream:
 
 class EngineLoop:
     def __init__(self, engine: Engine, metrics: Metrics, max_queued_requests: int | None = None,
-                 stats_interval: float = 10.0):
+                 stats_interval: float = 10.0, watchdog_timeout: float = 300.0):
+        """watchdog_timeout: seconds the engine thread may spend in one step or command before the watchdog ends the
+        process (the module's docstring); 0: no watchdog."""
         self.engine, self.metrics, self.max_queued_requests = engine, metrics, max_queued_requests
+        self.watchdog_timeout = watchdog_timeout
         self.stats = StatsLog(stats_interval)
         self.thread_stats = ThreadStats()
         metrics.expose("moelora:engine_", engine.step_stats.as_dict)
@@ -151,12 +165,17 @@ class EngineLoop:
         self._stopping = False
         self.failure: str | None = None  # why the engine cannot serve any more
         self._thread = threading.Thread(target=self._run, name="moelora-engine", daemon=True)
+        self._busy_since: float | None = None  # engine thread: when its current steps and commands began (monotonic)
+        self._watchdog = threading.Thread(target=self._watch, name="moelora-watchdog", daemon=True)
+        self._watchdog_stop = threading.Event()
 
     # ------------------------------------------------------------------------- event-loop side
 
     def start(self) -> None:
         """Start the engine thread; called from the server's event loop (whose thread's CPU time /metrics reports)."""
         self._thread.start()
+        if self.watchdog_timeout > 0:
+            self._watchdog.start()
         self._thread_ids = {"event_loop": threading.get_ident(), "engine": self._thread.ident,
                             "text": self._text.submit(threading.get_ident).result(),
                             "tokenize": self._tokenize.submit(threading.get_ident).result()}
@@ -165,6 +184,7 @@ class EngineLoop:
         with self._cv:
             self._stopping = True
             self._cv.notify()
+        self._watchdog_stop.set()
         self._thread.join()
         self._text.shutdown()  # after the engine thread's last deliveries
         self._tokenize.shutdown()
@@ -295,6 +315,7 @@ class EngineLoop:
                 if self._stopping:
                     break
                 commands, self._commands = self._commands, []
+            self._busy_since = time.monotonic()
             start = time.perf_counter()
             for fn, future in commands:
                 if future.set_running_or_notify_cancel():
@@ -307,6 +328,7 @@ class EngineLoop:
             if self.engine.has_unfinished():
                 self._step()
                 times.steps_seconds += time.perf_counter() - stepped
+            self._busy_since = None
             self.num_waiting = self.engine.num_waiting
             self.metrics.set_queues(len(self._rids) - self.num_waiting, self.num_waiting)
             self.stats.tick(self.engine, self.engine.num_running, self.num_waiting)
@@ -316,6 +338,27 @@ class EngineLoop:
             future.cancel()
         self.engine.drop_profile()  # on the thread that started it (torch's profiler is the thread's)
         self._fail_all(EngineError("the server is shutting down"), "abort")
+
+    # ---------------------------------------------------------------------------- watchdog thread
+
+    def _watch(self) -> None:
+        """Look at the engine thread every so often; once it has been busy past watchdog_timeout, end the process
+        (the module's docstring)."""
+        while not self._watchdog_stop.wait(min(1.0, self.watchdog_timeout / 4)):
+            since = self._busy_since
+            if since is not None and time.monotonic() - since > self.watchdog_timeout:
+                self._hung(time.monotonic() - since)
+                return
+
+    def _hung(self, seconds: float) -> None:
+        self.failure = (f"the engine thread has been in one step for {seconds:.0f} s, more than the watchdog's "
+                        f"{self.watchdog_timeout:g} s (--watchdog-timeout): the device hangs; the server exits")
+        frame = sys._current_frames().get(self._thread.ident)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(the engine thread has ended)\n"
+        logger.critical("%s. The engine thread is at:\n%s", self.failure, stack.rstrip())
+        self._text.submit(self._fail_streams, EngineError(self.failure), "error")
+        time.sleep(WATCHDOG_EXIT_DELAY)
+        _exit_process()
 
     def _unpend(self, n: int) -> None:
         with self._cv:
@@ -464,6 +507,15 @@ class EngineLoop:
         for loop, items in deliveries.items():
             _deliver(loop, items)
 
+
+
+def _exit_process() -> None:
+    """The watchdog's end: the other ranks killed (they wait on this one), the logs flushed, status 1 at once (no
+    clean-up: the engine thread waits on the device for good, and a normal exit would join it)."""
+    for child in multiprocessing.active_children():
+        child.kill()
+    logging.shutdown()
+    os._exit(1)
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 
@@ -14,6 +15,7 @@ import pytest
 from moelora.engine.engine import Engine
 from moelora.engine.sampling_params import SamplingParams
 from moelora.engine.stepper import StepOutput
+from moelora.server import engine_loop
 from moelora.server.app import create_app
 from moelora.server.engine_loop import Delta, EngineError, Overloaded, Submission, merge_deltas
 from tests.server.conftest import ENGINE_OPTIONS, MODEL_NAME, SERVED, make_engine, serving
@@ -222,3 +224,50 @@ def test_a_stream_that_falls_behind_gets_what_it_missed_in_one_chunk(server):
                 event_loop = next(iter(server.loop._streams.values())).loop
                 event_loop.call_soon_threadsafe(time.sleep, 1.0)
     assert sum(map(len, chunks)) == 12 and len(chunks) < 12 and max(map(len, chunks)) > 1
+
+
+def test_the_watchdog_ends_a_server_whose_step_never_returns(demo_dir, monkeypatch, caplog):
+    """A step that does not return (a kernel that never ends): past watchdog_timeout the stream in flight ends with
+    the watchdog's error event and [DONE], /health says 503, the engine thread's stack is logged and the process
+    exits (recorded here, once). Steps under the timeout leave the server serving."""
+    exits: list[float] = []
+    monkeypatch.setattr(engine_loop, "_exit_process", lambda: exits.append(time.monotonic()))
+    monkeypatch.setattr(engine_loop, "WATCHDOG_EXIT_DELAY", 0.1)
+    engine = make_engine(demo_dir, SERVED)
+    hang, stepping, release, step = threading.Event(), threading.Event(), threading.Event(), engine.step
+
+    def hung_step():
+        if hang.is_set():
+            stepping.set()
+            release.wait(60)
+        return step()
+    engine.step = hung_step
+    body = {"model": "alpha", "prompt": IDS, "max_tokens": 8, "ignore_eos": True, "stream": True}
+    with serving(create_app(engine, MODEL_NAME, watchdog_timeout=1.0)) as server:
+        for _ in range(3):  # each request's steps take far less than the timeout
+            assert post(server, "/v1/completions", {**body, "stream": False}).status_code == 200
+        time.sleep(1.5)  # idle past the timeout: waiting for work is not a step
+        assert not exits and httpx.get(f"{server.url}/health").status_code == 200
+        lines: list[str] = []
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as reply:
+                lines.extend(line for line in reply.iter_lines() if line)
+        hang.set()
+        client = threading.Thread(target=stream)
+        with caplog.at_level(logging.CRITICAL, logger=engine_loop.__name__):
+            client.start()
+            assert stepping.wait(30), "the request never reached a step"
+            client.join(timeout=30)
+        try:
+            assert not client.is_alive() and lines[-1] == "data: [DONE]"
+            assert "more than the watchdog's 1 s" in lines[-2], lines[-3:]
+            assert httpx.get(f"{server.url}/health").status_code == 503
+            deadline = time.monotonic() + 10
+            while not exits:
+                assert time.monotonic() < deadline, "the watchdog did not end the process"
+                time.sleep(0.02)
+            assert "in hung_step" in caplog.text  # the stack of the engine thread, where it waits
+        finally:
+            release.set()
+    assert len(exits) == 1
