@@ -187,7 +187,9 @@ class ModelRunner:
         pairs; the row counts themselves are not specialised, kernels/__init__.py); a request that first
         brings a new class otherwise stalls every running request for the seconds of a compile. The steps
         write only slot 0, which no request ever holds, and record it in request row 0, as padded graph rows do.
-        With an adapter slot, once with each experts' rank bound a step can run with (their tile is a variant too)."""
+        With an adapter slot, once with each experts' rank bound a step can run with (their tile is a variant too).
+        Then one decode step, for the decode attention kernels (of decode and mixed steps): the graph captures run
+        them too, but not with the graphs off, nor past their sizes."""
         bounds = RankBounds(self.lora.expert_loras, self.lora.max_rank)
         for tokens in warm_up_sizes(max_tokens):
             for key in bounds.keys:
@@ -196,6 +198,8 @@ class ModelRunner:
                                            [slot] * tokens, 0)
                 self.logits(batch)
         bounds.set(0)
+        if max_tokens >= 1 and self.context_len >= 2:  # a row whose one cached token the prompt steps wrote
+            self.logits(ForwardBatch.build(self.kv, [0], [[0]], [1], [0], [0], [-1], 1))
 
     def logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits of the rows batch.logits_indices; what CUDA graphs capture too."""

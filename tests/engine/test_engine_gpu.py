@@ -130,13 +130,15 @@ def test_a_step_launched_ahead_does_not_wait_for_the_device(make_engine):
         engine.step()
 
 
-def test_a_started_engine_compiles_nothing_while_serving(make_engine, adapters, wide_adapter, monkeypatch):
+@pytest.mark.parametrize("graphs", [True, False])
+def test_a_started_engine_compiles_nothing_while_serving(make_engine, adapters, wide_adapter, monkeypatch, graphs):
     """The start's warm-up steps and graph captures compile every kernel variant a step can pick (the tiles follow
     the token counts in classes, the counts themselves are not specialised: kernels/__init__.py), so no request
     stalls the running ones for a compile: prompts of many lengths, the base model and adapters of each rank bound
     mixed, decode batches inside and past the graphs' sizes, and prompt pieces beside decode rows (mixed steps, after
-    any number of decode rows)."""
-    engine = make_engine(FAMILY, device="cuda", dtype="bfloat16", cuda_graph_max_bs=8, max_total_tokens=4096,
+    any number of decode rows); with the graphs off too (every step eager)."""
+    engine = make_engine(FAMILY, device="cuda", dtype="bfloat16", cuda_graph_max_bs=8, disable_cuda_graph=not graphs,
+                         max_total_tokens=4096,
                          max_lora_rank=32, max_loras_per_batch=3, chunked_prefill_size=256, enable_mixed_chunk=True,
                          lora_paths={**{n: str(a.path) for n, a in adapters(FAMILY).items()}, "wide": wide_adapter})
     compiled = record_compiles(monkeypatch)
