@@ -102,13 +102,14 @@ def compile_sm90(kernel, constexprs: dict, dtype: str, num_warps: int, num_stage
     return compiled
 
 
-def waits_as_one(ptx: str) -> bool:
+def waits_as_one(ttir: str) -> bool:
     """Each spin-wait of gemm_tiles.wait_arrivals (a volatile poll, then the acquire add that counts the program in)
     has a barrier between its poll and its add: each warp polls on its own, and a program that counts itself in
-    while one of its warps still polls lets the last reader put the counter back to 0 under that warp."""
-    for poll in re.finditer(r"ld\.volatile\.global", ptx):
-        add = ptx.find("atom.global.gpu.acquire.add", poll.end())
-        if add < 0 or "bar.sync" not in ptx[poll.end():add]:
+    while one of its warps still polls lets the last reader put the counter back to 0 under that warp. Read in the
+    TTIR, before the backend's passes: Triton 3.9 puts a barrier before a scalar atomic there itself, 3.6 does not."""
+    for poll in re.finditer(r"isVolatile = true", ttir):
+        add = re.compile(r"tt\.atomic_rmw add, acquire").search(ttir, poll.end())
+        if add is None or not re.search(r"\b(?:gpu|ttg)\.barrier\b", ttir[poll.end():add.start()]):
             return False
     return True
 
@@ -141,7 +142,7 @@ def compile_moe_gemms(cfg, has_lora: bool, dtype: str, rank_tiles: int | None = 
                             pair_blocks=cfg.pair_blocks, slot_stages=cfg.slot_stages, rank_tiles=rank_tiles,
                             shared=compiled.metadata.shared, ttgir=compiled.asm["ttgir"],
                             arrive="atom.global.gpu.acq_rel.add" in ptx, acquire="global.gpu.acquire" in ptx,
-                            cg_loads="ld.global.cg" in ptx, waits_as_one=waits_as_one(ptx),
+                            cg_loads="ld.global.cg" in ptx, waits_as_one=waits_as_one(compiled.asm["ttir"]),
                             launches_next_first=ptx.find("griddepcontrol.launch_dependents") < mmas[0]))
     return results
 
@@ -474,7 +475,7 @@ def compile_linear() -> list[dict]:
                             shrink=shrink, splits=splits, parallel=parallel, shared=compiled.metadata.shared,
                             ttgir=compiled.asm["ttgir"], arrive="atom.global.gpu.acq_rel.add" in ptx,
                             acquire="global.gpu.acquire" in ptx, cg_loads="ld.global.cg" in ptx,
-                            waits_as_one=waits_as_one(ptx)))
+                            waits_as_one=waits_as_one(compiled.asm["ttir"])))
     return results
 
 

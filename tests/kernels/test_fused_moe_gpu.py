@@ -159,6 +159,7 @@ def test_pair_blocks_shrink_in_gate_up_has_no_race(shape, tokens, poison):
     for i in range(10):
         x.copy_(torch.randn(x.shape, generator=gen, device="cuda").to(x.dtype))
         graph.replay()
+        assert_gpu_finishes(60, f"{shape} T={tokens}: replay {i}")
         assert torch.equal(y, fused_moe(x, w13, w2, topk, lora, slots, config=aligned_cfg)), f"replay {i}"
     torch.cuda.synchronize()
     assert not ready.any(), "ready counters not back at 0 after the replays"
