@@ -22,11 +22,12 @@ A request the engine fails gets an EngineError in its queue; a step that raises 
 own isolation fails the requests in flight and the thread goes on, unless the engine's books no
 longer balance or its device failed: then `healthy` turns False (and /health says 503).
 
-The watchdog (SGLang's --watchdog-timeout): when the engine thread has been busy in one step (or one command) for
-longer than watchdog_timeout, the device is taken to hang (a kernel that never ends: nothing in the process can stop
-it, and the thread waits on it for good). It logs the engine thread's stack, turns `healthy` False, ends every
-stream with an error, and after WATCHDOG_EXIT_DELAY seconds (for those errors to reach their clients) kills the
-other ranks and exits the process with status 1, so that whatever runs the server can start it again.
+The watchdog (SGLang's --watchdog-timeout): when the engine thread has been in one step for longer than
+watchdog_timeout, the device is taken to hang (a kernel that never ends: nothing in the process can stop it, and
+the thread waits on it for good). It logs the engine thread's stack, turns `healthy` False, ends every stream with
+an error, and after WATCHDOG_EXIT_DELAY seconds (for those errors to reach their clients) kills the other ranks and
+exits the process with status 1, so that whatever runs the server can start it again. Commands are not timed (a
+long profile's export may legitimately take minutes).
 
 When the server shuts down, `drain` refuses new requests, gives those in flight a while to finish, and fails the
 rest ("the server is shutting down"), so that their responses end and the server can stop.
@@ -135,8 +136,8 @@ class _Stream:
 class EngineLoop:
     def __init__(self, engine: Engine, metrics: Metrics, max_queued_requests: int | None = None,
                  stats_interval: float = 10.0, watchdog_timeout: float = 300.0):
-        """watchdog_timeout: seconds the engine thread may spend in one step or command before the watchdog ends the
-        process (the module's docstring); 0: no watchdog."""
+        """watchdog_timeout: seconds the engine thread may spend in one step before the watchdog ends the process
+        (the module's docstring); 0: no watchdog."""
         self.engine, self.metrics, self.max_queued_requests = engine, metrics, max_queued_requests
         self.watchdog_timeout = watchdog_timeout
         self.stats = StatsLog(stats_interval)
@@ -165,7 +166,7 @@ class EngineLoop:
         self._stopping = False
         self.failure: str | None = None  # why the engine cannot serve any more
         self._thread = threading.Thread(target=self._run, name="moelora-engine", daemon=True)
-        self._busy_since: float | None = None  # engine thread: when its current steps and commands began (monotonic)
+        self._busy_since: float | None = None  # engine thread: when the step it runs began (monotonic)
         self._watchdog = threading.Thread(target=self._watch, name="moelora-watchdog", daemon=True)
         self._watchdog_stop = threading.Event()
 
@@ -184,8 +185,8 @@ class EngineLoop:
         with self._cv:
             self._stopping = True
             self._cv.notify()
-        self._watchdog_stop.set()
         self._thread.join()
+        self._watchdog_stop.set()  # after the join: an engine thread that hangs still ends the process
         self._text.shutdown()  # after the engine thread's last deliveries
         self._tokenize.shutdown()
         self._grammars.shutdown(wait=False, cancel_futures=True)
@@ -315,7 +316,6 @@ class EngineLoop:
                 if self._stopping:
                     break
                 commands, self._commands = self._commands, []
-            self._busy_since = time.monotonic()
             start = time.perf_counter()
             for fn, future in commands:
                 if future.set_running_or_notify_cancel():
@@ -326,9 +326,10 @@ class EngineLoop:
             stepped = time.perf_counter()
             times.commands_seconds += stepped - start
             if self.engine.has_unfinished():
+                self._busy_since = time.monotonic()
                 self._step()
+                self._busy_since = None
                 times.steps_seconds += time.perf_counter() - stepped
-            self._busy_since = None
             self.num_waiting = self.engine.num_waiting
             self.metrics.set_queues(len(self._rids) - self.num_waiting, self.num_waiting)
             self.stats.tick(self.engine, self.engine.num_running, self.num_waiting)

@@ -229,7 +229,8 @@ def test_a_stream_that_falls_behind_gets_what_it_missed_in_one_chunk(server):
 def test_the_watchdog_ends_a_server_whose_step_never_returns(demo_dir, monkeypatch, caplog):
     """A step that does not return (a kernel that never ends): past watchdog_timeout the stream in flight ends with
     the watchdog's error event and [DONE], /health says 503, the engine thread's stack is logged and the process
-    exits (recorded here, once). Steps under the timeout leave the server serving."""
+    exits (recorded here, once). Steps under the timeout, and idle time or a command past it, leave the server
+    serving."""
     exits: list[float] = []
     monkeypatch.setattr(engine_loop, "_exit_process", lambda: exits.append(time.monotonic()))
     monkeypatch.setattr(engine_loop, "WATCHDOG_EXIT_DELAY", 0.1)
@@ -247,6 +248,7 @@ def test_the_watchdog_ends_a_server_whose_step_never_returns(demo_dir, monkeypat
         for _ in range(3):  # each request's steps take far less than the timeout
             assert post(server, "/v1/completions", {**body, "stream": False}).status_code == 200
         time.sleep(1.5)  # idle past the timeout: waiting for work is not a step
+        server.loop.call(lambda: time.sleep(1.5)).result(timeout=30)  # nor is a command (a profile's export)
         assert not exits and httpx.get(f"{server.url}/health").status_code == 200
         lines: list[str] = []
 
