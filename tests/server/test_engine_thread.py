@@ -6,8 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -273,3 +277,34 @@ def test_the_watchdog_ends_a_server_whose_step_never_returns(demo_dir, monkeypat
         finally:
             release.set()
     assert len(exits) == 1
+
+
+def test_the_watchdogs_exit_kills_the_other_ranks_and_ends_with_status_1(tmp_path):
+    """_exit_process, the watchdog's end, in a process with a spawned child (a rank of tp_size > 1): the child is
+    killed, the process ends with status 1 at once, nothing after the call runs."""
+    script = tmp_path / "exits.py"
+    script.write_text(
+        "import multiprocessing, time\n"
+        "from moelora.server import engine_loop\n"
+        "def rank(started):\n"
+        "    started.set()\n"
+        "    time.sleep(120)\n"
+        "if __name__ == '__main__':\n"
+        "    ctx = multiprocessing.get_context('spawn')\n"
+        "    started = ctx.Event()\n"
+        "    child = ctx.Process(target=rank, args=(started,))\n"
+        "    child.start()\n"
+        "    assert started.wait(60)\n"
+        "    print(child.pid, flush=True)\n"
+        "    engine_loop._exit_process()\n"
+        "    print('after the exit', flush=True)\n")
+    root = str(Path(__file__).resolve().parents[2])  # this tree's moelora, whatever else is installed
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    pid, *rest = done.stdout.split()
+    assert rest == []
+    deadline = time.monotonic() + 10
+    while (status := Path(f"/proc/{pid}/status")).exists() and "State:\tZ" not in status.read_text():
+        assert time.monotonic() < deadline, f"the child {pid} still runs"
+        time.sleep(0.05)
