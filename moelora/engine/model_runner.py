@@ -30,6 +30,7 @@ from moelora.engine.sampler import PenaltyState, SampleOutput, SamplingBatch, To
 from moelora.engine.scheduler import ScheduledBatch
 from moelora.engine.workers import Workers, join_world, node_config, node_ranks, share_node_cores
 from moelora.layers.moe.all_to_all import FIXED_MAX_TOKENS
+from moelora.layers.moe.layer import MoE
 from moelora.models.config import ModelConfig
 from moelora.models.loader import load_model
 
@@ -188,18 +189,32 @@ class ModelRunner:
         brings a new class otherwise stalls every running request for the seconds of a compile. The steps
         write only slot 0, which no request ever holds, and record it in request row 0, as padded graph rows do.
         With an adapter slot, once with each experts' rank bound a step can run with (their tile is a variant too).
+        Under the all-to-all dispatch a rank's experts run the rows routed to it, any number up to the step's tokens,
+        and the steps' prompts (one token repeated) all route alike: each size also runs on the experts alone.
         Then one decode step, for the decode attention kernels (of decode and mixed steps): the graph captures run
         them too, but not with the graphs off, nor past their sizes."""
         bounds = RankBounds(self.lora.expert_loras, self.lora.max_rank)
+        routed = self._routed_moe_shapes()
         for tokens in warm_up_sizes(max_tokens):
             for key in bounds.keys:
                 slot = 0 if bounds.set(key) else -1
                 batch = ForwardBatch.build(self.kv, [0], [[0] * tokens], [0], [0] * tokens, [tokens - 1],
                                            [slot] * tokens, 0)
                 self.logits(batch)
+                for moe in routed:
+                    moe.run_experts_alone(tokens, slot)
         bounds.set(0)
         if max_tokens >= 1 and self.context_len >= 2:  # a row whose one cached token the prompt steps wrote
             self.logits(ForwardBatch.build(self.kv, [0], [[0]], [1], [0], [0], [-1], 1))
+
+    def _routed_moe_shapes(self) -> list[MoE]:
+        """One MoE layer of each shape among those whose experts run the rows the routing sends this rank
+        (MoE.rows_follow_routing): the kernels' variants are the same in every layer of a shape."""
+        layers = {}
+        for moe in self.model.modules():
+            if isinstance(moe, MoE) and moe.rows_follow_routing:
+                layers.setdefault((moe.experts.w13.shape, moe.experts.w2.shape, moe.experts.lora is None), moe)
+        return list(layers.values())
 
     def logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits of the rows batch.logits_indices; what CUDA graphs capture too."""

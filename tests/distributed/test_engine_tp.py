@@ -29,7 +29,10 @@ from moelora.engine.engine import Engine, EngineDead, RequestFailed
 from moelora.engine.lora_slots import slotted_modules
 from moelora.engine.profiler import read_summary, summary_path
 from moelora.engine.sampling_params import SamplingParams
+from moelora.engine.model_runner import warm_up_sizes
 from moelora.engine.workers import WorkerFailure, Workers, node_config, node_ranks, serves_engine
+from moelora.layers.moe.all_to_all import FIXED_MAX_TOKENS
+from moelora.layers.moe.runner import Runner
 from moelora.lora import load_adapter
 from moelora.models.config import ModelConfig
 from tests.distributed.load_unload import PROMPTS, drive_load_and_unload
@@ -405,6 +408,40 @@ def test_the_other_ranks_serve_with_their_start_frozen(start_engine, adapters, m
     many = start_engine("qwen3_moe", tp_size=2, dist_timeout=20)
     many.load_lora("late", str(adapters("qwen3_moe")["partial"].path))
     assert many.generate(PROMPTS[:1], GREEDY, lora="late")[0].token_ids
+
+
+def _warm_up_recording(record: Callable[[str], None]) -> None:
+    """The start's warm-up on, here on the CPU too, and each run of the experts (Runner) recorded as its rows and
+    whether it has adapter slots."""
+    forward = Runner.forward
+    EngineConfig.warm_up_at_start = property(lambda self: True)
+    Runner.forward = lambda self, x, topk, lora: record(f"{x.shape[0]} {lora is not None}") or forward(self, x, topk, lora)
+
+
+def _serve_recording_experts(path: str, rank, config, init_method) -> None:
+    def record(line: str) -> None:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+    _warm_up_recording(record)
+    model_runner.serve_rank(rank, config, init_method)
+
+
+def test_each_rank_warms_its_experts_up_at_every_size_whatever_the_routing(start_engine, tmp_path, monkeypatch):
+    """Under the all-to-all dispatch a rank's experts run the rows routed to it (past FIXED_MAX_TOKENS any number up
+    to the step's tokens), and the warm-up's prompts route every token alike: each rank's experts still run every
+    warm-up size, without and with an adapter slot, so that no kernel variant of theirs compiles while serving."""
+    seen = []
+    monkeypatch.setattr(Runner, "forward", Runner.forward)  # _warm_up_recording's changes, undone after the test
+    monkeypatch.setattr(EngineConfig, "warm_up_at_start", EngineConfig.warm_up_at_start)
+    _warm_up_recording(seen.append)
+    record = tmp_path / "rank1"
+    monkeypatch.setattr(engine_module, "serve_rank", functools.partial(_serve_recording_experts, str(record)))
+    most = FIXED_MAX_TOKENS + 4
+    start_engine("qwen3_moe", tp_size=2, ep_size=2, moe_dispatch="all_to_all", max_prefill_tokens=most)
+    want = {f"{n} {lora}" for n in warm_up_sizes(most) for lora in (False, True)}
+    assert most in warm_up_sizes(most) and 1 in warm_up_sizes(most)
+    assert want <= set(seen), sorted(want - set(seen))
+    assert want <= set(record.read_text().splitlines()), sorted(want - set(record.read_text().splitlines()))
 
 
 def _serve_with(method: str, replacement: Callable[..., None], rank, config, init_method) -> None:

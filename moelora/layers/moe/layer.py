@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moelora.core import LoRABatch, TopKConfig
+from moelora.core import LoRABatch, TopKConfig, TopKOutput
 from moelora.distributed.sharding import even_shard, size_of
 from moelora.distributed.state import get_parallel
 from moelora.layers.mlp import MLP
@@ -51,3 +51,23 @@ class MoE(nn.Module):
         if self.gathers:
             return self.dispatcher.gather(y, dispatched)
         return self.combine(x, self.dispatcher.combine(y, dispatched), lora)
+
+    @property
+    def rows_follow_routing(self) -> bool:
+        """Whether the rows this rank's experts run follow the routing (the all-to-all dispatch's: any number up to
+        the step's tokens) rather than the step's token count (the all-reduce Dispatcher's: every token)."""
+        return isinstance(self.dispatcher, AllToAllDispatcher)
+
+    def run_experts_alone(self, num_rows: int, slot: int) -> torch.Tensor:
+        """This rank's experts (Runner) on num_rows rows of zeros, row t routed to k of them from t on (fewer where
+        the rank holds fewer than k), with adapter slot `slot` (-1: none), and no collective: the start's warm-up
+        compiles here each kernel variant that a number of received rows can pick, wherever its prompts route."""
+        w13, k = self.experts.w13, self.gate.config.top_k
+        num_local = self.experts.num_experts
+        picks = torch.arange(k, device=w13.device)
+        rows = torch.arange(num_rows, device=w13.device)[:, None]
+        ids = torch.where(picks < num_local, (rows + picks) % num_local, -1).to(torch.int32)
+        weights = torch.full((num_rows, k), 1 / k, dtype=torch.float32, device=w13.device)
+        lora = LoRABatch(torch.full((num_rows,), slot, dtype=torch.int32, device=w13.device)) if slot >= 0 else None
+        x = torch.zeros(num_rows, w13.shape[2], dtype=w13.dtype, device=w13.device)
+        return self.experts(x, TopKOutput(weights, ids), lora)

@@ -108,6 +108,27 @@ def test_moe_block_is_its_stages():
                                                        "experts.w13", "experts.w2"}
 
 
+@pytest.mark.parametrize("num_local", [EXPERTS, 2])
+def test_experts_alone_run_each_row_on_k_of_them(num_local, monkeypatch):
+    """MoE.run_experts_alone (the warm-up's run of a rank's experts): every row goes to min(k, the rank's experts)
+    distinct experts of the rank, the rest -1, weights summing to one, with the slot asked for (-1: no LoRABatch)."""
+    moe = MoE(HIDDEN, INTER, EXPERTS, TopKConfig(top_k=TOP_K), 0, backend="torch")
+    moe.experts = Runner(HIDDEN, INTER, EXPERTS, 0, backend="torch", experts=slice(0, num_local))
+    seen = []
+    monkeypatch.setattr(Runner, "forward", lambda self, x, topk, lora: seen.append((x, topk, lora)) or x)
+    for slot in (-1, 3):
+        moe.run_experts_alone(TOKENS, slot)
+        x, (weights, ids), lora = seen.pop()
+        assert x.shape == (TOKENS, HIDDEN) and not x.any() and ids.shape == (TOKENS, TOP_K)
+        for row in ids.tolist():
+            local = [e for e in row if e >= 0]
+            assert len(set(local)) == len(local) == min(TOP_K, num_local) and max(local) < num_local
+            assert row.count(-1) == TOP_K - len(local)
+        assert set(ids[:, 0].tolist()) == set(range(num_local))  # every expert runs rows
+        assert torch.allclose(weights.sum(1), torch.ones(TOKENS))
+        assert (lora is None) if slot < 0 else lora.token_slots.tolist() == [slot] * TOKENS
+
+
 def test_stage_arguments_are_checked():
     with pytest.raises(ValueError, match="MoE backend must be one of"):
         Runner(HIDDEN, INTER, EXPERTS, 0, backend="cuda")
