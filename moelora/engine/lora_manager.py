@@ -100,6 +100,7 @@ class LoRAManager:
         self._paths: dict[str, Path] = {}
         self._host: OrderedDict[str, RankShare] = OrderedDict()  # this rank's share of each; least recently used first
         self._expert_rank: dict[str, int] = {}  # largest routed-expert rank of each adapter
+        self._version: dict[str, tuple] = {}  # each adapter's files (RankShare.version) when it was registered
         self._in_flight: Counter[str] = Counter()
         self._unloading: set[str] = set()
         self.pool = LoRASlotPool(config.max_loras_per_batch)
@@ -273,7 +274,7 @@ class LoRAManager:
 
     def _register(self, name: str, path: Path, share: RankShare) -> None:
         self._paths[name] = path
-        self._expert_rank[name] = share.expert_rank
+        self._expert_rank[name], self._version[name] = share.expert_rank, share.version
         self._cache(name, share)
 
     def _cache(self, name: str, share: RankShare) -> None:
@@ -287,12 +288,17 @@ class LoRAManager:
             return self._host[name]
         share = self.read(self._paths[name])
         self.stats.disk_loads += 1
+        # the registered adapter or nothing: the one rewritten in place may be another (its rank past the rank
+        # tile `prepare` bounds the step with), and the other ranks may read either
+        if (share.version, share.expert_rank) != (self._version[name], self._expert_rank[name]):
+            raise AdapterError(f"adapter {name!r}: its files in {self._paths[name]} changed since it was loaded; "
+                               "unload it and load it again to serve them")
         self._cache(name, share)
         return share
 
     def _drop(self, name: str) -> None:
         self._record("drop", name)
-        del self._paths[name], self._expert_rank[name]
+        del self._paths[name], self._expert_rank[name], self._version[name]
         self._unloading.discard(name)
         self._host.pop(name, None)
         self.pool.release(name)

@@ -127,6 +127,7 @@ class RankShare:
     max_rank: int     # the whole adapter's
     expert_rank: int  # the whole adapter's largest routed-expert rank (0: none)
     modules: dict[str, tuple[int, ...]]  # the whole adapter's target modules, with the layers it adapts them in
+    version: tuple[tuple[str, int, int], ...] = ()  # Adapter.version: its files' when they were read
 
     def num_bytes(self) -> int:
         """Bytes of the A and B pieces held here."""
@@ -158,7 +159,8 @@ def share_of(model: nn.Module, adapter: Adapter) -> RankShare:
                 layers[m.layer_id].modules[name] = LinearLoRA(_owned(lora.a[:, m.in_shard], lora.a),
                                                               _owned(lora.b[rows], lora.b), lora.scaling, lora.keys)
     expert_rank = max((e.rank for layer in adapter.layers.values() for e in layer.experts.values()), default=0)
-    return RankShare(adapter.path, dict(layers), adapter.max_rank, expert_rank, adapted_layers(adapter))
+    return RankShare(adapter.path, dict(layers), adapter.max_rank, expert_rank, adapted_layers(adapter),
+                     adapter.version)
 
 
 def _owned(piece: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
@@ -250,7 +252,16 @@ def _fit_problems(m: Linear | Runner, name: str, lora: LinearLoRA | ExpertsLoRA,
     else:
         expected = ((lora.rank, m.full_in_features), (m.full_out_sizes[m.part_names.index(name)], lora.rank))
     got = (tuple(lora.a.shape), tuple(lora.b.shape))
-    return [] if got == expected else [f"{where}: A, B shapes {got}, expected {expected}"]
+    if got != expected:
+        return [f"{where}: A, B shapes {got}, expected {expected}"]
+    # the slots hold A and B (scaled) in the model's dtype
+    dtype = (m.w13 if isinstance(m, Runner) else m.weight).dtype
+    peak = max((max(-lo.item(), hi.item()) for lo, hi in (torch.aminmax(t) for t in (lora.a, lora.b) if t.numel())),
+               default=0.0)
+    if dtype.is_floating_point and peak > torch.finfo(dtype).max:
+        return [f"{where}: A or B (times the scaling) reaches {peak:.3g}, past the model's {dtype} largest value "
+                f"{torch.finfo(dtype).max:.3g}"]
+    return []
 
 
 def _write_linear(m: Linear, layer: LayerLoRA, slot: int) -> None:

@@ -31,6 +31,7 @@ class AdapterFile:
     pairs: list[LoRAPair]
     problems: list[str]
     added_tokens: dict[str, int]  # added_tokens.json: token -> id, checked against the model's vocabulary
+    version: tuple[tuple[str, int, int], ...] = ()  # files_version(path) before the read
 
     @property
     def formats(self) -> tuple[str, ...]:
@@ -42,6 +43,7 @@ def read_adapter(path: str | Path) -> AdapterFile:
     problems, a name too long, a missing or unreadable file, included)."""
     path = _checked_path(path)
     try:
+        version = files_version(path)
         config = AdapterConfig.read(path)
         tensors, file_name = read_tensors(path)
         problems = []
@@ -49,7 +51,17 @@ def read_adapter(path: str | Path) -> AdapterFile:
     except OSError as e:
         raise AdapterError(f"{path}: cannot be read: {e.strerror or e}") from None
     pairs = pair_tensors(tensors, problems)
-    return AdapterFile(path, file_name, config, pairs, problems, added_tokens)
+    return AdapterFile(path, file_name, config, pairs, problems, added_tokens, version)
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "added_tokens.json")
+
+
+def files_version(path: Path) -> tuple[tuple[str, int, int], ...]:
+    """(name, size, modification time in ns) of each file of the directory that read_adapter reads: what tells an
+    adapter rewritten in place from the one read before."""
+    stats = ((name, (path / name).stat()) for name in ADAPTER_FILES if (path / name).is_file())
+    return tuple((name, st.st_size, st.st_mtime_ns) for name, st in stats)
 
 
 def _checked_path(path: str | Path) -> Path:
@@ -95,7 +107,7 @@ def canonicalize(file: AdapterFile, shapes: ModelShapes, max_lora_rank: int | No
                 path = file.config.pattern_path(pair.peft_path)
                 scaling = _scaling(pair.a_key, pair.a.shape[0], path, file.config, max_lora_rank)
                 for name, a, b in parts:
-                    _add_module(layers[pair.layer], name, LinearLoRA(a, _scaled(b, scaling), scaling, (pair.a_key, pair.b_key)))
+                    _add_module(layers[pair.layer], name, LinearLoRA(a, _scaled(b, scaling, pair.b_key), scaling, (pair.a_key, pair.b_key)))
                 continue
             for piece in expert_pieces(pair, wrapper_names[pair.layer], shapes, file.config):
                 piece.scaling = _scaling(pair.a_key, piece.rank, piece.peft_path, file.config, max_lora_rank)
@@ -110,7 +122,7 @@ def canonicalize(file: AdapterFile, shapes: ModelShapes, max_lora_rank: int | No
             problems.append(str(e))
     if problems:
         raise AdapterError(f"adapter {file.path}: {len(problems)} problem(s):\n  - " + "\n  - ".join(problems), problems)
-    return Adapter(file.path, file.config, file.formats, dict(sorted(layers.items())))
+    return Adapter(file.path, file.config, file.formats, dict(sorted(layers.items())), file.version)
 
 
 def _read_added_tokens(path: Path, problems: list[str]) -> dict[str, int]:
@@ -158,9 +170,14 @@ def _scaling(key: str, rank: int, peft_path: str, config: AdapterConfig, max_lor
     return config.scaling(r, alpha)
 
 
-def _scaled(b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """B * scaling in float32, rounded once to B's dtype."""
-    return (b.float() * scaling).to(b.dtype).contiguous()
+def _scaled(b: torch.Tensor, scaling: float, key: str) -> torch.Tensor:
+    """B * scaling in float32, rounded once to B's dtype (B of the file's tensor `key`), which must hold it."""
+    scaled = (b.float() * scaling).to(b.dtype).contiguous()
+    if not torch.isfinite(scaled).all():
+        raise AdapterError(f"{key}: times its scaling {scaling:g} (lora_alpha / r) it reaches "
+                           f"{b.float().abs().max().item() * scaling:.3g}, past {b.dtype}'s largest value "
+                           f"{torch.finfo(b.dtype).max:.3g}; save the adapter in float32")
+    return scaled
 
 
 def _module_parts(pair: LoRAPair, shapes: ModelShapes) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
@@ -204,7 +221,7 @@ def _assemble(found: list[ExpertPiece], projection: str, shapes: ModelShapes) ->
             raise AdapterError(f"{p.keys[0]}: expert {twice[0]} {projection} is already given by {owner[twice[0]]}")
         owner.update((e, p.keys[0]) for e in p.experts)
         a[p.experts, : p.rank] = p.a.to(dtype)
-        b[p.experts, :, : p.rank] = _scaled(p.b.to(dtype), p.scaling)
+        b[p.experts, :, : p.rank] = _scaled(p.b.to(dtype), p.scaling, p.keys[-1])
         ranks[p.experts], scaling[p.experts] = p.rank, p.scaling
     keys = tuple(dict.fromkeys(k for p in found for k in p.keys))
     return ExpertsLoRA(a, b, ranks, scaling, keys)

@@ -65,6 +65,7 @@ class Adapter:
     config: AdapterConfig
     formats: tuple[str, ...]     # expert formats found in the file, see formats.Kind
     layers: dict[int, LayerLoRA]
+    version: tuple[tuple[str, int, int], ...] = ()  # its files' (adapter.files_version) when they were read
 
     @property
     def max_rank(self) -> int:

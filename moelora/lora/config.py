@@ -41,6 +41,8 @@ class AdapterConfig:
             raw = json.loads(path.read_bytes())  # bytes: UTF-8, -16 or -32, with or without a BOM
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise AdapterError(f"{path}: not valid JSON in UTF-8, UTF-16 or UTF-32 ({e})") from None
+        except RecursionError:
+            raise AdapterError(f"{path}: JSON nested too deep to read") from None
         return cls.from_dict(raw, where=str(path))
 
     @classmethod
@@ -50,6 +52,9 @@ class AdapterConfig:
         for name, kinds, expected in _FIELD_TYPES:
             if raw.get(name) is not None and (not isinstance(raw[name], kinds) or isinstance(raw[name], bool)):
                 raise AdapterError(f"{where}: {name!r} must be {expected}, got {raw[name]!r}")
+        for name in ("target_modules", "target_parameters"):
+            if isinstance(raw.get(name), list) and not all(isinstance(v, str) for v in raw[name]):
+                raise AdapterError(f"{where}: {name!r} must be a list of strings, got {raw[name]!r}")
         refusals = unsupported_features(raw)
         if refusals:
             raise AdapterError(f"{where}: not served: " + "; ".join(refusals))
@@ -62,6 +67,11 @@ class AdapterConfig:
             bad = next(((k, v) for k, v in (raw.get(pattern) or {}).items() if not rule(v)), None)
             if bad is not None:
                 raise AdapterError(f"{where}: {pattern}[{bad[0]!r}] must be {expected}, got {bad[1]!r}")
+            for key in raw.get(pattern) or {}:
+                try:
+                    re.compile(key)
+                except re.error as e:
+                    raise AdapterError(f"{where}: {pattern} key {key!r} is not a regular expression ({e})") from None
         layout = raw.get("lora_B_layout") or raw.get("lora_b_layout")
         if layout not in (None, "grouped_by_expert"):
             raise AdapterError(f"{where}: unknown lora_B_layout {layout!r} (expected 'grouped_by_expert')")
@@ -104,13 +114,15 @@ class AdapterConfig:
         if not self.peft_version:
             return None
         numbers = re.findall(r"\d+", self.peft_version)[:3]
+        if not numbers:  # 'main', 'dev': a build whose release the file does not say
+            return None
         return tuple(int(n) for n in numbers) >= PEFT_PARAM_ORIENTATION_FIXED
 
 
 # fields read below whose type the file may get wrong (JSON allows anything)
 _FIELD_TYPES = [("lora_alpha", (int, float), "a number"), ("rank_pattern", dict, "an object"),
                 ("alpha_pattern", dict, "an object"), ("target_modules", (str, list), "a string or a list"),
-                ("target_parameters", list, "a list")]
+                ("target_parameters", list, "a list"), ("peft_version", str, "a string")]
 
 
 def _is_rank(v: object) -> bool:

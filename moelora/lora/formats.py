@@ -86,6 +86,10 @@ _REFUSED = (
 _TRAINING_ONLY = re.compile(r"\.(lora_velora_embed|lora_monteclora_sampler\.[^.]+)$")
 
 
+# what LoRA weights are trained and saved in; float8 and the like would need their scales, which PEFT does not save
+LORA_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def read_tensors(adapter_dir: Path) -> tuple[dict[str, torch.Tensor], str]:
     """All tensors of adapter_model.safetensors (or .bin) on CPU, and the file name."""
     st, pt = adapter_dir / "adapter_model.safetensors", adapter_dir / "adapter_model.bin"
@@ -99,8 +103,9 @@ def read_tensors(adapter_dir: Path) -> tuple[dict[str, torch.Tensor], str]:
             tensors = torch.load(pt, map_location="cpu", weights_only=True)
         except Exception as e:  # pickles with code in them are refused by weights_only
             raise AdapterError(f"{pt}: cannot be read with torch.load(weights_only=True): {e}") from None
-        if not isinstance(tensors, dict) or not all(isinstance(v, torch.Tensor) for v in tensors.values()):
-            raise AdapterError(f"{pt}: expected a dict of tensors")
+        if not isinstance(tensors, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                    for k, v in tensors.items()):
+            raise AdapterError(f"{pt}: expected a dict of tensors by name")
         return tensors, pt.name
     raise AdapterError(f"{adapter_dir}: no adapter_model.safetensors or adapter_model.bin")
 
@@ -120,8 +125,12 @@ def pair_tensors(tensors: dict[str, torch.Tensor], problems: list[str]) -> list[
             problems.append(f"{key}: {reason}")
             continue
         t = tensors[key]
-        if not t.is_floating_point():
-            problems.append(f"{key}: dtype {t.dtype}, expected a floating point tensor")
+        if t.layout != torch.strided:
+            problems.append(f"{key}: layout {t.layout}, expected a dense tensor")
+            refused_modules.add(match["module"])
+        elif t.dtype not in LORA_DTYPES:
+            problems.append(f"{key}: dtype {t.dtype}, expected a floating point tensor of "
+                            f"{', '.join(str(d).removeprefix('torch.') for d in LORA_DTYPES)}")
             refused_modules.add(match["module"])
         elif not torch.isfinite(t).all():
             problems.append(f"{key}: contains {int((~torch.isfinite(t)).sum())} NaN/Inf values")

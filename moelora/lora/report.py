@@ -32,7 +32,7 @@ def inspect_adapter(path: str | Path, model: str | Path | None = None, max_lora_
                           "rank_pattern": config.rank_pattern, "alpha_pattern": config.alpha_pattern,
                           "target_modules": config.target_modules, "target_parameters": list(config.target_parameters)},
                "problems": list(file.problems)}
-    report["modules"] = _group_rows(_file_rows(file))
+    report["modules"] = _group_rows(_file_rows(file, report["problems"]))
     report["experts_covered"] = _file_coverage(file)
     if model is None:
         return report
@@ -50,14 +50,20 @@ def inspect_adapter(path: str | Path, model: str | Path | None = None, max_lora_
     return report
 
 
-def _file_rows(file: AdapterFile):
-    """(name, rank, scaling, layer) per pair, rank as the tensors give it (PEFT's r for target_parameters)."""
+def _file_rows(file: AdapterFile, problems: list[str]):
+    """(name, rank, scaling, layer) per pair, rank as the tensors give it (PEFT's r for target_parameters); a pair
+    whose A gives no rank is a problem instead."""
     for p, name in _pair_names(file):
         if p.kind is Kind.PARAM_WRAPPER:  # E, and so r from A's rows, needs the model
             param = name.removeprefix("experts.")
             r, alpha = file.config.rank_and_alpha(f"{p.peft_path}.{PARAM_NAMES.get(param, param)}")
         else:
-            r = p.a.shape[1] if p.kind is Kind.STACKED else p.a.shape[0]
+            rank_dim = 1 if p.kind is Kind.STACKED else 0
+            if p.a.dim() != rank_dim + 2 or p.a.shape[rank_dim] < 1:
+                problems.append(f"{p.a_key}: shape {tuple(p.a.shape)} gives no rank (expected "
+                                f"{'[experts, r, in]' if rank_dim else '[r, in]'} with r >= 1)")
+                continue
+            r = p.a.shape[rank_dim]
             alpha = file.config.rank_and_alpha(file.config.pattern_path(p.peft_path))[1]
         yield name, r, file.config.scaling(r, alpha), p.layer
 

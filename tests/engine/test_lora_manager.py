@@ -4,12 +4,15 @@ import shutil
 import weakref
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 import moelora.engine.lora_manager as lora_manager
+from moelora.engine.engine import RequestFailed
 from moelora.engine.lora_manager import LoRASlotPool
 from moelora.engine.sampling_params import SamplingParams
 from moelora.lora import AdapterError, load_adapter
 from tests.models.families import family_config
+from tests.support import assert_released
 
 FAMILY = "qwen3_moe"
 PROMPTS = [[5, 17, 2, 93, 41], [11, 4, 77, 30, 1, 9]]
@@ -111,6 +114,46 @@ def test_load_and_unload_at_runtime(make_engine, adapters, reference, tmp_path):
         engine.load_lora("broken", str(broken))
     with pytest.raises(AdapterError, match="unknown adapter 'broken'"):
         engine.unload_lora("broken")
+
+
+def test_an_adapter_rewritten_in_place_is_refused_when_read_again(make_engine, adapters, wide_adapter, reference,
+                                                                   tmp_path):
+    """An adapter out of host memory is read again from its directory: if its files changed since it was loaded (here
+    a rank-20 adapter where a rank-8 one was, past the rank tile the step would be bounded with), its request fails
+    with an error that says so, and the others are served as before; unloaded and loaded again, the new one serves."""
+    path = tmp_path / "mine"
+    shutil.copytree(adapters(FAMILY)["full"].path, path)
+    engine = make_engine(FAMILY, max_lora_rank=32, max_cpu_loras=1, max_loras_per_batch=1)
+    engine.load_lora("mine", str(path))
+    assert engine.generate(PROMPTS[0], GREEDY, lora="mine")[0].token_ids == reference[0, "full"]
+    assert engine.generate(PROMPTS[1], GREEDY, lora="partial")[0].token_ids == reference[1, "partial"]
+    shutil.rmtree(path)
+    shutil.copytree(wide_adapter, path)
+    with pytest.raises(RequestFailed, match=r"adapter 'mine': its files in .*mine changed since it was loaded"):
+        engine.generate(PROMPTS, GREEDY, lora=["partial", "mine"])
+    assert_released(engine)
+    assert engine.generate(PROMPTS[1], GREEDY, lora="partial")[0].token_ids == reference[1, "partial"]
+    engine.unload_lora("mine")
+    engine.load_lora("mine", str(path))
+    wide = make_engine(FAMILY, max_lora_rank=32, lora_paths={"wide": wide_adapter})
+    assert engine.generate(PROMPTS[0], GREEDY, lora="mine")[0].token_ids == \
+        wide.generate(PROMPTS[0], GREEDY, lora="wide")[0].token_ids
+
+
+def test_an_adapter_past_the_models_dtype_is_refused(make_engine, adapters, tmp_path):
+    """A float32 adapter whose B (times its scaling) a float16 model's slots cannot hold is refused when loaded,
+    with the layer and module named, rather than served as Inf."""
+    path = tmp_path / "big"
+    shutil.copytree(adapters(FAMILY)["full"].path, path)
+    tensors = load_file(path / "adapter_model.safetensors")
+    key = next(k for k in tensors if "layers.1.self_attn.q_proj.lora_B" in k)
+    tensors[key][0, 0] = 1e6
+    save_file(tensors, path / "adapter_model.safetensors")
+    engine = make_engine(FAMILY, dtype="float16", lora_paths={})
+    with pytest.raises(AdapterError, match=r"layer 1 self_attn.q_proj: A or B \(times the scaling\) reaches .*, past "
+                                           r"the model's torch.float16 largest value 6.55e\+04"):
+        engine.load_lora("big", str(path))
+    assert engine.runner.lora.names == []
 
 
 def test_no_slots_without_a_rank(make_engine, adapters):

@@ -124,8 +124,31 @@ def test_nan_inf(tmp_path, bad):
     assert message.count("\n  - ") == 1
 
 
-def test_integer_tensor(tmp_path):
-    assert f"{Q_A}: dtype torch.int64, expected a floating point tensor" in refused(tmp_path, good() | {Q_A: torch.ones(R, HIDDEN, dtype=torch.long)})
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float8_e4m3fn])
+def test_tensor_of_a_dtype_lora_is_not_saved_in(tmp_path, dtype):
+    message = refused(tmp_path, good() | {Q_A: torch.ones(R, HIDDEN).to(dtype)})
+    assert f"{Q_A}: dtype {dtype}, expected a floating point tensor of float16, bfloat16, float32, float64" in message
+
+
+def test_bin_of_sparse_tensors_or_keys_that_are_not_names(tmp_path):
+    write_adapter(tmp_path, good())
+    (tmp_path / "adapter_model.safetensors").unlink()
+    torch.save(good() | {Q_A: torch.randn(R, HIDDEN).to_sparse()}, tmp_path / "adapter_model.bin")
+    with pytest.raises(AdapterError, match=f"{Q_A}: layout torch.sparse_coo, expected a dense tensor"):
+        load_adapter(tmp_path, tiny_config("qwen3_moe"))
+    torch.save(good() | {7: torch.randn(R, HIDDEN)}, tmp_path / "adapter_model.bin")
+    with pytest.raises(AdapterError, match="adapter_model.bin: expected a dict of tensors by name"):
+        load_adapter(tmp_path, tiny_config("qwen3_moe"))
+
+
+def test_scaling_that_overflows_the_files_dtype(tmp_path):
+    """The scaling is folded into B in B's dtype: where that overflows (float16 up to 65504) the adapter is refused
+    with the tensor named, not served with Inf weights."""
+    tensors = {k: v.half() for k, v in good().items()}
+    tensors[Q_B][0, 0] = 30.0
+    message = refused(tmp_path, tensors, r=R, lora_alpha=4000 * R)
+    assert f"{Q_B}: times its scaling 4000 (lora_alpha / r) it reaches 1.2e+05, past torch.float16's largest value" \
+        in message
 
 
 @pytest.mark.parametrize("key, reason", [
@@ -185,7 +208,9 @@ def test_initializations_that_leave_the_base_model_alone_load(tmp_path, init):
 
 
 @pytest.mark.parametrize("field, value", [("lora_alpha", "16"), ("lora_alpha", True), ("rank_pattern", [1]),
-                                          ("alpha_pattern", "x"), ("target_modules", 5), ("target_parameters", "x")])
+                                          ("alpha_pattern", "x"), ("target_modules", 5), ("target_parameters", "x"),
+                                          ("target_modules", [["q_proj"]]), ("target_parameters", [1]),
+                                          ("peft_version", 19.1)])
 def test_config_field_of_the_wrong_type(tmp_path, field, value):
     assert f"adapter_config.json: {field!r} must be" in refused(tmp_path, good(), **{field: value})
 
@@ -201,6 +226,8 @@ def test_config_field_of_the_wrong_type(tmp_path, field, value):
     ("lora_alpha", None, "'lora_alpha' must be a finite number, got None"),
     ("rank_pattern", {"q_proj": 0}, "rank_pattern['q_proj'] must be a positive integer, got 0"),
     ("alpha_pattern", {"q_proj": float("nan")}, "alpha_pattern['q_proj'] must be a finite number, got nan"),
+    ("rank_pattern", {"q_proj(": 8}, "rank_pattern key 'q_proj(' is not a regular expression (missing ), "),
+    ("alpha_pattern", {"*": 8}, "alpha_pattern key '*' is not a regular expression (nothing to repeat"),
 ])
 def test_config_values_the_adapter_cannot_have(tmp_path, field, value, expected):
     """json writes NaN and Infinity, and Python's json reads them: a NaN alpha would make every output NaN."""
@@ -240,6 +267,13 @@ def test_unreadable_paths(tmp_path):
     (tmp_path / "adapter_model.safetensors").unlink()
     (tmp_path / "adapter_model.safetensors").mkdir()  # a directory where the file should be
     with pytest.raises(AdapterError, match="no adapter_model.safetensors or adapter_model.bin"):
+        load_adapter(tmp_path, tiny_config("qwen3_moe"))
+
+
+def test_config_nested_too_deep(tmp_path):
+    write_adapter(tmp_path, good())
+    (tmp_path / "adapter_config.json").write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(AdapterError, match="adapter_config.json: JSON nested too deep to read"):
         load_adapter(tmp_path, tiny_config("qwen3_moe"))
 
 

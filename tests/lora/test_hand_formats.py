@@ -35,14 +35,15 @@ def test_target_parameters_grouped_by_expert(params, tmp_path):
                              config, tmp_path)
 
 
-@pytest.mark.parametrize("peft_version", ["0.21.2", "0.18.1", None])
+@pytest.mark.parametrize("peft_version", ["0.21.2", "0.18.1", None, "main"])
 def test_orientation_tie_broken_by_peft_version(peft_version, tmp_path):
-    """hidden == 2 * intermediate: both orientations fit the shapes, peft_version decides (or it is an error)."""
+    """hidden == 2 * intermediate: both orientations fit the shapes, peft_version decides (or it is an error: none,
+    or one with no release number)."""
     config = tiny_config("qwen3_moe", moe_intermediate_size=HIDDEN // 2)
     lora = target_parameters_lora(tiny_model(config), R, ALPHA, params=("gate_up_proj",),
                                   old_orientation=peft_version == "0.18.1",
                                   **({"peft_version": peft_version} if peft_version else {}))
-    if peft_version is None:
+    if peft_version in (None, "main"):
         key = f"{EXPERTS_KEY.format(1)}.lora_A.weight"
         with pytest.raises(AdapterError, match=rf"{key}: .* fit both the peft >= 0.19.1 and the older orientation"):
             load_adapter(lora.write(tmp_path), config)

@@ -61,3 +61,19 @@ def test_inspect_missing_adapter(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["inspect", str(tmp_path / "empty"), "--json"]) == 1
     assert "empty: no adapter_config.json" in json.loads(capsys.readouterr().out)["problems"][0]
+
+
+def test_inspect_a_pair_whose_a_gives_no_rank(tmp_path, capsys):
+    """A rank-0 A, or a stacked A of too few dimensions, is a problem of the report, with or without the model, not
+    a crash of the rows that describe the file."""
+    rank0 = {f"{LAYER1}.self_attn.q_proj.lora_A.weight": torch.randn(0, HIDDEN),
+             f"{LAYER1}.self_attn.q_proj.lora_B.weight": torch.randn(16, 0)}
+    flat = {f"{LAYER1}.mlp.experts.down_proj.lora_A.weight": torch.randn(5),
+            f"{LAYER1}.mlp.experts.down_proj.lora_B.weight": torch.randn(5)}
+    for name, tensors, shape in (("rank0", rank0, (0, HIDDEN)), ("flat", flat, (5,))):
+        adapter = str(write_adapter(tmp_path / name, tensors))
+        assert main(["inspect", adapter, "--json"]) == 1
+        problems = json.loads(capsys.readouterr().out)["problems"]
+        assert any(f"lora_A.weight: shape {shape} gives no rank" in p for p in problems), problems
+        assert main(["inspect", adapter, "--model", model_dir(tmp_path), "--json"]) == 1
+        assert json.loads(capsys.readouterr().out)["problems"]
