@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import signal
 import socket
 import sys
@@ -79,7 +80,8 @@ class _Choice:
             d = _prompt_only(d)
 
         def entry(t: int, lp: dict[int, float]) -> Entry:
-            return d.pieces[t], lp[t], sorted(((d.pieces[u], v) for u, v in lp.items()), key=lambda x: -x[1])
+            return d.pieces[t], _json_logprob(lp[t]), sorted(((d.pieces[u], _json_logprob(v)) for u, v in lp.items()),
+                                                              key=lambda x: -x[1])
         new = [entry(t, lp) if lp is not None else (d.pieces[t], None, None)
                for t, lp in zip(d.out.prompt_token_ids or (), d.out.prompt_logprobs or ())]
         new += [entry(t, lp) for t, lp in zip(d.out.token_ids, d.out.logprobs)]
@@ -95,6 +97,13 @@ class _Choice:
         """The text not yet sent in a stream chunk, marked sent."""
         text, self.streamed = self.text[self.streamed:], len(self.text)
         return text
+
+
+LOGPROB_FLOOR = -9999.0  # vLLM's: JSON has no -inf (nor NaN), which logits of a broken model or adapter give
+
+
+def _json_logprob(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) and logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 def _prompt_only(d: Delta) -> Delta:
@@ -162,6 +171,13 @@ class OpenAIServing:
         base = ModelCard(id=self.served_model_name, root=self.loop.engine.config.model_path, max_model_len=context)
         return ModelList(data=[base, *(ModelCard(id=name, root=path, parent=base.id, max_model_len=context)
                                        for name, path in sorted(self.loop.adapters.items()))])
+
+    async def model(self, model: str) -> ModelCard:
+        """The base model's or an adapter's card (GET /v1/models/{model}: the openai client's models.retrieve)."""
+        card = next((c for c in (await self.models()).data if c.id == model), None)
+        if card is None:
+            raise not_found(model)
+        return card
 
     async def load_lora_adapter(self, body: LoadLoRARequest) -> dict:
         if body.lora_name == self.served_model_name:
@@ -548,6 +564,7 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
                            code="invalid_api_key")
     guarded = [Depends(authorized)] if api_key else []
     app.get("/v1/models", dependencies=guarded)(serving.models)
+    app.get("/v1/models/{model:path}", dependencies=guarded)(serving.model)  # an adapter's name may hold a "/"
     app.post("/v1/completions", dependencies=guarded)(serving.completions)
     app.post("/v1/chat/completions", dependencies=guarded)(serving.chat_completions)
     for prefix in ("/v1", ""):
@@ -562,8 +579,8 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
         return error_response(e.status, e.info)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        return validation_error(e)
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        return validation_error(e, request.headers.get("content-type"))
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:

@@ -49,20 +49,30 @@ _VALIDATION_CODES = {"json_invalid": "invalid_json", "missing": "missing_require
                      "extra_forbidden": "unknown_parameter", "unsupported_field": "unsupported_parameter"}
 
 
+def _is_json(content_type: str | None) -> bool:
+    """Whether FastAPI reads a body of this Content-Type as JSON (application/json, application/*+json)."""
+    media = (content_type or "").split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
 def _whole_body(err: dict) -> str:
     """How a validation error of the whole body (loc ("body",)) is prefixed: not at all when its
     message names its field (a check that gives the field in its ctx), else "body"."""
     return "" if "param" in err.get("ctx", {}) else "body"
 
 
-def validation_error(e: RequestValidationError) -> JSONResponse:
-    """A 400 naming the field of the first error (unknown fields and refused ones included)."""
+def validation_error(e: RequestValidationError, content_type: str | None = None) -> JSONResponse:
+    """A 400 naming the field of the first error (unknown fields and refused ones included); content_type: the
+    request's header (a body FastAPI did not read as JSON, for want of it, is not an object)."""
     errors = e.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     loc = first["loc"]  # ("body", field, ...); ("body", position) for malformed JSON
     param = str(loc[1]) if len(loc) > 1 and loc[0] == "body" and first.get("type") != "json_invalid" else None
     param = first.get("ctx", {}).get("param", param)  # a check of the whole body that names its field
-    if first.get("type") == "extra_forbidden":
+    if tuple(loc) == ("body",) and not _is_json(content_type):
+        message = (f"the request body must be JSON sent with the header Content-Type: application/json (it came with "
+                   f"{f'Content-Type: {content_type}' if content_type else 'no Content-Type'})")
+    elif first.get("type") == "extra_forbidden":
         where = ".".join(str(x) for x in loc[1:])
         message = f"unknown field `{where}`: not an OpenAI or vLLM request field that moelora serves"
     elif first.get("type") == "json_invalid":

@@ -110,10 +110,14 @@ def _where(path: tuple) -> str:
     return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
 
 
+_SCALARS = frozenset((int, float, bool, type(None)))  # what JSON gives besides strings, lists and objects
+
+
 def _first_bad_string(value: Any) -> tuple | None:
     """Where the first string (or key) that cannot be encoded as UTF-8 is, None if there is none, in document
     order. Iterative: nesting deeper than MAX_NESTING is a NestingError, before the validators and serialisers after
-    this one recurse into it (a RecursionError: a 500)."""
+    this one recurse into it (a RecursionError: a 500). It runs on the event loop, so a list of scalars (a prompt of
+    millions of token ids) is passed over at C speed and a path is made only for strings, lists and objects."""
     stack = [((), value)]
     while stack:
         path, value = stack.pop()
@@ -123,11 +127,14 @@ def _first_bad_string(value: Any) -> tuple | None:
             except UnicodeEncodeError:
                 return path
             continue
-        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-        if items and len(path) >= MAX_NESTING:
+        if not isinstance(value, (dict, list)) or not value:
+            continue
+        if len(path) >= MAX_NESTING:
             raise NestingError(path)
-        for key, item in reversed(list(items)):
-            stack += [(path + (key,), item), (path + ("<key>",), key)]
+        if isinstance(value, dict):
+            stack += reversed([c for key, item in value.items() for c in ((path + ("<key>",), key), (path + (key,), item))])
+        elif not _SCALARS.issuperset(map(type, value)):
+            stack += reversed([(path + (i,), item) for i, item in enumerate(value) if type(item) not in _SCALARS])
     return None
 
 

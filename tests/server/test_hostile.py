@@ -114,6 +114,34 @@ def test_lone_surrogates(server, path, body, param):
     error(raw_post(server, path, body.encode()), 400, param, "not valid Unicode")
 
 
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", None])
+def test_a_json_body_without_its_content_type_is_told_so(server, content_type):
+    """curl -d sends a form's Content-Type: FastAPI does not read such a body (nor one without the header) as JSON,
+    and the 400 says what to send instead of that the body is not an object."""
+    headers = {"content-type": content_type} if content_type else {}
+    r = httpx.post(f"{server.url}/v1/completions", content=json.dumps(OK).encode(), headers=headers, timeout=60)
+    said = f"Content-Type: {content_type}" if content_type else "no Content-Type"
+    error(r, 400, None, f"the request body must be JSON sent with the header Content-Type: application/json (it came "
+                        f"with {said})")
+    assert post(server, "/v1/completions", OK).status_code == 200
+
+
+def test_the_first_bad_string_is_found_past_scalars_and_at_its_index():
+    """The walk skips the numbers, booleans and nulls of a list (a prompt of token ids) without losing the indices
+    of what it does look at, in document order, keys before their values; a list of numbers nested too deep is
+    still too deep."""
+    from moelora.server.protocol import MAX_NESTING, NestingError, _first_bad_string
+    bad = "\ud800"
+    assert _first_bad_string({"prompt": [1, 2.5, None, True, ["ok", 3, bad]], "stop": [bad]}) == ("prompt", 4, 2)
+    assert _first_bad_string({"a": {"b": 1, bad: [bad]}}) == ("a", "<key>")
+    assert _first_bad_string({"prompt": [5] * 100_000, "n": 1}) is None
+    nested: list = [1, 2]
+    for _ in range(MAX_NESTING):
+        nested = [nested]
+    with pytest.raises(NestingError):
+        _first_bad_string({"x": nested})
+
+
 @pytest.mark.parametrize("field", ["whatever", "guided_json", "logit_bias"])
 def test_bodies_nested_at_any_depth(server, field):
     """Nesting the validators after the parser would recurse through (a RecursionError: a 500 in a window of depths

@@ -48,6 +48,10 @@ def test_models_lists_the_base_model_and_every_adapter(client, demo_dir, referen
     assert cards[MODEL_NAME].parent is None and cards[MODEL_NAME].root == str(demo_dir / "model")
     assert all(cards[a].parent == MODEL_NAME and cards[a].root == str(demo_dir / a) for a in ("alpha", "beta"))
     assert {card.max_model_len for card in cards.values()} == {reference.context_len}
+    # models.retrieve: GET /v1/models/{id}, each card as listed; an unknown id is the 404 of an unknown model
+    assert all(client.models.retrieve(name) == card for name, card in cards.items())
+    with pytest.raises(openai.NotFoundError, match="The model `nope/x` does not exist"):
+        client.models.retrieve("nope/x")
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -160,6 +164,34 @@ def test_chat_logprobs_streamed_and_not(client):
     streamed = [e for c in client.chat.completions.create(**kwargs, stream=True) if c.choices and c.choices[0].logprobs
                 for e in c.choices[0].logprobs.content]
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+
+def test_logprobs_a_model_makes_infinite_or_nan_are_sent_as_the_floor(client, monkeypatch):
+    """JSON has no -inf or NaN (a broken model's or adapter's logits give them): such a log-probability is sent as
+    vLLM's floor, -9999, in a whole response as in a stream, not a 500 after the generation."""
+    import torch
+
+    from moelora.engine import model_runner
+    from moelora.engine.sampler import SampleOutput
+    from moelora.server.app import LOGPROB_FLOOR
+    real = model_runner.sample
+
+    def sample(logits, batch, k=0):
+        out = real(logits, batch, k)
+        top = out.top_logprobs
+        return SampleOutput(out.token_ids, torch.full_like(out.logprobs, float("-inf")), out.top_ids,
+                            None if top is None else torch.full_like(top, float("nan")))
+    monkeypatch.setattr(model_runner, "sample", sample)
+    kwargs = dict(model="alpha", prompt=PROMPTS[0], max_tokens=3, temperature=0, logprobs=2)
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    assert whole.token_logprobs == [LOGPROB_FLOOR] * 3
+    assert all(set(top.values()) == {LOGPROB_FLOOR} for top in whole.top_logprobs)
+    streamed = [lp for c in client.completions.create(**kwargs, stream=True) if c.choices and c.choices[0].logprobs
+                for lp in c.choices[0].logprobs.token_logprobs]
+    assert streamed == [LOGPROB_FLOOR] * 3
+    chat = client.chat.completions.create(model="alpha", messages=MESSAGES, max_tokens=2, temperature=0, logprobs=True,
+                                          top_logprobs=2).choices[0].logprobs.content
+    assert [e.logprob for e in chat] == [LOGPROB_FLOOR] * 2
 
 
 def test_n_choices_and_seeds(client):
