@@ -62,7 +62,10 @@ class LoRAPair:
 
 
 _SUFFIX = re.compile(r"^(?P<module>.+)\.lora_(?P<side>[AB])(?:\.weight)?$")
-_LAYER = re.compile(r"^(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<rel>.+)$")
+# the decoder's layers as transformers names them (text models; a multimodal one's language model), nothing else's:
+# a vision tower's or encoder's layers.N is no decoder layer, whatever its shapes
+_LAYER = re.compile(r"^(?:model\.|model\.language_model\.|language_model\.model\.)?layers\.(?P<layer>\d+)\."
+                    r"(?P<rel>.+)$")
 _EXPERT_MODULE = re.compile(r"^mlp\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)$")
 _STACKED = re.compile(r"^mlp\.experts\.(?P<proj>gate_up_proj|gate_proj|up_proj|down_proj|w1|w3|w2)$")
 

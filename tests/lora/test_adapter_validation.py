@@ -167,10 +167,21 @@ def test_unknown_and_refused_keys(tmp_path, key, reason):
     assert f"{key}: " in message and reason in message
 
 
-def test_module_outside_decoder_layers(tmp_path):
-    key = "base_model.model.lm_head.lora_A.weight"
-    tensors = good() | {key: torch.randn(R, HIDDEN), key.replace("lora_A", "lora_B"): torch.randn(32, R)}
+@pytest.mark.parametrize("module", ["lm_head", "model.vision_tower.encoder.layers.1.self_attn.q_proj",
+                                    "model.visual.layers.1.self_attn.q_proj", "model.mtp.layers.1.self_attn.q_proj"])
+def test_module_outside_decoder_layers(tmp_path, module):
+    """Another tower's layers.N is no decoder layer, even where its shapes fit one."""
+    key = f"base_model.model.{module}.lora_A.weight"
+    tensors = good() | {key: torch.randn(R, HIDDEN), key.replace("lora_A", "lora_B"): torch.randn(16, R)}
     assert f"{key}: not inside a decoder layer" in refused(tmp_path, tensors)
+
+
+@pytest.mark.parametrize("prefix", ["base_model.model.model.language_model.", "base_model.model.",
+                                    "base_model.model.language_model.model."])
+def test_decoder_layers_under_the_names_transformers_gives_them(tmp_path, prefix):
+    tensors = {k.replace("base_model.model.model.", prefix): v for k, v in good().items()}
+    adapter = load_adapter(write_adapter(tmp_path, tensors), tiny_config("qwen3_moe"))
+    assert adapter.layers[1].modules["self_attn.q_proj"].rank == R and "gate" in adapter.layers[1].experts
 
 
 @pytest.mark.parametrize("field, value, reason", [
