@@ -37,7 +37,7 @@ from moelora.engine.lora_slots import RankShare
 from moelora.engine.model_runner import ModelRunner, on_device, serve_rank
 from moelora.engine.profiler import profile_files
 from moelora.engine.request import Req
-from moelora.engine.sampler import pack_bitmask, unpack_bitmask
+from moelora.engine.sampler import logit_bias_tensors, pack_bitmask, unpack_bitmask
 from moelora.engine.sampling_params import SamplingParams, check_text, generation_defaults
 from moelora.engine.scheduler import Scheduler
 from moelora.engine.step_stats import StepStats
@@ -488,7 +488,8 @@ class Engine:
         params = self._with_eos_stops(params)
         detokenizer = IncrementalDetokenizer(self.tokenizer if detokenize else None, ids, params, self._tokenizer_eos)
         return Req(rid or uuid.uuid4().hex, ids, params, lora, seed, detokenizer, return_prompt_logprobs,
-                   grammar=grammar, allowed_tokens=allowed, arrival=time.perf_counter())
+                   grammar=grammar, allowed_tokens=allowed, logit_bias=logit_bias_tensors(params),
+                   arrival=time.perf_counter())
 
     def _check_first_tokens(self, grammar, allowed: torch.Tensor | None) -> None:
         """ValueError unless the grammar (and allowed_token_ids, the packed `allowed`) lets the output start with

@@ -335,7 +335,7 @@ class ModelRunner:
             bitmask[j], stops[i] = hold_back(bitmask[j], stops[i]), ()
         params = [r.params for r in reqs]
         sampling = SamplingBatch.build(params, [r.seed for r in reqs], [r.num_generated for r in reqs], self.device,
-                                       stops)
+                                       stops, [r.logit_bias for r in reqs])
         if masked:
             sampling.token_mask = TokenMask(to_device(masked, torch.int64, self.device),
                                             to_device(bitmask, torch.int32, self.device))

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from moelora.engine.detokenizer import IncrementalDetokenizer
+from moelora.engine.sampler import LogitBias
 from moelora.engine.sampling_params import SamplingParams
 
 
@@ -31,6 +32,7 @@ class Req:
     cumulative_logprob: float = 0.0          # of the output tokens, under the raw logits
     grammar: Any = None                      # xgrammar GrammarMatcher while a structured output runs
     allowed_tokens: torch.Tensor | None = None  # [ceil(vocab / 32)] int32 host bitmask of allowed_token_ids
+    logit_bias: LogitBias | None = None      # params.logit_bias as host tensors (sampler.logit_bias_tensors)
     # prompt_logprob_entries[k]: prompt token k + 1's log-probability and the top ones (params.prompt_logprobs)
     prompt_logprob_entries: list[dict[int, float]] = field(default_factory=list)
     arrival: float = 0.0                     # time.perf_counter() at arrival: its wait for admission counts from here

@@ -52,10 +52,12 @@ class SamplingBatch:
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], steps: list[int],
-              device: torch.device | str, stop_token_ids: list[Collection[int]] | None = None) -> SamplingBatch:
+              device: torch.device | str, stop_token_ids: list[Collection[int]] | None = None,
+              biases: list[LogitBias | None] | None = None) -> SamplingBatch:
         """seeds[i]: params[i].seed, or the one the engine drew for an unseeded request; stop_token_ids[i]:
-        the tokens min_tokens holds back (the request's stop tokens and EOS). Penalties and the token
-        mask need state beyond the params: the caller sets them (`PenaltyState.gather`, `TokenMask`)."""
+        the tokens min_tokens holds back (the request's stop tokens and EOS); biases[i]: logit_bias_tensors(params[i])
+        as the request keeps it (by default made here). Penalties and the token mask need state beyond the params:
+        the caller sets them (`PenaltyState.gather`, `TokenMask`)."""
         if not len(params) == len(seeds) == len(steps):
             raise ValueError(f"params, seeds and steps differ in length: {len(params)}, {len(seeds)}, {len(steps)}")
         random = [not p.greedy for p in params]
@@ -67,12 +69,26 @@ class SamplingBatch:
             temperature=floats[0], top_p=floats[1], min_p=floats[2], top_k=ints[0], seed=ints[1], step=ints[2],
             all_greedy=not any(random),
             needs_filter=any(r and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p, r in zip(params, random)),
-            additions=LogitAdditions.build(params, steps, stop_token_ids or [()] * len(params), device),
+            additions=LogitAdditions.build(params, steps, stop_token_ids or [()] * len(params), device,
+                                           biases if biases is not None else [logit_bias_tensors(p) for p in params]),
         )
 
     def advance(self) -> None:
         """Every row generated one more token; in place, so a captured graph sees the new steps."""
         self.step.add_(1)
+
+
+class LogitBias(NamedTuple):
+    """A request's logit_bias as host tensors, made once (logit_bias_tensors)."""
+    tokens: torch.Tensor  # [N] int64
+    values: torch.Tensor  # [N] float32
+
+
+def logit_bias_tensors(params: SamplingParams) -> LogitBias | None:
+    if not params.logit_bias:
+        return None
+    return LogitBias(torch.tensor(list(params.logit_bias), dtype=torch.int64),
+                     torch.tensor(list(params.logit_bias.values()), dtype=torch.float32))
 
 
 @dataclass
@@ -84,16 +100,21 @@ class LogitAdditions:
 
     @classmethod
     def build(cls, params: list[SamplingParams], steps: list[int], stop_token_ids: list[Collection[int]],
-              device: torch.device | str) -> LogitAdditions | None:
-        rows, tokens, values = [], [], []
-        for i, (p, step, stops) in enumerate(zip(params, steps, stop_token_ids)):
-            entries = list(p.logit_bias.items()) + ([(t, NEG_INF) for t in stops] if step < p.min_tokens else [])
-            rows += [i] * len(entries)
-            tokens += [t for t, _ in entries]
-            values += [v for _, v in entries]
-        if not rows:
+              device: torch.device | str, biases: list[LogitBias | None]) -> LogitAdditions | None:
+        """Row i's bias (biases[i]) and its held-back stop tokens, joined as tensors: a logit_bias of the whole
+        vocabulary costs every step a copy, not a Python loop over its entries."""
+        index, values = [], []
+        for i, (p, step, stops, bias) in enumerate(zip(params, steps, stop_token_ids, biases)):
+            parts = [bias] if bias is not None else []
+            if step < p.min_tokens and stops:
+                held = torch.tensor(list(stops), dtype=torch.int64)
+                parts.append(LogitBias(held, torch.full(held.shape, NEG_INF)))
+            for tokens, added in parts:
+                index.append(torch.stack([torch.full_like(tokens, i), tokens]))
+                values.append(added)
+        if not index:
             return None
-        return cls(to_device([rows, tokens], torch.int64, device), to_device(values, torch.float32, device))
+        return cls(to_device(torch.cat(index, 1), torch.int64, device), to_device(torch.cat(values), torch.float32, device))
 
     def apply(self, logits: torch.Tensor) -> None:
         """In place; a token both biased and held back stays at -inf."""

@@ -125,6 +125,30 @@ def test_min_tokens_holds_eos_back(engine):
     assert out.finish_reason == "stop"
 
 
+class _NotWalked(dict):
+    """A logit_bias that fails the step that walks it."""
+    def __iter__(self):
+        raise AssertionError("a step walked the request's logit_bias")
+
+    items = values = keys = __iter__
+
+
+def test_a_step_does_not_walk_a_requests_logit_bias(engine):
+    """A logit_bias of the whole vocabulary is turned into tensors once, when the request arrives: the steps join
+    them, never loop over its entries in Python (at 150k entries that was 48 ms of every step of every request)."""
+    bias = {t: (-100.0 if t % 3 else 5.0) for t in range(engine.vocab_size)}
+    params = SamplingParams(max_tokens=6, temperature=0, logit_bias=bias, ignore_eos=True)
+    want = engine.generate(PROMPTS[0], params)[0].token_ids
+    assert all(t % 3 == 0 for t in want)
+    rid = engine.add_request(PROMPTS[0], params)
+    engine.scheduler.find(rid).params.logit_bias = _NotWalked(bias)
+    got = []
+    while engine.has_unfinished():
+        got += [t for o in engine.step() if o.rid == rid for t in o.token_ids]
+    assert got == want
+    assert_idle(engine)
+
+
 @pytest.mark.parametrize("spec", GRAMMARS, ids=[g.kind for g in GRAMMARS])
 def test_structured_output_is_valid_for_greedy_and_seeded_draws(engine, spec):
     params = [SamplingParams(max_tokens=80, temperature=t, seed=s, structured_output=spec)
