@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -30,9 +31,10 @@ _ANY_OBJECT = '{"type": "object"}'
 # xgrammar's cache of compiled grammars, least recently used first out: each distinct grammar a client sends stays
 # there (about its vocabulary's size in masks), which unbounded grows without end (512 MiB: vLLM's default)
 GRAMMAR_CACHE_BYTES = 512 << 20
-# the grammars compiled last, held here too: a server compiles a request's grammar in a thread of its own, and the
-# engine thread then starts its matcher from this, never compiling it again itself (as it would if other requests'
-# grammars had pushed it out of xgrammar's cache meanwhile)
+# the grammars compiled last, held here too, and any compiled grammar that something else still holds: a server
+# compiles a request's grammar in a thread of its own and holds it until the engine thread has started the
+# request's matcher from it, which then never compiles it again itself (as it would if other requests' grammars had
+# pushed it out of xgrammar's cache, and out of the recent ones, meanwhile)
 RECENT_GRAMMARS = 16
 
 
@@ -47,6 +49,7 @@ class GrammarBackend:
         self._missing_tokenizer = missing_tokenizer
         self._compiler = None
         self._recent: OrderedDict[StructuredOutput, Any] = OrderedDict()
+        self._held: weakref.WeakValueDictionary[StructuredOutput, Any] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
 
     def compile(self, spec: StructuredOutput) -> Any:
@@ -57,9 +60,11 @@ class GrammarBackend:
             if spec in self._recent:
                 self._recent.move_to_end(spec)
                 return self._recent[spec]
+            if (compiled := self._held.get(spec)) is not None:
+                return compiled
         compiled = self._compile(spec)
         with self._lock:
-            self._recent[spec] = compiled
+            self._recent[spec] = self._held[spec] = compiled
             while len(self._recent) > RECENT_GRAMMARS:
                 self._recent.popitem(last=False)
         return compiled

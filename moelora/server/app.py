@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
@@ -233,9 +234,10 @@ class OpenAIServing:
         max_tokens = 1 if body.echo_only else body.max_tokens  # (the one token is dropped: _prompt_only)
         subs = self._submissions(body, prompts, max_tokens, body.logprobs, add_special_tokens=body.add_special_tokens,
                                  sequences=per_prompt, prompt_logprobs=body.logprobs if body.echo else None)
-        await self._compile_grammar(body, subs)
+        grammar = await self._compile_grammar(body, subs)
         echoes = await self._prompt_texts(prompts) if body.echo else [""] * len(prompts)
         rids, queue, prompt_tokens = await self._submit(body, subs)
+        del grammar  # held until the engine started the requests' matchers from it (_compile_grammar)
         head = self._head("cmpl", body.model)
         choices = [_Choice(text=echoes[i // per_prompt], prompt_tokens=prompt_tokens[i], prompt_only=body.echo_only)
                    for i in range(len(subs))]
@@ -280,8 +282,9 @@ class OpenAIServing:
         prompt = await self._chat_prompt(body, tools.specs)
         subs = self._submissions(body, [prompt], max_tokens, k if body.logprobs else None,
                                  add_special_tokens=False, aliases=aliases, grammar=tools.grammar)
-        await self._compile_grammar(body, subs)
+        grammar = await self._compile_grammar(body, subs)
         rids, queue, prompt_tokens = await self._submit(body, subs, aliases)
+        del grammar  # held until the engine started the request's matchers from it (_compile_grammar)
         head = self._head("chatcmpl", body.model)
         choices = [_Choice(prompt_tokens=p) for p in prompt_tokens]
         outputs = [tools.output() for _ in subs]
@@ -352,14 +355,15 @@ class OpenAIServing:
             raise bad_value(e, aliases) from e
         return [Submission(p, params.for_sequence(k), lora, add_special_tokens) for p in prompts for k in range(sequences)]
 
-    async def _compile_grammar(self, body: SamplingRequest, subs: list[Submission]) -> None:
-        """Compile the request's grammar in a worker thread (the compiler is thread-safe and caches it),
-        so the engine thread finds it ready; a bad schema, regex or grammar is a 400 naming its field."""
+    async def _compile_grammar(self, body: SamplingRequest, subs: list[Submission]) -> Any:
+        """The request's compiled grammar (None without one), compiled in a worker thread (the compiler is
+        thread-safe): while the caller holds it, the engine thread finds it ready (GrammarBackend.compile); a bad
+        schema, regex or grammar is a 400 naming its field."""
         spec = subs[0].params.structured_output
         if spec is None:
-            return
+            return None
         try:
-            await self.loop.run_compile(lambda: self.loop.engine.grammars.compile(spec))
+            return await self.loop.run_compile(lambda: self.loop.engine.grammars.compile(spec))
         except ValueError as e:
             field = _grammar_field(body)
             message = str(e) if field != "tools" else f"tools: the functions' parameters do not compile ({e})"

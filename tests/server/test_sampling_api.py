@@ -315,6 +315,22 @@ def test_grammars_compile_in_their_own_threads(server, monkeypatch):
     assert threads[0].startswith("moelora-grammar") and threads[1:] == ["moelora-engine"], threads
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_the_engine_thread_never_compiles_a_grammar_the_server_compiled(server, monkeypatch, path):
+    """The server holds the request's compiled grammar until the engine thread has started its matchers, which then
+    find it whatever other grammars pushed out of the caches meanwhile (here the recent ones hold none)."""
+    from moelora.engine import structured_output
+    monkeypatch.setattr(structured_output, "RECENT_GRAMMARS", 0)
+    grammars = server.loop.engine.grammars
+    compile_grammar, threads = grammars._compile, []
+    monkeypatch.setattr(grammars, "_compile", lambda spec: threads.append(threading.current_thread().name)
+                        or compile_grammar(spec))
+    body = {"model": "alpha", "max_tokens": 2, "guided_regex": f"[ab]+{path[-4:]}", "n": 2,
+            **({"prompt": PROMPT} if path == "/v1/completions" else {"messages": MESSAGES})}
+    assert httpx.post(f"{server.url}{path}", json=body, timeout=60).status_code == 200
+    assert len(threads) == 1 and threads[0].startswith("moelora-grammar"), threads
+
+
 def test_harmless_values_of_refused_fields_are_accepted(server):
     body = {"model": "alpha", "prompt": PROMPT, "max_tokens": 2, "use_beam_search": False, "length_penalty": 1,
             "guided_decoding_backend": "xgrammar", "spaces_between_special_tokens": True, "best_of": 1}
