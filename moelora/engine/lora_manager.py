@@ -88,7 +88,7 @@ class LoRAStats:
     disk_loads: int = 0      # read (and validated) from disk: at load_lora, or after leaving host memory
 
 
-Event = tuple  # ("load", name, path) | ("drop", name) | ("write", name, slot) | ("rank", experts' rank tile)
+Event = tuple  # ("load", name, path, files' version) | ("drop", name) | ("write", name, slot) | ("rank", rank tile)
 
 
 class LoRAManager:
@@ -168,7 +168,7 @@ class LoRAManager:
                                "(start it with max_lora_rank, or with lora_paths)")
         self._register(name, Path(path), adapter if adapter is not None else self.read(path))
         self.stats.disk_loads += 1
-        self._record("load", name, str(path))
+        self._record("load", name, str(path), self._version[name])
 
     def unload_lora(self, name: str) -> None:
         """New requests naming the adapter are refused from now on; it leaves memory once its
@@ -236,8 +236,12 @@ class LoRAManager:
         """Make the same changes as rank 0's manager did (on another rank, in its order)."""
         for kind, *args in events:
             if kind == "load":
-                name, path = args
-                self._register(name, Path(path), self.read(path))
+                name, path, version = args
+                share = self.read(path)
+                if share.version != version:  # rewritten since rank 0 read it: the ranks would serve two adapters
+                    raise AdapterError(f"adapter {name!r}: its files in {path} changed between rank 0's read and this "
+                                       "rank's")
+                self._register(name, Path(path), share)
             elif kind == "drop":
                 self._drop(args[0])
             elif kind == "write":
