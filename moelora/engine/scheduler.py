@@ -63,6 +63,9 @@ class Scheduler:
         self.running: list[Req] = []  # prompt done: decode every step, in admission order
         self.chunked: Req | None = None  # the one prompt being prefilled over several steps
         self.num_retractions = 0
+        # the requests the last schedule() took out of their queues or gave cache: where it raised (an interrupt
+        # between two of them), those it had not put anywhere yet are in no queue, and the caller ends them
+        self.taken: list[Req] = []
 
     def add(self, req: Req) -> None:
         self.waiting.append(req)
@@ -77,6 +80,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """The next step: the running requests' decode rows, then prompt pieces (enable_mixed_chunk), or
         prompt pieces alone while any can run, else the decode rows; None if nothing can run."""
+        self.taken = []
         decode = self._decode_rows()
         prefill, extend_lens = self._plan_prefill(len(decode) if self.config.enable_mixed_chunk else 0)
         stalled = 0
@@ -141,6 +145,7 @@ class Scheduler:
         newest retracted until it has: never the chunked prompt, whose admission promised its slots);
         but one whose pending token is its last (overlap scheduling: it is done, only not yet released)."""
         while self.running and self.pool.free_slots - self._promised() < len(self.running):
+            self.taken.append(self.running[-1])
             self._retract(self.running.pop())
         return [r for r in self.running if r.num_generated < r.params.max_tokens]
 
@@ -188,6 +193,7 @@ class Scheduler:
         new = []
         for i, (req, n) in enumerate(zip(reqs, extend_lens)):
             prefix = req.kv_len
+            self.taken.append(req)
             try:
                 slots = self._take(req, n)
             except Exception as e:  # whatever it is, it is this request's

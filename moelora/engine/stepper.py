@@ -133,7 +133,11 @@ class Stepper:
             outputs += self._read(prev, [])  # their next bitmasks need these tokens
             prev = None
         start = time.perf_counter()
-        batch = self.scheduler.schedule()
+        try:
+            batch = self.scheduler.schedule()
+        except BaseException:  # (an interrupt) the requests it took may be in no queue: they end with the step's
+            self._touched += self.scheduler.taken
+            raise
         if batch is not None:
             self._touched += [*batch.reqs, *(req for req, _ in batch.failed)]
         scheduled = time.perf_counter()

@@ -264,6 +264,38 @@ def test_an_interrupt_in_a_step_ends_its_requests_and_leaves_the_engine_serving(
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("where", ["allocation", "retraction"])
+def test_an_interrupt_while_scheduling_ends_the_requests_it_took(make_engine, solo, monkeypatch, where, overlap):
+    """Ctrl-C while the scheduler allocates a step's second prompt (the first already out of the waiting queue with
+    its row and KV slots, in no queue yet), or while it retracts a request (out of the running ones, not yet
+    queued again): the requests it took end with an error and release what they hold; the engine serves on."""
+    engine = make_engine(FAMILY, disable_overlap_schedule=not overlap,
+                         **({"max_total_tokens": 40} if where == "retraction" else {}))
+    scheduler, calls = engine.scheduler, []
+    name = "_take" if where == "allocation" else "_retract"
+    real = getattr(scheduler, name)
+
+    def interrupted(*args):
+        calls.append(args[0].rid)
+        if len(calls) == 2 or where == "retraction":
+            raise KeyboardInterrupt
+        return real(*args)
+    monkeypatch.setattr(scheduler, name, interrupted)
+    rids = [engine.add_request(p, sp, lora=a) for p, sp, a in zip(PROMPTS, PARAMS, LORAS)]
+    with pytest.raises(KeyboardInterrupt):
+        while engine.has_unfinished():
+            engine.step()
+    monkeypatch.undo()
+    outputs = drain(engine)
+    assert calls[0] in outputs and "its step was interrupted: KeyboardInterrupt" in outputs[calls[0]][-1].error
+    assert set(outputs) <= set(rids)
+    assert_released(engine)
+    assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS, lora=LORAS)] == solo
+    engine.unload_lora("partial")  # no reference left behind: the adapter leaves at once
+    assert "partial" not in engine.runner.lora.names
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_a_release_that_fails_leaves_the_others_released_and_answered(make_engine, solo, monkeypatch, overlap):
     """An adapter reference whose release raises (an engine fault, not a request's): logged, and the other requests
     that ended in that step are released and get their last output all the same."""
