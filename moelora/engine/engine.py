@@ -454,6 +454,8 @@ class Engine:
             self.runner.lora.check(lora)
         if rid is not None and self.scheduler.find(rid) is not None:
             raise ValueError(f"request id {rid!r} is already in use")
+        if rid is not None and any(o.rid == rid for o in (*self._aborted, *self.stepper.unreported_ends)):
+            raise ValueError(f"request id {rid!r} is still in use: its end is reported by the next step")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"SamplingParams.stop strings need a tokenizer: {self.missing_tokenizer}")
         ids = self.tokenize(prompt, add_special_tokens)

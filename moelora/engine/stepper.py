@@ -120,6 +120,11 @@ class Stepper:
         """A failed step ended requests whose ends the next step reports."""
         return bool(self._ends)
 
+    @property
+    def unreported_ends(self) -> list[StepOutput]:
+        """The ends a failed step made, which the next step reports."""
+        return list(self._ends)
+
     def _step(self) -> None:
         """The step; its outputs go to self._produced as they are made."""
         prev, self._in_flight = self._in_flight, None

@@ -177,6 +177,19 @@ def test_abort_frees_the_request_and_spares_the_others(engine, alone):
     kept = [t for o in outputs if o.rid == keep for t in o.token_ids]
     assert kept == alone(FAMILY)[1]
     assert_idle(engine)
+    # an id is in use until its end is reported: two requests of one id would share its outputs
+    engine.add_request(PROMPTS[0], PARAMS[0], rid="mine")
+    with pytest.raises(ValueError, match="request id 'mine' is already in use"):
+        engine.add_request(PROMPTS[0], PARAMS[0], rid="mine")
+    assert engine.abort("mine")
+    with pytest.raises(ValueError, match="request id 'mine' is still in use: its end is reported by the next step"):
+        engine.add_request(PROMPTS[0], PARAMS[0], rid="mine")
+    assert [o.finish_reason for o in engine.step() if o.rid == "mine"] == ["abort"]
+    engine.add_request(PROMPTS[0], PARAMS[0], rid="mine")  # free again
+    assert engine.abort("mine")
+    while engine.has_unfinished():
+        engine.step()
+    assert_idle(engine)
 
 
 def test_bad_requests_fail_alone(engine, alone):
