@@ -15,6 +15,7 @@ constructor and end their process when rank 0 shuts down.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
 import random
@@ -23,7 +24,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from transformers import GenerationConfig
@@ -349,18 +350,36 @@ class Engine:
         if bad:
             raise PromptError(f"prompt token ids must be ints in [0, {self.vocab_size}), got {bad[0]!r}")
 
-    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:
         """The text the model's chat template makes of the messages (and the tools the model may
         call, OpenAI's tool definitions), ending where the assistant's turn begins (special tokens
-        included: add it with add_special_tokens=False). ValueError if the tokenizer has no chat
-        template or the template refuses the messages."""
+        included: add it with add_special_tokens=False); or, as vLLM's, where the messages end
+        (add_generation_prompt False), or inside the last message, an assistant's, for the model to go on with
+        (continue_final_message). template_kwargs: more variables for the template (vLLM's chat_template_kwargs,
+        e.g. Qwen3's enable_thinking), none of apply_chat_template's own arguments. ValueError if the tokenizer has
+        no chat template or the template refuses the messages."""
         if self.tokenizer is None:
             raise ValueError(f"chat needs a tokenizer: {self.missing_tokenizer}")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the model has no chat template (none in its tokenizer files, or one that does not render: "
                              "the start logged why); start the engine with chat_template (--chat-template)")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message goes on with the last message: it cannot also add the generation "
+                             "prompt (set add_generation_prompt to false)")
+        if continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
+        own = {name for name, p in inspect.signature(self.tokenizer.apply_chat_template).parameters.items()
+               if p.kind is not inspect.Parameter.VAR_KEYWORD} | {"messages"}
+        taken = sorted(k for k in template_kwargs or {} if k in own)
+        if taken:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(taken)}: arguments of the template's call, "
+                             "not variables of the template")
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message,
+                                                      **(template_kwargs or {}))
         except Exception as e:  # the template's own errors (jinja raise_exception, missing fields)
             raise ValueError(f"the chat template failed on these messages: {e}") from e
 

@@ -394,8 +394,12 @@ class OpenAIServing:
                 msg["content"] = "\n".join(p.text for p in m.content)  # as vLLM gives a template the parts
             messages.append(msg)
         try:
-            return await self.loop.run_tokenize(lambda: self.loop.engine.chat_prompt(messages, tools))
+            return await self.loop.run_tokenize(lambda: self.loop.engine.chat_prompt(
+                messages, tools, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs))
         except ValueError as e:
+            field = next((f for f in ("chat_template_kwargs", "continue_final_message") if str(e).startswith(f)), None)
+            if field is not None:
+                raise APIError(400, str(e), param=field) from e
             raise APIError(400, f"{e}; use /v1/completions with a prompt", param="messages") from e
 
     async def _submit(self, body: SamplingRequest, subs: list[Submission], aliases: dict[str, str] | None = None

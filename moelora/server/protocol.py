@@ -155,8 +155,6 @@ _UNSUPPORTED = {
 }
 _UNSUPPORTED_CHAT = {
     "echo": ((False,), "echo is served on /v1/completions only"),
-    "add_generation_prompt": ((True,), "the prompt always ends where the assistant's turn begins"),
-    "continue_final_message": ((False,), "continue_final_message is not supported"),
     "add_special_tokens": ((False,), "the chat template writes the special tokens"),
     "modalities": ((None, ["text"]), "the only output modality is text"),
     "audio": ((None,), "audio output is not supported"),
@@ -404,6 +402,18 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
     parallel_tool_calls: bool | None = None  # None: True
+    # vLLM's: the prompt ends where the assistant's turn begins, or with the messages, or inside the last one (an
+    # assistant's, for the model to go on with); and more variables for the chat template (Qwen3's enable_thinking)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_end_of_the_prompt(self) -> ChatCompletionRequest:
+        if self.add_generation_prompt and self.continue_final_message:  # as vLLM
+            raise PydanticCustomError("conflicting_fields", "continue_final_message and add_generation_prompt cannot "
+                                      "both be true", {"param": "continue_final_message"})
+        return self
 
 
 class LoadLoRARequest(RequestBody):

@@ -54,6 +54,28 @@ def test_chat_template_file_or_inline(make_engine, tmp_path):
         make_engine("qwen3_moe", tokenizer_path=None, chat_template=TEMPLATE)
 
 
+def test_chat_prompt_options_as_vllms(make_engine):
+    """add_generation_prompt false ends the prompt with the messages, continue_final_message inside the last one
+    (an assistant's), and chat_template_kwargs are the template's variables (Qwen3's enable_thinking), never
+    apply_chat_template's own arguments."""
+    template = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}[assistant]{% if not enable_thinking %}<no-think>{% endif %}{% endif %}")
+    engine = make_engine("qwen3_moe", chat_template=template)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello, wor"}]
+    assert engine.chat_prompt(messages[:1]) == "[user] hi\n[assistant]<no-think>"
+    assert engine.chat_prompt(messages[:1], template_kwargs={"enable_thinking": True}) == "[user] hi\n[assistant]"
+    assert engine.chat_prompt(messages[:1], add_generation_prompt=False) == "[user] hi\n"
+    assert engine.chat_prompt(messages, add_generation_prompt=False, continue_final_message=True) == \
+        "[user] hi\n[assistant] Hello, wor"
+    with pytest.raises(ValueError, match="cannot also add the generation prompt"):
+        engine.chat_prompt(messages, continue_final_message=True)
+    with pytest.raises(ValueError, match="continue_final_message needs the last message to be the assistant's"):
+        engine.chat_prompt(messages[:1], add_generation_prompt=False, continue_final_message=True)
+    for key in ("tokenize", "chat_template", "messages", "add_generation_prompt"):
+        with pytest.raises(ValueError, match=f"chat_template_kwargs cannot set {key}: arguments of the template's"):
+            engine.chat_prompt(messages[:1], template_kwargs={key: False, "enable_thinking": True})
+
+
 def test_a_broken_chat_template_of_the_tokenizer_is_logged_and_chat_refused(make_engine, tokenizer_dir, tmp_path,
                                                                           caplog):
     """The tokenizer directory's own template is rendered at the start as --chat-template's is: broken, the start logs

@@ -62,6 +62,38 @@ def test_sampling_fields_equal_engine_generate(client, reference, model, fields,
     assert chat == reference.generate(chat_ids(reference, MESSAGES), sp, lora=lora(model))[0].text
 
 
+@pytest.mark.parametrize("fields", [
+    {"add_generation_prompt": False},
+    {"add_generation_prompt": False, "continue_final_message": True},
+    {"chat_template_kwargs": {"enable_thinking": False, "flavor": "x"}},
+])
+def test_chat_prompt_options_equal_engine_generate(client, reference, fields):
+    """vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs shape the prompt as
+    Engine.chat_prompt does with them."""
+    messages = [*MESSAGES, {"role": "assistant", "content": "Once upon"}]
+    out = client.chat.completions.create(model="alpha", messages=messages, max_tokens=6, temperature=0,
+                                         extra_body=fields).choices[0].message.content
+    text = reference.chat_prompt(messages, None, fields.get("add_generation_prompt", True),
+                                 fields.get("continue_final_message", False), fields.get("chat_template_kwargs"))
+    ids = reference.tokenizer.encode(text, add_special_tokens=False)
+    assert out == reference.generate(ids, SamplingParams(max_tokens=6, temperature=0), lora="alpha")[0].text
+
+
+@pytest.mark.parametrize("fields, param, match", [
+    ({"continue_final_message": True}, "continue_final_message", "continue_final_message and add_generation_prompt "
+                                                                  "cannot both be true"),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "chat_template_kwargs cannot set tokenize"),
+    ({"chat_template_kwargs": [1]}, "chat_template_kwargs", ""),
+])
+def test_chat_prompt_options_that_cannot_be(server, fields, param, match):
+    body = {"model": "alpha", "messages": MESSAGES, "max_tokens": 2, **fields}
+    error(httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60), param, match)
+    body = {"model": "alpha", "messages": MESSAGES, "max_tokens": 2, "add_generation_prompt": False,
+            "continue_final_message": True}  # the last message is the user's
+    error(httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60), "continue_final_message",
+          "continue_final_message needs the last message to be the assistant's")
+
+
 def test_include_stop_str_in_output(client, reference):
     full = reference.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), lora="alpha")[0].text
     stop = full.split()[2]
