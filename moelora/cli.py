@@ -263,19 +263,34 @@ class _DictAction(argparse.Action):
         setattr(namespace, self.dest, adapters)
 
 
+INTERRUPTED = 130  # the shell's status of a command that SIGINT ended (128 + 2)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit status 0, 1 for an error of the input or of a rank (one line on stderr, no traceback), 2 for a usage
-    error."""
+    error, 130 for Ctrl-C before a server takes over its SIGINT (loading, generating)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    from moelora.engine.engine import EngineDead, RequestFailed  # imports torch: after --help and --version
-    from moelora.engine.workers import WorkerFailure
-
     try:
-        return args.run(args)
-    except (ValueError, OSError, RequestFailed, EngineDead, WorkerFailure) as e:  # AdapterError is a ValueError
-        print(f"moelora {args.command}: error: {_with_flags(str(e), parser, args.command)}", file=sys.stderr)
-        return 1
+        from moelora.engine.engine import EngineDead, RequestFailed  # imports torch: after --help and --version
+        from moelora.engine.workers import WorkerFailure
+        try:
+            return args.run(args)
+        except (ValueError, OSError, RequestFailed, EngineDead, WorkerFailure) as e:  # AdapterError is a ValueError
+            message = _ranks_in_a_line_each(str(e)) if isinstance(e, WorkerFailure) else str(e)
+            print(f"moelora {args.command}: error: {_with_flags(message, parser, args.command)}", file=sys.stderr)
+            return 1
+    except KeyboardInterrupt:
+        print(f"moelora {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+
+
+def _ranks_in_a_line_each(message: str) -> str:
+    """A rank failure's message with each rank's traceback ("rank N failed:\n<traceback>") cut to its exception
+    line ("rank N raised <exception>"), as its other ranks' fates read: a message, not the tracebacks."""
+    head, *ranks = re.split(r"(?:; |\n)(?=rank \d+ failed:\n)", message)
+    cut = [f"{r.split(' failed:', 1)[0]} raised {r.strip().splitlines()[-1]}" for r in ranks]
+    return "; ".join([head, "; ".join(cut)]) if cut else message
 
 
 def _with_flags(message: str, parser: argparse.ArgumentParser, command: str) -> str:

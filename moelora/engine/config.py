@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -119,6 +119,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self._check_types()
         self.lora_paths = dict(self.lora_paths)
         self._check(isinstance(self.model_path, str) and self.model_path != "", "model_path", "a non-empty path")
         self._check(isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
@@ -155,7 +156,8 @@ class EngineConfig:
         self._check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras_per_batch, "max_cpu_loras",
                     f">= max_loras_per_batch ({self.max_loras_per_batch}): every adapter in a slot is also in host memory")
         self._check(0.0 < self.mem_fraction_static < 1.0, "mem_fraction_static", "in (0, 1)")
-        self._check(self.max_total_tokens is None or self.max_total_tokens >= 2, "max_total_tokens", ">= 2")
+        # a request holds a prompt token and one to generate, and the cache keeps a slot to spare (ModelRunner)
+        self._check(self.max_total_tokens is None or self.max_total_tokens >= 3, "max_total_tokens", ">= 3")
         self._check(self.max_running_requests >= 1, "max_running_requests", ">= 1")
         self._check(self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1, "chunked_prefill_size",
                     ">= 1, or -1 to disable chunked prefill")
@@ -172,6 +174,22 @@ class EngineConfig:
                         "'all' or a non-empty list of module names without 'all'")
             # the model's names are checked once it is loaded (LoRAManager)
             self.lora_target_modules = "all" if names == ["all"] else list(dict.fromkeys(names))
+
+    def _check_types(self) -> None:
+        """Each int, float, bool and str field (None where it may be) of the type it names: the range checks compare
+        them, and a float where an int is meant would size a tensor or pass the checks (library use; the CLI
+        converts its flags)."""
+        kinds = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+        names = {"int": "an int", "float": "a number", "bool": "a bool", "str": "a string"}
+        for f in fields(self):
+            kind, _, rest = f.type.partition(" | ")
+            if kind not in kinds or rest not in ("", "None"):
+                continue
+            value = getattr(self, f.name)
+            if value is None and rest == "None":
+                continue
+            self._check(isinstance(value, kinds[kind]) and (kind == "bool" or not isinstance(value, bool)), f.name,
+                        names[kind] + (" or None" if rest else ""))
 
     def _check(self, ok: bool, name: str, expected: str) -> None:
         if not ok:

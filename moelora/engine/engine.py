@@ -131,7 +131,7 @@ class Engine:
         # characters of the vocabulary's longest token (for byte-level BPE one a byte), hence at least the text's
         # characters any one token covers
         self._longest_token = None if self.tokenizer is None else max(map(len, self.tokenizer.get_vocab()), default=1)
-        self.eos_token_ids = _eos_token_ids(self.config.model_path, self.tokenizer)
+        self.eos_token_ids = _eos_token_ids(self.config.model_path, self.tokenizer, self.runner.model.config.vocab_size)
         # as vLLM: only the tokenizer's EOS ends a request as EOS (stop_reason None); the model's others
         # (generation_config.json: Qwen's <|endoftext|> beside <|im_end|>) end it as stop_token_ids do
         own_eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
@@ -593,12 +593,21 @@ def _size(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
 
 
-def _eos_token_ids(model_path: str, tokenizer) -> list[int]:
-    """The model's EOS tokens (generation_config.json, as transformers' generate uses), else the tokenizer's."""
+def _eos_token_ids(model_path: str, tokenizer, vocab_size: int) -> list[int]:
+    """The model's EOS tokens (generation_config.json, as transformers' generate uses), else the tokenizer's; a
+    ValueError naming where they come from unless they are token ids of the model's vocabulary."""
+    where = f"{Path(model_path) / 'generation_config.json'}: eos_token_id"
     try:
         eos = GenerationConfig.from_pretrained(model_path).eos_token_id
     except OSError:
         eos = None
     if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
-    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        eos, where = tokenizer.eos_token_id, "the tokenizer's eos_token_id"
+    ids = [] if eos is None else [eos] if not isinstance(eos, (list, tuple)) else list(eos)
+    bad = [t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and t >= 0)]
+    if bad:  # they became every request's stop_token_ids, refused each time as the request's
+        raise ValueError(f"{where} must be token ids (ints >= 0), got {bad[0]!r}")
+    past = [t for t in ids if t >= vocab_size]
+    if past:  # (tiny test models keep their family's ids) never sampled: nothing to stop at
+        logger.warning("%s %s past the model's vocabulary (%d tokens): left out", where, past, vocab_size)
+    return [t for t in ids if t < vocab_size]

@@ -19,7 +19,7 @@ adapters in the same places.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,8 +28,8 @@ from torch import nn
 from moelora.core import ExpertLoRASlots
 from moelora.engine.config import EngineConfig
 from moelora.engine.lora_slots import (RankShare, adapted_layers, allocate_lora_slots, fit_problems, model_modules,
-                                       resolve_targets, share_of, slot_bytes, slotted_modules, unslotted_problems,
-                                       write_share_to_slot)
+                                       resolve_targets, share_of, slot_buffer_bytes, slot_bytes, slotted_modules,
+                                       unslotted_problems, write_share_to_slot)
 from moelora.kernels.lora_tiles import step_rank_bound
 from moelora.lora.adapter import load_adapter
 from moelora.lora.errors import AdapterError
@@ -92,7 +92,9 @@ Event = tuple  # ("load", name, path, files' version) | ("drop", name) | ("write
 
 
 class LoRAManager:
-    def __init__(self, config: EngineConfig, model: nn.Module, record_events: bool = False):
+    def __init__(self, config: EngineConfig, model: nn.Module, record_events: bool = False,
+                 check_memory: Callable[[int, int], None] | None = None):
+        """check_memory(bytes, rank): raises unless the slot buffers of that rank fit the device's free memory."""
         self.config, self.model = config, model
         self._events: list[Event] | None = [] if record_events else None
         self.shapes = load_model_shapes(config.model_path, config.tokenizer_path)  # what adapters are checked against
@@ -112,6 +114,8 @@ class LoRAManager:
         self.max_rank = config.max_lora_rank or max((a.max_rank for a in initial.values()), default=0)
         targets = resolve_targets(config.lora_target_modules, model, [a.modules for a in initial.values()])
         if self.max_rank:
+            if check_memory is not None:
+                check_memory(slot_buffer_bytes(model, config.max_loras_per_batch, self.max_rank, targets), self.max_rank)
             allocate_lora_slots(model, config.max_loras_per_batch, self.max_rank, targets)
         self.expert_loras = [m.lora for m in model.modules() if isinstance(getattr(m, "lora", None), ExpertLoRASlots)]
         for name, share in initial.items():

@@ -16,8 +16,9 @@ what the LoRA manager keeps in host memory and `write_share_to_slot` copies: eac
 adapter, not all of it."""
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,24 +93,36 @@ def resolve_targets(requested: Sequence[str] | str | None, model: nn.Module, ada
 def allocate_lora_slots(model: nn.Module, num_slots: int, max_rank: int, targets: Collection[str] | None = None
                         ) -> None:
     """Slot buffers for every layer with a part among `targets` (target modules, see resolve_targets; None: all)."""
+    for m, shapes in _slot_shapes(model, num_slots, max_rank, targets):
+        weight = m.w13 if isinstance(m, Runner) else m.weight
+        buffers = {name: torch.zeros(shape, dtype=torch.int32 if name == "ranks" else weight.dtype,
+                                     device=weight.device) for name, shape in shapes.items()}
+        m.lora = (ExpertLoRASlots if isinstance(m, Runner) else LinearLoRASlots)(**buffers)
+
+
+def slot_buffer_bytes(model: nn.Module, num_slots: int, max_rank: int, targets: Collection[str] | None = None) -> int:
+    """Bytes allocate_lora_slots would allocate, before it does (a request for more than there is: an error, not an
+    allocation that fails, or that the system's out-of-memory killer ends)."""
+    total = 0
+    for m, shapes in _slot_shapes(model, num_slots, max_rank, targets):
+        element = (m.w13 if isinstance(m, Runner) else m.weight).element_size()
+        total += sum(math.prod(shape) * (4 if name == "ranks" else element) for name, shape in shapes.items())
+    return total
+
+
+def _slot_shapes(model: nn.Module, s: int, r: int, targets: Collection[str] | None
+                 ) -> Iterator[tuple[Linear | Runner, dict[str, tuple[int, ...]]]]:
+    """Each layer that gets slot buffers, with their shapes (ranks int32, the others the layer's weights' dtype)."""
     for m in _lora_layers(model):
         if targets is not None and not any(name in targets for name in _modules_of(m)):
             continue
-        weight = m.w13 if isinstance(m, Runner) else m.weight
-        zeros = dict(dtype=weight.dtype, device=weight.device)
-        s, r = num_slots, max_rank
         if isinstance(m, Runner):
             e, h, i = m.num_experts, m.hidden_size, m.intermediate_size
-            m.lora = ExpertLoRASlots(
-                a_gate=torch.zeros(s, e, r, h, **zeros), b_gate=torch.zeros(s, e, r, i, **zeros),
-                a_up=torch.zeros(s, e, r, h, **zeros), b_up=torch.zeros(s, e, r, i, **zeros),
-                a_down=torch.zeros(s, e, r, i, **zeros), b_down=torch.zeros(s, e, r, h, **zeros),
-                ranks=torch.zeros(3, s, e, dtype=torch.int32, device=weight.device))
+            yield m, dict(a_gate=(s, e, r, h), b_gate=(s, e, r, i), a_up=(s, e, r, h), b_up=(s, e, r, i),
+                          a_down=(s, e, r, i), b_down=(s, e, r, h), ranks=(3, s, e))
         else:
             parts = len(m.out_sizes)
-            m.lora = LinearLoRASlots(a=torch.zeros(s, parts, r, m.in_features, **zeros),
-                                     b=torch.zeros(s, r, m.out_features, **zeros),
-                                     ranks=torch.zeros(s, parts, dtype=torch.int32, device=weight.device))
+            yield m, dict(a=(s, parts, r, m.in_features), b=(s, r, m.out_features), ranks=(s, parts))
 
 
 def slot_bytes(model: nn.Module) -> int:

@@ -121,7 +121,8 @@ class ModelRunner:
         # slots first: the KV cache gets what memory is left
         loaded = len(config.lora_paths)
         with self._start_phase(f"LoRA slots allocated, {loaded} adapter{'s' * (loaded != 1)} loaded"):
-            self.lora = LoRAManager(config, self.model, record_events=self.workers is not None)
+            self.lora = LoRAManager(config, self.model, record_events=self.workers is not None,
+                                    check_memory=self._check_slot_memory)
         context = config.context_length or model_config.max_position_embeddings
         shape = self.model.kv_cache_shape
         tokens = self._kv_tokens(shape.bytes_per_token(self.dtype), context)
@@ -368,6 +369,20 @@ class ModelRunner:
         return StepInputs([r.row for r in batch.reqs], new_tokens, list(batch.prefix_lens), batch.out_slots,
                           logits_indices, token_slots, batch.num_decode, pending_rows, num_sampled), rows
 
+    def _check_slot_memory(self, num_bytes: int, rank: int) -> None:
+        """ValueError unless LoRA slot buffers of num_bytes (slots of `rank`) fit in the memory this rank's device has
+        free: a request for more was an allocation error's traceback, or a process the out-of-memory killer ended."""
+        if self.device.type == "cpu":
+            available, where = _host_memory_available(), "host"
+            if available is not None:  # the ranks of a node allocate theirs at once
+                available //= len(node_ranks(self.config))
+        else:
+            available, where = torch.cuda.mem_get_info(self.device)[0], "GPU"
+        if available is not None and num_bytes > available:
+            raise ValueError(f"the LoRA slots need {num_bytes / 2**30:.2f} GiB (EngineConfig.max_loras_per_batch "
+                             f"{self.config.max_loras_per_batch} of EngineConfig.max_lora_rank {rank}); "
+                             f"{available / 2**30:.2f} GiB of {where} memory is available")
+
     def _kv_tokens(self, bytes_per_token: int, context: int) -> int:
         """KV token slots: max_total_tokens when given (on GPUs it must fit in free memory), else on CPU
         CPU_KV_TOKENS and on GPUs what is left of mem_fraction_static of the memory after weights, LoRA
@@ -393,7 +408,7 @@ class ModelRunner:
             return self.config.max_total_tokens
         budget = total * self.config.mem_fraction_static - (total - free) - req_to_token
         tokens = int(budget // bytes_per_token)
-        if tokens < 2:
+        if tokens < 3:
             raise ValueError(f"no GPU memory left for the KV cache ({budget / 2**30:.2f} GiB of mem_fraction_static="
                              f"{self.config.mem_fraction_static} after weights and LoRA slots): raise mem_fraction_static, "
                              "or lower max_loras_per_batch, max_lora_rank or max_running_requests")

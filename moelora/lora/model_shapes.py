@@ -45,7 +45,10 @@ def load_model_shapes(model: str | Path | PretrainedConfig, tokenizer: str | Pat
     family = _FAMILIES.get(config.model_type)
     if family is None:
         raise AdapterError(f"model_type {config.model_type!r} is not served (supported: {', '.join(sorted(_FAMILIES))})")
-    shapes = family(config)
+    try:
+        shapes = family(config)
+    except (ArithmeticError, TypeError, AttributeError) as e:  # fields a model cannot have (0 heads, a str)
+        raise AdapterError(f"the model's config cannot be a model: {type(e).__name__}: {e}") from None
     if isinstance(model, PretrainedConfig):
         return shapes
     return dataclasses.replace(shapes, added_tokens=_tokenizer_added_tokens(Path(tokenizer or model)))
@@ -81,7 +84,12 @@ def _read_config(model_dir: Path) -> PretrainedConfig:
     if not (model_dir / "config.json").is_file():
         error = missing_file(model_dir, "config.json", "a local model directory")
         raise AdapterError(f"{error} (--model takes a local model directory)")
-    return AutoConfig.from_pretrained(model_dir)
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except OSError:
+        raise
+    except Exception as e:  # transformers' and its libraries' errors of a malformed config.json
+        raise AdapterError(f"{model_dir / 'config.json'}: {e}") from None
 
 
 def _mlp(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, int]]:

@@ -66,14 +66,27 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_path: str | Path, **options: Any) -> ModelConfig:
-        return cls.from_hf(AutoConfig.from_pretrained(model_path), **options)
+        """ValueError naming config.json and its field where transformers cannot read it or its values cannot be a
+        model (transformers' own errors of such values are of several types, some of them its libraries')."""
+        where = Path(model_path) / "config.json"
+        try:
+            hf = AutoConfig.from_pretrained(model_path)
+        except OSError:
+            raise
+        except Exception as e:
+            raise ValueError(f"{where}: {e}") from None
+        try:
+            return cls.from_hf(hf, **options)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
 
     @classmethod
     def from_hf(cls, hf: PretrainedConfig, **options: Any) -> ModelConfig:
-        """options: the serving options (moe_backend)."""
+        """options: the serving options (moe_backend). ValueError names the field whose value cannot be a model."""
         family = _FAMILIES.get(hf.model_type)
         if family is None:
             raise ValueError(f"model_type {hf.model_type!r} is not served (supported: {', '.join(sorted(_FAMILIES))})")
+        _check_common(hf)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         common = dict(
             architectures=tuple(hf.architectures or ()), model_type=hf.model_type, vocab_size=hf.vocab_size,
@@ -85,17 +98,65 @@ class ModelConfig:
             head_dim=head_dim, qkv_bias=bool(getattr(hf, "attention_bias", False)),
             o_bias=bool(getattr(hf, "attention_bias", False)), clip_qkv=None, mla=None,
             intermediate_size=hf.intermediate_size, correction_bias=False, shared_expert_intermediate_size=0)
-        return replace(cls(**{**common, **family(hf)}), **options)
+        config = replace(cls(**{**common, **family(hf)}), **options)
+        _check_experts(config)
+        return config
+
+
+def _positive(hf: PretrainedConfig, *names: str, least: int = 1) -> None:
+    for name in names:
+        value = getattr(hf, name, None)
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+
+
+def _check_common(hf: PretrainedConfig) -> None:
+    """The fields every family reads, before anything divides by them or sizes a tensor with them."""
+    _positive(hf, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+    _positive(hf, "max_position_embeddings", least=2)  # a prompt token and one to generate
+    for name in ("num_key_value_heads", "head_dim"):
+        if getattr(hf, name, None) is not None:
+            _positive(hf, name)
+    kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    if hf.num_attention_heads % kv_heads:
+        raise ValueError(f"num_attention_heads ({hf.num_attention_heads}) must be a multiple of num_key_value_heads "
+                         f"({kv_heads})")
+    _saved_dtype(hf)
+
+
+def _check_experts(config: ModelConfig) -> None:
+    """The routed experts and their routing: what every MoE layer's TopK and Runner take as given."""
+    if not config.moe_layers:
+        return
+    for name in ("num_experts", "moe_intermediate_size"):
+        if not isinstance(getattr(config, name), int) or getattr(config, name) < 1:
+            raise ValueError(f"the routed experts' {name} must be >= 1 where layers are MoE, got {getattr(config, name)}")
+    topk, experts = config.topk, config.num_experts
+    if not isinstance(topk.top_k, int) or not 1 <= topk.top_k <= experts:
+        raise ValueError(f"num_experts_per_tok must be in [1, {experts}] (the routed experts), got {topk.top_k!r}")
+    groups = topk.num_expert_group
+    if groups is not None:
+        if not isinstance(groups, int) or groups < 1 or experts % groups:
+            raise ValueError(f"n_group must divide the {experts} routed experts, got {groups!r}")
+        if not isinstance(topk.topk_group, int) or not 1 <= topk.topk_group <= groups:
+            raise ValueError(f"topk_group must be in [1, n_group={groups}], got {topk.topk_group!r}")
+        if topk.top_k > topk.topk_group * (experts // groups):
+            raise ValueError(f"num_experts_per_tok ({topk.top_k}) must be at most the experts of topk_group "
+                             f"({topk.topk_group}) groups of {experts // groups}")
 
 
 def _saved_dtype(hf: PretrainedConfig) -> torch.dtype | None:
     saved = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
-    return getattr(torch, saved) if isinstance(saved, str) else saved
+    dtype = getattr(torch, saved, None) if isinstance(saved, str) else saved
+    if saved is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype (torch_dtype) must name a floating-point torch dtype, got {saved!r}")
+    return dtype
 
 
 def _qwen_moe(hf: PretrainedConfig) -> dict[str, Any]:
     """Qwen2-MoE and Qwen3-MoE: MoE layers except those in mlp_only_layers or off the decoder_sparse_step grid;
     Qwen2-MoE adds a gated shared expert and (transformers before v5 had no qkv_bias field) q/k/v biases."""
+    _positive(hf, "decoder_sparse_step")
     fields = dict(num_experts=hf.num_experts, moe_intermediate_size=hf.moe_intermediate_size,
                   moe_layers=frozenset(i for i in range(hf.num_hidden_layers)
                                        if i not in (hf.mlp_only_layers or []) and hf.num_experts > 0
@@ -124,6 +185,10 @@ def _deepseek(hf: PretrainedConfig) -> dict[str, Any]:
     """The first first_k_dense_replace layers dense. Routing: V2 softmax (grouped for topk_method
     "group_limited_greedy"); V3 sigmoid with e_score_correction_bias and groups scored by their two best
     experts. Both multiply the weights by routed_scaling_factor."""
+    _positive(hf, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    _positive(hf, "first_k_dense_replace", least=0)
+    if hf.q_lora_rank is not None:
+        _positive(hf, "q_lora_rank")
     v3 = hf.model_type == "deepseek_v3"
     grouped = v3 or hf.topk_method == "group_limited_greedy"
     topk = TopKConfig(top_k=hf.num_experts_per_tok, renormalize=bool(hf.norm_topk_prob),

@@ -156,6 +156,21 @@ def test_an_adapter_past_the_models_dtype_is_refused(make_engine, adapters, tmp_
     assert engine.runner.lora.names == []
 
 
+def test_slots_past_the_free_memory_are_an_error_before_they_are_allocated(make_engine, monkeypatch):
+    """The slot buffers' bytes are known before they are allocated (slot_buffer_bytes, the bytes allocate_lora_slots
+    then holds): more than the memory available is an error naming both fields, not an allocation's traceback or
+    the out-of-memory killer ending the process."""
+    from moelora.engine import model_runner
+    from moelora.engine.lora_slots import slot_buffer_bytes, slot_bytes
+    engine = make_engine(FAMILY, max_lora_rank=32, max_loras_per_batch=3, lora_target_modules="all")
+    model = engine.runner.model
+    assert slot_buffer_bytes(model, 3, 32) == slot_bytes(model) > 0
+    monkeypatch.setattr(model_runner, "_host_memory_available", lambda: slot_bytes(model) - 1)
+    with pytest.raises(ValueError, match=r"the LoRA slots need .* GiB \(EngineConfig.max_loras_per_batch 3 of "
+                                         r"EngineConfig.max_lora_rank 32\); .* GiB of host memory is available"):
+        make_engine(FAMILY, max_lora_rank=32, max_loras_per_batch=3, lora_target_modules="all", max_cpu_loras=5)
+
+
 def test_no_slots_without_a_rank(make_engine, adapters):
     engine = make_engine(FAMILY, lora_paths={}, max_lora_rank=None)
     with pytest.raises(AdapterError, match="no LoRA slots"):

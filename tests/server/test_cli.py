@@ -164,6 +164,37 @@ def test_an_unreadable_checkpoint_is_one_error_naming_its_file(demo_dir, tmp_pat
                                        "safetensors index (KeyError: 'weight_map')\n")
 
 
+@pytest.mark.parametrize("edit, message", [
+    ({"num_attention_heads": 0, "head_dim": None}, "num_attention_heads must be an int >= 1, got 0"),
+    ({"num_key_value_heads": 3}, "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step must be an int >= 1, got 0"),
+    ({"hidden_size": -128}, "hidden_size must be an int >= 1, got -128"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings must be an int >= 2, got 0"),
+    ({"dtype": "int8"}, "dtype (torch_dtype) must name a floating-point torch dtype, got torch.int8"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok must be in [1, 8] (the routed experts), got 9"),
+])
+def test_a_config_json_that_cannot_be_a_model_is_one_error_naming_its_field(demo_dir, tmp_path, capsys, edit,
+                                                                            message):
+    """Values that once divided by zero, sized a tensor below zero, or failed every request at its first step."""
+    model = tmp_path / "model"
+    shutil.copytree(demo_dir / "model", model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(edit)
+    (model / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    assert main(["generate", "--model-path", str(model), "--prompt", "x", *CPU]) == 1
+    assert capsys.readouterr().err == f"moelora generate: error: {model / 'config.json'}: {message}\n"
+
+
+def test_ctrl_c_while_loading_is_one_line_and_status_130(demo_dir, monkeypatch, capsys):
+    import moelora.engine.model_runner as model_runner
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(model_runner, "load_model", interrupted)
+    assert main(["generate", "--model-path", str(demo_dir / "model"), "--prompt", "x", *CPU]) == 130
+    assert capsys.readouterr().err == "moelora generate: interrupted\n"
+
+
 def test_an_unreadable_tokenizer_is_one_error_naming_its_directory(demo_dir, tmp_path, capsys):
     tokenizer = tmp_path / "tokenizer"
     shutil.copytree(demo_dir / "model", tokenizer, ignore=shutil.ignore_patterns("*.safetensors"))
@@ -222,6 +253,11 @@ def test_cli_errors_are_one_message_and_exit_status_1(demo_dir, other_model_adap
               "EngineConfig.lora_target_modules (--lora-target-modules): the model has no module 'w1'")
     one_error(moelora("serve", *model, "--tensor-parallel-size", "3", "--ep-size", "2", *CPU), "serve",
               "EngineConfig.ep_size (--ep-size, --expert-parallel-size, --ep) must be a divisor of tp_size (3)")
+    # the ranks raise while loading: each in a line of the message, not its traceback
+    one_error(moelora("generate", *model, "--prompt", "x", "--tp-size", "3", *CPU), "generate",
+              "loading the model failed on the tensor-parallel ranks (ValueError: the vocabulary (",
+              "does not split evenly over 3 ranks); rank 1 raised ValueError: the vocabulary (",
+              "; rank 2 raised ValueError: the vocabulary (")
     one_error(moelora("serve", *model, "--chat-template", "nope.jinja", *CPU), "serve",
               "EngineConfig.chat_template (--chat-template) 'nope.jinja' is neither a readable file")
     with socket.socket() as taken:  # another process's port; a host that is nowhere: found before the model loads

@@ -70,8 +70,12 @@ def test_unset_fields_take_them_and_set_ones_win(engine):
         SamplingParams(max_tokens=5, seed=seed, **defaults), chat_prompt)
 
 
-@pytest.mark.parametrize("content, message", [('{"temperature": -1}', "SamplingParams.temperature"),
-                                              ("[1]", "must be a JSON object"), ("{x", "not valid JSON")])
+@pytest.mark.parametrize("content, message", [
+    ('{"temperature": -1}', "SamplingParams.temperature"), ("[1]", "must be a JSON object"), ("{x", "not valid JSON"),
+    # it was taken as the requests' stop tokens: every request failed, blamed on a --stop-token-ids never given
+    ('{"eos_token_id": "x"}', r"eos_token_id must be token ids \(ints >= 0\), got 'x'"),
+    ('{"eos_token_id": [2, -1]}', r"eos_token_id must be token ids \(ints >= 0\), got -1"),
+])
 def test_a_bad_file_ends_the_start_naming_it(tmp_path, model, content, message):
     bad = tmp_path / "model"
     shutil.copytree(model, bad)
