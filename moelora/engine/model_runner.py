@@ -114,7 +114,9 @@ class ModelRunner:
                 raise ValueError(f"{what}; set {ALLOW_LONG_CONTEXT}=1 to serve it all the same")
             logger.warning("%s: served as %s=1 asks; outputs past the trained positions may be garbage", what,
                            ALLOW_LONG_CONTEXT)
-        self.dtype = DTYPES[config.dtype] if config.dtype != "auto" else model_config.saved_dtype or torch.float32
+        # "auto": the checkpoint's dtype where the engine serves it (float64, which --dtype refuses, is served in float32)
+        saved = model_config.saved_dtype if model_config.saved_dtype in DTYPES.values() else torch.float32
+        self.dtype = DTYPES[config.dtype] if config.dtype != "auto" else saved
         with self._start_phase("model loaded"):
             self.model = load_model(config.model_path, self.dtype, self.device, config.load_format,
                                     config.random_seed, model_config)

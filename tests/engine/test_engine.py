@@ -1,6 +1,7 @@
 """Engine behaviour on the tiny Qwen3-MoE: batch invariance (with chunked prefill and retraction),
 the step API, aborts, per-request errors, n > 1, logprobs and stop tokens."""
 import gc
+import json
 import shutil
 import weakref
 from dataclasses import replace
@@ -332,6 +333,19 @@ def test_the_summary_says_how_long_the_start_took(make_engine):
     assert list(seconds) == ["model loaded", loras]  # no warm-up steps or graphs on the CPU
     assert engine.summary()[-1] == (f"start: model loaded in {seconds['model loaded']:.1f} s, "
                                     f"{loras} in {seconds[loras]:.1f} s")
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("saved, served", [("float64", torch.float32), ("bfloat16", torch.bfloat16)])
+def test_auto_serves_the_checkpoints_dtype_where_it_can(checkpoint, tokenizer_dir, tmp_path, saved, served):
+    """dtype 'auto' takes config.json's dtype; float64, which --dtype refuses (the kernels have no float64), is
+    served in float32."""
+    model = tmp_path / "model"
+    shutil.copytree(checkpoint(FAMILY), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "dtype": saved}))
+    engine = Engine(str(model), device="cpu", dtype="auto", tokenizer_path=str(tokenizer_dir))
+    assert engine.runner.dtype == served
     engine.shutdown()
 
 
