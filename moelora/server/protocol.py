@@ -132,10 +132,21 @@ def _first_bad_string(value: Any) -> tuple | None:
         if len(path) >= MAX_NESTING:
             raise NestingError(path)
         if isinstance(value, dict):
+            if _SCALARS.issuperset(map(type, value.values())) and _all_encode(value):  # (a logit_bias of the vocabulary)
+                continue
             stack += reversed([c for key, item in value.items() for c in ((path + ("<key>",), key), (path + (key,), item))])
         elif not _SCALARS.issuperset(map(type, value)):
             stack += reversed([(path + (i,), item) for i, item in enumerate(value) if type(item) not in _SCALARS])
     return None
+
+
+def _all_encode(strings: Any) -> bool:
+    """Whether every one of the strings encodes as UTF-8, at C speed (a surrogate stays one beside any other)."""
+    try:
+        "".join(strings).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 # vLLM/OpenAI fields moelora does not serve: name -> (the values that change nothing, why it is refused)

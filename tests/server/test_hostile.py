@@ -127,7 +127,8 @@ def test_a_json_body_without_its_content_type_is_told_so(server, content_type):
 
 
 def test_the_first_bad_string_is_found_past_scalars_and_at_its_index():
-    """The walk skips the numbers, booleans and nulls of a list (a prompt of token ids) without losing the indices
+    """The walk skips the numbers, booleans and nulls of a list (a prompt of token ids), and checks the keys of an
+    object of such values at once (a logit_bias of the vocabulary), without losing the indices
     of what it does look at, in document order, keys before their values; a list of numbers nested too deep is
     still too deep."""
     from moelora.server.protocol import MAX_NESTING, NestingError, _first_bad_string
@@ -135,6 +136,9 @@ def test_the_first_bad_string_is_found_past_scalars_and_at_its_index():
     assert _first_bad_string({"prompt": [1, 2.5, None, True, ["ok", 3, bad]], "stop": [bad]}) == ("prompt", 4, 2)
     assert _first_bad_string({"a": {"b": 1, bad: [bad]}}) == ("a", "<key>")
     assert _first_bad_string({"prompt": [5] * 100_000, "n": 1}) is None
+    bias = {str(t): 1.0 for t in range(1000)}
+    assert _first_bad_string({"logit_bias": bias}) is None
+    assert _first_bad_string({"logit_bias": {**bias, bad: 1.0}}) == ("logit_bias", "<key>")
     nested: list = [1, 2]
     for _ in range(MAX_NESTING):
         nested = [nested]
