@@ -15,10 +15,13 @@ constructor and end their process when rank 0 shuts down.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import math
+import numbers
 import random
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -75,6 +78,22 @@ class GenerateOutput:
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with params.prompt_logprobs: None first
     stop_reason: str | int | None = None  # the stop string or stop_token_ids token that ended it (None: EOS, length)
+
+
+def _one_caller(method: Callable[..., T]) -> Callable[..., T]:
+    """An Engine method that changes its requests or adapters, run by one thread at a time: a second thread's call
+    while another's runs is a RuntimeError, where it once failed requests with internal errors and leaked their
+    cache (the thread inside may call in again: generate steps)."""
+    @functools.wraps(method)
+    def one_at_a_time(self: Engine, *args, **kwargs):
+        if not self._caller.acquire(blocking=False):
+            raise RuntimeError(f"Engine.{method.__name__} was called while another thread is inside the engine: an "
+                               "Engine serves one thread at a time (a server runs it on a thread of its own)")
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._caller.release()
+    return one_at_a_time
 
 
 class Engine:
@@ -142,6 +161,7 @@ class Engine:
         self._seeds = random.Random(self.config.random_seed)  # for requests without a seed
         self.stepper = Stepper(self.scheduler, self.runner, self.config.overlap_schedule)
         self._aborted: list[StepOutput] = []
+        self._caller = threading.RLock()  # held by the thread inside a call that changes requests or adapters
         self._token_texts: dict[int, str] = {}
         # thread-safe: a server may compile a request's grammar in a worker thread before adding it
         self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids, self.missing_tokenizer)
@@ -153,12 +173,14 @@ class Engine:
         share of it, for load_lora; touches no engine state, so a server reads files outside the engine's thread."""
         return self.runner.lora.read(path)
 
+    @_one_caller
     def load_lora(self, name: str, path: str, adapter: RankShare | None = None) -> None:
         """Serve the adapter at `path` as `name` from now on; `adapter`: what read_lora(path) gave, else
         the file is read here. Every rank holds the adapter when this returns."""
         self.runner.lora.load_lora(name, path, adapter)
         self._sync_lora()
 
+    @_one_caller
     def unload_lora(self, name: str) -> None:
         """Requests in flight with the adapter finish; new ones naming it are refused."""
         self.runner.lora.unload_lora(name)
@@ -206,7 +228,7 @@ class Engine:
         self.runner.profiler.abandon()
 
     def shutdown(self) -> None:
-        """Stop the other ranks (tp_size > 1); the engine runs no more steps. Nothing to do at one rank."""
+        """Stop the other ranks (tp_size > 1); the engine runs no more steps (EngineDead from then on)."""
         try:
             self.drop_profile()
             if self.workers is not None:
@@ -214,7 +236,7 @@ class Engine:
                     self.runner.release_graphs(wait=self.workers.failure is None)
                 self.workers.shutdown()
                 self.workers = None
-                self.stepper.fatal = self.stepper.fatal or "the engine was shut down"
+            self.stepper.fatal = self.stepper.fatal or "the engine was shut down"
         finally:
             self._give_back_threads()
 
@@ -228,16 +250,16 @@ class Engine:
 
     # ---------------------------------------------------------------------------- offline API
 
+    @_one_caller
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, lora: str | None | Sequence[str | None] = None) -> list[GenerateOutput]:
         """Completions of every prompt (a string or token ids), with one sampling_params for all or one
         each, and an adapter name (None: base model) for all or one each. A prompt with n > 1 gives n
         outputs in a row. Run alone: outputs of requests added through add_request are dropped."""
-        prompts = [prompts] if isinstance(prompts, str) or _is_token_ids(prompts) else list(prompts)
+        prompts = _prompt_list(prompts)
         params = _per_prompt(sampling_params if sampling_params is not None else SamplingParams(), prompts, "sampling_params")
         adapters = _per_prompt(lora, prompts, "lora")
-        reqs = self._make_all([(p, sp.for_sequence(k), a, False)
-                               for p, sp, a in zip(prompts, params, adapters) for k in range(sp.n)])
+        reqs = self._make_all([(i, p, sp, a, False) for i, (p, sp, a) in enumerate(zip(prompts, params, adapters))])
         self._run(reqs)
         return [GenerateOutput(r.detokenizer.text, list(r.output_ids), r.finish_reason,
                                r.logprobs if r.params.logprobs is not None else None, r.cumulative_logprob,
@@ -245,18 +267,21 @@ class Engine:
                                r.detokenizer.stop_reason)
                 for r in reqs]
 
+    @_one_caller
     def prompt_logprobs(self, token_id_lists: Sequence[Sequence[int]], lora: str | None | Sequence[str | None] = None
                         ) -> list[torch.Tensor]:
         """Float32 [len, vocab] per prompt: row i is the log-probability of every next token after
         the prompt's first i + 1 tokens."""
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        token_id_lists = _prompt_list(token_id_lists)
         adapters = _per_prompt(lora, token_id_lists, "lora")
-        reqs = self._make_all([(list(ids), params, a, True) for ids, a in zip(token_id_lists, adapters)])
+        reqs = self._make_all([(i, ids, params, a, True) for i, (ids, a) in enumerate(zip(token_id_lists, adapters))])
         self._run(reqs)
         return [torch.cat(r.prompt_logprobs) for r in reqs]
 
     # ------------------------------------------------------------------------------- step API
 
+    @_one_caller
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, lora: str | None = None,
                     rid: str | None = None, add_special_tokens: bool = True, detokenize: bool = True,
                     arrival_time: float | None = None) -> str:
@@ -277,6 +302,7 @@ class Engine:
         self._add(req)
         return req.rid
 
+    @_one_caller
     def step(self) -> list[StepOutput]:
         """Run one step; the new tokens and text of every request in it, and the end of aborted and
         failed ones. With overlap scheduling (the default), the tokens of the step launched by the previous call
@@ -289,6 +315,7 @@ class Engine:
             self._aborted = outputs + self._aborted
             raise
 
+    @_one_caller
     def abort(self, rid: str) -> bool:
         """Stop a request; the next step reports it finished with reason "abort". False if unknown or done."""
         req = self.scheduler.find(rid)
@@ -313,7 +340,7 @@ class Engine:
         """The prompt's token ids (PromptError for text it cannot take); touches no engine state, so a
         server tokenizes outside the engine's thread and adds the ids."""
         if not isinstance(prompt, str):
-            return list(prompt)
+            return _token_ids(prompt)
         check_text(prompt, "the prompt")
         if self.tokenizer is None:
             raise PromptError(f"a text prompt needs a tokenizer: {self.missing_tokenizer}")
@@ -346,7 +373,7 @@ class Engine:
 
     def check_token_ids(self, ids: Sequence[int]) -> None:
         """PromptError unless every id of a prompt is an int in [0, vocab_size)."""
-        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        bad = [t for t in ids if not (_is_int(t) and 0 <= t < self.vocab_size)]
         if bad:
             raise PromptError(f"prompt token ids must be ints in [0, {self.vocab_size}), got {bad[0]!r}")
 
@@ -367,7 +394,8 @@ class Engine:
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message goes on with the last message: it cannot also add the generation "
                              "prompt (set add_generation_prompt to false)")
-        if continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
+        if continue_final_message and (not messages or not isinstance(messages[-1], dict)
+                                       or messages[-1].get("role") != "assistant"):
             raise ValueError("continue_final_message needs the last message to be the assistant's")
         own = {name for name, p in inspect.signature(self.tokenizer.apply_chat_template).parameters.items()
                if p.kind is not inspect.Parameter.VAR_KEYWORD} | {"messages"}
@@ -385,6 +413,8 @@ class Engine:
 
     def token_text(self, token: int) -> str:
         """The text of one token alone (as log-probability entries show it)."""
+        if not (_is_int(token) and 0 <= token < self.vocab_size):
+            raise ValueError(f"token must be a token id in [0, {self.vocab_size}), got {token!r}")
         if token not in self._token_texts:  # without a tokenizer, as vLLM's return_tokens_as_token_ids
             self._token_texts[token] = self.tokenizer.decode([token]) if self.tokenizer else f"token_id:{token}"
         return self._token_texts[token]
@@ -454,11 +484,16 @@ class Engine:
     # ------------------------------------------------------------------------------ internals
 
     def _make_all(self, specs: list[tuple]) -> list[Req]:
-        """Requests for (prompt, params, lora, return_prompt_logprobs) specs, added only once all are valid."""
+        """Requests for (prompt index, prompt, params, lora, return_prompt_logprobs) specs, params.n of each (the k-th
+        with params.for_sequence(k)), added only once all are valid; errors name the prompt by its index."""
         reqs = []
-        for i, spec in enumerate(specs):
+        for i, prompt, params, lora, return_prompt_logprobs in specs:
             try:
-                reqs.append(self._make(*spec))
+                params = replace(params)  # its fields as __post_init__ makes them (set since, maybe) and checked
+                for k in range(params.n):
+                    req = self._make(prompt, params.for_sequence(k), lora, return_prompt_logprobs)
+                    req.prompt_index = i
+                    reqs.append(req)
             except ValueError as e:
                 raise type(e)(f"prompt {i}: {e}") from e
         for req in reqs:
@@ -468,7 +503,9 @@ class Engine:
     def _make(self, prompt: Prompt, params: SamplingParams, lora: str | None, return_prompt_logprobs: bool,
               rid: str | None = None, add_special_tokens: bool = True, detokenize: bool = True) -> Req:
         """A valid request, or ValueError naming what is wrong; changes nothing."""
-        params.validate()
+        params = replace(params)  # its fields as __post_init__ makes them (a caller may have set one since) and checked
+        if rid is not None and not (isinstance(rid, str) and rid):
+            raise ValueError(f"a request id must be a non-empty string, got {rid!r}")
         if lora is not None:
             self.runner.lora.check(lora)
         if rid is not None and self.scheduler.find(rid) is not None:
@@ -508,7 +545,8 @@ class Engine:
         # without the tokenizer it decides only the stop-token and length finishes
         params = self._with_eos_stops(params)
         detokenizer = IncrementalDetokenizer(self.tokenizer if detokenize else None, ids, params, self._tokenizer_eos)
-        return Req(rid or uuid.uuid4().hex, ids, params, lora, seed, detokenizer, return_prompt_logprobs,
+        return Req(rid if rid is not None else uuid.uuid4().hex, ids, params, lora, seed, detokenizer,
+                   return_prompt_logprobs,
                    grammar=grammar, allowed_tokens=allowed, logit_bias=logit_bias_tensors(params),
                    arrival=time.perf_counter())
 
@@ -551,7 +589,7 @@ class Engine:
                 if not req.finished:
                     self.abort(req.rid)
             raise
-        failed = [(i, r.error) for i, r in enumerate(reqs) if r.error is not None]
+        failed = [(r.prompt_index, r.error) for r in reqs if r.error is not None]
         if failed:
             raise RequestFailed("; ".join(f"prompt {i}: {error}" for i, error in failed))
 
@@ -575,8 +613,38 @@ def _check_device(config: EngineConfig) -> None:
                          f"{torch.cuda.device_count()} CUDA device(s)")
 
 
+def _is_int(value) -> bool:
+    """An int of Python's or numpy's, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _is_token_ids(prompt) -> bool:
-    return isinstance(prompt, Sequence) and len(prompt) > 0 and all(isinstance(t, int) for t in prompt)
+    """A prompt of token ids rather than a list of prompts: a non-empty list or tuple of ints (or a 1-D integer array)."""
+    if hasattr(prompt, "tolist") and getattr(prompt, "ndim", None) == 1:
+        prompt = prompt.tolist()
+    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(_is_int(t) for t in prompt)
+
+
+def _token_ids(prompt) -> list[int]:
+    """A prompt of token ids as a list of ints; PromptError for anything else (bytes, bools, a dict, None...)."""
+    if not _is_token_ids(prompt) and not (isinstance(prompt, (list, tuple)) and not prompt):
+        raise PromptError(f"a prompt is a string or a list of token ids (ints), got {_describe_value(prompt)}")
+    return [int(t) for t in (prompt.tolist() if hasattr(prompt, "tolist") else prompt)]
+
+
+def _prompt_list(prompts) -> list:
+    """generate's and prompt_logprobs' prompts as a list: one prompt (a string, token ids) or a list or tuple of them."""
+    if isinstance(prompts, str) or _is_token_ids(prompts):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise PromptError(f"prompts must be a string, a list of token ids, or a list of those; got "
+                          f"{_describe_value(prompts)}")
+    return list(prompts)
+
+
+def _describe_value(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
 
 
 def _per_prompt(value, prompts: Sequence, name: str) -> list:

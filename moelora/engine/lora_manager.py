@@ -162,6 +162,8 @@ class LoRAManager:
 
     def load_lora(self, name: str, path: str | Path, adapter: RankShare | None = None) -> None:
         """Serve the adapter at `path` (`adapter`: what read(path) gave, else it is read here) as `name`."""
+        if not isinstance(name, str) or not name:
+            raise AdapterNameError(f"an adapter's name must be a non-empty string, got {name!r}")
         if name in self._unloading:
             raise AdapterNameError(f"adapter {name!r} is still being unloaded ({self._in_flight[name]} requests in "
                                    "flight)")

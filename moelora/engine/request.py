@@ -37,6 +37,7 @@ class Req:
     prompt_logprob_entries: list[dict[int, float]] = field(default_factory=list)
     arrival: float = 0.0                     # time.perf_counter() at arrival: its wait for admission counts from here
     holds_adapter: bool = False              # took a reference to its adapter (LoRAManager.acquire), not released yet
+    prompt_index: int = 0                    # its prompt's place in the generate / prompt_logprobs call that made it
 
     @property
     def masked(self) -> bool:

@@ -39,9 +39,10 @@ def test_the_engine_reads_the_defaults(engine, model):
     assert Engine(str(model), generation_config="vllm", **ENGINE_OPTIONS).sampling_defaults == {}
 
 
-def test_unset_fields_take_them_and_set_ones_win(engine):
+def test_unset_fields_take_them_and_set_ones_win(engine, model):
+    """(Each server gets an engine of its own: its shutdown ends the engine; the module's is the reference.)"""
     prompt, seed = "The quick brown fox", 11
-    with TestClient(create_app(engine, MODEL_NAME)) as client:
+    with TestClient(create_app(Engine(str(model), **ENGINE_OPTIONS), MODEL_NAME)) as client:
         def completion(**fields) -> dict:
             r = client.post("/v1/completions", json={"prompt": prompt, "seed": seed, "max_tokens": 5, **fields})
             assert r.status_code == 200, r.text
@@ -62,7 +63,7 @@ def test_unset_fields_take_them_and_set_ones_win(engine):
 
     assert unset == generate(SamplingParams(max_tokens=5, seed=seed, **defaults), prompt)
     assert unset != generate(SamplingParams(max_tokens=5, seed=seed), prompt)  # the API's own defaults differ
-    with TestClient(create_app(engine, MODEL_NAME)) as client:
+    with TestClient(create_app(Engine(str(model), **ENGINE_OPTIONS), MODEL_NAME)) as client:
         r = client.post("/v1/completions", json={"prompt": prompt, "seed": seed, "max_tokens": 5, "temperature": 0})
         assert r.json()["choices"][0]["text"] == generate(SamplingParams(max_tokens=5, temperature=0), prompt)
     chat_prompt = engine.chat_prompt([{"role": "user", "content": prompt}], None)
