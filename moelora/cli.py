@@ -288,9 +288,10 @@ def main(argv: list[str] | None = None) -> int:
 def _ranks_in_a_line_each(message: str) -> str:
     """A rank failure's message with each rank's traceback ("rank N failed:\n<traceback>") cut to its exception
     line ("rank N raised <exception>"), as its other ranks' fates read: a message, not the tracebacks."""
-    head, *ranks = re.split(r"(?:; |\n)(?=rank \d+ failed:\n)", message)
-    cut = [f"{r.split(' failed:', 1)[0]} raised {r.strip().splitlines()[-1]}" for r in ranks]
-    return "; ".join([head, "; ".join(cut)]) if cut else message
+    head, *ranks = re.split(r"(?:; |\n)(?=rank \d+ )", message)
+    cut = [f"{r.split(' failed:', 1)[0]} raised {r.strip().splitlines()[-1]}" if re.match(r"rank \d+ failed:\n", r)
+           else r for r in ranks]
+    return "; ".join([head, *cut])
 
 
 def _with_flags(message: str, parser: argparse.ArgumentParser, command: str) -> str:

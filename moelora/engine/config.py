@@ -3,6 +3,7 @@ model runner. Names follow SGLang's server arguments where one exists; the const
 spellings (vLLM's tensor_parallel_size, max_model_len, ...) as keywords too."""
 from __future__ import annotations
 
+import numbers
 import os
 import re
 from dataclasses import dataclass, fields
@@ -179,7 +180,8 @@ class EngineConfig:
         """Each int, float, bool and str field (None where it may be) of the type it names: the range checks compare
         them, and a float where an int is meant would size a tensor or pass the checks (library use; the CLI
         converts its flags)."""
-        kinds = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+        kinds = {"int": (numbers.Integral, int), "float": (numbers.Real, float), "bool": (bool, bool),
+                 "str": ((str, os.PathLike), os.fspath)}  # what a field takes, and what it holds of it
         names = {"int": "an int", "float": "a number", "bool": "a bool", "str": "a string"}
         for f in fields(self):
             kind, _, rest = f.type.partition(" | ")
@@ -188,8 +190,10 @@ class EngineConfig:
             value = getattr(self, f.name)
             if value is None and rest == "None":
                 continue
-            self._check(isinstance(value, kinds[kind]) and (kind == "bool" or not isinstance(value, bool)), f.name,
+            takes, holds = kinds[kind]
+            self._check(isinstance(value, takes) and (kind == "bool" or not isinstance(value, bool)), f.name,
                         names[kind] + (" or None" if rest else ""))
+            setattr(self, f.name, holds(value))  # numpy's ints, a Path: as the rest of the engine reads them
 
     def _check(self, ok: bool, name: str, expected: str) -> None:
         if not ok:

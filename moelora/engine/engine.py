@@ -24,7 +24,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -373,6 +373,8 @@ class Engine:
 
     def check_token_ids(self, ids: Sequence[int]) -> None:
         """PromptError unless every id of a prompt is an int in [0, vocab_size)."""
+        if {int}.issuperset(map(type, ids)) and (not ids or 0 <= min(ids) and max(ids) < self.vocab_size):
+            return  # (at C speed: a long prompt's, for every request)
         bad = [t for t in ids if not (_is_int(t) and 0 <= t < self.vocab_size)]
         if bad:
             raise PromptError(f"prompt token ids must be ints in [0, {self.vocab_size}), got {bad[0]!r}")
@@ -619,27 +621,33 @@ def _is_int(value) -> bool:
 
 
 def _is_token_ids(prompt) -> bool:
-    """A prompt of token ids rather than a list of prompts: a non-empty list or tuple of ints (or a 1-D integer array)."""
+    """A prompt of token ids rather than a list of prompts: a non-empty sequence of ints but bytes (or a 1-D integer
+    array). Lists of Python ints (a long prompt's) are told at C speed: this runs for every request, on a server's
+    event loop too."""
     if hasattr(prompt, "tolist") and getattr(prompt, "ndim", None) == 1:
         prompt = prompt.tolist()
-    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(_is_int(t) for t in prompt)
+    if not isinstance(prompt, Sequence) or isinstance(prompt, (str, bytes, bytearray)) or not prompt:
+        return False
+    return {int}.issuperset(map(type, prompt)) or all(_is_int(t) for t in prompt)
 
 
 def _token_ids(prompt) -> list[int]:
     """A prompt of token ids as a list of ints; PromptError for anything else (bytes, bools, a dict, None...)."""
     if not _is_token_ids(prompt) and not (isinstance(prompt, (list, tuple)) and not prompt):
         raise PromptError(f"a prompt is a string or a list of token ids (ints), got {_describe_value(prompt)}")
-    return [int(t) for t in (prompt.tolist() if hasattr(prompt, "tolist") else prompt)]
+    ids = prompt.tolist() if hasattr(prompt, "tolist") else prompt
+    return list(ids) if {int}.issuperset(map(type, ids)) else [int(t) for t in ids]
 
 
 def _prompt_list(prompts) -> list:
-    """generate's and prompt_logprobs' prompts as a list: one prompt (a string, token ids) or a list or tuple of them."""
+    """generate's and prompt_logprobs' prompts as a list: one prompt (a string, token ids), or any other collection
+    of them but bytes and mappings (which would be read as token ids, or as their keys)."""
     if isinstance(prompts, str) or _is_token_ids(prompts):
         return [prompts]
-    if not isinstance(prompts, (list, tuple)):
+    if prompts is None or isinstance(prompts, (bytes, bytearray, Mapping)) or not isinstance(prompts, Iterable):
         raise PromptError(f"prompts must be a string, a list of token ids, or a list of those; got "
                           f"{_describe_value(prompts)}")
-    return list(prompts)
+    return list(prompts.tolist() if hasattr(prompts, "tolist") else prompts)
 
 
 def _describe_value(value) -> str:

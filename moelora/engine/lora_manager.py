@@ -244,9 +244,11 @@ class LoRAManager:
             if kind == "load":
                 name, path, version = args
                 share = self.read(path)
-                if share.version != version:  # rewritten since rank 0 read it: the ranks would serve two adapters
-                    raise AdapterError(f"adapter {name!r}: its files in {path} changed between rank 0's read and this "
-                                       "rank's")
+                # rewritten since rank 0 read it, the ranks would serve two adapters: told by the files' sizes alone
+                # (the rank tiles follow them), as another node's copy has other modification times
+                if _sizes(share.version) != _sizes(version):
+                    raise AdapterError(f"adapter {name!r}: its files in {path} are not those rank 0 read (their "
+                                       f"sizes: {_sizes(version)} there, {_sizes(share.version)} here)")
                 self._register(name, Path(path), share)
             elif kind == "drop":
                 self._drop(args[0])
@@ -312,3 +314,8 @@ class LoRAManager:
         self._unloading.discard(name)
         self._host.pop(name, None)
         self.pool.release(name)
+
+
+def _sizes(version: tuple[tuple[str, int, int], ...]) -> tuple[tuple[str, int], ...]:
+    """(name, size) of each file of an adapter's version (lora.adapter.files_version)."""
+    return tuple((name, size) for name, size, _ in version)

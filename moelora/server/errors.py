@@ -69,7 +69,9 @@ def validation_error(e: RequestValidationError, content_type: str | None = None)
     loc = first["loc"]  # ("body", field, ...); ("body", position) for malformed JSON
     param = str(loc[1]) if len(loc) > 1 and loc[0] == "body" and first.get("type") != "json_invalid" else None
     param = first.get("ctx", {}).get("param", param)  # a check of the whole body that names its field
-    if tuple(loc) == ("body",) and not _is_json(content_type):
+    # FastAPI left the body unread as JSON (bytes: not an object), for want of the header
+    if tuple(loc) == ("body",) and first.get("type") in ("model_attributes_type", "dict_type") \
+            and not _is_json(content_type):
         message = (f"the request body must be JSON sent with the header Content-Type: application/json (it came with "
                    f"{f'Content-Type: {content_type}' if content_type else 'no Content-Type'})")
     elif first.get("type") == "extra_forbidden":

@@ -394,6 +394,22 @@ def _reads_a_rewritten_adapter(self, path):
     return dataclasses.replace(_READ(self, path), version=(("adapter_model.safetensors", 0, 0),))
 
 
+def _reads_another_nodes_copy(self, path):
+    """Reads the adapter as another node's copy of its files: the same bytes, other modification times."""
+    share = _READ(self, path)
+    return dataclasses.replace(share, version=tuple((name, size, mtime + 1) for name, size, mtime in share.version))
+
+
+def test_another_nodes_copy_of_an_adapter_serves(start_engine, adapters, monkeypatch):
+    """A rank that reads a copy of the files rank 0 read (same sizes, other modification times: another node's)
+    loads it: only files that differ from rank 0's stop the engine."""
+    monkeypatch.setattr(engine_module, "serve_rank", functools.partial(_serve_with, "read", _reads_another_nodes_copy))
+    many = start_engine("qwen3_moe", tp_size=2, dist_timeout=20)
+    many.load_lora("late", str(adapters("qwen3_moe")["partial"].path))
+    assert many.generate(PROMPTS[:1], GREEDY, lora="late")[0].token_ids == \
+        many.generate(PROMPTS[:1], GREEDY, lora="partial")[0].token_ids
+
+
 def _cannot_drop_adapters(*args, **kwargs) -> None:
     raise RuntimeError("this rank cannot free the adapter's slot")
 

@@ -170,3 +170,13 @@ def test_the_context_limit_follows_a_rope_scaling():
     assert _positions(config({"rope_type": "linear", "factor": 2.0})) == 81920
     assert _positions(config({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192})) == 40960
     assert _positions(config(None)) == 40960
+
+
+def test_paths_and_numpy_numbers_are_taken_as_what_they_stand_for():
+    import numpy as np
+    from pathlib import Path
+    config = EngineConfig(Path("model"), device="cpu", tokenizer_path=Path("/tmp"), random_seed=np.int64(3),
+                          dist_timeout=np.float32(2.5), max_loras_per_batch=np.int32(4))
+    assert (config.model_path, config.tokenizer_path, config.random_seed, config.dist_timeout) == ("model", "/tmp", 3, 2.5)
+    assert type(config.random_seed) is int and type(config.max_loras_per_batch) is int
+    assert type(config.dist_timeout) is float

@@ -42,6 +42,13 @@ def test_token_ids_of_numpy_and_torch_are_token_ids(engine):
     for prompt in (np.array([5, 6, 7]), torch.tensor([5, 6, 7]), [np.int64(5), np.int64(6), np.int64(7)]):
         assert engine.generate(prompt, GREEDY)[0].token_ids == want
     assert engine.prompt_logprobs([5, 6, 7])[0].equal(engine.prompt_logprobs([[5, 6, 7]])[0])  # one prompt too
+    assert engine.generate(range(5, 8), GREEDY)[0].token_ids == want  # a sequence of ints
+
+
+def test_collections_of_prompts_are_prompts(engine):
+    want = [o.token_ids for o in engine.generate([[5, 6], [7, 8]], GREEDY)]
+    for prompts in (([5, 6], [7, 8]), (p for p in ([5, 6], [7, 8])), np.array([[5, 6], [7, 8]])):
+        assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == want
 
 
 def test_errors_name_the_prompt_not_the_request_with_n_sequences(engine, monkeypatch):

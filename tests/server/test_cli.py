@@ -185,6 +185,18 @@ def test_a_config_json_that_cannot_be_a_model_is_one_error_naming_its_field(demo
     assert capsys.readouterr().err == f"moelora generate: error: {model / 'config.json'}: {message}\n"
 
 
+def test_a_rank_failure_is_a_line_per_rank():
+    from moelora.cli import _ranks_in_a_line_each
+    message = ("loading the model failed on the tensor-parallel ranks (ValueError: x); rank 1 failed:\nTraceback (most "
+               "recent call last):\n  File \"a.py\", line 1\nValueError: the vocabulary does not split\nrank 2 exited "
+               "with code -9 (signal 9)\nrank 3 failed:\nTraceback (most recent call last):\nOSError: gone")
+    assert _ranks_in_a_line_each(message) == (
+        "loading the model failed on the tensor-parallel ranks (ValueError: x); rank 1 raised ValueError: the "
+        "vocabulary does not split; rank 2 exited with code -9 (signal 9); rank 3 raised OSError: gone")
+    assert _ranks_in_a_line_each("rank 1 is still running: it did not answer in time") == \
+        "rank 1 is still running: it did not answer in time"
+
+
 def test_ctrl_c_while_loading_is_one_line_and_status_130(demo_dir, monkeypatch, capsys):
     import moelora.engine.model_runner as model_runner
 
