@@ -291,7 +291,8 @@ class Engine:
         that detokenizes them outside the engine's thread (`output_detokenizer`) and aborts the request
         where a stop string ends it. arrival_time: time.perf_counter() when the request arrived (a server's
         HTTP arrival), from which step_stats counts its wait for admission; default now."""
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        # its fields as __post_init__ makes them (a caller may have set one since), and checked
+        params = replace(sampling_params) if sampling_params is not None else SamplingParams()
         if params.n != 1:
             raise ValueError(f"add_request takes one sequence per request (SamplingParams.n=1), got n={params.n}")
         req = self._make(prompt, params, lora, False, rid, add_special_tokens, detokenize)
@@ -400,7 +401,7 @@ class Engine:
                                        or messages[-1].get("role") != "assistant"):
             raise ValueError("continue_final_message needs the last message to be the assistant's")
         own = {name for name, p in inspect.signature(self.tokenizer.apply_chat_template).parameters.items()
-               if p.kind is not inspect.Parameter.VAR_KEYWORD} | {"messages"}
+               if p.kind is not inspect.Parameter.VAR_KEYWORD} | {"messages"} if template_kwargs else set()
         taken = sorted(k for k in template_kwargs or {} if k in own)
         if taken:
             raise ValueError(f"chat_template_kwargs cannot set {', '.join(taken)}: arguments of the template's call, "
@@ -491,7 +492,7 @@ class Engine:
         reqs = []
         for i, prompt, params, lora, return_prompt_logprobs in specs:
             try:
-                params = replace(params)  # its fields as __post_init__ makes them (set since, maybe) and checked
+                params = replace(params)  # as add_request's
                 for k in range(params.n):
                     req = self._make(prompt, params.for_sequence(k), lora, return_prompt_logprobs)
                     req.prompt_index = i
@@ -504,8 +505,7 @@ class Engine:
 
     def _make(self, prompt: Prompt, params: SamplingParams, lora: str | None, return_prompt_logprobs: bool,
               rid: str | None = None, add_special_tokens: bool = True, detokenize: bool = True) -> Req:
-        """A valid request, or ValueError naming what is wrong; changes nothing."""
-        params = replace(params)  # its fields as __post_init__ makes them (a caller may have set one since) and checked
+        """A valid request, or ValueError naming what is wrong (`params` checked by the caller); changes nothing."""
         if rid is not None and not (isinstance(rid, str) and rid):
             raise ValueError(f"a request id must be a non-empty string, got {rid!r}")
         if lora is not None:
@@ -680,7 +680,7 @@ def _eos_token_ids(model_path: str, tokenizer, vocab_size: int) -> list[int]:
     if eos is None and tokenizer is not None:
         eos, where = tokenizer.eos_token_id, "the tokenizer's eos_token_id"
     ids = [] if eos is None else [eos] if not isinstance(eos, (list, tuple)) else list(eos)
-    bad = [t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and t >= 0)]
+    bad = [t for t in ids if not (_is_int(t) and t >= 0)]
     if bad:  # they became every request's stop_token_ids, refused each time as the request's
         raise ValueError(f"{where} must be token ids (ints >= 0), got {bad[0]!r}")
     past = [t for t in ids if t >= vocab_size]

@@ -94,7 +94,7 @@ def allocate_lora_slots(model: nn.Module, num_slots: int, max_rank: int, targets
                         ) -> None:
     """Slot buffers for every layer with a part among `targets` (target modules, see resolve_targets; None: all)."""
     for m, shapes in _slot_shapes(model, num_slots, max_rank, targets):
-        weight = m.w13 if isinstance(m, Runner) else m.weight
+        weight = _weight(m)
         buffers = {name: torch.zeros(shape, dtype=torch.int32 if name == "ranks" else weight.dtype,
                                      device=weight.device) for name, shape in shapes.items()}
         m.lora = (ExpertLoRASlots if isinstance(m, Runner) else LinearLoRASlots)(**buffers)
@@ -105,9 +105,14 @@ def slot_buffer_bytes(model: nn.Module, num_slots: int, max_rank: int, targets: 
     allocation that fails, or that the system's out-of-memory killer ends)."""
     total = 0
     for m, shapes in _slot_shapes(model, num_slots, max_rank, targets):
-        element = (m.w13 if isinstance(m, Runner) else m.weight).element_size()
+        element = _weight(m).element_size()
         total += sum(math.prod(shape) * (4 if name == "ranks" else element) for name, shape in shapes.items())
     return total
+
+
+def _weight(m: Linear | Runner) -> torch.Tensor:
+    """The layer's weight (the experts' gate/up for a Runner): its dtype and device are its slot buffers'."""
+    return m.w13 if isinstance(m, Runner) else m.weight
 
 
 def _slot_shapes(model: nn.Module, s: int, r: int, targets: Collection[str] | None
@@ -268,7 +273,7 @@ def _fit_problems(m: Linear | Runner, name: str, lora: LinearLoRA | ExpertsLoRA,
     if got != expected:
         return [f"{where}: A, B shapes {got}, expected {expected}"]
     # the slots hold A and B (scaled) in the model's dtype
-    dtype = (m.w13 if isinstance(m, Runner) else m.weight).dtype
+    dtype = _weight(m).dtype
     peak = max((max(-lo.item(), hi.item()) for lo, hi in (torch.aminmax(t) for t in (lora.a, lora.b) if t.numel())),
                default=0.0)
     if dtype.is_floating_point and peak > torch.finfo(dtype).max:

@@ -101,6 +101,8 @@ class SamplingParams:
 
     def for_sequence(self, k: int) -> SamplingParams:
         """The params of the k-th of the n sequences: n=1, and with a seed, seed + k (wrapping in int64)."""
+        if k == 0 and self.n == 1:  # (itself: a copy would check every field again, a whole vocabulary's logit_bias)
+            return self
         seed = None if self.seed is None else (self.seed + k - _INT64[0]) % 2**64 + _INT64[0]
         return replace(self, n=1, seed=seed)
 
