@@ -46,7 +46,7 @@ from moelora.engine.sampling_params import SamplingParams, check_text, generatio
 from moelora.engine.scheduler import Scheduler
 from moelora.engine.step_stats import StepStats
 from moelora.engine.stepper import StepOutput, Stepper
-from moelora.engine.structured_output import GrammarBackend
+from moelora.engine.structured_output import AfterReasoning, GrammarBackend
 from moelora.engine.tokenizer import load_tokenizer
 from moelora.engine.workers import (WorkerFailure, Workers, follow, launched_rank, node_config, node_ranks, serves_engine,
                                     share_node_cores)
@@ -520,8 +520,12 @@ class Engine:
         if not ids:
             raise PromptError("the prompt is empty")
         self.check_token_ids(ids)
-        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
-            bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
+        spec = params.structured_output
+        for name, token_ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias),
+                                ("allowed_token_ids", params.allowed_token_ids),
+                                ("structured_output.reasoning_end", [spec and spec.reasoning_end]),
+                                ("structured_output.reasoning_start", [spec and spec.reasoning_start])):
+            bad = [t for t in token_ids or () if t is not None and t >= self.vocab_size]
             if bad:
                 raise ValueError(f"SamplingParams.{name} must be token ids below the vocabulary size "
                                  f"{self.vocab_size}, got {bad[0]}")
@@ -535,14 +539,16 @@ class Engine:
             raise ValueError(f"SamplingParams.max_tokens={params.max_tokens} and the prompt's {len(ids)} tokens are "
                              f"{len(ids) + params.max_tokens} tokens; the context holds {context}")
         params = replace(params, min_tokens=min(params.min_tokens, params.max_tokens))
-        grammar = self.grammars.matcher(params.structured_output) if params.structured_output is not None else None
-        allowed = None
+        allowed = grammar = None
         if params.allowed_token_ids is not None:
             allowed = torch.zeros(1, self.vocab_size, dtype=torch.bool)
             allowed[0, list(params.allowed_token_ids)] = True
             allowed = pack_bitmask(allowed)[0]
-        if grammar is not None:
+        if spec is not None:
+            grammar = self.grammars.matcher(spec)
             self._check_first_tokens(grammar, allowed)
+            if spec.reasoning_end is not None:
+                grammar = AfterReasoning(grammar, spec.reasoning_end, spec.reasoning_start)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         # without the tokenizer it decides only the stop-token and length finishes
         params = self._with_eos_stops(params)

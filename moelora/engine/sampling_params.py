@@ -28,11 +28,18 @@ class StructuredOutput:
     "json_object": any JSON object (spec ""); "regex": a regular expression; "choice": one of
     `choices` exactly; "grammar": an EBNF (GBNF) grammar with a `root` rule; "structural_tag":
     xgrammar's structural tag (JSON text: {"type": "structural_tag", "format": ...}), which
-    composes text, tags and JSON schemas (a server forces tool calls with it)."""
+    composes text, tags and JSON schemas (a server forces tool calls with it).
+
+    A reasoning model thinks before it answers: with `reasoning_end` (its end-of-thinking token,
+    `</think>`), the output is free up to and including the first such token, and the grammar
+    applies after it. With `reasoning_start` too (`<think>`), the output thinks only if its first
+    token is that one, and else follows the grammar from its first token."""
 
     kind: str
     spec: str = ""
     choices: tuple[str, ...] = ()
+    reasoning_end: int | None = None
+    reasoning_start: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.kind in STRUCTURED_KINDS, "structured_output", self.kind, f"one of {STRUCTURED_KINDS}")
@@ -43,6 +50,18 @@ class StructuredOutput:
                    "structured_output", self.choices, "at least one choice, each a non-empty string")
             for c in self.choices:
                 check_text(c, "SamplingParams.structured_output")
+        for name in ("reasoning_end", "reasoning_start"):
+            value = getattr(self, name)
+            _check(value is None or _is_int64(value) and value >= 0, f"structured_output.{name}", value,
+                   "None or a token id (an int >= 0)")
+        _check(self.reasoning_start is None or self.reasoning_end not in (None, self.reasoning_start),
+               "structured_output.reasoning_start", self.reasoning_start,
+               "None without a reasoning_end, or another token than reasoning_end")
+
+    @property
+    def grammar(self) -> StructuredOutput:
+        """The grammar alone, without the reasoning before it."""
+        return replace(self, reasoning_end=None, reasoning_start=None)
 
 
 @dataclass

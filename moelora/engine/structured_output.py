@@ -12,6 +12,10 @@ JSON grammars allow no free whitespace (xgrammar's `any_whitespace=False`: ", " 
 items): a model cannot then fill its output with blanks until max_tokens, the failure free
 whitespace is known for with small models. The compiler is thread-safe: a server compiles in a
 worker thread before it queues the request, and the engine then finds the grammar in the cache.
+
+A reasoning model's grammar waits for the end of its thinking (`AfterReasoning`), as vLLM's
+structured output does with a reasoning parser: the thinking is free text, the answer follows the
+grammar.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ import threading
 import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from moelora.engine.sampling_params import StructuredOutput
 
@@ -53,9 +59,10 @@ class GrammarBackend:
         self._lock = threading.Lock()
 
     def compile(self, spec: StructuredOutput) -> Any:
-        """The xgrammar CompiledGrammar; ValueError naming SamplingParams.structured_output when the
-        spec is not valid (a bad schema, regex or grammar), xgrammar is not installed, or there is no
-        tokenizer."""
+        """The xgrammar CompiledGrammar of the spec's grammar; ValueError naming
+        SamplingParams.structured_output when the spec is not valid (a bad schema, regex or grammar),
+        xgrammar is not installed, or there is no tokenizer."""
+        spec = spec.grammar
         with self._lock:
             if spec in self._recent:
                 self._recent.move_to_end(spec)
@@ -93,7 +100,8 @@ class GrammarBackend:
                              f"{reason}") from None
 
     def matcher(self, spec: StructuredOutput) -> Any:
-        """A new xgrammar GrammarMatcher of the spec, at the start of the output."""
+        """A new xgrammar GrammarMatcher of the spec's grammar, at the start of the output (after the
+        reasoning: see AfterReasoning)."""
         import xgrammar
 
         return xgrammar.GrammarMatcher(self.compile(spec))
@@ -117,3 +125,40 @@ class GrammarBackend:
 def _ebnf_literal(text: str) -> str:
     """A string literal of xgrammar's EBNF: JSON's escapes (quotes, backslashes, control characters)."""
     return json.dumps(text, ensure_ascii=False)
+
+
+class AfterReasoning:
+    """A grammar matcher that applies once the output's reasoning has ended: the tokens up to and
+    including the first `end` are free, and the grammar follows them. With `start`, the output may
+    begin its reasoning with that token, first: any other first token is the grammar's. The engine
+    uses it as a GrammarMatcher (fill_next_token_bitmask, accept_token, is_terminated)."""
+
+    def __init__(self, matcher: Any, end: int, start: int | None = None):
+        self.matcher, self.end, self.start = matcher, end, start
+        self.thinking = start is None   # inside the reasoning
+        self.answering = False          # past it: the grammar applies
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row `row` of the packed [rows, words] int32 bitmask: all ones while thinking."""
+        if self.thinking:
+            return
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if not self.answering:  # the first token: the grammar's, or the start of the reasoning
+            word, bit = divmod(self.start, 32)
+            bitmask[row, word] |= torch.tensor(1 << bit, dtype=torch.int64).to(torch.int32)
+
+    def accept_token(self, token: int) -> bool:
+        if self.answering:
+            return self.matcher.accept_token(token)
+        if self.thinking:
+            self.thinking = token != self.end
+            self.answering = not self.thinking
+            return True
+        if token == self.start:  # the first token, which may start the reasoning
+            self.thinking = True
+            return True
+        self.answering = True
+        return self.matcher.accept_token(token)
+
+    def is_terminated(self) -> bool:
+        return self.answering and self.matcher.is_terminated()

@@ -202,7 +202,52 @@ def test_prompt_logprobs_match_the_full_distribution(demo):
             for k, t in enumerate(out.token_ids)), abs=1e-5)
 
 
+def word_ids(engine, *words: str) -> list[int]:
+    """The token ids of whole words (each one token in the tiny tokenizer)."""
+    ids = [engine.tokenizer.encode(w) for w in words]
+    assert all(len(i) == 1 for i in ids), ids
+    return [i[0] for i in ids]
+
+
+def test_a_grammar_after_reasoning_lets_the_thinking_run_free(engine):
+    """With reasoning_end, every token up to the first end token is free (tokens the grammar refuses: the bias
+    draws two words at random, one of them the end), and the grammar applies from the next token on."""
+    think, end = word_ids(engine, " the", " fox")
+    spec = GRAMMARS[3]
+    params = [SamplingParams(max_tokens=30, temperature=1.0, seed=s, logit_bias={think: 100, end: 100},
+                             structured_output=StructuredOutput(spec.kind, spec.spec, spec.choices, reasoning_end=end))
+              for s in range(6)]
+    outs = engine.generate([PROMPTS[0]] * len(params), params, lora=[None, "alpha", "beta"] * 2)
+    thought = 0
+    for out in outs:
+        k = out.token_ids.index(end)
+        assert set(out.token_ids[:k]) <= {think}, out.token_ids
+        thought += k
+        answer = engine.tokenizer.decode(out.token_ids[k + 1:], skip_special_tokens=True)
+        assert out.finish_reason == "stop" and answer in spec.choices, out.text
+    assert thought > 0  # some thought before their end
+    assert_idle(engine)
+
+
+def test_a_grammar_after_an_optional_reasoning(engine):
+    """With reasoning_start too, the first token is the grammar's or the start of a reasoning: biased to a word
+    the grammar refuses and away from the start, the output follows the grammar from its first token; biased to the
+    start, it thinks."""
+    start, think, end = word_ids(engine, " the", " quick", " fox")
+    spec = StructuredOutput("regex", "(yes|no), [a-z]{2,5}!", reasoning_end=end, reasoning_start=start)
+    answered = engine.generate(PROMPTS[1], SamplingParams(max_tokens=30, temperature=0,
+                                                          logit_bias={start: -100, think: 100, end: 100},
+                                                          structured_output=spec))[0]
+    assert valid(GRAMMARS[2], answered.text) and answered.finish_reason == "stop"
+    thought = engine.generate(PROMPTS[1], SamplingParams(max_tokens=30, temperature=0, logit_bias={start: 100},
+                                                         structured_output=spec))[0]
+    assert thought.token_ids == [start] * 30 and thought.finish_reason == "length"  # thinking: no grammar applied
+    assert_idle(engine)
+
+
 @pytest.mark.parametrize("params, match", [
+    (dict(structured_output=StructuredOutput("json_object", reasoning_end=10**6)),
+     r"SamplingParams\.structured_output\.reasoning_end must be token ids below the vocabulary size"),
     (dict(logit_bias={10**6: 1.0}), r"SamplingParams\.logit_bias must be token ids below the vocabulary size"),
     (dict(allowed_token_ids=[3, 10**6]), r"SamplingParams\.allowed_token_ids must be token ids below"),
     (dict(structured_output=StructuredOutput("regex", "(")), r"SamplingParams\.structured_output: the regex is not"),

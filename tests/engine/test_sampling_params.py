@@ -75,6 +75,12 @@ def test_structured_output_is_checked():
     with pytest.raises(ValueError, match=r"SamplingParams\.structured_output must be at least one choice"):
         StructuredOutput("choice", choices=("a", ""))
     assert SamplingParams(structured_output=StructuredOutput("regex", "[ab]+")).structured_output.spec == "[ab]+"
+    with pytest.raises(ValueError, match=r"structured_output\.reasoning_end must be None or a token id .*got -1"):
+        StructuredOutput("json_object", reasoning_end=-1)
+    with pytest.raises(ValueError, match=r"structured_output\.reasoning_start must be None without a reasoning_end"):
+        StructuredOutput("json_object", reasoning_start=5)
+    with pytest.raises(ValueError, match=r"reasoning_start must be .* another token than reasoning_end"):
+        StructuredOutput("json_object", reasoning_end=5, reasoning_start=5)
 
 
 def test_min_tokens_without_max_tokens():
