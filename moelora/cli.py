@@ -14,6 +14,8 @@ import typing
 from importlib.metadata import version
 from pathlib import Path
 
+from moelora.server.reasoning import PARSERS as REASONING_PARSERS
+
 
 def inspect(args: argparse.Namespace) -> int:
     from moelora.lora.report import format_report, inspect_adapter
@@ -65,8 +67,12 @@ def serve(args: argparse.Namespace) -> int:
     engine = Engine(**fields)
     # "." is the directory it names; a symlink keeps its own name (not its target's, a snapshot hash)
     name = args.served_model_name or Path(os.path.abspath(args.model_path)).name
-    app = create_app(engine, name, args.max_queued_requests, args.api_key, args.log_stats_interval,
-                     args.max_request_mb << 20, args.watchdog_timeout)
+    try:
+        app = create_app(engine, name, args.max_queued_requests, args.api_key, args.log_stats_interval,
+                         args.max_request_mb << 20, args.watchdog_timeout, args.reasoning_parser)
+    except BaseException:
+        engine.shutdown()
+        raise
     # the model's, tokenizer's and kernels' objects live as long as the process: out of the cyclic collector's
     # scans, whose full collections would otherwise walk them all while every thread waits (as vLLM does)
     gc.collect()
@@ -235,6 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds one engine step may take: past it the device is taken to hang, the server ends every "
                         "request with an error, logs where the engine is and exits with status 1, for whatever runs "
                         "it to start it again; 0: never (SGLang's flag; default: 300)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                   help="send a reasoning model's thinking (<think>...</think>) as the chat message's "
+                        "reasoning_content, and apply structured output to the answer after it: qwen3 (Qwen3: it "
+                        "thinks when its output starts with <think>) or deepseek_r1 (DeepSeek-R1, QwQ: the output "
+                        "starts thinking); a prompt that opens or closes the thinking decides for both (default: "
+                        "none, the text as the model wrote it)")
     p.set_defaults(run=serve)
 
     from moelora.engine.sampling_params import SamplingParams

@@ -350,13 +350,15 @@ def peft_adapter(model: torch.nn.Module, lora_config, out_dir: Path, seed: int =
     return {k: merged[k] - base[k] for k in base if not torch.equal(merged[k], base[k])}
 
 
-def build_random_demo(root: Path, adapters: dict[str, int]) -> None:
+def build_random_demo(root: Path, adapters: dict[str, int], extra_tokens: list[str] = ()) -> None:
     """A tiny Qwen3-MoE with random weights (the engine, sampling and server tests' model): root/model
     (config, safetensors, tokenizer) and root/<name> for each adapter (name -> seed of its random LoRA
-    weights, on attention and every routed expert)."""
+    weights, on attention and every routed expert). `extra_tokens`: added to the tokenizer (a reasoning
+    model's <think> and </think>)."""
     from peft import LoraConfig
 
     tokenizer = tiny_tokenizer(vocab_size=1000)  # as many merges as its corpus has: whole words
+    tokenizer.add_tokens(list(extra_tokens))
     config = Qwen3MoeConfig(
         vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,

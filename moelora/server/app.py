@@ -48,6 +48,7 @@ from moelora.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion
                                      CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, ErrorInfo,
                                      ErrorResponse, LoadLoRARequest, ModelCard, ModelList, SamplingRequest,
                                      TokenLogprob, TopLogprob, UnloadLoRARequest, UsageInfo)
+from moelora.server.reasoning import Reasoning, ReasoningParser
 from moelora.server.tools import ChatTools
 
 logger = logging.getLogger(__name__)
@@ -155,8 +156,8 @@ def _sse(chunk: BaseModel) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, loop: EngineLoop, served_model_name: str):
-        self.loop, self.served_model_name = loop, served_model_name
+    def __init__(self, loop: EngineLoop, served_model_name: str, reasoning: Reasoning | None = None):
+        self.loop, self.served_model_name, self.reasoning = loop, served_model_name, reasoning
 
     # ------------------------------------------------------------------------------- routes
 
@@ -280,14 +281,17 @@ class OpenAIServing:
         aliases |= {"logprobs": "top_logprobs", "prompt": "messages"}
         tools = ChatTools.of(body, self.loop.engine.tokenizer)
         prompt = await self._chat_prompt(body, tools.specs)
+        thinking = self.reasoning.starts_thinking(prompt, body.continue_final_message) if self.reasoning else False
         subs = self._submissions(body, [prompt], max_tokens, k if body.logprobs else None,
-                                 add_special_tokens=False, aliases=aliases, grammar=tools.grammar)
+                                 add_special_tokens=False, aliases=aliases, grammar=tools.grammar,
+                                 grammar_gate=self.reasoning.grammar_gate(thinking) if self.reasoning else None)
         grammar = await self._compile_grammar(body, subs)
         rids, queue, prompt_tokens = await self._submit(body, subs, aliases)
         del grammar  # held until the engine started the request's matchers from it (_compile_grammar)
         head = self._head("chatcmpl", body.model)
         choices = [_Choice(prompt_tokens=p) for p in prompt_tokens]
-        outputs = [tools.output() for _ in subs]
+        separate = self.reasoning is not None and body.separate_reasoning
+        outputs = [tools.output(ReasoningParser(thinking) if separate else None, body.include_reasoning) for _ in subs]
 
         def usage_so_far(i: int) -> UsageInfo | None:
             return _usage_so_far(choices[i]) if body.continuous_usage else None
@@ -295,7 +299,7 @@ class OpenAIServing:
         def chunk(d: Delta) -> ChatCompletionChunk | None:
             entries = choices[d.index].add(d)
             delta, reason = outputs[d.index].delta(d.out.text, d.out.finish_reason if d.out.finished else None)
-            if not (delta.content or delta.tool_calls or d.out.finished or entries):
+            if not (delta.content or delta.reasoning_content or delta.tool_calls or d.out.finished or entries):
                 return None
             return ChatCompletionChunk(**head, usage=usage_so_far(d.index), choices=[ChatChunkChoice(
                 index=d.index, delta=delta, logprobs=_chat_logprobs(entries, k) if body.logprobs else None,
@@ -333,10 +337,12 @@ class OpenAIServing:
 
     def _submissions(self, body: SamplingRequest, prompts: list, max_tokens: int | None, logprobs: int | None,
                      add_special_tokens: bool, aliases: dict[str, str] | None = None, sequences: int | None = None,
-                     prompt_logprobs: int | None = None, grammar: StructuredOutput | None = None) -> list[Submission]:
+                     prompt_logprobs: int | None = None, grammar: StructuredOutput | None = None,
+                     grammar_gate: dict[str, int | None] | None = None) -> list[Submission]:
         """`sequences` (default n) per prompt; with a seed, the k-th of them draws with seed + k (as
         Engine.generate). `aliases`: the request's names of SamplingParams fields, for the error's param.
-        `grammar`: the structured output tool_choice asks for (no other field then does)."""
+        `grammar`: the structured output tool_choice asks for (no other field then does). `grammar_gate`: the
+        StructuredOutput fields that hold a grammar back until a reasoning model's thinking ends."""
         lora = self._adapter(body.model)
         sequences = sequences or body.n
         limit, limit_name = self.loop.engine.config.max_running_requests, "max_running_requests"
@@ -351,6 +357,8 @@ class OpenAIServing:
             params = body.sampling_params(max_tokens, logprobs, prompt_logprobs, self.loop.engine.sampling_defaults)
             if grammar is not None:
                 params = replace(params, structured_output=grammar)
+            if grammar_gate and params.structured_output is not None:
+                params = replace(params, structured_output=replace(params.structured_output, **grammar_gate))
         except ValueError as e:
             raise bad_value(e, aliases) from e
         return [Submission(p, params.for_sequence(k), lora, add_special_tokens) for p in prompts for k in range(sequences)]
@@ -534,20 +542,24 @@ class _Route(APIRoute):
 
 def create_app(engine: Engine, served_model_name: str, max_queued_requests: int | None = None,
                api_key: str | None = None, stats_interval: float = 10.0,
-               max_request_bytes: int = MAX_REQUEST_BYTES, watchdog_timeout: float = 300.0) -> FastAPI:
+               max_request_bytes: int = MAX_REQUEST_BYTES, watchdog_timeout: float = 300.0,
+               reasoning_parser: str | None = None) -> FastAPI:
     """The app; its engine thread starts and stops with the app's lifespan, which logs what it serves
     first and shuts the engine down (its other ranks, with tp_size > 1) last. With an api_key, every route but
     /health and /metrics answers 401 unless the request carries 'Authorization: Bearer <key>'. stats_interval:
     seconds between the stats log lines (0: none). A request body past max_request_bytes is a 413 (BodyLimit).
-    watchdog_timeout: seconds one engine step may take before the server exits (EngineLoop; 0: never)."""
+    watchdog_timeout: seconds one engine step may take before the server exits (EngineLoop; 0: never).
+    reasoning_parser: "qwen3" or "deepseek_r1" sends a reasoning model's thinking apart (server.reasoning)."""
     if served_model_name in engine.config.lora_paths:
         raise ValueError(f"the served model name {served_model_name!r} is also an adapter's name")
+    reasoning = Reasoning.of(reasoning_parser, engine.tokenizer) if reasoning_parser is not None else None
     loop = EngineLoop(engine, Metrics(engine.lora_stats), max_queued_requests, stats_interval, watchdog_timeout)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        logger.info("serving %s as %r%s", engine.config.model_path, served_model_name,
-                    ", with an API key" if api_key else "")
+        logger.info("serving %s as %r%s%s", engine.config.model_path, served_model_name,
+                    ", with an API key" if api_key else "",
+                    f", its reasoning parsed ({reasoning.parser})" if reasoning else "")
         for line in engine.summary():
             logger.info("%s", line)
         loop.start()
@@ -561,7 +573,7 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     app.router.route_class = _Route
     app.state.engine_loop = loop
-    serving = OpenAIServing(loop, served_model_name)
+    serving = OpenAIServing(loop, served_model_name, reasoning)
     app.get("/health")(serving.health)
     app.get("/metrics")(serving.metrics)
 

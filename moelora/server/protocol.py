@@ -418,6 +418,10 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # with a reasoning parser (server.reasoning): the thinking sent (vLLM's), the thinking split from the answer
+    # (SGLang's; false: the text as the model wrote it)
+    include_reasoning: bool = True
+    separate_reasoning: bool = True
 
     @model_validator(mode="after")
     def _one_end_of_the_prompt(self) -> ChatCompletionRequest:
@@ -511,6 +515,7 @@ class ToolCallOut(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
+    reasoning_content: str | None = None  # a reasoning model's thinking (server.reasoning)
     content: str | None
     tool_calls: list[ToolCallOut] | None = None
 
@@ -553,6 +558,7 @@ class DeltaToolCall(_Delta):
 
 class DeltaMessage(_Delta):
     role: Literal["assistant"] | None = None
+    reasoning_content: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 

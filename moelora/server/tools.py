@@ -35,6 +35,7 @@ from moelora.engine.sampling_params import StructuredOutput
 from moelora.server.errors import APIError
 from moelora.server.protocol import (ChatCompletionRequest, ChatMessageOut, DeltaFunctionCall, DeltaMessage,
                                      DeltaToolCall, FunctionCallOut, ToolCallOut)
+from moelora.server.reasoning import ReasoningParser, partial_tag
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -108,9 +109,9 @@ class ChatTools:
                                     one=named is not None or not parallel)
         return cls(specs, grammar, parse=True, max_calls=None if parallel else 1)
 
-    def output(self) -> ChoiceOutput:
-        """The output of one choice (sequence)."""
-        return ChoiceOutput(ToolCallParser(self.max_calls) if self.parse else None)
+    def output(self, reasoning: ReasoningParser | None = None, include_reasoning: bool = True) -> ChoiceOutput:
+        """The output of one choice (sequence), its reasoning split off by `reasoning`."""
+        return ChoiceOutput(ToolCallParser(self.max_calls) if self.parse else None, reasoning, include_reasoning)
 
 
 def _check_template(tokenizer: PreTrainedTokenizerBase | None, specs: list[dict]) -> None:
@@ -246,7 +247,7 @@ class ToolCallParser:
             if self._block is None:
                 i = self._buf.find(START)
                 if i < 0:
-                    keep = _partial(self._buf, START)
+                    keep = partial_tag(self._buf, START)
                     self._content(self._buf[:len(self._buf) - keep], out)
                     self._buf = self._buf[len(self._buf) - keep:]
                     return out
@@ -287,7 +288,7 @@ class ToolCallParser:
         b = self._block
         if b.dropped:
             return
-        text = text[:len(text) - _partial(text, END)]  # a partial END is not arguments
+        text = text[:len(text) - partial_tag(text, END)]  # a partial END is not arguments
         if b.index < 0:
             head = _head(text)
             if head is None:
@@ -312,11 +313,6 @@ class ToolCallParser:
         else:  # not a call: the block is content, as written
             self._space = b.space_before
             self._content(START + body + end, out)
-
-
-def _partial(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag` (and is not all of it)."""
-    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
 
 
 def _head(text: str) -> tuple[str, int] | None:
@@ -361,29 +357,46 @@ def _whole_call(body: str) -> tuple[str, str] | None:
 
 
 class ChoiceOutput:
-    """One choice's output as a message or stream deltas: as the model wrote it, or parsed for calls.
-    A choice that made calls and stopped finishes with reason tool_calls."""
+    """One choice's output as a message or stream deltas: as the model wrote it, or parsed for its
+    reasoning (server.reasoning), then for calls. A choice that made calls and stopped finishes with
+    reason tool_calls."""
 
-    def __init__(self, parser: ToolCallParser | None):
-        self.parser = parser
+    def __init__(self, parser: ToolCallParser | None, reasoning: ReasoningParser | None = None,
+                 include_reasoning: bool = True):
+        self.parser, self.reasoning, self.include_reasoning = parser, reasoning, include_reasoning
 
     def delta(self, text: str, finish_reason: str | None) -> tuple[DeltaMessage, str | None]:
         """A stream chunk's delta of the next piece of text (finish_reason set: the last piece)."""
+        reasoning, text = self._split(text, finish_reason is not None)
         if self.parser is None:
-            return DeltaMessage(content=text), finish_reason
-        parsed = self.parser.feed(text)
+            return DeltaMessage(reasoning_content=reasoning, content=text), finish_reason
+        parsed = self.parser.feed(text or "")
         if finish_reason is not None:
             parsed += self.parser.finish()
-        return DeltaMessage(content=parsed.content or None, tool_calls=parsed.calls or None), self._reason(finish_reason)
+        return (DeltaMessage(reasoning_content=reasoning, content=parsed.content or None,
+                             tool_calls=parsed.calls or None), self._reason(finish_reason))
 
     def message(self, text: str, finish_reason: str | None) -> tuple[ChatMessageOut, str | None]:
+        reasoning, text = self._split(text, True)
         if self.parser is None:
-            return ChatMessageOut(content=text), finish_reason
-        parsed = self.parser.feed(text)
+            return ChatMessageOut(reasoning_content=reasoning, content=text), finish_reason
+        parsed = self.parser.feed(text or "")
         parsed += self.parser.finish()
         calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.function.name, arguments=c.function.arguments))
                  for c in parsed.calls]
-        return ChatMessageOut(content=parsed.content or None, tool_calls=calls or None), self._reason(finish_reason)
+        return (ChatMessageOut(reasoning_content=reasoning, content=parsed.content or None, tool_calls=calls or None),
+                self._reason(finish_reason))
+
+    def _split(self, text: str, last: bool) -> tuple[str | None, str | None]:
+        """(reasoning, content) of the next piece of text, each None when empty (but for content
+        without a reasoning parser: the text as it is)."""
+        if self.reasoning is None:
+            return None, text
+        reasoning, content = self.reasoning.feed(text)
+        if last:
+            more = self.reasoning.finish()
+            reasoning, content = reasoning + more[0], content + more[1]
+        return (reasoning or None) if self.include_reasoning else None, content or None
 
     def _reason(self, finish_reason: str | None) -> str | None:
         return "tool_calls" if finish_reason == "stop" and self.parser.calls else finish_reason

@@ -147,6 +147,14 @@ def test_a_cuda_device_the_machine_lacks_is_one_error(demo_dir, monkeypatch, cap
                                        "device(s)\n")
 
 
+def test_a_reasoning_parser_for_a_model_that_does_not_think_is_one_error(demo_dir, capsys):
+    argv = ["serve", "--model-path", str(demo_dir / "model"), *CPU, "--port", str(free_port())]
+    assert main([*argv, "--reasoning-parser", "qwen3"]) == 1
+    assert capsys.readouterr().err == ("moelora serve: error: --reasoning-parser qwen3: the tokenizer has no token "
+                                       "<think> or </think>, which the model's thinking starts and ends with: is this a "
+                                       "reasoning model?\n")
+
+
 def test_an_unreadable_checkpoint_is_one_error_naming_its_file(demo_dir, tmp_path, capsys):
     """A truncated safetensors file (an interrupted download, a Git LFS pointer) or a broken shard index."""
     model = tmp_path / "model"
