@@ -427,10 +427,20 @@ class EngineLoop:
     # ------------------------------------------------------------------------------ tokenize and text threads
 
     def _tokenize_prompts(self, subs: list[Submission]) -> list[list[int]]:
-        """Each sequence's prompt ids (tokenize thread)."""
+        """Each sequence's prompt ids (tokenize thread); the n sequences of one text prompt tokenize it once."""
         start = time.perf_counter()
+        done: dict[tuple[str, bool], list[int]] = {}
         try:
-            return [self.engine.tokenize(sub.prompt, sub.add_special_tokens) for sub in subs]
+            prompts = []
+            for sub in subs:
+                if not isinstance(sub.prompt, str):
+                    prompts.append(self.engine.tokenize(sub.prompt, sub.add_special_tokens))
+                    continue
+                key = (sub.prompt, sub.add_special_tokens)
+                if key not in done:
+                    done[key] = self.engine.tokenize(sub.prompt, sub.add_special_tokens)
+                prompts.append(list(done[key]))
+            return prompts
         finally:
             self.thread_stats.tokenize_seconds += time.perf_counter() - start
 

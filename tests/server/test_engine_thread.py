@@ -49,6 +49,18 @@ def test_tokenizer_work_runs_in_the_tokenize_and_text_threads(server, monkeypatc
     assert {thread for name, thread in calls if name == "decode"} == {"moelora-tokenize_0", "moelora-text_0"}
 
 
+def test_n_sequences_of_a_text_prompt_tokenize_it_once(server, reference, monkeypatch):
+    tokenizer, encoded = server.loop.engine.tokenizer, []
+    monkeypatch.setattr(tokenizer, "encode", lambda text, real=tokenizer.encode, **kw: encoded.append(text) or
+                        real(text, **kw))
+    body = {"model": MODEL_NAME, "prompt": ["Hello world", "the quick brown fox"], "n": 3, "max_tokens": 3,
+            "temperature": 0}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 200 and encoded == body["prompt"], (r.text, encoded)
+    want = [o.text for p in body["prompt"] for o in reference.generate(p, SamplingParams(max_tokens=3, temperature=0))]
+    assert [c["text"] for c in r.json()["choices"]] == [t for t in want for _ in range(3)]
+
+
 def test_the_shutdown_drain_ends_the_requests_in_flight_and_frees_them(demo_dir):
     """The server's shutdown (EngineLoop.drain, no time to finish): a stream in flight ends with the shutdown's
     error event and [DONE], its KV slots and request row are free again, and /health says 503."""
