@@ -226,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse (413) a request whose body has more MiB: by its Content-Length before reading it, a chunked "
                         "body once that much has come (default: 100)")
     p.add_argument("--api-key", type=_non_empty, default=os.environ.get("MOELORA_API_KEY") or None,
-                   help="every route but /health and /metrics needs 'Authorization: Bearer KEY' (default: "
+                   help="every route but /health, /metrics and /version needs 'Authorization: Bearer KEY' (default: "
                         "$MOELORA_API_KEY; unset: no authentication)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the server's log: info has what it serves at start and the stats line (default: info)")

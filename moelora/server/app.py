@@ -22,6 +22,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
+from importlib.metadata import version
 from types import FrameType
 from typing import Any
 
@@ -45,8 +46,9 @@ from moelora.server.errors import APIError, bad_value, error_response, not_found
 from moelora.server.metrics import Metrics
 from moelora.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                                      ChatCompletionResponse, ChoiceLogprobs, CompletionChoice,
-                                     CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, ErrorInfo,
-                                     ErrorResponse, LoadLoRARequest, ModelCard, ModelList, SamplingRequest,
+                                     CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
+                                     DetokenizeRequest, DetokenizeResponse, ErrorInfo, ErrorResponse, LoadLoRARequest,
+                                     ModelCard, ModelList, SamplingRequest, TokenizeRequest, TokenizeResponse,
                                      TokenLogprob, TopLogprob, UnloadLoRARequest, UsageInfo)
 from moelora.server.reasoning import Reasoning, ReasoningParser
 from moelora.server.tools import ChatTools
@@ -164,6 +166,10 @@ class OpenAIServing:
     async def health(self) -> Response:
         return Response(status_code=200 if self.loop.healthy else 503)
 
+    async def version(self) -> dict:
+        """vLLM's /version: the server's."""
+        return {"version": version("moelora")}
+
     async def metrics(self) -> Response:
         body, content_type = self.loop.metrics.render()
         return Response(body, media_type=content_type)
@@ -180,6 +186,35 @@ class OpenAIServing:
         if card is None:
             raise not_found(model)
         return card
+
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        """vLLM's /tokenize: the prompt's token ids (a chat's through its template, as chat completions make it), in
+        the tokenize thread."""
+        self._adapter(body.model)  # (an adapter tokenizes as its base model)
+        engine = self.loop.engine
+        self._need_tokenizer("tokenize")
+        if body.messages is not None:
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            prompt, field, special = await self._chat_prompt(body, tools), "messages", False
+        else:
+            prompt, field, special = body.prompt, "prompt", True
+        special = body.add_special_tokens if body.add_special_tokens is not None else special
+        try:
+            ids = await self.loop.run_tokenize(lambda: engine.tokenize(prompt, special))
+        except PromptError as e:
+            raise APIError(400, str(e), param=field) from e
+        strs = engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=engine.context_len, tokens=ids, token_strs=strs)
+
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        """vLLM's /detokenize: the tokens' text, in the tokenize thread."""
+        self._adapter(body.model)
+        self._need_tokenizer("detokenize")
+        return DetokenizeResponse(prompt=(await self._prompt_texts([body.tokens], field="tokens"))[0])
+
+    def _need_tokenizer(self, route: str) -> None:
+        if self.loop.engine.tokenizer is None:
+            raise APIError(400, f"/{route} needs a tokenizer: {self.loop.engine.missing_tokenizer}")
 
     async def load_lora_adapter(self, body: LoadLoRARequest) -> dict:
         if body.lora_name == self.served_model_name:
@@ -377,8 +412,9 @@ class OpenAIServing:
             message = str(e) if field != "tools" else f"tools: the functions' parameters do not compile ({e})"
             raise APIError(400, message, param=field) from e
 
-    async def _prompt_texts(self, prompts: list[str | list[int]]) -> list[str]:
-        """The text of each prompt, as echo returns it (token ids decoded in the tokenize thread)."""
+    async def _prompt_texts(self, prompts: list[str | list[int]], field: str = "prompt") -> list[str]:
+        """The text of each prompt, as echo returns it (token ids decoded in the tokenize thread). `field`: the
+        request's field of the prompts, which bad token ids' errors name."""
         if self.loop.engine.tokenizer is None:
             raise APIError(400, f"echo needs a tokenizer: {self.loop.engine.missing_tokenizer}", param="echo")
         ids = [p for p in prompts if not isinstance(p, str)]
@@ -386,12 +422,12 @@ class OpenAIServing:
             try:
                 self.loop.engine.check_token_ids(p)
             except PromptError as e:
-                raise APIError(400, str(e), param="prompt") from e
+                raise APIError(400, str(e), param=field) from e
         decoded = iter(await self.loop.run_tokenize(lambda: [self.loop.engine.tokenizer.decode(p) for p in ids]) if ids
                        else [])
         return [p if isinstance(p, str) else next(decoded) for p in prompts]
 
-    async def _chat_prompt(self, body: ChatCompletionRequest, tools: list[dict] | None) -> str:
+    async def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest, tools: list[dict] | None) -> str:
         """The messages through the chat template, in the tokenize thread (not the event loop's)."""
         messages = []
         for i, m in enumerate(body.messages):
@@ -546,7 +582,7 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
                reasoning_parser: str | None = None) -> FastAPI:
     """The app; its engine thread starts and stops with the app's lifespan, which logs what it serves
     first and shuts the engine down (its other ranks, with tp_size > 1) last. With an api_key, every route but
-    /health and /metrics answers 401 unless the request carries 'Authorization: Bearer <key>'. stats_interval:
+    /health, /metrics and /version answers 401 unless the request carries 'Authorization: Bearer <key>'. stats_interval:
     seconds between the stats log lines (0: none). A request body past max_request_bytes is a 413 (BodyLimit).
     watchdog_timeout: seconds one engine step may take before the server exits (EngineLoop; 0: never).
     reasoning_parser: "qwen3" or "deepseek_r1" sends a reasoning model's thinking apart (server.reasoning)."""
@@ -576,6 +612,7 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
     serving = OpenAIServing(loop, served_model_name, reasoning)
     app.get("/health")(serving.health)
     app.get("/metrics")(serving.metrics)
+    app.get("/version")(serving.version)
 
     async def authorized(request: Request) -> None:
         given = request.headers.get("authorization", "")
@@ -588,6 +625,8 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
     app.post("/v1/completions", dependencies=guarded)(serving.completions)
     app.post("/v1/chat/completions", dependencies=guarded)(serving.chat_completions)
     for prefix in ("/v1", ""):
+        app.post(f"{prefix}/tokenize", dependencies=guarded)(serving.tokenize)
+        app.post(f"{prefix}/detokenize", dependencies=guarded)(serving.detokenize)
         app.post(f"{prefix}/load_lora_adapter", dependencies=guarded)(serving.load_lora_adapter)
         app.post(f"{prefix}/unload_lora_adapter", dependencies=guarded)(serving.unload_lora_adapter)
     if engine.config.profile_dir is not None:  # as vLLM's, only where the operator named the traces' directory

@@ -425,10 +425,43 @@ class ChatCompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _one_end_of_the_prompt(self) -> ChatCompletionRequest:
-        if self.add_generation_prompt and self.continue_final_message:  # as vLLM
-            raise PydanticCustomError("conflicting_fields", "continue_final_message and add_generation_prompt cannot "
-                                      "both be true", {"param": "continue_final_message"})
+        _check_prompt_end(self)
         return self
+
+
+def _check_prompt_end(body: ChatCompletionRequest | TokenizeRequest) -> None:
+    if body.add_generation_prompt and body.continue_final_message:  # as vLLM
+        raise PydanticCustomError("conflicting_fields", "continue_final_message and add_generation_prompt cannot "
+                                  "both be true", {"param": "continue_final_message"})
+
+
+class TokenizeRequest(RequestBody):
+    """vLLM's /tokenize: a text prompt, or chat messages through the chat template (the fields of a chat request that
+    make its prompt). add_special_tokens None: true for a prompt, false for messages (the template writes them)."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False  # each token's string (the tokenizer's, as vLLM's token_strs)
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("prompt_or_messages", "give a prompt or messages (one of them)",
+                                      {"param": "prompt"})
+        _check_prompt_end(self)
+        return self
+
+
+class DetokenizeRequest(RequestBody):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[StrictInt]
 
 
 class LoadLoRARequest(RequestBody):
@@ -451,6 +484,17 @@ class ModelCard(BaseModel):
     root: str | None = None    # where it was loaded from
     parent: str | None = None  # adapters: the base model's id
     max_model_len: int | None = None  # tokens one request may hold, prompt and output (vLLM's field)
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelList(BaseModel):

@@ -1,5 +1,7 @@
-"""--api-key: every route but /health and /metrics answers 401 in OpenAI's shape without the key."""
+"""--api-key: every route but /health, /metrics and /version answers 401 in OpenAI's shape without the key."""
 from __future__ import annotations
+
+from importlib.metadata import version
 
 import pytest
 from fastapi.testclient import TestClient
@@ -22,7 +24,8 @@ def test_routes_need_the_key(client, demo_dir, headers):
     for method, path, body in [("GET", "/v1/models", None), ("POST", "/v1/completions", OK),
                                ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
                                ("POST", "/load_lora_adapter", {"lora_name": "g", "lora_path": str(demo_dir / "gamma")}),
-                               ("POST", "/v1/unload_lora_adapter", {"lora_name": "alpha"})]:
+                               ("POST", "/v1/unload_lora_adapter", {"lora_name": "alpha"}),
+                               ("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/v1/detokenize", {"tokens": [1]})]:
         r = client.request(method, path, json=body, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
 
@@ -33,3 +36,4 @@ def test_the_key_opens_them_and_health_needs_none(client):
     r = client.post("/v1/completions", json=OK, headers=auth)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+    assert client.get("/version").json() == {"version": version("moelora")}

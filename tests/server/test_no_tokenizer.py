@@ -58,6 +58,10 @@ def test_text_needs_a_tokenizer(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, stop=["x"])
     assert e.value.body["param"] == "stop"
+    for route, body in (("tokenize", {"prompt": "hi"}), ("detokenize", {"tokens": PROMPT})):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.post(f"/{route}", body=body, cast_to=dict)
+        assert f"/{route} needs a tokenizer: " in e.value.message
 
 
 def test_sampling_options_need_no_tokenizer(client, reference):
