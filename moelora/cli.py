@@ -241,12 +241,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds one engine step may take: past it the device is taken to hang, the server ends every "
                         "request with an error, logs where the engine is and exits with status 1, for whatever runs "
                         "it to start it again; 0: never (SGLang's flag; default: 300)")
-    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+    p.add_argument("--tool-call-parser", choices=["hermes"],
+                   help="vLLM's flag, accepted: moelora parses tool calls in the hermes format (Qwen2.5, Qwen3) "
+                        "whenever a chat request has tools, and only that one")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's flag, accepted: tool_choice auto is always served")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, type=lambda name: name.replace("-", "_"),
                    help="send a reasoning model's thinking (<think>...</think>) as the chat message's "
                         "reasoning_content, and apply structured output to the answer after it: qwen3 (Qwen3: it "
                         "thinks when its output starts with <think>) or deepseek_r1 (DeepSeek-R1, QwQ: the output "
-                        "starts thinking); a prompt that opens or closes the thinking decides for both (default: "
-                        "none, the text as the model wrote it)")
+                        "starts thinking; SGLang's deepseek-r1 too); a prompt that opens or closes the thinking "
+                        "decides for both (default: none, the text as the model wrote it)")
     p.set_defaults(run=serve)
 
     from moelora.engine.sampling_params import SamplingParams
