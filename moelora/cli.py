@@ -228,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", type=_non_empty, default=os.environ.get("MOELORA_API_KEY") or None,
                    help="every route but /health, /metrics and /version needs 'Authorization: Bearer KEY' (default: "
                         "$MOELORA_API_KEY; unset: no authentication)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+    p.add_argument("--log-level", "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the server's log: info has what it serves at start and the stats line (default: info)")
     p.add_argument("--log-stats-interval", type=_seconds, default=10.0,
                    help="seconds between the log lines of running/waiting requests, tokens/s, KV cache and LoRA "
@@ -244,8 +244,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", choices=["hermes"],
                    help="vLLM's flag, accepted: moelora parses tool calls in the hermes format (Qwen2.5, Qwen3) "
                         "whenever a chat request has tools, and only that one")
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="vLLM's flag, accepted: tool_choice auto is always served")
+    # vLLM's flags that ask for what moelora always does: accepted, so that vLLM's command lines run
+    for flag, why in (("--enable-lora", "adapters are always served"),
+                      ("--enable-auto-tool-choice", "tool_choice auto is always served"),
+                      ("--enable-chunked-prefill", "prompts are always prefilled in pieces (--chunked-prefill-size)"),
+                      ("--disable-log-requests", "moelora logs no request's prompt or parameters"),
+                      ("--trust-remote-code", "no code of the model directory runs: the architectures are moelora's")):
+        p.add_argument(flag, action="store_true", help=f"vLLM's flag, accepted: {why}")
+    p.add_argument("--disable-log-stats", action="store_const", const=0.0, dest="log_stats_interval",
+                   help="vLLM's flag: --log-stats-interval 0")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, type=lambda name: name.replace("-", "_"),
                    help="send a reasoning model's thinking (<think>...</think>) as the chat message's "
                         "reasoning_content, and apply structured output to the answer after it: qwen3 (Qwen3: it "

@@ -106,7 +106,7 @@ class EngineConfig:
                                                       "decode rows) run from a captured CUDA graph, padded to the next "
                                                       "of 64, 128, ..., 1024, 1536, 2048, 3072, 4096, ... tokens; 0: "
                                                       "prompt steps run eagerly")
-    disable_cuda_graph: bool = option(False, "run every step eagerly")
+    disable_cuda_graph: bool = option(False, "run every step eagerly", ("--enforce-eager",))
     # SGLang's --skip-server-warmup
     skip_server_warmup: bool = option(False, "skip the prompt steps a GPU engine's start runs to compile every "
                                              "prompt-step kernel variant: the start is faster, but the first request "

@@ -67,12 +67,15 @@ def test_vllm_flag_names(capsys):
         "--max-model-len", "100", "--gpu-memory-utilization", "0.5", "--max-num-seqs", "7",
         "--tensor-parallel-size", "1", "--chat-template", "t.jinja", "--served-model-name", "x",
         "--max-num-batched-tokens", "2048", "--shutdown-timeout", "30", "--enable-auto-tool-choice",
-        "--tool-call-parser", "hermes", "--reasoning-parser", "deepseek-r1"])
+        "--tool-call-parser", "hermes", "--reasoning-parser", "deepseek-r1", "--enable-lora", "--enforce-eager",
+        "--disable-log-stats", "--disable-log-requests", "--trust-remote-code", "--enable-chunked-prefill",
+        "--uvicorn-log-level", "warning"])
     assert args.lora_paths == {"sql": "/s", "chat": "/c"} and args.max_loras_per_batch == 3
     assert args.max_lora_rank == 16 and args.context_length == 100 and args.mem_fraction_static == 0.5
     assert args.max_running_requests == 7 and args.tp_size == 1 and args.chat_template == "t.jinja"
     assert args.chunked_prefill_size == 2048 and args.shutdown_timeout == 30
     assert args.reasoning_parser == "deepseek_r1"  # (SGLang's spelling)
+    assert args.disable_cuda_graph and args.log_stats_interval == 0 and args.log_level == "warning"
     assert "argument --tool-call-parser: invalid choice: 'mistral'" in usage_error(
         ["serve", "--model-path", "m", "--tool-call-parser", "mistral"], capsys)
     for bad in ['{"name": "sql"', '{"name": "sql"}']:
