@@ -141,6 +141,7 @@ class AfterReasoning:
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Row `row` of the packed [rows, words] int32 bitmask: all ones while thinking."""
         if self.thinking:
+            bitmask[row] = -1
             return
         self.matcher.fill_next_token_bitmask(bitmask, row)
         if not self.answering:  # the first token: the grammar's, or the start of the reasoning

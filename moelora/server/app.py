@@ -195,7 +195,8 @@ class OpenAIServing:
         self._need_tokenizer("tokenize")
         if body.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-            prompt, field, special = await self._chat_prompt(body, tools), "messages", False
+            prompt = await self._chat_prompt(body, self._template_messages(body), tools)
+            field, special = "messages", False
         else:
             prompt, field, special = body.prompt, "prompt", True
         special = body.add_special_tokens if body.add_special_tokens is not None else special
@@ -315,18 +316,20 @@ class OpenAIServing:
         aliases = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
         aliases |= {"logprobs": "top_logprobs", "prompt": "messages"}
         tools = ChatTools.of(body, self.loop.engine.tokenizer)
-        prompt = await self._chat_prompt(body, tools.specs)
-        thinking = self.reasoning.starts_thinking(prompt, body.continue_final_message) if self.reasoning else False
+        messages = self._template_messages(body)
+        prompt = await self._chat_prompt(body, messages, tools.specs)
+        start = self.reasoning.output_start(prompt, messages[-1] if body.continue_final_message else None) \
+            if self.reasoning else None
         subs = self._submissions(body, [prompt], max_tokens, k if body.logprobs else None,
                                  add_special_tokens=False, aliases=aliases, grammar=tools.grammar,
-                                 grammar_gate=self.reasoning.grammar_gate(thinking) if self.reasoning else None)
+                                 grammar_gate=self.reasoning.grammar_gate(start) if self.reasoning else None)
         grammar = await self._compile_grammar(body, subs)
         rids, queue, prompt_tokens = await self._submit(body, subs, aliases)
         del grammar  # held until the engine started the request's matchers from it (_compile_grammar)
         head = self._head("chatcmpl", body.model)
         choices = [_Choice(prompt_tokens=p) for p in prompt_tokens]
         separate = self.reasoning is not None and body.separate_reasoning
-        outputs = [tools.output(ReasoningParser(thinking) if separate else None, body.include_reasoning) for _ in subs]
+        outputs = [tools.output(ReasoningParser(start) if separate else None, body.include_reasoning) for _ in subs]
 
         def usage_so_far(i: int) -> UsageInfo | None:
             return _usage_so_far(choices[i]) if body.continuous_usage else None
@@ -427,8 +430,9 @@ class OpenAIServing:
                        else [])
         return [p if isinstance(p, str) else next(decoded) for p in prompts]
 
-    async def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest, tools: list[dict] | None) -> str:
-        """The messages through the chat template, in the tokenize thread (not the event loop's)."""
+    @staticmethod
+    def _template_messages(body: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
+        """The messages as the chat template gets them."""
         messages = []
         for i, m in enumerate(body.messages):
             msg = m.model_dump(exclude_none=True)
@@ -437,6 +441,12 @@ class OpenAIServing:
                     raise APIError(400, f"messages[{i}]: only text content parts are supported", param="messages")
                 msg["content"] = "\n".join(p.text for p in m.content)  # as vLLM gives a template the parts
             messages.append(msg)
+        return messages
+
+    async def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest, messages: list[dict],
+                           tools: list[dict] | None) -> str:
+        """The messages (_template_messages) through the chat template, in the tokenize thread (not the event
+        loop's)."""
         try:
             return await self.loop.run_tokenize(lambda: self.loop.engine.chat_prompt(
                 messages, tools, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs))

@@ -7,13 +7,14 @@ thinking, not to the thinking (engine.structured_output.AfterReasoning).
 Whether the output starts inside the thinking is read off the prompt the chat template wrote. A
 prompt that ends with `<think>` (Qwen3-Thinking's and DeepSeek-R1's templates open it) starts it;
 one that ends with `</think>` (Qwen3's enable_thinking false writes an empty one) has closed it,
-and the output is all answer. Continuing the final message, the prompt's last tag decides wherever
-it is. Otherwise the parsers differ: deepseek_r1 takes the output to start thinking (DeepSeek-R1
-writes no `<think>` first), qwen3 only if the output's first token is `<think>` (Qwen3's hybrid
-models think by default and open it themselves; its instruct models never do).
+and the output is all answer. Continuing the final message (continue_final_message), that
+message's last tag decides, and a message with a `reasoning_content` has closed it. Otherwise the
+parsers differ: deepseek_r1 takes the output to start thinking (DeepSeek-R1 writes no `<think>`
+first), qwen3 only if the output's first token is `<think>` (Qwen3's hybrid models think by default
+and open it themselves; its instruct models never do).
 
-The reasoning's and the answer's surrounding whitespace (the newlines about the tags) belong to
-neither, as SGLang strips them. `include_reasoning: false` (vLLM's) leaves the reasoning out;
+The whitespace about the tags belongs to neither the reasoning nor the answer, as SGLang strips it;
+an output that goes on with the final message's text keeps its first whitespace. `include_reasoning: false` (vLLM's) leaves the reasoning out;
 `separate_reasoning: false` (SGLang's) sends the text as the model wrote it, tags and all.
 """
 from __future__ import annotations
@@ -50,36 +51,49 @@ class Reasoning:
                              "the model's thinking starts and ends with: is this a reasoning model?")
         return cls(parser, vocab[START], vocab[END])
 
-    def starts_thinking(self, prompt: str, continuing: bool) -> bool | None:
-        """True: the output starts inside the thinking; False: the prompt closed it; None: the output
-        thinks if it starts with `<think>`. `continuing`: the prompt ends inside the final message."""
-        start, end = prompt.rfind(START), prompt.rfind(END)
-        if continuing and max(start, end) >= 0:
-            return start > end
-        tail = prompt.rstrip()
-        if tail.endswith(START):
-            return True
-        if tail.endswith(END):
-            return False
-        return True if self.parser == "deepseek_r1" else None
+    def output_start(self, prompt: str, continued: dict | None = None) -> OutputStart:
+        """Where the output starts. `continued`: the final message (an assistant's, as the chat template
+        gets it) that the output goes on with (continue_final_message); its tags decide then, and not
+        the rest of the prompt's (a question may quote a tag)."""
+        default = True if self.parser == "deepseek_r1" else None
+        if continued is None:
+            tail = prompt.rstrip()
+            return OutputStart(True if tail.endswith(START) else False if tail.endswith(END) else default)
+        text = continued.get("content") if isinstance(continued.get("content"), str) else ""
+        start, end = text.rfind(START), text.rfind(END)
+        if start > end:
+            return OutputStart(True, goes_on=bool(text[start + len(START):].strip()))
+        if end >= 0 or isinstance(continued.get("reasoning_content"), str):  # (templates close a message's reasoning)
+            return OutputStart(False, goes_on=True)
+        return OutputStart(default, goes_on=bool(text.strip()))
 
-    def grammar_gate(self, thinking: bool | None) -> dict[str, int | None]:
+    def grammar_gate(self, start: OutputStart) -> dict[str, int | None]:
         """The StructuredOutput fields that hold a grammar back until the thinking ends."""
-        if thinking is False:
+        if start.thinking is False:
             return {}
-        return {"reasoning_end": self.end_id, "reasoning_start": None if thinking else self.start_id}
+        return {"reasoning_end": self.end_id, "reasoning_start": None if start.thinking else self.start_id}
+
+
+@dataclass(frozen=True)
+class OutputStart:
+    """Where an output starts: inside the thinking (True), in the answer (False), or either as its first
+    token is `<think>` or not (None). `goes_on`: it continues text of the prompt's final message, so its
+    first whitespace is the model's, not the newlines about a tag."""
+    thinking: bool | None
+    goes_on: bool = False
 
 
 class ReasoningParser:
     """One choice's output text, fed in pieces, split into reasoning and content: feed() each piece,
     finish() at the end. However the text is split, the pieces concatenate to the same two texts."""
 
-    def __init__(self, thinking: bool | None):
-        self.thinking = thinking is True
-        self._at_start = thinking is not False  # a <think> first opens the thinking, or is dropped from it
+    def __init__(self, start: OutputStart):
+        self.thinking = start.thinking is True
+        # a <think> first opens the thinking, or is dropped from it (unless the output goes on with a thought)
+        self._at_start = start.thinking is None or self.thinking and not start.goes_on
         self._buf = ""            # text not decided yet: a partial tag, or whitespace
         self._space = ""          # the reasoning's trailing whitespace: dropped if it is the last
-        self._reasoned = False    # some reasoning went out: its leading whitespace is behind
+        self._reasoned = start.goes_on  # some reasoning went out: its leading whitespace is behind
         self._strip = False       # the answer after </think>: its leading whitespace is dropped
 
     def feed(self, text: str) -> tuple[str, str]:

@@ -12,12 +12,12 @@ import pytest
 from moelora.engine.engine import Engine
 from moelora.engine.sampling_params import SamplingParams, StructuredOutput
 from moelora.server.app import create_app
-from moelora.server.reasoning import END, START, Reasoning, ReasoningParser
+from moelora.server.reasoning import END, START, OutputStart, Reasoning, ReasoningParser
 from moelora.server.tools import ChoiceOutput, ToolCallParser
 from tests.server.conftest import ENGINE_OPTIONS, MODEL_NAME, serving
 from tests.support import build_random_demo, tiny_tokenizer
 
-# (thinking, output) -> (reasoning, content)
+# (where the output starts, output) -> (reasoning, content)
 CASES = [
     (None, "<think>\nLet me see.\n</think>\n\nThe answer.", ("Let me see.", "The answer.")),
     (None, "The answer, no thinking.", ("", "The answer, no thinking.")),
@@ -33,7 +33,15 @@ CASES = [
     (True, "x</thi", ("x</thi", "")),
     (True, "</think>", ("", "")),
     (False, "<think>x</think>y", ("", "<think>x</think>y")),
+    # going on with a thought or answer of the prompt's final message: its first whitespace is the model's
+    (OutputStart(True, goes_on=True), " the <think> fox </think>\n x", (" the <think> fox", "x")),
+    (OutputStart(False, goes_on=True), "\n\nx <think>y</think>", ("", "\n\nx <think>y</think>")),
+    (OutputStart(None, goes_on=True), " so <think>y</think>", ("", " so <think>y</think>")),
 ]
+
+
+def start_of(thinking: bool | None | OutputStart) -> OutputStart:
+    return thinking if isinstance(thinking, OutputStart) else OutputStart(thinking)
 
 
 def run(parser: ReasoningParser, pieces: list[str]) -> tuple[str, str]:
@@ -47,16 +55,17 @@ def run(parser: ReasoningParser, pieces: list[str]) -> tuple[str, str]:
 
 @pytest.mark.parametrize("thinking, text, want", CASES)
 def test_the_split_is_the_same_however_the_text_comes(thinking, text, want):
-    assert run(ReasoningParser(thinking), [text]) == want
-    assert run(ReasoningParser(thinking), list(text)) == want
+    start = start_of(thinking)
+    assert run(ReasoningParser(start), [text]) == want
+    assert run(ReasoningParser(start), list(text)) == want
     for i in range(len(text) + 1):
         for j in range(i, len(text) + 1):
-            assert run(ReasoningParser(thinking), [text[:i], text[i:j], text[j:]]) == want, (i, j)
+            assert run(ReasoningParser(start), [text[:i], text[i:j], text[j:]]) == want, (i, j)
 
 
 def test_reasoning_goes_out_as_it_comes():
     """Streamed, the thinking goes out piece by piece (not at its end); only a possible tag or whitespace waits."""
-    parser = ReasoningParser(None)
+    parser = ReasoningParser(OutputStart(None))
     assert parser.feed("<think>") == ("", "")
     assert parser.feed("\nFirst") == ("First", "")
     assert parser.feed(" step.\n") == (" step.", "")
@@ -72,27 +81,38 @@ def reasoning() -> Reasoning:
     return Reasoning.of("qwen3", tokenizer)
 
 
-@pytest.mark.parametrize("prompt, continuing, qwen3, deepseek_r1", [
-    ("<|im_start|>assistant\n", False, None, True),
-    ("<|im_start|>assistant\n<think>\n", False, True, True),
-    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False, False, False),
+GO_ON = OutputStart(True, goes_on=True)
+ANSWER = OutputStart(False, goes_on=True)
+
+
+@pytest.mark.parametrize("prompt, continued, qwen3, deepseek_r1", [
+    ("<|im_start|>assistant\n", None, OutputStart(None), OutputStart(True)),
+    ("<|im_start|>assistant\n<think>\n", None, OutputStart(True), OutputStart(True)),
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", None, OutputStart(False), OutputStart(False)),
     # an earlier turn's thinking, then a new turn: not the output's
-    ("<think>a</think>b<|im_end|>\n<|im_start|>assistant\n", False, None, True),
-    ("<|im_start|>assistant\n<think>\nI see", True, True, True),
-    ("<|im_start|>assistant\n<think>\nI see</think>\n\nSo", True, False, False),
-    ("<|im_start|>assistant\nSo", True, None, True),
+    ("<think>a</think>b<|im_end|>\n<|im_start|>assistant\n", None, OutputStart(None), OutputStart(True)),
+    # going on with the final message: its tags decide, not a tag a question quotes
+    ("Is <think> a tag?<|im_start|>assistant\n<think>\n", {"content": "<think>\n"}, OutputStart(True),
+     OutputStart(True)),
+    ("Is </think> a tag?<|im_start|>assistant\n<think>\nI see", {"content": "<think>\nI see"}, GO_ON, GO_ON),
+    ("x<|im_start|>assistant\n<think>\nI see</think>\n\nSo", {"content": "<think>\nI see</think>\n\nSo"},
+     ANSWER, ANSWER),
+    ("Is <think> a tag?<|im_start|>assistant\nSo", {"content": "So"}, OutputStart(None, goes_on=True), GO_ON),
+    ("<|im_start|>assistant\n<think>\nhm\n</think>\n\nSo", {"content": "So", "reasoning_content": "hm"}, ANSWER,
+     ANSWER),
 ])
-def test_where_the_prompt_leaves_the_output(reasoning, prompt, continuing, qwen3, deepseek_r1):
-    assert reasoning.starts_thinking(prompt, continuing) is qwen3
+def test_where_the_prompt_leaves_the_output(reasoning, prompt, continued, qwen3, deepseek_r1):
+    assert reasoning.output_start(prompt, continued) == qwen3
     r1 = Reasoning("deepseek_r1", reasoning.start_id, reasoning.end_id)
-    assert r1.starts_thinking(prompt, continuing) is deepseek_r1
+    assert r1.output_start(prompt, continued) == deepseek_r1
 
 
 def test_the_grammar_waits_for_the_thinking(reasoning):
     end, start = reasoning.end_id, reasoning.start_id
-    assert reasoning.grammar_gate(True) == {"reasoning_end": end, "reasoning_start": None}
-    assert reasoning.grammar_gate(None) == {"reasoning_end": end, "reasoning_start": start}
-    assert reasoning.grammar_gate(False) == {}
+    assert reasoning.grammar_gate(OutputStart(True)) == {"reasoning_end": end, "reasoning_start": None}
+    assert reasoning.grammar_gate(GO_ON) == {"reasoning_end": end, "reasoning_start": None}
+    assert reasoning.grammar_gate(OutputStart(None)) == {"reasoning_end": end, "reasoning_start": start}
+    assert reasoning.grammar_gate(ANSWER) == {}
 
 
 def test_a_reasoning_parser_needs_a_reasoning_tokenizer():
@@ -107,14 +127,14 @@ def test_a_reasoning_parser_needs_a_reasoning_tokenizer():
 def test_tool_calls_after_the_thinking():
     call = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
     text = f"<think>\nI need the time.\n</think>\n\n{call}"
-    message, reason = ChoiceOutput(ToolCallParser(), ReasoningParser(None)).message(text, "stop")
+    message, reason = ChoiceOutput(ToolCallParser(), ReasoningParser(OutputStart(None))).message(text, "stop")
     assert message.reasoning_content == "I need the time." and message.content is None and reason == "tool_calls"
     assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [("now", "{}")]
-    streamed = ChoiceOutput(ToolCallParser(), ReasoningParser(None))
+    streamed = ChoiceOutput(ToolCallParser(), ReasoningParser(OutputStart(None)))
     deltas = [streamed.delta(c, None)[0] for c in text] + [streamed.delta("", "stop")[0]]
     assert "".join(d.reasoning_content or "" for d in deltas) == "I need the time."
     assert not any(d.content for d in deltas) and any(d.tool_calls for d in deltas)
-    hidden, _ = ChoiceOutput(None, ReasoningParser(None), include_reasoning=False).message(text, "stop")
+    hidden, _ = ChoiceOutput(None, ReasoningParser(OutputStart(None)), include_reasoning=False).message(text, "stop")
     assert hidden.reasoning_content is None and hidden.content == call
 
 
@@ -257,3 +277,27 @@ def test_a_model_without_thinking_tokens_cannot_serve_a_reasoning_parser(demo_di
     engine = make_engine(demo_dir, [])
     with pytest.raises(ValueError, match="the tokenizer has no token <think> or </think>"):
         create_app(engine, MODEL_NAME, reasoning_parser="deepseek_r1")
+
+
+def test_going_on_with_a_thought_keeps_its_first_space(client, think_reference):
+    """A request that continues a thought the final message began: the output is reasoning as the model wrote it."""
+    the = words(think_reference, " the")[0]
+    request = {"model": MODEL_NAME, "messages": [*MESSAGES, {"role": "assistant", "content": "<think>\nI saw"}],
+               "continue_final_message": True, "add_generation_prompt": False, "max_tokens": 4, "temperature": 0,
+               "seed": 0, "logit_bias": {str(the): 100}}
+    text = reference_text(think_reference, request)
+    assert text == " the the the the"
+    message = create(client, request).choices[0].message
+    assert (message.reasoning_content, message.content) == (text, None)
+
+
+def test_a_tag_a_question_quotes_does_not_decide(client, think_reference):
+    """Going on with an answer that has no tags: a <think> in the user's question leaves the grammar (and the
+    answer) as they are without it."""
+    start = words(think_reference, START)[0]
+    for question in ("What does the tag mean?", "What does the <think> tag mean?"):
+        request = {**body(think_reference, 0), "continue_final_message": True,
+                   "messages": [{"role": "user", "content": question}, {"role": "assistant", "content": "The answer:"}]}
+        request["logit_bias"][str(start)] = -100
+        message = create(client, request, guided_choice=[" yes", " no"]).choices[0].message
+        assert message.reasoning_content is None and message.content in (" yes", " no"), (question, message)
