@@ -53,8 +53,9 @@ class StepResult:
     sampled: list[Req]                      # requests that got a new token, in batch order
     tokens: SampleOutput | None             # one row per sampled request
     prompt_logprobs: dict[int, torch.Tensor]  # batch index -> [new prompt tokens, vocab] float32, on the host
-    # batch index -> (k, entries): the entries (params.prompt_logprobs) of prompt tokens k + 1, k + 2, ...
-    prompt_entries: dict[int, tuple[int, list[dict[int, float]]]]
+    # batch index -> (k, entries, ranks): the entries (params.prompt_logprobs) of prompt tokens k + 1, k + 2, ...,
+    # and each token's rank among the vocabulary (1: the likeliest)
+    prompt_entries: dict[int, tuple[int, list[dict[int, float]], list[int]]]
 
 
 class StepInputs(NamedTuple):
@@ -242,7 +243,7 @@ class ModelRunner:
             if num_prompt and req.return_prompt_logprobs:
                 prompt_logprobs[i] = logits[cursor:cursor + num_prompt].log_softmax(-1).cpu()
             elif num_prompt:
-                prompt_entries[i] = (prefix, _prompt_entries(logits[cursor:cursor + num_prompt], req, prefix))
+                prompt_entries[i] = (prefix, *_prompt_entries(logits[cursor:cursor + num_prompt], req, prefix))
             if batch.completes[i]:
                 sample_rows.append(cursor + num_rows - 1)
                 sampled.append(req)
@@ -520,16 +521,20 @@ def _indexed(device: torch.device) -> torch.device:
         else device
 
 
-def _prompt_entries(logits: torch.Tensor, req: Req, prefix: int) -> list[dict[int, float]]:
+def _prompt_entries(logits: torch.Tensor, req: Req, prefix: int) -> tuple[list[dict[int, float]], list[int]]:
     """logits [n, vocab] of prompt positions prefix.. -> the entry of each prompt token they predict
-    (the last prompt position predicts the output: none): its log-probability, then the top k."""
+    (the last prompt position predicts the output: none): its log-probability, then the top k; and its rank (1 + the
+    tokens of higher log-probability)."""
     targets = req.prompt_ids[prefix + 1:prefix + 1 + logits.shape[0]]
     if not targets:
-        return []
+        return [], []
     log_probs = logits[:len(targets)].float().log_softmax(-1)
-    chosen = log_probs.gather(1, torch.tensor(targets, device=logits.device)[:, None])[:, 0].tolist()
+    chosen = log_probs.gather(1, torch.tensor(targets, device=logits.device)[:, None])
+    ranks = ((log_probs > chosen).sum(-1) + 1).tolist()
+    chosen = chosen[:, 0].tolist()
     top_ids = top_values = [[] for _ in targets]
     if req.params.prompt_logprobs:
         top = log_probs.topk(req.params.prompt_logprobs, dim=-1)
         top_ids, top_values = top.indices.tolist(), top.values.tolist()
-    return [{t: lp, **dict(zip(ids, values))} for t, lp, ids, values in zip(targets, chosen, top_ids, top_values)]
+    return ([{t: lp, **dict(zip(ids, values))} for t, lp, ids, values in zip(targets, chosen, top_ids, top_values)],
+            ranks)

@@ -35,6 +35,7 @@ class Req:
     logit_bias: LogitBias | None = None      # params.logit_bias as host tensors (sampler.logit_bias_tensors)
     # prompt_logprob_entries[k]: prompt token k + 1's log-probability and the top ones (params.prompt_logprobs)
     prompt_logprob_entries: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprob_ranks: list[int] = field(default_factory=list)  # prompt token k + 1's rank (1: the likeliest)
     arrival: float = 0.0                     # time.perf_counter() at arrival: its wait for admission counts from here
     holds_adapter: bool = False              # took a reference to its adapter (LoRAManager.acquire), not released yet
     prompt_index: int = 0                    # its prompt's place in the generate / prompt_logprobs call that made it

@@ -58,6 +58,7 @@ class StepOutput:
     # with params.prompt_logprobs, in the first output: the prompt, and per prompt token its entry (None for the first)
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None  # each prompt token's rank (1: the likeliest; None first)
     # finished "stop" by a stop string (its text) or a token of stop_token_ids (its id); None otherwise (EOS, a grammar's
     # end). A request added with detokenize=False has no stop strings here: its caller's detokenizer finds them
     stop_reason: str | int | None = None
@@ -284,10 +285,11 @@ class Stepper:
         ended = {r for r in batch.reqs if r.finished}  # aborted while it ran ahead: released already
         for req in result.sampled:
             req.num_pending -= 1
-        for i, (start, entries) in result.prompt_entries.items():
+        for i, (start, entries, ranks) in result.prompt_entries.items():
             req = batch.reqs[i]
             if len(req.prompt_logprob_entries) == start:  # not when a retracted request computes its prompt again
                 req.prompt_logprob_entries += entries
+                req.prompt_logprob_ranks += ranks
         try:
             outputs = self._append_tokens(result.sampled, launched.tokens) if launched.tokens is not None else []
             for i, logprobs in result.prompt_logprobs.items():
@@ -330,6 +332,7 @@ class Stepper:
                              stop_reason=req.detokenizer.stop_reason)
             if req.params.prompt_logprobs is not None and len(req.output_ids) == 1:
                 out.prompt_token_ids, out.prompt_logprobs = list(req.prompt_ids), [None, *req.prompt_logprob_entries]
+                out.prompt_logprob_ranks = [None, *req.prompt_logprob_ranks]
             outputs.append(out)
         return outputs
 

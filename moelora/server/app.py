@@ -48,7 +48,8 @@ from moelora.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion
                                      ChatCompletionResponse, ChoiceLogprobs, CompletionChoice,
                                      CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
                                      DetokenizeRequest, DetokenizeResponse, ErrorInfo, ErrorResponse, LoadLoRARequest,
-                                     ModelCard, ModelList, SamplingRequest, TokenizeRequest, TokenizeResponse,
+                                     ModelCard, ModelList, PromptLogprob, PromptLogprobs, SamplingRequest,
+                                     TokenizeRequest, TokenizeResponse,
                                      TokenLogprob, TopLogprob, UnloadLoRARequest, UsageInfo)
 from moelora.server.reasoning import Reasoning, ReasoningParser
 from moelora.server.tools import ChatTools
@@ -77,6 +78,9 @@ class _Choice:
     cumulative_logprob: float = 0.0
     streamed: int = 0  # characters of text sent in stream chunks
     prompt_only: bool = False  # echo with max_tokens 0: the prompt is the whole output (_prompt_only)
+    echo_logprobs: int | None = None  # echo with logprobs: the prompt's tokens lead the logprobs, with this many top
+    prompt_top: int | None = None  # the request's prompt_logprobs
+    prompt_logprobs: PromptLogprobs | None = None
 
     def add(self, d: Delta) -> list[Entry]:
         """Take a step's output; return its token log-probabilities (the prompt's first, when it has them)."""
@@ -86,8 +90,12 @@ class _Choice:
         def entry(t: int, lp: dict[int, float]) -> Entry:
             return d.pieces[t], _json_logprob(lp[t]), sorted(((d.pieces[u], _json_logprob(v)) for u, v in lp.items()),
                                                               key=lambda x: -x[1])
-        new = [entry(t, lp) if lp is not None else (d.pieces[t], None, None)
-               for t, lp in zip(d.out.prompt_token_ids or (), d.out.prompt_logprobs or ())]
+        prompt = list(zip(d.out.prompt_token_ids or (), d.out.prompt_logprobs or (), d.out.prompt_logprob_ranks or ()))
+        if prompt and self.prompt_top is not None:
+            self.prompt_logprobs = [_prompt_entry(d, t, lp, rank, self.prompt_top) if lp is not None else None
+                                    for t, lp, rank in prompt]
+        new = [entry(t, _top(lp, t, self.echo_logprobs)) if lp is not None else (d.pieces[t], None, None)
+               for t, lp, _ in prompt] if self.echo_logprobs is not None else []
         new += [entry(t, lp) for t, lp in zip(d.out.token_ids, d.out.logprobs)]
         self.text += d.out.text
         self.token_ids += d.out.token_ids
@@ -108,6 +116,20 @@ LOGPROB_FLOOR = -9999.0  # vLLM's: JSON has no -inf (nor NaN), which logits of a
 
 def _json_logprob(logprob: float) -> float:
     return logprob if math.isfinite(logprob) and logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def _top(lp: dict[int, float], token: int, k: int) -> dict[int, float]:
+    """The token's and the k likeliest tokens' entries of a prompt token's (the engine's hold the most any field of
+    the request asks for)."""
+    return {token: lp[token], **dict(sorted(lp.items(), key=lambda x: -x[1])[:k])}
+
+
+def _prompt_entry(d: Delta, token: int, lp: dict[int, float], rank: int, k: int) -> dict[str, PromptLogprob]:
+    """vLLM's prompt_logprobs entry of a prompt token: the token's, then the k likeliest (ranks 1..k)."""
+    entry = {str(token): PromptLogprob(logprob=_json_logprob(lp[token]), rank=rank, decoded_token=d.pieces[token])}
+    for r, (u, v) in enumerate(sorted(lp.items(), key=lambda x: -x[1])[:k], 1):
+        entry.setdefault(str(u), PromptLogprob(logprob=_json_logprob(v), rank=r, decoded_token=d.pieces[u]))
+    return entry
 
 
 def _prompt_only(d: Delta) -> Delta:
@@ -269,15 +291,17 @@ class OpenAIServing:
         if body.echo_only and body.min_tokens > 0:  # checked here: the engine is asked for the 1 token dropped
             raise APIError(400, f"min_tokens must be in [0, max_tokens=0], got {body.min_tokens}", param="min_tokens")
         max_tokens = 1 if body.echo_only else body.max_tokens  # (the one token is dropped: _prompt_only)
+        echo_logprobs = body.logprobs if body.echo else None
+        asked = [k for k in (echo_logprobs, body.prompt_logprobs) if k is not None]
         subs = self._submissions(body, prompts, max_tokens, body.logprobs, add_special_tokens=body.add_special_tokens,
-                                 sequences=per_prompt, prompt_logprobs=body.logprobs if body.echo else None)
+                                 sequences=per_prompt, prompt_logprobs=max(asked) if asked else None)
         grammar = await self._compile_grammar(body, subs)
         echoes = await self._prompt_texts(prompts) if body.echo else [""] * len(prompts)
         rids, queue, prompt_tokens = await self._submit(body, subs)
         del grammar  # held until the engine started the requests' matchers from it (_compile_grammar)
         head = self._head("cmpl", body.model)
-        choices = [_Choice(text=echoes[i // per_prompt], prompt_tokens=prompt_tokens[i], prompt_only=body.echo_only)
-                   for i in range(len(subs))]
+        choices = [_Choice(text=echoes[i // per_prompt], prompt_tokens=prompt_tokens[i], prompt_only=body.echo_only,
+                           echo_logprobs=echo_logprobs, prompt_top=body.prompt_logprobs) for i in range(len(subs))]
         with_ids = self.loop.engine.tokenizer is None  # no text: the choices carry their token ids
 
         def chunk(d: Delta) -> CompletionResponse | None:
@@ -304,7 +328,7 @@ class OpenAIServing:
             for c in sorted(choices[p * per_prompt:(p + 1) * per_prompt], key=lambda c: -c.cumulative_logprob)[:body.n]]
         return self._json(CompletionResponse(**head, usage=_usage(choices, per_prompt), choices=[
             CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                             token_ids=c.token_ids if with_ids else None,
+                             token_ids=c.token_ids if with_ids else None, prompt_logprobs=c.prompt_logprobs,
                              logprobs=_completion_logprobs(c.logprobs, 0) if body.logprobs is not None else None)
             for i, c in enumerate(best)]))
 
@@ -322,12 +346,13 @@ class OpenAIServing:
             if self.reasoning else None
         subs = self._submissions(body, [prompt], max_tokens, k if body.logprobs else None,
                                  add_special_tokens=False, aliases=aliases, grammar=tools.grammar,
+                                 prompt_logprobs=body.prompt_logprobs,
                                  grammar_gate=self.reasoning.grammar_gate(start) if self.reasoning else None)
         grammar = await self._compile_grammar(body, subs)
         rids, queue, prompt_tokens = await self._submit(body, subs, aliases)
         del grammar  # held until the engine started the request's matchers from it (_compile_grammar)
         head = self._head("chatcmpl", body.model)
-        choices = [_Choice(prompt_tokens=p) for p in prompt_tokens]
+        choices = [_Choice(prompt_tokens=p, prompt_top=body.prompt_logprobs) for p in prompt_tokens]
         separate = self.reasoning is not None and body.separate_reasoning
         outputs = [tools.output(ReasoningParser(start) if separate else None, body.include_reasoning) for _ in subs]
 
@@ -352,7 +377,8 @@ class OpenAIServing:
             return self._stream(rids, queue, chunk, roles, usage_chunk if body.include_usage else None)
         await self._collect(request, rids, queue, choices)
         messages = [out.message(c.text, c.finish_reason) for out, c in zip(outputs, choices)]
-        return self._json(ChatCompletionResponse(**head, usage=_usage(choices, body.n), choices=[
+        return self._json(ChatCompletionResponse(**head, usage=_usage(choices, body.n),
+                                                 prompt_logprobs=choices[0].prompt_logprobs, choices=[
             ChatChoice(index=i, message=message, finish_reason=reason, stop_reason=c.stop_reason,
                        logprobs=_chat_logprobs(c.logprobs, k) if body.logprobs else None)
             for i, (c, (message, reason)) in enumerate(zip(choices, messages))]))

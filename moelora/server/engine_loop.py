@@ -82,7 +82,8 @@ class Delta:
         a, b = self.out, later.out
         out = replace(b, token_ids=a.token_ids + b.token_ids, text=a.text + b.text, logprobs=a.logprobs + b.logprobs,
                       prompt_token_ids=a.prompt_token_ids or b.prompt_token_ids,
-                      prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs)
+                      prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs,
+                      prompt_logprob_ranks=a.prompt_logprob_ranks or b.prompt_logprob_ranks)
         return Delta(self.index, out, self.pieces | later.pieces)
 
 

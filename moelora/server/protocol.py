@@ -12,7 +12,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandle
                       model_serializer, model_validator)
 from pydantic_core import PydanticCustomError
 
-from moelora.engine.sampling_params import SamplingParams, StructuredOutput
+from moelora.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
 
 
 class ErrorInfo(BaseModel):
@@ -157,7 +157,6 @@ _UNSUPPORTED = {
     "spaces_between_special_tokens": ((True,), "special tokens are decoded as the tokenizer joins them"),
     "truncate_prompt_tokens": ((None,), "prompts are never truncated"),
     "logits_processors": ((None, []), "custom logits processors are not supported"),
-    "prompt_logprobs": ((None,), "prompt_logprobs is not supported: use echo with logprobs on /v1/completions"),
     "priority": ((0,), "request priorities are not supported"),
     "return_tokens_as_token_ids": ((False,), "return_tokens_as_token_ids is not supported"),
     "guided_decoding_backend": ((None, "xgrammar"), "the only structured-output backend is xgrammar"),
@@ -217,6 +216,7 @@ class SamplingRequest(RequestBody):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None  # xgrammar's EBNF (GBNF)
     structured_outputs: StructuredOutputs | None = None
+    prompt_logprobs: int | None = None  # every prompt token's log-probability, rank and the top ones (vLLM's)
 
     @model_validator(mode="before")
     @classmethod
@@ -235,6 +235,12 @@ class SamplingRequest(RequestBody):
         if self.stream_options is not None and not self.stream:  # as vLLM: nothing would read them
             raise PydanticCustomError("stream_options_without_stream", "stream_options is only allowed with stream: "
                                       "true", {"param": "stream_options"})
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise PydanticCustomError("prompt_logprobs_range", "prompt_logprobs must be in [0, {most}], got {value}",
+                                      {"param": "prompt_logprobs", "most": MAX_LOGPROBS, "value": self.prompt_logprobs})
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM
+            raise PydanticCustomError("prompt_logprobs_with_stream", "prompt_logprobs is not available with stream: "
+                                      "true", {"param": "prompt_logprobs"})
         return self
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
@@ -509,6 +515,17 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int  # among the vocabulary: 1 the likeliest
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token (None for the first, which nothing predicts), token id -> its entry: the
+# prompt's token and the top prompt_logprobs tokens
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -516,6 +533,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop_token_ids token that ended it (None: EOS)
     token_ids: list[int] | None = None  # a model served without a tokenizer: its output, which has no text
+    prompt_logprobs: PromptLogprobs | None = None  # with the request's prompt_logprobs
 
 
 class _Response(BaseModel):
@@ -576,6 +594,7 @@ class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # (vLLM's place for them: the response's, one prompt)
 
 
 class _Delta(BaseModel):

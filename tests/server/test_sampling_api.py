@@ -280,7 +280,7 @@ def test_json_object(client):
     ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream"),
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search", "beam search"),
     ("/v1/completions", {"length_penalty": 0.5}, "length_penalty", "beam search"),
-    ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs", "echo"),
+    ("/v1/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "not available with stream"),
     ("/v1/completions", {"guided_decoding_backend": "outlines"}, "guided_decoding_backend", "xgrammar"),
     ("/v1/chat/completions", {"audio": {"voice": "x"}}, "audio", "not supported"),
     ("/v1/chat/completions", {"echo": True}, "echo", "completions"),
