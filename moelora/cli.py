@@ -78,7 +78,7 @@ def serve(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()
     try:
-        run_server(app, sock, args.host, args.port, args.log_level, args.shutdown_timeout)
+        run_server(app, sock, args.host, args.port, args.uvicorn_log_level or args.log_level, args.shutdown_timeout)
     finally:
         engine.shutdown()  # the other ranks, with tp_size > 1, if the app's shutdown did not (it failed first)
         # collectable again for the interpreter's exit: frozen, Triton's objects outlived it and nanobind printed a
@@ -226,9 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse (413) a request whose body has more MiB: by its Content-Length before reading it, a chunked "
                         "body once that much has come (default: 100)")
     p.add_argument("--api-key", type=_non_empty, default=os.environ.get("MOELORA_API_KEY") or None,
-                   help="every route but /health, /metrics and /version needs 'Authorization: Bearer KEY' (default: "
-                        "$MOELORA_API_KEY; unset: no authentication)")
-    p.add_argument("--log-level", "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="every route but /health, /metrics and /version needs 'Authorization: Bearer KEY', and "
+                        "FastAPI's /docs is off (default: $MOELORA_API_KEY; unset: no authentication)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the server's log: info has what it serves at start and the stats line (default: info)")
     p.add_argument("--log-stats-interval", type=_seconds, default=10.0,
                    help="seconds between the log lines of running/waiting requests, tokens/s, KV cache and LoRA "
@@ -251,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
                       ("--disable-log-requests", "moelora logs no request's prompt or parameters"),
                       ("--trust-remote-code", "no code of the model directory runs: the architectures are moelora's")):
         p.add_argument(flag, action="store_true", help=f"vLLM's flag, accepted: {why}")
+    p.add_argument("--uvicorn-log-level", choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's own log (its access lines among them), as vLLM's flag (default: --log-level)")
     p.add_argument("--disable-log-stats", action="store_const", const=0.0, dest="log_stats_interval",
                    help="vLLM's flag: --log-stats-interval 0")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, type=lambda name: name.replace("-", "_"),

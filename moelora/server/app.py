@@ -226,7 +226,8 @@ class OpenAIServing:
             ids = await self.loop.run_tokenize(lambda: engine.tokenize(prompt, special))
         except PromptError as e:
             raise APIError(400, str(e), param=field) from e
-        strs = engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        strs = await self.loop.run_tokenize(lambda: engine.tokenizer.convert_ids_to_tokens(ids)) \
+            if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=engine.context_len, tokens=ids, token_strs=strs)
 
     async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
@@ -618,7 +619,8 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
                reasoning_parser: str | None = None) -> FastAPI:
     """The app; its engine thread starts and stops with the app's lifespan, which logs what it serves
     first and shuts the engine down (its other ranks, with tp_size > 1) last. With an api_key, every route but
-    /health, /metrics and /version answers 401 unless the request carries 'Authorization: Bearer <key>'. stats_interval:
+    /health, /metrics and /version answers 401 unless the request carries 'Authorization: Bearer <key>' (and
+    FastAPI's /docs, /redoc and /openapi.json are off). stats_interval:
     seconds between the stats log lines (0: none). A request body past max_request_bytes is a 413 (BodyLimit).
     watchdog_timeout: seconds one engine step may take before the server exits (EngineLoop; 0: never).
     reasoning_parser: "qwen3" or "deepseek_r1" sends a reasoning model's thinking apart (server.reasoning)."""
@@ -641,7 +643,9 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
         # again once the app shut down, which kills the process before any code after uvicorn.run could stop them
         engine.shutdown()
 
-    app = FastAPI(title="moelora", lifespan=lifespan)
+    # with an API key, FastAPI's schema and docs pages are not served either (they would answer without it)
+    docs = {"openapi_url": None, "docs_url": None, "redoc_url": None} if api_key else {}
+    app = FastAPI(title="moelora", lifespan=lifespan, **docs)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     app.router.route_class = _Route
     app.state.engine_loop = loop

@@ -1,4 +1,5 @@
-"""--api-key: every route but /health, /metrics and /version answers 401 in OpenAI's shape without the key."""
+"""--api-key: every route but /health, /metrics and /version answers 401 in OpenAI's shape without the key, and FastAPI's
+docs pages are off."""
 from __future__ import annotations
 
 from importlib.metadata import version
@@ -37,3 +38,5 @@ def test_the_key_opens_them_and_health_needs_none(client):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
     assert client.get("/version").json() == {"version": version("moelora")}
+    for docs in ("/openapi.json", "/docs", "/redoc"):  # (FastAPI's pages would answer without the key: not served)
+        assert client.get(docs, headers=auth).status_code == 404

@@ -75,7 +75,8 @@ def test_vllm_flag_names(capsys):
     assert args.max_running_requests == 7 and args.tp_size == 1 and args.chat_template == "t.jinja"
     assert args.chunked_prefill_size == 2048 and args.shutdown_timeout == 30
     assert args.reasoning_parser == "deepseek_r1"  # (SGLang's spelling)
-    assert args.disable_cuda_graph and args.log_stats_interval == 0 and args.log_level == "warning"
+    assert args.disable_cuda_graph and args.log_stats_interval == 0
+    assert args.log_level == "info" and args.uvicorn_log_level == "warning"  # (uvicorn's log only)
     assert "argument --tool-call-parser: invalid choice: 'mistral'" in usage_error(
         ["serve", "--model-path", "m", "--tool-call-parser", "mistral"], capsys)
     for bad in ['{"name": "sql"', '{"name": "sql"}']:
