@@ -6,7 +6,7 @@ the engine all use these types without importing each other upwards.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal, NamedTuple
@@ -192,12 +192,14 @@ class ForwardBatch(StepMemo):
     @classmethod
     def build(cls, kv: KVCache, rows: list[int], new_tokens: list[list[int]], prefix_lens: list[int],
               out_cache_loc: torch.Tensor, logits_indices: list[int], token_slots: list[int],
-              num_decode: int) -> ForwardBatch:
+              num_decode: int, cached_prefixes: Sequence[tuple[int, torch.Tensor]] = ()) -> ForwardBatch:
         """The step in which the sequence of request row rows[i] adds new_tokens[i] after its
         prefix_lens[i] cached tokens, their keys and values going to the cache slots out_cache_loc
         (int64, in token order; recorded in kv.req_to_token here). token_slots: each new token's
-        adapter slot (-1: none). The first num_decode sequences are decode rows. A few host-to-device
-        copies (queued: the host does not wait for the device), no device read."""
+        adapter slot (-1: none). The first num_decode sequences are decode rows. cached_prefixes: (row, slots)
+        of sequences whose prefix is cached keys and values they did not compute (prefix caching), recorded in
+        their rows here. A few host-to-device copies (queued: the host does not wait for the device), no device
+        read."""
         device = kv.req_to_token.device
         extend_lens = [len(t) for t in new_tokens]
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
@@ -211,6 +213,8 @@ class ForwardBatch(StepMemo):
         token_rows = tensor([r for r, n in zip(rows, extend_lens) for _ in range(n)], torch.int64)
         out_cache_loc = to_device(out_cache_loc, torch.int64, device)
         kv.req_to_token[token_rows, positions] = out_cache_loc.to(torch.int32)
+        for row, slots in cached_prefixes:
+            kv.req_to_token[row, :slots.numel()] = to_device(slots, torch.int32, device)
         return cls(
             input_ids=tensor([t for seq in new_tokens for t in seq], torch.int64), positions=positions,
             req_pool_indices=tensor(rows, torch.int32), seq_lens=tensor(seq_lens, torch.int32),

@@ -239,10 +239,12 @@ def reordered_sums_tolerance(config: PretrainedConfig, logprobs: torch.Tensor) -
 
 
 def assert_released(engine) -> None:
-    """Nothing in flight; every request row, KV slot and adapter reference free again."""
+    """Nothing in flight; every request row, KV slot and adapter reference free again (KV slots: or cached)."""
     assert not engine.has_unfinished()
     assert engine.scheduler.accounting_error() is None
-    assert engine.scheduler.pool.free_slots == engine.runner.kv.num_slots - 1
+    cache = engine.scheduler.cache  # (prefix caching: what finished requests left cached, held by none)
+    assert engine.scheduler.pool.free_slots + (cache.cached if cache is not None else 0) == engine.runner.kv.num_slots - 1
+    assert cache is None or cache.evictable == cache.cached
     assert engine.scheduler.pool.free_rows == engine.config.max_running_requests
     assert engine.runner.lora.in_flight == {}
 

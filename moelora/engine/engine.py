@@ -178,12 +178,14 @@ class Engine:
         """Serve the adapter at `path` as `name` from now on; `adapter`: what read_lora(path) gave, else
         the file is read here. Every rank holds the adapter when this returns."""
         self.runner.lora.load_lora(name, path, adapter)
+        self.scheduler.forget_prefixes(name)  # (the name's earlier adapter's keys and values are not this one's)
         self._sync_lora()
 
     @_one_caller
     def unload_lora(self, name: str) -> None:
         """Requests in flight with the adapter finish; new ones naming it are refused."""
         self.runner.lora.unload_lora(name)
+        self.scheduler.forget_prefixes(name)
         self._sync_lora()
 
     # ---------------------------------------------------------------------------- profiling
@@ -451,9 +453,17 @@ class Engine:
 
     @property
     def kv_cache_usage(self) -> tuple[int, int]:
-        """(KV token slots in use, all of them)."""
+        """(KV token slots in use, all of them); cached prefixes no request holds are not in use."""
         total = self.runner.kv.num_slots - 1  # slot 0 is never handed out
-        return total - self.scheduler.pool.free_slots, total
+        return total - self.scheduler.available_slots, total
+
+    def prefix_cache_counts(self) -> dict[str, int]:
+        """Prefix caching's token counts since the start: the prompts' of the requests admitted (query_tokens), those
+        found cached (hit_tokens), and the KV slots cached now (cached_tokens); empty without prefix caching."""
+        cache = self.scheduler.cache
+        if cache is None:
+            return {}
+        return {"query_tokens": cache.query_tokens, "hit_tokens": cache.hit_tokens, "cached_tokens": cache.cached}
 
     @property
     def lora_slots_usage(self) -> tuple[int, int]:

@@ -70,6 +70,7 @@ class StepInputs(NamedTuple):
     num_decode: int  # the first num_decode sequences are decode rows
     pending: list[tuple[int, int]]  # (input position, row of the previous step's sampled tokens) of each pending row
     num_sampled: int  # rows the previous step sampled (what rank 0 broadcasts when any row is pending)
+    cached_prefixes: list[tuple[int, torch.Tensor]]  # (row, slots) of requests starting on a cached prefix
 
 
 def warm_up_sizes(max_tokens: int) -> list[int]:
@@ -267,7 +268,7 @@ class ModelRunner:
         other ranks get them from rank 0 here, over the model's group, in stream order after that step."""
         forward_batch = ForwardBatch.build(self.kv, inputs.rows, inputs.new_tokens, inputs.prefix_lens,
                                            inputs.out_cache_loc, inputs.logits_indices, inputs.token_slots,
-                                           inputs.num_decode)
+                                           inputs.num_decode, inputs.cached_prefixes)
         if inputs.pending:
             if sampled_before is None:
                 sampled_before = torch.empty(inputs.num_sampled, dtype=torch.int64, device=self.device)
@@ -352,10 +353,12 @@ class ModelRunner:
     def _step_inputs(self, batch: ScheduledBatch, lora_slots: list[int], pending: PendingTokens | None
                      ) -> tuple[StepInputs, list[tuple[int, int]]]:
         """The step's inputs, and per request (prompt tokens whose logits it returns, logits rows)."""
-        new_tokens, token_slots, logits_indices, rows, pending_rows = [], [], [], [], []
+        new_tokens, token_slots, logits_indices, rows, pending_rows, cached = [], [], [], [], [], []
         start = 0
         for req, prefix, n, done, slot in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.completes,
                                               lora_slots):
+            if prefix and prefix == req.cached_len:  # its first step since it took a cached prefix: into its row
+                cached.append((req.row, req.kv_slots[:prefix]))
             if req.num_pending:  # a decode row whose token is still on the device: filled in by run
                 pending_rows.append((start, pending.rows[req]))
                 new_tokens.append([0])
@@ -370,7 +373,7 @@ class ModelRunner:
             start += n
         num_sampled = pending.token_ids.shape[0] if pending is not None else 0
         return StepInputs([r.row for r in batch.reqs], new_tokens, list(batch.prefix_lens), batch.out_slots,
-                          logits_indices, token_slots, batch.num_decode, pending_rows, num_sampled), rows
+                          logits_indices, token_slots, batch.num_decode, pending_rows, num_sampled, cached), rows
 
     def _check_slot_memory(self, num_bytes: int, rank: int) -> None:
         """ValueError unless LoRA slot buffers of num_bytes (slots of `rank`) fit in the memory this rank's device has

@@ -39,6 +39,11 @@ class Req:
     arrival: float = 0.0                     # time.perf_counter() at arrival: its wait for admission counts from here
     holds_adapter: bool = False              # took a reference to its adapter (LoRAManager.acquire), not released yet
     prompt_index: int = 0                    # its prompt's place in the generate / prompt_logprobs call that made it
+    # prefix caching: kv_slots[:cached_len] are the prefix cache's (prefix_node's path, held while the request
+    # holds cache); prefix_key: the tree its tokens go to when it finishes (its adapter's, as loaded when admitted)
+    cached_len: int = 0
+    prefix_node: Any = None
+    prefix_key: Any = None
 
     @property
     def masked(self) -> bool:

@@ -12,6 +12,10 @@ slots are reserved for tokens yet to be decoded: when a step finds too few free 
 rows, the newest running requests go back to the front of the queue, their cache freed, and are
 recomputed later.
 
+With prefix caching (prefix_cache.py) a new request starts on the cached slots of the longest cached start of its
+prompt, held while it holds cache, and admission counts the cached slots no request holds as free: they are
+evicted for prompts and decode rows before any request is retracted; a finished request's tokens go to the cache.
+
 A step is planned first and allocated second, request by request: a request leaves `waiting` (or
 takes its next chunk) only together with its row and KV slots, and one whose allocation raises is
 dropped with everything it held and reported in the batch's `failed`, so an exception at any point
@@ -27,6 +31,7 @@ import torch
 
 from moelora.engine.config import EngineConfig
 from moelora.engine.kv_pool import KVPool
+from moelora.engine.prefix_cache import PrefixCache
 from moelora.engine.request import Req
 
 
@@ -59,6 +64,7 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, config: EngineConfig, pool: KVPool):
         self.config, self.pool = config, pool
+        self.cache = PrefixCache() if config.enable_prefix_caching else None
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # prompt done: decode every step, in admission order
         self.chunked: Req | None = None  # the one prompt being prefilled over several steps
@@ -117,14 +123,30 @@ class Scheduler:
     def find(self, rid: str) -> Req | None:
         return next((r for r in (*self.waiting, *self._holding()) if r.rid == rid), None)
 
+    @property
+    def available_slots(self) -> int:
+        """KV slots free, or cached and held by no request (evicted when needed)."""
+        return self.pool.free_slots + (self.cache.evictable if self.cache is not None else 0)
+
+    def forget_prefixes(self, adapter: str) -> None:
+        """The adapter is loaded again or unloaded: its cached prefixes are no longer its keys and values."""
+        if self.cache is not None:
+            self.pool.free(self.cache.forget(adapter))
+
     def accounting_error(self) -> str | None:
-        """What does not add up between the pool and the requests (None when every row and KV slot is
-        either free or held by exactly one request holding cache, and waiting requests hold none)."""
+        """What does not add up between the pool, the prefix cache and the requests (None when every row and KV
+        slot is either free, cached, or held by exactly one request holding cache beside the cached prefix it
+        shares, and waiting requests hold none)."""
         holding = self._holding()
-        held = torch.cat([torch.empty(0, dtype=torch.int64), *(r.kv_slots for r in holding)])
+        cached = self.cache.slots() if self.cache is not None else torch.empty(0, dtype=torch.int64)
+        held = torch.cat([cached, *(r.kv_slots[r.cached_len:] for r in holding)])
         rows = [r.row for r in holding]
         if held.numel() + self.pool.free_slots != self.pool.num_slots - 1 or held.unique().numel() != held.numel():
-            return f"{held.numel()} KV slots held and {self.pool.free_slots} free of {self.pool.num_slots - 1}"
+            return (f"{held.numel()} KV slots held ({cached.numel()} cached) and {self.pool.free_slots} free of "
+                    f"{self.pool.num_slots - 1}")
+        if self.cache is not None and (self.cache.cached != cached.numel()
+                                       or not all(torch.isin(r.kv_slots[:r.cached_len], cached).all() for r in holding)):
+            return f"the prefix cache counts {self.cache.cached} slots and holds {cached.numel()}, or lost a request's"
         if None in rows or len(set(rows)) != len(rows) or len(rows) + self.pool.free_rows != self.pool.num_rows:
             return f"{len(rows)} requests hold cache, {self.pool.free_rows} of {self.pool.num_rows} rows are free"
         if any(r.row is not None or r.kv_len for r in self.waiting):
@@ -144,6 +166,7 @@ class Scheduler:
         """Every running request, once the cache has a slot for each beside the promised ones (the
         newest retracted until it has: never the chunked prompt, whose admission promised its slots);
         but one whose pending token is its last (overlap scheduling: it is done, only not yet released)."""
+        self._reclaim(self._promised() + len(self.running))
         while self.running and self.pool.free_slots - self._promised() < len(self.running):
             self.taken.append(self.running[-1])
             self._retract(self.running.pop())
@@ -156,7 +179,7 @@ class Scheduler:
         budget = self.config.max_prefill_tokens if chunk is None else min(self.config.max_prefill_tokens,
                                                                            chunk - num_decode)
         adapters = self.active_adapters()
-        free = self.pool.free_slots - num_decode  # what the decode rows leave
+        free = self.available_slots - num_decode  # what the decode rows leave
         reqs, extend_lens = [], []
         candidates = ([self.chunked] if self.chunked else []) + list(self.waiting)
         for req in candidates:
@@ -167,16 +190,21 @@ class Scheduler:
                 break
             if req.lora is not None and req.lora not in adapters and len(adapters) >= self.config.max_loras_per_batch:
                 break
-            remaining = req.num_tokens - req.kv_len
+            cached, node = self._match(req) if is_new else (None, None)
+            locks = self.cache.lock_cost(node) if node is not None else 0
+            remaining = req.num_tokens - (cached.numel() if node is not None else req.kv_len)
             # a prompt starts only when all of it fits, keeping one decode slot for every request (the next
             # step's decode rows); the chunked prompt's remaining slots are promised to it already
-            if is_new and remaining > free - sum(extend_lens) - (len(self.running) + len(reqs) + 1):
+            if is_new and remaining > free - locks - sum(extend_lens) - (len(self.running) + len(reqs) + 1):
                 break
             n = min(remaining, budget) if chunk is not None else remaining
             if chunk is None and remaining > budget and reqs:  # unchunked: a prompt over the budget runs alone
                 break
             if n <= 0:
                 break
+            if is_new and self.cache is not None:
+                self._admit(req, cached, node)
+                free -= locks
             reqs.append(req)
             extend_lens.append(n)
             budget -= n
@@ -213,8 +241,33 @@ class Scheduler:
         batch.out_slots = torch.cat([batch.out_slots, *new])
         return batch
 
+    def _match(self, req: Req) -> tuple[torch.Tensor | None, object]:
+        """The cached slots of the longest start of a new request's prompt (but its last token, whose logits it
+        samples from) and their node; (None, None) without a cache, or for a request that asks for the prompt's
+        log-probabilities (computed, not cached)."""
+        if self.cache is None or req.return_prompt_logprobs or req.params.prompt_logprobs is not None:
+            return None, None
+        slots, node = self.cache.match(self.cache.key(req.lora), req.prompt_ids[:-1])
+        return (slots, node) if node is not None else (None, None)
+
+    def _admit(self, req: Req, cached: torch.Tensor | None, node: object) -> None:
+        """A new request takes its cached prefix (held until it frees its cache) and the tree it goes back to."""
+        self.taken.append(req)
+        req.prefix_key = self.cache.key(req.lora)
+        self.cache.query_tokens += len(req.prompt_ids)
+        self.cache.hit_tokens += cached.numel() if node is not None else 0
+        if node is not None:
+            self.cache.lock(node)
+            req.prefix_node, req.kv_slots, req.cached_len = node, cached, cached.numel()
+
+    def _reclaim(self, n: int) -> None:
+        """Evict cached prefixes no request holds until n slots are free (or none is left to evict)."""
+        if self.cache is not None and self.pool.free_slots < n:
+            self.pool.free(self.cache.evict(n - self.pool.free_slots))
+
     def _take(self, req: Req, n: int) -> torch.Tensor:
         """n new KV slots for the request, and its row if it has none; nothing if this raises."""
+        self._reclaim(n)
         row = self.pool.alloc_row() if req.row is None else None
         try:
             slots = self.pool.alloc_slots(n)
@@ -235,8 +288,17 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _free(self, req: Req) -> None:
-        self.pool.free(req.kv_slots)
-        req.kv_slots = req.kv_slots[:0]
+        """Free the request's cache: a finished one's computed tokens go to the prefix cache, the slots they
+        duplicate and the rest to the pool; its cached prefix stays cached."""
+        own = req.kv_slots[req.cached_len:]
+        if req.prefix_key is not None and req.finish_reason in ("stop", "length"):
+            n = min(req.kv_len, len(req.prompt_ids) + len(req.output_ids) - 1)  # the last token's keys: not computed
+            own = torch.cat([self.cache.insert(req.prefix_key, req.token_ids(0, n), req.kv_slots[:n]),
+                             req.kv_slots[n:]])
+        self.pool.free(own)
+        if req.prefix_node is not None:
+            self.cache.unlock(req.prefix_node)
+        req.kv_slots, req.cached_len, req.prefix_node, req.prefix_key = req.kv_slots[:0], 0, None, None
         if req.row is not None:
             self.pool.free_row(req.row)
             req.row = None

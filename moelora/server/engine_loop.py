@@ -144,6 +144,9 @@ class EngineLoop:
         self.stats = StatsLog(stats_interval)
         self.thread_stats = ThreadStats()
         metrics.expose("moelora:engine_", engine.step_stats.as_dict)
+        if engine.config.enable_prefix_caching:  # (its counters: cached_tokens goes down too)
+            metrics.expose("moelora:prefix_cache_", lambda: {k: v for k, v in engine.prefix_cache_counts().items()
+                                                              if k != "cached_tokens"})
         self._thread_ids: dict[str, int] = {}  # the threads whose CPU time /metrics reports, once started
         metrics.expose("moelora:server_", self._thread_counters)
         self.context_len = engine.context_len

@@ -32,7 +32,10 @@ class StatsLog:
         if self._prompt_tokens or self._generated or running or waiting:
             kv_used, kv_total = engine.kv_cache_usage
             slots_used, slots = engine.lora_slots_usage
+            cache = engine.prefix_cache_counts()
+            hits = (f"; prefix cache hits {100 * cache['hit_tokens'] / max(cache['query_tokens'], 1):.1f}% of prompt "
+                    f"tokens, {cache['cached_tokens']} tokens cached" if cache else "")
             logger.info("running %d, waiting %d requests; prompt %.1f tokens/s, generation %.1f tokens/s; KV cache "
-                        "%.1f%% (%d of %d tokens); LoRA slots %d of %d", running, waiting, self._prompt_tokens / elapsed,
-                        self._generated / elapsed, 100 * kv_used / kv_total, kv_used, kv_total, slots_used, slots)
+                        "%.1f%% (%d of %d tokens); LoRA slots %d of %d%s", running, waiting, self._prompt_tokens / elapsed,
+                        self._generated / elapsed, 100 * kv_used / kv_total, kv_used, kv_total, slots_used, slots, hits)
         self._start, self._prompt_tokens, self._generated = now, 0, 0

@@ -66,6 +66,18 @@ def test_same_tokens_and_logprobs_as_one_rank(family, options, start_engine, che
     _assert_memory_per_rank(many, one, checkpoint(family))
 
 
+def test_cached_prefixes_over_two_ranks(start_engine):
+    """Prefix caching: every rank records a request's cached prefix in its row (rank 0 decides, the step carries
+    the slots), so the second round, every prompt but its last token cached, gives the first round's tokens."""
+    one, many = start_engine("qwen3_moe"), start_engine("qwen3_moe", tp_size=2, enable_prefix_caching=True)
+    loras = ["full", None, "partial", "full"]
+    want = [o.token_ids for o in one.generate(PROMPTS, GREEDY, lora=loras)]
+    for _ in range(2):
+        assert [o.token_ids for o in many.generate(PROMPTS, GREEDY, lora=loras)] == want
+    assert many.scheduler.cache.hit_tokens >= sum(len(p) - 1 for p in PROMPTS)
+    assert_released(many)
+
+
 def _assert_memory_per_rank(many: Engine, one: Engine, model_path) -> None:
     """The summary's weights, KV cache and LoRA slots at tp_size ranks are, within its rounding, what every rank
     holds (the rank's model built on the meta device, as rank r builds it), about 1 / tp_size of one process's

@@ -70,15 +70,19 @@ def inject(engine, victim, stage: str, when: str, monkeypatch) -> None:
         monkeypatch.setattr(victim.detokenizer, "add", failing(victim.detokenizer.add, lambda token: True))
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("mode", ["sync", "overlap", "cached"])
 @pytest.mark.parametrize("when", ["prefill", "decode"])
 @pytest.mark.parametrize("stage", STAGES)
-def test_a_fault_fails_only_its_request(make_engine, solo, stage, when, overlap, monkeypatch):
-    engine = make_engine(FAMILY, disable_overlap_schedule=not overlap)
+def test_a_fault_fails_only_its_request(make_engine, solo, stage, when, mode, monkeypatch):
+    """mode cached: prefix caching, every request starting on its cached prompt (held while it runs)."""
+    engine = make_engine(FAMILY, disable_overlap_schedule=mode == "sync", enable_prefix_caching=mode == "cached")
+    if mode == "cached":
+        assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS, lora=LORAS)] == solo
     rids = [engine.add_request(p, sp, lora=a) for p, sp, a in zip(PROMPTS, PARAMS, LORAS)]
     victim = engine.scheduler.find(rids[VICTIM])
     inject(engine, victim, stage, when, monkeypatch)
     outputs = drain(engine)
+    assert mode != "cached" or engine.scheduler.cache.hit_tokens == sum(len(p) - 1 for p in PROMPTS)
     for i, rid in enumerate(rids):
         last = outputs[rid][-1]
         if i == VICTIM:
@@ -264,15 +268,20 @@ def test_an_interrupt_in_a_step_ends_its_requests_and_leaves_the_engine_serving(
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-@pytest.mark.parametrize("where", ["allocation", "retraction"])
+@pytest.mark.parametrize("where", ["allocation", "retraction", "admission"])
 def test_an_interrupt_while_scheduling_ends_the_requests_it_took(make_engine, solo, monkeypatch, where, overlap):
     """Ctrl-C while the scheduler allocates a step's second prompt (the first already out of the waiting queue with
-    its row and KV slots, in no queue yet), or while it retracts a request (out of the running ones, not yet
-    queued again): the requests it took end with an error and release what they hold; the engine serves on."""
+    its row and KV slots, in no queue yet), while it retracts a request (out of the running ones, not yet
+    queued again), or while it admits a second prompt on its cached prefix (prefix caching: the first holds its
+    cached prefix, still in the waiting queue): the requests it took end with an error and release what they
+    hold; the engine serves on."""
     engine = make_engine(FAMILY, disable_overlap_schedule=not overlap,
-                         **({"max_total_tokens": 40} if where == "retraction" else {}))
+                         **({"max_total_tokens": 40} if where == "retraction" else {}),
+                         enable_prefix_caching=where == "admission")
+    if where == "admission":
+        engine.generate(PROMPTS, PARAMS, lora=LORAS)  # every prompt cached
     scheduler, calls = engine.scheduler, []
-    name = "_take" if where == "allocation" else "_retract"
+    name = {"allocation": "_take", "retraction": "_retract", "admission": "_admit"}[where]
     real = getattr(scheduler, name)
 
     def interrupted(*args):

@@ -1,0 +1,209 @@
+"""Prefix caching (EngineConfig.enable_prefix_caching): the radix tree's bookkeeping against a plain model of it,
+and engines that take cached prefixes giving every request the tokens and log-probabilities an engine without the
+cache gives it, per adapter (another adapter's or an adapter reloaded under the name's keys are never taken), under
+eviction, retraction, chunked prefill and overlap scheduling, with every slot back in the pool or the tree after."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from moelora.engine.prefix_cache import PrefixCache
+from moelora.engine.sampling_params import SamplingParams
+from tests.support import assert_released
+
+# ------------------------------------------------------------------------------------ the tree
+
+
+def check_counts(cache: PrefixCache) -> None:
+    nodes = cache._nodes()
+    assert cache.cached == sum(n.slots.numel() for n in nodes) == cache.slots().numel()
+    assert cache.evictable == sum(n.slots.numel() for n in nodes if n.refs == 0)
+    assert all(len(n.tokens) == n.slots.numel() > 0 for n in nodes)
+    assert all(n.refs >= sum(c.refs for c in n.children.values()) for n in nodes)
+
+
+def test_the_tree_gives_back_what_it_was_given():
+    """Random sequences over a small vocabulary (shared prefixes, splits at every depth): a match is the slots first
+    inserted for the longest cached start; a later insert of cached tokens hands its own slots back; locked paths
+    survive eviction, which takes least recently used leaves first and frees every slot exactly once."""
+    rng = random.Random(0)
+    cache, truth, next_slot, locked = PrefixCache(), {}, 1, []  # truth: token tuple -> slot of its last token
+    key = cache.key(None)
+    for step in range(400):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
+        slots, node = cache.match(key, tokens)
+        m = slots.numel()
+        assert m == max((k for k in range(len(tokens) + 1) if tuple(tokens[:k]) in truth or k == 0))
+        assert slots.tolist() == [truth[tuple(tokens[:k + 1])] for k in range(m)]
+        if node is not None and rng.random() < 0.3:
+            cache.lock(node)
+            locked.append(node)
+        if locked and rng.random() < 0.3:
+            cache.unlock(locked.pop(rng.randrange(len(locked))))
+        mine = torch.cat([slots, torch.arange(next_slot, next_slot + len(tokens) - m)])
+        next_slot += len(tokens) - m
+        spare = cache.insert(key, tokens, mine)
+        assert spare.numel() == 0  # it took exactly the slots of tokens it did not hold
+        for k in range(m, len(tokens)):
+            truth[tuple(tokens[:k + 1])] = int(mine[k])
+        check_counts(cache)
+        if step % 50 == 49:
+            held = {int(s) for n in locked for s in _path_slots(n)}
+            before = set(cache.slots().tolist())
+            freed = cache.evict(rng.randrange(1, 20)).tolist()
+            assert len(freed) == len(set(freed)) and set(freed) <= before - held
+            truth = {k: v for k, v in truth.items() if v not in set(freed)}
+            check_counts(cache)
+    while locked:
+        cache.unlock(locked.pop())
+    freed = cache.evict(10**6)
+    assert sorted(freed.tolist()) == sorted(set(freed.tolist())) and cache.cached == cache.evictable == 0
+
+
+def _path_slots(node) -> list[int]:
+    out = []
+    while node.parent is not None:
+        out += node.slots.tolist()
+        node = node.parent
+    return out
+
+
+def test_duplicate_tokens_hand_their_slots_back_and_least_recently_used_go_first():
+    cache = PrefixCache()
+    key = cache.key("a")
+    assert cache.insert(key, [1, 2, 3], torch.tensor([10, 11, 12])).numel() == 0
+    assert cache.insert(key, [1, 2, 4], torch.tensor([20, 21, 22])).tolist() == [20, 21]  # 1, 2 were cached
+    assert cache.insert(key, [5], torch.tensor([30])).numel() == 0
+    slots, node = cache.match(key, [1, 2, 3, 9])
+    assert slots.tolist() == [10, 11, 12] and cache.lock(node) == 3 and cache.evictable == 2
+    assert cache.evict(1).tolist() == [22]  # [1, 2, 4]'s leaf is older than [5]; [1, 2, 3] is held
+    assert cache.evict(5).tolist() == [30] and cache.cached == 3
+    cache.unlock(node)
+    assert sorted(cache.evict(5).tolist()) == [10, 11, 12] and cache.cached == 0
+
+
+def test_an_adapter_loaded_again_gets_a_new_tree():
+    cache = PrefixCache()
+    old = cache.key("a")
+    cache.insert(old, [1, 2], torch.tensor([5, 6]))
+    held = cache.match(old, [1, 2])[1]
+    cache.lock(held)
+    cache.insert(old, [1, 3], torch.tensor([5, 7]))
+    assert cache.forget("a").tolist() == [7] and cache.key("a") != old  # what no request holds goes at once
+    assert cache.match(cache.key("a"), [1, 2])[1] is None and cache.match(cache.key(None), [1])[1] is None
+    cache.unlock(held)
+    assert sorted(cache.evict(9).tolist()) == [5, 6] and cache.cached == 0
+
+
+# ------------------------------------------------------------------------------------ engines
+
+FAMILY = "qwen3_moe"
+SYSTEM = [(7 * j) % 90 + 3 for j in range(40)]  # a shared start
+PROMPTS = [SYSTEM + [(5 * i + 2 * j) % 90 + 3 for j in range(3 + i)] for i in range(6)]
+LORAS = [None, "full", "partial", None, "full", "partial"]
+PARAMS = [SamplingParams(max_tokens=6, temperature=0.0 if i % 2 else 0.9, seed=100 + i, ignore_eos=True, logprobs=2)
+          for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def solo(make_engine):
+    engine = make_engine(FAMILY)
+    return engine.generate(PROMPTS, PARAMS, lora=LORAS)
+
+
+def same(outs, want) -> None:
+    for o, w in zip(outs, want):
+        assert o.token_ids == w.token_ids
+        for a, b in zip(o.logprobs, w.logprobs):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-5 for t in a)
+
+
+def hits(engine, monkeypatch) -> list[int]:
+    """The cached tokens each request admitted from now on started with."""
+    seen, admit = [], engine.scheduler._admit
+
+    def recorded(req, cached, node):
+        admit(req, cached, node)
+        seen.append(req.cached_len)
+    monkeypatch.setattr(engine.scheduler, "_admit", recorded)
+    return seen
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("chunk", [None, 16], ids=["whole", "chunked"])
+def test_cached_prefixes_give_the_tokens_of_an_engine_without(make_engine, solo, monkeypatch, overlap, chunk):
+    options = {"chunked_prefill_size": chunk} if chunk else {}
+    engine = make_engine(FAMILY, enable_prefix_caching=True, disable_overlap_schedule=not overlap, **options)
+    seen = hits(engine, monkeypatch)
+    same(engine.generate(PROMPTS, PARAMS, lora=LORAS), solo)  # all at once: nothing cached yet
+    assert seen == [0] * 6
+    same(engine.generate(PROMPTS, PARAMS, lora=LORAS), solo)
+    assert seen[6:] == [len(p) - 1 for p in PROMPTS]  # every prompt but its last token
+    for i in range(6):  # one at a time: each takes the shared start (or more) its adapter's requests left
+        same(engine.generate([SYSTEM + [4, 5, i + 3]], PARAMS[i], lora=LORAS[i]),
+             make_engine(FAMILY).generate([SYSTEM + [4, 5, i + 3]], PARAMS[i], lora=LORAS[i]))
+        assert seen[-1] >= len(SYSTEM)
+    assert_released(engine)
+
+
+def test_an_adapters_keys_are_its_own(make_engine, adapters, monkeypatch):
+    """Another adapter, the base model, and an adapter loaded again under the name start from nothing."""
+    engine = make_engine(FAMILY, enable_prefix_caching=True)
+    seen = hits(engine, monkeypatch)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine.generate([PROMPTS[0]], params, lora="full")
+    engine.generate([PROMPTS[0]], params, lora="partial")
+    engine.generate([PROMPTS[0]], params)
+    assert seen == [0, 0, 0]
+    engine.load_lora("x", str(adapters(FAMILY)["full"].path))
+    assert engine.generate([PROMPTS[0]], params, lora="x")[0].token_ids == \
+        engine.generate([PROMPTS[0]], params, lora="full")[0].token_ids
+    assert seen[3:] == [0, len(PROMPTS[0]) - 1]
+    engine.generate([PROMPTS[0]], params, lora="x")
+    assert seen[-1] == len(PROMPTS[0]) - 1
+    engine.unload_lora("x")
+    engine.load_lora("x", str(adapters(FAMILY)["partial"].path))
+    got = engine.generate([PROMPTS[0]], params, lora="x")[0].token_ids
+    assert seen[-1] == 0 and got == make_engine(FAMILY).generate([PROMPTS[0]], params, lora="partial")[0].token_ids
+    assert_released(engine)
+
+
+def test_a_short_cache_evicts_and_retracts_and_still_gives_the_same_tokens(make_engine, solo, monkeypatch):
+    """A cache of 100 slots: cached prefixes go (least recently used first) for new prompts and decode rows, and
+    running requests are retracted when even that is not enough."""
+    engine = make_engine(FAMILY, enable_prefix_caching=True, max_total_tokens=100)
+    seen = hits(engine, monkeypatch)
+    for _ in range(2):
+        same(engine.generate(PROMPTS, PARAMS, lora=LORAS), solo)
+        assert engine.scheduler.accounting_error() is None
+    assert any(seen) and engine.scheduler.num_retractions > 0
+    assert_released(engine)
+
+
+def test_prompt_logprobs_are_computed_not_cached(make_engine, monkeypatch):
+    engine = make_engine(FAMILY, enable_prefix_caching=True)
+    seen = hits(engine, monkeypatch)
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1)
+    first = engine.generate([PROMPTS[1]], params, lora="full")[0]
+    again = engine.generate([PROMPTS[1]], params, lora="full")[0]
+    assert seen == [0, 0] and again.prompt_logprobs == first.prompt_logprobs
+    assert engine.prompt_logprobs([PROMPTS[1]], lora="full")[0].shape[0] == len(PROMPTS[1])
+    assert_released(engine)
+
+
+def test_an_abort_keeps_the_prefix_cached_and_frees_the_rest(make_engine, monkeypatch):
+    engine = make_engine(FAMILY, enable_prefix_caching=True)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    engine.generate([PROMPTS[2]], params)
+    cached = engine.scheduler.cache.cached
+    rid = engine.add_request(PROMPTS[2], params)
+    engine.step()
+    req = engine.scheduler.find(rid)
+    assert req.cached_len == len(PROMPTS[2]) - 1 and engine.scheduler.cache.evictable < cached
+    engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.scheduler.cache.cached == engine.scheduler.cache.evictable == cached  # nothing of the abort's
+    assert_released(engine)
