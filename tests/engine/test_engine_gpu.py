@@ -2,7 +2,8 @@
 engine run eagerly, for batch sizes that are capture sizes, with adapters and the base model mixed, from the
 graph of each experts' rank bound (slots of rank 32: steps of rank <= 16 adapters and steps with a rank-20 one);
 a batch padded up to a captured size gives the same tokens. Overlap scheduling: launching a step
-never waits for the device. A started engine compiles nothing while serving; a profile sees the graphs' kernels."""
+never waits for the device. A started engine compiles nothing while serving; a profile sees the graphs' kernels.
+Prefix caching gives the tokens of an engine without it."""
 import gc
 import time
 
@@ -24,11 +25,15 @@ def prompts(bs: int) -> list[list[int]]:
     return [[(11 * i + 5 * j) % 90 + 3 for j in range(4 + i % 5)] for i in range(bs)]
 
 
+def graphed_options(adapters, wide_adapter) -> dict:
+    return dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8, max_total_tokens=4096,  # engines share the GPU
+                max_lora_rank=32, max_loras_per_batch=3,
+                lora_paths={**{n: str(a.path) for n, a in adapters(FAMILY).items()}, "wide": wide_adapter})
+
+
 @pytest.fixture(scope="module")
 def engines(make_engine, adapters, wide_adapter):
-    kwargs = dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8, max_total_tokens=4096,  # two engines share the GPU
-                  max_lora_rank=32, max_loras_per_batch=3,
-                  lora_paths={**{n: str(a.path) for n, a in adapters(FAMILY).items()}, "wide": wide_adapter})
+    kwargs = graphed_options(adapters, wide_adapter)
     graphed, eager = make_engine(FAMILY, **kwargs), make_engine(FAMILY, disable_cuda_graph=True, **kwargs)
     assert graphed.runner.graphs is not None and eager.runner.graphs is None
     assert graphed.runner.graphs.sizes == [1, 2, 4, 8]
@@ -81,6 +86,25 @@ def test_penalties_biases_and_masks_on_the_gpu(engines):
     alone = [engines[0].generate([p], sp, lora=[a])[0].token_ids for p, sp, a in zip(prompts(4), params, loras)]
     assert [o.token_ids for o in graphed] == alone
     assert all(9 not in o.token_ids for o in graphed) and set(graphed[3].token_ids) <= set(range(3, 80))
+
+
+def test_cached_prefixes_on_the_gpu(engines, make_engine, adapters, wide_adapter):
+    """Prefix caching with the prompt and decode graphs: the second round starts every prompt on its cached prefix
+    (the request's row filled on the device) and gives the tokens of the engine without the cache; log-probabilities
+    within bf16's reordering (a cached prefix's keys are summed apart from the new token's)."""
+    graphed = engines[0]
+    cached = make_engine(FAMILY, enable_prefix_caching=True, **graphed_options(adapters, wide_adapter))
+    system = [(7 * j) % 90 + 3 for j in range(60)]
+    batch = [system + p for p in prompts(6)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, ignore_eos=True)
+    loras = [LORAS[i % 4] for i in range(6)]
+    want = graphed.generate(batch, params, lora=loras)
+    for _ in range(2):
+        for g, w in zip(cached.generate(batch, params, lora=loras), want):
+            assert g.token_ids == w.token_ids
+            assert max(abs(a[t] - b[t]) for a, b in zip(g.logprobs, w.logprobs) for t in a) < 0.05
+    assert cached.scheduler.cache.hit_tokens >= sum(len(p) - 1 for p in batch)
+    assert cached.scheduler.accounting_error() is None
 
 
 def test_slots_on_the_adapters_modules_alone_give_the_same_bits(make_engine, adapters):
