@@ -33,7 +33,7 @@ REPEATS = 3
 
 
 def requests(batch: int, shared: int, own: int, vocab: int, call: int) -> list[list[int]]:
-    """The batch's prompts: one shared start, then tokens of each request's own (new ones each call)."""
+    """The batch's prompts: one shared start, then tokens of each request's own (new ones for each call number)."""
     gen = torch.Generator().manual_seed(0)
     start = torch.randint(0, vocab, (shared,), generator=gen).tolist()
     gen.manual_seed(1 + call)
@@ -46,11 +46,12 @@ def seconds(ours: Ours, batch: int, shared: int, own: int, tokens: int, adapters
     share of their prompt tokens found cached (0 without the cache)."""
     names = [None if not adapters else f"a{i % adapters}" for i in range(batch)]
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    warm = requests(max(adapters, 1), shared, own, vocab, call=0)  # one per adapter: the shared start cached
+    calls = 1 + (REPEATS + 1) * adapters  # call numbers of this adapter count's own
+    warm = requests(max(adapters, 1), shared, own, vocab, calls)  # one per adapter: the shared start cached
     ours.engine.generate(warm, params, lora=[None if not adapters else f"a{i}" for i in range(len(warm))])
     before = ours.engine.prefix_cache_counts()
     best = float("inf")
-    for call in range(1, REPEATS + 1):
+    for call in range(calls + 1, calls + REPEATS + 1):
         prompts = requests(batch, shared, own, vocab, call)
         synchronize(device)
         t0 = time.perf_counter()
