@@ -35,6 +35,10 @@ class PrefixCache:
         self.cached = 0     # slots the trees hold
         self.evictable = 0  # of those, slots in nodes no request holds
         self.query_tokens = self.hit_tokens = 0  # prompt tokens of the requests admitted, and those found cached
+        # (last use, node) of leaves no request holds, entries going stale as nodes are used, held or removed:
+        # checked when popped, so that an eviction costs the leaves it takes, not a walk of the trees
+        self._leaves: list[tuple[int, int, Node]] = []
+        self._entries = itertools.count()  # (ties of last use: the heap never compares nodes)
 
     def key(self, adapter: str | None) -> Hashable:
         """The tree of the adapter (None: the base model) as it is loaded now."""
@@ -83,6 +87,7 @@ class PrefixCache:
             node.refs -= 1
             if node.refs == 0:
                 self.evictable += node.slots.numel()
+                self._push(node)
             node = node.parent
 
     def insert(self, key: Hashable, tokens: list[int], slots: torch.Tensor) -> torch.Tensor:
@@ -97,6 +102,7 @@ class PrefixCache:
                 node.children[tokens[done]] = leaf
                 self.cached += leaf.slots.numel()
                 self.evictable += leaf.slots.numel()
+                self._push(leaf)
                 break
             n = _common(child.tokens, tokens[done:])
             if n < len(child.tokens):
@@ -104,6 +110,7 @@ class PrefixCache:
             mine = slots[done:done + n]
             spare.append(mine[mine != child.slots])  # (a request's cached prefix is the tree's own slots)
             child.last_use = now
+            self._push(child)
             done += n
             node = child
         return torch.cat([torch.empty(0, dtype=torch.int64), *spare])
@@ -111,17 +118,14 @@ class PrefixCache:
     def evict(self, n: int) -> torch.Tensor:
         """Up to n slots (more when a leaf holds more) of the least recently used leaves no request holds, out of
         the trees, for the pool."""
-        heap = [(node.last_use, id(node), node) for node in self._nodes() if not node.children and node.refs == 0]
-        heapq.heapify(heap)
         freed, count = [], 0
-        while count < n and heap:
-            leaf = heapq.heappop(heap)[2]
+        while count < n and self._leaves:
+            last_use, _, leaf = heapq.heappop(self._leaves)
+            if leaf.parent is None or leaf.children or leaf.refs or last_use != leaf.last_use:
+                continue  # stale: removed, a parent again, held, or used since (then pushed again)
             freed.append(leaf.slots)
             count += leaf.slots.numel()
-            parent = leaf.parent
             self._remove(leaf)
-            if parent.parent is not None and not parent.children and parent.refs == 0:  # a leaf now
-                heapq.heappush(heap, (parent.last_use, id(parent), parent))
         return torch.cat([torch.empty(0, dtype=torch.int64), *freed])
 
     def forget(self, adapter: str | None) -> torch.Tensor:
@@ -159,9 +163,22 @@ class PrefixCache:
         return top
 
     def _remove(self, leaf: Node) -> None:
-        del leaf.parent.children[leaf.tokens[0]]
+        parent = leaf.parent
+        del parent.children[leaf.tokens[0]]
+        leaf.parent = None
         self.cached -= leaf.slots.numel()
         self.evictable -= leaf.slots.numel()
+        if parent.parent is not None and not parent.children and parent.refs == 0:  # a leaf now
+            self._push(parent)
+
+    def _push(self, node: Node) -> None:
+        """An evictable leaf's heap entry (checked when popped). Stale entries go once they outnumber the slots."""
+        if not node.children and node.refs == 0:
+            heapq.heappush(self._leaves, (node.last_use, next(self._entries), node))
+        if len(self._leaves) > 2 * self.cached + 64:
+            self._leaves = [e for e in self._leaves if e[2].parent is not None and not e[2].children and not e[2].refs
+                            and e[0] == e[2].last_use]
+            heapq.heapify(self._leaves)
 
 
 def _common(a: list[int], b: list[int]) -> int:

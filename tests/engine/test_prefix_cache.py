@@ -84,6 +84,27 @@ def test_duplicate_tokens_hand_their_slots_back_and_least_recently_used_go_first
     assert sorted(cache.evict(5).tolist()) == [10, 11, 12] and cache.cached == 0
 
 
+def test_an_eviction_takes_least_recently_used_leaves_without_walking_the_trees(monkeypatch):
+    """A full cache evicts at every admission: it pops its heap of leaves, whose stale entries (leaves used, held or
+    gone since) it skips, never walking thousands of nodes."""
+    cache = PrefixCache()
+    key = cache.key(None)
+    for i in range(2000):
+        cache.insert(key, [i % 7, i, i + 1], torch.tensor([3 * i, 3 * i + 1, 3 * i + 2]))
+    cache.match(key, [0, 0, 1])  # (splits nothing: used again, now the latest)
+    held = cache.match(key, [1, 1, 2])[1]
+    cache.lock(held)
+    monkeypatch.setattr(cache, "_nodes", lambda: pytest.fail("an eviction walked the trees"))
+    cache.insert(key, [0, 0, 1], torch.tensor([0, 1, 2]))  # used: its entry again, at the end
+    freed = cache.evict(6).tolist()
+    # the leaves of sequences 2, 3 and 4 (0 used again, 1 held): their last two tokens, the first one being shared
+    # with every seventh sequence
+    assert freed == [7, 8, 10, 11, 13, 14]
+    monkeypatch.undo()
+    check_counts(cache)
+    assert len(cache._leaves) <= 2 * cache.cached + 64
+
+
 def test_an_adapter_loaded_again_gets_a_new_tree():
     cache = PrefixCache()
     old = cache.key("a")
