@@ -319,14 +319,18 @@ class Engine:
             raise
 
     @_one_caller
-    def abort(self, rid: str) -> bool:
-        """Stop a request; the next step reports it finished with reason "abort". False if unknown or done."""
+    def abort(self, rid: str, reason: str = "abort") -> bool:
+        """Stop a request; the next step reports it finished with `reason`: "abort", or "stop" when its caller found
+        its stop string (a request added with detokenize=False): ended as it should, its tokens are kept for prefix
+        caching as any finished request's are. False if unknown or done."""
+        if reason not in ("abort", "stop"):
+            raise ValueError(f"abort's reason must be 'abort' or 'stop', got {reason!r}")
         req = self.scheduler.find(rid)
         if req is None:
             return False
+        req.finish_reason = reason
         self.stepper.retire(req)
-        req.finish_reason = "abort"
-        self._aborted.append(StepOutput(rid, [], "", True, "abort", [], len(req.prompt_ids), len(req.output_ids)))
+        self._aborted.append(StepOutput(rid, [], "", True, reason, [], len(req.prompt_ids), len(req.output_ids)))
         return True
 
     def has_unfinished(self) -> bool:

@@ -170,6 +170,7 @@ class Scheduler:
         while self.running and self.pool.free_slots - self._promised() < len(self.running):
             self.taken.append(self.running[-1])
             self._retract(self.running.pop())
+            self._reclaim(self._promised() + len(self.running))  # (the prefix it held may be enough)
         return [r for r in self.running if r.num_generated < r.params.max_tokens]
 
     def _plan_prefill(self, num_decode: int) -> tuple[list[Req], list[int]]:
@@ -254,8 +255,9 @@ class Scheduler:
         """A new request takes its cached prefix (held until it frees its cache) and the tree it goes back to."""
         self.taken.append(req)
         req.prefix_key = self.cache.key(req.lora)
-        self.cache.query_tokens += len(req.prompt_ids)
-        self.cache.hit_tokens += cached.numel() if node is not None else 0
+        if not req.num_retractions:  # (a retracted request's prompt counted when it first came)
+            self.cache.query_tokens += len(req.prompt_ids)
+            self.cache.hit_tokens += cached.numel() if node is not None else 0
         if node is not None:
             self.cache.lock(node)
             req.prefix_node, req.kv_slots, req.cached_len = node, cached, cached.numel()

@@ -215,7 +215,8 @@ class Stepper:
         self.stats.count_step(batch.num_decode, batch.extend_lens, batch.num_stalled)
         for i in range(batch.num_decode, len(batch.reqs)):
             req = batch.reqs[i]
-            if batch.prefix_lens[i] == 0 and req.num_retractions == 0:  # its start, not a recomputation
+            # its start (on its cached prefix, with prefix caching), not a recomputation
+            if batch.prefix_lens[i] == req.cached_len and req.num_retractions == 0:
                 self.stats.count_admission(scheduled - req.arrival)
 
     def _run_isolated(self, batch: ScheduledBatch, step_reqs: list[Req]) -> list[StepOutput]:

@@ -300,10 +300,11 @@ class EngineLoop:
         """Requests in flight with the adapter finish; new ones are refused (AdapterError if unknown)."""
         await self.run(lambda: self._unload_lora(name))
 
-    def abort(self, rids: list[str]) -> None:
-        """Abort the requests (those still running): their KV cache is freed at the next step."""
+    def abort(self, rids: list[str], reason: str = "abort") -> None:
+        """Abort the requests (those still running): their KV cache is freed at the next step. reason "stop": they
+        ended on a stop string (Engine.abort)."""
         try:
-            self.call(lambda: [self.engine.abort(rid) for rid in rids])
+            self.call(lambda: [self.engine.abort(rid, reason) for rid in rids])
         except EngineError:
             pass  # shutting down: everything is dropped anyway
 
@@ -495,7 +496,7 @@ class EngineLoop:
         if out.finished and out.finish_reason in ("stop", "length") and not detok.finished:
             text += detok.finish(out.finish_reason)  # a grammar's end, or max_tokens
         if detok.finished and not out.finished:  # a stop string: the engine goes on until it hears
-            self.abort([out.rid])
+            self.abort([out.rid], "stop")
         # the stop reason is this detokenizer's: it sees every token, and the stop strings the engine does not look for
         out = replace(out, text=text, finished=out.finished or detok.finished,
                       finish_reason=detok.finish_reason if detok.finished else out.finish_reason,

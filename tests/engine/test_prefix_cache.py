@@ -228,3 +228,61 @@ def test_an_abort_keeps_the_prefix_cached_and_frees_the_rest(make_engine, monkey
         engine.step()
     assert engine.scheduler.cache.cached == engine.scheduler.cache.evictable == cached  # nothing of the abort's
     assert_released(engine)
+
+
+def test_a_stop_its_caller_found_is_cached_an_abort_is_not(make_engine):
+    """A server finds stop strings itself and stops the request (Engine.abort with reason "stop"): its tokens are
+    cached as a finished request's; an abort's are not."""
+    engine = make_engine(FAMILY, enable_prefix_caching=True)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    for reason, cached in (("abort", 0), ("stop", len(PROMPTS[3]) + 2)):
+        rid = engine.add_request(PROMPTS[3], params, detokenize=False)
+        while len(engine.scheduler.find(rid).output_ids) < 3:
+            engine.step()
+        req = engine.scheduler.find(rid)
+        assert engine.abort(rid, reason)
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.scheduler.cache.cached == cached and req.finish_reason == reason  # prompt + 3 but the last
+    with pytest.raises(ValueError, match="abort's reason must be 'abort' or 'stop', got 'length'"):
+        engine.abort("x", "length")
+    assert_released(engine)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_short_of_slots_a_cached_prefix_goes_before_another_request_is_retracted(make_engine, overlap):
+    """Decode rows short of slots retract the newest request; the prefix it held, evictable now, is evicted before
+    any other is retracted: never more retractions than without the cache, the same tokens."""
+    prompts = [[(11 * i + 7 * j) % 90 + 3 for j in range(30)] for i in range(8)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    retractions, tokens = {}, {}
+    for caching in (False, True):
+        for total in (250, 251, 252):
+            engine = make_engine(FAMILY, enable_prefix_caching=caching, max_total_tokens=total,
+                                 disable_overlap_schedule=not overlap)
+            if caching:
+                engine.generate(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))  # cached
+            before = engine.scheduler.num_retractions
+            tokens[caching, total] = [o.token_ids for o in engine.generate(prompts, params)]
+            retractions[caching, total] = engine.scheduler.num_retractions - before
+            assert_released(engine)
+    for total in (250, 251, 252):
+        assert tokens[True, total] == tokens[False, total]
+        assert 0 < retractions[True, total] <= retractions[False, total], retractions
+
+
+def test_a_request_on_a_cached_prefix_counts_once_however_often_retracted(make_engine):
+    """Admissions (step stats) count every request once, on a cached prefix too; the cache's token counts take a
+    prompt once, not again at each re-admission after a retraction."""
+    prompts = [[(5 * i + 2 * j) % 90 + 3 for j in range(20)] for i in range(4)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    admitted = {}
+    for caching in (False, True):
+        engine = make_engine(FAMILY, enable_prefix_caching=caching, max_total_tokens=100)
+        for _ in range(2):
+            engine.generate(prompts, params)
+        admitted[caching] = engine.step_stats.admitted
+        assert engine.scheduler.num_retractions > 0
+    assert admitted[True] == admitted[False] == 8
+    counts = engine.prefix_cache_counts()
+    assert counts["query_tokens"] == 2 * sum(map(len, prompts)) and 0 < counts["hit_tokens"] <= counts["query_tokens"]

@@ -40,3 +40,19 @@ def test_concurrent_chats_share_the_cached_system_prompt(demo_dir, reference, ca
         assert server.on_engine(lambda: engine.scheduler.accounting_error()) is None
         assert server.on_engine(lambda: engine.scheduler.available_slots) == engine.runner.kv.num_slots - 1
     assert any("prefix cache hits" in r.getMessage() for r in caplog.records)
+
+
+def test_a_request_that_ends_on_a_stop_string_is_cached(demo_dir, reference):
+    """The server finds stop strings itself and stops the request in the engine: its prompt is cached all the same,
+    and the next request of the same start finds it."""
+    engine = Engine(str(demo_dir / "model"), enable_prefix_caching=True, **ENGINE_OPTIONS)
+    messages = [SYSTEM, {"role": "user", "content": "Hello world"}]
+    text = reference.generate(reference.chat_prompt(messages), SamplingParams(max_tokens=8, temperature=0))[0].text
+    stop = text.split()[1]
+    with serving(create_app(engine, MODEL_NAME)) as server:
+        body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 8, "temperature": 0, "stop": [stop]}
+        for _ in range(2):
+            r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
+            assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["stop_reason"] == stop
+        counts = server.on_engine(engine.prefix_cache_counts)
+        assert counts["cached_tokens"] > r["usage"]["prompt_tokens"] and counts["hit_tokens"] == r["usage"]["prompt_tokens"] - 1
