@@ -258,9 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, type=lambda name: name.replace("-", "_"),
                    help="send a reasoning model's thinking (<think>...</think>) as the chat message's "
                         "reasoning_content, and apply structured output to the answer after it: qwen3 (Qwen3: it "
-                        "thinks when its output starts with <think>) or deepseek_r1 (DeepSeek-R1, QwQ: the output "
-                        "starts thinking; SGLang's deepseek-r1 too); a prompt that opens or closes the thinking "
-                        "decides for both (default: none, the text as the model wrote it)")
+                        "thinks when its output starts with <think>), deepseek_r1 (DeepSeek-R1, QwQ: the output "
+                        "starts thinking) or deepseek_v3 (DeepSeek-V3.1: it thinks when the prompt opens the "
+                        "thinking); a prompt that opens or closes the thinking decides for all; SGLang's spellings "
+                        "(deepseek-r1) too (default: none, the text as the model wrote it)")
     p.set_defaults(run=serve)
 
     from moelora.engine.sampling_params import SamplingParams

@@ -1,5 +1,5 @@
-"""Reasoning models in chat completions (`moelora serve --reasoning-parser qwen3` or `deepseek_r1`,
-vLLM's and SGLang's flag): the thinking a model writes between `<think>` and `</think>` goes out
+"""Reasoning models in chat completions (`moelora serve --reasoning-parser qwen3`, `deepseek_r1` or
+`deepseek_v3`, vLLM's and SGLang's flag): the thinking a model writes between `<think>` and `</think>` goes out
 as the message's `reasoning_content` (DeepSeek's and vLLM's field), the rest as its content, and a
 structured output (response_format, guided_*, a forced tool call) applies to the answer after the
 thinking, not to the thinking (engine.structured_output.AfterReasoning).
@@ -11,11 +11,13 @@ and the output is all answer. Continuing the final message (continue_final_messa
 message's last tag decides, and a message with a `reasoning_content` has closed it. Otherwise the
 parsers differ: deepseek_r1 takes the output to start thinking (DeepSeek-R1 writes no `<think>`
 first), qwen3 only if the output's first token is `<think>` (Qwen3's hybrid models think by default
-and open it themselves; its instruct models never do).
+and open it themselves; its instruct models never do), deepseek_v3 takes it for the answer
+(DeepSeek-V3.1's template opens the thinking in the prompt when `chat_template_kwargs` ask for it).
 
 The whitespace about the tags belongs to neither the reasoning nor the answer, as SGLang strips it;
-an output that goes on with the final message's text keeps its first whitespace. `include_reasoning: false` (vLLM's) leaves the reasoning out;
-`separate_reasoning: false` (SGLang's) sends the text as the model wrote it, tags and all.
+an output that goes on with the final message's text keeps its first whitespace.
+`include_reasoning: false` (vLLM's) leaves the reasoning out; `separate_reasoning: false` (SGLang's)
+sends the text as the model wrote it, tags and all.
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 START, END = "<think>", "</think>"
-PARSERS = ("deepseek_r1", "qwen3")
+# each parser's start of an output whose prompt neither opens nor closes the thinking (OutputStart.thinking)
+PARSERS = {"deepseek_r1": True, "deepseek_v3": False, "qwen3": None}
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ class Reasoning:
         """Where the output starts. `continued`: the final message (an assistant's, as the chat template
         gets it) that the output goes on with (continue_final_message); its tags decide then, and not
         the rest of the prompt's (a question may quote a tag)."""
-        default = True if self.parser == "deepseek_r1" else None
+        default = PARSERS[self.parser]
         if continued is None:
             tail = prompt.rstrip()
             return OutputStart(True if tail.endswith(START) else False if tail.endswith(END) else default)

@@ -107,6 +107,17 @@ def test_where_the_prompt_leaves_the_output(reasoning, prompt, continued, qwen3,
     assert r1.output_start(prompt, continued) == deepseek_r1
 
 
+@pytest.mark.parametrize("prompt, want", [
+    ("<｜Assistant｜><think>", OutputStart(True)),    # DeepSeek-V3.1, thinking asked for
+    ("<｜Assistant｜></think>", OutputStart(False)),  # not asked for
+    ("<｜Assistant｜>", OutputStart(False)),          # a template that writes neither: the answer
+])
+def test_deepseek_v3_thinks_when_the_prompt_opens_the_thinking(reasoning, prompt, want):
+    v3 = Reasoning("deepseek_v3", reasoning.start_id, reasoning.end_id)
+    assert v3.output_start(prompt) == want
+    assert v3.output_start("x", {"content": "<think>\nI see"}) == GO_ON
+
+
 def test_the_grammar_waits_for_the_thinking(reasoning):
     end, start = reasoning.end_id, reasoning.start_id
     assert reasoning.grammar_gate(OutputStart(True)) == {"reasoning_end": end, "reasoning_start": None}
@@ -118,7 +129,7 @@ def test_the_grammar_waits_for_the_thinking(reasoning):
 def test_a_reasoning_parser_needs_a_reasoning_tokenizer():
     with pytest.raises(ValueError, match=r"--reasoning-parser qwen3: the tokenizer has no token <think> or </think>"):
         Reasoning.of("qwen3", tiny_tokenizer())
-    with pytest.raises(ValueError, match=r"--reasoning-parser must be one of deepseek_r1, qwen3, got 'r2'"):
+    with pytest.raises(ValueError, match=r"--reasoning-parser must be one of deepseek_r1, deepseek_v3, qwen3, got 'r2'"):
         Reasoning.of("r2", tiny_tokenizer())
     with pytest.raises(ValueError, match=r"--reasoning-parser needs the model's tokenizer"):
         Reasoning.of("qwen3", None)
