@@ -248,7 +248,8 @@ class Scheduler:
         log-probabilities (computed, not cached)."""
         if self.cache is None or req.return_prompt_logprobs or req.params.prompt_logprobs is not None:
             return None, None
-        slots, node = self.cache.match(self.cache.key(req.lora), req.prompt_ids[:-1])
+        # (a retracted request: its output so far too, cached when it was retracted)
+        slots, node = self.cache.match(self.cache.key(req.lora), req.token_ids(0, req.num_tokens - 1))
         return (slots, node) if node is not None else (None, None)
 
     def _admit(self, req: Req, cached: torch.Tensor | None, node: object) -> None:
@@ -283,17 +284,18 @@ class Scheduler:
         return slots
 
     def _retract(self, req: Req) -> None:
-        """Free the request's cache and queue it first; it is recomputed from prompt + output so far."""
-        self._free(req)
+        """Free the request's cache (its computed tokens cached, with prefix caching) and queue it first; it is
+        recomputed from prompt + output so far (from what is still cached of them when it is admitted again)."""
+        self._free(req, keep=True)
         req.num_retractions += 1
         self.num_retractions += 1
         self.waiting.appendleft(req)
 
-    def _free(self, req: Req) -> None:
-        """Free the request's cache: a finished one's computed tokens go to the prefix cache, the slots they
-        duplicate and the rest to the pool; its cached prefix stays cached."""
+    def _free(self, req: Req, keep: bool = False) -> None:
+        """Free the request's cache: a finished one's computed tokens (or, `keep`, a retracted one's) go to the
+        prefix cache, the slots they duplicate and the rest to the pool; its cached prefix stays cached."""
         own = req.kv_slots[req.cached_len:]
-        if req.prefix_key is not None and req.finish_reason in ("stop", "length"):
+        if req.prefix_key is not None and (keep or req.finish_reason in ("stop", "length")):
             n = min(req.kv_len, len(req.prompt_ids) + len(req.output_ids) - 1)  # the last token's keys: not computed
             own = torch.cat([self.cache.insert(req.prefix_key, req.token_ids(0, n), req.kv_slots[:n]),
                              req.kv_slots[n:]])

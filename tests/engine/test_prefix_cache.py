@@ -193,13 +193,18 @@ def test_an_adapters_keys_are_its_own(make_engine, adapters, monkeypatch):
 
 def test_a_short_cache_evicts_and_retracts_and_still_gives_the_same_tokens(make_engine, solo, monkeypatch):
     """A cache of 100 slots: cached prefixes go (least recently used first) for new prompts and decode rows, and
-    running requests are retracted when even that is not enough."""
+    running requests are retracted when even that is not enough, their computed tokens cached for their return."""
     engine = make_engine(FAMILY, enable_prefix_caching=True, max_total_tokens=100)
-    seen = hits(engine, monkeypatch)
+    seen, admit, resumed = hits(engine, monkeypatch), engine.scheduler._admit, []
+
+    def admitted(req, cached, node):  # a retracted request takes back its output's keys too, where still cached
+        admit(req, cached, node)
+        resumed.append(req.num_retractions > 0 and req.cached_len >= len(req.prompt_ids))
+    monkeypatch.setattr(engine.scheduler, "_admit", admitted)
     for _ in range(2):
         same(engine.generate(PROMPTS, PARAMS, lora=LORAS), solo)
         assert engine.scheduler.accounting_error() is None
-    assert any(seen) and engine.scheduler.num_retractions > 0
+    assert any(seen) and engine.scheduler.num_retractions > 0 and any(resumed)
     assert_released(engine)
 
 
