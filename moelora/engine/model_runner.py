@@ -248,7 +248,8 @@ class ModelRunner:
             if batch.completes[i]:
                 sample_rows.append(cursor + num_rows - 1)
                 sampled.append(req)
-            if prefix == 0 and req.params.has_penalties:  # (re)starts on its row
+            # its first piece since it was (re)admitted, after the cached prefix it took if any: (re)starts on its row
+            if prefix == req.cached_len and req.params.has_penalties:
                 self.penalties.reset(req.row, req.prompt_ids, req.output_ids)
             cursor += num_rows
         tokens = None

@@ -61,17 +61,14 @@ class PrefixCache:
             return torch.empty(0, dtype=torch.int64), None
         return torch.cat(slots), node
 
-    def lock(self, node: Node) -> int:
-        """A request holds the node's path; returns the slots that were evictable and no longer are."""
-        taken, now = 0, next(self._clock)
+    def lock(self, node: Node) -> None:
+        """A request holds the node's path (its evictable slots, lock_cost of them, are no longer)."""
+        self.evictable -= self.lock_cost(node)
+        now = next(self._clock)
         while node.parent is not None:
-            if node.refs == 0:
-                taken += node.slots.numel()
             node.refs += 1
             node.last_use = now
             node = node.parent
-        self.evictable -= taken
-        return taken
 
     @staticmethod
     def lock_cost(node: Node) -> int:

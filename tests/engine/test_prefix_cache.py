@@ -77,7 +77,9 @@ def test_duplicate_tokens_hand_their_slots_back_and_least_recently_used_go_first
     assert cache.insert(key, [1, 2, 4], torch.tensor([20, 21, 22])).tolist() == [20, 21]  # 1, 2 were cached
     assert cache.insert(key, [5], torch.tensor([30])).numel() == 0
     slots, node = cache.match(key, [1, 2, 3, 9])
-    assert slots.tolist() == [10, 11, 12] and cache.lock(node) == 3 and cache.evictable == 2
+    assert slots.tolist() == [10, 11, 12] and cache.lock_cost(node) == 3
+    cache.lock(node)
+    assert cache.evictable == 2 and cache.lock_cost(node) == 0
     assert cache.evict(1).tolist() == [22]  # [1, 2, 4]'s leaf is older than [5]; [1, 2, 3] is held
     assert cache.evict(5).tolist() == [30] and cache.cached == 3
     cache.unlock(node)
@@ -124,13 +126,15 @@ FAMILY = "qwen3_moe"
 SYSTEM = [(7 * j) % 90 + 3 for j in range(40)]  # a shared start
 PROMPTS = [SYSTEM + [(5 * i + 2 * j) % 90 + 3 for j in range(3 + i)] for i in range(6)]
 LORAS = [None, "full", "partial", None, "full", "partial"]
-PARAMS = [SamplingParams(max_tokens=6, temperature=0.0 if i % 2 else 0.9, seed=100 + i, ignore_eos=True, logprobs=2)
-          for i in range(6)]
+PENALTIES = [{}, {"repetition_penalty": 1.8}, {}, {"frequency_penalty": 1.5, "presence_penalty": 0.5}, {},
+             {"repetition_penalty": 0.6, "presence_penalty": -1.0}]  # (counted over the prompt's cached start too)
+PARAMS = [SamplingParams(max_tokens=6, temperature=0.0 if i % 2 else 0.9, seed=100 + i, ignore_eos=True, logprobs=2,
+                         **PENALTIES[i]) for i in range(6)]
 
 
 @pytest.fixture(scope="module")
 def solo(make_engine):
-    engine = make_engine(FAMILY)
+    engine = make_engine(FAMILY, enable_prefix_caching=False)
     return engine.generate(PROMPTS, PARAMS, lora=LORAS)
 
 
@@ -163,8 +167,9 @@ def test_cached_prefixes_give_the_tokens_of_an_engine_without(make_engine, solo,
     same(engine.generate(PROMPTS, PARAMS, lora=LORAS), solo)
     assert seen[6:] == [len(p) - 1 for p in PROMPTS]  # every prompt but its last token
     for i in range(6):  # one at a time: each takes the shared start (or more) its adapter's requests left
+        without = make_engine(FAMILY, enable_prefix_caching=False)
         same(engine.generate([SYSTEM + [4, 5, i + 3]], PARAMS[i], lora=LORAS[i]),
-             make_engine(FAMILY).generate([SYSTEM + [4, 5, i + 3]], PARAMS[i], lora=LORAS[i]))
+             without.generate([SYSTEM + [4, 5, i + 3]], PARAMS[i], lora=LORAS[i]))
         assert seen[-1] >= len(SYSTEM)
     assert_released(engine)
 
@@ -187,7 +192,7 @@ def test_an_adapters_keys_are_its_own(make_engine, adapters, monkeypatch):
     engine.unload_lora("x")
     engine.load_lora("x", str(adapters(FAMILY)["partial"].path))
     got = engine.generate([PROMPTS[0]], params, lora="x")[0].token_ids
-    assert seen[-1] == 0 and got == make_engine(FAMILY).generate([PROMPTS[0]], params, lora="partial")[0].token_ids
+    assert seen[-1] == 0 and got == make_engine(FAMILY, enable_prefix_caching=False).generate([PROMPTS[0]], params, lora="partial")[0].token_ids
     assert_released(engine)
 
 
