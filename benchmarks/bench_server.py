@@ -84,7 +84,8 @@ def offline_tokens_per_s(argv: list[str], concurrencies: list[int], requests: in
     rates, stats = {}, {}
     for c in concurrencies:
         adapters = [f"a{i % ADAPTERS}" for i in range(c)]
-        engine.generate([client_prompt(i, 0, prompt_len, vocab) for i in range(c)], params, lora=adapters)  # warm-up
+        # warm-up on prompts the timed waves do not send, as the clients' (a prefix cache would serve them again)
+        engine.generate([client_prompt(i, requests, prompt_len, vocab) for i in range(c)], params, lora=adapters)
         before = engine.step_stats.as_dict()
         t0 = time.perf_counter()
         tokens = 0

@@ -82,7 +82,9 @@ Generate = Callable[[list[list[int]], list[str | None], int], None]
 class Ours:
     def __init__(self, model_dir: Path, adapters: dict[str, Path], device: str, dtype: torch.dtype, max_batch: int,
                  **options):
-        """options: further EngineConfig fields (tp_size, ep_size, moe_dispatch: bench_tp.py)."""
+        """options: further EngineConfig fields (tp_size, ep_size, moe_dispatch: bench_tp.py). Prefix caching is
+        off unless options turn it on: the timed calls run the warm-up's prompts again, which it would serve."""
+        options.setdefault("enable_prefix_caching", False)
         self.engine = Engine(str(model_dir), lora_paths={n: str(p) for n, p in adapters.items()}, load_format="dummy",
                              device=device, dtype=str(dtype).removeprefix("torch."),
                              # as many slots as adapters, so `--adapters 0,1` fits an 80 GB GPU (8 slots leave no KV cache)

@@ -255,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="uvicorn's own log (its access lines among them), as vLLM's flag (default: --log-level)")
     p.add_argument("--disable-log-stats", action="store_const", const=0.0, dest="log_stats_interval",
                    help="vLLM's flag: --log-stats-interval 0")
+    p.add_argument("--disable-radix-cache", action="store_const", const=False, dest="enable_prefix_caching",
+                   default=argparse.SUPPRESS, help="SGLang's flag: --no-enable-prefix-caching")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, type=lambda name: name.replace("-", "_"),
                    help="send a reasoning model's thinking (<think>...</think>) as the chat message's "
                         "reasoning_content, and apply structured output to the answer after it: qwen3 (Qwen3: it "

@@ -81,10 +81,11 @@ class EngineConfig:
     max_total_tokens: int | None = option(None, "KV cache token slots (default: what memory allows on a GPU, "
                                                 f"{CPU_KV_TOKENS} on a CPU)")
     max_running_requests: int = option(256, "requests in the running batch", ("--max-num-seqs",))
-    enable_prefix_caching: bool = option(False, "keep finished requests' KV cache in a radix tree per adapter and start "
-                                                "new requests whose prompt begins with cached tokens from their slots "
-                                                "(vLLM's automatic prefix caching, SGLang's radix cache); evicted, least "
-                                                "recently used first, when the cache runs short")
+    # on by default, as vLLM's automatic prefix caching and SGLang's radix cache are
+    enable_prefix_caching: bool = option(True, "keep finished requests' KV cache in a radix tree per adapter and start "
+                                               "new requests whose prompt begins with cached tokens from their slots "
+                                               "(vLLM's automatic prefix caching, SGLang's radix cache); evicted, least "
+                                               "recently used first, when the cache runs short")
     # 8192 as SGLang's and vLLM's defaults on large GPUs: a step's prompt pieces fill the GPU while the decode
     # rows beside them wait no more than one such piece
     chunked_prefill_size: int = option(8192, "tokens per step: decode rows plus pieces of prompts (a longer prompt "

@@ -13,6 +13,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from moelora.engine.engine import Engine
 from moelora.engine.sampling_params import SamplingParams
 from moelora.lora import AdapterError
+from tests.support import assert_released
 
 FAMILY = "qwen3_moe"
 PROMPTS = [[(7 * i + 3 * j) % 90 + 3 for j in range(5 + i)] for i in range(6)]  # 5 to 10 tokens
@@ -40,16 +41,9 @@ def alone(make_engine):
     return get
 
 
-def assert_idle(engine):
-    """Nothing left in flight, every KV slot and row free again."""
-    assert not engine.has_unfinished()
-    assert engine.scheduler.pool.free_slots == engine.runner.kv.num_slots - 1
-    assert engine.scheduler.pool.free_rows == engine.config.max_running_requests
-
-
 def test_output_does_not_depend_on_the_batch(engine, alone):
     assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS, lora=LORAS)] == alone(FAMILY)
-    assert_idle(engine)
+    assert_released(engine)
 
 
 @pytest.mark.parametrize("family", [FAMILY, "deepseek_v3"])  # and MLA, whose cached keys and values differ in size
@@ -57,7 +51,7 @@ def test_chunked_prefill_and_retraction_keep_outputs(family, make_engine, alone)
     tight = make_engine(family, chunked_prefill_size=4, max_total_tokens=40)
     assert [o.token_ids for o in tight.generate(PROMPTS, PARAMS, lora=LORAS)] == alone(family)
     assert tight.scheduler.num_retractions > 0
-    assert_idle(tight)
+    assert_released(tight)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
@@ -101,7 +95,7 @@ def test_decode_rows_beside_chunked_prefills_keep_their_tokens_and_logprobs(make
     assert decodes == list(range(decodes[0], decodes[0] + len(alone[0].token_ids) - 1)), "decode never waits"
     assert any(not all(b.completes) and b.num_decode for b in batches), "a prompt's first chunk beside decode rows"
     assert all(sum(b.extend_lens) <= 6 for b in batches)
-    assert_idle(engine)
+    assert_released(engine)
 
 
 def approx_float32(entries: list[dict[int, float] | None] | None) -> list | None:
@@ -129,12 +123,12 @@ def test_overlap_schedule_keeps_every_output(make_engine, device):
         assert [o.logprobs for o in got] == [approx(o.logprobs) for o in expected]
         assert [o.finish_reason for o in got] == [o.finish_reason for o in expected]
     assert any(o.finish_reason == "stop" and len(o.token_ids) < 16 for o in want_stopped)
-    assert_idle(ahead)
+    assert_released(ahead)
     tight = make_engine(FAMILY, **{**options, "disable_overlap_schedule": False, "chunked_prefill_size": 4,
                                    "max_total_tokens": 40})
     assert [o.token_ids for o in tight.generate(PROMPTS, params, lora=LORAS)] == [o.token_ids for o in want]
     assert tight.scheduler.num_retractions > 0
-    assert_idle(tight)
+    assert_released(tight)
 
     keep = ahead.add_request(PROMPTS[1], params[1], lora=LORAS[1])
     drop = ahead.add_request(PROMPTS[2], params[2], lora=LORAS[2])
@@ -146,7 +140,7 @@ def test_overlap_schedule_keeps_every_output(make_engine, device):
     assert [t for o in outputs if o.rid == keep for t in o.token_ids] == want[1].token_ids
     assert [o.finish_reason for o in outputs if o.rid == drop and o.finished] == ["abort"]
     assert len([t for o in outputs if o.rid == drop for t in o.token_ids]) == 1
-    assert_idle(ahead)
+    assert_released(ahead)
 
 
 def test_step_api_streams_what_generate_returns(engine, alone):
@@ -177,7 +171,7 @@ def test_abort_frees_the_request_and_spares_the_others(engine, alone):
     assert ends == {keep: "length", drop: "abort", queued: "abort"}
     kept = [t for o in outputs if o.rid == keep for t in o.token_ids]
     assert kept == alone(FAMILY)[1]
-    assert_idle(engine)
+    assert_released(engine)
     # an id is in use until its end is reported: two requests of one id would share its outputs
     engine.add_request(PROMPTS[0], PARAMS[0], rid="mine")
     with pytest.raises(ValueError, match="request id 'mine' is already in use"):
@@ -190,7 +184,7 @@ def test_abort_frees_the_request_and_spares_the_others(engine, alone):
     assert engine.abort("mine")
     while engine.has_unfinished():
         engine.step()
-    assert_idle(engine)
+    assert_released(engine)
 
 
 def test_bad_requests_fail_alone(engine, alone):
@@ -214,7 +208,7 @@ def test_bad_requests_fail_alone(engine, alone):
     while engine.has_unfinished():
         outputs += engine.step()
     assert [t for o in outputs if o.rid == good for t in o.token_ids] == alone(FAMILY)[0]
-    assert_idle(engine)
+    assert_released(engine)
 
 
 def test_n_completions_use_consecutive_seeds(engine):
@@ -299,7 +293,7 @@ def test_outputs_the_caller_detokenizes(engine):
         engine.abort(out.rid)
         while engine.has_unfinished():
             engine.step()
-    assert_idle(engine)
+    assert_released(engine)
 
 
 def test_top_level_names():
@@ -321,7 +315,7 @@ def test_chat_prompt_is_tokenized_once_by_the_engine(engine, monkeypatch):
     monkeypatch.setattr(engine.tokenizer, "chat_template", None)
     with pytest.raises(ValueError, match="has no chat template"):
         engine.chat_prompt([{"role": "user", "content": "Hello world"}])
-    assert_idle(engine)
+    assert_released(engine)
 
 
 def test_the_summary_says_how_long_the_start_took(make_engine):
@@ -368,9 +362,9 @@ def test_warm_up_leaves_no_trace(make_engine, alone):
     engine = make_engine(FAMILY)
     engine.runner.warm_up(engine.runner.context_len)
     assert not engine.runner.kv.req_to_token[0].any()
-    assert_idle(engine)
+    assert_released(engine)
     assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS, lora=LORAS)] == alone(FAMILY)
-    assert_idle(engine)
+    assert_released(engine)
 
 
 def test_warm_up_runs_each_rank_bound(make_engine, adapters, wide_adapter, monkeypatch):
@@ -400,7 +394,7 @@ def test_the_start_warms_up_as_the_config_says(make_engine, monkeypatch, warm_up
     monkeypatch.setattr(ModelRunner, "warm_up", lambda self, max_tokens: calls.append(max_tokens) or real(self, max_tokens))
     engine = make_engine(FAMILY, max_prefill_tokens=20)
     assert calls == ([20] if warm_up else [])
-    assert_idle(engine)
+    assert_released(engine)
 
 
 

@@ -10,8 +10,10 @@ from moelora.engine.scheduler import ScheduledBatch, Scheduler
 
 
 def make(num_slots=64, rows=8, **kw) -> Scheduler:
-    """Mixed steps unless told otherwise: most of these tests are about decode rows beside prompt pieces."""
-    return Scheduler(EngineConfig("model", device="cpu", **{"enable_mixed_chunk": True, **kw}), KVPool(num_slots, rows))
+    """Mixed steps unless told otherwise: most of these tests are about decode rows beside prompt pieces. No prefix
+    caching: these count the pool's slots (tests/engine/test_prefix_cache.py has the cache's)."""
+    options = {"enable_mixed_chunk": True, "enable_prefix_caching": False, **kw}
+    return Scheduler(EngineConfig("model", device="cpu", **options), KVPool(num_slots, rows))
 
 
 def req(rid, prompt_len, max_new, lora=None) -> Req:

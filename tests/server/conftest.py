@@ -59,13 +59,14 @@ class Server:
         return self.loop.call(fn).result(timeout=30)
 
     def idle(self, timeout: float = 10.0) -> bool:
-        """True once nothing is in flight and every KV slot and request row is free."""
+        """True once nothing is in flight and every KV slot and request row is free (KV slots: or cached, held by
+        no request)."""
         engine = self.loop.engine
 
         def check() -> bool:
-            pool = engine.scheduler.pool
-            return (not engine.has_unfinished() and pool.free_slots == engine.runner.kv.num_slots - 1
-                    and pool.free_rows == engine.config.max_running_requests)
+            scheduler = engine.scheduler
+            return (not engine.has_unfinished() and scheduler.available_slots == engine.runner.kv.num_slots - 1
+                    and scheduler.pool.free_rows == engine.config.max_running_requests)
         deadline = time.monotonic() + timeout
         while not self.on_engine(check):
             if time.monotonic() > deadline:

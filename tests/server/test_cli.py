@@ -41,6 +41,9 @@ def test_flags_follow_the_config_fields(capsys):
         assert engine_kwargs(["--model-path", "m", "--lora-target-modules", *targets])["lora_target_modules"] == targets
     assert engine_kwargs(["--model-path", "m", "--skip-server-warmup"])["skip_server_warmup"] is True  # SGLang's flag
     assert "skip_server_warmup" not in engine_kwargs(["--model-path", "m"])  # the config's default, False
+    assert "enable_prefix_caching" not in engine_kwargs(["--model-path", "m"])  # the config's default, True
+    for off in ("--no-enable-prefix-caching", "--disable-radix-cache"):  # vLLM's, SGLang's
+        assert engine_kwargs(["--model-path", "m", off])["enable_prefix_caching"] is False
     serve_help = help_of("serve", capsys)
     assert all("--" + f.name.replace("_", "-") in serve_help for f in dataclasses.fields(EngineConfig))
     gen = parser.parse_args(["generate", "--model-path", "m", "--prompt", "p", "--stop", "a", "b", "--top-k", "5",

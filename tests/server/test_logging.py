@@ -35,8 +35,10 @@ def test_startup_summary_and_stats_line(demo_dir, caplog):
         time.sleep(0.7)  # idle: nothing more
         assert len([r for r in caplog.records if r.name == "moelora.server.stats_log"]) == len(lines)
     pattern = (r"running (\d), waiting 0 requests; prompt (\S+) tokens/s, generation (\S+) tokens/s; "
-               r"KV cache \d+\.\d% \((\d+) of 16384 tokens\); LoRA slots 1 of 2")
+               r"KV cache \d+\.\d% \((\d+) of 16384 tokens\); LoRA slots 1 of 2; "
+               r"prefix cache hits \d+\.\d% of prompt tokens, (\d+) tokens cached")
     matches = [re.fullmatch(pattern, line) for line in lines]
     assert lines and all(matches), lines
-    assert matches[-1].group(1) == "0" and matches[-1].group(4) == "0"  # the request is done, its cache free
+    assert matches[-1].group(1) == "0" and matches[-1].group(4) == "0"  # the request is done, its cache free...
+    assert int(matches[-1].group(5)) > 0  # ...or cached
     assert sum(float(m.group(2)) for m in matches) > 0 and sum(float(m.group(3)) for m in matches) > 0
