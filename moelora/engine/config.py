@@ -16,6 +16,7 @@ from moelora.engine.fields import keyword_aliases, option
 from moelora.layers.moe.runner import BACKENDS as MOE_BACKENDS
 
 CPU_KV_TOKENS = 16384  # KV cache size on CPU without max_total_tokens (no free-memory query there)
+SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -86,6 +87,11 @@ class EngineConfig:
                                                "new requests whose prompt begins with cached tokens from their slots "
                                                "(vLLM's automatic prefix caching, SGLang's radix cache); evicted, least "
                                                "recently used first, when the cache runs short")
+    # vLLM's --scheduling-policy: lower priority values first; no running request is retracted to admit one
+    scheduling_policy: str = option("fcfs", "the waiting requests' order: 'fcfs' (arrival) or 'priority' (a "
+                                            "request's priority, lower values first, then arrival; when decode runs "
+                                            "short of KV slots the running request of the highest value, the latest "
+                                            "of them, is retracted first)")
     # 8192 as SGLang's and vLLM's defaults on large GPUs: a step's prompt pieces fill the GPU while the decode
     # rows beside them wait no more than one such piece
     chunked_prefill_size: int = option(8192, "tokens per step: decode rows plus pieces of prompts (a longer prompt "
@@ -165,6 +171,8 @@ class EngineConfig:
         # a request holds a prompt token and one to generate, and the cache keeps a slot to spare (ModelRunner)
         self._check(self.max_total_tokens is None or self.max_total_tokens >= 3, "max_total_tokens", ">= 3")
         self._check(self.max_running_requests >= 1, "max_running_requests", ">= 1")
+        self._check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
+                    f"one of {SCHEDULING_POLICIES}")
         self._check(self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1, "chunked_prefill_size",
                     ">= 1, or -1 to disable chunked prefill")
         self._check(self.max_prefill_tokens >= 1, "max_prefill_tokens", ">= 1")

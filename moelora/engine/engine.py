@@ -254,14 +254,18 @@ class Engine:
 
     @_one_caller
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
-                 | None = None, lora: str | None | Sequence[str | None] = None) -> list[GenerateOutput]:
+                 | None = None, lora: str | None | Sequence[str | None] = None,
+                 priority: int | Sequence[int] = 0) -> list[GenerateOutput]:
         """Completions of every prompt (a string or token ids), with one sampling_params for all or one
-        each, and an adapter name (None: base model) for all or one each. A prompt with n > 1 gives n
-        outputs in a row. Run alone: outputs of requests added through add_request are dropped."""
+        each, an adapter name (None: base model) and a priority (scheduling_policy "priority": lower first) for all
+        or one each. A prompt with n > 1 gives n outputs in a row. Run alone: outputs of requests added through
+        add_request are dropped."""
         prompts = _prompt_list(prompts)
         params = _per_prompt(sampling_params if sampling_params is not None else SamplingParams(), prompts, "sampling_params")
         adapters = _per_prompt(lora, prompts, "lora")
-        reqs = self._make_all([(i, p, sp, a, False) for i, (p, sp, a) in enumerate(zip(prompts, params, adapters))])
+        priorities = _per_prompt(priority, prompts, "priority")
+        reqs = self._make_all([(i, p, sp, a, False, pr)
+                               for i, (p, sp, a, pr) in enumerate(zip(prompts, params, adapters, priorities))])
         self._run(reqs)
         return [GenerateOutput(r.detokenizer.text, list(r.output_ids), r.finish_reason,
                                r.logprobs if r.params.logprobs is not None else None, r.cumulative_logprob,
@@ -277,7 +281,7 @@ class Engine:
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         token_id_lists = _prompt_list(token_id_lists)
         adapters = _per_prompt(lora, token_id_lists, "lora")
-        reqs = self._make_all([(i, ids, params, a, True) for i, (ids, a) in enumerate(zip(token_id_lists, adapters))])
+        reqs = self._make_all([(i, ids, params, a, True, 0) for i, (ids, a) in enumerate(zip(token_id_lists, adapters))])
         self._run(reqs)
         return [torch.cat(r.prompt_logprobs) for r in reqs]
 
@@ -286,18 +290,19 @@ class Engine:
     @_one_caller
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, lora: str | None = None,
                     rid: str | None = None, add_special_tokens: bool = True, detokenize: bool = True,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, priority: int = 0) -> str:
         """Queue one request (n must be 1); raises ValueError (AdapterError for the adapter) naming the problem.
         add_special_tokens: False for a text prompt that has them already (one `chat_prompt` made).
         detokenize: False leaves its outputs' text empty and its stop strings unlooked-for, for a caller
         that detokenizes them outside the engine's thread (`output_detokenizer`) and aborts the request
         where a stop string ends it. arrival_time: time.perf_counter() when the request arrived (a server's
-        HTTP arrival), from which step_stats counts its wait for admission; default now."""
+        HTTP arrival), from which step_stats counts its wait for admission; default now. priority: its place in the
+        queue under scheduling_policy "priority" (lower values first; with "fcfs" only 0 is taken)."""
         # its fields as __post_init__ makes them (a caller may have set one since), and checked
         params = replace(sampling_params) if sampling_params is not None else SamplingParams()
         if params.n != 1:
             raise ValueError(f"add_request takes one sequence per request (SamplingParams.n=1), got n={params.n}")
-        req = self._make(prompt, params, lora, False, rid, add_special_tokens, detokenize)
+        req = self._make(prompt, params, lora, False, priority, rid, add_special_tokens, detokenize)
         if arrival_time is not None:
             if not (isinstance(arrival_time, (int, float)) and math.isfinite(arrival_time)):
                 raise ValueError(f"arrival_time must be a finite time.perf_counter() value, got {arrival_time!r}")
@@ -501,14 +506,14 @@ class Engine:
     # ------------------------------------------------------------------------------ internals
 
     def _make_all(self, specs: list[tuple]) -> list[Req]:
-        """Requests for (prompt index, prompt, params, lora, return_prompt_logprobs) specs, params.n of each (the k-th
-        with params.for_sequence(k)), added only once all are valid; errors name the prompt by its index."""
+        """Requests for (prompt index, prompt, params, lora, return_prompt_logprobs, priority) specs, params.n of each
+        (the k-th with params.for_sequence(k)), added only once all are valid; errors name the prompt by its index."""
         reqs = []
-        for i, prompt, params, lora, return_prompt_logprobs in specs:
+        for i, prompt, params, lora, return_prompt_logprobs, priority in specs:
             try:
                 params = replace(params)  # as add_request's
                 for k in range(params.n):
-                    req = self._make(prompt, params.for_sequence(k), lora, return_prompt_logprobs)
+                    req = self._make(prompt, params.for_sequence(k), lora, return_prompt_logprobs, priority)
                     req.prompt_index = i
                     reqs.append(req)
             except ValueError as e:
@@ -518,10 +523,16 @@ class Engine:
         return reqs
 
     def _make(self, prompt: Prompt, params: SamplingParams, lora: str | None, return_prompt_logprobs: bool,
-              rid: str | None = None, add_special_tokens: bool = True, detokenize: bool = True) -> Req:
+              priority: int = 0, rid: str | None = None, add_special_tokens: bool = True, detokenize: bool = True
+              ) -> Req:
         """A valid request, or ValueError naming what is wrong (`params` checked by the caller); changes nothing."""
         if rid is not None and not (isinstance(rid, str) and rid):
             raise ValueError(f"a request id must be a non-empty string, got {rid!r}")
+        if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} needs scheduling_policy 'priority' (--scheduling-policy priority): "
+                             f"with {self.config.scheduling_policy!r} every request's priority is 0")
         if lora is not None:
             self.runner.lora.check(lora)
         if rid is not None and self.scheduler.find(rid) is not None:
@@ -570,7 +581,7 @@ class Engine:
         return Req(rid if rid is not None else uuid.uuid4().hex, ids, params, lora, seed, detokenizer,
                    return_prompt_logprobs,
                    grammar=grammar, allowed_tokens=allowed, logit_bias=logit_bias_tensors(params),
-                   arrival=time.perf_counter())
+                   arrival=time.perf_counter(), priority=int(priority))
 
     def _check_first_tokens(self, grammar, allowed: torch.Tensor | None) -> None:
         """ValueError unless the grammar (and allowed_token_ids, the packed `allowed`) lets the output start with

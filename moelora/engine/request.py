@@ -37,6 +37,8 @@ class Req:
     prompt_logprob_entries: list[dict[int, float]] = field(default_factory=list)
     prompt_logprob_ranks: list[int] = field(default_factory=list)  # prompt token k + 1's rank (1: the likeliest)
     arrival: float = 0.0                     # time.perf_counter() at arrival: its wait for admission counts from here
+    priority: int = 0                        # scheduling_policy "priority": lower values are admitted first
+    arrival_order: int = 0                   # requests the scheduler took before it (priority's ties: earlier first)
     holds_adapter: bool = False              # took a reference to its adapter (LoRAManager.acquire), not released yet
     prompt_index: int = 0                    # its prompt's place in the generate / prompt_logprobs call that made it
     # prefix caching: kv_slots[:cached_len] are the prefix cache's (prefix_node's path, held while the request

@@ -6,11 +6,16 @@ the next chunk of a long prompt, recomputation of retracted requests) under a to
 of stalling it and a long prompt is prefilled over several steps. A step with no prompt is a pure
 decode step (CUDA graphs). Admission needs a request row, free KV slots for the whole prompt plus one
 decode slot for every request holding cache, and a LoRA slot: the adapters of all running requests
-must fit in max_loras_per_batch at once (a request whose adapter does not fit waits; FIFO, so it is
-not overtaken). The slots of the prompt being prefilled over several steps are promised to it; no
+must fit in max_loras_per_batch at once (a request whose adapter does not fit waits, and is not
+overtaken). The slots of the prompt being prefilled over several steps are promised to it; no
 slots are reserved for tokens yet to be decoded: when a step finds too few free slots for its decode
 rows, the newest running requests go back to the front of the queue, their cache freed, and are
 recomputed later.
+
+The queue is in arrival order (scheduling_policy "fcfs"), or (scheduling_policy "priority", as vLLM's) in order
+of the requests' priority, lower values first, then arrival; a retracted request goes back to its place in that
+order, and the running request of the highest value (the latest of those) is the first retracted. A request of
+a lower value waits for rows and KV slots as any other: running requests are not retracted to admit it.
 
 With prefix caching (prefix_cache.py) a new request starts on the cached slots of the longest cached start of its
 prompt, held while it holds cache, and admission counts the cached slots no request holds as free: they are
@@ -23,6 +28,8 @@ leaves the accounting exact and costs only that request.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -69,12 +76,14 @@ class Scheduler:
         self.running: list[Req] = []  # prompt done: decode every step, in admission order
         self.chunked: Req | None = None  # the one prompt being prefilled over several steps
         self.num_retractions = 0
+        self._arrivals = itertools.count()
         # the requests the last schedule() took out of their queues or gave cache: where it raised (an interrupt
         # between two of them), those it had not put anywhere yet are in no queue, and the caller ends them
         self.taken: list[Req] = []
 
     def add(self, req: Req) -> None:
-        self.waiting.append(req)
+        req.arrival_order = next(self._arrivals)
+        self._queue(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)
@@ -168,8 +177,10 @@ class Scheduler:
         but one whose pending token is its last (overlap scheduling: it is done, only not yet released)."""
         self._reclaim(self._promised() + len(self.running))
         while self.running and self.pool.free_slots - self._promised() < len(self.running):
-            self.taken.append(self.running[-1])
-            self._retract(self.running.pop())
+            victim = self.running[-1] if self.config.scheduling_policy == "fcfs" else max(self.running, key=_order)
+            self.taken.append(victim)
+            self.running.remove(victim)
+            self._retract(victim)
             self._reclaim(self._promised() + len(self.running))  # (the prefix it held may be enough)
         return [r for r in self.running if r.num_generated < r.params.max_tokens]
 
@@ -289,7 +300,16 @@ class Scheduler:
         self._free(req, keep=True)
         req.num_retractions += 1
         self.num_retractions += 1
-        self.waiting.appendleft(req)
+        self._queue(req, first=True)
+
+    def _queue(self, req: Req, first: bool = False) -> None:
+        """Into the queue: at its end, or `first` at its front (fcfs), or at its place in priority order."""
+        if self.config.scheduling_policy == "priority":
+            self.waiting.insert(bisect.bisect_right(self.waiting, _order(req), key=_order), req)
+        elif first:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
 
     def _free(self, req: Req, keep: bool = False) -> None:
         """Free the request's cache: a finished one's computed tokens (or, `keep`, a retracted one's) go to the
@@ -306,3 +326,8 @@ class Scheduler:
         if req.row is not None:
             self.pool.free_row(req.row)
             req.row = None
+
+
+def _order(req: Req) -> tuple[int, int]:
+    """A request's place in the queue under scheduling_policy "priority"."""
+    return req.priority, req.arrival_order

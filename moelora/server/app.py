@@ -417,6 +417,10 @@ class OpenAIServing:
             field = "prompt" if sequences == 1 else "n" if sequences == body.n else "best_of"
             raise APIError(400, f"n must be >= 1 and n * prompts <= {limit_name} ({limit}), got n={sequences} "
                            f"for {len(prompts)} prompts", param=field)
+        policy = self.loop.engine.config.scheduling_policy
+        if body.priority and policy != "priority":
+            raise APIError(400, f"priority {body.priority} needs the server started with --scheduling-policy priority "
+                           f"(this one schedules {policy!r}: every request's priority is 0)", param="priority")
         aliases = (aliases or {}) | {"structured_output": _grammar_field(body)}
         try:  # the model's generation config gives the sampling fields the request leaves unset
             params = body.sampling_params(max_tokens, logprobs, prompt_logprobs, self.loop.engine.sampling_defaults)
@@ -426,7 +430,8 @@ class OpenAIServing:
                 params = replace(params, structured_output=replace(params.structured_output, **grammar_gate))
         except ValueError as e:
             raise bad_value(e, aliases) from e
-        return [Submission(p, params.for_sequence(k), lora, add_special_tokens) for p in prompts for k in range(sequences)]
+        return [Submission(p, params.for_sequence(k), lora, add_special_tokens, body.priority)
+                for p in prompts for k in range(sequences)]
 
     async def _compile_grammar(self, body: SamplingRequest, subs: list[Submission]) -> Any:
         """The request's compiled grammar (None without one), compiled in a worker thread (the compiler is

@@ -68,6 +68,7 @@ class Submission:
     params: SamplingParams
     lora: str | None
     add_special_tokens: bool = True  # False for chat prompts: the template wrote the special tokens
+    priority: int = 0  # the queue's order under scheduling_policy "priority"
 
 
 @dataclass
@@ -376,7 +377,8 @@ class EngineLoop:
             if self._draining:  # submitted as the shutdown began: it never starts (its client gets a 503)
                 raise EngineError("the server is shutting down")
             for rid, sub, prompt in zip(rids, subs, prompts):
-                self.engine.add_request(prompt, sub.params, sub.lora, rid=rid, detokenize=False, arrival_time=arrival)
+                self.engine.add_request(prompt, sub.params, sub.lora, rid=rid, detokenize=False, arrival_time=arrival,
+                                        priority=sub.priority)
                 added.append(rid)
         except Exception:
             for rid in added:

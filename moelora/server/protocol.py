@@ -157,7 +157,6 @@ _UNSUPPORTED = {
     "spaces_between_special_tokens": ((True,), "special tokens are decoded as the tokenizer joins them"),
     "truncate_prompt_tokens": ((None,), "prompts are never truncated"),
     "logits_processors": ((None, []), "custom logits processors are not supported"),
-    "priority": ((0,), "request priorities are not supported"),
     "return_tokens_as_token_ids": ((False,), "return_tokens_as_token_ids is not supported"),
     "guided_decoding_backend": ((None, "xgrammar"), "the only structured-output backend is xgrammar"),
     "guided_whitespace_pattern": ((None,), "JSON grammars allow no free whitespace; a pattern is not supported"),
@@ -217,6 +216,7 @@ class SamplingRequest(RequestBody):
     guided_grammar: str | None = None  # xgrammar's EBNF (GBNF)
     structured_outputs: StructuredOutputs | None = None
     prompt_logprobs: int | None = None  # every prompt token's log-probability, rank and the top ones (vLLM's)
+    priority: int = 0  # the queue's order under --scheduling-policy priority, lower first (vLLM's)
 
     @model_validator(mode="before")
     @classmethod

@@ -138,3 +138,24 @@ def test_shutdown_ends_the_engine_at_one_rank_too(make_engine):
     assert engine.fatal == "the engine was shut down"
     with pytest.raises(EngineDead):
         engine.generate([5, 6], GREEDY)
+
+
+def test_priorities_order_the_queue_under_the_priority_policy_and_are_refused_under_fcfs(engine, make_engine):
+    for priority, what in ((2, "priority 2 needs scheduling_policy 'priority'"), (True, "priority must be an int"),
+                           (1.0, "priority must be an int")):
+        with pytest.raises(ValueError, match=rf"^prompt 1: {what}"):
+            engine.generate([[5, 6], [7, 8]], GREEDY, priority=[0, priority])
+        with pytest.raises(ValueError, match=rf"^{what}"):
+            engine.add_request([5, 6], GREEDY, priority=priority)
+    with pytest.raises(ValueError, match="priority has 1 entries for 2 prompts"):
+        engine.generate([[5, 6], [7, 8]], GREEDY, priority=[0])
+    assert_released(engine)
+    one_at_a_time = make_engine(FAMILY, scheduling_policy="priority", max_running_requests=1)
+    want = [o.token_ids for o in one_at_a_time.generate([[5, 6], [7, 8], [9, 10]], GREEDY)]
+    assert [o.token_ids for o in one_at_a_time.generate([[5, 6], [7, 8], [9, 10]], GREEDY, priority=[2, -1, 2])] == want
+    rids = [one_at_a_time.add_request(p, GREEDY, priority=pr) for p, pr in (([5, 6], 1), ([7, 8], 0), ([9, 10], 1))]
+    finished = []
+    while one_at_a_time.has_unfinished():
+        finished += [o.rid for o in one_at_a_time.step() if o.finished]
+    assert finished == [rids[1], rids[0], rids[2]]
+    assert_released(one_at_a_time)

@@ -16,8 +16,8 @@ def make(num_slots=64, rows=8, **kw) -> Scheduler:
     return Scheduler(EngineConfig("model", device="cpu", **options), KVPool(num_slots, rows))
 
 
-def req(rid, prompt_len, max_new, lora=None) -> Req:
-    return Req(rid, list(range(prompt_len)), SamplingParams(max_tokens=max_new), lora)
+def req(rid, prompt_len, max_new, lora=None, priority=0) -> Req:
+    return Req(rid, list(range(prompt_len)), SamplingParams(max_tokens=max_new), lora, priority=priority)
 
 
 def check_cache(s: Scheduler) -> None:
@@ -161,6 +161,43 @@ def test_decode_out_of_slots_retracts_newest_and_recomputes():
     for r in reqs:  # recomputation continued where it left off
         assert r.output_ids == list(range(4, 12))
     assert s.pool.free_slots == 15
+
+
+def test_priority_policy_admits_lower_values_first_then_by_arrival():
+    s = make(scheduling_policy="priority", max_running_requests=1)
+    for rid, priority in (("a", 3), ("b", 1), ("c", 2), ("d", 1), ("e", -5)):
+        s.add(req(rid, 2, 1, priority=priority))
+    assert [r.rid for r in s.waiting] == ["e", "b", "d", "c", "a"]
+    admitted = [b.reqs[-1].rid for b in run(s) if not b.is_decode]
+    assert admitted == ["e", "b", "d", "c", "a"]
+    s = make(max_running_requests=1)  # fcfs: arrival alone
+    for rid, priority in (("a", 3), ("b", 1)):
+        s.add(req(rid, 2, 1, priority=priority))
+    assert [b.reqs[-1].rid for b in run(s) if not b.is_decode] == ["a", "b"]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_decode_out_of_slots_retracts_the_highest_priority_value_and_requeues_it_in_order(policy):
+    """fcfs retracts the newest running request and puts it first in the queue; priority retracts the one of the
+    highest value (the latest of those) and puts it back at its place: behind a waiting request of a lower value,
+    ahead of later ones of its own."""
+    s = make(num_slots=24, chunked_prefill_size=-1, scheduling_policy=policy)
+    low, high, newest = req("low", 4, 12, priority=5), req("high", 4, 12, priority=0), req("newest", 4, 12)
+    for r in (low, high, newest):
+        s.add(r)
+    step(s)  # all three prefilled: 12 of 23 slots, then each decodes a token a step
+    waiting = [req("later", 8, 1, priority=5), req("first", 8, 1, priority=1)]
+    for r in waiting:
+        s.add(r)
+    while not any(r.num_retractions for r in (low, high, newest)):
+        step(s)
+    retracted = [r.rid for r in (low, high, newest) if r.num_retractions]
+    if policy == "fcfs":
+        assert retracted == ["newest"] and [r.rid for r in s.waiting] == ["newest", "later", "first"]
+    else:
+        assert retracted == ["low"] and [r.rid for r in s.waiting] == ["first", "low", "later"]
+    run(s)
+    assert all(len(r.output_ids) == r.params.max_tokens for r in (low, high, newest, *waiting))
 
 
 def test_adapter_that_does_not_fit_waits():
