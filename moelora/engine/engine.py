@@ -78,6 +78,7 @@ class GenerateOutput:
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with params.prompt_logprobs: None first
     stop_reason: str | int | None = None  # the stop string or stop_token_ids token that ended it (None: EOS, length)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (vLLM's RequestOutput.num_cached_tokens)
 
 
 def _one_caller(method: Callable[..., T]) -> Callable[..., T]:
@@ -270,7 +271,7 @@ class Engine:
         return [GenerateOutput(r.detokenizer.text, list(r.output_ids), r.finish_reason,
                                r.logprobs if r.params.logprobs is not None else None, r.cumulative_logprob,
                                [None, *r.prompt_logprob_entries] if r.params.prompt_logprobs is not None else None,
-                               r.detokenizer.stop_reason)
+                               r.detokenizer.stop_reason, r.cached_prompt_tokens)
                 for r in reqs]
 
     @_one_caller

@@ -46,6 +46,7 @@ class Req:
     cached_len: int = 0
     prefix_node: Any = None
     prefix_key: Any = None
+    cached_prompt_tokens: int = 0            # of its prompt, the tokens found cached when it was first admitted
 
     @property
     def masked(self) -> bool:

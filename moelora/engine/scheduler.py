@@ -268,8 +268,9 @@ class Scheduler:
         self.taken.append(req)
         req.prefix_key = self.cache.key(req.lora)
         if not req.num_retractions:  # (a retracted request's prompt counted when it first came)
+            req.cached_prompt_tokens = cached.numel() if node is not None else 0
             self.cache.query_tokens += len(req.prompt_ids)
-            self.cache.hit_tokens += cached.numel() if node is not None else 0
+            self.cache.hit_tokens += req.cached_prompt_tokens
         if node is not None:
             self.cache.lock(node)
             req.prefix_node, req.kv_slots, req.cached_len = node, cached, cached.numel()

@@ -62,6 +62,7 @@ class StepOutput:
     # finished "stop" by a stop string (its text) or a token of stop_token_ids (its id); None otherwise (EOS, a grammar's
     # end). A request added with detokenize=False has no stop strings here: its caller's detokenizer finds them
     stop_reason: str | int | None = None
+    cached_tokens: int = 0                # of prompt_tokens, those found in the prefix cache (not computed)
 
 
 @dataclass
@@ -330,7 +331,7 @@ class Stepper:
                 text, req.finish_reason, req.error = "", "error", f"appending its token failed: {_describe(e)}"
             out = StepOutput(req.rid, [token], text, req.finished, req.finish_reason, new_logprobs,
                              len(req.prompt_ids), len(req.output_ids), req.error, req.cumulative_logprob,
-                             stop_reason=req.detokenizer.stop_reason)
+                             stop_reason=req.detokenizer.stop_reason, cached_tokens=req.cached_prompt_tokens)
             if req.params.prompt_logprobs is not None and len(req.output_ids) == 1:
                 out.prompt_token_ids, out.prompt_logprobs = list(req.prompt_ids), [None, *req.prompt_logprob_entries]
                 out.prompt_logprob_ranks = [None, *req.prompt_logprob_ranks]

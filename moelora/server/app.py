@@ -48,9 +48,9 @@ from moelora.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion
                                      ChatCompletionResponse, ChoiceLogprobs, CompletionChoice,
                                      CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
                                      DetokenizeRequest, DetokenizeResponse, ErrorInfo, ErrorResponse, LoadLoRARequest,
-                                     ModelCard, ModelList, PromptLogprob, PromptLogprobs, SamplingRequest,
-                                     TokenizeRequest, TokenizeResponse,
-                                     TokenLogprob, TopLogprob, UnloadLoRARequest, UsageInfo)
+                                     ModelCard, ModelList, PromptLogprob, PromptLogprobs, PromptTokensDetails,
+                                     SamplingRequest, TokenizeRequest, TokenizeResponse, TokenLogprob, TopLogprob,
+                                     UnloadLoRARequest, UsageInfo)
 from moelora.server.reasoning import Reasoning, ReasoningParser
 from moelora.server.tools import ChatTools
 
@@ -74,6 +74,7 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_tokens: int = 0
+    cached_tokens: int | None = None  # of prompt_tokens, those found in the prefix cache (known with the first output)
     completion_tokens: int = 0
     cumulative_logprob: float = 0.0
     streamed: int = 0  # characters of text sent in stream chunks
@@ -102,6 +103,7 @@ class _Choice:
         self.logprobs += new
         self.finish_reason, self.stop_reason = d.out.finish_reason, d.out.stop_reason
         self.prompt_tokens, self.completion_tokens = d.out.prompt_tokens, d.out.completion_tokens
+        self.cached_tokens = d.out.cached_tokens
         self.cumulative_logprob = d.out.cumulative_logprob
         return new
 
@@ -145,14 +147,19 @@ def _usage_so_far(choice: _Choice) -> UsageInfo:
     """continuous_usage_stats: what a chunk of one sequence reports, as vLLM's: its prompt's tokens and its own
     completion's so far (not the other sequences' of the request)."""
     return UsageInfo(prompt_tokens=choice.prompt_tokens, completion_tokens=choice.completion_tokens,
-                     total_tokens=choice.prompt_tokens + choice.completion_tokens)
+                     total_tokens=choice.prompt_tokens + choice.completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=choice.cached_tokens)
+                     if choice.cached_tokens is not None else None)
 
 
 def _usage(choices: list[_Choice], n: int) -> UsageInfo:
-    """Prompt tokens count once per prompt, not once per each of its n choices."""
+    """Prompt tokens count once per prompt, not once per each of its n choices (those found cached: the first
+    choice's, admitted first or with the others)."""
     prompt = sum(c.prompt_tokens for c in choices[::n])
     completion = sum(c.completion_tokens for c in choices)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(c.cached_tokens or 0
+                                                                                 for c in choices[::n])))
 
 
 def _completion_logprobs(entries: list[Entry], offset: int) -> CompletionLogprobs:

@@ -27,10 +27,15 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # found in the prefix cache, not computed
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None  # (None: not known yet, in a stream's first chunks)
 
 
 class JsonSchemaFormat(BaseModel):

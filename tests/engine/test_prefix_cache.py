@@ -162,10 +162,12 @@ def test_cached_prefixes_give_the_tokens_of_an_engine_without(make_engine, solo,
     options = {"chunked_prefill_size": chunk} if chunk else {}
     engine = make_engine(FAMILY, enable_prefix_caching=True, disable_overlap_schedule=not overlap, **options)
     seen = hits(engine, monkeypatch)
-    same(engine.generate(PROMPTS, PARAMS, lora=LORAS), solo)  # all at once: nothing cached yet
-    assert seen == [0] * 6
-    same(engine.generate(PROMPTS, PARAMS, lora=LORAS), solo)
-    assert seen[6:] == [len(p) - 1 for p in PROMPTS]  # every prompt but its last token
+    outs = engine.generate(PROMPTS, PARAMS, lora=LORAS)  # all at once: nothing cached yet
+    same(outs, solo)
+    assert seen == [o.num_cached_tokens for o in outs] == [0] * 6
+    outs = engine.generate(PROMPTS, PARAMS, lora=LORAS)
+    same(outs, solo)
+    assert seen[6:] == [o.num_cached_tokens for o in outs] == [len(p) - 1 for p in PROMPTS]  # all but the last token
     for i in range(6):  # one at a time: each takes the shared start (or more) its adapter's requests left
         without = make_engine(FAMILY, enable_prefix_caching=False)
         same(engine.generate([SYSTEM + [4, 5, i + 3]], PARAMS[i], lora=LORAS[i]),
@@ -289,10 +291,11 @@ def test_a_request_on_a_cached_prefix_counts_once_however_often_retracted(make_e
     admitted = {}
     for caching in (False, True):
         engine = make_engine(FAMILY, enable_prefix_caching=caching, max_total_tokens=100)
-        for _ in range(2):
-            engine.generate(prompts, params)
+        outs = [engine.generate(prompts, params) for _ in range(2)]
         admitted[caching] = engine.step_stats.admitted
         assert engine.scheduler.num_retractions > 0
     assert admitted[True] == admitted[False] == 8
     counts = engine.prefix_cache_counts()
     assert counts["query_tokens"] == 2 * sum(map(len, prompts)) and 0 < counts["hit_tokens"] <= counts["query_tokens"]
+    assert sum(o.num_cached_tokens for o in outs[1]) == counts["hit_tokens"]  # the first admission's (none before)
+    assert sum(o.num_cached_tokens for o in outs[0]) == 0

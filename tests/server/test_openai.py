@@ -102,16 +102,18 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server, refe
     body = {"model": "alpha", "max_tokens": 5, "temperature": 0, "n": 2, "logprobs": True if chat else 0,
             "ignore_eos": True, **({"messages": MESSAGES} if chat else {"prompt": PROMPTS[1]})}
     chunks = sse(server, path, {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
-    tokens = [0, 0]
+    tokens, cached = [0, 0], chunks[-1]["usage"]["prompt_tokens_details"]  # (the prefix cache's share of the prompt)
+    assert 0 <= cached["cached_tokens"] < prompt_tokens
     for chunk in chunks[:-1]:
         (choice,) = chunk["choices"]
         if (logprobs := choice["logprobs"]) is not None:  # an entry per token (a role chunk has none)
             tokens[choice["index"]] += len(logprobs["content"] if chat else logprobs["tokens"])
         assert chunk["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": tokens[choice["index"]],
-                                  "total_tokens": prompt_tokens + tokens[choice["index"]]}, chunk
+                                  "total_tokens": prompt_tokens + tokens[choice["index"]],
+                                  "prompt_tokens_details": cached if tokens[choice["index"]] else None}, chunk
     assert tokens == [5, 5] and chunks[-1]["choices"] == []
     assert chunks[-1]["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 10,
-                                   "total_tokens": prompt_tokens + 10}
+                                   "total_tokens": prompt_tokens + 10, "prompt_tokens_details": cached}
     if chat:
         assert [c["usage"]["completion_tokens"] for c in chunks[:2]] == [0, 0]  # the role chunks
     for options in ({"continuous_usage_stats": True}, {"include_usage": False, "continuous_usage_stats": True},

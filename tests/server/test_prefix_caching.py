@@ -25,11 +25,14 @@ def test_concurrent_chats_share_the_cached_system_prompt(demo_dir, reference, ca
     want = [reference.generate(reference.chat_prompt(b["messages"]), SamplingParams(max_tokens=6, temperature=0),
                                lora=None if b["model"] == MODEL_NAME else "alpha")[0].text for b in bodies]
     with caplog.at_level(logging.INFO), serving(create_app(engine, MODEL_NAME, stats_interval=0.01)) as server:
+        cached = []
+
         def ask(body: dict) -> str:
             r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
             assert r.status_code == 200, r.text
+            cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
             return r.json()["choices"][0]["message"]["content"]
-        assert ask(bodies[0]) == want[0]  # the system prompt cached for the base model
+        assert ask(bodies[0]) == want[0] and cached == [0]  # the system prompt cached for the base model
         for _ in range(2):
             with ThreadPoolExecutor(len(bodies)) as pool:
                 assert list(pool.map(ask, bodies)) == want
@@ -37,6 +40,7 @@ def test_concurrent_chats_share_the_cached_system_prompt(demo_dir, reference, ca
         hits = next(float(line.split()[-1]) for line in metrics.splitlines()
                     if line.startswith("moelora:prefix_cache_hit_tokens_total"))
         assert hits >= 2 * len(bodies) * len(engine.tokenizer.encode(SYSTEM["content"]))
+        assert sum(cached) == hits and min(cached[-len(bodies):]) >= len(engine.tokenizer.encode(SYSTEM["content"]))
         assert server.on_engine(lambda: engine.scheduler.accounting_error()) is None
         assert server.on_engine(lambda: engine.scheduler.available_slots) == engine.runner.kv.num_slots - 1
     assert any("prefix cache hits" in r.getMessage() for r in caplog.records)
