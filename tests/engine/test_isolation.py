@@ -268,35 +268,49 @@ def test_an_interrupt_in_a_step_ends_its_requests_and_leaves_the_engine_serving(
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-@pytest.mark.parametrize("where", ["allocation", "retraction", "admission"])
+@pytest.mark.parametrize("where", ["allocation", "retraction", "priority retraction", "admission"])
 def test_an_interrupt_while_scheduling_ends_the_requests_it_took(make_engine, solo, monkeypatch, where, overlap):
     """Ctrl-C while the scheduler allocates a step's second prompt (the first already out of the waiting queue with
     its row and KV slots, in no queue yet), while it retracts a request (out of the running ones, not yet
-    queued again), or while it admits a second prompt on its cached prefix (prefix caching: the first holds its
-    cached prefix, still in the waiting queue): the requests it took end with an error and release what they
-    hold; the engine serves on."""
+    queued again; under scheduling_policy "priority" the one of the highest priority value, not the newest), or
+    while it admits a second prompt on its cached prefix (prefix caching: the first holds its cached prefix, still
+    in the waiting queue): the requests it took end with an error and release what they hold; the engine serves
+    on."""
+    priority = where == "priority retraction"
     engine = make_engine(FAMILY, disable_overlap_schedule=not overlap,
-                         **({"max_total_tokens": 40} if where == "retraction" else {}),
-                         enable_prefix_caching=where == "admission")
+                         **({"max_total_tokens": 40} if where.endswith("retraction") else {}),
+                         scheduling_policy="priority" if priority else "fcfs", enable_prefix_caching=where == "admission")
     if where == "admission":
         engine.generate(PROMPTS, PARAMS, lora=LORAS)  # every prompt cached
-    scheduler, calls = engine.scheduler, []
-    name = {"allocation": "_take", "retraction": "_retract", "admission": "_admit"}[where]
+    scheduler, calls, running = engine.scheduler, [], []
+    name = {"allocation": "_take", "admission": "_admit"}.get(where, "_retract")
     real = getattr(scheduler, name)
 
     def interrupted(*args):
         calls.append(args[0].rid)
-        if len(calls) == 2 or where == "retraction":
+        running.append([r.rid for r in scheduler.running] + [args[0].rid])  # (the victim: out of them already)
+        if len(calls) == 2 or name == "_retract":
             raise KeyboardInterrupt
         return real(*args)
     monkeypatch.setattr(scheduler, name, interrupted)
-    rids = [engine.add_request(p, sp, lora=a) for p, sp, a in zip(PROMPTS, PARAMS, LORAS)]
+    # under priority the first three (value 3) run before the last three (value 0) come: the newest running
+    # requests are not the ones to retract
+    priorities = [3, 3, 3, 0, 0, 0] if priority else [0] * len(PROMPTS)
+    rids = []
+    for i, (p, sp, a, pr) in enumerate(zip(PROMPTS, PARAMS, LORAS, priorities)):
+        rids.append(engine.add_request(p, sp, lora=a, priority=pr))
+        if priority and i == 2:
+            engine.step()
+            engine.step()
     with pytest.raises(KeyboardInterrupt):
         while engine.has_unfinished():
             engine.step()
     monkeypatch.undo()
     outputs = drain(engine)
     assert calls[0] in outputs and "its step was interrupted: KeyboardInterrupt" in outputs[calls[0]][-1].error
+    if priority:  # of the requests running, the one of the highest value, the latest of those
+        held = [rids.index(rid) for rid in running[0]]
+        assert len(held) > 1 and calls[0] == rids[max(held, key=lambda i: (priorities[i], i))], (calls, held)
     assert set(outputs) <= set(rids)
     assert_released(engine)
     assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS, lora=LORAS)] == solo
