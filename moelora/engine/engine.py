@@ -336,7 +336,8 @@ class Engine:
             return False
         req.finish_reason = reason
         self.stepper.retire(req)
-        self._aborted.append(StepOutput(rid, [], "", True, reason, [], len(req.prompt_ids), len(req.output_ids)))
+        self._aborted.append(StepOutput(rid, [], "", True, reason, [], len(req.prompt_ids), len(req.output_ids),
+                                        cached_tokens=req.cached_prompt_tokens))
         return True
 
     def has_unfinished(self) -> bool:

@@ -353,7 +353,8 @@ def _copy_to_host(tokens: SampleOutput) -> tuple[SampleOutput, torch.cuda.Event 
 
 def _error_end(req: Req) -> StepOutput:
     """The last output of a request that failed (req.error says why)."""
-    return StepOutput(req.rid, [], "", True, "error", [], len(req.prompt_ids), len(req.output_ids), req.error)
+    return StepOutput(req.rid, [], "", True, "error", [], len(req.prompt_ids), len(req.output_ids), req.error,
+                      cached_tokens=req.cached_prompt_tokens)
 
 
 def _describe(e: BaseException) -> str:

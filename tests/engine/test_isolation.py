@@ -87,6 +87,7 @@ def test_a_fault_fails_only_its_request(make_engine, solo, stage, when, mode, mo
         last = outputs[rid][-1]
         if i == VICTIM:
             assert last.finished and last.finish_reason == "error" and f"{stage} fault" in last.error
+            assert last.cached_tokens == (len(PROMPTS[i]) - 1 if mode == "cached" else 0)
             assert len(victim.output_ids) < len(solo[i])
         else:
             assert last.finish_reason == "length" and last.error is None

@@ -236,8 +236,10 @@ def test_an_abort_keeps_the_prefix_cached_and_frees_the_rest(make_engine, monkey
     req = engine.scheduler.find(rid)
     assert req.cached_len == len(PROMPTS[2]) - 1 and engine.scheduler.cache.evictable < cached
     engine.abort(rid)
+    ends = []
     while engine.has_unfinished():
-        engine.step()
+        ends += [o for o in engine.step() if o.finished]
+    assert [(o.rid, o.finish_reason, o.cached_tokens) for o in ends] == [(rid, "abort", len(PROMPTS[2]) - 1)]
     assert engine.scheduler.cache.cached == engine.scheduler.cache.evictable == cached  # nothing of the abort's
     assert_released(engine)
 
