@@ -63,9 +63,10 @@ class PrefixCache:
 
     def lock(self, node: Node) -> None:
         """A request holds the node's path (its evictable slots, lock_cost of them, are no longer)."""
-        self.evictable -= self.lock_cost(node)
         now = next(self._clock)
         while node.parent is not None:
+            if node.refs == 0:
+                self.evictable -= node.slots.numel()
             node.refs += 1
             node.last_use = now
             node = node.parent

@@ -29,10 +29,9 @@ leaves the accounting exact and costs only that request.
 from __future__ import annotations
 
 import bisect
-import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, count
 
 import torch
 
@@ -76,7 +75,7 @@ class Scheduler:
         self.running: list[Req] = []  # prompt done: decode every step, in admission order
         self.chunked: Req | None = None  # the one prompt being prefilled over several steps
         self.num_retractions = 0
-        self._arrivals = itertools.count()
+        self._arrivals = count()
         # the requests the last schedule() took out of their queues or gave cache: where it raised (an interrupt
         # between two of them), those it had not put anywhere yet are in no queue, and the caller ends them
         self.taken: list[Req] = []
