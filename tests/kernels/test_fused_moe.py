@@ -405,3 +405,21 @@ def test_register_cap_and_pdl_reach_the_gemm_launches(tokens, slot_ranks, with_l
     got = fused_moe(x, w13, w2, topk, lora, slots, impl="triton", config=cfg)
     assert_rows_close(got, expected, rel_tolerance(DTYPES[0], device))
     assert launches == [(cap, True, True)] * 2
+
+
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], SHAPES[3]])
+def test_slots_no_token_names_are_never_read(shape, device, poison):
+    """A slot that no token of the batch names may be half written while the batch runs (an adapter loading into it
+    on another stream): its A, B and ranks are never read, at one token (pair blocks), on aligned blocks and with
+    the shrink per segment. The same bits with every such slot NaN and covering every expert at the full rank."""
+    dtype = DTYPES[0]
+    x, w13, w2, topk, lora, slots = _case(*shape, dtype, device)
+    slots = torch.where(slots == 1, 0, torch.where(slots == 3, 2, slots))  # slots 1 and 3 are named by no token
+    unread = torch.tensor([False, True, False, True], device=device).view(-1, 1, 1, 1)
+    torn = ExpertLoRASlots(**{name: getattr(lora, name).masked_fill(unread, float("nan"))
+                              for name in ("a_gate", "b_gate", "a_up", "b_up", "a_down", "b_down")},
+                           ranks=lora.ranks.masked_fill(unread.view(1, -1, 1), lora.a_gate.shape[2]),
+                           max_rank_in_use=lora.max_rank_in_use)
+    for impl in ("triton", "torch"):
+        got = fused_moe(x, w13, w2, topk, torn, slots, impl=impl)
+        assert torch.equal(got, fused_moe(x, w13, w2, topk, lora, slots, impl=impl)), impl

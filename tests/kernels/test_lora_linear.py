@@ -160,3 +160,23 @@ def test_rejects_bad_inputs(device):
         lora_linear(x, weight, bias, lora, out_sizes, slots, impl="triton", blocks=align_tokens_by_slot(slots, 4, 64))
     with pytest.raises(ValueError, match="impl must be"):
         lora_linear(x, weight, bias, lora, out_sizes, slots, impl="cuda")
+
+
+@pytest.mark.parametrize("fused_shrink", [True, False])
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_slots_no_token_names_are_never_read(fused_shrink, tokens, device, poison, monkeypatch):
+    """A slot that no token of the batch names may be half written while the batch runs (an adapter loading into it
+    on another stream): its A, B and ranks are never read. The same bits with every such slot NaN at the full rank."""
+    if not fused_shrink:
+        _shrink_in_own_launch(monkeypatch)
+    dtype = DTYPES[0]
+    x, weight, bias, lora, out_sizes, slots = _case(tokens, 80, (24, 40, 40), dtype, device)
+    slots = torch.where(slots == 1, 0, torch.where(slots == 3, 2, slots))  # slots 1 and 3 are named by no token
+    unread = torch.tensor([False, True, False, True], device=device)
+    torn = LinearLoRASlots(lora.a.masked_fill(unread.view(-1, 1, 1, 1), float("nan")),
+                           lora.b.masked_fill(unread.view(-1, 1, 1), float("nan")),
+                           lora.ranks.masked_fill(unread.view(-1, 1), lora.a.shape[2]), lora.max_rank_in_use)
+    for impl in ("triton", "torch"):
+        got = lora_linear(x, weight, bias, torn, out_sizes, slots, impl=impl, config=SMALL)
+        assert torch.equal(_bits(got), _bits(lora_linear(x, weight, bias, lora, out_sizes, slots, impl=impl,
+                                                         config=SMALL))), impl
