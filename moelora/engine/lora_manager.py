@@ -29,7 +29,7 @@ from moelora.core import ExpertLoRASlots
 from moelora.engine.config import EngineConfig
 from moelora.engine.lora_slots import (RankShare, adapted_layers, allocate_lora_slots, fit_problems, model_modules,
                                        resolve_targets, share_of, slot_buffer_bytes, slot_bytes, slotted_modules,
-                                       unslotted_problems, write_share_to_slot)
+                                       staged_share, unslotted_problems, write_share_to_slot)
 from moelora.kernels.lora_tiles import step_rank_bound
 from moelora.lora.adapter import load_adapter
 from moelora.lora.errors import AdapterError
@@ -96,6 +96,8 @@ class LoRAManager:
                  check_memory: Callable[[int, int], None] | None = None):
         """check_memory(bytes, rank): raises unless the slot buffers of that rank fit the device's free memory."""
         self.config, self.model = config, model
+        # on a GPU the host copies are staged (pinned, in the slots' layout): a slot write then never waits
+        self._staged = next(model.parameters()).is_cuda
         self._events: list[Event] | None = [] if record_events else None
         self.shapes = load_model_shapes(config.model_path, config.tokenizer_path)  # what adapters are checked against
         self.stats = LoRAStats()
@@ -270,7 +272,8 @@ class LoRAManager:
         adapter = load_adapter(path, self.shapes, max_rank)
         self._raise(fit_problems(self.model, adapter, max_rank)
                     + (unslotted_problems(self.model, adapted_layers(adapter)) if slotted else []), what)
-        return share_of(self.model, adapter)
+        share = share_of(self.model, adapter)
+        return staged_share(self.model, share) if self._staged else share
 
     @staticmethod
     def _raise(problems: list[str], what: str) -> None:

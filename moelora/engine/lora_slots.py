@@ -16,6 +16,7 @@ what the LoRA manager keeps in host memory and `write_share_to_slot` copies: eac
 adapter, not all of it."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Iterator, Sequence
@@ -181,6 +182,29 @@ def share_of(model: nn.Module, adapter: Adapter) -> RankShare:
                      adapter.version)
 
 
+def staged_share(model: nn.Module, share: RankShare) -> RankShare:
+    """`share` as write_share_to_slot copies it to the GPU without the host waiting: each tensor in the dtype of its
+    slot buffer and laid out as the copy reads it (B transposed, the view keeping the canonical shape), in
+    page-locked memory. A copy from pageable memory waits for the stream's queued work first, so an adapter written
+    into a slot would stall the host until the step in flight had finished (overlap scheduling)."""
+    layers: dict[int, LayerLoRA] = {}
+    for m in _lora_layers(model):
+        layer = share.layers.get(m.layer_id)
+        if layer is None:
+            continue
+        dtype = _weight(m).dtype
+        layers[m.layer_id] = LayerLoRA(
+            {name: ExpertsLoRA(_pinned(e.a, dtype), _pinned(e.b.transpose(1, 2), dtype).transpose(1, 2),
+                               _pinned(e.ranks, e.ranks.dtype), e.scaling, e.keys) for name, e in layer.experts.items()},
+            {name: LinearLoRA(_pinned(lin.a, dtype), _pinned(lin.b.T, dtype).T, lin.scaling, lin.keys)
+             for name, lin in layer.modules.items()})
+    return dataclasses.replace(share, layers=layers)
+
+
+def _pinned(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype).contiguous().pin_memory()
+
+
 def _owned(piece: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     """piece, a view of whole, in memory of its own unless it is all of it (one rank: nothing is copied)."""
     return whole if piece.shape == whole.shape else piece.clone(memory_format=torch.contiguous_format)
@@ -198,7 +222,8 @@ def write_adapter_to_slot(model: nn.Module, adapter: Adapter, slot: int) -> None
 
 def write_share_to_slot(model: nn.Module, share: RankShare, slot: int) -> None:
     """Slot `slot` of every LoRA layer with buffers holds the adapter of `share` afterwards and nothing of what was
-    there before."""
+    there before: on a GPU, once the copies queued on the current stream have run (the host waits for none of them
+    when `share` is staged_share's)."""
     for m in _check_slot(model, slot):
         layer = share.layers.get(m.layer_id, LayerLoRA())
         if isinstance(m, Runner):
@@ -291,8 +316,8 @@ def _write_linear(m: Linear, layer: LayerLoRA, slot: int) -> None:
     for part, (name, size) in enumerate(zip(m.part_names, m.out_sizes)):
         lora = layer.modules.get(name)
         if lora is not None:
-            buffers.a[slot, part, :lora.rank].copy_(lora.a)
-            buffers.b[slot, :lora.rank, offset:offset + size].copy_(lora.b.T)
+            buffers.a[slot, part, :lora.rank].copy_(lora.a, non_blocking=True)
+            buffers.b[slot, :lora.rank, offset:offset + size].copy_(lora.b.T, non_blocking=True)
             buffers.ranks[slot, part] = lora.rank
         offset += size
 
@@ -306,8 +331,8 @@ def _write_experts(m: Runner, layer: LayerLoRA, slot: int) -> None:
         b[slot].zero_()
         lora = layer.experts.get(name)
         if lora is not None:
-            a[slot, :, :lora.rank].copy_(lora.a)
-            b[slot, :, :lora.rank].copy_(lora.b.transpose(1, 2))
-            buffers.ranks[p, slot] = lora.ranks.to(buffers.ranks.device)
+            a[slot, :, :lora.rank].copy_(lora.a, non_blocking=True)
+            b[slot, :, :lora.rank].copy_(lora.b.transpose(1, 2), non_blocking=True)
+            buffers.ranks[p, slot].copy_(lora.ranks, non_blocking=True)
             # A host-side upper bound on the ranks in use sizes the kernels' rank tile.
             buffers.max_rank_in_use = max(buffers.max_rank_in_use or 0, lora.rank)

@@ -18,9 +18,10 @@ the host's work between two steps (scheduling, building the batch, reading and a
 while the device computes. Nothing on that path waits for the device: host-to-device copies go through
 pinned memory (core.to_device), and a step's tokens are copied to the host without blocking, the host
 waiting on an event recorded after that copy, not on the steps queued behind it (a blocking copy
-synchronises the whole stream). Loading an adapter into a GPU slot still does. What it costs: a request
-that step n ends with a stop token still has a row in step n + 1, whose token is dropped. A step reads the previous one first (no overlap) when a request
-of it has a grammar (the next bitmask needs its token), and a launch that raises is run again after
+synchronises the whole stream); an adapter goes into a GPU slot from its staged host copy
+(lora_slots.staged_share) without waiting either. What it costs: a request that step n ends with a stop token
+still has a row in step n + 1, whose token is dropped. A step reads the previous one first (no overlap) when a
+request of it has a grammar (the next bitmask needs its token), and a launch that raises is run again after
 it, synchronously and isolated as above.
 """
 from __future__ import annotations

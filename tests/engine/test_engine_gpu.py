@@ -2,7 +2,8 @@
 engine run eagerly, for batch sizes that are capture sizes, with adapters and the base model mixed, from the
 graph of each experts' rank bound (slots of rank 32: steps of rank <= 16 adapters and steps with a rank-20 one);
 a batch padded up to a captured size gives the same tokens. Overlap scheduling: launching a step
-never waits for the device. A started engine compiles nothing while serving; a profile sees the graphs' kernels.
+never waits for the device, nor does writing an adapter into a slot. A started engine compiles nothing while
+serving; a profile sees the graphs' kernels.
 Prefix caching gives the tokens of an engine without it."""
 import gc
 import time
@@ -11,8 +12,10 @@ import pytest
 import torch
 
 from moelora.engine.cuda_graph import CudaGraphs, RankBounds
+from moelora.engine.lora_slots import share_of, write_share_to_slot
 from moelora.engine.profiler import read_summary
 from moelora.engine.sampling_params import SamplingParams
+from moelora.lora import load_adapter
 from tests.support import record_compiles
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -152,6 +155,36 @@ def test_a_step_launched_ahead_does_not_wait_for_the_device(make_engine):
     assert len(outputs) == 3 and host < device / 3, f"the step's host work took {host:.3f} s of {device:.3f} s"
     while engine.has_unfinished():
         engine.step()
+
+
+def test_writing_an_adapter_into_a_slot_does_not_wait_for_the_device(make_engine, adapters):
+    """The host copies of adapters are staged (page-locked, in the slots' layout), so putting one into a GPU slot
+    queues its copies and returns: with the device busy for tens of milliseconds, `prepare` returns long before the
+    device is done, and the slot then holds what a synchronous write of the adapter's plain share gives."""
+    engine = make_engine(FAMILY, device="cuda", dtype="bfloat16", max_total_tokens=4096, max_loras_per_batch=2,
+                         lora_paths={n: str(a.path) for n, a in adapters(FAMILY).items()})
+    lora = engine.runner.lora
+    busy = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(200):
+        busy @ busy
+    slot, = lora.prepare(["full"], in_use=set())
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    device = time.perf_counter() - start
+    assert host < device / 3, f"writing the adapter took {host:.3f} s of the host's {device:.3f} s"
+    written = [t.clone() for t in _slot_tensors(engine.runner.model, slot)]
+    write_share_to_slot(engine.runner.model, share_of(engine.runner.model, load_adapter(
+        adapters(FAMILY)["full"].path, lora.shapes)), slot)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(written, _slot_tensors(engine.runner.model, slot), strict=True))
+
+
+def _slot_tensors(model, slot: int) -> list[torch.Tensor]:
+    """Every LoRA slot buffer's part of `slot` (the experts' ranks: [3, S, E])."""
+    return [t[:, slot] if name == "ranks" and t.dim() == 3 else t[slot] for m in model.modules()
+            if getattr(m, "lora", None) is not None for name, t in vars(m.lora).items() if isinstance(t, torch.Tensor)]
 
 
 @pytest.mark.parametrize("graphs", [True, False])

@@ -1,9 +1,10 @@
 """write_adapter_to_slot refuses, before writing anything, what does not fit the model's slots; an adapter's share
-of one rank is all of it, not a copy."""
+of one rank is all of it, not a copy; a staged share writes the same slots."""
 import pytest
 import torch
 
-from moelora.engine.lora_slots import allocate_lora_slots, share_of, write_adapter_to_slot
+from moelora.engine.lora_slots import (allocate_lora_slots, share_of, staged_share, write_adapter_to_slot,
+                                       write_share_to_slot)
 from moelora.layers.moe.runner import Runner
 from moelora.lora import AdapterError, load_adapter
 from moelora.models.loader import load_model
@@ -66,3 +67,35 @@ def test_the_share_of_one_rank_is_the_whole_adapter_uncopied(model, adapters):
         for name, lora in [*layer.experts.items(), *layer.modules.items()]:
             got = share.layers[layer_id].experts.get(name) or share.layers[layer_id].modules[name]
             assert got.a is lora.a and got.b is lora.b, (layer_id, name)
+
+
+def _slot_buffers(model) -> list[torch.Tensor]:
+    return [t.clone() for m in model.modules() if getattr(m, "lora", None) is not None
+            for t in vars(m.lora).values() if isinstance(t, torch.Tensor)]
+
+
+def test_a_staged_share_writes_the_same_slots(checkpoint, adapters, monkeypatch):
+    """staged_share casts to the slots' dtype and lays B out as the copy reads it (contiguous once transposed), in
+    page-locked memory (on a CPU-only machine, where nothing can be pinned, a copy stands in for it): the slots it
+    writes are bit for bit those of the share it came from."""
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t.clone())
+    model = load_model(checkpoint("qwen3_moe"), dtype=torch.float16, device="cpu")
+    allocate_lora_slots(model, num_slots=2, max_rank=8)
+    share = share_of(model, load_adapter(adapters("qwen3_moe")["full"].path, family_config("qwen3_moe")))
+    assert any(t.dtype == torch.float32 for layer in share.layers.values()
+               for lora in [*layer.experts.values(), *layer.modules.values()] for t in (lora.a, lora.b))
+    staged = staged_share(model, share)
+    for layer in staged.layers.values():
+        for lora in layer.experts.values():
+            assert lora.a.dtype == lora.b.dtype == torch.float16
+            assert lora.a.is_contiguous() and lora.b.transpose(1, 2).is_contiguous() and lora.ranks.is_contiguous()
+        for lora in layer.modules.values():
+            assert lora.a.dtype == lora.b.dtype == torch.float16 and lora.a.is_contiguous() and lora.b.T.is_contiguous()
+    assert staged.layers.keys() == share.layers.keys() and staged.num_bytes() < share.num_bytes()
+    write_share_to_slot(model, share, 1)
+    plain = _slot_buffers(model)
+    write_share_to_slot(model, share_of(model, load_adapter(adapters("qwen3_moe")["partial"].path,
+                                                            family_config("qwen3_moe"))), 1)
+    write_share_to_slot(model, staged, 1)
+    assert all(torch.equal(a, b) for a, b in zip(_slot_buffers(model), plain, strict=True))
