@@ -68,6 +68,11 @@ class EngineConfig:
                                              "lora_paths)")
     max_cpu_loras: int | None = option(None, "adapters kept in host memory, least recently used dropped and re-read "
                                              "from disk (default: no limit)")
+    # SGLang's flag: without it an adapter's copies into its slot sit on the step's stream, between two steps
+    enable_lora_overlap_loading: bool = option(False, "put the adapters of waiting requests into GPU slots on a copy "
+                                                      "stream while the running requests' steps go on; a request "
+                                                      "starts once its adapter is in (the requests behind it may "
+                                                      "start first)")
     # layers without slots run their plain GEMM and no LoRA kernels: the router's LoRA, which adapters seldom
     # target, ran in every layer of every step
     lora_target_modules: list[str] | str | None = option(

@@ -158,7 +158,8 @@ class Engine:
         self._tokenizer_eos = [t for t in self.eos_token_ids if t == own_eos]
         self._eos_as_stops = tuple(t for t in self.eos_token_ids if t != own_eos)
         self.vocab_size = self.runner.model.config.vocab_size
-        self.scheduler = Scheduler(self.config, KVPool(self.runner.kv.num_slots, self.config.max_running_requests))
+        self.scheduler = Scheduler(self.config, KVPool(self.runner.kv.num_slots, self.config.max_running_requests),
+                                   self.runner.lora.ready if self.config.enable_lora_overlap_loading else None)
         self._seeds = random.Random(self.config.random_seed)  # for requests without a seed
         self.stepper = Stepper(self.scheduler, self.runner, self.config.overlap_schedule)
         self._aborted: list[StepOutput] = []

@@ -7,8 +7,10 @@ Only the target modules (EngineConfig.lora_target_modules; by default those the 
 adapt) get slot buffers; an adapter of other modules is refused when it is read, before it is registered.
 
 The scheduler admits a request only when its adapter fits among the running batch's adapters, so
-`prepare` always finds a slot. Unloading an adapter with requests in flight lets them finish;
-new requests naming it are refused from then on.
+`prepare` always finds a slot. With EngineConfig.enable_lora_overlap_loading, `prefetch` puts the waiting requests'
+adapters into slots before they start, on a GPU on a copy stream beside the steps; the scheduler starts such a
+request once `ready` says its copies are done, and the first step reading the slot waits for them on the device.
+Unloading an adapter with requests in flight lets them finish; new requests naming it are refused from then on.
 
 Under tensor parallelism rank 0's manager decides (record_events=True) and the others follow: every change it
 makes to what the ranks hold (an adapter registered or dropped, written to a slot, the rank tile of a step) is
@@ -18,11 +20,13 @@ adapters in the same places.
 """
 from __future__ import annotations
 
+import itertools
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from moelora.core import ExpertLoRASlots
@@ -59,6 +63,14 @@ class LoRASlotPool:
             self._slots.move_to_end(name)
         return self._slots.get(name)
 
+    def peek(self, name: str) -> int | None:
+        """The adapter's slot (None if it has none), leaving the order of use as it is."""
+        return self._slots.get(name)
+
+    def has_room(self, in_use: Collection[str]) -> bool:
+        """assign would find a slot: one is free, or holds an adapter not in `in_use`."""
+        return bool(self._free) or any(n not in in_use for n in self._slots)
+
     def assign(self, name: str, in_use: Collection[str]) -> tuple[int, str | None]:
         """A slot for an adapter that has none: a free one, else the least recently used one among
         adapters not in `in_use`. Returns (slot, evicted adapter or None)."""
@@ -88,7 +100,9 @@ class LoRAStats:
     disk_loads: int = 0      # read (and validated) from disk: at load_lora, or after leaving host memory
 
 
-Event = tuple  # ("load", name, path, files' version) | ("drop", name) | ("write", name, slot) | ("rank", rank tile)
+# ("load", name, path, files' version) | ("drop", name) | ("write", name, slot, on the copy stream) | ("use", slot: a
+# step waits for its copies) | ("rank", rank tile)
+Event = tuple
 
 
 class LoRAManager:
@@ -98,6 +112,11 @@ class LoRAManager:
         self.config, self.model = config, model
         # on a GPU the host copies are staged (pinned, in the slots' layout): a slot write then never waits
         self._staged = next(model.parameters()).is_cuda
+        # EngineConfig.enable_lora_overlap_loading on a GPU: prefetch's slot writes run on a stream of their own, beside
+        # the steps; each slot's last such write is waited for by the first step that reads the slot
+        self._copy_stream = torch.cuda.Stream(next(model.parameters()).device) \
+            if config.enable_lora_overlap_loading and self._staged else None
+        self._loading: dict[int, torch.cuda.Event] = {}  # slot -> the end of its copies, until a step waits for it
         self._events: list[Event] | None = [] if record_events else None
         self.shapes = load_model_shapes(config.model_path, config.tokenizer_path)  # what adapters are checked against
         self.stats = LoRAStats()
@@ -209,29 +228,55 @@ class LoRAManager:
 
     def prepare(self, adapters: Sequence[str | None], in_use: Collection[str]) -> list[int]:
         """GPU slot of each request's adapter (-1: base model), loading adapters into slots as
-        needed without evicting any in `in_use` (which must include `adapters`). Also bounds the
-        experts' rank tile by the largest rank among `adapters`."""
+        needed without evicting any in `in_use` (which must include `adapters`) or still being copied; the step
+        queued next waits for the copies of any slot prefetch wrote. Also bounds the experts' rank tile by the
+        largest rank among `adapters`."""
         slots: dict[str, int] = {}
         for name in dict.fromkeys(a for a in adapters if a is not None):
             slot = self.pool.lookup(name)
             if slot is None:
-                slot, evicted = self.pool.assign(name, in_use)
-                try:
-                    write_share_to_slot(self.model, self._host_copy(name), slot)
-                except BaseException:  # the slot holds part of it: nobody may find it there
-                    self.pool.release(name)
-                    raise
-                self._record("write", name, slot)
-                self.stats.slot_loads += 1
-                self.stats.slot_evictions += evicted is not None
+                slot = self._put(name, {*in_use, *self._copying()}, None)
             else:
                 self.stats.slot_hits += 1
+            if slot in self._loading:
+                self._loading.pop(slot).wait()
+                self._record("use", slot)
             slots[name] = slot
         if slots:
             rank = step_rank_bound(max(self._expert_rank[n] for n in slots), self.max_rank)
             self._set_rank_tile(rank)
             self._record("rank", rank)
         return [-1 if a is None else slots[a] for a in adapters]
+
+    def prefetch(self, adapters: Iterable[str], in_use: Collection[str]) -> list[tuple[str, Exception]]:
+        """Start putting the adapters of waiting requests (`adapters`, in queue order) into GPU slots while the steps
+        go on: on a GPU on the copy stream, so a step reads a slot only once `ready` says so. Each adapter without a
+        slot takes one while one is free or holds an adapter not in `in_use`, not being copied and not named before
+        it. Returns the adapters whose write failed, with the error (nothing of them stays in a slot)."""
+        keep, failed = {*in_use, *self._copying()}, []
+        for name in itertools.islice(_distinct(adapters), self.pool.num_slots):
+            if self.pool.lookup(name) is None:
+                if not self.pool.has_room(keep):
+                    break
+                try:
+                    self._put(name, keep, self._copy_stream)
+                except Exception as e:  # the adapter's requests fail; the others' adapters go on
+                    failed.append((name, e))
+                    continue
+            keep.add(name)
+        return failed
+
+    def ready(self, name: str) -> bool:
+        """The adapter is in a GPU slot, its copies done (a step may read it without waiting)."""
+        slot = self.pool.peek(name)
+        return slot is not None and (slot not in self._loading or self._loading[slot].query())
+
+    def wait_for_copies(self) -> bool:
+        """Wait for the slots' copies still running (the host, not a stream); whether there were any."""
+        copying = [event for event in self._loading.values() if not event.query()]
+        for event in copying:
+            event.synchronize()
+        return bool(copying)
 
     def take_events(self) -> list[Event]:
         """What changed since the last call, for the other ranks to replay."""
@@ -255,12 +300,48 @@ class LoRAManager:
             elif kind == "drop":
                 self._drop(args[0])
             elif kind == "write":
-                name, slot = args
-                write_share_to_slot(self.model, self._host_copy(name), slot)
+                name, slot, on_copy_stream = args
+                self._write(name, slot, self._copy_stream if on_copy_stream else None)
+            elif kind == "use":
+                if args[0] in self._loading:
+                    self._loading.pop(args[0]).wait()
             else:
                 self._set_rank_tile(args[0])
 
     # --------------------------------------------------------------------------------- internals
+
+    def _put(self, name: str, in_use: Collection[str], stream: torch.cuda.Stream | None) -> int:
+        """A slot for the adapter (see LoRASlotPool.assign), its copies queued on `stream` (None: the current one)."""
+        slot, evicted = self.pool.assign(name, in_use)
+        try:
+            self._write(name, slot, stream)
+        except BaseException:  # the slot holds part of it: nobody may find it there
+            self.pool.release(name)
+            raise
+        self._record("write", name, slot, stream is not None)
+        self.stats.slot_loads += 1
+        self.stats.slot_evictions += evicted is not None
+        return slot
+
+    def _write(self, name: str, slot: int, stream: torch.cuda.Stream | None) -> None:
+        """Queue the adapter's copies into the slot: on the current stream (after the copy stream's last write to the
+        slot, if any) or on `stream`, after every step queued so far (they may read the slot's adapter before)."""
+        share = self._host_copy(name)
+        if stream is None:
+            if slot in self._loading:
+                self._loading.pop(slot).wait()
+            write_share_to_slot(self.model, share, slot)
+            return
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream):
+            write_share_to_slot(self.model, share, slot)
+        self._loading[slot] = done = torch.cuda.Event()
+        done.record(stream)
+
+    def _copying(self) -> set[str]:
+        """Adapters whose slot's copies are still running."""
+        return {name for name in self.pool.names if (slot := self.pool.peek(name)) in self._loading
+                and not self._loading[slot].query()}
 
     def _record(self, *event: object) -> None:
         if self._events is not None:
@@ -317,6 +398,15 @@ class LoRAManager:
         self._unloading.discard(name)
         self._host.pop(name, None)
         self.pool.release(name)
+
+
+def _distinct(names: Iterable[str]) -> Iterator[str]:
+    """Each name once, in the order first seen (lazily: the caller takes a few of a long queue)."""
+    seen = set()
+    for name in names:
+        if name not in seen:
+            seen.add(name)
+            yield name
 
 
 def _sizes(version: tuple[tuple[str, int, int], ...]) -> tuple[tuple[str, int], ...]:

@@ -7,6 +7,7 @@ of stalling it and a long prompt is prefilled over several steps. A step with no
 decode step (CUDA graphs). Admission needs a request row, free KV slots for the whole prompt plus one
 decode slot for every request holding cache, and a LoRA slot: the adapters of all running requests
 must fit in max_loras_per_batch at once (a request whose adapter does not fit waits, and is not
+overtaken; with enable_lora_overlap_loading, one whose adapter is still on its way into its slot waits and may be
 overtaken). The slots of the prompt being prefilled over several steps are promised to it; no
 slots are reserved for tokens yet to be decoded: when a step finds too few free slots for its decode
 rows, the newest running requests go back to the front of the queue, their cache freed, and are
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate, count
 
@@ -68,8 +70,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: KVPool):
-        self.config, self.pool = config, pool
+    def __init__(self, config: EngineConfig, pool: KVPool, adapter_ready: Callable[[str], bool] | None = None):
+        """adapter_ready (EngineConfig.enable_lora_overlap_loading): whether an adapter is in its GPU slot; a new or
+        retracted request whose adapter is not waits, and the requests behind it may start first."""
+        self.config, self.pool, self.adapter_ready = config, pool, adapter_ready
         self.cache = PrefixCache() if config.enable_prefix_caching else None
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # prompt done: decode every step, in admission order
@@ -201,6 +205,8 @@ class Scheduler:
                 break
             if req.lora is not None and req.lora not in adapters and len(adapters) >= self.config.max_loras_per_batch:
                 break
+            if is_new and req.lora is not None and self.adapter_ready is not None and not self.adapter_ready(req.lora):
+                continue  # on its way into a slot
             cached, node = self._match(req) if is_new else (None, None)
             locks = self.cache.lock_cost(node) if node is not None else 0
             remaining = req.num_tokens - (cached.numel() if node is not None else req.kv_len)

@@ -22,7 +22,9 @@ synchronises the whole stream); an adapter goes into a GPU slot from its staged 
 (lora_slots.staged_share) without waiting either. What it costs: a request that step n ends with a stop token
 still has a row in step n + 1, whose token is dropped. A step reads the previous one first (no overlap) when a
 request of it has a grammar (the next bitmask needs its token), and a launch that raises is run again after
-it, synchronously and isolated as above.
+it, synchronously and isolated as above. With enable_lora_overlap_loading each step first starts putting the
+waiting requests' adapters into GPU slots (LoRAManager.prefetch); when nothing else can run, the host waits for
+those copies.
 """
 from __future__ import annotations
 
@@ -141,8 +143,14 @@ class Stepper:
             outputs += self._read(prev, [])  # their next bitmasks need these tokens
             prev = None
         start = time.perf_counter()
+        if self.scheduler.adapter_ready is not None:
+            outputs += self._prefetch_adapters()
+            if self.fatal is not None:
+                return
         try:
             batch = self.scheduler.schedule()
+            if batch is None and prev is None and self.runner.lora.wait_for_copies():
+                batch = self.scheduler.schedule()  # (nothing else could run: the requests waited for their adapters)
         except BaseException:  # (an interrupt) the requests it took may be in no queue: they end with the step's
             self._touched += self.scheduler.taken
             raise
@@ -198,6 +206,20 @@ class Stepper:
         return _error_end(req)
 
     # --------------------------------------------------------------------------------- internals
+
+    def _prefetch_adapters(self) -> list[StepOutput]:
+        """Start putting the waiting requests' adapters into GPU slots (LoRAManager.prefetch); the waiting requests of
+        an adapter whose write failed end with the error, a device error ends every request."""
+        failed = self.runner.lora.prefetch((r.lora for r in self.scheduler.waiting if r.lora is not None),
+                                           self.scheduler.active_adapters())
+        outputs = []
+        for name, e in failed:
+            if _is_device_error(e):
+                return outputs + self._device_failed(e, [])
+            logger.error("putting adapter %r into a GPU slot failed: %s", name, _describe(e))
+            outputs += [self.fail(r, f"putting its adapter into a GPU slot failed: {_describe(e)}")
+                        for r in list(self.scheduler.waiting) if r.lora == name]
+        return outputs
 
     def _fail_touched(self, e: BaseException) -> list[StepOutput]:
         """After `e` escaped a step: the requests of the steps it ran or read end with an error (their ends

@@ -181,6 +181,22 @@ def test_writing_an_adapter_into_a_slot_does_not_wait_for_the_device(make_engine
     assert all(torch.equal(a, b) for a, b in zip(written, _slot_tensors(engine.runner.model, slot), strict=True))
 
 
+def test_overlap_loading_gives_the_bits_of_an_engine_without_it(make_engine, adapters, wide_adapter):
+    """More adapters than slots with enable_lora_overlap_loading: the waiting requests' adapters are copied on a
+    stream of their own while the steps go on, and every request gets the bits an engine without it gives."""
+    options = dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8, max_total_tokens=4096, max_lora_rank=32,
+                   max_loras_per_batch=2,
+                   lora_paths={**{n: str(a.path) for n, a in adapters(FAMILY).items()}, "wide": wide_adapter})
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, ignore_eos=True)
+    loras = [LORAS[i % 4] for i in range(12)]
+    overlapped = make_engine(FAMILY, enable_lora_overlap_loading=True, **options)
+    assert overlapped.runner.lora._copy_stream is not None
+    got = overlapped.generate(prompts(12), params, lora=loras)
+    expected = make_engine(FAMILY, **options).generate(prompts(12), params, lora=loras)
+    assert [(o.token_ids, o.logprobs) for o in got] == [(o.token_ids, o.logprobs) for o in expected]
+    assert overlapped.runner.lora.stats.slot_evictions > 0
+
+
 def _slot_tensors(model, slot: int) -> list[torch.Tensor]:
     """Every LoRA slot buffer's part of `slot` (the experts' ranks: [3, S, E])."""
     return [t[:, slot] if name == "ranks" and t.dim() == 3 else t[slot] for m in model.modules()
