@@ -78,6 +78,18 @@ def test_cached_prefixes_over_two_ranks(start_engine):
     assert_released(many)
 
 
+def test_overlap_loading_over_two_ranks(start_engine):
+    """enable_lora_overlap_loading with one slot for two adapters: rank 0's prefetch writes are replayed by rank 1
+    before the steps that read them, so every request gets one rank's tokens."""
+    one = start_engine("qwen3_moe")
+    many = start_engine("qwen3_moe", tp_size=2, ep_size=2, enable_lora_overlap_loading=True, max_loras_per_batch=1)
+    loras = ["full", None, "partial", "full"]
+    assert [o.token_ids for o in many.generate(PROMPTS, GREEDY, lora=loras)] == \
+        [o.token_ids for o in one.generate(PROMPTS, GREEDY, lora=loras)]
+    assert many.runner.lora.stats.slot_evictions >= 2
+    assert_released(many)
+
+
 def _assert_memory_per_rank(many: Engine, one: Engine, model_path) -> None:
     """The summary's weights, KV cache and LoRA slots at tp_size ranks are, within its rounding, what every rank
     holds (the rank's model built on the meta device, as rank r builds it), about 1 / tp_size of one process's
