@@ -164,6 +164,7 @@ def test_writing_an_adapter_into_a_slot_does_not_wait_for_the_device(make_engine
     engine = make_engine(FAMILY, device="cuda", dtype="bfloat16", max_total_tokens=4096, max_loras_per_batch=2,
                          lora_paths={n: str(a.path) for n, a in adapters(FAMILY).items()})
     lora = engine.runner.lora
+    assert lora.pool.peek("full") is None  # (no adapter is in a slot before a request names it)
     busy = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     start = time.perf_counter()
