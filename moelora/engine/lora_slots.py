@@ -17,6 +17,7 @@ adapter, not all of it."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Iterator, Sequence
@@ -32,6 +33,8 @@ from moelora.layers.moe.runner import Runner
 from moelora.lora.canonical import Adapter, ExpertsLoRA, LayerLoRA, LinearLoRA
 from moelora.lora.errors import AdapterError
 from moelora.lora.model_shapes import EXPERT_PROJECTIONS, FUSED_MODULES, format_ranges
+
+logger = logging.getLogger(__name__)
 
 # the canonical adapter's expert projection -> its target module name
 EXPERT_MODULES = {p: f"mlp.experts.{p}_proj" for p in EXPERT_PROJECTIONS}
@@ -186,7 +189,21 @@ def staged_share(model: nn.Module, share: RankShare) -> RankShare:
     """`share` as write_share_to_slot copies it to the GPU without the host waiting: each tensor in the dtype of its
     slot buffer and laid out as the copy reads it (B transposed, the view keeping the canonical shape), in
     page-locked memory. A copy from pageable memory waits for the stream's queued work first, so an adapter written
-    into a slot would stall the host until the step in flight had finished (overlap scheduling)."""
+    into a slot would stall the host until the step in flight had finished (overlap scheduling). Where page-locked
+    memory runs out the share stays pageable (its slot writes then wait), with a warning."""
+    try:
+        return _staged(model, share, pin=True)
+    except RuntimeError as e:
+        logger.warning("adapter %s stays in pageable host memory (%s): putting it into a GPU slot waits for the "
+                       "step in flight", share.path, e)
+        return _staged(model, share, pin=False)
+
+
+def _staged(model: nn.Module, share: RankShare, pin: bool) -> RankShare:
+    def staged(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        t = t.to(dtype).contiguous()
+        return t.pin_memory() if pin else t
+
     layers: dict[int, LayerLoRA] = {}
     for m in _lora_layers(model):
         layer = share.layers.get(m.layer_id)
@@ -194,15 +211,11 @@ def staged_share(model: nn.Module, share: RankShare) -> RankShare:
             continue
         dtype = _weight(m).dtype
         layers[m.layer_id] = LayerLoRA(
-            {name: ExpertsLoRA(_pinned(e.a, dtype), _pinned(e.b.transpose(1, 2), dtype).transpose(1, 2),
-                               _pinned(e.ranks, e.ranks.dtype), e.scaling, e.keys) for name, e in layer.experts.items()},
-            {name: LinearLoRA(_pinned(lin.a, dtype), _pinned(lin.b.T, dtype).T, lin.scaling, lin.keys)
+            {name: ExpertsLoRA(staged(e.a, dtype), staged(e.b.transpose(1, 2), dtype).transpose(1, 2),
+                               staged(e.ranks, e.ranks.dtype), e.scaling, e.keys) for name, e in layer.experts.items()},
+            {name: LinearLoRA(staged(lin.a, dtype), staged(lin.b.T, dtype).T, lin.scaling, lin.keys)
              for name, lin in layer.modules.items()})
     return dataclasses.replace(share, layers=layers)
-
-
-def _pinned(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t.to(dtype).contiguous().pin_memory()
 
 
 def _owned(piece: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:

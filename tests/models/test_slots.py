@@ -74,11 +74,18 @@ def _slot_buffers(model) -> list[torch.Tensor]:
             for t in vars(m.lora).values() if isinstance(t, torch.Tensor)]
 
 
-def test_a_staged_share_writes_the_same_slots(checkpoint, adapters, monkeypatch):
+def _out_of_page_locked_memory(t: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("CUDA error: out of memory")
+
+
+@pytest.mark.parametrize("pinning", ["works", "fails"])
+def test_a_staged_share_writes_the_same_slots(checkpoint, adapters, monkeypatch, caplog, pinning):
     """staged_share casts to the slots' dtype and lays B out as the copy reads it (contiguous once transposed), in
-    page-locked memory (on a CPU-only machine, where nothing can be pinned, a copy stands in for it): the slots it
-    writes are bit for bit those of the share it came from."""
-    if not torch.cuda.is_available():
+    page-locked memory (on a CPU-only machine, where nothing can be pinned, a copy stands in for it; where pinning
+    fails, pageable memory with a warning): the slots it writes are bit for bit those of the share it came from."""
+    if pinning == "fails":
+        monkeypatch.setattr(torch.Tensor, "pin_memory", _out_of_page_locked_memory)
+    elif not torch.cuda.is_available():
         monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t.clone())
     model = load_model(checkpoint("qwen3_moe"), dtype=torch.float16, device="cpu")
     allocate_lora_slots(model, num_slots=2, max_rank=8)
@@ -86,6 +93,7 @@ def test_a_staged_share_writes_the_same_slots(checkpoint, adapters, monkeypatch)
     assert any(t.dtype == torch.float32 for layer in share.layers.values()
                for lora in [*layer.experts.values(), *layer.modules.values()] for t in (lora.a, lora.b))
     staged = staged_share(model, share)
+    assert ("stays in pageable host memory (CUDA error: out of memory)" in caplog.text) == (pinning == "fails")
     for layer in staged.layers.values():
         for lora in layer.experts.values():
             assert lora.a.dtype == lora.b.dtype == torch.float16
