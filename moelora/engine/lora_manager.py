@@ -228,14 +228,13 @@ class LoRAManager:
 
     def prepare(self, adapters: Sequence[str | None], in_use: Collection[str]) -> list[int]:
         """GPU slot of each request's adapter (-1: base model), loading adapters into slots as
-        needed without evicting any in `in_use` (which must include `adapters`) or still being copied; the step
-        queued next waits for the copies of any slot prefetch wrote. Also bounds the experts' rank tile by the
-        largest rank among `adapters`."""
+        needed without evicting any in `in_use` (which must include `adapters`); the step queued next waits for the
+        copies of any slot prefetch wrote. Also bounds the experts' rank tile by the largest rank among `adapters`."""
         slots: dict[str, int] = {}
         for name in dict.fromkeys(a for a in adapters if a is not None):
             slot = self.pool.lookup(name)
             if slot is None:
-                slot = self._put(name, {*in_use, *self._copying()}, None)
+                slot = self._put(name, in_use, None)
             else:
                 self.stats.slot_hits += 1
             if slot in self._loading:
@@ -251,9 +250,10 @@ class LoRAManager:
     def prefetch(self, adapters: Iterable[str], in_use: Collection[str]) -> list[tuple[str, Exception]]:
         """Start putting the adapters of waiting requests (`adapters`, in queue order) into GPU slots while the steps
         go on: on a GPU on the copy stream, so a step reads a slot only once `ready` says so. Each adapter without a
-        slot takes one while one is free or holds an adapter not in `in_use`, not being copied and not named before
-        it. Returns the adapters whose write failed, with the error (nothing of them stays in a slot)."""
-        keep, failed = {*in_use, *self._copying()}, []
+        slot takes one while one is free or holds an adapter neither in `in_use` nor named before it (one still being
+        copied too, for a request gone since: the copy stream writes a slot in order). Returns the adapters whose
+        write failed, with the error (nothing of them stays in a slot)."""
+        keep, failed = set(in_use), []
         for name in itertools.islice(_distinct(adapters), self.pool.num_slots):
             if self.pool.lookup(name) is None:
                 if not self.pool.has_room(keep):
@@ -271,12 +271,10 @@ class LoRAManager:
         slot = self.pool.peek(name)
         return slot is not None and (slot not in self._loading or self._loading[slot].query())
 
-    def wait_for_copies(self) -> bool:
-        """Wait for the slots' copies still running (the host, not a stream); whether there were any."""
-        copying = [event for event in self._loading.values() if not event.query()]
-        for event in copying:
+    def wait_for_copies(self) -> None:
+        """Wait for the slots' copies still running (the host, not a stream)."""
+        for event in self._loading.values():
             event.synchronize()
-        return bool(copying)
 
     def take_events(self) -> list[Event]:
         """What changed since the last call, for the other ranks to replay."""
@@ -337,11 +335,6 @@ class LoRAManager:
             write_share_to_slot(self.model, share, slot)
         self._loading[slot] = done = torch.cuda.Event()
         done.record(stream)
-
-    def _copying(self) -> set[str]:
-        """Adapters whose slot's copies are still running."""
-        return {name for name in self.pool.names if (slot := self.pool.peek(name)) in self._loading
-                and not self._loading[slot].query()}
 
     def _record(self, *event: object) -> None:
         if self._events is not None:

@@ -149,8 +149,10 @@ class Stepper:
                 return
         try:
             batch = self.scheduler.schedule()
-            if batch is None and prev is None and self.runner.lora.wait_for_copies():
-                batch = self.scheduler.schedule()  # (nothing else could run: the requests waited for their adapters)
+            if batch is None and prev is None and self.scheduler.waiting and self.scheduler.adapter_ready is not None:
+                # nothing else can run: the waiting requests' adapters are on their way into the slots prefetch gave them
+                self.runner.lora.wait_for_copies()
+                batch = self.scheduler.schedule()
         except BaseException:  # (an interrupt) the requests it took may be in no queue: they end with the step's
             self._touched += self.scheduler.taken
             raise

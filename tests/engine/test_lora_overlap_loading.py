@@ -2,7 +2,10 @@
 start (LoRAManager.prefetch), on GPUs on a copy stream beside the steps; a request starts once its adapter's copies
 are done, the running requests' steps going on meanwhile and the requests behind it free to start first. On this CPU
 the copies are synchronous: a copy still running is stood in for by an event the test completes (`copies`)."""
+import random
+
 import pytest
+import torch
 
 from moelora.engine import lora_manager
 from moelora.engine.lora_manager import LoRAManager
@@ -139,10 +142,10 @@ def test_a_request_waits_for_its_adapters_copies_and_the_others_go_on(make, make
     assert_released(engine)
 
 
-def test_a_slot_being_copied_or_in_use_is_not_taken(make, make_engine, adapters, copies):
-    """Both slots taken, one by the running request's adapter and one by an adapter still being copied: a third
-    adapter's request waits and nothing is written over either, also once the request that wanted the adapter being
-    copied is aborted; when the copy is done its slot takes the third adapter."""
+def test_a_slot_in_use_or_being_copied_for_a_waiting_request_is_not_taken(make, make_engine, adapters, copies):
+    """Both slots taken, one by the running request's adapter and one by the adapter of a request still waiting for
+    its copies: a third adapter's request waits and nothing is written over either. Once that request is aborted, its
+    adapter's slot takes the third adapter at once (the copy stream writes a slot in order)."""
     engine = make(copy_stream=True)
     outputs: dict[str, list] = {}
     first = engine.add_request(prompt(0), GREEDY, lora="full")
@@ -150,18 +153,48 @@ def test_a_slot_being_copied_or_in_use_is_not_taken(make, make_engine, adapters,
     second = engine.add_request(prompt(1), GREEDY, lora="partial")
     third = engine.add_request(prompt(2), GREEDY, lora="again")
     pool = engine.runner.lora.pool
-    for abort in (False, True):
-        if abort:
-            engine.abort(second)
-        for _ in range(2):
-            step(engine, outputs)
-        assert (pool.peek("full"), pool.peek("partial"), pool.peek("again")) == (0, 1, None)
-        assert sorted(copies) == [0, 1]
+    for _ in range(2):
+        step(engine, outputs)
+    assert (pool.peek("full"), pool.peek("partial"), pool.peek("again")) == (0, 1, None) and sorted(copies) == [0, 1]
+    orphan = copies[1]
+    engine.abort(second)
+    step(engine, outputs)
+    assert (pool.peek("partial"), pool.peek("again")) == (None, 1) and copies[1] is not orphan
+    assert engine.scheduler.find(third) in engine.scheduler.waiting
     copies[1].done = True
     run(engine, outputs)
-    assert pool.peek("again") == 1 and engine.runner.lora.stats.slot_evictions == 1
-    assert outputs[second][-1].finish_reason == "abort"
+    assert engine.runner.lora.stats.slot_evictions == 1 and outputs[second][-1].finish_reason == "abort"
     for rid, expected in zip((first, third), alone(make_engine, adapters, ["full", "partial", "again"])[::2]):
+        assert same(outputs[rid], expected), rid
+    assert_released(engine)
+
+
+@pytest.mark.parametrize("finished", [False, True], ids=["copying", "done-after-prefetch"])
+def test_the_copy_of_an_aborted_request_holds_no_slot_back(make, make_engine, adapters, copies, finished, monkeypatch):
+    """One slot, its adapter's copies running for a request aborted since (or done just after the next prefetch),
+    nothing else to run: a request of another adapter takes the slot, the host waits for its copies, and it runs."""
+    engine = make(copy_stream=True, max_loras_per_batch=1)
+    lora = engine.runner.lora
+    outputs: dict[str, list] = {}
+    base = engine.add_request(prompt(0), GREEDY, lora=None)
+    step(engine, outputs)
+    aborted = engine.add_request(prompt(1), GREEDY, lora="full")
+    step(engine, outputs)
+    assert lora.pool.peek("full") == 0 and not copies[0].done
+    engine.abort(aborted)
+    run(engine, outputs)  # the base request ends; the copy still runs
+    assert not copies[0].done
+    if finished:
+        def prefetch(*args):
+            failed = real_prefetch(*args)
+            copies[0].done = True
+            return failed
+        real_prefetch = lora.prefetch
+        monkeypatch.setattr(lora, "prefetch", prefetch)
+    later = engine.add_request(prompt(2), GREEDY, lora="partial")
+    run(engine, outputs)
+    assert lora.pool.peek("partial") == 0
+    for rid, expected in zip((base, later), alone(make_engine, adapters, [None, "full", "partial"])[::2]):
         assert same(outputs[rid], expected), rid
     assert_released(engine)
 
@@ -211,3 +244,48 @@ def test_an_interrupt_inside_a_write_leaves_no_half_written_adapter(make, make_e
     assert engine.runner.lora.pool.peek("partial") is None
     assert same(run(engine)[rid], alone(make_engine, adapters, ["full", "partial"])[1])
     assert_released(engine)
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+@pytest.mark.parametrize("options", [dict(disable_overlap_schedule=True, scheduling_policy="priority"),
+                                     dict(max_total_tokens=28, max_running_requests=4)], ids=["sync-priority", "small"])
+def test_random_traffic_keeps_every_invariant(make, make_engine, adapters, copies, slots, options):
+    """Random requests of 3 adapters and the base model, aborts, copies finishing at random, an adapter unloaded and
+    loaded again, steps (a small KV cache: retractions): after every call the books add up and no running request's
+    adapter is out of its slot; in the end everything is released and each request that ran to its length got the
+    tokens it gets alone."""
+    seed = int(torch.randint(0, 2**31, ()).item())
+    rng = random.Random(seed)
+    engine = make(copy_stream=True, max_loras_per_batch=slots, **options)
+    reference = make_engine(FAMILY, lora_paths={**{n: str(a.path) for n, a in adapters(FAMILY).items()},
+                                                "again": str(adapters(FAMILY)["full"].path)})
+    pool, requests, outputs, loaded = engine.runner.lora.pool, {}, {}, True
+    for _ in range(rng.randint(20, 60)):
+        op = rng.random()
+        if op < 0.3:
+            tokens = [rng.randint(3, 30) for _ in range(rng.randint(2, 10))]
+            params = SamplingParams(max_tokens=rng.randint(1, 8), temperature=0.0, ignore_eos=True)
+            lora = rng.choice(["full", "partial", None] + ["again"] * loaded)
+            requests[engine.add_request(tokens, params, lora=lora, priority=rng.randint(0, 2)
+                                        if options.get("scheduling_policy") == "priority" else 0)] = tokens, params, lora
+        elif op < 0.4 and requests:
+            engine.abort(rng.choice(list(requests)))
+        elif op < 0.5 and copies:
+            rng.choice(list(copies.values())).done = True
+        elif op < 0.55:
+            if loaded and not any(r.lora == "again" for r in engine.scheduler.unfinished()):
+                engine.unload_lora("again")
+            elif not loaded:
+                engine.load_lora("again", str(adapters(FAMILY)["full"].path))
+            loaded = "again" in engine.runner.lora.names
+        else:
+            step(engine, outputs)
+        assert engine.scheduler.accounting_error() is None, seed
+        assert all(r.lora is None or pool.peek(r.lora) is not None for r in engine.scheduler.running), seed
+    run(engine, outputs)
+    assert_released(engine)
+    for rid, (tokens, params, lora) in requests.items():
+        assert outputs[rid][-1].finish_reason in ("length", "abort"), (seed, outputs[rid][-1].error)
+        if outputs[rid][-1].finish_reason == "length":
+            got = [t for out in outputs[rid] for t in out.token_ids]
+            assert got == reference.generate([tokens], params, lora=[lora])[0].token_ids, seed
