@@ -237,8 +237,7 @@ class LoRAManager:
                 slot = self._put(name, in_use, None)
             else:
                 self.stats.slot_hits += 1
-            if slot in self._loading:
-                self._loading.pop(slot).wait()
+            if self._await_copies(slot):
                 self._record("use", slot)
             slots[name] = slot
         if slots:
@@ -301,8 +300,7 @@ class LoRAManager:
                 name, slot, on_copy_stream = args
                 self._write(name, slot, self._copy_stream if on_copy_stream else None)
             elif kind == "use":
-                if args[0] in self._loading:
-                    self._loading.pop(args[0]).wait()
+                self._await_copies(args[0])
             else:
                 self._set_rank_tile(args[0])
 
@@ -326,8 +324,7 @@ class LoRAManager:
         slot, if any) or on `stream`, after every step queued so far (they may read the slot's adapter before)."""
         share = self._host_copy(name)
         if stream is None:
-            if slot in self._loading:
-                self._loading.pop(slot).wait()
+            self._await_copies(slot)
             write_share_to_slot(self.model, share, slot)
             return
         stream.wait_stream(torch.cuda.current_stream(stream.device))
@@ -335,6 +332,14 @@ class LoRAManager:
             write_share_to_slot(self.model, share, slot)
         self._loading[slot] = done = torch.cuda.Event()
         done.record(stream)
+
+    def _await_copies(self, slot: int) -> bool:
+        """The current stream waits for the copy stream's last write to the slot, if no step has yet; whether it had
+        to."""
+        event = self._loading.pop(slot, None)
+        if event is not None:
+            event.wait()
+        return event is not None
 
     def _record(self, *event: object) -> None:
         if self._events is not None:
