@@ -9,7 +9,8 @@ engines of --slots GPU slots, one after the other in one run:
   swapped     N = --adapters: adapters move in and out of the slots, their copies queued between two steps
   overlapped  the same with --enable-lora-overlap-loading: the copies on a stream of their own beside the steps
 Each engine runs the loop once to warm up (kernels, graphs, adapters in host memory), then once timed: seconds,
-tokens/s, slot loads, and tokens/s against resident's. Last, one adapter's move into a slot timed alone on the
+tokens/s, slot loads, steps and decode rows per step (how full the batches were: where requests wait for a slot, the
+batch thins), and tokens/s against resident's. Last, one adapter's move into a slot timed alone on the
 overlapped engine: the host's seconds (from its staged host copy, and from a pageable copy of it) and the device's,
 and its bytes over the host-to-device bandwidth measured from page-locked memory.
 
@@ -141,8 +142,8 @@ def bench(args, modes: list[str], workdir: Path) -> None:
           f"(page-locked)")
     print(f"{args.slots} slots, {args.concurrency} requests in flight, {args.requests} requests of {args.prompt_len} "
           f"prompt tokens and {args.decode_tokens} greedy tokens\n")
-    print("| engine | adapters | s | tokens/s | slot loads | tokens/s / resident's |")
-    print("|---|---|---|---|---|---|", flush=True)
+    print("| engine | adapters | s | tokens/s | slot loads | steps | decode rows / step | tokens/s / resident's |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
     resident = None
     for mode in modes:
         names = list(adapters)[:args.slots if mode == "resident" else args.adapters]
@@ -151,13 +152,15 @@ def bench(args, modes: list[str], workdir: Path) -> None:
                         max_lora_rank=RANK, cuda_graph_max_bs=args.concurrency, enable_prefix_caching=False,
                         enable_lora_overlap_loading=mode == "overlapped")
         serve(engine, names, args, args.requests, config.vocab_size)  # warm-up
-        loads = engine.runner.lora.stats.slot_loads
+        loads, stats = engine.runner.lora.stats.slot_loads, engine.step_stats
+        steps, rows, decode_steps = stats.steps, stats.decode_rows, stats.decode_steps + stats.mixed_steps
         seconds, tokens = serve(engine, names, args, args.requests, config.vocab_size)
         rate = tokens / seconds
         resident = rate if mode == "resident" else resident
         ratio = f"{rate / resident:.2f}" if resident else ""
+        rows_per_step = (stats.decode_rows - rows) / max(stats.decode_steps + stats.mixed_steps - decode_steps, 1)
         print(f"| {mode} | {len(names)} | {seconds:.2f} | {rate:.0f} | {engine.runner.lora.stats.slot_loads - loads} "
-              f"| {ratio} |", flush=True)
+              f"| {stats.steps - steps} | {rows_per_step:.1f} | {ratio} |", flush=True)
         if mode == modes[-1]:
             print()
             time_one_move(engine, names[-1], bandwidth)

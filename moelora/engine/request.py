@@ -28,6 +28,7 @@ class Req:
     finish_reason: str | None = None         # "stop", "length", "abort" or "error"
     error: str | None = None                 # why it failed (finish_reason "error")
     num_retractions: int = 0
+    overtaken: int = 0                       # requests admitted before it while it waited for an adapter slot
     num_pending: int = 0                     # sampled by a step whose results are not read yet (overlap scheduling)
     cumulative_logprob: float = 0.0          # of the output tokens, under the raw logits
     grammar: Any = None                      # xgrammar GrammarMatcher while a structured output runs

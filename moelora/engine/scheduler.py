@@ -6,9 +6,12 @@ the next chunk of a long prompt, recomputation of retracted requests) under a to
 of stalling it and a long prompt is prefilled over several steps. A step with no prompt is a pure
 decode step (CUDA graphs). Admission needs a request row, free KV slots for the whole prompt plus one
 decode slot for every request holding cache, and a LoRA slot: the adapters of all running requests
-must fit in max_loras_per_batch at once (a request whose adapter does not fit waits, and is not
-overtaken; with enable_lora_overlap_loading, one whose adapter is still on its way into its slot waits and may be
-overtaken). The slots of the prompt being prefilled over several steps are promised to it; no
+must fit in max_loras_per_batch at once. A request whose adapter does not fit waits and, as in vLLM and SGLang, the
+requests behind it whose adapter fits (the base model's, a running adapter's) may start first, until
+max_running_requests of them have: then it holds the queue, the running adapters drain, and it takes the first slot
+that frees (without that bound a steady stream for the running adapters would starve it). With
+enable_lora_overlap_loading, one whose adapter is still on its way into its slot waits and may be overtaken too.
+The slots of the prompt being prefilled over several steps are promised to it; no
 slots are reserved for tokens yet to be decoded: when a step finds too few free slots for its decode
 rows, the newest running requests go back to the front of the queue, their cache freed, and are
 recomputed later.
@@ -196,6 +199,7 @@ class Scheduler:
         adapters = self.active_adapters()
         free = self.available_slots - num_decode  # what the decode rows leave
         reqs, extend_lens = [], []
+        passed = []  # waiting for an adapter slot, the requests admitted after them overtaking them
         candidates = ([self.chunked] if self.chunked else []) + list(self.waiting)
         for req in candidates:
             is_new = req.row is None
@@ -204,7 +208,10 @@ class Scheduler:
             if is_new and len(self.running) + len(reqs) >= self.config.max_running_requests:  # reqs holds the chunked one
                 break
             if req.lora is not None and req.lora not in adapters and len(adapters) >= self.config.max_loras_per_batch:
-                break
+                if req.overtaken >= self.config.max_running_requests:
+                    break
+                passed.append(req)
+                continue
             if is_new and req.lora is not None and self.adapter_ready is not None and not self.adapter_ready(req.lora):
                 continue  # on its way into a slot
             cached, node = self._match(req) if is_new else (None, None)
@@ -225,6 +232,8 @@ class Scheduler:
             reqs.append(req)
             extend_lens.append(n)
             budget -= n
+            for p in passed:
+                p.overtaken += 1
             if req.lora is not None:
                 adapters.add(req.lora)
             if n < remaining:

@@ -17,6 +17,6 @@ def test_tiny_adapter_swap_benchmark_runs():
     engines = [r for r in rows if r[0] in ("resident", "swapped", "overlapped")]
     assert [(r[0], r[1]) for r in engines] == [("resident", "4"), ("swapped", "8"), ("overlapped", "8")]
     assert engines[0][4] == "0" and int(engines[1][4]) > 0 and int(engines[2][4]) > 0
-    assert all(float(r[3]) > 0 and float(r[5]) > 0 for r in engines)
+    assert all(float(r[3]) > 0 and int(r[5]) > 0 and float(r[6]) > 0 and float(r[7]) > 0 for r in engines)
     assert [r[0] for r in rows if r[0].startswith("one move")] == ["one move, staged host copy",
                                                                     "one move, pageable host copy"]

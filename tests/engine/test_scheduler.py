@@ -200,18 +200,43 @@ def test_decode_out_of_slots_retracts_the_highest_priority_value_and_requeues_it
     assert all(len(r.output_ids) == r.params.max_tokens for r in (low, high, newest, *waiting))
 
 
-def test_adapter_that_does_not_fit_waits():
-    s = make(max_loras_per_batch=1)
-    a, b, c = req("a", 2, 3, "x"), req("b", 2, 3, "y"), req("c", 2, 1, None)
-    for r in (a, b, c):
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_adapter_that_does_not_fit_waits_and_requests_whose_adapter_fits_overtake_it(policy):
+    s = make(max_loras_per_batch=1, scheduling_policy=policy)
+    a, b, c, d, e = (req("a", 2, 3, "x"), req("b", 2, 3, "y"), req("c", 2, 1, None), req("d", 2, 2, "x"),
+                     req("e", 2, 2, "z"))
+    for r in (a, b, c, d, e):
         s.add(r)
     first = step(s)
-    assert first.reqs == [a]  # b waits for a slot and, FIFO, c waits behind it
-    assert s.active_adapters() == {"x"}
+    assert first.reqs == [a, c, d]  # b and e wait for the slot; the base request and x's start before them
+    assert s.active_adapters() == {"x"} and [r.rid for r in s.waiting] == ["b", "e"] and b.overtaken == 2
     batches = run(s)
-    assert all(len(r.output_ids) == r.params.max_tokens for r in (a, b, c))
+    assert all(len(r.output_ids) == r.params.max_tokens for r in (a, b, c, d, e))
+    starts = [next(i for i, batch in enumerate(batches) if r in batch.reqs) for r in (b, e)]
+    assert starts[0] < starts[1]  # the slot, once free, goes in queue order
     for batch in batches:  # never two adapters at once among requests holding cache
         assert len({r.lora for r in batch.reqs} - {None}) <= 1
+
+
+def test_a_request_waiting_for_an_adapter_slot_is_overtaken_at_most_max_running_requests_times():
+    """A stream of requests for the running adapter, two arriving every step: the one of another adapter starts once
+    four (max_running_requests) have started before it, as the running ones drain."""
+    s = make(max_loras_per_batch=1, rows=4, num_slots=256, max_running_requests=4)
+    s.add(req("first", 2, 3, "x"))
+    blocked = req("blocked", 2, 2, "y")
+    s.add(blocked)
+    started_before, n = [], 0
+    while not blocked.finished:
+        batch = step(s)
+        if blocked in batch.reqs:
+            break
+        started_before += [r for r in batch.reqs if r.rid.startswith("x") and batch.prefix_lens[batch.reqs.index(r)] == 0]
+        for _ in range(2):
+            s.add(req(f"x{n}", 2, 3, "x"))
+            n += 1
+        assert n < 100
+    assert len(started_before) == 4 and blocked.overtaken == 4
+    run(s, max_steps=400)
 
 
 def test_remove_frees_cache_anywhere():
