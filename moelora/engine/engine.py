@@ -159,7 +159,7 @@ class Engine:
         self._eos_as_stops = tuple(t for t in self.eos_token_ids if t != own_eos)
         self.vocab_size = self.runner.model.config.vocab_size
         self.scheduler = Scheduler(self.config, KVPool(self.runner.kv.num_slots, self.config.max_running_requests),
-                                   self.runner.lora.ready if self.config.enable_lora_overlap_loading else None)
+                                   self.runner.lora.ready if self.runner.lora.prefetches else None)
         self._seeds = random.Random(self.config.random_seed)  # for requests without a seed
         self.stepper = Stepper(self.scheduler, self.runner, self.config.overlap_schedule)
         self._aborted: list[StepOutput] = []
@@ -235,6 +235,7 @@ class Engine:
         """Stop the other ranks (tp_size > 1); the engine runs no more steps (EngineDead from then on)."""
         try:
             self.drop_profile()
+            self.runner.lora.close()
             if self.workers is not None:
                 with contextlib.suppress(WorkerFailure):  # a rank that hangs: the ranks are stopped, the world aborted
                     self.runner.release_graphs(wait=self.workers.failure is None)

@@ -7,9 +7,11 @@ Only the target modules (EngineConfig.lora_target_modules; by default those the 
 adapt) get slot buffers; an adapter of other modules is refused when it is read, before it is registered.
 
 The scheduler admits a request only when its adapter fits among the running batch's adapters, so
-`prepare` always finds a slot. With EngineConfig.enable_lora_overlap_loading, `prefetch` puts the waiting requests'
-adapters into slots before they start, on a GPU on a copy stream beside the steps; the scheduler starts such a
-request once `ready` says its copies are done, and the first step reading the slot waits for them on the device.
+`prepare` always finds a slot. Where adapters can leave host memory (max_cpu_loras), `prefetch` reads the waiting
+requests' adapters back from disk in a thread of their own, beside the steps, and the scheduler starts such a request
+once `ready` says its adapter is in. With EngineConfig.enable_lora_overlap_loading, `prefetch` also puts them into
+slots before they start, on a GPU on a copy stream beside the steps; the scheduler starts such a request once `ready`
+says its copies are done, and the first step reading the slot waits for them on the device.
 Unloading an adapter with requests in flight lets them finish; new requests naming it are refused from then on.
 
 Under tensor parallelism rank 0's manager decides (record_events=True) and the others follow: every change it
@@ -20,6 +22,7 @@ adapters in the same places.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
@@ -100,8 +103,8 @@ class LoRAStats:
     disk_loads: int = 0      # read (and validated) from disk: at load_lora, or after leaving host memory
 
 
-# ("load", name, path, files' version) | ("drop", name) | ("write", name, slot, on the copy stream) | ("use", slot: a
-# step waits for its copies) | ("rank", rank tile)
+# ("load", name, path, files' version) | ("drop", name) | ("read", name: from disk, in the reader thread) | ("write",
+# name, slot, on the copy stream) | ("use", slot: a step waits for its copies) | ("rank", rank tile)
 Event = tuple
 
 
@@ -122,6 +125,9 @@ class LoRAManager:
         self.stats = LoRAStats()
         self._paths: dict[str, Path] = {}
         self._host: OrderedDict[str, RankShare] = OrderedDict()  # this rank's share of each; least recently used first
+        # adapters being read back into host memory by prefetch, in a thread of their own (started when first needed)
+        self._reading: dict[str, concurrent.futures.Future[RankShare]] = {}
+        self._reader: concurrent.futures.ThreadPoolExecutor | None = None
         self._expert_rank: dict[str, int] = {}  # largest routed-expert rank of each adapter
         self._version: dict[str, tuple] = {}  # each adapter's files (RankShare.version) when it was registered
         self._in_flight: Counter[str] = Counter()
@@ -147,6 +153,12 @@ class LoRAManager:
     def in_flight(self) -> dict[str, int]:
         """Requests that hold a reference to each adapter."""
         return dict(self._in_flight)
+
+    @property
+    def prefetches(self) -> bool:
+        """Whether `prefetch` has work: adapters may leave host memory (max_cpu_loras), or go into slots ahead of
+        their requests (enable_lora_overlap_loading)."""
+        return self.config.max_cpu_loras is not None or self.config.enable_lora_overlap_loading
 
     @property
     def names(self) -> list[str]:
@@ -246,34 +258,54 @@ class LoRAManager:
             self._record("rank", rank)
         return [-1 if a is None else slots[a] for a in adapters]
 
-    def prefetch(self, adapters: Iterable[str], in_use: Collection[str]) -> list[tuple[str, Exception]]:
-        """Start putting the adapters of waiting requests (`adapters`, in queue order) into GPU slots while the steps
-        go on: on a GPU on the copy stream, so a step reads a slot only once `ready` says so. Each adapter without a
-        slot takes one while one is free or holds an adapter neither in `in_use` nor named before it (one still being
-        copied too, for a request gone since: the copy stream writes a slot in order). Returns the adapters whose
-        write failed, with the error (nothing of them stays in a slot)."""
-        keep, failed = set(in_use), []
+    def prefetch(self, adapters: Iterable[str], in_use: Collection[str]) -> list[tuple[str, str, Exception]]:
+        """Get the adapters of waiting requests (`adapters`, in queue order; the first max_loras_per_batch of them)
+        ready while the steps go on. One neither in a slot nor in host memory is read from disk in the reader thread
+        (a later call takes it in). With enable_lora_overlap_loading, each in host memory then goes into a GPU slot,
+        on a GPU on the copy stream, so a step reads the slot only once `ready` says so: it takes a slot while one is
+        free or holds an adapter neither in `in_use` nor named before it (one still being copied too, for a request
+        gone since: the copy stream writes a slot in order). Returns (adapter, what failed, error) for each whose read
+        or write failed (nothing of it stays in a slot)."""
+        keep, failed, named = set(in_use), [], []
         for name in itertools.islice(_distinct(adapters), self.pool.num_slots):
+            named.append(name)
+            if self.pool.peek(name) is None and not self._in_host(name, failed):
+                continue
+            if not self.config.enable_lora_overlap_loading:
+                continue
             if self.pool.lookup(name) is None:
                 if not self.pool.has_room(keep):
                     break
                 try:
                     self._put(name, keep, self._copy_stream)
                 except Exception as e:  # the adapter's requests fail; the others' adapters go on
-                    failed.append((name, e))
+                    failed.append((name, "putting its adapter into a GPU slot", e))
                     continue
             keep.add(name)
+        self._take_in_reads(named)
         return failed
 
     def ready(self, name: str) -> bool:
-        """The adapter is in a GPU slot, its copies done (a step may read it without waiting)."""
+        """A step may use the adapter without waiting: with enable_lora_overlap_loading it is in a GPU slot, its
+        copies done; else it is in a slot or in host memory (a slot write reads no file)."""
         slot = self.pool.peek(name)
+        if not self.config.enable_lora_overlap_loading:
+            return slot is not None or name in self._host
         return slot is not None and (slot not in self._loading or self._loading[slot].query())
+
+    def wait_for_reads(self) -> None:
+        """Wait for prefetch's reads from disk still running (the next prefetch takes them in)."""
+        concurrent.futures.wait(list(self._reading.values()))
 
     def wait_for_copies(self) -> None:
         """Wait for the slots' copies still running (the host, not a stream)."""
         for event in self._loading.values():
             event.synchronize()
+
+    def close(self) -> None:
+        """Stop the reader thread (a read running finishes, unused)."""
+        if self._reader is not None:
+            self._reader.shutdown(wait=False, cancel_futures=True)
 
     def take_events(self) -> list[Event]:
         """What changed since the last call, for the other ranks to replay."""
@@ -296,6 +328,9 @@ class LoRAManager:
                 self._register(name, Path(path), share)
             elif kind == "drop":
                 self._drop(args[0])
+            elif kind == "read":
+                if args[0] not in self._host and args[0] not in self._reading:
+                    self._start_read(args[0])
             elif kind == "write":
                 name, slot, on_copy_stream = args
                 self._write(name, slot, self._copy_stream if on_copy_stream else None)
@@ -303,6 +338,7 @@ class LoRAManager:
                 self._await_copies(args[0])
             else:
                 self._set_rank_tile(args[0])
+        self._take_in_reads(())
 
     # --------------------------------------------------------------------------------- internals
 
@@ -376,11 +412,45 @@ class LoRAManager:
         while self.config.max_cpu_loras is not None and len(self._host) > self.config.max_cpu_loras:
             self._host.popitem(last=False)
 
+    def _in_host(self, name: str, failed: list[tuple[str, str, Exception]]) -> bool:
+        """Whether the adapter is in host memory (marked used); if not, its read from disk starts, or, finished, is
+        taken in (a failure added to `failed`)."""
+        if name not in self._host and name not in self._reading:
+            self._start_read(name)
+            self._record("read", name)
+            return False
+        if name in self._reading and not self._reading[name].done():
+            return False
+        try:
+            self._host_copy(name)
+        except Exception as e:  # the adapter's requests fail
+            failed.append((name, "reading its adapter from disk", e))
+            return False
+        return True
+
+    def _take_in_reads(self, named: Collection[str]) -> None:
+        """Finished reads of adapters other than `named` (those prefetch takes in, its failures reported), whose
+        requests were aborted or (on another rank) that rank 0 has not taken in yet: into host memory, under its
+        max_cpu_loras, or dropped if they failed."""
+        for name in [n for n, read in self._reading.items() if read.done() and n not in named]:
+            try:
+                self._host_copy(name)
+            except Exception:  # a request naming it again reads it again (on another rank: rank 0 failed it too)
+                pass
+
+    def _start_read(self, name: str) -> None:
+        if self._reader is None:
+            self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moelora-lora-read")
+        self._reading[name] = self._reader.submit(self.read, self._paths[name])
+
     def _host_copy(self, name: str) -> RankShare:
+        """The adapter's share in host memory (marked used): there, or the read prefetch started (waited for), or
+        read here."""
         if name in self._host:
             self._host.move_to_end(name)
             return self._host[name]
-        share = self.read(self._paths[name])
+        read = self._reading.pop(name, None)
+        share = read.result() if read is not None else self.read(self._paths[name])
         self.stats.disk_loads += 1
         # the registered adapter or nothing: the one rewritten in place may be another (its rank past the rank
         # tile `prepare` bounds the step with), and the other ranks may read either
@@ -395,6 +465,9 @@ class LoRAManager:
         del self._paths[name], self._expert_rank[name], self._version[name]
         self._unloading.discard(name)
         self._host.pop(name, None)
+        read = self._reading.pop(name, None)
+        if read is not None:
+            read.cancel()
         self.pool.release(name)
 
 

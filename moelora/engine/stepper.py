@@ -22,9 +22,9 @@ synchronises the whole stream); an adapter goes into a GPU slot from its staged 
 (lora_slots.staged_share) without waiting either. What it costs: a request that step n ends with a stop token
 still has a row in step n + 1, whose token is dropped. A step reads the previous one first (no overlap) when a
 request of it has a grammar (the next bitmask needs its token), and a launch that raises is run again after
-it, synchronously and isolated as above. With enable_lora_overlap_loading each step first starts putting the
-waiting requests' adapters into GPU slots (LoRAManager.prefetch); when nothing else can run, the host waits for
-those copies.
+it, synchronously and isolated as above. Each step first starts reading the waiting requests' adapters back from
+disk where they left host memory (max_cpu_loras), and with enable_lora_overlap_loading putting them into GPU slots
+(LoRAManager.prefetch); when nothing else can run, the host waits for those reads and copies.
 """
 from __future__ import annotations
 
@@ -149,9 +149,12 @@ class Stepper:
                 return
         try:
             batch = self.scheduler.schedule()
-            if batch is None and prev is None and self.scheduler.waiting and self.scheduler.adapter_ready is not None:
-                # nothing else can run: the waiting requests' adapters are on their way into the slots prefetch gave them
-                self.runner.lora.wait_for_copies()
+            for _ in range(2):  # (a second time where the first reads were taken in and the copies they start run)
+                if batch is not None or prev is not None or not self.scheduler.waiting \
+                        or self.scheduler.adapter_ready is None:
+                    break
+                # nothing else can run: the waiting requests' adapters are on their way into host memory or slots
+                outputs += self._wait_for_adapters()
                 batch = self.scheduler.schedule()
         except BaseException:  # (an interrupt) the requests it took may be in no queue: they end with the step's
             self._touched += self.scheduler.taken
@@ -210,17 +213,27 @@ class Stepper:
     # --------------------------------------------------------------------------------- internals
 
     def _prefetch_adapters(self) -> list[StepOutput]:
-        """Start putting the waiting requests' adapters into GPU slots (LoRAManager.prefetch); the waiting requests of
-        an adapter whose write failed end with the error, a device error ends every request."""
+        """Start getting the waiting requests' adapters ready (LoRAManager.prefetch: read from disk, put into GPU
+        slots); the waiting requests of an adapter whose read or write failed end with the error, a device error ends
+        every request."""
         failed = self.runner.lora.prefetch((r.lora for r in self.scheduler.waiting if r.lora is not None),
                                            self.scheduler.active_adapters())
         outputs = []
-        for name, e in failed:
+        for name, what, e in failed:
             if _is_device_error(e):
                 return outputs + self._device_failed(e, [])
-            logger.error("putting adapter %r into a GPU slot failed: %s", name, _describe(e))
-            outputs += [self.fail(r, f"putting its adapter into a GPU slot failed: {_describe(e)}")
+            logger.error("adapter %r: %s failed: %s", name, what, _describe(e))
+            outputs += [self.fail(r, f"{what} failed: {_describe(e)}")
                         for r in list(self.scheduler.waiting) if r.lora == name]
+        return outputs
+
+    def _wait_for_adapters(self) -> list[StepOutput]:
+        """Wait for the reads prefetch started, take them in (prefetch again: the copies they allow start), and wait
+        for the copies."""
+        lora = self.runner.lora
+        lora.wait_for_reads()
+        outputs = self._prefetch_adapters()
+        lora.wait_for_copies()
         return outputs
 
     def _fail_touched(self, e: BaseException) -> list[StepOutput]:

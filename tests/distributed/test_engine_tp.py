@@ -78,15 +78,19 @@ def test_cached_prefixes_over_two_ranks(start_engine):
     assert_released(many)
 
 
-def test_overlap_loading_over_two_ranks(start_engine):
-    """enable_lora_overlap_loading with one slot for two adapters: rank 0's prefetch writes are replayed by rank 1
-    before the steps that read them, so every request gets one rank's tokens."""
+@pytest.mark.parametrize("options", [dict(enable_lora_overlap_loading=True), dict(max_cpu_loras=1)],
+                         ids=["overlap-loading", "host-1"])
+def test_prefetch_over_two_ranks(start_engine, options):
+    """One slot for two adapters, with enable_lora_overlap_loading or with host memory for one (max_cpu_loras): rank
+    0's prefetch writes and reads from disk are replayed by rank 1 before the steps that need them, so every request
+    gets one rank's tokens."""
     one = start_engine("qwen3_moe")
-    many = start_engine("qwen3_moe", tp_size=2, ep_size=2, enable_lora_overlap_loading=True, max_loras_per_batch=1)
-    loras = ["full", None, "partial", "full"]
-    assert [o.token_ids for o in many.generate(PROMPTS, GREEDY, lora=loras)] == \
-        [o.token_ids for o in one.generate(PROMPTS, GREEDY, lora=loras)]
-    assert many.runner.lora.stats.slot_evictions >= 2
+    many = start_engine("qwen3_moe", tp_size=2, ep_size=2, max_loras_per_batch=1, **options)
+    for loras in (["full", None, "partial", "full"], ["full", "partial", None, "partial"]):
+        assert [o.token_ids for o in many.generate(PROMPTS, GREEDY, lora=loras)] == \
+            [o.token_ids for o in one.generate(PROMPTS, GREEDY, lora=loras)]
+    stats = many.runner.lora.stats
+    assert stats.slot_evictions >= 2 and (stats.disk_loads >= 4 or "max_cpu_loras" not in options), stats
     assert_released(many)
 
 

@@ -1,8 +1,11 @@
-"""EngineConfig.enable_lora_overlap_loading: the waiting requests' adapters go into GPU slots before their requests
-start (LoRAManager.prefetch), on GPUs on a copy stream beside the steps; a request starts once its adapter's copies
-are done, the running requests' steps going on meanwhile and the requests behind it free to start first. On this CPU
-the copies are synchronous: a copy still running is stood in for by an event the test completes (`copies`)."""
+"""LoRAManager.prefetch: the waiting requests' adapters made ready before their requests start, the running requests'
+steps going on meanwhile and the requests behind them free to start first. An adapter out of host memory
+(max_cpu_loras) is read from disk in a thread of its own; with EngineConfig.enable_lora_overlap_loading, adapters go
+into GPU slots, on GPUs on a copy stream beside the steps. On this CPU the copies are synchronous: a copy still
+running is stood in for by an event the test completes (`copies`), as a read still running is in the random test
+(`reads`)."""
 import random
+import threading
 
 import pytest
 import torch
@@ -50,14 +53,47 @@ def copies(monkeypatch) -> dict[int, Copying]:
     return events
 
 
+class Reading:
+    """A read from disk in the reader thread: done when the test says so, or once the host waits for it."""
+
+    def __init__(self, read):
+        self.read, self.is_done = read, False
+
+    def done(self) -> bool:
+        return self.is_done
+
+    def result(self):
+        self.is_done = True
+        return self.read()
+
+    def cancel(self) -> bool:
+        return False
+
+
+@pytest.fixture
+def reads(monkeypatch) -> dict[str, Reading]:
+    """adapter -> prefetch's last read of it from disk, running until completed."""
+    started: dict[str, Reading] = {}
+
+    def start_read(self, name):
+        path = self._paths[name]
+        self._reading[name] = started[name] = Reading(lambda: self.read(path))
+
+    def wait_for_reads(self):
+        for read in self._reading.values():
+            read.is_done = True
+    monkeypatch.setattr(LoRAManager, "_start_read", start_read)
+    monkeypatch.setattr(LoRAManager, "wait_for_reads", wait_for_reads)
+    return started
+
+
 @pytest.fixture
 def make(make_engine, adapters):
     """An engine with 2 GPU slots and 3 adapters ("again": "full" under another name); `copy_stream`: with a copy
     stream, whose writes go to `copies`."""
     def make(copy_stream: bool = False, **kwargs):
-        paths = {n: str(a.path) for n, a in adapters(FAMILY).items()}
-        engine = make_engine(FAMILY, enable_lora_overlap_loading=True, lora_paths={**paths, "again": paths["full"]},
-                             **kwargs)
+        engine = make_engine(FAMILY, **{"enable_lora_overlap_loading": True, "lora_paths": three_adapters(adapters),
+                                        **kwargs})
         if copy_stream:
             engine.runner.lora._copy_stream = "the copy stream"
         return engine
@@ -68,10 +104,14 @@ def prompt(i: int) -> list[int]:
     return [(7 * i + 3 * j) % 90 + 3 for j in range(5 + i)]
 
 
+def three_adapters(adapters) -> dict[str, str]:
+    paths = {n: str(a.path) for n, a in adapters(FAMILY).items()}
+    return {**paths, "again": paths["full"]}
+
+
 def alone(make_engine, adapters, loras: list[str | None]) -> list:
     """Each request's outputs from an engine without overlap loading, one request at a time."""
-    engine = make_engine(FAMILY, lora_paths={**{n: str(a.path) for n, a in adapters(FAMILY).items()},
-                                             "again": str(adapters(FAMILY)["full"].path)})
+    engine = make_engine(FAMILY, lora_paths=three_adapters(adapters))
     return [engine.generate([prompt(i)], GREEDY, lora=[a])[0] for i, a in enumerate(loras)]
 
 
@@ -79,6 +119,21 @@ def step(engine, outputs: dict[str, list]) -> None:
     """One step, its outputs added to each request's."""
     for out in engine.step():
         outputs.setdefault(out.rid, []).append(out)
+
+
+def wait_beside(engine, outputs: dict[str, list], first: str, lora: str) -> tuple[str, str]:
+    """Beside the running request `first`, a request of `lora` and then a base request come: for three steps the
+    former waits, holding nothing, while `first` decodes and the base request starts. Their rids."""
+    step(engine, outputs)
+    waiting = engine.add_request(prompt(1), GREEDY, lora=lora)
+    later = engine.add_request(prompt(2), GREEDY, lora=None)
+    made = len(outputs[first])
+    for _ in range(3):
+        step(engine, outputs)
+        req = engine.scheduler.find(waiting)
+        assert req in engine.scheduler.waiting and req.row is None
+    assert len(outputs[first]) > made and outputs[later], "the others did not go on"
+    return waiting, later
 
 
 def run(engine, outputs: dict[str, list] | None = None) -> dict[str, list]:
@@ -125,15 +180,8 @@ def test_a_request_waits_for_its_adapters_copies_and_the_others_go_on(make, make
     first = engine.add_request(prompt(0), GREEDY, lora="full")
     step(engine, outputs)
     assert copies[0].done and engine.scheduler.find(first).row is not None  # waited for: nothing else could run
-    step(engine, outputs)
-    waiting = engine.add_request(prompt(1), GREEDY, lora="partial")
-    later = engine.add_request(prompt(2), GREEDY, lora=None)
-    made = len(outputs[first])
-    for _ in range(3):
-        step(engine, outputs)
-        req = engine.scheduler.find(waiting)
-        assert req in engine.scheduler.waiting and req.row is None and not copies[1].waits
-    assert len(outputs[first]) > made and outputs[later], "the others did not go on"
+    waiting, later = wait_beside(engine, outputs, first, "partial")
+    assert not copies[1].waits
     copies[1].done = True
     run(engine, outputs)
     assert copies[1].waits == 1 and copies[0].waits == 1
@@ -199,31 +247,43 @@ def test_the_copy_of_an_aborted_request_holds_no_slot_back(make, make_engine, ad
     assert_released(engine)
 
 
-def test_a_failed_write_fails_only_the_requests_of_its_adapter(make, make_engine, adapters, monkeypatch):
-    """Putting one adapter into its slot raises: every waiting request naming it ends with the error, the others
-    finish with their tokens, the adapter holds no slot, and once the fault is gone it serves again."""
-    engine = make()
-    partial = str(adapters(FAMILY)["partial"].path)
-    real_write = lora_manager.write_share_to_slot
+@pytest.mark.parametrize("fault", ["write", "read"])
+def test_a_failed_write_or_read_fails_only_the_requests_of_its_adapter(make, make_engine, adapters, monkeypatch,
+                                                                         fault):
+    """Putting one adapter into its slot (overlap loading: "partial"), or reading one back from disk (host memory for
+    two adapters of three: "full"), raises: every waiting request naming it ends with the error, the others finish
+    with their tokens, it holds no slot, and once the fault is gone it serves again (the read: nothing else to run,
+    the host waits for it)."""
+    engine = make() if fault == "write" else make(enable_lora_overlap_loading=False, max_cpu_loras=2)
+    lora, faults = engine.runner.lora, [Injected("no copy" if fault == "write" else "unreadable")]
+    faulty = "partial" if fault == "write" else "full"
+    real_write, real_read, faulty_path = lora_manager.write_share_to_slot, lora.read, str(adapters(FAMILY)[faulty].path)
 
     def write(model, share, slot):
-        if str(share.path) == partial:
-            raise Injected("no copy")
+        if str(share.path) == faulty_path and faults:
+            raise faults.pop()
         real_write(model, share, slot)
-    monkeypatch.setattr(lora_manager, "write_share_to_slot", write)
-    loras = ["full", "partial", None, "partial"]
+
+    def read(path):
+        if faults:
+            raise faults.pop()
+        return real_read(path)
+    monkeypatch.setattr(lora_manager, "write_share_to_slot", write) if fault == "write" else \
+        monkeypatch.setattr(lora, "read", read)
+    loras = ["full" if faulty == "partial" else "partial", faulty, None, faulty]
     rids = [engine.add_request(prompt(i), GREEDY, lora=a) for i, a in enumerate(loras)]
     outputs = run(engine)
+    what = "putting its adapter into a GPU slot failed: Injected: no copy" if fault == "write" else \
+        "reading its adapter from disk failed: Injected: unreadable"
     for i in (1, 3):
-        assert outputs[rids[i]][-1].finish_reason == "error"
-        assert "putting its adapter into a GPU slot failed: Injected: no copy" in outputs[rids[i]][-1].error
-    for i, expected in ((0, "full"), (2, None)):
-        assert same(outputs[rids[i]], alone(make_engine, adapters, [expected] * (i + 1))[i]), i
-    assert engine.runner.lora.pool.peek("partial") is None
+        assert outputs[rids[i]][-1].finish_reason == "error" and what in outputs[rids[i]][-1].error
+    expected = alone(make_engine, adapters, loras)
+    for i in (0, 2):
+        assert same(outputs[rids[i]], expected[i]), i
+    assert lora.pool.peek(faulty) is None and not faults
     assert_released(engine)
-    monkeypatch.setattr(lora_manager, "write_share_to_slot", real_write)
-    out, = engine.generate([prompt(1)], GREEDY, lora=["partial"])
-    assert out.token_ids == alone(make_engine, adapters, ["full", "partial"])[1].token_ids
+    out, = engine.generate([prompt(1)], GREEDY, lora=[faulty])
+    assert out.token_ids == expected[1].token_ids
 
 
 def test_an_interrupt_inside_a_write_leaves_no_half_written_adapter(make, make_engine, adapters, monkeypatch):
@@ -248,17 +308,19 @@ def test_an_interrupt_inside_a_write_leaves_no_half_written_adapter(make, make_e
 
 @pytest.mark.parametrize("slots", [1, 2])
 @pytest.mark.parametrize("options", [dict(disable_overlap_schedule=True, scheduling_policy="priority"),
-                                     dict(max_total_tokens=28, max_running_requests=4)], ids=["sync-priority", "small"])
-def test_random_traffic_keeps_every_invariant(make, make_engine, adapters, copies, slots, options):
-    """Random requests of 3 adapters and the base model, aborts, copies finishing at random, an adapter unloaded and
-    loaded again, steps (a small KV cache: retractions): after every call the books add up and no running request's
-    adapter is out of its slot; in the end everything is released and each request that ran to its length got the
-    tokens it gets alone."""
+                                     dict(max_total_tokens=28, max_running_requests=4),
+                                     dict(max_cpu_loras=2, max_running_requests=4),
+                                     dict(max_cpu_loras=2, enable_lora_overlap_loading=False)],
+                         ids=["sync-priority", "small", "host-2", "host-2-no-overlap"])
+def test_random_traffic_keeps_every_invariant(make, make_engine, adapters, copies, reads, slots, options):
+    """Random requests of 3 adapters and the base model, aborts, copies and reads from disk finishing at random, an
+    adapter unloaded and loaded again, steps (a small KV cache: retractions): after every call the books add up and no
+    running request's adapter is out of its slot; in the end everything is released and each request that ran to its
+    length got the tokens it gets alone."""
     seed = int(torch.randint(0, 2**31, ()).item())
     rng = random.Random(seed)
     engine = make(copy_stream=True, max_loras_per_batch=slots, **options)
-    reference = make_engine(FAMILY, lora_paths={**{n: str(a.path) for n, a in adapters(FAMILY).items()},
-                                                "again": str(adapters(FAMILY)["full"].path)})
+    reference = make_engine(FAMILY, lora_paths=three_adapters(adapters))
     pool, requests, outputs, loaded = engine.runner.lora.pool, {}, {}, True
     for _ in range(rng.randint(20, 60)):
         op = rng.random()
@@ -270,8 +332,10 @@ def test_random_traffic_keeps_every_invariant(make, make_engine, adapters, copie
                                         if options.get("scheduling_policy") == "priority" else 0)] = tokens, params, lora
         elif op < 0.4 and requests:
             engine.abort(rng.choice(list(requests)))
-        elif op < 0.5 and copies:
+        elif op < 0.45 and copies:
             rng.choice(list(copies.values())).done = True
+        elif op < 0.5 and reads:
+            rng.choice(list(reads.values())).is_done = True
         elif op < 0.55:
             if loaded and not any(r.lora == "again" for r in engine.scheduler.unfinished()):
                 engine.unload_lora("again")
@@ -289,3 +353,67 @@ def test_random_traffic_keeps_every_invariant(make, make_engine, adapters, copie
         if outputs[rid][-1].finish_reason == "length":
             got = [t for out in outputs[rid] for t in out.token_ids]
             assert got == reference.generate([tokens], params, lora=[lora])[0].token_ids, seed
+
+
+def gated_reads(engine, monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """The engine's reads from disk in the reader thread wait until the test sets `go`; `started`: one began."""
+    lora, started, go = engine.runner.lora, threading.Event(), threading.Event()
+    real_read = lora.read
+
+    def read(path):
+        if threading.current_thread() is not threading.main_thread():
+            started.set()
+            assert go.wait(60), "the test never let the read go"
+        return real_read(path)
+    monkeypatch.setattr(lora, "read", read)
+    return started, go
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["slot-write-in-step", "overlap-loading"])
+def test_an_adapter_read_back_from_disk_keeps_no_one_waiting_but_its_requests(make_engine, adapters, monkeypatch,
+                                                                               overlap):
+    """Host memory for two adapters of three (max_cpu_loras): a request whose adapter left it waits while the reader
+    thread reads its files (held until the test lets it go), the running request decoding and a base request that
+    came after it starting meanwhile; then it runs, and each request gets the tokens it gets alone."""
+    engine = make_engine(FAMILY, max_cpu_loras=2, enable_lora_overlap_loading=overlap,
+                         lora_paths=three_adapters(adapters))
+    lora = engine.runner.lora
+    assert list(lora._host) == ["partial", "again"]
+    started, go = gated_reads(engine, monkeypatch)
+    outputs: dict[str, list] = {}
+    first = engine.add_request(prompt(0), GREEDY, lora="partial")
+    step(engine, outputs)
+    waiting, later = wait_beside(engine, outputs, first, "full")
+    assert started.is_set()
+    go.set()
+    run(engine, outputs)
+    for rid, expected in zip((first, waiting, later), alone(make_engine, adapters, ["partial", "full", None])):
+        assert same(outputs[rid], expected), rid
+    assert lora.stats.disk_loads == 4 and list(lora._host) == ["partial", "full"]  # 3 at start, "full" read back
+    assert_released(engine)
+
+
+def test_a_read_for_an_adapter_unloaded_since_is_never_used(make_engine, adapters, monkeypatch):
+    """A request aborted while its adapter's files are read, the adapter unloaded and another loaded under its name:
+    the old read, finished later, is not taken for the new adapter, even once the new one leaves host memory."""
+    paths = three_adapters(adapters)
+    engine = make_engine(FAMILY, max_cpu_loras=2, lora_paths=paths)
+    started, go = gated_reads(engine, monkeypatch)
+    outputs: dict[str, list] = {}
+    base = engine.add_request(prompt(0), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    aborted = engine.add_request(prompt(1), GREEDY, lora="full")
+    step(engine, outputs)
+    assert started.wait(60)
+    engine.abort(aborted)
+    step(engine, outputs)
+    engine.unload_lora("full")
+    engine.load_lora("full", paths["partial"])  # (read on this thread)
+    go.set()
+    step(engine, outputs)
+    engine.generate([prompt(0), prompt(2)], GREEDY, lora=["partial", "again"])  # "full" out of host memory again
+    run(engine, outputs)
+    assert outputs[base][-1].finish_reason == "length" and outputs[aborted][-1].finish_reason == "abort"
+    assert "full" not in engine.runner.lora._host
+    out, = engine.generate([prompt(1)], GREEDY, lora=["full"])
+    assert out.token_ids == alone(make_engine, adapters, ["full", "partial"])[1].token_ids
+    assert_released(engine)
