@@ -8,6 +8,8 @@ engines of --slots GPU slots, one after the other in one run:
   resident    N = --slots: every adapter stays in its slot (the baseline)
   swapped     N = --adapters: adapters move in and out of the slots, their copies queued between two steps
   overlapped  the same with --enable-lora-overlap-loading: the copies on a stream of their own beside the steps
+  disk        overlapped with host memory for --slots adapters (--max-cpu-loras): adapters are read back from disk,
+              in a thread of their own beside the steps
 Each engine runs the loop once to warm up (kernels, graphs, adapters in host memory), then once timed: seconds,
 tokens/s, slot loads, steps and decode rows per step (how full the batches were: where requests wait for a slot, the
 batch thins), and tokens/s against resident's. Last, one adapter's move into a slot timed alone on the
@@ -40,7 +42,7 @@ from moelora import Engine, SamplingParams  # noqa: E402
 from moelora.engine.lora_slots import RankShare, write_share_to_slot  # noqa: E402
 from tests.support import qwen3_30b_a3b_config, write_dummy_checkpoint, write_random_peft_adapter  # noqa: E402
 
-MODES = ("resident", "swapped", "overlapped")
+MODES = ("resident", "swapped", "overlapped", "disk")
 
 
 def serve(engine: Engine, names: list[str], args, requests: int, vocab: int) -> tuple[float, int]:
@@ -142,25 +144,28 @@ def bench(args, modes: list[str], workdir: Path) -> None:
           f"(page-locked)")
     print(f"{args.slots} slots, {args.concurrency} requests in flight, {args.requests} requests of {args.prompt_len} "
           f"prompt tokens and {args.decode_tokens} greedy tokens\n")
-    print("| engine | adapters | s | tokens/s | slot loads | steps | decode rows / step | tokens/s / resident's |")
-    print("|---|---|---|---|---|---|---|---|", flush=True)
+    print("| engine | adapters | s | tokens/s | slot loads | disk reads | steps | decode rows / step | tokens/s / "
+          "resident's |")
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
     resident = None
     for mode in modes:
         names = list(adapters)[:args.slots if mode == "resident" else args.adapters]
         engine = Engine(str(model_dir), lora_paths={n: str(adapters[n]) for n in names}, load_format="dummy",
                         device=device, dtype=str(dtype).removeprefix("torch."), max_loras_per_batch=args.slots,
                         max_lora_rank=RANK, cuda_graph_max_bs=args.concurrency, enable_prefix_caching=False,
-                        enable_lora_overlap_loading=mode == "overlapped")
+                        enable_lora_overlap_loading=mode in ("overlapped", "disk"),
+                        max_cpu_loras=args.slots if mode == "disk" else None)
         serve(engine, names, args, args.requests, config.vocab_size)  # warm-up
-        loads, stats = engine.runner.lora.stats.slot_loads, engine.step_stats
+        lora_stats, stats = engine.runner.lora.stats, engine.step_stats
+        loads, reads = lora_stats.slot_loads, lora_stats.disk_loads
         steps, rows, decode_steps = stats.steps, stats.decode_rows, stats.decode_steps + stats.mixed_steps
         seconds, tokens = serve(engine, names, args, args.requests, config.vocab_size)
         rate = tokens / seconds
         resident = rate if mode == "resident" else resident
         ratio = f"{rate / resident:.2f}" if resident else ""
         rows_per_step = (stats.decode_rows - rows) / max(stats.decode_steps + stats.mixed_steps - decode_steps, 1)
-        print(f"| {mode} | {len(names)} | {seconds:.2f} | {rate:.0f} | {engine.runner.lora.stats.slot_loads - loads} "
-              f"| {stats.steps - steps} | {rows_per_step:.1f} | {ratio} |", flush=True)
+        print(f"| {mode} | {len(names)} | {seconds:.2f} | {rate:.0f} | {lora_stats.slot_loads - loads} | "
+              f"{lora_stats.disk_loads - reads} | {stats.steps - steps} | {rows_per_step:.1f} | {ratio} |", flush=True)
         if mode == modes[-1]:
             print()
             time_one_move(engine, names[-1], bandwidth)

@@ -28,6 +28,7 @@ disk where they left host memory (max_cpu_loras), and with enable_lora_overlap_l
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -216,7 +217,9 @@ class Stepper:
         """Start getting the waiting requests' adapters ready (LoRAManager.prefetch: read from disk, put into GPU
         slots); the waiting requests of an adapter whose read or write failed end with the error, a device error ends
         every request."""
-        failed = self.runner.lora.prefetch((r.lora for r in self.scheduler.waiting if r.lora is not None),
+        # the queue's first max_running_requests requests: those behind them start no sooner than a batch later
+        head = itertools.islice(self.scheduler.waiting, self.scheduler.config.max_running_requests)
+        failed = self.runner.lora.prefetch((r.lora for r in head if r.lora is not None),
                                            self.scheduler.active_adapters())
         outputs = []
         for name, what, e in failed:

@@ -417,3 +417,20 @@ def test_a_read_for_an_adapter_unloaded_since_is_never_used(make_engine, adapter
     out, = engine.generate([prompt(1)], GREEDY, lora=["full"])
     assert out.token_ids == alone(make_engine, adapters, ["full", "partial"])[1].token_ids
     assert_released(engine)
+
+
+def test_prefetch_looks_at_the_queues_first_max_running_requests_requests(make, make_engine, adapters):
+    """A long queue is not scanned whole every step: with max_running_requests 2, the adapter of the third waiting
+    request goes into a slot only once it is among the first two (it runs then, with its tokens)."""
+    engine = make(max_running_requests=2)
+    outputs: dict[str, list] = {}
+    long = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    rids = [engine.add_request(prompt(i), long) for i in range(4)]
+    step(engine, outputs)  # two run, two wait
+    late = engine.add_request(prompt(5), GREEDY, lora="partial")
+    step(engine, outputs)
+    assert engine.runner.lora.pool.peek("partial") is None and len(engine.scheduler.waiting) == 3
+    run(engine, outputs)
+    assert all(outputs[r][-1].finish_reason == "length" for r in rids)
+    reference = make_engine(FAMILY, lora_paths=three_adapters(adapters))
+    assert same(outputs[late], reference.generate([prompt(5)], GREEDY, lora=["partial"])[0])
