@@ -15,10 +15,11 @@ says its copies are done, and the first step reading the slot waits for them on 
 Unloading an adapter with requests in flight lets them finish; new requests naming it are refused from then on.
 
 Under tensor parallelism rank 0's manager decides (record_events=True) and the others follow: every change it
-makes to what the ranks hold (an adapter registered or dropped, written to a slot, the rank tile of a step) is
-also recorded as an event, which the engine sends with the next step or at once, and the other ranks' managers
-`replay`, each reading the adapter from disk and writing its own shard. So every rank's slots hold the same
-adapters in the same places.
+makes to what the ranks hold (an adapter registered or dropped, read back from disk, taken into host memory or
+evicted from it, written to a slot, the rank tile of a step) is also recorded as an event, which the engine sends
+with the next step or at once, and the other ranks' managers `replay`, each reading the adapter from disk (in its own
+reader thread) and writing its own shard. So every rank's slots hold the same adapters in the same places, and its
+host memory the same adapters.
 """
 from __future__ import annotations
 
@@ -103,8 +104,9 @@ class LoRAStats:
     disk_loads: int = 0      # read (and validated) from disk: at load_lora, or after leaving host memory
 
 
-# ("load", name, path, files' version) | ("drop", name) | ("read", name: from disk, in the reader thread) | ("write",
-# name, slot, on the copy stream) | ("use", slot: a step waits for its copies) | ("rank", rank tile)
+# ("load", name, path, files' version) | ("drop", name) | ("read", name: from disk, in the reader thread) | ("take",
+# name: the read into host memory) | ("discard", name: the read dropped) | ("evict", name: out of host memory) |
+# ("write", name, slot, on the copy stream) | ("use", slot: a step waits for its copies) | ("rank", rank tile)
 Event = tuple
 
 
@@ -265,24 +267,21 @@ class LoRAManager:
         on a GPU on the copy stream, so a step reads the slot only once `ready` says so: it takes a slot while one is
         free or holds an adapter neither in `in_use` nor named before it (one still being copied too, for a request
         gone since: the copy stream writes a slot in order). Returns (adapter, what failed, error) for each whose read
-        or write failed (nothing of it stays in a slot)."""
-        keep, failed, named = set(in_use), [], []
-        for name in itertools.islice(_distinct(adapters), self.pool.num_slots):
-            named.append(name)
-            if self.pool.peek(name) is None and not self._in_host(name, failed):
-                continue
-            if not self.config.enable_lora_overlap_loading:
-                continue
-            if self.pool.lookup(name) is None:
-                if not self.pool.has_room(keep):
-                    break
-                try:
-                    self._put(name, keep, self._copy_stream)
-                except Exception as e:  # the adapter's requests fail; the others' adapters go on
-                    failed.append((name, "putting its adapter into a GPU slot", e))
-                    continue
-            keep.add(name)
-        self._take_in_reads(named)
+        or write failed (nothing of it stays in a slot; its requests are to fail, and the next adapter of the queue
+        takes its place here)."""
+        names = _distinct(adapters)
+        window = list(itertools.islice(names, self.pool.num_slots))
+        for name in window:  # used last: the reads taken in below evict none of them (max_cpu_loras >= the window)
+            if name in self._host:
+                self._host.move_to_end(name)
+        keep, failed = set(in_use), []
+        for name in window:  # (the loop sees the names appended to it)
+            before = len(failed)
+            if not self._prefetch_one(name, keep, failed):
+                break
+            if len(failed) > before:
+                window.extend(itertools.islice(names, 1))
+        self._take_in_reads(window)
         return failed
 
     def ready(self, name: str) -> bool:
@@ -293,14 +292,17 @@ class LoRAManager:
             return slot is not None or name in self._host
         return slot is not None and (slot not in self._loading or self._loading[slot].query())
 
-    def wait_for_reads(self) -> None:
-        """Wait for prefetch's reads from disk still running (the next prefetch takes them in)."""
-        concurrent.futures.wait(list(self._reading.values()))
+    def pending(self) -> bool:
+        """Reads from disk or slot copies that prefetch started are still to be taken in or waited for."""
+        return bool(self._reading) or any(not event.query() for event in self._loading.values())
 
-    def wait_for_copies(self) -> None:
-        """Wait for the slots' copies still running (the host, not a stream)."""
+    def wait_for_prefetch(self, timeout: float) -> None:
+        """Wait for the slots' copies still running (the host, not a stream), and for the first of prefetch's reads
+        from disk to finish, at most `timeout` seconds (the next prefetch takes it in)."""
         for event in self._loading.values():
             event.synchronize()
+        if self._reading:
+            concurrent.futures.wait(list(self._reading.values()), timeout, concurrent.futures.FIRST_COMPLETED)
 
     def close(self) -> None:
         """Stop the reader thread (a read running finishes, unused)."""
@@ -331,6 +333,12 @@ class LoRAManager:
             elif kind == "read":
                 if args[0] not in self._host and args[0] not in self._reading:
                     self._start_read(args[0])
+            elif kind == "take":
+                self._host_copy(args[0])
+            elif kind == "discard":
+                self._discard(args[0])
+            elif kind == "evict":
+                self._host.pop(args[0], None)
             elif kind == "write":
                 name, slot, on_copy_stream = args
                 self._write(name, slot, self._copy_stream if on_copy_stream else None)
@@ -338,7 +346,6 @@ class LoRAManager:
                 self._await_copies(args[0])
             else:
                 self._set_rank_tile(args[0])
-        self._take_in_reads(())
 
     # --------------------------------------------------------------------------------- internals
 
@@ -409,34 +416,68 @@ class LoRAManager:
 
     def _cache(self, name: str, share: RankShare) -> None:
         self._host[name] = share
+        # (another rank replays rank 0's evictions before the adapter each made room for: its memory holds rank 0's)
         while self.config.max_cpu_loras is not None and len(self._host) > self.config.max_cpu_loras:
-            self._host.popitem(last=False)
+            self._record("evict", self._host.popitem(last=False)[0])
+
+    def _prefetch_one(self, name: str, keep: set[str], failed: list[tuple[str, str, Exception]]) -> bool:
+        """prefetch's work for one adapter (see there); False when no slot is left to take."""
+        if self.pool.peek(name) is None and not self._in_host(name, failed):
+            return True
+        if not self.config.enable_lora_overlap_loading:
+            return True
+        if self.pool.lookup(name) is None:
+            if not self.pool.has_room(keep):
+                return False
+            try:
+                self._put(name, keep, self._copy_stream)
+            except Exception as e:  # the adapter's requests fail; the others' adapters go on
+                failed.append((name, "putting its adapter into a GPU slot", e))
+                return True
+        keep.add(name)
+        return True
 
     def _in_host(self, name: str, failed: list[tuple[str, str, Exception]]) -> bool:
-        """Whether the adapter is in host memory (marked used); if not, its read from disk starts, or, finished, is
-        taken in (a failure added to `failed`)."""
-        if name not in self._host and name not in self._reading:
+        """Whether the adapter is in host memory; if not, its read from disk starts, or, finished, is taken in (a
+        failure added to `failed`)."""
+        if name in self._host:
+            return True
+        if name not in self._reading:
             self._start_read(name)
             self._record("read", name)
             return False
-        if name in self._reading and not self._reading[name].done():
+        if not self._reading[name].done():
             return False
+        error = self._take_in(name)
+        if error is not None:
+            failed.append((name, "reading its adapter from disk", error))
+        return error is None
+
+    def _take_in_reads(self, window: Collection[str]) -> None:
+        """Finished reads of adapters outside prefetch's window (their requests aborted, or further back in the queue
+        now): into host memory where it has room (evicting nothing), else dropped."""
+        for name in [n for n, read in self._reading.items() if read.done() and n not in window]:
+            if self.config.max_cpu_loras is not None and len(self._host) >= self.config.max_cpu_loras:
+                self._discard(name)
+                self._record("discard", name)
+            else:
+                self._take_in(name)  # (a failed one is dropped: a request naming it again reads it again)
+
+    def _take_in(self, name: str) -> Exception | None:
+        """The adapter's finished read into host memory ("take": the other ranks' too, once theirs is done), or,
+        failed, dropped ("discard"); the read's error."""
         try:
             self._host_copy(name)
-        except Exception as e:  # the adapter's requests fail
-            failed.append((name, "reading its adapter from disk", e))
-            return False
-        return True
+        except Exception as e:
+            self._record("discard", name)
+            return e
+        self._record("take", name)
+        return None
 
-    def _take_in_reads(self, named: Collection[str]) -> None:
-        """Finished reads of adapters other than `named` (those prefetch takes in, its failures reported), whose
-        requests were aborted or (on another rank) that rank 0 has not taken in yet: into host memory, under its
-        max_cpu_loras, or dropped if they failed."""
-        for name in [n for n, read in self._reading.items() if read.done() and n not in named]:
-            try:
-                self._host_copy(name)
-            except Exception:  # a request naming it again reads it again (on another rank: rank 0 failed it too)
-                pass
+    def _discard(self, name: str) -> None:
+        read = self._reading.pop(name, None)
+        if read is not None:
+            read.cancel()
 
     def _start_read(self, name: str) -> None:
         if self._reader is None:
@@ -465,9 +506,7 @@ class LoRAManager:
         del self._paths[name], self._expert_rank[name], self._version[name]
         self._unloading.discard(name)
         self._host.pop(name, None)
-        read = self._reading.pop(name, None)
-        if read is not None:
-            read.cancel()
+        self._discard(name)
         self.pool.release(name)
 
 

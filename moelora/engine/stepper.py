@@ -44,6 +44,9 @@ from moelora.engine.step_stats import StepStats, StepTrace
 from moelora.engine.workers import WorkerFailure
 
 logger = logging.getLogger(__name__)
+# a step with nothing to run but adapters being read from disk waits for them this long at most: then the step ends,
+# and the next one takes the requests that came meanwhile
+PREFETCH_WAIT_S = 0.05
 
 
 @dataclass
@@ -150,10 +153,7 @@ class Stepper:
                 return
         try:
             batch = self.scheduler.schedule()
-            for _ in range(2):  # (a second time where the first reads were taken in and the copies they start run)
-                if batch is not None or prev is not None or not self.scheduler.waiting \
-                        or self.scheduler.adapter_ready is None:
-                    break
+            if batch is None and prev is None and self._prefetching():
                 # nothing else can run: the waiting requests' adapters are on their way into host memory or slots
                 outputs += self._wait_for_adapters()
                 batch = self.scheduler.schedule()
@@ -165,7 +165,9 @@ class Stepper:
         scheduled = time.perf_counter()
         self.stats.seconds["schedule"] += scheduled - start
         if batch is None:
-            assert prev is not None or not self.scheduler.has_unfinished(), \
+            # (a step without a batch while adapters are still read: the caller's next step goes on waiting, taking
+            # the new requests meanwhile)
+            assert prev is not None or not self.scheduler.has_unfinished() or self._prefetching(), \
                 "the scheduler found nothing to run for its unfinished requests"
             outputs += self._read(prev, []) if prev is not None else []
             return
@@ -230,13 +232,17 @@ class Stepper:
                         for r in list(self.scheduler.waiting) if r.lora == name]
         return outputs
 
+    def _prefetching(self) -> bool:
+        """Requests wait while prefetch's reads or copies for them go on."""
+        return bool(self.scheduler.waiting) and self.scheduler.adapter_ready is not None and self.runner.lora.pending()
+
     def _wait_for_adapters(self) -> list[StepOutput]:
-        """Wait for the reads prefetch started, take them in (prefetch again: the copies they allow start), and wait
-        for the copies."""
+        """Wait for prefetch's copies and, a while at most, for the first of its reads; prefetch again (what was read
+        goes into host memory, with overlap loading into a slot) and wait for the copies that starts."""
         lora = self.runner.lora
-        lora.wait_for_reads()
+        lora.wait_for_prefetch(PREFETCH_WAIT_S)
         outputs = self._prefetch_adapters()
-        lora.wait_for_copies()
+        lora.wait_for_prefetch(0.0)
         return outputs
 
     def _fail_touched(self, e: BaseException) -> list[StepOutput]:

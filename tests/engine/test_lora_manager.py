@@ -1,5 +1,6 @@
 """LoRA slots: LRU order, adapters in use never evicted, requests waiting for a slot, adapters
 loaded and unloaded at runtime, the host-memory cache, and the counters."""
+import dataclasses
 import shutil
 import weakref
 
@@ -8,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 import moelora.engine.lora_manager as lora_manager
 from moelora.engine.engine import RequestFailed
-from moelora.engine.lora_manager import LoRASlotPool
+from moelora.engine.lora_manager import LoRAManager, LoRASlotPool
 from moelora.engine.sampling_params import SamplingParams
 from moelora.lora import AdapterError, load_adapter
 from tests.models.families import family_config
@@ -194,3 +195,34 @@ def test_the_start_holds_one_whole_adapter_at_a_time(make_engine, monkeypatch):
     engine = make_engine(FAMILY)
     assert len(read) == 2 and alive_at_read == [[], [False]]
     assert sorted(engine.runner.lora._host) == ["full", "partial"]
+
+
+def test_another_ranks_host_memory_follows_rank_0s(make_engine, adapters):
+    """Under tensor parallelism (max_cpu_loras 2 of 3 adapters) rank 0's manager decides which adapters stay in host
+    memory, and another rank's follows its events: reads from disk started, taken in, dropped and evicted as rank 0's
+    were, whatever order its own reads finish in, so a slot write it replays finds the adapter in its memory."""
+    paths = {n: str(a.path) for n, a in adapters(FAMILY).items()}
+    engine = make_engine(FAMILY, max_cpu_loras=2, lora_paths={**paths, "again": paths["full"]})
+    lead = LoRAManager(engine.config, engine.runner.model, record_events=True)
+    follower = LoRAManager(dataclasses.replace(engine.config, tp_size=2), engine.runner.model)
+
+    def prefetch(*waiting: str) -> None:
+        """Rank 0's prefetch with its reads finished, then the other rank's replay, their reads left running."""
+        lead.prefetch(waiting, set())
+        lead.wait_for_prefetch(30)
+        follower.replay(lead.take_events())
+        assert list(follower._host) and set(follower._host) == set(lead._host)
+
+    prefetch()  # the start's evictions
+    assert list(lead._host) == ["partial", "again"]
+    prefetch("full")  # read
+    prefetch("full")  # taken in, "partial" out
+    prefetch("again", "partial")  # read ...
+    prefetch("again", "partial")  # ... taken in: "full" out, not "again" (used last by rank 0's prefetch alone)
+    assert set(lead._host) == {"again", "partial"} and lead.stats.disk_loads == 5
+    prefetch("full")  # read ...
+    prefetch()  # ... for a request gone since: dropped, host memory being full
+    assert not lead._reading and not follower._reading and set(lead._host) == {"again", "partial"}
+    lead.prepare(["full"], {"full"})  # a synchronous read and slot write
+    follower.replay(lead.take_events())
+    assert set(follower._host) == set(lead._host) == {"partial", "full"}

@@ -4,6 +4,7 @@ steps going on meanwhile and the requests behind them free to start first. An ad
 into GPU slots, on GPUs on a copy stream beside the steps. On this CPU the copies are synchronous: a copy still
 running is stood in for by an event the test completes (`copies`), as a read still running is in the random test
 (`reads`)."""
+import concurrent.futures
 import random
 import threading
 
@@ -53,37 +54,37 @@ def copies(monkeypatch) -> dict[int, Copying]:
     return events
 
 
-class Reading:
-    """A read from disk in the reader thread: done when the test says so, or once the host waits for it."""
+class Reading(concurrent.futures.Future):
+    """A read from disk in the reader thread: done when the test finishes it, or once the host waits for reads."""
 
     def __init__(self, read):
-        self.read, self.is_done = read, False
+        super().__init__()
+        self.read = read
 
-    def done(self) -> bool:
-        return self.is_done
-
-    def result(self):
-        self.is_done = True
-        return self.read()
-
-    def cancel(self) -> bool:
-        return False
+    def finish(self) -> None:
+        if not self.done():  # (cancelled: dropped)
+            try:
+                self.set_result(self.read())
+            except Exception as e:
+                self.set_exception(e)
 
 
 @pytest.fixture
 def reads(monkeypatch) -> dict[str, Reading]:
-    """adapter -> prefetch's last read of it from disk, running until completed."""
+    """adapter -> prefetch's last read of it from disk, running until finished."""
     started: dict[str, Reading] = {}
+    real_wait = LoRAManager.wait_for_prefetch
 
     def start_read(self, name):
         path = self._paths[name]
         self._reading[name] = started[name] = Reading(lambda: self.read(path))
 
-    def wait_for_reads(self):
-        for read in self._reading.values():
-            read.is_done = True
+    def wait_for_prefetch(self, timeout):
+        for read in started.values():
+            read.finish()
+        real_wait(self, timeout)
     monkeypatch.setattr(LoRAManager, "_start_read", start_read)
-    monkeypatch.setattr(LoRAManager, "wait_for_reads", wait_for_reads)
+    monkeypatch.setattr(LoRAManager, "wait_for_prefetch", wait_for_prefetch)
     return started
 
 
@@ -335,7 +336,7 @@ def test_random_traffic_keeps_every_invariant(make, make_engine, adapters, copie
         elif op < 0.45 and copies:
             rng.choice(list(copies.values())).done = True
         elif op < 0.5 and reads:
-            rng.choice(list(reads.values())).is_done = True
+            rng.choice(list(reads.values())).finish()
         elif op < 0.55:
             if loaded and not any(r.lora == "again" for r in engine.scheduler.unfinished()):
                 engine.unload_lora("again")
@@ -434,3 +435,78 @@ def test_prefetch_looks_at_the_queues_first_max_running_requests_requests(make, 
     assert all(outputs[r][-1].finish_reason == "length" for r in rids)
     reference = make_engine(FAMILY, lora_paths=three_adapters(adapters))
     assert same(outputs[late], reference.generate([prompt(5)], GREEDY, lora=["partial"])[0])
+
+
+def test_a_step_waits_a_while_for_a_read_and_takes_the_requests_that_come_meanwhile(make_engine, adapters,
+                                                                                     monkeypatch):
+    """Nothing to run but a request whose adapter is being read (held by the test): a step waits a while and ends
+    without outputs instead of blocking on the read, so a base request added meanwhile starts at the next step."""
+    engine = make_engine(FAMILY, max_cpu_loras=2, lora_paths=three_adapters(adapters))
+    started, go = gated_reads(engine, monkeypatch)
+    outputs: dict[str, list] = {}
+    waiting = engine.add_request(prompt(1), GREEDY, lora="full")
+    step(engine, outputs)
+    assert started.is_set() and not outputs
+    base = engine.add_request(prompt(2), GREEDY)
+    step(engine, outputs)
+    step(engine, outputs)
+    assert outputs[base] and engine.scheduler.find(waiting) in engine.scheduler.waiting
+    go.set()
+    run(engine, outputs)
+    for rid, expected in zip((waiting, base), alone(make_engine, adapters, ["partial", "full", None])[1:]):
+        assert same(outputs[rid], expected), rid
+    assert_released(engine)
+
+
+def test_a_failed_read_brings_the_next_adapter_of_the_queue_in(make_engine, adapters, monkeypatch):
+    """One slot, host memory for one adapter, requests of two adapters out of it waiting and nothing running: the
+    first one's read fails (its request ends with the error), and the second adapter, now first in the queue, is read
+    and its request served (the step asserted that nothing could run)."""
+    engine = make_engine(FAMILY, max_loras_per_batch=1, max_cpu_loras=1, lora_paths=three_adapters(adapters))
+    lora, faults = engine.runner.lora, [OSError("disk error")]
+    assert list(lora._host) == ["again"]
+    real_read = lora.read
+
+    def read(path):
+        if faults:
+            raise faults.pop()
+        return real_read(path)
+    monkeypatch.setattr(lora, "read", read)
+    failing = engine.add_request(prompt(1), GREEDY, lora="full")
+    served = engine.add_request(prompt(2), GREEDY, lora="partial")
+    outputs = run(engine)
+    assert outputs[failing][-1].finish_reason == "error" and "OSError: disk error" in outputs[failing][-1].error
+    assert same(outputs[served], alone(make_engine, adapters, ["full", "full", "partial"])[2])
+    assert_released(engine)
+
+
+def test_a_read_finished_for_an_aborted_request_evicts_no_adapter_a_waiting_request_needs(make_engine, adapters,
+                                                                                         monkeypatch):
+    """Host memory for one adapter: the read of an aborted request's adapter finishes just after the next request's
+    adapter was read; it is dropped rather than taken in over that one (which the request then could not find: it
+    was read again, and the step asserted that nothing could run)."""
+    engine = make_engine(FAMILY, max_loras_per_batch=1, max_cpu_loras=1, lora_paths=three_adapters(adapters))
+    lora = engine.runner.lora
+    started, go = gated_reads(engine, monkeypatch)
+    outputs: dict[str, list] = {}
+    base = engine.add_request(prompt(0), GREEDY)
+    aborted = engine.add_request(prompt(1), GREEDY, lora="full")
+    step(engine, outputs)
+    assert started.wait(60)
+    engine.abort(aborted)
+    run(engine, outputs)
+    real_prefetch = lora.prefetch
+
+    def prefetch(*args):  # the held read finishes just after the next step's first prefetch
+        failed = real_prefetch(*args)
+        if not go.is_set():
+            go.set()
+            lora._reading["full"].result()
+        return failed
+    monkeypatch.setattr(lora, "prefetch", prefetch)
+    late = engine.add_request(prompt(2), GREEDY, lora="partial")
+    run(engine, outputs)
+    assert same(outputs[late], alone(make_engine, adapters, ["full", "full", "partial"])[2])
+    assert outputs[base][-1].finish_reason == "length" and list(lora._host) == ["partial"]
+    assert lora.stats.disk_loads == 4  # 3 at start, "partial" read once
+    assert_released(engine)
