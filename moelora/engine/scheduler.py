@@ -232,12 +232,12 @@ class Scheduler:
             reqs.append(req)
             extend_lens.append(n)
             budget -= n
-            for p in passed:
-                p.overtaken += 1
             if req.lora is not None:
                 adapters.add(req.lora)
-            if n < remaining:
-                break
+            for p in passed:
+                p.overtaken += 1
+            if n < remaining or any(p.overtaken >= self.config.max_running_requests for p in passed):
+                break  # (the bound reached: no one else overtakes them, now or in the next steps)
         return reqs, extend_lens
 
     def _allocate(self, reqs: list[Req], extend_lens: list[int], num_decode: int) -> ScheduledBatch:

@@ -239,6 +239,21 @@ def test_a_request_waiting_for_an_adapter_slot_is_overtaken_at_most_max_running_
     run(s, max_steps=400)
 
 
+def test_the_overtaking_bound_holds_within_one_step():
+    """Requests of the running adapter, one token each, behind one waiting for a slot: three start in one step (the
+    rows allow), and of the next three only one does, the fourth (max_running_requests) to overtake it."""
+    s = make(max_loras_per_batch=1, rows=4, num_slots=256, max_running_requests=4)
+    s.add(req("first", 2, 6, "x"))
+    blocked = req("blocked", 2, 2, "y")
+    s.add(blocked)
+    step(s)
+    for i in range(6):
+        s.add(req(f"x{i}", 2, 1, "x"))
+    assert [r.rid for r in step(s).reqs] == ["first", "x0", "x1", "x2"] and blocked.overtaken == 3
+    assert [r.rid for r in step(s).reqs] == ["first", "x3"] and blocked.overtaken == 4
+    run(s)
+
+
 def test_remove_frees_cache_anywhere():
     s = make(chunked_prefill_size=4)
     a, b = req("a", 10, 5), req("b", 3, 5)
