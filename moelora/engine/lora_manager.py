@@ -274,11 +274,12 @@ class LoRAManager:
         for name in window:  # used last: the reads taken in below evict none of them (max_cpu_loras >= the window)
             if name in self._host:
                 self._host.move_to_end(name)
-        keep, failed = set(in_use), []
+        keep, failed, slots_left = set(in_use), [], self.config.enable_lora_overlap_loading
         for name in window:  # (the loop sees the names appended to it)
             before = len(failed)
-            if not self._prefetch_one(name, keep, failed):
-                break
+            in_host = self.pool.peek(name) is not None or self._in_host(name, failed)
+            if in_host and slots_left:
+                slots_left = self._into_slot(name, keep, failed)
             if len(failed) > before:
                 window.extend(itertools.islice(names, 1))
         self._take_in_reads(window)
@@ -420,12 +421,9 @@ class LoRAManager:
         while self.config.max_cpu_loras is not None and len(self._host) > self.config.max_cpu_loras:
             self._record("evict", self._host.popitem(last=False)[0])
 
-    def _prefetch_one(self, name: str, keep: set[str], failed: list[tuple[str, str, Exception]]) -> bool:
-        """prefetch's work for one adapter (see there); False when no slot is left to take."""
-        if self.pool.peek(name) is None and not self._in_host(name, failed):
-            return True
-        if not self.config.enable_lora_overlap_loading:
-            return True
+    def _into_slot(self, name: str, keep: set[str], failed: list[tuple[str, str, Exception]]) -> bool:
+        """prefetch's slot for an adapter in host memory (see there; a failure added to `failed`); False when no slot
+        is left to take."""
         if self.pool.lookup(name) is None:
             if not self.pool.has_room(keep):
                 return False
