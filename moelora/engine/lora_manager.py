@@ -266,22 +266,18 @@ class LoRAManager:
         (a later call takes it in). With enable_lora_overlap_loading, each in host memory then goes into a GPU slot,
         on a GPU on the copy stream, so a step reads the slot only once `ready` says so: it takes a slot while one is
         free or holds an adapter neither in `in_use` nor named before it (one still being copied too, for a request
-        gone since: the copy stream writes a slot in order). Returns (adapter, what failed, error) for each whose read
-        or write failed (nothing of it stays in a slot; its requests are to fail, and the next adapter of the queue
-        takes its place here)."""
-        names = _distinct(adapters)
-        window = list(itertools.islice(names, self.pool.num_slots))
+        gone since: the copy stream writes a slot in order). Reads of adapters out of the window not started yet are
+        called off. Returns (adapter, what failed, error) for each whose read or write failed (nothing of it stays in a
+        slot; its requests are to fail, and a call after that looks at the queue without them)."""
+        window = list(itertools.islice(_distinct(adapters), self.pool.num_slots))
         for name in window:  # used last: the reads taken in below evict none of them (max_cpu_loras >= the window)
             if name in self._host:
                 self._host.move_to_end(name)
         keep, failed, slots_left = set(in_use), [], self.config.enable_lora_overlap_loading
-        for name in window:  # (the loop sees the names appended to it)
-            before = len(failed)
+        for name in window:
             in_host = self.pool.peek(name) is not None or self._in_host(name, failed)
             if in_host and slots_left:
                 slots_left = self._into_slot(name, keep, failed)
-            if len(failed) > before:
-                window.extend(itertools.islice(names, 1))
         self._take_in_reads(window)
         return failed
 
@@ -452,14 +448,16 @@ class LoRAManager:
         return error is None
 
     def _take_in_reads(self, window: Collection[str]) -> None:
-        """Finished reads of adapters outside prefetch's window (their requests aborted, or further back in the queue
-        now): into host memory where it has room (evicting nothing), else dropped."""
-        for name in [n for n, read in self._reading.items() if read.done() and n not in window]:
-            if self.config.max_cpu_loras is not None and len(self._host) >= self.config.max_cpu_loras:
+        """Reads of adapters outside prefetch's window (their requests aborted, or further back in the queue now):
+        finished, into host memory where it has room (evicting nothing), else dropped; not started, called off (the
+        reader thread would read them before the window's)."""
+        for name in [n for n in self._reading if n not in window]:
+            read = self._reading[name]
+            if read.done() and (self.config.max_cpu_loras is None or len(self._host) < self.config.max_cpu_loras):
+                self._take_in(name)  # (a failed one is dropped: a request naming it again reads it again)
+            elif read.done() or read.cancel():
                 self._discard(name)
                 self._record("discard", name)
-            else:
-                self._take_in(name)  # (a failed one is dropped: a request naming it again reads it again)
 
     def _take_in(self, name: str) -> Exception | None:
         """The adapter's finished read into host memory ("take": the other ranks' too, once theirs is done), or,

@@ -217,20 +217,22 @@ class Stepper:
 
     def _prefetch_adapters(self) -> list[StepOutput]:
         """Start getting the waiting requests' adapters ready (LoRAManager.prefetch: read from disk, put into GPU
-        slots); the waiting requests of an adapter whose read or write failed end with the error, a device error ends
-        every request."""
-        # the queue's first max_running_requests requests: those behind them start no sooner than a batch later
-        head = itertools.islice(self.scheduler.waiting, self.scheduler.config.max_running_requests)
-        failed = self.runner.lora.prefetch((r.lora for r in head if r.lora is not None),
-                                           self.scheduler.active_adapters())
+        slots); the waiting requests of an adapter whose read or write failed end with the error (and prefetch looks
+        again at the queue without them), a device error ends every request."""
         outputs = []
-        for name, what, e in failed:
-            if _is_device_error(e):
-                return outputs + self._device_failed(e, [])
-            logger.error("adapter %r: %s failed: %s", name, what, _describe(e))
-            outputs += [self.fail(r, f"{what} failed: {_describe(e)}")
-                        for r in list(self.scheduler.waiting) if r.lora == name]
-        return outputs
+        while True:
+            # the queue's first max_running_requests requests: those behind them start no sooner than a batch later
+            head = itertools.islice(self.scheduler.waiting, self.scheduler.config.max_running_requests)
+            failed = self.runner.lora.prefetch((r.lora for r in head if r.lora is not None),
+                                               self.scheduler.active_adapters())
+            if not failed:
+                return outputs
+            for name, what, e in failed:
+                if _is_device_error(e):
+                    return outputs + self._device_failed(e, [])
+                logger.error("adapter %r: %s failed: %s", name, what, _describe(e))
+                outputs += [self.fail(r, f"{what} failed: {_describe(e)}")
+                            for r in list(self.scheduler.waiting) if r.lora == name]
 
     def _prefetching(self) -> bool:
         """Requests wait while prefetch's reads or copies for them go on."""
@@ -240,6 +242,10 @@ class Stepper:
         """Wait for prefetch's copies and, a while at most, for the first of its reads; prefetch again (what was read
         goes into host memory, with overlap loading into a slot) and wait for the copies that starts."""
         lora = self.runner.lora
+        try:  # (the other ranks start their reads now, not with the next step)
+            self.runner.sync_lora()
+        except WorkerFailure as e:
+            return self._device_failed(e, [])
         lora.wait_for_prefetch(PREFETCH_WAIT_S)
         outputs = self._prefetch_adapters()
         lora.wait_for_prefetch(0.0)

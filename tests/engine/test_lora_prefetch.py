@@ -370,6 +370,18 @@ def gated_reads(engine, monkeypatch) -> tuple[threading.Event, threading.Event]:
     return started, go
 
 
+def aborted_while_read(engine, monkeypatch, outputs: dict[str, list]) -> tuple[str, str, threading.Event]:
+    """A base request of 12 tokens running, and a request of "full" (out of host memory) aborted while the reader
+    thread reads its adapter, the read held until the test sets the event returned with the two requests' rids."""
+    started, go = gated_reads(engine, monkeypatch)
+    base = engine.add_request(prompt(0), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    aborted = engine.add_request(prompt(1), GREEDY, lora="full")
+    step(engine, outputs)
+    assert started.wait(60)
+    engine.abort(aborted)
+    return base, aborted, go
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["slot-write-in-step", "overlap-loading"])
 def test_an_adapter_read_back_from_disk_keeps_no_one_waiting_but_its_requests(make_engine, adapters, monkeypatch,
                                                                                overlap):
@@ -399,13 +411,8 @@ def test_a_read_for_an_adapter_unloaded_since_is_never_used(make_engine, adapter
     the old read, finished later, is not taken for the new adapter, even once the new one leaves host memory."""
     paths = three_adapters(adapters)
     engine = make_engine(FAMILY, max_cpu_loras=2, lora_paths=paths)
-    started, go = gated_reads(engine, monkeypatch)
     outputs: dict[str, list] = {}
-    base = engine.add_request(prompt(0), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-    aborted = engine.add_request(prompt(1), GREEDY, lora="full")
-    step(engine, outputs)
-    assert started.wait(60)
-    engine.abort(aborted)
+    base, aborted, go = aborted_while_read(engine, monkeypatch, outputs)
     step(engine, outputs)
     engine.unload_lora("full")
     engine.load_lora("full", paths["partial"])  # (read on this thread)
@@ -458,11 +465,15 @@ def test_a_step_waits_a_while_for_a_read_and_takes_the_requests_that_come_meanwh
     assert_released(engine)
 
 
-def test_a_failed_read_brings_the_next_adapter_of_the_queue_in(make_engine, adapters, monkeypatch):
+@pytest.mark.parametrize("max_running_requests", [256, 1])
+def test_a_failed_read_brings_the_next_adapter_of_the_queue_in(make_engine, adapters, monkeypatch,
+                                                               max_running_requests):
     """One slot, host memory for one adapter, requests of two adapters out of it waiting and nothing running: the
-    first one's read fails (its request ends with the error), and the second adapter, now first in the queue, is read
-    and its request served (the step asserted that nothing could run)."""
-    engine = make_engine(FAMILY, max_loras_per_batch=1, max_cpu_loras=1, lora_paths=three_adapters(adapters))
+    first one's read fails (its request ends with the error), and the second adapter, now first in the queue (also
+    where prefetch looks at one request only), is read and its request served (the step asserted that nothing could
+    run)."""
+    engine = make_engine(FAMILY, max_loras_per_batch=1, max_cpu_loras=1, max_running_requests=max_running_requests,
+                         lora_paths=three_adapters(adapters))
     lora, faults = engine.runner.lora, [OSError("disk error")]
     assert list(lora._host) == ["again"]
     real_read = lora.read
@@ -487,13 +498,8 @@ def test_a_read_finished_for_an_aborted_request_evicts_no_adapter_a_waiting_requ
     was read again, and the step asserted that nothing could run)."""
     engine = make_engine(FAMILY, max_loras_per_batch=1, max_cpu_loras=1, lora_paths=three_adapters(adapters))
     lora = engine.runner.lora
-    started, go = gated_reads(engine, monkeypatch)
     outputs: dict[str, list] = {}
-    base = engine.add_request(prompt(0), GREEDY)
-    aborted = engine.add_request(prompt(1), GREEDY, lora="full")
-    step(engine, outputs)
-    assert started.wait(60)
-    engine.abort(aborted)
+    base, _, go = aborted_while_read(engine, monkeypatch, outputs)
     run(engine, outputs)
     real_prefetch = lora.prefetch
 
@@ -509,4 +515,28 @@ def test_a_read_finished_for_an_aborted_request_evicts_no_adapter_a_waiting_requ
     assert same(outputs[late], alone(make_engine, adapters, ["full", "full", "partial"])[2])
     assert outputs[base][-1].finish_reason == "length" and list(lora._host) == ["partial"]
     assert lora.stats.disk_loads == 4  # 3 at start, "partial" read once
+    assert_released(engine)
+
+
+def test_the_reads_of_aborted_requests_not_started_yet_are_called_off(make_engine, adapters, monkeypatch):
+    """Host memory for one adapter, a base request running: a request's adapter is being read (held by the test) and
+    the next one's read waits behind it in the reader thread; both requests are aborted. The waiting read is called
+    off (the next request of that adapter would queue behind it); the held one, finished later, is dropped, host
+    memory being full; a new request of the second adapter is read once and served."""
+    engine = make_engine(FAMILY, max_loras_per_batch=1, max_cpu_loras=1, lora_paths=three_adapters(adapters))
+    lora = engine.runner.lora
+    outputs: dict[str, list] = {}
+    base, _, go = aborted_while_read(engine, monkeypatch, outputs)
+    behind = engine.add_request(prompt(2), GREEDY, lora="partial")
+    step(engine, outputs)
+    assert set(lora._reading) == {"full", "partial"}
+    engine.abort(behind)
+    step(engine, outputs)
+    assert set(lora._reading) == {"full"}  # still running: it cannot be called off
+    late = engine.add_request(prompt(2), GREEDY, lora="partial")
+    go.set()
+    run(engine, outputs)
+    assert same(outputs[late], alone(make_engine, adapters, ["full", "full", "partial"])[2])
+    assert outputs[base][-1].finish_reason == "length" and list(lora._host) == ["partial"]
+    assert lora.stats.disk_loads == 4 and not lora._reading  # 3 at start, "partial" once
     assert_released(engine)
