@@ -82,14 +82,16 @@ Generate = Callable[[list[list[int]], list[str | None], int], None]
 class Ours:
     def __init__(self, model_dir: Path, adapters: dict[str, Path], device: str, dtype: torch.dtype, max_batch: int,
                  **options):
-        """options: further EngineConfig fields (tp_size, ep_size, moe_dispatch: bench_tp.py). Prefix caching is
+        """options: further EngineConfig fields (tp_size, ep_size, moe_dispatch: bench_tp.py; max_lora_rank, the
+        slots' rank, the adapters' by default). Prefix caching is
         off unless options turn it on: the timed calls run the warm-up's prompts again, which it would serve."""
         options.setdefault("enable_prefix_caching", False)
+        options.setdefault("max_lora_rank", RANK)
         self.engine = Engine(str(model_dir), lora_paths={n: str(p) for n, p in adapters.items()}, load_format="dummy",
                              device=device, dtype=str(dtype).removeprefix("torch."),
                              # as many slots as adapters, so `--adapters 0,1` fits an 80 GB GPU (8 slots leave no KV cache)
                              max_loras_per_batch=max(1, len(adapters)),
-                             max_lora_rank=RANK, cuda_graph_max_bs=max_batch, **options)
+                             cuda_graph_max_bs=max_batch, **options)
 
     def generate(self, prompts: list[list[int]], names: list[str | None], new_tokens: int) -> None:
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -250,7 +252,12 @@ def main():
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest decode batch run from a CUDA graph (default: the largest batch; past it steps run eagerly)")
     p.add_argument("--workdir", type=Path, default=None, help="where the config and adapters go (default: a temp dir)")
+    p.add_argument("--max-lora-rank", type=int, default=RANK,
+                   help=f"the slots' rank (default {RANK}, the adapters'): larger, the pool of a server whose adapters' "
+                        "ranks go higher")
     args = p.parse_args()
+    if args.max_lora_rank < RANK:
+        p.error(f"--max-lora-rank: at least the adapters' rank, {RANK}")
     defaults = ("1,8", 16, 4, "8x32") if args.tiny else ("1,8,32,128", 128, 16, "8x1024")
     for name, value in zip(("batch_sizes", "prompt_len", "decode_tokens", "prefill"), defaults):
         if getattr(args, name) is None:
@@ -272,7 +279,8 @@ def bench(args, workdir: Path) -> None:
     print(f"# moelora serving benchmark, {name}, {datetime.date.today()}, torch {torch.__version__}, triton "
           f"{triton.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, {dtype}")
     print(f"model: {'tiny Qwen3-MoE' if args.tiny else 'Qwen3-30B-A3B'} sizes, dummy weights; adapters rank {RANK} "
-          f"on q/k/v/o and all routed experts (PEFT target_parameters), written in {time.perf_counter() - t0:.0f} s")
+          f"(slots of rank {args.max_lora_rank}) on q/k/v/o and all routed experts (PEFT target_parameters), "
+          f"written in {time.perf_counter() - t0:.0f} s")
     print(f"measured copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write), {dtype} matmul {matmul / 1e12:.0f} TFLOP/s")
     print("transformers: sdpa attention, experts grouped_mm (generate() decodes with batched_mm), DynamicCache, "
           "eager; PEFT: one sub-batch per adapter\n")
@@ -293,7 +301,8 @@ def bench(args, workdir: Path) -> None:
     if args.impl in ("both", "ours"):
         with stopwatch("ours", "start (dummy weights, adapters, CUDA graphs)"):
             ours = Ours(model_dir, adapters, device, dtype,
-                        args.cuda_graph_max_bs or max(map(int, args.batch_sizes.split(","))))
+                        args.cuda_graph_max_bs or max(map(int, args.batch_sizes.split(","))),
+                        max_lora_rank=args.max_lora_rank)
         measure_all("ours", ours.generate, ours)
         del ours
         free_memory(device)

@@ -13,7 +13,7 @@ engine thread shares the GIL with the event loop there, so the launches take lon
 padded token count (64, 128, ..., 1024, 1536, 2048, 3072, ...), for fewer than PROMPT_ROWS sequences
 (PaddedPrompt says how a step is padded).
 
-A graph bakes in the experts' LoRA rank tile, so with LoRA there is one for each rank bound a step can run with
+A graph bakes in the LoRA layers' rank tile, so with LoRA there is one for each rank bound a step can run with
 (lora_tiles.step_rank_bounds: the smallest tile's and the slots' rank), and a step replays the one that
 LoRAManager.prepare set for its adapters."""
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from moelora.core import ExpertLoRASlots, ForwardBatch, KVCache, LoRABatch
+from moelora.core import ExpertLoRASlots, ForwardBatch, KVCache, LinearLoRASlots, LoRABatch
 from moelora.kernels.lora_tiles import step_rank_bounds
 
 PROMPT_ROWS = 64  # sequences (real ones, the padding one, empty ones) of a prompt graph with at least as many tokens
@@ -48,16 +48,16 @@ def capture(run: Callable[[], torch.Tensor], pool) -> torch.cuda.CUDAGraph:
 
 
 class RankBounds:
-    """The graphs' keys beside their size: 0 for a step without LoRA, else the experts' rank bound it runs with."""
+    """The graphs' keys beside their size: 0 for a step without LoRA, else the rank bound its LoRA layers run with."""
 
-    def __init__(self, expert_loras: list[ExpertLoRASlots], lora_rank: int):
-        """lora_rank: the slots' rank (0: no LoRA graphs)."""
-        self.expert_loras, self.lora_rank = expert_loras, lora_rank
-        self.keys = [0, *(step_rank_bounds(lora_rank) if expert_loras else [lora_rank] if lora_rank else [])]
+    def __init__(self, slot_buffers: list[LinearLoRASlots | ExpertLoRASlots], lora_rank: int):
+        """slot_buffers: every LoRA layer's; lora_rank: the slots' rank (0: no LoRA graphs)."""
+        self.slot_buffers, self.lora_rank = slot_buffers, lora_rank
+        self.keys = [0, *(step_rank_bounds(lora_rank) if slot_buffers else [lora_rank] if lora_rank else [])]
 
     def set(self, key: int) -> bool:
         """Make the layers run with the key's rank bound (for a capture); whether the key is a LoRA step's."""
-        for lora in self.expert_loras:
+        for lora in self.slot_buffers:
             lora.max_rank_in_use = key or self.lora_rank
         return key > 0
 
@@ -65,7 +65,7 @@ class RankBounds:
         """The key of the graph the step replays."""
         if batch.lora is None:
             return 0
-        return (self.expert_loras[0].max_rank_in_use or self.lora_rank) if self.expert_loras else self.lora_rank
+        return (self.slot_buffers[0].max_rank_in_use or self.lora_rank) if self.slot_buffers else self.lora_rank
 
 
 def decode_graph_sizes(max_bs: int) -> list[int]:
@@ -76,10 +76,11 @@ def decode_graph_sizes(max_bs: int) -> list[int]:
 
 
 class CudaGraphs:
-    def __init__(self, logits: Logits, kv: KVCache, max_bs: int, expert_loras: list[ExpertLoRASlots], lora_rank: int):
+    def __init__(self, logits: Logits, kv: KVCache, max_bs: int, slot_buffers: list[LinearLoRASlots | ExpertLoRASlots],
+                 lora_rank: int):
         """logits(batch): the step the graphs capture; lora_rank: the slots' rank (0: no LoRA graphs)."""
         self.logits, self.kv, self.max_bs = logits, kv, max_bs
-        self.bounds = RankBounds(expert_loras, lora_rank)
+        self.bounds = RankBounds(slot_buffers, lora_rank)
         self.sizes = decode_graph_sizes(max_bs)
         n, device = self.max_bs, kv.req_to_token.device
         # static inputs: the graphs read these addresses, so they live as long as the graphs
@@ -212,12 +213,12 @@ class PaddedPrompt:
 
 
 class PromptGraphs:
-    def __init__(self, logits: Logits, kv: KVCache, max_tokens: int, expert_loras: list[ExpertLoRASlots],
-                 lora_rank: int):
+    def __init__(self, logits: Logits, kv: KVCache, max_tokens: int,
+                 slot_buffers: list[LinearLoRASlots | ExpertLoRASlots], lora_rank: int):
         """logits(batch): the step the graphs capture; lora_rank: the slots' rank (0: no LoRA graphs)."""
         self.sizes = prompt_graph_sizes(max_tokens)
         self.inputs = PaddedPrompt(kv, max_tokens)
-        self.bounds = RankBounds(expert_loras, lora_rank)
+        self.bounds = RankBounds(slot_buffers, lora_rank)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():

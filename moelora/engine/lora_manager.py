@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from moelora.core import ExpertLoRASlots
+from moelora.core import ExpertLoRASlots, LinearLoRASlots
 from moelora.engine.config import EngineConfig
 from moelora.engine.lora_slots import (RankShare, adapted_layers, allocate_lora_slots, fit_problems, model_modules,
                                        resolve_targets, share_of, slot_buffer_bytes, slot_bytes, slotted_modules,
@@ -130,7 +130,7 @@ class LoRAManager:
         # adapters being read back into host memory by prefetch, in a thread of their own (started when first needed)
         self._reading: dict[str, concurrent.futures.Future[RankShare]] = {}
         self._reader: concurrent.futures.ThreadPoolExecutor | None = None
-        self._expert_rank: dict[str, int] = {}  # largest routed-expert rank of each adapter
+        self._rank: dict[str, int] = {}  # each adapter's largest rank, of any module
         self._version: dict[str, tuple] = {}  # each adapter's files (RankShare.version) when it was registered
         self._in_flight: Counter[str] = Counter()
         self._unloading: set[str] = set()
@@ -146,7 +146,9 @@ class LoRAManager:
             if check_memory is not None:
                 check_memory(slot_buffer_bytes(model, config.max_loras_per_batch, self.max_rank, targets), self.max_rank)
             allocate_lora_slots(model, config.max_loras_per_batch, self.max_rank, targets)
-        self.expert_loras = [m.lora for m in model.modules() if isinstance(getattr(m, "lora", None), ExpertLoRASlots)]
+        # every LoRA layer's slot buffers, dense and experts: a step's rank tile is set on all of them (prepare)
+        self.slot_buffers = [m.lora for m in model.modules()
+                             if isinstance(getattr(m, "lora", None), (ExpertLoRASlots, LinearLoRASlots))]
         for name, share in initial.items():
             self._raise(unslotted_problems(model, share.modules), f"adapter {name!r} ({share.path})")
             self._register(name, Path(config.lora_paths[name]), share)
@@ -243,7 +245,7 @@ class LoRAManager:
     def prepare(self, adapters: Sequence[str | None], in_use: Collection[str]) -> list[int]:
         """GPU slot of each request's adapter (-1: base model), loading adapters into slots as
         needed without evicting any in `in_use` (which must include `adapters`); the step queued next waits for the
-        copies of any slot prefetch wrote. Also bounds the experts' rank tile by the largest rank among `adapters`."""
+        copies of any slot prefetch wrote. Also bounds every LoRA layer's rank tile by the largest rank among `adapters`."""
         slots: dict[str, int] = {}
         for name in dict.fromkeys(a for a in adapters if a is not None):
             slot = self.pool.lookup(name)
@@ -255,7 +257,7 @@ class LoRAManager:
                 self._record("use", slot)
             slots[name] = slot
         if slots:
-            rank = step_rank_bound(max(self._expert_rank[n] for n in slots), self.max_rank)
+            rank = step_rank_bound(max(self._rank[n] for n in slots), self.max_rank)
             self._set_rank_tile(rank)
             self._record("rank", rank)
         return [-1 if a is None else slots[a] for a in adapters]
@@ -403,12 +405,12 @@ class LoRAManager:
                                + "\n  - ".join(problems), problems)
 
     def _set_rank_tile(self, rank: int) -> None:
-        for lora in self.expert_loras:
+        for lora in self.slot_buffers:
             lora.max_rank_in_use = rank
 
     def _register(self, name: str, path: Path, share: RankShare) -> None:
         self._paths[name] = path
-        self._expert_rank[name], self._version[name] = share.expert_rank, share.version
+        self._rank[name], self._version[name] = share.max_rank, share.version
         self._cache(name, share)
 
     def _cache(self, name: str, share: RankShare) -> None:
@@ -491,7 +493,7 @@ class LoRAManager:
         self.stats.disk_loads += 1
         # the registered adapter or nothing: the one rewritten in place may be another (its rank past the rank
         # tile `prepare` bounds the step with), and the other ranks may read either
-        if (share.version, share.expert_rank) != (self._version[name], self._expert_rank[name]):
+        if (share.version, share.max_rank) != (self._version[name], self._rank[name]):
             raise AdapterError(f"adapter {name!r}: its files in {self._paths[name]} changed since it was loaded; "
                                "unload it and load it again to serve them")
         self._cache(name, share)
@@ -499,7 +501,7 @@ class LoRAManager:
 
     def _drop(self, name: str) -> None:
         self._record("drop", name)
-        del self._paths[name], self._expert_rank[name], self._version[name]
+        del self._paths[name], self._rank[name], self._version[name]
         self._unloading.discard(name)
         self._host.pop(name, None)
         self._discard(name)

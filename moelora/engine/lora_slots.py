@@ -146,8 +146,7 @@ class RankShare:
     write_share_to_slot copies, this rank's experts and rows, in the canonical layout."""
     path: Path
     layers: dict[int, LayerLoRA]
-    max_rank: int     # the whole adapter's
-    expert_rank: int  # the whole adapter's largest routed-expert rank (0: none)
+    max_rank: int  # the whole adapter's
     modules: dict[str, tuple[int, ...]]  # the whole adapter's target modules, with the layers it adapts them in
     version: tuple[tuple[str, int, int], ...] = ()  # Adapter.version: its files' when they were read
 
@@ -180,9 +179,7 @@ def share_of(model: nn.Module, adapter: Adapter) -> RankShare:
             if lora is not None:
                 layers[m.layer_id].modules[name] = LinearLoRA(_owned(lora.a[:, m.in_shard], lora.a),
                                                               _owned(lora.b[rows], lora.b), lora.scaling, lora.keys)
-    expert_rank = max((e.rank for layer in adapter.layers.values() for e in layer.experts.values()), default=0)
-    return RankShare(adapter.path, dict(layers), adapter.max_rank, expert_rank, adapted_layers(adapter),
-                     adapter.version)
+    return RankShare(adapter.path, dict(layers), adapter.max_rank, adapted_layers(adapter), adapter.version)
 
 
 def staged_share(model: nn.Module, share: RankShare) -> RankShare:
@@ -332,6 +329,8 @@ def _write_linear(m: Linear, layer: LayerLoRA, slot: int) -> None:
             buffers.a[slot, part, :lora.rank].copy_(lora.a, non_blocking=True)
             buffers.b[slot, :lora.rank, offset:offset + size].copy_(lora.b.T, non_blocking=True)
             buffers.ranks[slot, part] = lora.rank
+            # as the experts' (_write_experts)
+            buffers.max_rank_in_use = max(buffers.max_rank_in_use or 0, lora.rank)
         offset += size
 
 

@@ -150,11 +150,11 @@ class ModelRunner:
         self.graphs = self.prompt_graphs = None
         if config.use_cuda_graph:
             with self._start_phase(f"decode graphs to batch {max_bs} captured"):
-                self.graphs = CudaGraphs(self.logits, self.kv, max_bs, self.lora.expert_loras, self.lora.max_rank)
+                self.graphs = CudaGraphs(self.logits, self.kv, max_bs, self.lora.slot_buffers, self.lora.max_rank)
             if prompt_graph_tokens > 0:
                 with self._start_phase(f"prompt graphs to {prompt_graph_tokens} tokens captured"):
                     self.prompt_graphs = PromptGraphs(self.logits, self.kv, prompt_graph_tokens,
-                                                      self.lora.expert_loras, self.lora.max_rank)
+                                                      self.lora.slot_buffers, self.lora.max_rank)
         self.vocab_size = self.model.config.vocab_size
         self.penalties = PenaltyState(config.max_running_requests, self.vocab_size, self.device)
         self.profiler = StepProfiler(self.dist_state.rank, self.device)
@@ -193,12 +193,12 @@ class ModelRunner:
         pairs; the row counts themselves are not specialised, kernels/__init__.py); a request that first
         brings a new class otherwise stalls every running request for the seconds of a compile. The steps
         write only slot 0, which no request ever holds, and record it in request row 0, as padded graph rows do.
-        With an adapter slot, once with each experts' rank bound a step can run with (their tile is a variant too).
+        With an adapter slot, once with each rank bound a step can run with (the LoRA tile is a variant too).
         Under the all-to-all dispatch a rank's experts run the rows routed to it, any number up to the step's tokens,
         and the steps' prompts (one token repeated) all route alike: each size also runs on the experts alone.
         Then one decode step, for the decode attention kernels (of decode and mixed steps): the graph captures run
         them too, but not with the graphs off, nor past their sizes."""
-        bounds = RankBounds(self.lora.expert_loras, self.lora.max_rank)
+        bounds = RankBounds(self.lora.slot_buffers, self.lora.max_rank)
         routed = self._routed_moe_shapes()
         for tokens in warm_up_sizes(max_tokens):
             for key in bounds.keys:

@@ -126,7 +126,7 @@ def test_each_rank_keeps_its_share_of_an_adapter(options, start_engine, adapters
     whole = load_adapter(adapters("qwen3_moe")["full"].path, family_config("qwen3_moe"))
     share = many.runner.lora._host["full"]
     assert share.num_bytes() < (0.6 if "ep_size" in options else 0.9) * whole.num_bytes()  # A and B of each expert
-    assert (share.max_rank, share.expert_rank) == (whole.max_rank, max(e.rank for e in whole.layers[0].experts.values()))
+    assert share.max_rank == whole.max_rank
     for layer_id, layer in share.layers.items():
         full = whole.layers[layer_id]
         pieces = [(name, lora, full.experts[name]) for name, lora in layer.experts.items()] + \

@@ -29,13 +29,13 @@ def test_decode_graph_sizes_every_8_to_256_then_every_16():
     assert decode_graph_sizes(130)[-2:] == [128, 130]
 
 
-@pytest.mark.parametrize("slots_rank, experts, keys", [(64, True, [0, 16, 64]), (32, True, [0, 16, 32]),
+@pytest.mark.parametrize("slots_rank, slotted, keys", [(64, True, [0, 16, 64]), (32, True, [0, 16, 32]),
                                                       (16, True, [0, 16]), (8, True, [0, 8]), (64, False, [0, 64]),
                                                       (0, False, [0])])
-def test_a_graph_for_each_rank_bound(make_engine, slots_rank, experts, keys):
-    """The graphs' keys: no LoRA (0) and, with LoRA, each experts' rank bound a step can run with (one, the slots'
-    rank, when the experts have no slots); a step replays the graph of the bound LoRAManager.prepare set for it."""
-    loras = make_engine(FAMILY, max_lora_rank=64).runner.lora.expert_loras[:2] if experts else []
+def test_a_graph_for_each_rank_bound(make_engine, slots_rank, slotted, keys):
+    """The graphs' keys: no LoRA (0) and, with LoRA, each rank bound a step can run with (one, the slots' rank, when
+    no layer has slots); a step replays the graph of the bound LoRAManager.prepare set for it, on every layer."""
+    loras = make_engine(FAMILY, max_lora_rank=64).runner.lora.slot_buffers if slotted else []
     bounds = RankBounds(loras, slots_rank)
     assert bounds.keys == keys
     runner = make_engine(FAMILY).runner

@@ -368,19 +368,19 @@ def test_warm_up_leaves_no_trace(make_engine, alone):
 
 
 def test_warm_up_runs_each_rank_bound(make_engine, adapters, wide_adapter, monkeypatch):
-    """In slots of rank 32, each warm-up size runs without an adapter slot and with one at each experts' rank bound a
-    step can run with (16 and 32: each is a compiled variant of fused_moe); the bound is the slots' afterwards. Then
-    one decode row, for the decode attention kernels (CUDA graphs off: no capture runs them)."""
+    """In slots of rank 32, each warm-up size runs without an adapter slot and with one at each rank bound a step can
+    run with (16 and 32, on every LoRA layer: each is a compiled variant of its kernels); the bound is the slots'
+    afterwards. Then one decode row, for the decode attention kernels (CUDA graphs off: no capture runs them)."""
     engine = make_engine(FAMILY, max_lora_rank=32, lora_paths={"wide": wide_adapter})
     runner, seen = engine.runner, []
-    experts = runner.lora.expert_loras
+    buffers = runner.lora.slot_buffers
     real = runner.logits
     monkeypatch.setattr(runner, "logits", lambda batch: seen.append(
-        (batch.num_tokens, batch.lora is not None, experts[0].max_rank_in_use, batch.is_decode)) or real(batch))
+        (batch.num_tokens, batch.lora is not None, {b.max_rank_in_use for b in buffers}, batch.is_decode)) or real(batch))
     runner.warm_up(5)
-    assert seen == [(n, lora, bound, False) for n in (1, 2, 3, 4, 5)
-                    for lora, bound in ((False, 32), (True, 16), (True, 32))] + [(1, False, 32, True)]
-    assert {lora.max_rank_in_use for lora in experts} == {32}
+    assert seen == [(n, lora, {bound}, False) for n in (1, 2, 3, 4, 5)
+                    for lora, bound in ((False, 32), (True, 16), (True, 32))] + [(1, False, {32}, True)]
+    assert {lora.max_rank_in_use for lora in buffers} == {32}
 
 
 @pytest.mark.parametrize("warm_up", [False, True])

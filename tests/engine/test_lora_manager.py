@@ -8,6 +8,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 import moelora.engine.lora_manager as lora_manager
+from moelora.core import ExpertLoRASlots, LinearLoRASlots
 from moelora.engine.engine import RequestFailed
 from moelora.engine.lora_manager import LoRAManager, LoRASlotPool
 from moelora.engine.sampling_params import SamplingParams
@@ -51,11 +52,6 @@ def test_one_slot_two_adapters_both_complete(make_engine, reference):
     assert stats.disk_loads >= 3 and stats.slot_hits > 0
 
 
-def expert_rank(path) -> int:
-    adapter = load_adapter(path, family_config(FAMILY))
-    return max(e.rank for layer in adapter.layers.values() for e in layer.experts.values())
-
-
 def test_prepare_never_evicts_what_running_requests_use(make_engine, adapters):
     engine = make_engine(FAMILY, max_loras_per_batch=1)
     manager = engine.runner.lora
@@ -66,20 +62,23 @@ def test_prepare_never_evicts_what_running_requests_use(make_engine, adapters):
     assert manager.pool.names == ["partial"]
 
 
-def test_the_experts_rank_bound_follows_the_adapters_of_the_step(make_engine, adapters, wide_adapter):
-    """In slots of rank 32: a step whose adapters' experts fit the smallest rank tile (16) runs the experts' LoRA
-    with that bound, one with a rank-20 adapter among them with the slots' (lora_tiles.step_rank_bound); a step
-    without adapters leaves it as it was. Slots of rank 8: always 8."""
+def test_the_rank_bound_follows_the_adapters_of_the_step(make_engine, adapters, wide_adapter):
+    """In slots of rank 32: a step whose adapters fit the smallest rank tile (16) runs every LoRA layer, dense and
+    experts, with that bound, one with a rank-20 adapter among them with the slots' (lora_tiles.step_rank_bound); a
+    step without adapters leaves it as it was. Slots of rank 8: always 8."""
     manager = make_engine(FAMILY, max_lora_rank=32, lora_paths={**{n: str(a.path) for n, a in adapters(FAMILY).items()},
                                                                 "wide": wide_adapter}, max_loras_per_batch=3).runner.lora
-    assert expert_rank(wide_adapter) == 20 and max(expert_rank(a.path) for a in adapters(FAMILY).values()) <= 16
+    kinds = {type(lora) for lora in manager.slot_buffers}
+    assert kinds == {LinearLoRASlots, ExpertLoRASlots}, kinds
+    assert load_adapter(wide_adapter, family_config(FAMILY)).max_rank == 20
+    assert max(load_adapter(a.path, family_config(FAMILY)).max_rank for a in adapters(FAMILY).values()) <= 16
     for step, bound in ((["full", None], 16), (["partial", "wide"], 32), ([None], 32), (["partial"], 16)):
         manager.prepare(step, in_use=set(step) - {None})
-        assert {lora.max_rank_in_use for lora in manager.expert_loras} == {bound}, step
+        assert {lora.max_rank_in_use for lora in manager.slot_buffers} == {bound}, step
     small = make_engine(FAMILY, max_loras_per_batch=2).runner.lora
     for step in (["full"], ["partial", None]):
         small.prepare(step, in_use=set(step) - {None})
-        assert {lora.max_rank_in_use for lora in small.expert_loras} == {8}
+        assert {lora.max_rank_in_use for lora in small.slot_buffers} == {8}
 
 
 def test_load_and_unload_at_runtime(make_engine, adapters, reference, tmp_path):

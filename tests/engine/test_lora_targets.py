@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from moelora.core import ExpertLoRASlots
 from moelora.engine.lora_slots import slot_bytes
 from moelora.engine.sampling_params import SamplingParams
 from moelora.lora import AdapterError
@@ -60,7 +61,8 @@ def test_default_is_what_the_adapters_target(make_engine, paths):
     # by module, not by last name: the dense MLP's gate_up_proj and down_proj get no slots for the experts'
     assert has[EXPERTS] and has["model.layers.2.mlp.experts"]
     assert not any(v for name, v in has.items() if "experts" not in name)
-    assert experts.runner.lora.expert_loras and slot_bytes(experts.runner.model) < slot_bytes(engine.runner.model)
+    assert any(isinstance(b, ExpertLoRASlots) for b in experts.runner.lora.slot_buffers)
+    assert slot_bytes(experts.runner.model) < slot_bytes(engine.runner.model)
 
     everything = make_engine(FAMILY, lora_paths={})  # no adapters at start: any may be loaded later
     assert all(slotted(everything).values())

@@ -131,6 +131,26 @@ def test_rank_tile_past_the_buffers_reads_no_other_slot(fused_shrink, device, po
                       rel_tolerance(dtype, device))
 
 
+@pytest.mark.parametrize("fused_shrink", [True, False])
+def test_rank_bound_below_the_buffers_reads_no_row_past_it(fused_shrink, device, poison, monkeypatch):
+    """Slots of rank 64 holding adapters of rank <= 16, run with max_rank_in_use 16 (a step's bound,
+    LoRAManager.prepare): the smallest rank tile, so A's and B's rows past 16 (NaN here) are never read."""
+    if not fused_shrink:
+        _shrink_in_own_launch(monkeypatch)
+    dtype = DTYPES[0]
+    gen = torch.Generator().manual_seed(torch.seed())
+    lora = random_linear_lora(48, (40, 24), [[16, 8], [4, 0], [16, 16]], dtype, device, poison_unused=True,
+                              max_rank=64, generator=gen)
+    assert lora.max_rank_in_use == 16
+    lora.b[:, 16:] = float("nan")
+    x = torch.randn(21, 48, generator=gen).to(device, dtype)
+    weight = (torch.randn(64, 48, generator=gen) / 48**0.5).to(device, dtype)
+    slots = torch.tensor([2, 0, 1, -1] * 5 + [2], dtype=torch.int32, device=device)
+    got = lora_linear(x, weight, None, lora, (40, 24), slots, impl="triton", config=SMALL)
+    assert_rows_close(got, lora_linear(x, weight, None, lora, (40, 24), slots, impl="torch"),
+                      rel_tolerance(dtype, device))
+
+
 def test_no_adapter_tokens_read_nothing(device, poison):
     """All tokens on slots whose ranks are 0 or outside the slots: the plain GEMM's bits, though every A is NaN
     and every B garbage (B past the ranks is read, times xa's zeros)."""

@@ -62,7 +62,7 @@ def test_only_target_modules_get_slots_and_adapters_of_others_are_refused(checkp
 def test_the_share_of_one_rank_is_the_whole_adapter_uncopied(model, adapters):
     adapter = load_adapter(adapters("qwen3_moe")["partial"].path, family_config("qwen3_moe"))
     share = share_of(model, adapter)
-    assert share.num_bytes() == adapter.num_bytes() and (share.max_rank, share.expert_rank) == (2, 2)
+    assert share.num_bytes() == adapter.num_bytes() and share.max_rank == 2
     for layer_id, layer in adapter.layers.items():
         for name, lora in [*layer.experts.items(), *layer.modules.items()]:
             got = share.layers[layer_id].experts.get(name) or share.layers[layer_id].modules[name]
