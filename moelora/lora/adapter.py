@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,6 +32,7 @@ class AdapterFile:
     problems: list[str]
     added_tokens: dict[str, int]  # added_tokens.json: token -> id, checked against the model's vocabulary
     version: tuple[tuple[str, int, int], ...] = ()  # files_version(path) before the read
+    left_out: list[str] = field(default_factory=list)  # keys of training-only state, not served (formats.py)
 
     @property
     def formats(self) -> tuple[str, ...]:
@@ -50,8 +51,9 @@ def read_adapter(path: str | Path) -> AdapterFile:
         added_tokens = _read_added_tokens(path, problems)
     except OSError as e:
         raise AdapterError(f"{path}: cannot be read: {e.strerror or e}") from None
-    pairs = pair_tensors(tensors, problems)
-    return AdapterFile(path, file_name, config, pairs, problems, added_tokens, version)
+    left_out: list[str] = []
+    pairs = pair_tensors(tensors, problems, left_out)
+    return AdapterFile(path, file_name, config, pairs, problems, added_tokens, version, left_out)
 
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "added_tokens.json")

@@ -85,7 +85,7 @@ _REFUSED = (
 
 # Keys of state only PEFT's training reads: VeLoRA's projection for its compressed backward pass (velora_config),
 # MonteCLoRA's sampler that perturbs lora_A in training mode only (monteclora_config). PEFT's inference and merge
-# compute plain LoRA without them, so they are left out rather than refused.
+# compute plain LoRA without them, so they are left out rather than refused (and listed: AdapterFile.left_out).
 _TRAINING_ONLY = re.compile(r"\.(lora_velora_embed|lora_monteclora_sampler\.[^.]+)$")
 
 
@@ -113,12 +113,14 @@ def read_tensors(adapter_dir: Path) -> tuple[dict[str, torch.Tensor], str]:
     raise AdapterError(f"{adapter_dir}: no adapter_model.safetensors or adapter_model.bin")
 
 
-def pair_tensors(tensors: dict[str, torch.Tensor], problems: list[str]) -> list[LoRAPair]:
-    """Group the file's tensors into A/B pairs. Every key but training-only state ends up in a pair or in `problems`."""
+def pair_tensors(tensors: dict[str, torch.Tensor], problems: list[str], left_out: list[str]) -> list[LoRAPair]:
+    """Group the file's tensors into A/B pairs. Every key ends up in a pair, in `problems`, or, training-only state,
+    in `left_out`."""
     halves: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
     refused_modules = set()  # modules with a half refused for its values: no "has no matching" for the other
     for key in sorted(tensors):
         if _TRAINING_ONLY.search(key):
+            left_out.append(key)
             continue
         reason = next((why for pattern, why in _REFUSED if pattern.search(key)), None)
         match = _SUFFIX.match(key)

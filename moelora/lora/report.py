@@ -31,7 +31,7 @@ def inspect_adapter(path: str | Path, model: str | Path | None = None, max_lora_
                "config": {"r": config.r, "lora_alpha": config.lora_alpha, "use_rslora": config.use_rslora,
                           "rank_pattern": config.rank_pattern, "alpha_pattern": config.alpha_pattern,
                           "target_modules": config.target_modules, "target_parameters": list(config.target_parameters)},
-               "problems": list(file.problems)}
+               "problems": list(file.problems), "left_out": list(file.left_out)}
     report["modules"] = _group_rows(_file_rows(file, report["problems"]))
     report["experts_covered"] = _file_coverage(file)
     if model is None:
@@ -169,6 +169,10 @@ def format_report(report: dict) -> str:
                      f"canonical on CPU {mem['canonical_cpu_bytes'] / mib:.2f} MiB")
     elif "formats" in report and not report["problems"]:
         lines.append("memory    needs --model")
+    if report.get("left_out"):
+        lines.append(f"left out  {len(report['left_out'])} tensor(s) of training-only state (PEFT's inference reads "
+                     "none of them)")
+        lines += [f"  - {key}" for key in report["left_out"]]
     lines.append("problems  " + ("none" if not report["problems"] else f"{len(report['problems'])}"))
     lines += [f"  - {p}" for p in report["problems"]]
     return "\n".join(lines)

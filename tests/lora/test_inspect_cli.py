@@ -2,6 +2,7 @@
 import json
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from lora_builders import EXPERTS, HIDDEN, MOE_INTER, tiny_config, write_adapter
 from moelora.cli import main
@@ -77,3 +78,19 @@ def test_inspect_a_pair_whose_a_gives_no_rank(tmp_path, capsys):
         assert any(f"lora_A.weight: shape {shape} gives no rank" in p for p in problems), problems
         assert main(["inspect", adapter, "--model", model_dir(tmp_path), "--json"]) == 1
         assert json.loads(capsys.readouterr().out)["problems"]
+
+
+def test_inspect_lists_training_only_tensors_left_out(tmp_path, capsys):
+    """VeLoRA's and MonteCLoRA's training state is not served (formats.py); the report says so, key by key, and the
+    adapter has no problem for it."""
+    adapter = partial_per_expert(tmp_path)
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    extra = {"base_model.model.model.layers.0.self_attn.q_proj.lora_velora_embed": torch.randn(4, HIDDEN),
+             "base_model.model.model.layers.0.self_attn.q_proj.lora_monteclora_sampler.std_prior": torch.randn(1)}
+    save_file({**tensors, **extra}, adapter / "adapter_model.safetensors")
+    assert main(["inspect", str(adapter)]) == 0
+    out = capsys.readouterr().out
+    assert "left out  2 tensor(s) of training-only state" in out and all(f"  - {key}" in out for key in extra)
+    assert main(["inspect", str(adapter), "--model", model_dir(tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert sorted(report["left_out"]) == sorted(extra) and report["problems"] == []
