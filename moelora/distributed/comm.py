@@ -140,11 +140,11 @@ def control_barrier(state: ParallelState, timeout: float) -> None:
         _wait(dist.all_reduce(torch.zeros(1), group=state.control, async_op=True), timedelta(seconds=timeout))
 
 
-def min_over_ranks(state: ParallelState, value: int, timeout: float) -> int:
-    """The smallest of the ranks' values (the KV cache size every rank can hold); raises after `timeout` seconds
-    without every rank's (one hangs, or died, while loading)."""
+def min_over_ranks(state: ParallelState, values: list[int], timeout: float) -> list[int]:
+    """The smallest of the ranks' values, element by element (the KV cache size every rank can hold; how far every
+    rank's adapter reads got); raises after `timeout` seconds without every rank's (one hangs, or died)."""
     if state.tp_size == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
+        return values
+    t = torch.tensor(values, dtype=torch.int64)
     _wait(dist.all_reduce(t, op=dist.ReduceOp.MIN, group=state.control, async_op=True), timedelta(seconds=timeout))
-    return int(t.item())
+    return t.tolist()

@@ -19,12 +19,17 @@ makes to what the ranks hold (an adapter registered or dropped, read back from d
 evicted from it, written to a slot, the rank tile of a step) is also recorded as an event, which the engine sends
 with the next step or at once, and the other ranks' managers `replay`, each reading the adapter from disk (in its own
 reader thread) and writing its own shard. So every rank's slots hold the same adapters in the same places, and its
-host memory the same adapters.
+host memory the same adapters. No step waits for another rank's disk: while the other ranks read adapters for rank 0
+(one loaded at runtime, or read back for prefetch), rank 0's events end with a "poll" of those reads, which every
+rank answers over the control group (how far its reads got); an adapter is `ready` once every rank has read it, and
+only then do the others take it into host memory. A read that failed on another rank fails the adapter's waiting
+requests, as rank 0's own does.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -42,6 +47,12 @@ from moelora.kernels.lora_tiles import step_rank_bound
 from moelora.lora.adapter import load_adapter
 from moelora.lora.errors import AdapterError
 from moelora.lora.model_shapes import load_model_shapes
+
+
+logger = logging.getLogger(__name__)
+
+# how far a rank's read of an adapter for rank 0 got, as the "poll" event asks: the ranks' smallest is the answer
+READ_PENDING, READ_FAILED, READ_DONE = 0, 1, 2
 
 
 class AdapterNameError(AdapterError):
@@ -131,6 +142,13 @@ class LoRAManager:
         self._reading: dict[str, concurrent.futures.Future[RankShare]] = {}
         self._reader: concurrent.futures.ThreadPoolExecutor | None = None
         self._rank: dict[str, int] = {}  # each adapter's largest rank, of any module
+        # rank 0 under tensor parallelism: adapters whose reads the other ranks were asked for ("read", "load") and
+        # have not all finished (not `ready` meanwhile), those of the poll sent last, and those that failed
+        self._others_reading: dict[str, None] = {}
+        self._polled: list[str] = []
+        self._others_failed: list[tuple[str, str, Exception]] = []
+        # another rank: rank 0's version of each adapter loaded at runtime, until this rank's read is checked against it
+        self._rank0_version: dict[str, tuple] = {}
         self._version: dict[str, tuple] = {}  # each adapter's files (RankShare.version) when it was registered
         self._in_flight: Counter[str] = Counter()
         self._unloading: set[str] = set()
@@ -160,9 +178,10 @@ class LoRAManager:
 
     @property
     def prefetches(self) -> bool:
-        """Whether `prefetch` has work: adapters may leave host memory (max_cpu_loras), or go into slots ahead of
-        their requests (enable_lora_overlap_loading)."""
-        return self.config.max_cpu_loras is not None or self.config.enable_lora_overlap_loading
+        """Whether `prefetch` has work: adapters may leave host memory (max_cpu_loras), go into slots ahead of
+        their requests (enable_lora_overlap_loading), or be read by the other ranks (tensor parallelism)."""
+        return self.config.max_cpu_loras is not None or self.config.enable_lora_overlap_loading \
+            or self._events is not None
 
     @property
     def names(self) -> list[str]:
@@ -211,7 +230,8 @@ class LoRAManager:
                                "(start it with max_lora_rank, or with lora_paths)")
         self._register(name, Path(path), adapter if adapter is not None else self.read(path))
         self.stats.disk_loads += 1
-        self._record("load", name, str(path), self._version[name])
+        self._record("load", name, str(path), self._version[name], self._rank[name])
+        self._ask_others(name)
 
     def unload_lora(self, name: str) -> None:
         """New requests naming the adapter are refused from now on; it leaves memory once its
@@ -275,7 +295,8 @@ class LoRAManager:
         for name in window:  # used last: the reads taken in below evict none of them (max_cpu_loras >= the window)
             if name in self._host:
                 self._host.move_to_end(name)
-        keep, failed, slots_left = set(in_use), [], self.config.enable_lora_overlap_loading
+        keep, slots_left = set(in_use), self.config.enable_lora_overlap_loading
+        failed, self._others_failed = self._others_failed, []
         for name in window:
             in_host = self.pool.peek(name) is not None or self._in_host(name, failed)
             if in_host and slots_left:
@@ -285,15 +306,19 @@ class LoRAManager:
 
     def ready(self, name: str) -> bool:
         """A step may use the adapter without waiting: with enable_lora_overlap_loading it is in a GPU slot, its
-        copies done; else it is in a slot or in host memory (a slot write reads no file)."""
+        copies done; else it is in a slot or in host memory (a slot write reads no file). Under tensor parallelism,
+        not before every rank has read it."""
+        if name in self._others_reading:
+            return False
         slot = self.pool.peek(name)
         if not self.config.enable_lora_overlap_loading:
             return slot is not None or name in self._host
         return slot is not None and (slot not in self._loading or self._loading[slot].query())
 
     def pending(self) -> bool:
-        """Reads from disk or slot copies that prefetch started are still to be taken in or waited for."""
-        return bool(self._reading) or any(not event.query() for event in self._loading.values())
+        """Reads from disk (this rank's or the others') or slot copies that prefetch started are still to be taken in
+        or waited for."""
+        return bool(self._reading or self._others_reading) or any(not event.query() for event in self._loading.values())
 
     def wait_for_prefetch(self, timeout: float) -> None:
         """Wait for the slots' copies still running (the host, not a stream), and for the first of prefetch's reads
@@ -308,25 +333,53 @@ class LoRAManager:
         if self._reader is not None:
             self._reader.shutdown(wait=False, cancel_futures=True)
 
-    def take_events(self) -> list[Event]:
-        """What changed since the last call, for the other ranks to replay."""
+    def take_events(self, wait: float = 0.0) -> list[Event]:
+        """What changed since the last call, for the other ranks to replay. While they read adapters for rank 0, the
+        events end with a "poll" of those reads (each rank waiting up to `wait` seconds for one to finish), which
+        every rank answers at once (`polled`: rank 0's answer goes to `others_read`)."""
         events = self._events or []
         if self._events is not None:
             self._events = []
+            self._polled = list(self._others_reading)
+            if self._polled:
+                events.append(("poll", self._polled, wait))
         return events
 
-    def replay(self, events: list[Event]) -> None:
-        """Make the same changes as rank 0's manager did (on another rank, in its order)."""
+    @property
+    def polled(self) -> list[str]:
+        """The adapters of the poll that take_events sent last (rank 0; empty: none sent)."""
+        return self._polled
+
+    def others_read(self, status: list[int]) -> None:
+        """Rank 0: the ranks' answer to the poll sent last, the least READ_* of each polled adapter over the ranks.
+        One read by every rank goes into the others' host memory where it is in rank 0's; one that failed on a rank
+        is dropped everywhere (its waiting requests fail, prefetch says; a request naming it later reads it again)."""
+        for name, done in zip(self._polled, status):
+            if done == READ_PENDING or name not in self._others_reading:
+                continue
+            del self._others_reading[name]
+            if done == READ_DONE:
+                if name in self._host:
+                    self._record("take", name)
+                continue
+            self._record("discard", name)
+            self._host.pop(name, None)
+            self._discard(name)
+            self._others_failed.append((name, "reading its adapter from disk on another rank",
+                                        AdapterError("a tensor-parallel rank's read failed (its log says why)")))
+        self._polled = []
+
+    def replay(self, events: list[Event]) -> list[int] | None:
+        """Make the same changes as rank 0's manager did (on another rank, in its order); where they end with a poll,
+        this rank's answer (READ_* of each polled adapter) for the ranks to exchange."""
         for kind, *args in events:
-            if kind == "load":
-                name, path, version = args
-                share = self.read(path)
-                # rewritten since rank 0 read it, the ranks would serve two adapters: told by the files' sizes alone
-                # (the rank tiles follow them), as another node's copy has other modification times
-                if _sizes(share.version) != _sizes(version):
-                    raise AdapterError(f"adapter {name!r}: its files in {path} are not those rank 0 read (their "
-                                       f"sizes: {_sizes(version)} there, {_sizes(share.version)} here)")
-                self._register(name, Path(path), share)
+            if kind == "load":  # read in the reader thread: rank 0 waits for it through the polls
+                name, path, version, rank = args
+                self._paths[name], self._rank[name], self._version[name] = Path(path), rank, version
+                self._rank0_version[name] = version
+                self._start_read(name)
+            elif kind == "poll":
+                return self._read_status(*args)
             elif kind == "drop":
                 self._drop(args[0])
             elif kind == "read":
@@ -417,7 +470,11 @@ class LoRAManager:
         self._host[name] = share
         # (another rank replays rank 0's evictions before the adapter each made room for: its memory holds rank 0's)
         while self.config.max_cpu_loras is not None and len(self._host) > self.config.max_cpu_loras:
-            self._record("evict", self._host.popitem(last=False)[0])
+            evicted = self._host.popitem(last=False)[0]
+            self._record("evict", evicted)
+            if evicted in self._others_reading:  # the others drop their read of it too
+                del self._others_reading[evicted]
+                self._record("discard", evicted)
 
     def _into_slot(self, name: str, keep: set[str], failed: list[tuple[str, str, Exception]]) -> bool:
         """prefetch's slot for an adapter in host memory (see there; a failure added to `failed`); False when no slot
@@ -437,10 +494,11 @@ class LoRAManager:
         """Whether the adapter is in host memory; if not, its read from disk starts, or, finished, is taken in (a
         failure added to `failed`)."""
         if name in self._host:
-            return True
+            return name not in self._others_reading  # (the other ranks' copies: no slot write waits for them)
         if name not in self._reading:
             self._start_read(name)
             self._record("read", name)
+            self._ask_others(name)
             return False
         if not self._reading[name].done():
             return False
@@ -468,14 +526,51 @@ class LoRAManager:
             self._host_copy(name)
         except Exception as e:
             self._record("discard", name)
+            self._others_reading.pop(name, None)
             return e
-        self._record("take", name)
+        if name not in self._others_reading:  # else once theirs is done too (others_read)
+            self._record("take", name)
         return None
 
     def _discard(self, name: str) -> None:
         read = self._reading.pop(name, None)
         if read is not None:
             read.cancel()
+        self._others_reading.pop(name, None)  # (rank 0 records the "discard" the others replay)
+
+    def _ask_others(self, name: str) -> None:
+        """Rank 0 under tensor parallelism: the other ranks read the adapter ("read" or "load" recorded); not ready
+        until the polls say every rank has."""
+        if self._events is not None:
+            self._others_reading[name] = None
+
+    def _read_status(self, names: list[str], wait: float) -> list[int]:
+        """Another rank: how far its reads of `names` got (waiting up to `wait` seconds for one of them to end)."""
+        running = [self._reading[n] for n in names if n in self._reading and not self._reading[n].done()]
+        if wait and running:
+            concurrent.futures.wait(running, wait, concurrent.futures.FIRST_COMPLETED)
+        status = []
+        for name in names:
+            read = self._reading.get(name)
+            if name in self._host:
+                status.append(READ_DONE)
+            elif read is None or read.cancelled():
+                status.append(READ_FAILED)
+            elif not read.done():
+                status.append(READ_PENDING)
+            elif read.exception() is not None or not self._same_files(name, read.result()):
+                logger.error("adapter %r: reading it from disk failed on this rank: %s", name,
+                             read.exception() or "its files are not those rank 0 read")
+                status.append(READ_FAILED)
+            else:
+                status.append(READ_DONE)
+        return status
+
+    def _same_files(self, name: str, share: RankShare) -> bool:
+        """Whether this rank read the files rank 0 read, for an adapter loaded at runtime: told by the files' sizes
+        alone (the rank tiles follow them), as another node's copy has other modification times."""
+        version = self._rank0_version.get(name)
+        return version is None or (_sizes(share.version), share.max_rank) == (_sizes(version), self._rank[name])
 
     def _start_read(self, name: str) -> None:
         if self._reader is None:
@@ -491,6 +586,11 @@ class LoRAManager:
         read = self._reading.pop(name, None)
         share = read.result() if read is not None else self.read(self._paths[name])
         self.stats.disk_loads += 1
+        if name in self._rank0_version:  # another rank's first read of an adapter loaded at runtime: its own from now
+            if not self._same_files(name, share):
+                raise AdapterError(f"adapter {name!r}: its files in {self._paths[name]} are not those rank 0 read")
+            del self._rank0_version[name]
+            self._version[name] = share.version
         # the registered adapter or nothing: the one rewritten in place may be another (its rank past the rank
         # tile `prepare` bounds the step with), and the other ranks may read either
         if (share.version, share.max_rank) != (self._version[name], self._rank[name]):
@@ -504,6 +604,7 @@ class LoRAManager:
         del self._paths[name], self._rank[name], self._version[name]
         self._unloading.discard(name)
         self._host.pop(name, None)
+        self._rank0_version.pop(name, None)
         self._discard(name)
         self.pool.release(name)
 

@@ -23,7 +23,7 @@ from moelora.distributed.comm import broadcast, broadcast_object, control_barrie
 from moelora.distributed.state import ParallelState, destroy_parallel, get_parallel, parallel_state
 from moelora.engine.config import CPU_KV_TOKENS, DTYPES, EngineConfig
 from moelora.engine.cuda_graph import CudaGraphs, PromptGraphs, RankBounds
-from moelora.engine.lora_manager import LoRAManager
+from moelora.engine.lora_manager import READ_DONE, LoRAManager
 from moelora.engine.profiler import StepProfiler
 from moelora.engine.request import Req
 from moelora.engine.sampler import PenaltyState, SampleOutput, SamplingBatch, TokenMask, hold_back, sample
@@ -133,7 +133,7 @@ class ModelRunner:
         # every rank's cache alike: rank 0 schedules for all
         if self.dist_state.tp_size > 1:
             with self._start_phase("the other ranks' loads waited for"):
-                tokens = min_over_ranks(self.dist_state, tokens, config.dist_timeout)
+                tokens, = min_over_ranks(self.dist_state, [tokens], config.dist_timeout)
         # a request alone always fits, with a slot to spare for the scheduler's decode reserve
         self.context_len = min(context, tokens - 1)
         self.kv = KVCache(shape.num_layers, tokens + 1, shape.num_kv_heads, shape.k_head_dim, shape.v_head_dim,
@@ -236,7 +236,7 @@ class ModelRunner:
             logits = self.execute(inputs, sampled_before)
         else:
             with self.workers.guard("a step"):
-                self.workers.send(("step", self.lora.take_events(), inputs))
+                self._send("step", inputs)
                 logits = self.execute(inputs, sampled_before)
         prompt_logprobs, prompt_entries, sample_rows, sampled = {}, {}, [], []
         cursor = 0
@@ -293,7 +293,7 @@ class ModelRunner:
         if self.workers is not None:
             try:
                 with self.workers.guard("starting a profile"):
-                    self.workers.send(("profile", self.lora.take_events(), ("start", str(directory), stem)))
+                    self._send("profile", ("start", str(directory), stem))
                     self.workers.barrier()
             except BaseException:
                 self.profiler.abandon()
@@ -309,7 +309,7 @@ class ModelRunner:
         sent = False
         try:
             with self.workers.guard("writing the profile"):
-                self.workers.send(("profile", self.lora.take_events(), ("stop",)))
+                self._send("profile", ("stop",))
             sent = True
             return self.profiler.stop()[0]
         finally:
@@ -319,12 +319,22 @@ class ModelRunner:
                     # the traces take a while to write, as long as their events are many: a long profile's, minutes
                     self.workers.barrier(PROFILE_WRITE_TIMEOUT_FACTOR * self.workers.timeout)
 
-    def sync_lora(self) -> None:
-        """Make the other ranks' adapters what rank 0's are now (after load_lora / unload_lora)."""
+    def sync_lora(self, wait: float = 0.0) -> None:
+        """Make the other ranks' adapters what rank 0's are now (after load_lora / unload_lora, or to start their reads
+        for prefetch at once), and learn how far their reads for rank 0 got, each rank waiting up to `wait` seconds
+        for one to finish."""
         if self.workers is not None:
             with self.workers.guard("changing adapters"):
-                self.workers.send(("lora", self.lora.take_events()))
+                self._send("lora", wait=wait)
                 self.workers.barrier()
+
+    def _send(self, kind: str, *args: object, wait: float = 0.0) -> None:
+        """Send the other ranks a command with rank 0's adapter events; where those poll the other ranks' reads of
+        adapters (LoRAManager.take_events), every rank answers at once (_serve_commands)."""
+        self.workers.send((kind, self.lora.take_events(wait), *args))
+        if self.lora.polled:
+            answer = min_over_ranks(self.workers.state, [READ_DONE] * len(self.lora.polled), self.workers.timeout)
+            self.lora.others_read(answer)
 
     def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
         """The sampling options of the requests, with their penalties and token masks. The grammars'
@@ -483,7 +493,9 @@ def _serve_commands(state: ParallelState, runner: ModelRunner, config: EngineCon
                 destroy_parallel(abort=True)
                 return
             break
-        runner.lora.replay(args[0])
+        status = runner.lora.replay(args[0])
+        if status is not None:  # rank 0's poll of this rank's adapter reads (ModelRunner._send)
+            min_over_ranks(state, status, config.dist_timeout)
         if kind == "step":
             runner.execute(args[1])
             continue

@@ -242,8 +242,8 @@ class Stepper:
         """Wait for prefetch's copies and, a while at most, for the first of its reads; prefetch again (what was read
         goes into host memory, with overlap loading into a slot) and wait for the copies that starts."""
         lora = self.runner.lora
-        try:  # (the other ranks start their reads now, not with the next step)
-            self.runner.sync_lora()
+        try:  # (the other ranks start their reads now, not with the next step, and tell how far theirs got)
+            self.runner.sync_lora(PREFETCH_WAIT_S)
         except WorkerFailure as e:
             return self._device_failed(e, [])
         lora.wait_for_prefetch(PREFETCH_WAIT_S)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -500,22 +501,67 @@ def _serve_with(method: str, replacement: Callable[..., None], rank, config, ini
     model_runner.serve_rank(rank, config, init_method)
 
 
-@pytest.mark.parametrize("failure, fate, why", [
-    (_cannot_read_adapters, "rank 1 failed:\n", "OSError: no such adapter on this rank's node"),
-    (_reads_a_rewritten_adapter, "rank 1 failed:\n", "AdapterError: adapter 'late': its files in "),
-    (_stop, "rank 1 is still running: it did not answer in time", ""),
-], ids=["raises", "rewritten", "hangs"])
-def test_a_rank_that_fails_in_load_lora_stops_the_engine(failure, fate, why, start_engine, adapters, monkeypatch):
-    """Rank 1 raises (as on a node without the adapter's files), reads files that changed since rank 0 read them
-    (the ranks would serve two adapters under one name), or hangs where it reads the adapter a runtime load_lora sends
-    it (the adapters given at start it read otherwise): load_lora raises WorkerFailure naming it within dist_timeout,
-    and the engine takes no more requests."""
+def _reads_when_released(self, path):
+    """Reads the adapter once the file $MOELORA_TEST_RELEASE exists (a slow disk of this rank's alone)."""
+    release = Path(os.environ["MOELORA_TEST_RELEASE"])
+    while not release.exists():
+        time.sleep(0.01)
+    return _READ(self, path)
+
+
+def _steps(engine: Engine, count: int) -> dict[str, list]:
+    """rid -> its outputs of `count` steps."""
+    outputs: dict[str, list] = {}
+    for _ in range(count):
+        for out in engine.step():
+            outputs.setdefault(out.rid, []).append(out)
+    return outputs
+
+
+def test_no_step_waits_for_another_ranks_read_of_an_adapter(start_engine, adapters, tmp_path, monkeypatch):
+    """Rank 1 reads an adapter loaded at runtime only when the test lets it: load_lora returns at once, and the
+    requests of the other adapters and of the base model are served meanwhile (no step waits for that read); a
+    request of the new adapter waits for it, then gets one rank's tokens."""
+    release = tmp_path / "release"
+    monkeypatch.setenv("MOELORA_TEST_RELEASE", str(release))
+    monkeypatch.setattr(engine_module, "serve_rank", functools.partial(_serve_with, "read", _reads_when_released))
+    one = start_engine("qwen3_moe")
+    many = start_engine("qwen3_moe", tp_size=2, dist_timeout=20)
+    many.load_lora("late", str(adapters("qwen3_moe")["partial"].path))
+    late = many.add_request(PROMPTS[0], GREEDY, lora="late")
+    loras = ["full", None, "full", None]
+    assert [o.token_ids for o in many.generate(PROMPTS, GREEDY, lora=loras)] == \
+        [o.token_ids for o in one.generate(PROMPTS, GREEDY, lora=loras)]
+    assert late not in _steps(many, 3) and many.runner.lora.pending()
+    release.touch()
+    outputs = _steps(many, 200)
+    assert outputs[late][-1].finish_reason == "length", outputs[late][-1].error
+    assert [t for out in outputs[late] for t in out.token_ids] == \
+        one.generate(PROMPTS[:1], GREEDY, lora="partial")[0].token_ids
+    assert not many.has_unfinished() and not many.runner.lora.pending()
+    assert_released(many)
+
+
+@pytest.mark.parametrize("failure, why", [
+    (_cannot_read_adapters, "no such adapter"),
+    (_reads_a_rewritten_adapter, "not those rank 0 read"),
+], ids=["raises", "rewritten"])
+def test_a_ranks_failed_read_fails_the_adapters_requests(failure, why, start_engine, adapters, monkeypatch, caplog):
+    """Rank 1 cannot read an adapter loaded at runtime (as on a node without its files), or reads files that changed
+    since rank 0 read them (the ranks would serve two adapters under one name): the adapter's requests fail, each
+    saying so (rank 1's log says why), the others are served, and a request naming it later reads it again."""
     monkeypatch.setattr(engine_module, "serve_rank", functools.partial(_serve_with, "read", failure))
-    many = start_engine("qwen3_moe", tp_size=2, dist_timeout=3)
-    many.generate(PROMPTS[:1], GREEDY, lora="full")
-    error = _fails_changing_adapters(many, lambda: many.load_lora("late", str(adapters("qwen3_moe")["partial"].path)),
-                                     fate)
-    assert why in error
+    many = start_engine("qwen3_moe", tp_size=2, dist_timeout=20)
+    expected = many.generate(PROMPTS[1:2], GREEDY, lora="full")[0].token_ids
+    many.load_lora("late", str(adapters("qwen3_moe")["partial"].path))
+    for _ in range(2):
+        rids = [many.add_request(PROMPTS[0], GREEDY, lora="late"), many.add_request(PROMPTS[1], GREEDY, lora="full")]
+        outputs = _steps(many, 200)
+        assert outputs[rids[0]][-1].finish_reason == "error"
+        assert "reading its adapter from disk on another rank failed" in outputs[rids[0]][-1].error
+        assert [t for out in outputs[rids[1]] for t in out.token_ids] == expected
+        assert not many.has_unfinished() and many.fatal is None
+        assert_released(many)
 
 
 @pytest.mark.parametrize("failure, fate", [

@@ -206,10 +206,16 @@ def test_another_ranks_host_memory_follows_rank_0s(make_engine, adapters):
     follower = LoRAManager(dataclasses.replace(engine.config, tp_size=2), engine.runner.model)
 
     def prefetch(*waiting: str) -> None:
-        """Rank 0's prefetch with its reads finished, then the other rank's replay, their reads left running."""
+        """Rank 0's prefetch with its reads finished, then the other rank's replay, rank 0 polling its reads until
+        they are done too (ModelRunner._send), and the other rank's replay of what rank 0 did then."""
         lead.prefetch(waiting, set())
         lead.wait_for_prefetch(30)
-        follower.replay(lead.take_events())
+        while True:
+            status = follower.replay(lead.take_events(wait=30))
+            if status is None:
+                break
+            lead.others_read(status)
+        assert not lead._others_reading
         assert list(follower._host) and set(follower._host) == set(lead._host)
 
     prefetch()  # the start's evictions
