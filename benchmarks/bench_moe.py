@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from moelora.core import TopKConfig
 from moelora.kernels.fused_moe import MoEKernelConfig, default_config, fused_moe
 from moelora.kernels.lora_tiles import step_rank_bound
-from moelora.layers.moe.topk import select_experts
+from moelora.kernels.topk import select_experts
 from tests.support import assert_rows_close, random_expert_lora, random_moe_weights, rel_tolerance
 
 SHAPES = {  # hidden, intermediate, experts, top_k

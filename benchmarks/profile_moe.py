@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 
 from moelora.core import TopKConfig
 from moelora.kernels.fused_moe import fused_moe
-from moelora.layers.moe.topk import select_experts
+from moelora.kernels.topk import select_experts
 from tests.support import random_expert_lora, random_moe_weights
 
 

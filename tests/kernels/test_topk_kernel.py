@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from moelora.core import TopKConfig
-from moelora.kernels.topk import MAX_EXPERTS, MAX_TOP_K, fused_topk_supports
-from moelora.layers.moe.topk import select_experts
+from moelora.kernels.topk import MAX_EXPERTS, MAX_TOP_K, fused_topk_supports, select_experts
 from tests.support import assert_rows_close, rel_tolerance, tie_free_router_logits
 
 # The interpreter rounds fp32 -> bf16 toward zero, so bf16 logits are checked on GPUs only.

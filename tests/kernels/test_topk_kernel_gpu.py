@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from moelora.core import TopKConfig
-from moelora.layers.moe.topk import select_experts
+from moelora.kernels.topk import select_experts
 from tests.support import assert_rows_close, rel_tolerance, tie_free_router_logits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -11,7 +11,7 @@ from moelora.layers.moe.combine import Combine
 from moelora.layers.moe.dispatcher import Dispatcher
 from moelora.layers.moe.layer import MoE
 from moelora.layers.moe.runner import Runner
-from moelora.layers.moe.topk import select_experts_reference
+from moelora.kernels.topk import select_experts_reference
 from tests.support import (assert_rows_close, expert_share, random_expert_lora, random_moe_weights, random_topk,
                            rank_runner, rel_tolerance)
 

@@ -8,7 +8,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from moelora.core import TopKConfig
-from moelora.layers.moe.topk import select_experts
+from moelora.kernels.topk import select_experts
 
 HIDDEN, TOKENS = 32, 50
 
