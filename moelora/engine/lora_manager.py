@@ -298,6 +298,8 @@ class LoRAManager:
         keep, slots_left = set(in_use), self.config.enable_lora_overlap_loading
         failed, self._others_failed = self._others_failed, []
         for name in window:
+            if any(name == f[0] for f in failed):  # (read again, if still named, once its requests have failed)
+                continue
             in_host = self.pool.peek(name) is not None or self._in_host(name, failed)
             if in_host and slots_left:
                 slots_left = self._into_slot(name, keep, failed)
@@ -505,7 +507,7 @@ class LoRAManager:
         error = self._take_in(name)
         if error is not None:
             failed.append((name, "reading its adapter from disk", error))
-        return error is None
+        return error is None and name not in self._others_reading
 
     def _take_in_reads(self, window: Collection[str]) -> None:
         """Reads of adapters outside prefetch's window (their requests aborted, or further back in the queue now):
@@ -559,18 +561,21 @@ class LoRAManager:
             elif not read.done():
                 status.append(READ_PENDING)
             elif read.exception() is not None or not self._same_files(name, read.result()):
-                logger.error("adapter %r: reading it from disk failed on this rank: %s", name,
-                             read.exception() or "its files are not those rank 0 read")
+                logger.error("adapter %r: reading it from disk failed on this rank: %s", name, read.exception()
+                             or "its files are not those rank 0 read, or changed since it was loaded")
                 status.append(READ_FAILED)
             else:
                 status.append(READ_DONE)
         return status
 
     def _same_files(self, name: str, share: RankShare) -> bool:
-        """Whether this rank read the files rank 0 read, for an adapter loaded at runtime: told by the files' sizes
-        alone (the rank tiles follow them), as another node's copy has other modification times."""
+        """Whether this rank read the adapter's registered files (_host_copy's check), or, its first read of one loaded
+        at runtime, the files rank 0 read: told by the files' sizes alone (the rank tiles follow them), as another
+        node's copy has other modification times."""
         version = self._rank0_version.get(name)
-        return version is None or (_sizes(share.version), share.max_rank) == (_sizes(version), self._rank[name])
+        if version is None:
+            return (share.version, share.max_rank) == (self._version[name], self._rank[name])
+        return (_sizes(share.version), share.max_rank) == (_sizes(version), self._rank[name])
 
     def _start_read(self, name: str) -> None:
         if self._reader is None:
@@ -593,7 +598,7 @@ class LoRAManager:
             self._version[name] = share.version
         # the registered adapter or nothing: the one rewritten in place may be another (its rank past the rank
         # tile `prepare` bounds the step with), and the other ranks may read either
-        if (share.version, share.max_rank) != (self._version[name], self._rank[name]):
+        if not self._same_files(name, share):
             raise AdapterError(f"adapter {name!r}: its files in {self._paths[name]} changed since it was loaded; "
                                "unload it and load it again to serve them")
         self._cache(name, share)

@@ -1,7 +1,10 @@
 """LoRA slots: LRU order, adapters in use never evicted, requests waiting for a slot, adapters
 loaded and unloaded at runtime, the host-memory cache, and the counters."""
 import dataclasses
+import os
 import shutil
+import threading
+import time
 import weakref
 
 import pytest
@@ -196,6 +199,92 @@ def test_the_start_holds_one_whole_adapter_at_a_time(make_engine, monkeypatch):
     assert sorted(engine.runner.lora._host) == ["full", "partial"]
 
 
+def exchange(lead: LoRAManager, follower: LoRAManager, wait: float = 0.0, rounds: int = 1000) -> None:
+    """Rank 0's events replayed by another rank, and its polls answered (ModelRunner._send, _serve_commands), until
+    no poll is left or `rounds` polls went unanswered by a finished read."""
+    for _ in range(rounds):
+        status = follower.replay(lead.take_events(wait))
+        if status is None:
+            return
+        lead.others_read(status)
+
+
+def tensor_parallel_pair(engine, **options) -> tuple[LoRAManager, LoRAManager]:
+    """Rank 0's manager and another rank's, on the engine's model (each with its own host memory and reads)."""
+    config = dataclasses.replace(engine.config, **options)
+    return (LoRAManager(config, engine.runner.model, record_events=True),
+            LoRAManager(dataclasses.replace(config, tp_size=2), engine.runner.model))
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["slow", "fails"])
+def test_no_slot_write_before_the_other_ranks_have_read_the_adapter(make_engine, adapters, fails):
+    """Overlap loading, host memory for 2 adapters: rank 0 has read an adapter back from disk but another rank is
+    still reading it (or its read fails): rank 0 queues no slot write of it (the other rank would replay it waiting
+    for its read, or raise out of the read and stop the engine); the adapter is not ready until the other rank has
+    read it, and a failed read there fails it here."""
+    paths = {n: str(a.path) for n, a in adapters(FAMILY).items()}
+    engine = make_engine(FAMILY, max_cpu_loras=2, enable_lora_overlap_loading=True)
+    lead, follower = tensor_parallel_pair(engine)
+    lead.load_lora("x", paths["partial"], adapter=lead.read(paths["partial"]))  # host memory: partial, x
+    exchange(lead, follower, wait=30)
+    assert "full" not in lead._host and "full" not in follower._host
+    gate, real = threading.Event(), follower.read
+
+    def held_read(path):
+        assert gate.wait(30)
+        if fails:
+            raise OSError("no such adapter on this rank's node")
+        return real(path)
+
+    follower.read = held_read
+    lead.prefetch(["full"], set())
+    lead.wait_for_prefetch(30)
+    exchange(lead, follower, rounds=1)
+    assert lead.prefetch(["full"], set()) == [] and "full" in lead._host and not lead.ready("full")
+    events = lead.take_events()
+    assert not [e for e in events if e[0] == "write"], events
+    start = time.perf_counter()
+    assert follower.replay(events) == [lora_manager.READ_PENDING]
+    assert time.perf_counter() - start < 5
+    gate.set()
+    lead.others_read([lora_manager.READ_PENDING])
+    exchange(lead, follower, wait=30)
+    failed = lead.prefetch(["full"], set())
+    if fails:
+        assert [(name, what) for name, what, _ in failed] == [("full", "reading its adapter from disk on another rank")]
+        assert "full" not in lead._host and "full" not in follower._host
+    else:
+        exchange(lead, follower)
+        assert not failed and lead.ready("full") and "full" in follower._host
+        assert lead.pool.peek("full") is not None
+
+
+def test_another_ranks_changed_files_fail_the_adapter_not_the_rank(make_engine, adapters, tmp_path):
+    """Another rank reads an adapter back from disk (host memory for 2 adapters) and finds its files changed since it
+    was loaded (another modification time): its answer to rank 0's poll says so, and the adapter's waiting requests
+    fail, where its replay of rank 0's "take" raised (the rank, and the engine, stopped)."""
+    paths = {n: str(a.path) for n, a in adapters(FAMILY).items()}
+    mine = tmp_path / "full"
+    shutil.copytree(paths["full"], mine)
+    engine = make_engine(FAMILY, max_cpu_loras=2)
+    lead = LoRAManager(dataclasses.replace(engine.config, max_cpu_loras=2), engine.runner.model, record_events=True)
+    follower = LoRAManager(dataclasses.replace(engine.config, max_cpu_loras=2, tp_size=2,
+                                               lora_paths={**engine.config.lora_paths, "full": str(mine)}),
+                           engine.runner.model)
+    lead.load_lora("x", paths["partial"])  # "full" out of host memory on both
+    exchange(lead, follower, wait=30)
+    assert "full" not in follower._host
+    for f in mine.iterdir():
+        os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
+    lead.prefetch(["full"], set())
+    lead.wait_for_prefetch(30)
+    exchange(lead, follower, wait=30)
+    failed = lead.prefetch(["full"], set())
+    assert [(name, what) for name, what, _ in failed] == [("full", "reading its adapter from disk on another rank")]
+    exchange(lead, follower)
+    assert "full" not in lead._host and "full" not in follower._host and not lead._others_reading
+
+
 def test_another_ranks_host_memory_follows_rank_0s(make_engine, adapters):
     """Under tensor parallelism (max_cpu_loras 2 of 3 adapters) rank 0's manager decides which adapters stay in host
     memory, and another rank's follows its events: reads from disk started, taken in, dropped and evicted as rank 0's
@@ -207,14 +296,10 @@ def test_another_ranks_host_memory_follows_rank_0s(make_engine, adapters):
 
     def prefetch(*waiting: str) -> None:
         """Rank 0's prefetch with its reads finished, then the other rank's replay, rank 0 polling its reads until
-        they are done too (ModelRunner._send), and the other rank's replay of what rank 0 did then."""
+        they are done too, and the other rank's replay of what rank 0 did then."""
         lead.prefetch(waiting, set())
         lead.wait_for_prefetch(30)
-        while True:
-            status = follower.replay(lead.take_events(wait=30))
-            if status is None:
-                break
-            lead.others_read(status)
+        exchange(lead, follower, wait=30)
         assert not lead._others_reading
         assert list(follower._host) and set(follower._host) == set(lead._host)
 
