@@ -47,6 +47,7 @@ from moelora.kernels.gemm_tiles import (arrive, gemm_block_k, gemm_loop, grouped
 from moelora.kernels.lora_tiles import add_linear_lora, linear_lora_rows, load_linear_lora_b, shrink_linear_block
 from moelora.kernels.pdl import pdl_launch, wait_for_previous_kernel
 
+SMEM_BYTES = 232448  # shared memory one program may take on an H100 / H200 (Triton's "Hardware limit")
 MIN_PROGRAMS = 120  # about one program per SM of an H100 / H200 (132): below it, a smaller tile is tried
 SPLIT_PROGRAMS = 512  # K splits aim at about four decode programs per SM: some load while others wait
 ONE_SPLIT_STAGES = 8  # decode tiles (M <= 32) of a shape without K splits: more W tiles in flight per program
@@ -76,9 +77,10 @@ _LARGE = (LinearConfig(128, 256, 8, 8, 3), LinearConfig(128, 128, 8, 8, 4), Line
           LinearConfig(64, 64, 8, 4, 4))  # the last: narrow N (the router's 128 columns at prefill)
 
 
-def default_config(M: int, N: int, splits: int = 1, lora: bool = False) -> LinearConfig:
+def default_config(M: int, N: int, splits: int = 1, lora_rows: int = 0) -> LinearConfig:
     """Tiles for M rows and N output columns of a shape with `splits` K splits (`k_splits`; BLOCK_K is
-    the dtype's, not the config's); `lora`: the GEMM adds LoRA deltas in its epilogue.
+    the dtype's, not the config's); `lora_rows`: the GEMM adds LoRA deltas in its epilogue, whose dot stacks the
+    slots' B along K in that many rows (BLOCK_S * BLOCK_R, `add_linear_lora`; 0: no LoRA).
 
     Up to 256 rows (decode: M <= 16, BLOCK_M 16) the GEMM is bound by reading W, so the tile is the
     widest that still gives about one program per SM (o_proj's N = 2048 at decode: 16 columns) and
@@ -88,15 +90,30 @@ def default_config(M: int, N: int, splits: int = 1, lora: bool = False) -> Linea
     fill the SMs. Up to 32 rows a shape without K splits has fewer programs for the same bytes, so each
     keeps ONE_SPLIT_STAGES W tiles in flight (with splits, deeper pipelines measured slower). A prefill
     tile whose K splits run one after the other holds two accumulators (the running sum and the split's);
-    with a LoRA epilogue besides, a 128 x 256 tile's registers overflow, so such a GEMM starts at 128 x 128."""
-    candidates = _DECODE if M <= 16 else _SMALL if M <= 32 else _MEDIUM if M <= 256 else _LARGE
-    if lora and splits > 1 and M > PARALLEL_SPLITS_MAX_M:
-        candidates = candidates[1:]
+    with a LoRA epilogue besides, a 128 x 256 tile's registers overflow, so such a GEMM starts at 128 x 128.
+    A tile whose LoRA epilogue would not fit in shared memory (many slots of a large rank) is passed over, for
+    the next smaller one that does."""
+    classes = (_DECODE, _SMALL, _MEDIUM, _LARGE)
+    here = 0 if M <= 16 else 1 if M <= 32 else 2 if M <= 256 else 3
     narrow_n = max(16, triton.next_power_of_2(N))  # tl.dot needs 16; a tile wider than N only reads masks
     stages = {"num_stages": ONE_SPLIT_STAGES} if M <= 32 and splits == 1 else {}
-    tiles = [replace(c, block_n=min(c.block_n, narrow_n), parallel_splits=M <= PARALLEL_SPLITS_MAX_M, **stages)
-             for c in candidates]
-    return next((c for c in tiles if triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n) >= MIN_PROGRAMS), tiles[-1])
+    for candidates in classes[here::-1]:
+        if lora_rows and splits > 1 and M > PARALLEL_SPLITS_MAX_M and candidates is classes[here]:
+            candidates = candidates[1:]
+        tiles = [replace(c, block_n=min(c.block_n, narrow_n), parallel_splits=M <= PARALLEL_SPLITS_MAX_M, **stages)
+                 for c in candidates]
+        tiles = [c for c in tiles if not lora_rows or _lora_epilogue_fits(c, lora_rows)]
+        if tiles:
+            return next((c for c in tiles if triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n) >= MIN_PROGRAMS),
+                        tiles[-1])
+    raise ValueError(f"no GEMM tile holds a LoRA epilogue of {lora_rows} stacked rows (slots x rank tile) in "
+                     "shared memory: fewer --max-loras-per-batch or a smaller --max-lora-rank")
+
+
+def _lora_epilogue_fits(c: LinearConfig, lora_rows: int) -> bool:
+    """Whether the LoRA epilogue's operands (xa [BLOCK_M, lora_rows] and B [lora_rows, BLOCK_N], 16-bit) and the
+    fp32 accumulator's tile fit in a Hopper program's shared memory, as Triton lays them out."""
+    return (c.block_m + c.block_n) * lora_rows * 2 + c.block_m * c.block_n * 4 <= SMEM_BYTES
 
 
 def k_splits(N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -246,7 +263,8 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if M == 0 or N == 0:
         return y
     splits, split_k = k_splits(N, K, x.dtype)
-    cfg = config or default_config(M, N, splits, lora=lora is not None)
+    lora_rows = triton.next_power_of_2(lora.b.shape[0]) * lora.xa.shape[2] if lora is not None else 0
+    cfg = config or default_config(M, N, splits, lora_rows)
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     parallel = cfg.parallel_splits and splits > 1
     if parallel and tiles > SPLIT_COUNTERS:

@@ -457,7 +457,7 @@ def compile_linear() -> list[dict]:
     results = []
     for m, n, k, dtype, has_bias, parts in cases:
         splits, _ = li.k_splits(n, k, torch.bfloat16)  # fp16's too
-        cfg = li.default_config(m, n, splits, lora=parts is not None)
+        cfg = li.default_config(m, n, splits, 8 * 16 if parts is not None else 0)
         parallel = cfg.parallel_splits and splits > 1
         lora = dict(HAS_LORA=False, PART_BOUNDS=(0, n), BLOCK_R=16, BLOCK_S=1) if parts is None else dict(
             HAS_LORA=True, PART_BOUNDS=tuple(sum(parts[:p]) for p in range(len(parts) + 1)), BLOCK_R=16, BLOCK_S=8)

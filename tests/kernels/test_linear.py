@@ -195,7 +195,23 @@ def test_bad_inputs_name_the_tensor(impl, device):
 
 
 def test_prefill_tiles_with_lora_and_serial_splits_leave_registers_for_the_epilogue():
-    """128 x 256 prefill tiles, but 128 x 128 where the K splits run in series and a LoRA epilogue is added."""
-    assert (default_config(8192, 2048, 4).block_n, default_config(8192, 2048, 4, lora=True).block_n) == (256, 128)
-    assert default_config(8192, 5120, 1, lora=True).block_n == 256  # one split: one accumulator
-    assert default_config(16, 2048, 4, lora=True) == default_config(16, 2048, 4)  # decode: parallel splits
+    """128 x 256 prefill tiles, but 128 x 128 where the K splits run in series and a LoRA epilogue (8 slots of rank
+    tile 16: 128 stacked rows) is added."""
+    assert (default_config(8192, 2048, 4).block_n, default_config(8192, 2048, 4, 128).block_n) == (256, 128)
+    assert default_config(8192, 5120, 1, 128).block_n == 256  # one split: one accumulator
+    assert default_config(16, 2048, 4, 128) == default_config(16, 2048, 4)  # decode: parallel splits
+
+
+@pytest.mark.parametrize("m", [1, 32, 200, 8192])
+@pytest.mark.parametrize("n, splits", [(5120, 1), (2048, 4)])
+def test_the_lora_epilogue_of_many_large_slots_fits_in_shared_memory(m, n, splits):
+    """8 slots of rank 64 (512 stacked rows): a 128 x 128 prefill tile's epilogue asked Triton for 320 KiB of
+    shared memory (an H200 has 227), so every shape gets a tile whose epilogue fits, no wider than without it;
+    32 slots of rank 64 too (a decode-sized tile at worst)."""
+    for rows in (512, 2048):
+        cfg = default_config(m, n, splits, rows)
+        assert linear_module._lora_epilogue_fits(cfg, rows), (rows, cfg)
+        assert cfg.block_m * cfg.block_n <= default_config(m, n, splits, 128).block_m * default_config(m, n, splits, 128).block_n
+    assert not linear_module._lora_epilogue_fits(default_config(8192, 2048, 4, 128), 512)
+    with pytest.raises(ValueError, match="no GEMM tile holds a LoRA epilogue of 65536 stacked rows"):
+        default_config(16, 2048, 4, 65536)
