@@ -39,6 +39,26 @@ def test_real_shape_matches_reference(layer, tokens, poison):
         "base rows must be the plain GEMM's bits"
 
 
+@pytest.mark.parametrize("tokens", [1, 200, 4096])
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_eight_slots_of_rank_64_run(layer, tokens, poison):
+    """8 slots of rank 64 (--max-loras-per-batch 8 --max-lora-rank 64): the epilogue stacks 512 rows of B, which a
+    128 x 128 prefill tile could not hold in shared memory (the engine's start failed): the GEMM takes a tile that
+    can, and matches the reference; base rows keep the plain GEMM's bits."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    in_features, out_sizes = LAYERS[layer]
+    ranks = [[64] * len(out_sizes)] * 4 + [[8] * len(out_sizes)] * 3 + [[0] * len(out_sizes)]
+    lora = random_linear_lora(in_features, out_sizes, ranks, torch.bfloat16, "cuda", poison_unused=True, generator=gen)
+    x = torch.randn(tokens, in_features, generator=gen).to("cuda", torch.bfloat16)
+    weight = (torch.randn(sum(out_sizes), in_features, generator=gen) / in_features**0.5).to("cuda", torch.bfloat16)
+    slots = torch.randint(-1, len(ranks), (tokens,), generator=gen, dtype=torch.int32).cuda()
+    got = lora_linear(x, weight, None, lora, out_sizes, slots)
+    assert_rows_close(got, lora_linear(x, weight, None, lora, out_sizes, slots, impl="torch"),
+                      rel_tolerance(torch.bfloat16, "cuda"), f"{layer} T={tokens}")
+    base = slots < 0
+    assert torch.equal(got[base].view(torch.int16), linear(x, weight)[base].view(torch.int16))
+
+
 @pytest.mark.parametrize("layer", list(LAYERS))
 def test_row_does_not_depend_on_batch(layer, poison):
     gen = torch.Generator().manual_seed(torch.seed())
