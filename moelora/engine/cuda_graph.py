@@ -18,7 +18,9 @@ A graph bakes in the LoRA layers' rank tile, so with LoRA there is one for each 
 LoRAManager.prepare set for its adapters."""
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -27,6 +29,22 @@ from moelora.kernels.lora_tiles import step_rank_bounds
 
 PROMPT_ROWS = 64  # sequences (real ones, the padding one, empty ones) of a prompt graph with at least as many tokens
 Logits = Callable[[ForwardBatch], torch.Tensor]
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """No cyclic garbage collection while graphs are captured, what was garbage before collected first: a collection
+    during a capture may destroy another engine's CUDA graphs (or free what their steps used), which a capture does not
+    permit: it fails ("operation failed due to a previous error during capture"). torch.cuda.graph collects before a
+    capture only where torch.compiler.config.force_cudagraph_gc says so."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def capture(run: Callable[[], torch.Tensor], pool) -> torch.cuda.CUDAGraph:
@@ -95,7 +113,7 @@ class CudaGraphs:
         self.arange64 = torch.arange(n, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         pool = torch.cuda.graph_pool_handle()
-        with torch.inference_mode():
+        with torch.inference_mode(), collector_paused():
             # one output for every graph, each copying its logits there: a graph's own would hold memory per graph
             probe = self.logits(self._batch(1, False))
             self.out = probe.new_empty(n, *probe.shape[1:])
@@ -221,7 +239,7 @@ class PromptGraphs:
         self.bounds = RankBounds(slot_buffers, lora_rank)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         pool = torch.cuda.graph_pool_handle()
-        with torch.inference_mode():
+        with torch.inference_mode(), collector_paused():
             # one output for every graph, each copying its logits there: a graph's own would hold memory per graph
             self.inputs.fill(None, self.sizes[0])
             vocab = logits(self.inputs.batch(self.sizes[0], False)).shape[-1]

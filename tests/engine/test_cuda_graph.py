@@ -2,15 +2,48 @@
 pad it (PaddedPrompt) gives its real rows the logits and cache entries of the step run as it is, its padding
 rows stay finite, and it writes no cache slot but its own and slot 0. On a GPU: prompt steps replayed from the
 graphs give the bits of the same engine run eagerly."""
+import gc
+
 import pytest
 import torch
 
 from moelora.core import ForwardBatch
-from moelora.engine.cuda_graph import (PROMPT_ROWS, PaddedPrompt, PromptGraphs, RankBounds, decode_graph_sizes,
+from moelora.engine.cuda_graph import (PROMPT_ROWS, PaddedPrompt, PromptGraphs, RankBounds, collector_paused,
+                                       decode_graph_sizes,
                                        prompt_graph_sizes)
 from moelora.engine.sampling_params import SamplingParams
 
 FAMILY = "qwen3_moe"
+
+
+class _Cycle:
+    """Garbage only the cyclic collector frees; counts its collections."""
+    freed = 0
+
+    def __init__(self):
+        self.me = self
+
+    def __del__(self):
+        _Cycle.freed += 1
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_no_collection_while_graphs_are_captured(enabled):
+    """collector_paused collects what was garbage before the captures and none during them (a collection may destroy
+    another engine's graphs, which fails the capture running: seen on an H200), then leaves the collector as it was."""
+    (gc.enable if enabled else gc.disable)()
+    try:
+        _Cycle.freed = 0
+        _Cycle()
+        with collector_paused():
+            assert _Cycle.freed == 1 and not gc.isenabled()
+            for _ in range(3 * gc.get_threshold()[0]):
+                _Cycle()
+            assert _Cycle.freed == 1
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable()
+        gc.collect()
 
 
 def test_prompt_graph_sizes_double_from_64_then_pad_by_at_most_half():
