@@ -591,16 +591,14 @@ class LoRAManager:
         read = self._reading.pop(name, None)
         share = read.result() if read is not None else self.read(self._paths[name])
         self.stats.disk_loads += 1
-        if name in self._rank0_version:  # another rank's first read of an adapter loaded at runtime: its own from now
-            if not self._same_files(name, share):
-                raise AdapterError(f"adapter {name!r}: its files in {self._paths[name]} are not those rank 0 read")
-            del self._rank0_version[name]
-            self._version[name] = share.version
         # the registered adapter or nothing: the one rewritten in place may be another (its rank past the rank
         # tile `prepare` bounds the step with), and the other ranks may read either
         if not self._same_files(name, share):
-            raise AdapterError(f"adapter {name!r}: its files in {self._paths[name]} changed since it was loaded; "
-                               "unload it and load it again to serve them")
+            raise AdapterError(f"adapter {name!r}: its files in {self._paths[name]} " + (
+                "are not those rank 0 read" if name in self._rank0_version
+                else "changed since it was loaded; unload it and load it again to serve them"))
+        if self._rank0_version.pop(name, None) is not None:  # another rank's first read of one loaded at runtime
+            self._version[name] = share.version
         self._cache(name, share)
         return share
 
