@@ -77,10 +77,11 @@ _LARGE = (LinearConfig(128, 256, 8, 8, 3), LinearConfig(128, 128, 8, 8, 4), Line
           LinearConfig(64, 64, 8, 4, 4))  # the last: narrow N (the router's 128 columns at prefill)
 
 
-def default_config(M: int, N: int, splits: int = 1, lora_rows: int = 0) -> LinearConfig:
+def default_config(M: int, N: int, splits: int = 1, lora_rows: int = 0, lora_b_early: bool = False) -> LinearConfig:
     """Tiles for M rows and N output columns of a shape with `splits` K splits (`k_splits`; BLOCK_K is
     the dtype's, not the config's); `lora_rows`: the GEMM adds LoRA deltas in its epilogue, whose dot stacks the
-    slots' B along K in that many rows (BLOCK_S * BLOCK_R, `add_linear_lora`; 0: no LoRA).
+    slots' B along K in that many rows (BLOCK_S * BLOCK_R, `add_linear_lora`; 0: no LoRA); `lora_b_early`: the
+    launch runs the shrink too, and the epilogue loads B before it waits for xa (HAS_SHRINK).
 
     Up to 256 rows (decode: M <= 16, BLOCK_M 16) the GEMM is bound by reading W, so the tile is the
     widest that still gives about one program per SM (o_proj's N = 2048 at decode: 16 columns) and
@@ -102,7 +103,7 @@ def default_config(M: int, N: int, splits: int = 1, lora_rows: int = 0) -> Linea
             candidates = candidates[1:]
         tiles = [replace(c, block_n=min(c.block_n, narrow_n), parallel_splits=M <= PARALLEL_SPLITS_MAX_M, **stages)
                  for c in candidates]
-        tiles = [c for c in tiles if not lora_rows or _lora_epilogue_fits(c, lora_rows)]
+        tiles = [c for c in tiles if not lora_rows or _lora_epilogue_fits(c, lora_rows, lora_b_early)]
         if tiles:
             return next((c for c in tiles if triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n) >= MIN_PROGRAMS),
                         tiles[-1])
@@ -110,10 +111,14 @@ def default_config(M: int, N: int, splits: int = 1, lora_rows: int = 0) -> Linea
                      "shared memory: fewer --max-loras-per-batch or a smaller --max-lora-rank")
 
 
-def _lora_epilogue_fits(c: LinearConfig, lora_rows: int) -> bool:
-    """Whether the LoRA epilogue's operands (xa [BLOCK_M, lora_rows] and B [lora_rows, BLOCK_N], 16-bit) and the
-    fp32 accumulator's tile fit in a Hopper program's shared memory, as Triton lays them out."""
-    return (c.block_m + c.block_n) * lora_rows * 2 + c.block_m * c.block_n * 4 <= SMEM_BYTES
+def _lora_epilogue_fits(c: LinearConfig, lora_rows: int, b_early: bool) -> bool:
+    """Whether the LoRA epilogue's operands fit in a Hopper program's shared memory, as Triton (3.6 and 3.9) lays
+    them out for sm_90: xa [BLOCK_M, lora_rows] and B [lora_rows, BLOCK_N], 16-bit, in buffers of their own beside
+    (not added to) the K loop's; B twice where it is loaded early on a wgmma tile (64 rows and more): the loaded
+    tile, then the dot's operand. tests/kernels/test_compile_sm90.py compiles the tiles this lets through and the
+    ones it passes over."""
+    b_copies = 2 if b_early and c.block_m >= 64 else 1
+    return lora_rows * 2 * (c.block_m + b_copies * c.block_n) <= SMEM_BYTES
 
 
 def k_splits(N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -264,7 +269,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return y
     splits, split_k = k_splits(N, K, x.dtype)
     lora_rows = triton.next_power_of_2(lora.b.shape[0]) * lora.xa.shape[2] if lora is not None else 0
-    cfg = config or default_config(M, N, splits, lora_rows)
+    cfg = config or default_config(M, N, splits, lora_rows, lora is not None and lora.shrink is not None)
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     parallel = cfg.parallel_splits and splits > 1
     if parallel and tiles > SPLIT_COUNTERS:

@@ -235,15 +235,29 @@ def compile_attention() -> list[dict]:
     return results
 
 
-@pytest.fixture(scope="module")
-def compiled():
+def compiled_in_subprocess(function: str) -> list[dict]:
+    """What this module's `function` returns, run in a Python without the interpreter mode."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    code = "import json, tests.kernels.test_compile_sm90 as t; print(json.dumps(t.compile_all()))"
+    code = f"import json, tests.kernels.test_compile_sm90 as t; print(json.dumps(t.{function}()))"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900,
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return compiled_in_subprocess("compile_all")
+
+
+def test_the_lora_epilogues_shared_memory_bound_is_the_compilers():
+    """linear's tile choice passes over tiles whose LoRA epilogue (many slots of a large rank) would not fit in
+    shared memory: on each row of the tile table, the most stacked rows it lets through compile within the limit,
+    and twice as many do not (a bound off the compiler either way, too low, fails: session 48's H100 run, 8 slots of
+    rank 64 on the 64 x 128 tile with the shrink in the launch, asked 320 KiB)."""
+    for r in compiled_in_subprocess("compile_lora_epilogue_bounds"):
+        assert (r["shared"] <= SMEM_LIMIT) == r["fits"], f"{r}: {r['shared']} B of shared memory"
 
 
 def test_all_kernels_fit_shared_memory(compiled):
@@ -449,6 +463,29 @@ def compile_kv_store() -> list[dict]:
     return results
 
 
+def compile_linear_kernel(m: int, n: int, k: int, dtype: str, cfg, has_bias: bool = False, parts=None,
+                          block_s: int = 8, block_r: int = 16):
+    """_linear_kernel of M x N x K on tile `cfg`, as linear_triton launches it: with `parts` (out sizes), the LoRA
+    epilogue of block_s slots of rank tile block_r, the shrink in the launch where lora_linear runs it there."""
+    splits, _ = li.k_splits(n, k, torch.bfloat16)  # fp16's too
+    lora = dict(HAS_LORA=False, PART_BOUNDS=(0, n), BLOCK_R=16, BLOCK_S=1) if parts is None else dict(
+        HAS_LORA=True, PART_BOUNDS=tuple(sum(parts[:p]) for p in range(len(parts) + 1)), BLOCK_R=block_r,
+        BLOCK_S=block_s)
+    shrink_cfg = ll.LoRALinearConfig()
+    constexprs = dict(HAS_BIAS=has_bias, SPLITS=splits, PARALLEL=cfg.parallel_splits and splits > 1,
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=gemm_block_k(torch.bfloat16),
+                      GROUP_M=cfg.group_m, HAS_SHRINK=parts is not None and lora_shrink_in_gemm(m),
+                      SHRINK_SPLITS=-(-k // shrink_cfg.split_k), SHRINK_SPLIT_K=shrink_cfg.split_k,
+                      SHRINK_BLOCK_M=shrink_cfg.block_m, SHRINK_BLOCK_K=shrink_cfg.block_k, **lora)
+    return compile_sm90(li._linear_kernel, constexprs, dtype, cfg.num_warps, cfg.num_stages,
+                        {"part_ptr": "*fp32", "count_ptr": "*i32", "xa_ptr": f"*{dtype}", "xa_part_ptr": "*fp32",
+                         "shrink_count_ptr": "*i32", "done_ptr": "*i32"}), constexprs
+
+
+def lora_shrink_in_gemm(m: int) -> bool:
+    return m <= ll.FUSED_SHRINK_MAX_TOKENS  # as lora_linear has it
+
+
 def compile_linear() -> list[dict]:
     """Each default config in bf16 and fp16 without bias; o_proj at decode (bias after parallel K splits) in
     bf16 with one; and bf16 with the LoRA epilogue (8 slots, rank tile 16) at LORA_EPILOGUES."""
@@ -456,26 +493,41 @@ def compile_linear() -> list[dict]:
              + [(*LINEARS[0], "bf16", True, None)] + [(*shape, "bf16", False, parts) for *shape, parts in LORA_EPILOGUES])
     results = []
     for m, n, k, dtype, has_bias, parts in cases:
-        splits, _ = li.k_splits(n, k, torch.bfloat16)  # fp16's too
-        cfg = li.default_config(m, n, splits, 8 * 16 if parts is not None else 0)
-        parallel = cfg.parallel_splits and splits > 1
-        lora = dict(HAS_LORA=False, PART_BOUNDS=(0, n), BLOCK_R=16, BLOCK_S=1) if parts is None else dict(
-            HAS_LORA=True, PART_BOUNDS=tuple(sum(parts[:p]) for p in range(len(parts) + 1)), BLOCK_R=16, BLOCK_S=8)
-        shrink = parts is not None and m <= ll.FUSED_SHRINK_MAX_TOKENS  # in the GEMM's launch, as lora_linear has it
-        shrink_cfg = ll.LoRALinearConfig()
-        constexprs = dict(HAS_BIAS=has_bias, SPLITS=splits, PARALLEL=parallel, BLOCK_M=cfg.block_m,
-                          BLOCK_N=cfg.block_n, BLOCK_K=gemm_block_k(torch.bfloat16), GROUP_M=cfg.group_m,
-                          HAS_SHRINK=shrink, SHRINK_SPLITS=-(-k // shrink_cfg.split_k), SHRINK_SPLIT_K=shrink_cfg.split_k,
-                          SHRINK_BLOCK_M=shrink_cfg.block_m, SHRINK_BLOCK_K=shrink_cfg.block_k, **lora)
-        compiled = compile_sm90(li._linear_kernel, constexprs, dtype, cfg.num_warps, cfg.num_stages,
-                                {"part_ptr": "*fp32", "count_ptr": "*i32", "xa_ptr": f"*{dtype}",
-                                 "xa_part_ptr": "*fp32", "shrink_count_ptr": "*i32", "done_ptr": "*i32"})
+        splits, _ = li.k_splits(n, k, torch.bfloat16)
+        cfg = li.default_config(m, n, splits, 8 * 16 if parts is not None else 0,
+                                parts is not None and lora_shrink_in_gemm(m))
+        compiled, constexprs = compile_linear_kernel(m, n, k, dtype, cfg, has_bias, parts)
         ptx = compiled.asm["ptx"]
         results.append(dict(kernel="_linear_kernel", dtype=dtype, m=m, n=n, block_m=cfg.block_m, bias=has_bias, lora=bool(parts),
-                            shrink=shrink, splits=splits, parallel=parallel, shared=compiled.metadata.shared,
-                            ttgir=compiled.asm["ttgir"], arrive="atom.global.gpu.acq_rel.add" in ptx,
-                            acquire="global.gpu.acquire" in ptx, cg_loads="ld.global.cg" in ptx,
-                            waits_as_one=waits_as_one(compiled.asm["ttir"])))
+                            shrink=constexprs["HAS_SHRINK"], splits=splits, parallel=constexprs["PARALLEL"],
+                            shared=compiled.metadata.shared, ttgir=compiled.asm["ttgir"],
+                            arrive="atom.global.gpu.acq_rel.add" in ptx, acquire="global.gpu.acquire" in ptx,
+                            cg_loads="ld.global.cg" in ptx, waits_as_one=waits_as_one(compiled.asm["ttir"])))
+    return results
+
+
+# a tile of each row of linear's tile table in the launch it runs in (M, N, K, out parts; the shrink in the launch
+# up to FUSED_SHRINK_MAX_TOKENS rows): decode and medium tiles on qkv, small ones on o_proj (parallel K splits),
+# prefill tiles on qkv without the shrink
+EPILOGUE_TILES = ((1, 5120, 2048, (4096, 512, 512), li._DECODE[:1]), (32, 2048, 4096, (2048,), li._SMALL),
+                  (200, 5120, 2048, (4096, 512, 512), li._MEDIUM), (4096, 5120, 2048, (4096, 512, 512), li._LARGE[:3]))
+
+
+def compile_lora_epilogue_bounds() -> list[dict]:
+    """Each tile of EPILOGUE_TILES with the LoRA epilogue of the most stacked rows (slots x rank tile 64, a power
+    of two) that linear._lora_epilogue_fits lets through, and of twice as many: the shared memory of both."""
+    results = []
+    for m, n, k, parts, tiles in EPILOGUE_TILES:
+        splits, _ = li.k_splits(n, k, torch.bfloat16)
+        stages = {"num_stages": li.ONE_SPLIT_STAGES} if m <= 32 and splits == 1 else {}
+        for tile in tiles:
+            cfg = dataclasses.replace(tile, parallel_splits=m <= li.PARALLEL_SPLITS_MAX_M, **stages)
+            slots = max(s for s in (1, 2, 4, 8, 16, 32, 64)
+                        if li._lora_epilogue_fits(cfg, s * 64, lora_shrink_in_gemm(m)))
+            for block_s in (slots, 2 * slots):
+                compiled, _ = compile_linear_kernel(m, n, k, "bf16", cfg, parts=parts, block_s=block_s, block_r=64)
+                results.append(dict(m=m, tile=f"{cfg.block_m}x{cfg.block_n}", rows=block_s * 64,
+                                    fits=block_s == slots, shared=compiled.metadata.shared))
     return results
 
 

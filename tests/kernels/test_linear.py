@@ -205,13 +205,22 @@ def test_prefill_tiles_with_lora_and_serial_splits_leave_registers_for_the_epilo
 @pytest.mark.parametrize("m", [1, 32, 200, 8192])
 @pytest.mark.parametrize("n, splits", [(5120, 1), (2048, 4)])
 def test_the_lora_epilogue_of_many_large_slots_fits_in_shared_memory(m, n, splits):
-    """8 slots of rank 64 (512 stacked rows): a 128 x 128 prefill tile's epilogue asked Triton for 320 KiB of
-    shared memory (an H200 has 227), so every shape gets a tile whose epilogue fits, no wider than without it;
-    32 slots of rank 64 too (a decode-sized tile at worst)."""
+    """8 slots of rank 64 (512 stacked rows): a tile whose epilogue would ask Triton for more shared memory than a
+    Hopper SM has is passed over for a smaller one (tests/kernels/test_compile_sm90.py holds the bound against the
+    compiler's), no wider than without it; 32 slots of rank 64 too (a decode-sized tile at worst)."""
+    b_early = m <= 256  # the shrink in the GEMM's launch
     for rows in (512, 2048):
-        cfg = default_config(m, n, splits, rows)
-        assert linear_module._lora_epilogue_fits(cfg, rows), (rows, cfg)
+        cfg = default_config(m, n, splits, rows, b_early)
+        assert linear_module._lora_epilogue_fits(cfg, rows, b_early), (rows, cfg)
         assert cfg.block_m * cfg.block_n <= default_config(m, n, splits, 128).block_m * default_config(m, n, splits, 128).block_n
-    assert not linear_module._lora_epilogue_fits(default_config(8192, 2048, 4, 128), 512)
     with pytest.raises(ValueError, match="no GEMM tile holds a LoRA epilogue of 65536 stacked rows"):
         default_config(16, 2048, 4, 65536)
+
+
+def test_b_loaded_before_the_shrinks_wait_takes_its_shared_memory_twice():
+    """On a 64-row (wgmma) tile B loaded early takes two buffers: session 48's H100 run failed on the 64 x 128 tile
+    with 8 slots of rank 64 and the shrink in the launch (320 KiB); without the shrink that tile holds them, and
+    8 slots of rank 32 keep the 128 x 256 prefill tile."""
+    assert (default_config(200, 5120, 1, 512, True).block_n, default_config(200, 5120, 1, 256, True).block_n) == (64, 128)
+    assert default_config(200, 5120, 1, 512, False).block_n == 128
+    assert default_config(8192, 5120, 1, 256).block_n == 256
