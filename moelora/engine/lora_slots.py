@@ -321,14 +321,16 @@ def _write_linear(m: Linear, layer: LayerLoRA, slot: int) -> None:
     buffers = m.lora
     buffers.a[slot].zero_()
     buffers.b[slot].zero_()
-    buffers.ranks[slot] = 0
+    buffers.ranks[slot].zero_()
     offset = 0
     for part, (name, size) in enumerate(zip(m.part_names, m.out_sizes)):
         lora = layer.modules.get(name)
         if lora is not None:
             buffers.a[slot, part, :lora.rank].copy_(lora.a, non_blocking=True)
             buffers.b[slot, :lora.rank, offset:offset + size].copy_(lora.b.T, non_blocking=True)
-            buffers.ranks[slot, part] = lora.rank
+            # fill_, not `ranks[slot, part] = rank`: assigning a number to one element copies it from pageable
+            # host memory, which waits for the stream's queued work
+            buffers.ranks[slot, part].fill_(lora.rank)
             # as the experts' (_write_experts)
             buffers.max_rank_in_use = max(buffers.max_rank_in_use or 0, lora.rank)
         offset += size
@@ -336,7 +338,7 @@ def _write_linear(m: Linear, layer: LayerLoRA, slot: int) -> None:
 
 def _write_experts(m: Runner, layer: LayerLoRA, slot: int) -> None:
     buffers = m.lora
-    buffers.ranks[:, slot] = 0
+    buffers.ranks[:, slot].zero_()
     for p, name in enumerate(EXPERT_PROJECTIONS):
         a, b = getattr(buffers, f"a_{name}"), getattr(buffers, f"b_{name}")
         a[slot].zero_()

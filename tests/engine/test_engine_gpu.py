@@ -168,19 +168,21 @@ def test_writing_an_adapter_into_a_slot_does_not_wait_for_the_device(make_engine
     busy = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     # as test_a_step_launched_ahead_does_not_wait_for_the_device: the earlier tests' engines are garbage, and a
-    # collection in the timed part would destroy their CUDA graphs, which may wait for the device (session 47's H200
-    # run, without this: 0.316 s of 0.316 s)
+    # collection in the timed part would destroy their CUDA graphs, which may wait for the device
     gc.collect()
     gc.disable()
     try:
         start = time.perf_counter()
         for _ in range(200):
             busy @ busy
+        torch.cuda.set_sync_debug_mode("error")  # names a synchronizing call it knows (session 48: one element's
+        # `ranks[slot, part] = rank`, a copy from pageable memory)
         slot, = lora.prepare(["full"], in_use=set())
         host = time.perf_counter() - start
         torch.cuda.synchronize()
         device = time.perf_counter() - start
     finally:
+        torch.cuda.set_sync_debug_mode(0)
         gc.enable()
     assert host < device / 3, f"writing the adapter took {host:.3f} s of the host's {device:.3f} s"
     written = [t.clone() for t in _slot_tensors(engine.runner.model, slot)]
