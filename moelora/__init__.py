@@ -5,10 +5,7 @@
 
 
 def __getattr__(name: str):
-    if name == "Engine":
-        from moelora.engine.engine import Engine
-        return Engine
-    if name == "SamplingParams":
-        from moelora.engine.sampling_params import SamplingParams
-        return SamplingParams
+    if name in ("Engine", "SamplingParams"):
+        import moelora.engine
+        return getattr(moelora.engine, name)
     raise AttributeError(f"module 'moelora' has no attribute {name!r}")

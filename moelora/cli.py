@@ -53,8 +53,7 @@ def demo(args: argparse.Namespace) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     from moelora.distributed.launch import name_ranks
-    from moelora.engine.engine import Engine
-    from moelora.engine.workers import node_ranks, serves_engine
+    from moelora.engine import Engine, node_ranks, serves_engine
     from moelora.server.app import bind_socket, create_app, run_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
@@ -88,8 +87,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from moelora.engine.engine import Engine
-    from moelora.engine.sampling_params import SamplingParams
+    from moelora.engine import Engine, SamplingParams
 
     lora_paths = dict([args.lora]) if args.lora else {}
     engine = Engine(**{**_fields_of(args, _engine_config()), "lora_paths": lora_paths})
@@ -103,7 +101,7 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def _engine_config() -> type:
-    from moelora.engine.config import EngineConfig  # imports torch: only for the commands that run the engine
+    from moelora.engine import EngineConfig  # imports torch: only for the commands that run the engine
     return EngineConfig
 
 
@@ -266,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(deepseek-r1) too (default: none, the text as the model wrote it)")
     p.set_defaults(run=serve)
 
-    from moelora.engine.sampling_params import SamplingParams
+    from moelora.engine import SamplingParams
 
     p = commands.add_parser("generate", help="one completion of a prompt, printed (n of them with --n)")
     p.add_argument("--model-path", required=True, help="local Hugging Face model directory")
@@ -301,8 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        from moelora.engine.engine import EngineDead, RequestFailed  # imports torch: after --help and --version
-        from moelora.engine.workers import WorkerFailure
+        from moelora.engine import EngineDead, RequestFailed, WorkerFailure  # imports torch: after --help and --version
         try:
             return args.run(args)
         except (ValueError, OSError, RequestFailed, EngineDead, WorkerFailure) as e:  # AdapterError is a ValueError

@@ -96,8 +96,7 @@ def run(root: Path = ASSETS, max_tokens: int = 20, temperature: float = 0.7, see
         prompts: list[str] = PROMPTS) -> DemoRun:
     """Every prompt on the base model, each adapter and each adapter without its experts, greedy and
     sampled (seeded), all in one engine.generate call."""
-    from moelora.engine.engine import Engine
-    from moelora.engine.sampling_params import SamplingParams
+    from moelora.engine import Engine, SamplingParams
 
     verify(root)
     with tempfile.TemporaryDirectory(prefix="moelora-demo-") as tmp:

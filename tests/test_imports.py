@@ -79,3 +79,24 @@ def test_the_walk_sees_the_package():
     edges = graph()
     assert len(edges) > 40 and "moelora.core" in edges["moelora.engine.model_runner"]
     assert "moelora.engine.lora_manager" in edges["moelora.engine.model_runner"]
+
+
+def test_the_server_cli_and_demo_use_the_engines_public_interface_only():
+    """design.md: the server talks to the engine's public interface only, `moelora.engine`'s names (its __all__),
+    not to the modules behind it; the CLI and the demo likewise."""
+    import moelora.engine
+
+    outside = []
+    for module, path in modules().items():
+        if group(module) not in ("server", "cli", "demo", "__init__"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                outside += [f"{module}: import {a.name}" for a in node.names if a.name.startswith("moelora.engine.")]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("moelora.engine"):
+                if node.module != "moelora.engine":
+                    outside.append(f"{module}: from {node.module} import ...")
+                outside += [f"{module}: {a.name} is not among moelora.engine's names" for a in node.names
+                            if a.name not in moelora.engine.__all__]
+    assert not outside, "imports past the engine's interface:\n" + "\n".join(outside)
+    assert "moelora.engine" in graph()["moelora.server.app"]  # the walk sees the server's import of it

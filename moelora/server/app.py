@@ -35,10 +35,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from uvicorn.config import STARTUP_FAILURE
 
-from moelora.engine.engine import Engine, EngineDead, PromptError
-from moelora.engine.lora_manager import AdapterNameError
-from moelora.engine.sampling_params import StructuredOutput
-from moelora.engine.workers import WorkerFailure
+from moelora.engine import AdapterNameError, Engine, EngineDead, PromptError, StructuredOutput, WorkerFailure
 from moelora.lora.errors import AdapterError
 from moelora.server.body_limit import BodyLimit, BodyTooLarge
 from moelora.server.engine_loop import Delta, EngineError, EngineLoop, Overloaded, Submission, merge_deltas

@@ -48,10 +48,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
-from moelora.engine.detokenizer import IncrementalDetokenizer
-from moelora.engine.engine import Engine, StepOutput
-from moelora.engine.lora_slots import RankShare
-from moelora.engine.sampling_params import SamplingParams
+from moelora.engine import Engine, IncrementalDetokenizer, RankShare, SamplingParams, StepOutput
 from moelora.server.metrics import Metrics
 from moelora.server.stats_log import StatsLog
 

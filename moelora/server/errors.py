@@ -8,7 +8,7 @@ import re
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from moelora.engine.engine import PromptError
+from moelora.engine import PromptError
 from moelora.server.protocol import ErrorInfo, ErrorResponse
 
 

@@ -12,7 +12,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandle
                       model_serializer, model_validator)
 from pydantic_core import PydanticCustomError
 
-from moelora.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
+from moelora.engine import MAX_LOGPROBS, SamplingParams, StructuredOutput
 
 
 class ErrorInfo(BaseModel):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
-from moelora.engine.engine import Engine
+from moelora.engine import Engine
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import jinja2
 import jinja2.meta
 
-from moelora.engine.sampling_params import StructuredOutput
+from moelora.engine import StructuredOutput
 from moelora.server.errors import APIError
 from moelora.server.protocol import (ChatCompletionRequest, ChatMessageOut, DeltaFunctionCall, DeltaMessage,
                                      DeltaToolCall, FunctionCallOut, ToolCallOut)
