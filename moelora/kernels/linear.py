@@ -77,11 +77,16 @@ _LARGE = (LinearConfig(128, 256, 8, 8, 3), LinearConfig(128, 128, 8, 8, 4), Line
           LinearConfig(64, 64, 8, 4, 4))  # the last: narrow N (the router's 128 columns at prefill)
 
 
-def default_config(M: int, N: int, splits: int = 1, lora_rows: int = 0, lora_b_early: bool = False) -> LinearConfig:
+class LoRAEpilogue(NamedTuple):
+    """The shape of a GEMM's LoRA epilogue (`add_linear_lora`): its dots stack slots' B along K."""
+    slots: int      # BLOCK_S: the slot buffers' count, to a power of two
+    rank_tile: int  # BLOCK_R
+    shrink: bool    # the launch runs the shrink first: B may be loaded before the epilogue waits for xa
+
+
+def default_config(M: int, N: int, splits: int = 1, lora: LoRAEpilogue | None = None) -> LinearConfig:
     """Tiles for M rows and N output columns of a shape with `splits` K splits (`k_splits`; BLOCK_K is
-    the dtype's, not the config's); `lora_rows`: the GEMM adds LoRA deltas in its epilogue, whose dot stacks the
-    slots' B along K in that many rows (BLOCK_S * BLOCK_R, `add_linear_lora`; 0: no LoRA); `lora_b_early`: the
-    launch runs the shrink too, and the epilogue loads B before it waits for xa (HAS_SHRINK).
+    the dtype's, not the config's); `lora`: the GEMM adds LoRA deltas in its epilogue.
 
     Up to 256 rows (decode: M <= 16, BLOCK_M 16) the GEMM is bound by reading W, so the tile is the
     widest that still gives about one program per SM (o_proj's N = 2048 at decode: 16 columns) and
@@ -92,31 +97,44 @@ def default_config(M: int, N: int, splits: int = 1, lora_rows: int = 0, lora_b_e
     keeps ONE_SPLIT_STAGES W tiles in flight (with splits, deeper pipelines measured slower). A prefill
     tile whose K splits run one after the other holds two accumulators (the running sum and the split's);
     with a LoRA epilogue besides, a 128 x 256 tile's registers overflow, so such a GEMM starts at 128 x 128.
-    A tile whose LoRA epilogue would not fit in shared memory (many slots of a large rank) is passed over, for
-    the next smaller one that does."""
+    A tile on which not even one slot's epilogue fits in shared memory (`lora_epilogue_plan`) is passed over,
+    for the next smaller one that does."""
     classes = (_DECODE, _SMALL, _MEDIUM, _LARGE)
     here = 0 if M <= 16 else 1 if M <= 32 else 2 if M <= 256 else 3
     narrow_n = max(16, triton.next_power_of_2(N))  # tl.dot needs 16; a tile wider than N only reads masks
     stages = {"num_stages": ONE_SPLIT_STAGES} if M <= 32 and splits == 1 else {}
     for candidates in classes[here::-1]:
-        if lora_rows and splits > 1 and M > PARALLEL_SPLITS_MAX_M and candidates is classes[here]:
+        if lora and splits > 1 and M > PARALLEL_SPLITS_MAX_M and candidates is classes[here]:
             candidates = candidates[1:]
         tiles = [replace(c, block_n=min(c.block_n, narrow_n), parallel_splits=M <= PARALLEL_SPLITS_MAX_M, **stages)
                  for c in candidates]
-        tiles = [c for c in tiles if not lora_rows or _lora_epilogue_fits(c, lora_rows, lora_b_early)]
+        tiles = [c for c in tiles if lora is None or lora_epilogue_plan(c, lora) is not None]
         if tiles:
             return next((c for c in tiles if triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n) >= MIN_PROGRAMS),
                         tiles[-1])
-    raise ValueError(f"no GEMM tile holds a LoRA epilogue of {lora_rows} stacked rows (slots x rank tile) in "
-                     "shared memory: fewer --max-loras-per-batch or a smaller --max-lora-rank")
+    raise ValueError(f"no GEMM tile holds a LoRA epilogue of rank tile {lora.rank_tile} in shared memory: a smaller "
+                     "--max-lora-rank")
+
+
+def lora_epilogue_plan(c: LinearConfig, lora: LoRAEpilogue) -> tuple[int, bool] | None:
+    """How tile c runs the LoRA epilogue: (CHUNK_S, B_EARLY), its dots stacking CHUNK_S slots each (a power of two
+    dividing BLOCK_S: the tile keeps its size with many slots of a large rank, where one dot of them all would not
+    fit in shared memory), and whether B is loaded before the shrink's wait (one dot, a launch with the shrink).
+    None: not even one slot's dot fits."""
+    if lora.shrink and _lora_epilogue_fits(c, lora.slots * lora.rank_tile, True):
+        return lora.slots, True
+    chunk = lora.slots
+    while chunk >= 1 and not _lora_epilogue_fits(c, chunk * lora.rank_tile, False):
+        chunk //= 2
+    return (chunk, False) if chunk >= 1 else None
 
 
 def _lora_epilogue_fits(c: LinearConfig, lora_rows: int, b_early: bool) -> bool:
-    """Whether the LoRA epilogue's operands fit in a Hopper program's shared memory, as Triton (3.6 and 3.9) lays
-    them out for sm_90: xa [BLOCK_M, lora_rows] and B [lora_rows, BLOCK_N], 16-bit, in buffers of their own beside
-    (not added to) the K loop's; B twice where it is loaded early on a wgmma tile (64 rows and more): the loaded
-    tile, then the dot's operand. tests/kernels/test_compile_sm90.py compiles the tiles this lets through and the
-    ones it passes over."""
+    """Whether a dot of the LoRA epilogue stacking lora_rows rows of B fits in a Hopper program's shared memory, as
+    Triton (3.6 and 3.9) lays it out for sm_90: xa [BLOCK_M, lora_rows] and B [lora_rows, BLOCK_N], 16-bit, in
+    buffers of their own beside (not added to) the K loop's; B twice where it is loaded early on a wgmma tile (64
+    rows and more): the loaded tile, then the dot's operand. tests/kernels/test_compile_sm90.py compiles the tiles
+    this lets through and the ones it passes over."""
     b_copies = 2 if b_early and c.block_m >= 64 else 1
     return lora_rows * 2 * (c.block_m + b_copies * c.block_n) <= SMEM_BYTES
 
@@ -162,7 +180,8 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, str
                    HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, PARALLEL: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                    HAS_LORA: tl.constexpr, PART_BOUNDS: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_S: tl.constexpr, HAS_SHRINK: tl.constexpr, SHRINK_SPLITS: tl.constexpr,
+                   BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, B_EARLY: tl.constexpr,
+                   HAS_SHRINK: tl.constexpr, SHRINK_SPLITS: tl.constexpr,
                    SHRINK_SPLIT_K: tl.constexpr, SHRINK_BLOCK_M: tl.constexpr, SHRINK_BLOCK_K: tl.constexpr,
                    PDL: tl.constexpr):
     """y[m-tile, n-tile] = x[m-tile] @ W[n-tile]^T (+ b), the SPLITS K splits summed in order; W and y
@@ -221,15 +240,16 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, str
         if HAS_LORA:
             if not SLOTS_FIRST:  # beside the K splits' partials
                 row_slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1)
-            row_slot, lora_mine, lora_used = linear_lora_rows(row_slot, num_slots, lora_b_rows, BLOCK_R, BLOCK_S)
+            row_slot = tl.where((row_slot >= 0) & (row_slot < num_slots), row_slot, -1)
             lora_bt = None
-            if HAS_SHRINK:  # B's round trip beside the wait; every tile's finishing program counts in, the last
-                # puts the counter back to 0
-                lora_bt = load_linear_lora_b(lora_used, pid_n * BLOCK_N, 0, N, lora_b_ptr, stride_lbs, stride_lbr,
-                                             BLOCK_N, BLOCK_R, BLOCK_S)
+            if HAS_SHRINK:  # every tile's finishing program counts in, the last puts the counter back to 0
+                if B_EARLY:  # B's round trip beside the wait
+                    _, lora_used = linear_lora_rows(row_slot, lora_b_rows, 0, BLOCK_R, BLOCK_S)
+                    lora_bt = load_linear_lora_b(lora_used, 0, pid_n * BLOCK_N, 0, N, lora_b_ptr, stride_lbs,
+                                                 stride_lbr, BLOCK_N, BLOCK_R, BLOCK_S)
                 wait_arrivals(done_ptr, num_shrink // SHRINK_SPLITS, tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N))
-            acc = add_linear_lora(acc, row_slot, lora_mine, lora_used, lora_bt, offs_m, pid_n * BLOCK_N, xa_ptr,
-                                  lora_b_ptr, stride_lbs, stride_lbr, PART_BOUNDS, BLOCK_N, BLOCK_R, BLOCK_S)
+            acc = add_linear_lora(acc, row_slot, lora_bt, offs_m, pid_n * BLOCK_N, xa_ptr, lora_b_ptr, stride_lbs,
+                                  stride_lbr, lora_b_rows, PART_BOUNDS, BLOCK_N, BLOCK_R, BLOCK_S, CHUNK_S)
         _store_rows(acc, b_ptr, y_ptr, offs_m, offs_n, out_mask, N, HAS_BIAS)
 
 
@@ -268,8 +288,12 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if M == 0 or N == 0:
         return y
     splits, split_k = k_splits(N, K, x.dtype)
-    lora_rows = triton.next_power_of_2(lora.b.shape[0]) * lora.xa.shape[2] if lora is not None else 0
-    cfg = config or default_config(M, N, splits, lora_rows, lora is not None and lora.shrink is not None)
+    epilogue = None if lora is None else LoRAEpilogue(triton.next_power_of_2(lora.b.shape[0]), lora.xa.shape[2],
+                                                      lora.shrink is not None)
+    cfg = config or default_config(M, N, splits, epilogue)
+    chunk_s, b_early = (1, False) if epilogue is None else lora_epilogue_plan(cfg, epilogue) or (0, False)
+    if chunk_s == 0:
+        raise ValueError(f"{cfg} holds no LoRA epilogue of rank tile {epilogue.rank_tile} in shared memory")
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     parallel = cfg.parallel_splits and splits > 1
     if parallel and tiles > SPLIT_COUNTERS:
@@ -296,7 +320,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         HAS_BIAS=bias is not None, SPLITS=splits, PARALLEL=parallel,  # HAS_BIAS=False never reads b
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=gemm_block_k(x.dtype), GROUP_M=cfg.group_m,
         HAS_LORA=lora is not None, PART_BOUNDS=bounds, BLOCK_R=xa.shape[2] if lora is not None else 16,
-        BLOCK_S=triton.next_power_of_2(lora_b.shape[0]) if lora is not None else 1,
+        BLOCK_S=epilogue.slots if lora is not None else 1, CHUNK_S=chunk_s, B_EARLY=b_early,
         HAS_SHRINK=shrink is not None, SHRINK_SPLITS=shrink_splits, SHRINK_SPLIT_K=shrink_split_k,
         SHRINK_BLOCK_M=shrink_block_m, SHRINK_BLOCK_K=shrink_block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),

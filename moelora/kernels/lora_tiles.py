@@ -92,59 +92,77 @@ def shrink_linear_block(pid, x_ptr, a_ptr, ranks_ptr, part_ptr, xa_ptr, count_pt
 
 
 @triton.jit
-def linear_lora_rows(row_slot, num_slots, b_rows, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
-    """The rows' side of a dense GEMM's LoRA epilogue (`add_linear_lora`), no memory read: row_slot with -1 for
-    rows without an adapter (slot < 0 or >= num_slots; row_slot is the caller's load of the step's slots, -1
-    past the rows), `mine` [BLOCK_M, BLOCK_S * BLOCK_R], the stacked slot columns that are each row's, and `used`
-    [BLOCK_S * BLOCK_R], the columns of slots the tile's rows use, up to the buffers' b_rows."""
-    row_slot = tl.where((row_slot >= 0) & (row_slot < num_slots), row_slot, -1)
-    cols = tl.arange(0, BLOCK_S * BLOCK_R)
-    mine = row_slot[:, None] == (cols // BLOCK_R)[None, :]
+def linear_lora_rows(row_slot, b_rows, first_slot, BLOCK_R: tl.constexpr, CHUNK_S: tl.constexpr):
+    """The rows' side of one dot of a dense GEMM's LoRA epilogue (`add_linear_lora`), no memory read: `mine`
+    [BLOCK_M, CHUNK_S * BLOCK_R], the stacked columns of slots first_slot.. (CHUNK_S of them) that are each row's
+    (row_slot: -1 for rows without an adapter), and `used` [CHUNK_S * BLOCK_R], the columns of those slots the
+    tile's rows use, up to the buffers' b_rows."""
+    cols = tl.arange(0, CHUNK_S * BLOCK_R)
+    mine = row_slot[:, None] == (first_slot + cols // BLOCK_R)[None, :]
     used = (tl.max(mine.to(tl.int32), axis=0) > 0) & (cols % BLOCK_R < b_rows)
-    return row_slot, mine, used
+    return mine, used
 
 
 @triton.jit
-def load_linear_lora_b(used, n0, lo, hi, b_ptr, stride_bs, stride_br, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_S: tl.constexpr):
-    """[BLOCK_S * BLOCK_R, BLOCK_N]: the B rows of the `used` columns (`linear_lora_rows`) at output columns
-    n0.., those in [lo, hi) alone, zero elsewhere. B past a part's rank is read: the slot buffers hold zeros there
-    (LinearLoRASlots), as xa does."""
-    cols = tl.arange(0, BLOCK_S * BLOCK_R)
+def load_linear_lora_b(used, first_slot, n0, lo, hi, b_ptr, stride_bs, stride_br, BLOCK_N: tl.constexpr,
+                       BLOCK_R: tl.constexpr, CHUNK_S: tl.constexpr):
+    """[CHUNK_S * BLOCK_R, BLOCK_N]: the B rows of slots first_slot.. in the `used` columns (`linear_lora_rows`) at
+    output columns n0.., those in [lo, hi) alone, zero elsewhere. B past a part's rank is read: the slot buffers
+    hold zeros there (LinearLoRASlots), as xa does."""
+    cols = tl.arange(0, CHUNK_S * BLOCK_R)
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    b_ptrs = b_ptr + (cols // BLOCK_R)[:, None] * stride_bs + (cols % BLOCK_R)[:, None] * stride_br + offs_n[None, :]
+    b_ptrs = (b_ptr + (first_slot + cols // BLOCK_R)[:, None] * stride_bs + (cols % BLOCK_R)[:, None] * stride_br
+              + offs_n[None, :])
     return tl.load(b_ptrs, mask=used[:, None] & ((offs_n >= lo) & (offs_n < hi))[None, :], other=0.0)
 
 
 @triton.jit
-def add_linear_lora(acc, row_slot, mine, used, bt, offs_m, n0, xa_ptr, b_ptr, stride_bs, stride_br,
-                    PART_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+def add_linear_lora(acc, row_slot, bt, offs_m, n0, xa_ptr, b_ptr, stride_bs, stride_br, b_rows,
+                    PART_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+                    CHUNK_S: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] (rows offs_m, columns n0..) plus each row's LoRA delta, the epilogue of a dense
-    GEMM: for row m of slot s = row_slot[m] and each part p whose columns meet the tile,
+    GEMM: for row m of slot s = row_slot[m] (-1: none) and each part p whose columns meet the tile,
     xa[m, p] @ B[s, :, part p's columns], where xa [M, P, BLOCK_R] is the shrink's output in B's dtype, zero
     past each rank (`shrink_linear_block`), read from L2 (.cg: the shrink may have written it in this launch).
-    row_slot, mine and used are `linear_lora_rows'`; bt is the tile's B (`load_linear_lora_b` over all columns),
-    loaded early where the GEMM waits before its epilogue, or None: each part's B loaded here.
+    bt is the tile's B of all BLOCK_S slots (`load_linear_lora_b` over all columns; CHUNK_S == BLOCK_S), loaded
+    early where the GEMM waits before its epilogue, or None: each part's B loaded here.
 
-    One tl.dot per part for all the tile's slots together: the slots' B tiles stacked along K (BLOCK_S slots
-    of BLOCK_R rows, BLOCK_S >= num_slots) and each row's xa placed in its own slot's BLOCK_R columns, zero in
-    the others. The zero columns add exactly 0 to a row, so its bits follow from its own slot and xa alone,
-    whatever shares its tile, and a row without an adapter keeps the bits it had. xa is not read for rows
-    without an adapter, nor B for slots no row of the tile uses."""
-    P: tl.constexpr = len(PART_BOUNDS) - 1
+    One tl.dot per part for CHUNK_S slots together: their B tiles stacked along K (CHUNK_S slots of BLOCK_R
+    rows) and each row's xa placed in its own slot's BLOCK_R columns, zero in the others; BLOCK_S / CHUNK_S such
+    dots (`linear.lora_epilogue_plan`: one, unless many slots of a large rank would not fit in shared memory),
+    those of slots no row of the tile uses skipped. The zero columns add exactly 0 to a row, and so do the other
+    chunks' dots, so its bits follow from its own slot and xa alone, whatever shares its tile and however the
+    slots are chunked, and a row without an adapter keeps the bits it had. xa is not read for rows without an
+    adapter, nor B for slots no row of the tile uses."""
     if tl.max(row_slot) >= 0:
-        col_r = tl.arange(0, BLOCK_S * BLOCK_R) % BLOCK_R
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        for p in tl.static_range(P):
-            lo, hi = PART_BOUNDS[p], PART_BOUNDS[p + 1]
-            if (n0 < hi) & (n0 + BLOCK_N > lo):
-                xa_ptrs = xa_ptr + (offs_m.to(tl.int64) * P + p)[:, None] * BLOCK_R + col_r[None, :]
-                xa = tl.load(xa_ptrs, mask=mine, other=0.0, cache_modifier=".cg")
-                if bt is None:
-                    acc = tl.dot(xa, load_linear_lora_b(used, n0, lo, hi, b_ptr, stride_bs, stride_br, BLOCK_N,
-                                                        BLOCK_R, BLOCK_S), acc)
-                elif (n0 >= lo) & (n0 + BLOCK_N <= hi):  # the tile within the part: all of bt
-                    acc = tl.dot(xa, bt, acc)
-                else:
-                    acc = tl.dot(xa, tl.where(((offs_n >= lo) & (offs_n < hi))[None, :], bt, 0.0), acc)
+        for c in tl.static_range(BLOCK_S // CHUNK_S):
+            mine, used = linear_lora_rows(row_slot, b_rows, c * CHUNK_S, BLOCK_R, CHUNK_S)
+            if CHUNK_S == BLOCK_S:
+                acc = _add_parts(acc, mine, used, bt, c * CHUNK_S, offs_m, n0, xa_ptr, b_ptr, stride_bs, stride_br,
+                                 PART_BOUNDS, BLOCK_N, BLOCK_R, CHUNK_S)
+            elif tl.max(used.to(tl.int32)) > 0:
+                acc = _add_parts(acc, mine, used, None, c * CHUNK_S, offs_m, n0, xa_ptr, b_ptr, stride_bs,
+                                 stride_br, PART_BOUNDS, BLOCK_N, BLOCK_R, CHUNK_S)
+    return acc
+
+
+@triton.jit
+def _add_parts(acc, mine, used, bt, first_slot, offs_m, n0, xa_ptr, b_ptr, stride_bs, stride_br,
+               PART_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK_S: tl.constexpr):
+    """add_linear_lora's dots of one chunk of slots (first_slot..), a dot per part that meets the tile."""
+    P: tl.constexpr = len(PART_BOUNDS) - 1
+    col_r = tl.arange(0, CHUNK_S * BLOCK_R) % BLOCK_R
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    for p in tl.static_range(P):
+        lo, hi = PART_BOUNDS[p], PART_BOUNDS[p + 1]
+        if (n0 < hi) & (n0 + BLOCK_N > lo):
+            xa_ptrs = xa_ptr + (offs_m.to(tl.int64) * P + p)[:, None] * BLOCK_R + col_r[None, :]
+            xa = tl.load(xa_ptrs, mask=mine, other=0.0, cache_modifier=".cg")
+            if bt is None:
+                acc = tl.dot(xa, load_linear_lora_b(used, first_slot, n0, lo, hi, b_ptr, stride_bs, stride_br,
+                                                    BLOCK_N, BLOCK_R, CHUNK_S), acc)
+            elif (n0 >= lo) & (n0 + BLOCK_N <= hi):  # the tile within the part: all of bt
+                acc = tl.dot(xa, bt, acc)
+            else:
+                acc = tl.dot(xa, tl.where(((offs_n >= lo) & (offs_n < hi))[None, :], bt, 0.0), acc)
     return acc

@@ -252,10 +252,11 @@ def compiled():
 
 
 def test_the_lora_epilogues_shared_memory_bound_is_the_compilers():
-    """linear's tile choice passes over tiles whose LoRA epilogue (many slots of a large rank) would not fit in
-    shared memory: on each row of the tile table, the most stacked rows it lets through compile within the limit,
-    and twice as many do not (a bound off the compiler either way, too low, fails: session 48's H100 run, 8 slots of
-    rank 64 on the 64 x 128 tile with the shrink in the launch, asked 320 KiB)."""
+    """linear's LoRA epilogue plan (one dot of every slot, B loaded early or not, or dots of chunks of slots) and tile
+    choice rest on a bound on one dot's shared memory: on each row of the tile table, the most stacked rows it lets
+    through compile within the limit, and twice as many do not (a bound off the compiler either way fails: session
+    48's H100 run, 8 slots of rank 64 on the 64 x 128 tile with the shrink in the launch, asked 320 KiB); the plan
+    for 8 slots of rank 64 compiles within it."""
     for r in compiled_in_subprocess("compile_lora_epilogue_bounds"):
         assert (r["shared"] <= SMEM_LIMIT) == r["fits"], f"{r}: {r['shared']} B of shared memory"
 
@@ -464,17 +465,22 @@ def compile_kv_store() -> list[dict]:
 
 
 def compile_linear_kernel(m: int, n: int, k: int, dtype: str, cfg, has_bias: bool = False, parts=None,
-                          block_s: int = 8, block_r: int = 16):
+                          block_s: int = 8, block_r: int = 16, plan: tuple[int, bool] | None = None):
     """_linear_kernel of M x N x K on tile `cfg`, as linear_triton launches it: with `parts` (out sizes), the LoRA
-    epilogue of block_s slots of rank tile block_r, the shrink in the launch where lora_linear runs it there."""
+    epilogue of block_s slots of rank tile block_r, the shrink in the launch where lora_linear runs it there, in
+    dots of `plan` (CHUNK_S, B_EARLY; default: linear's plan for the tile)."""
     splits, _ = li.k_splits(n, k, torch.bfloat16)  # fp16's too
-    lora = dict(HAS_LORA=False, PART_BOUNDS=(0, n), BLOCK_R=16, BLOCK_S=1) if parts is None else dict(
-        HAS_LORA=True, PART_BOUNDS=tuple(sum(parts[:p]) for p in range(len(parts) + 1)), BLOCK_R=block_r,
-        BLOCK_S=block_s)
+    shrink = parts is not None and lora_shrink_in_gemm(m)
+    if parts is None:
+        lora = dict(HAS_LORA=False, PART_BOUNDS=(0, n), BLOCK_R=16, BLOCK_S=1, CHUNK_S=1, B_EARLY=False)
+    else:
+        chunk_s, b_early = plan or li.lora_epilogue_plan(cfg, li.LoRAEpilogue(block_s, block_r, shrink))
+        lora = dict(HAS_LORA=True, PART_BOUNDS=tuple(sum(parts[:p]) for p in range(len(parts) + 1)), BLOCK_R=block_r,
+                    BLOCK_S=block_s, CHUNK_S=chunk_s, B_EARLY=b_early)
     shrink_cfg = ll.LoRALinearConfig()
     constexprs = dict(HAS_BIAS=has_bias, SPLITS=splits, PARALLEL=cfg.parallel_splits and splits > 1,
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=gemm_block_k(torch.bfloat16),
-                      GROUP_M=cfg.group_m, HAS_SHRINK=parts is not None and lora_shrink_in_gemm(m),
+                      GROUP_M=cfg.group_m, HAS_SHRINK=shrink,
                       SHRINK_SPLITS=-(-k // shrink_cfg.split_k), SHRINK_SPLIT_K=shrink_cfg.split_k,
                       SHRINK_BLOCK_M=shrink_cfg.block_m, SHRINK_BLOCK_K=shrink_cfg.block_k, **lora)
     return compile_sm90(li._linear_kernel, constexprs, dtype, cfg.num_warps, cfg.num_stages,
@@ -494,8 +500,7 @@ def compile_linear() -> list[dict]:
     results = []
     for m, n, k, dtype, has_bias, parts in cases:
         splits, _ = li.k_splits(n, k, torch.bfloat16)
-        cfg = li.default_config(m, n, splits, 8 * 16 if parts is not None else 0,
-                                parts is not None and lora_shrink_in_gemm(m))
+        cfg = li.default_config(m, n, splits, li.LoRAEpilogue(8, 16, lora_shrink_in_gemm(m)) if parts else None)
         compiled, constexprs = compile_linear_kernel(m, n, k, dtype, cfg, has_bias, parts)
         ptx = compiled.asm["ptx"]
         results.append(dict(kernel="_linear_kernel", dtype=dtype, m=m, n=n, block_m=cfg.block_m, bias=has_bias, lora=bool(parts),
@@ -514,20 +519,27 @@ EPILOGUE_TILES = ((1, 5120, 2048, (4096, 512, 512), li._DECODE[:1]), (32, 2048, 
 
 
 def compile_lora_epilogue_bounds() -> list[dict]:
-    """Each tile of EPILOGUE_TILES with the LoRA epilogue of the most stacked rows (slots x rank tile 64, a power
-    of two) that linear._lora_epilogue_fits lets through, and of twice as many: the shared memory of both."""
+    """Each tile of EPILOGUE_TILES with one dot of the LoRA epilogue (B loaded early where the shrink is in the
+    launch) of the most stacked rows (slots x rank tile 64, a power of two) that linear._lora_epilogue_fits lets
+    through, and of twice as many; and the first tile of each with linear's plan for 8 slots of rank 64 (chunks of
+    slots, or B loaded after the wait): the shared memory of each, and whether it should fit."""
     results = []
     for m, n, k, parts, tiles in EPILOGUE_TILES:
         splits, _ = li.k_splits(n, k, torch.bfloat16)
         stages = {"num_stages": li.ONE_SPLIT_STAGES} if m <= 32 and splits == 1 else {}
-        for tile in tiles:
+        shrink = lora_shrink_in_gemm(m)
+        for i, tile in enumerate(tiles):
             cfg = dataclasses.replace(tile, parallel_splits=m <= li.PARALLEL_SPLITS_MAX_M, **stages)
-            slots = max(s for s in (1, 2, 4, 8, 16, 32, 64)
-                        if li._lora_epilogue_fits(cfg, s * 64, lora_shrink_in_gemm(m)))
-            for block_s in (slots, 2 * slots):
-                compiled, _ = compile_linear_kernel(m, n, k, "bf16", cfg, parts=parts, block_s=block_s, block_r=64)
+            slots = max(s for s in (1, 2, 4, 8, 16, 32, 64) if li._lora_epilogue_fits(cfg, s * 64, shrink))
+            cases = [(slots, (slots, shrink), True), (2 * slots, (2 * slots, shrink), False)]
+            if i == 0:
+                cases.append((8, None, True))
+            for block_s, plan, fits in cases:
+                compiled, constexprs = compile_linear_kernel(m, n, k, "bf16", cfg, parts=parts, block_s=block_s,
+                                                             block_r=64, plan=plan)
                 results.append(dict(m=m, tile=f"{cfg.block_m}x{cfg.block_n}", rows=block_s * 64,
-                                    fits=block_s == slots, shared=compiled.metadata.shared))
+                                    chunk=constexprs["CHUNK_S"], b_early=constexprs["B_EARLY"], fits=fits,
+                                    shared=compiled.metadata.shared))
     return results
 
 

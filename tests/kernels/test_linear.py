@@ -7,7 +7,7 @@ import torch
 
 from moelora.kernels import linear as linear_module
 from moelora.kernels.gemm_tiles import gemm_block_k
-from moelora.kernels.linear import LinearConfig, default_config, k_splits, linear
+from moelora.kernels.linear import LinearConfig, LoRAEpilogue, default_config, k_splits, linear
 from tests.support import rel_tolerance
 
 DTYPES = [torch.float16, torch.float32]
@@ -196,31 +196,42 @@ def test_bad_inputs_name_the_tensor(impl, device):
 
 def test_prefill_tiles_with_lora_and_serial_splits_leave_registers_for_the_epilogue():
     """128 x 256 prefill tiles, but 128 x 128 where the K splits run in series and a LoRA epilogue (8 slots of rank
-    tile 16: 128 stacked rows) is added."""
-    assert (default_config(8192, 2048, 4).block_n, default_config(8192, 2048, 4, 128).block_n) == (256, 128)
-    assert default_config(8192, 5120, 1, 128).block_n == 256  # one split: one accumulator
-    assert default_config(16, 2048, 4, 128) == default_config(16, 2048, 4)  # decode: parallel splits
+    tile 16) is added."""
+    eight_16 = LoRAEpilogue(8, 16, False)
+    assert (default_config(8192, 2048, 4).block_n, default_config(8192, 2048, 4, eight_16).block_n) == (256, 128)
+    assert default_config(8192, 5120, 1, eight_16).block_n == 256  # one split: one accumulator
+    assert default_config(16, 2048, 4, LoRAEpilogue(8, 16, True)) == default_config(16, 2048, 4)  # decode
 
 
 @pytest.mark.parametrize("m", [1, 32, 200, 8192])
 @pytest.mark.parametrize("n, splits", [(5120, 1), (2048, 4)])
-def test_the_lora_epilogue_of_many_large_slots_fits_in_shared_memory(m, n, splits):
-    """8 slots of rank 64 (512 stacked rows): a tile whose epilogue would ask Triton for more shared memory than a
-    Hopper SM has is passed over for a smaller one (tests/kernels/test_compile_sm90.py holds the bound against the
-    compiler's), no wider than without it; 32 slots of rank 64 too (a decode-sized tile at worst)."""
-    b_early = m <= 256  # the shrink in the GEMM's launch
-    for rows in (512, 2048):
-        cfg = default_config(m, n, splits, rows, b_early)
-        assert linear_module._lora_epilogue_fits(cfg, rows, b_early), (rows, cfg)
-        assert cfg.block_m * cfg.block_n <= default_config(m, n, splits, 128).block_m * default_config(m, n, splits, 128).block_n
-    with pytest.raises(ValueError, match="no GEMM tile holds a LoRA epilogue of 65536 stacked rows"):
-        default_config(16, 2048, 4, 65536)
+def test_many_slots_of_a_large_rank_keep_the_tile(m, n, splits):
+    """8 and 32 slots of rank 64 (512 and 2048 stacked rows, more than one dot of them all holds in a Hopper
+    program's shared memory on most tiles): the tile of 8 rank-16 slots, its epilogue in chunks of slots that fit
+    (tests/kernels/test_compile_sm90.py holds the bound against the compiler's)."""
+    shrink = m <= 256  # in the GEMM's launch
+    tile = default_config(m, n, splits, LoRAEpilogue(8, 16, shrink))
+    for slots in (8, 32):
+        lora = LoRAEpilogue(slots, 64, shrink)
+        assert default_config(m, n, splits, lora) == tile
+        chunk, b_early = linear_module.lora_epilogue_plan(tile, lora)
+        assert slots % chunk == 0 and linear_module._lora_epilogue_fits(tile, chunk * 64, b_early), (slots, chunk)
+        assert not b_early or chunk == slots
 
 
-def test_b_loaded_before_the_shrinks_wait_takes_its_shared_memory_twice():
-    """On a 64-row (wgmma) tile B loaded early takes two buffers: session 48's H100 run failed on the 64 x 128 tile
-    with 8 slots of rank 64 and the shrink in the launch (320 KiB); without the shrink that tile holds them, and
-    8 slots of rank 32 keep the 128 x 256 prefill tile."""
-    assert (default_config(200, 5120, 1, 512, True).block_n, default_config(200, 5120, 1, 256, True).block_n) == (64, 128)
-    assert default_config(200, 5120, 1, 512, False).block_n == 128
-    assert default_config(8192, 5120, 1, 256).block_n == 256
+def test_an_epilogue_chunks_slots_only_where_one_dot_would_not_fit():
+    """One dot with B loaded before the shrink's wait where it fits; else one dot loaded after it (a wgmma tile
+    holds early-loaded B twice: session 48's H100 run, 8 slots of rank 64 on the 64 x 128 tile at 200 rows, 320 KiB);
+    else chunks; a rank tile of which not even one slot fits moves to a smaller tile, and past every tile is an
+    error."""
+    medium, prefill = default_config(200, 5120, 1), default_config(8192, 5120, 1)
+    assert (medium.block_n, prefill.block_n) == (128, 256)
+    plan = linear_module.lora_epilogue_plan
+    assert plan(medium, LoRAEpilogue(8, 16, True)) == (8, True)
+    assert plan(medium, LoRAEpilogue(8, 64, True)) == (8, False)
+    assert plan(prefill, LoRAEpilogue(8, 32, False)) == (8, False)
+    assert plan(prefill, LoRAEpilogue(8, 64, False)) == (4, False)
+    assert plan(prefill, LoRAEpilogue(8, 512, False)) is None
+    assert default_config(8192, 5120, 1, LoRAEpilogue(8, 512, False)).block_m == 64
+    with pytest.raises(ValueError, match="no GEMM tile holds a LoRA epilogue of rank tile 4096"):
+        default_config(16, 2048, 4, LoRAEpilogue(8, 4096, True))

@@ -4,7 +4,7 @@ import torch
 from moelora.core import LinearLoRASlots
 from moelora.kernels import linear as linear_module
 from moelora.kernels import lora_linear as lora_linear_module
-from moelora.kernels.linear import LinearConfig, linear
+from moelora.kernels.linear import LinearConfig, LoRAEpilogue, linear
 from moelora.kernels.lora_linear import LoRALinearConfig, align_tokens_by_slot, lora_linear
 from tests.support import assert_rows_close, random_linear_lora, rel_tolerance, surrounded
 
@@ -91,6 +91,23 @@ def test_triton_matches_reference_and_keeps_base_rows(case, dtype, bias, fused_s
     counters = [lora_linear_module._counters, linear_module._counters] + [linear_module._shrink_done] * fused_shrink
     for store in counters:
         assert not store.get(x.device, torch.zeros(1)).any(), "a launch left a counter above 0"
+
+
+@pytest.mark.parametrize("fused_shrink", [True, False])
+def test_slots_in_chunks_give_the_bits_of_one_dot(fused_shrink, device, poison, monkeypatch):
+    """Where one dot stacking every slot's B would not fit in shared memory (many slots of a large rank), the
+    epilogue runs a dot per chunk of slots on the same tile (forced here: shared memory cut to what one or two of
+    the four rank-64 slots take): the same bits as the one dot, rows of every slot and base rows in each tile."""
+    if not fused_shrink:
+        _shrink_in_own_launch(monkeypatch)
+    x, weight, b, lora, out_sizes, slots = _case(37, 80, (24, 40, 40), DTYPES[0], device, bias=True)
+    one_dot = lora_linear(x, weight, b, lora, out_sizes, slots, impl="triton", config=SMALL)
+    slot_bytes = 64 * 2 * (SMALL.linear.block_m + SMALL.linear.block_n)  # rank tile 64: xa's and B's rows
+    for chunk in (1, 2):
+        monkeypatch.setattr(linear_module, "SMEM_BYTES", chunk * slot_bytes)
+        assert linear_module.lora_epilogue_plan(SMALL.linear, LoRAEpilogue(4, 64, fused_shrink)) == (chunk, False)
+        got = lora_linear(x, weight, b, lora, out_sizes, slots, impl="triton", config=SMALL)
+        assert torch.equal(_bits(got), _bits(one_dot)), f"chunks of {chunk} slot(s)"
 
 
 @pytest.mark.parametrize("batch_shrink_fused", [True, False])
