@@ -161,7 +161,9 @@ class PenaltyState:
             self.in_prompt = torch.zeros(self.num_rows, self.vocab, dtype=torch.bool, device=self.device)
         ids = to_device(prompt_ids + output_ids, torch.int64, self.device)
         self.in_prompt[row] = False
-        self.in_prompt[row, ids[:len(prompt_ids)]] = True
+        # index_fill_, not `in_prompt[row, ids] = True`: index_put_ copies the Python scalar from pageable host
+        # memory, which waits for the stream's queued work (the step just launched)
+        self.in_prompt[row].index_fill_(0, ids[:len(prompt_ids)], True)
         output = ids[len(prompt_ids):]
         # index_put_, not bincount: bincount sizes its output from the largest id, a host sync on CUDA
         self.output_counts[row] = 0

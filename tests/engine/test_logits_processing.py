@@ -85,6 +85,21 @@ def test_penalties_by_hand(device):
     assert state.output_counts[3].tolist() == [0] * 5 and state.in_prompt[3].tolist() == [0, 0, 0, 0, 1]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_penalty_row_starts_without_waiting_for_the_device():
+    """A penalised request's first step resets its row after the step's forward is queued (overlap scheduling):
+    no host synchronisation (session 48: `in_prompt[row, ids] = True` copied the scalar from pageable memory)."""
+    state = PenaltyState(4, 1000, "cuda")
+    state.reset(0, prompt_ids=[1], output_ids=[])  # the buffers' allocation, once
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        state.reset(2, prompt_ids=[5, 7, 7], output_ids=[9, 9])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert state.in_prompt[2].nonzero().flatten().tolist() == [5, 7]
+    assert state.output_counts[2].nonzero().flatten().tolist() == [9] and int(state.output_counts[2, 9]) == 2
+
+
 def test_logit_bias_and_min_tokens(device):
     logits = torch.zeros(3, 10, device=device)
     logits[:, 9] = 5.0
