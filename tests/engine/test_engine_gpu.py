@@ -124,11 +124,14 @@ def test_slots_on_the_adapters_modules_alone_give_the_same_bits(make_engine, ada
     assert [(o.token_ids, o.logprobs) for o in got] == [(o.token_ids, o.logprobs) for o in want]
 
 
-def test_a_step_launched_ahead_does_not_wait_for_the_device(make_engine):
+@pytest.mark.parametrize("newcomer", [False, True])
+def test_a_step_launched_ahead_does_not_wait_for_the_device(make_engine, newcomer):
     """With overlap scheduling a step's host work (scheduling, the batch's and the sampler's
     host-to-device copies, penalties, a token mask, reading the step before) must not wait for the
     device: with it busy for tens of milliseconds after the step in flight, Engine.step returns long
-    before the device is done (a blocking copy anywhere would wait for the busy work)."""
+    before the device is done (a blocking copy anywhere would wait for the busy work). `newcomer`: the
+    timed step also admits a penalised request (its prompt, its penalty row's reset: session 48's audit found
+    that reset waiting)."""
     engine = make_engine(FAMILY, device="cuda", dtype="bfloat16", cuda_graph_max_bs=8, max_total_tokens=4096,
                          disable_overlap_schedule=False)
     params = [SamplingParams(max_tokens=8, temperature=0.8, seed=i, presence_penalty=0.5, logit_bias={7: 1.0},
@@ -138,6 +141,8 @@ def test_a_step_launched_ahead_does_not_wait_for_the_device(make_engine):
         engine.add_request(p, sp, lora=lora)
     engine.step()
     engine.step()  # prompts read, the first decode step in flight; every kernel compiled
+    if newcomer:
+        engine.add_request(prompts(4)[3], SamplingParams(max_tokens=4, repetition_penalty=1.2, ignore_eos=True))
     busy = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     gc.collect()  # a full collection of the test process's garbage in the timed step is no wait for the device
