@@ -81,7 +81,9 @@ class LoRAEpilogue(NamedTuple):
     """The shape of a GEMM's LoRA epilogue (`add_linear_lora`): its dots stack slots' B along K."""
     slots: int      # BLOCK_S: the slot buffers' count, to a power of two
     rank_tile: int  # BLOCK_R
-    shrink: bool    # the launch runs the shrink first: B may be loaded before the epilogue waits for xa
+    # the shrink's (BLOCK_M, BLOCK_K) where the launch runs it first (B may then be loaded before the epilogue waits
+    # for xa); None: xa is ready
+    shrink: tuple[int, int] | None
 
 
 def default_config(M: int, N: int, splits: int = 1, lora: LoRAEpilogue | None = None) -> LinearConfig:
@@ -121,7 +123,7 @@ def lora_epilogue_plan(c: LinearConfig, lora: LoRAEpilogue) -> tuple[int, bool] 
     dividing BLOCK_S: the tile keeps its size with many slots of a large rank, where one dot of them all would not
     fit in shared memory), and whether B is loaded before the shrink's wait (one dot, a launch with the shrink).
     None: not even one slot's dot fits."""
-    if lora.shrink and _lora_epilogue_fits(c, lora.slots * lora.rank_tile, True):
+    if lora.shrink is not None and _lora_epilogue_fits(c, lora.slots * lora.rank_tile, True):
         return lora.slots, True
     chunk = lora.slots
     while chunk >= 1 and not _lora_epilogue_fits(c, chunk * lora.rank_tile, False):
@@ -137,6 +139,21 @@ def _lora_epilogue_fits(c: LinearConfig, lora_rows: int, b_early: bool) -> bool:
     this lets through and the ones it passes over."""
     b_copies = 2 if b_early and c.block_m >= 64 else 1
     return lora_rows * 2 * (c.block_m + b_copies * c.block_n) <= SMEM_BYTES
+
+
+def lora_launch_config(c: LinearConfig, lora: LoRAEpilogue) -> tuple[LinearConfig, int, bool]:
+    """Tile c as a launch with a LoRA epilogue runs it, and its epilogue's plan: (config, CHUNK_S, B_EARLY). Where
+    the launch runs the shrink, the shrink's programs pipeline their x and A tiles over the launch's stages, in
+    shared memory of their own: the stages are capped so those fit (rank tiles of 256 and more at decode's
+    ONE_SPLIT_STAGES would not; fewer stages change no sum's order)."""
+    if lora.shrink is not None:
+        block_m, block_k = lora.shrink
+        stages = 1 + SMEM_BYTES // ((lora.rank_tile + block_m) * block_k * 2)
+        c = replace(c, num_stages=max(1, min(c.num_stages, stages)))
+    plan = lora_epilogue_plan(c, lora)
+    if plan is None:
+        raise ValueError(f"{c} holds no LoRA epilogue of rank tile {lora.rank_tile} in shared memory")
+    return (c, *plan)
 
 
 def k_splits(N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -288,12 +305,11 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if M == 0 or N == 0:
         return y
     splits, split_k = k_splits(N, K, x.dtype)
-    epilogue = None if lora is None else LoRAEpilogue(triton.next_power_of_2(lora.b.shape[0]), lora.xa.shape[2],
-                                                      lora.shrink is not None)
+    epilogue = None if lora is None else LoRAEpilogue(
+        triton.next_power_of_2(lora.b.shape[0]), lora.xa.shape[2],
+        None if lora.shrink is None else (lora.shrink.block_m, lora.shrink.block_k))
     cfg = config or default_config(M, N, splits, epilogue)
-    chunk_s, b_early = (1, False) if epilogue is None else lora_epilogue_plan(cfg, epilogue) or (0, False)
-    if chunk_s == 0:
-        raise ValueError(f"{cfg} holds no LoRA epilogue of rank tile {epilogue.rank_tile} in shared memory")
+    cfg, chunk_s, b_early = (cfg, 1, False) if epilogue is None else lora_launch_config(cfg, epilogue)
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     parallel = cfg.parallel_splits and splits > 1
     if parallel and tiles > SPLIT_COUNTERS:

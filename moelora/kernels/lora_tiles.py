@@ -124,8 +124,8 @@ def add_linear_lora(acc, row_slot, bt, offs_m, n0, xa_ptr, b_ptr, stride_bs, str
     GEMM: for row m of slot s = row_slot[m] (-1: none) and each part p whose columns meet the tile,
     xa[m, p] @ B[s, :, part p's columns], where xa [M, P, BLOCK_R] is the shrink's output in B's dtype, zero
     past each rank (`shrink_linear_block`), read from L2 (.cg: the shrink may have written it in this launch).
-    bt is the tile's B of all BLOCK_S slots (`load_linear_lora_b` over all columns; CHUNK_S == BLOCK_S), loaded
-    early where the GEMM waits before its epilogue, or None: each part's B loaded here.
+    bt is the tile's B of all BLOCK_S slots (`load_linear_lora_b` over all columns; CHUNK_S == BLOCK_S), where the
+    plan loads B before the GEMM's wait for the shrink (B_EARLY), or None: each part's B loaded here.
 
     One tl.dot per part for CHUNK_S slots together: their B tiles stacked along K (CHUNK_S slots of BLOCK_R
     rows) and each row's xa placed in its own slot's BLOCK_R columns, zero in the others; BLOCK_S / CHUNK_S such

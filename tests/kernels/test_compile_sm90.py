@@ -474,7 +474,9 @@ def compile_linear_kernel(m: int, n: int, k: int, dtype: str, cfg, has_bias: boo
     if parts is None:
         lora = dict(HAS_LORA=False, PART_BOUNDS=(0, n), BLOCK_R=16, BLOCK_S=1, CHUNK_S=1, B_EARLY=False)
     else:
-        chunk_s, b_early = plan or li.lora_epilogue_plan(cfg, li.LoRAEpilogue(block_s, block_r, shrink))
+        if plan is None:
+            cfg, *plan = li.lora_launch_config(cfg, li.LoRAEpilogue(block_s, block_r, shrink_tile(m)))
+        chunk_s, b_early = plan
         lora = dict(HAS_LORA=True, PART_BOUNDS=tuple(sum(parts[:p]) for p in range(len(parts) + 1)), BLOCK_R=block_r,
                     BLOCK_S=block_s, CHUNK_S=chunk_s, B_EARLY=b_early)
     shrink_cfg = ll.LoRALinearConfig()
@@ -492,6 +494,12 @@ def lora_shrink_in_gemm(m: int) -> bool:
     return m <= ll.FUSED_SHRINK_MAX_TOKENS  # as lora_linear has it
 
 
+def shrink_tile(m: int) -> tuple[int, int] | None:
+    """The shrink's (BLOCK_M, BLOCK_K) where it runs in the GEMM's launch (LoRAEpilogue.shrink)."""
+    cfg = ll.LoRALinearConfig()
+    return (cfg.block_m, cfg.block_k) if lora_shrink_in_gemm(m) else None
+
+
 def compile_linear() -> list[dict]:
     """Each default config in bf16 and fp16 without bias; o_proj at decode (bias after parallel K splits) in
     bf16 with one; and bf16 with the LoRA epilogue (8 slots, rank tile 16) at LORA_EPILOGUES."""
@@ -500,7 +508,7 @@ def compile_linear() -> list[dict]:
     results = []
     for m, n, k, dtype, has_bias, parts in cases:
         splits, _ = li.k_splits(n, k, torch.bfloat16)
-        cfg = li.default_config(m, n, splits, li.LoRAEpilogue(8, 16, lora_shrink_in_gemm(m)) if parts else None)
+        cfg = li.default_config(m, n, splits, li.LoRAEpilogue(8, 16, shrink_tile(m)) if parts else None)
         compiled, constexprs = compile_linear_kernel(m, n, k, dtype, cfg, has_bias, parts)
         ptx = compiled.asm["ptx"]
         results.append(dict(kernel="_linear_kernel", dtype=dtype, m=m, n=n, block_m=cfg.block_m, bias=has_bias, lora=bool(parts),
@@ -521,8 +529,9 @@ EPILOGUE_TILES = ((1, 5120, 2048, (4096, 512, 512), li._DECODE[:1]), (32, 2048, 
 def compile_lora_epilogue_bounds() -> list[dict]:
     """Each tile of EPILOGUE_TILES with one dot of the LoRA epilogue (B loaded early where the shrink is in the
     launch) of the most stacked rows (slots x rank tile 64, a power of two) that linear._lora_epilogue_fits lets
-    through, and of twice as many; and the first tile of each with linear's plan for 8 slots of rank 64 (chunks of
-    slots, or B loaded after the wait): the shared memory of each, and whether it should fit."""
+    through, and of twice as many; and the first tile of each with linear's launch config for 8 slots of rank 64
+    (chunks of slots, or B loaded after the wait), at decode also for one slot of rank tile 256 and 512 (the
+    shrink's stages capped): the shared memory of each, and whether it should fit."""
     results = []
     for m, n, k, parts, tiles in EPILOGUE_TILES:
         splits, _ = li.k_splits(n, k, torch.bfloat16)
@@ -531,13 +540,13 @@ def compile_lora_epilogue_bounds() -> list[dict]:
         for i, tile in enumerate(tiles):
             cfg = dataclasses.replace(tile, parallel_splits=m <= li.PARALLEL_SPLITS_MAX_M, **stages)
             slots = max(s for s in (1, 2, 4, 8, 16, 32, 64) if li._lora_epilogue_fits(cfg, s * 64, shrink))
-            cases = [(slots, (slots, shrink), True), (2 * slots, (2 * slots, shrink), False)]
-            if i == 0:
-                cases.append((8, None, True))
-            for block_s, plan, fits in cases:
+            cases = [(slots, 64, (slots, shrink), True), (2 * slots, 64, (2 * slots, shrink), False)]
+            if i == 0:  # linear's plan for 8 slots of rank 64; at decode, for one slot of rank tile 256 and 512
+                cases += [(8, 64, None, True)] + [(1, r, None, True) for r in (256, 512) if m == 1]
+            for block_s, block_r, plan, fits in cases:
                 compiled, constexprs = compile_linear_kernel(m, n, k, "bf16", cfg, parts=parts, block_s=block_s,
-                                                             block_r=64, plan=plan)
-                results.append(dict(m=m, tile=f"{cfg.block_m}x{cfg.block_n}", rows=block_s * 64,
+                                                             block_r=block_r, plan=plan)
+                results.append(dict(m=m, tile=f"{cfg.block_m}x{cfg.block_n}", rows=block_s * block_r,
                                     chunk=constexprs["CHUNK_S"], b_early=constexprs["B_EARLY"], fits=fits,
                                     shared=compiled.metadata.shared))
     return results

@@ -11,6 +11,7 @@ from moelora.kernels.linear import LinearConfig, LoRAEpilogue, default_config, k
 from tests.support import rel_tolerance
 
 DTYPES = [torch.float16, torch.float32]
+SHRINK = (16, 64)  # the LoRA shrink's BLOCK_M, BLOCK_K in the GEMM's launch (lora_linear's)
 CASES = [  # M, N, K: non-powers of two, N = 1 (Qwen2-MoE's shared_expert_gate), K not a multiple of BLOCK_K
     (1, 1, 64),
     (1, 48, 100),
@@ -197,10 +198,10 @@ def test_bad_inputs_name_the_tensor(impl, device):
 def test_prefill_tiles_with_lora_and_serial_splits_leave_registers_for_the_epilogue():
     """128 x 256 prefill tiles, but 128 x 128 where the K splits run in series and a LoRA epilogue (8 slots of rank
     tile 16) is added."""
-    eight_16 = LoRAEpilogue(8, 16, False)
+    eight_16 = LoRAEpilogue(8, 16, None)
     assert (default_config(8192, 2048, 4).block_n, default_config(8192, 2048, 4, eight_16).block_n) == (256, 128)
     assert default_config(8192, 5120, 1, eight_16).block_n == 256  # one split: one accumulator
-    assert default_config(16, 2048, 4, LoRAEpilogue(8, 16, True)) == default_config(16, 2048, 4)  # decode
+    assert default_config(16, 2048, 4, LoRAEpilogue(8, 16, SHRINK)) == default_config(16, 2048, 4)  # decode
 
 
 @pytest.mark.parametrize("m", [1, 32, 200, 8192])
@@ -209,7 +210,7 @@ def test_many_slots_of_a_large_rank_keep_the_tile(m, n, splits):
     """8 and 32 slots of rank 64 (512 and 2048 stacked rows, more than one dot of them all holds in a Hopper
     program's shared memory on most tiles): the tile of 8 rank-16 slots, its epilogue in chunks of slots that fit
     (tests/kernels/test_compile_sm90.py holds the bound against the compiler's)."""
-    shrink = m <= 256  # in the GEMM's launch
+    shrink = SHRINK if m <= 256 else None  # in the GEMM's launch
     tile = default_config(m, n, splits, LoRAEpilogue(8, 16, shrink))
     for slots in (8, 32):
         lora = LoRAEpilogue(slots, 64, shrink)
@@ -227,11 +228,23 @@ def test_an_epilogue_chunks_slots_only_where_one_dot_would_not_fit():
     medium, prefill = default_config(200, 5120, 1), default_config(8192, 5120, 1)
     assert (medium.block_n, prefill.block_n) == (128, 256)
     plan = linear_module.lora_epilogue_plan
-    assert plan(medium, LoRAEpilogue(8, 16, True)) == (8, True)
-    assert plan(medium, LoRAEpilogue(8, 64, True)) == (8, False)
-    assert plan(prefill, LoRAEpilogue(8, 32, False)) == (8, False)
-    assert plan(prefill, LoRAEpilogue(8, 64, False)) == (4, False)
-    assert plan(prefill, LoRAEpilogue(8, 512, False)) is None
-    assert default_config(8192, 5120, 1, LoRAEpilogue(8, 512, False)).block_m == 64
+    assert plan(medium, LoRAEpilogue(8, 16, SHRINK)) == (8, True)
+    assert plan(medium, LoRAEpilogue(8, 64, SHRINK)) == (8, False)
+    assert plan(prefill, LoRAEpilogue(8, 32, None)) == (8, False)
+    assert plan(prefill, LoRAEpilogue(8, 64, None)) == (4, False)
+    assert plan(prefill, LoRAEpilogue(8, 512, None)) is None
+    assert default_config(8192, 5120, 1, LoRAEpilogue(8, 512, None)).block_m == 64
     with pytest.raises(ValueError, match="no GEMM tile holds a LoRA epilogue of rank tile 4096"):
-        default_config(16, 2048, 4, LoRAEpilogue(8, 4096, True))
+        default_config(16, 2048, 4, LoRAEpilogue(8, 4096, SHRINK))
+
+
+def test_the_shrinks_pipeline_in_the_launch_fits_in_shared_memory():
+    """The shrink's programs in the GEMM's launch pipeline their x and A tiles over the launch's stages: a rank tile
+    of 256 at decode's 8 stages would take 7 x (256 + 16) x 64 x 2 = 243712 B (found by a review, compiled for sm_90);
+    the launch runs fewer stages there, and all of them without the shrink or with small rank tiles."""
+    decode = default_config(1, 5120, 1)
+    assert decode.num_stages == linear_module.ONE_SPLIT_STAGES
+    for rank_tile, stages in ((16, decode.num_stages), (128, decode.num_stages), (256, 7), (512, 4)):
+        cfg, _, _ = linear_module.lora_launch_config(decode, LoRAEpilogue(1, rank_tile, SHRINK))
+        assert cfg.num_stages == stages and (stages - 1) * (rank_tile + 16) * 64 * 2 <= linear_module.SMEM_BYTES
+        assert linear_module.lora_launch_config(decode, LoRAEpilogue(1, rank_tile, None))[0] == decode

@@ -105,7 +105,8 @@ def test_slots_in_chunks_give_the_bits_of_one_dot(fused_shrink, device, poison, 
     slot_bytes = 64 * 2 * (SMALL.linear.block_m + SMALL.linear.block_n)  # rank tile 64: xa's and B's rows
     for chunk in (1, 2):
         monkeypatch.setattr(linear_module, "SMEM_BYTES", chunk * slot_bytes)
-        assert linear_module.lora_epilogue_plan(SMALL.linear, LoRAEpilogue(4, 64, fused_shrink)) == (chunk, False)
+        shrink = (SMALL.block_m, SMALL.block_k) if fused_shrink else None
+        assert linear_module.lora_epilogue_plan(SMALL.linear, LoRAEpilogue(4, 64, shrink)) == (chunk, False)
         got = lora_linear(x, weight, b, lora, out_sizes, slots, impl="triton", config=SMALL)
         assert torch.equal(_bits(got), _bits(one_dot)), f"chunks of {chunk} slot(s)"
 
