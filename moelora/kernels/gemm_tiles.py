@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+SMEM_BYTES = 232448  # shared memory one program may take on an H100 / H200 (Triton's "Hardware limit")
+
 
 def zeroed_counters(store: dict[torch.device, torch.Tensor], size: int, device: torch.device,
                     owner: str) -> torch.Tensor:

@@ -42,12 +42,11 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from moelora.kernels.gemm_tiles import (arrive, gemm_block_k, gemm_loop, grouped_tile, wait_arrivals,
-                                       zeroed_counters)
+from moelora.kernels.gemm_tiles import (SMEM_BYTES, arrive, gemm_block_k, gemm_loop, grouped_tile,
+                                       wait_arrivals, zeroed_counters)
 from moelora.kernels.lora_tiles import add_linear_lora, linear_lora_rows, load_linear_lora_b, shrink_linear_block
 from moelora.kernels.pdl import pdl_launch, wait_for_previous_kernel
 
-SMEM_BYTES = 232448  # shared memory one program may take on an H100 / H200 (Triton's "Hardware limit")
 MIN_PROGRAMS = 120  # about one program per SM of an H100 / H200 (132): below it, a smaller tile is tried
 SPLIT_PROGRAMS = 512  # K splits aim at about four decode programs per SM: some load while others wait
 ONE_SPLIT_STAGES = 8  # decode tiles (M <= 32) of a shape without K splits: more W tiles in flight per program
@@ -148,7 +147,7 @@ def lora_launch_config(c: LinearConfig, lora: LoRAEpilogue) -> tuple[LinearConfi
     ONE_SPLIT_STAGES would not; fewer stages change no sum's order)."""
     if lora.shrink is not None:
         block_m, block_k = lora.shrink
-        stages = 1 + SMEM_BYTES // ((lora.rank_tile + block_m) * block_k * 2)
+        stages = SMEM_BYTES // ((lora.rank_tile + block_m) * block_k * 2)  # a buffer a stage at most
         c = replace(c, num_stages=max(1, min(c.num_stages, stages)))
     plan = lora_epilogue_plan(c, lora)
     if plan is None:

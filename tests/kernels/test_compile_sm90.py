@@ -552,6 +552,30 @@ def compile_lora_epilogue_bounds() -> list[dict]:
     return results
 
 
+def compile_large_rank_tiles() -> list[dict]:
+    """The experts' kernels of the prefill row (the most shared memory) at rank tile 256, the largest, as the
+    launcher runs them (fused_moe.config.for_rank_tile): the GEMMs, the segment shrink and the down shrink."""
+    cfg = fm_config.for_rank_tile(fm_config.default_config(8192, 8, 128, torch.bfloat16, lora=True), 256)
+    results = [dict(kernel=r["kernel"], shared=r["shared"]) for r in compile_moe_gemms(cfg, True, "bf16", 5)]
+    for kernel, constexprs in ((fm_shrink.shrink_kernel, dict(SHRINK_ROWS=cfg.shrink_rows, BLOCK_K=64, BLOCK_R=256,
+                                                               RANK_TILES=5, TILE=4, SPLIT_K=fm_config.SHRINK_SPLIT_K,
+                                                               A_ALIGNED=True)),
+                               (fm_shrink.down_shrink_kernel, dict(SHRINK_ROWS=cfg.shrink_rows, BLOCK_R=256, RANK_TILES=5,
+                                                                   PART_N=fm_config.DOWN_SHRINK_PART))):
+        compiled = compile_sm90(kernel, constexprs, "bf16", cfg.shrink_num_warps, cfg.shrink_num_stages)
+        results.append(dict(kernel=kernel.fn.__name__, shared=compiled.metadata.shared))
+    return results
+
+
+def test_the_experts_kernels_of_the_largest_rank_tile_fit_shared_memory():
+    """Rank tile 256 (adapters of rank 129-256): with 4 slot-loop stages the prefill row's GEMMs asked 294912 B and
+    its 3-stage shrink 245760 B (session 48); the launcher's stages for that tile fit."""
+    results = compiled_in_subprocess("compile_large_rank_tiles")
+    assert {r["kernel"] for r in results} == {"gate_up_kernel", "down_kernel", "shrink_kernel", "down_shrink_kernel"}
+    for r in results:
+        assert r["shared"] <= SMEM_LIMIT, f"{r}: {r['shared']} B of shared memory"
+
+
 def test_linear_pipelines_on_wgmma(compiled):
     """Every tile's K loop is software-pipelined, also inside the loop over K splits; from BLOCK_M 64 (medium
     and prefill tiles) tl.dot is wgmma. Parallel splits count arrivals with a gpu-scope acq_rel atomic and

@@ -365,6 +365,23 @@ def test_config_names_a_bad_field(field, value, rule):
         dataclasses.replace(good, **{field: value})
 
 
+def test_large_rank_tiles_take_fewer_pipeline_stages():
+    """The GEMMs' slot-loop pipeline and the segment shrink's stages hold tiles of the rank tile in shared memory: at
+    rank tiles of 128 and 256 the prefill row's asked 294912 B and its shrink 245760 B of an H100's 232448 (compiled
+    for sm_90, session 48), so a launch of those runs fewer stages; up to 64 every row keeps its own; past 256 the
+    launch names the limit."""
+    from moelora.kernels.fused_moe.config import for_rank_tile
+    rows = [default_config(t, 8, 128, torch.bfloat16, lora=True) for t in (1, 32, 512, 1024, 8192)]
+    for cfg in rows:
+        assert for_rank_tile(cfg, 64) == cfg and for_rank_tile(cfg, 16) == cfg
+    prefill = rows[-1]
+    assert (prefill.slot_stages, prefill.shrink_num_stages) == (4, 3)
+    assert (for_rank_tile(prefill, 128).slot_stages, for_rank_tile(prefill, 128).shrink_num_stages) == (2, 3)
+    assert (for_rank_tile(prefill, 256).slot_stages, for_rank_tile(prefill, 256).shrink_num_stages) == (1, 2)
+    with pytest.raises(ValueError, match="rank tiles up to 256 .* got 512: a --max-lora-rank of at most 256"):
+        for_rank_tile(prefill, 512)
+
+
 def test_pair_blocks_past_the_ready_counters(device, monkeypatch):
     x, w13, w2, topk, lora, slots = _case(3, 64, 32, 4, 2, DTYPES[0], device)
     monkeypatch.setattr(launcher, "READY_COUNTERS", 5)

@@ -5,11 +5,11 @@ Why each threshold and tile is what it is (the measurements behind them): benchm
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from moelora.kernels.gemm_tiles import gemm_block_k
+from moelora.kernels.gemm_tiles import SMEM_BYTES, gemm_block_k
 
 # A row's result must not depend on what it is batched with, so everything that sets the order of
 # its fp32 sums is fixed here, never by the config: the gate/up shrink's K split (SHRINK_SPLIT_K columns
@@ -27,6 +27,11 @@ PAIR_BLOCKS_MAX_TOKENS = 2
 # enough where the experts are many: with Qwen3's 128 it beat the gate_up epilogue's parts, with Mixtral's 8 it lost
 # (benchmarks/RESULTS.md, session 38)
 DOWN_SHRINK_LAUNCH_MIN_EXPERTS = 128
+# Hopper's shared memory per program (SMEM_BYTES) holds the GEMMs' slot-loop pipeline (SLOT_STAGES B
+# tiles of the rank tile) up to this many stages x rank-tile rows: the tile table's 4 stages at rank tile 64, in
+# every row; the prefill row asked 294912 B at 4 x 128 and 2 x 256 (compiled for sm_90, session 48)
+SLOT_PIPELINE_ROWS = 256
+MAX_RANK_TILE = SLOT_PIPELINE_ROWS  # a larger tile's one slot-loop stage alone would not fit in the prefill row
 
 
 @dataclass(frozen=True)
@@ -132,3 +137,16 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     # prefill: wide n tiles, 8 warps
     return MoEKernelConfig(128, 128, 256, block_k, 8, 8, 4, half_tiles=True, slot_stages=4, shrink_rows=128,
                            segment_rows=128, down_shrink_launch=True)
+
+
+def for_rank_tile(cfg: MoEKernelConfig, block_r: int) -> MoEKernelConfig:
+    """`cfg` as a launch with LoRA of rank tile block_r runs it: the GEMMs' slot-loop pipeline and the segment
+    shrink's stages cut where their tiles of a large rank tile would not fit in shared memory (the shrink: a buffer
+    per stage of its x and gate and up A tiles, SHRINK_ROWS + 2 x block_r rows of BLOCK_K; the prefill row's 3 stages
+    took 245760 B at rank tile 256). Pipelining sets the order of no sum: the bits stay."""
+    if block_r > MAX_RANK_TILE:
+        raise ValueError(f"the experts' LoRA kernels hold rank tiles up to {MAX_RANK_TILE} in shared memory, got "
+                         f"{block_r}: a --max-lora-rank of at most {MAX_RANK_TILE}")
+    shrink_stages = SMEM_BYTES // ((cfg.shrink_rows + 2 * block_r) * cfg.block_k * 2)
+    return replace(cfg, slot_stages=max(1, min(cfg.slot_stages, SLOT_PIPELINE_ROWS // block_r)),
+                   shrink_num_stages=max(1, min(cfg.shrink_num_stages, shrink_stages)))

@@ -7,7 +7,7 @@ import triton
 
 from moelora.core import ExpertLoRASlots, TopKOutput
 from moelora.kernels.fused_moe.config import (DOWN_SHRINK_PART, SHRINK_SPLIT_K, SUM_PARTS, MoEKernelConfig,
-                                              default_config)
+                                              default_config, for_rank_tile)
 from moelora.kernels.fused_moe.gemm import down_kernel, gate_up_kernel
 from moelora.kernels.fused_moe.reduction import moe_sum_kernel, reduce_partials
 from moelora.kernels.fused_moe.shrink import down_shrink_kernel, pair_shrink_kernel, shrink_kernel
@@ -42,6 +42,9 @@ def fused_moe_triton(
     top_k = topk.ids.shape[1]
     num_pairs = num_tokens * top_k
     cfg = config or default_config(num_tokens, top_k, num_experts, x.dtype, lora=lora is not None)
+    if lora is not None:
+        block_r = rank_tile(lora.max_rank_in_use or lora.a_gate.shape[2])
+        cfg = for_rank_tile(cfg, block_r)
     if lora is not None and cfg.block_n_gate_up not in (DOWN_SHRINK_PART, 2 * DOWN_SHRINK_PART):
         raise ValueError(f"with LoRA the gate_up n tile must be {DOWN_SHRINK_PART} or {2 * DOWN_SHRINK_PART} "
                          f"columns (one or two down-shrink parts), got {cfg.block_n_gate_up}")
@@ -75,7 +78,6 @@ def fused_moe_triton(
     else:
         slots, ranks = token_slots, lora.ranks
         ag, au, bg, bu, ad, bd = lora.a_gate, lora.a_up, lora.b_gate, lora.b_up, lora.a_down, lora.b_down
-        block_r = rank_tile(lora.max_rank_in_use or lora.a_gate.shape[2])
         # each block's LoRA runs on the smallest of the rank tiles 16, 32, ..., block_r that holds its ranks
         rank_tiles = (block_r // LORA_RANK_CHUNK).bit_length()
         a_strides, b_strides = ag.stride()[1:3], bg.stride()[1:3]
