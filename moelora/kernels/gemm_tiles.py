@@ -15,6 +15,13 @@ import triton.language as tl
 SMEM_BYTES = 232448  # shared memory one program may take on an H100 / H200 (Triton's "Hardware limit")
 
 
+def stages_that_fit(rows: int, block_k: int, stages: int) -> int:
+    """`stages`, or fewer where a software pipeline of `rows` rows of BLOCK_K 16-bit columns a stage (a buffer per
+    stage at most, as Triton lays them out for sm_90) would not fit in SMEM_BYTES; at least 1. Fewer stages change
+    no sum's order."""
+    return max(1, min(stages, SMEM_BYTES // (rows * block_k * 2)))
+
+
 def zeroed_counters(store: dict[torch.device, torch.Tensor], size: int, device: torch.device,
                     owner: str) -> torch.Tensor:
     """`size` int32 counters on `device`, zeroed once when made and kept in `store`: the kernels that count in

@@ -43,7 +43,7 @@ import triton.language as tl
 from torch import nn
 
 from moelora.kernels.gemm_tiles import (SMEM_BYTES, arrive, gemm_block_k, gemm_loop, grouped_tile,
-                                       wait_arrivals, zeroed_counters)
+                                       stages_that_fit, wait_arrivals, zeroed_counters)
 from moelora.kernels.lora_tiles import add_linear_lora, linear_lora_rows, load_linear_lora_b, shrink_linear_block
 from moelora.kernels.pdl import pdl_launch, wait_for_previous_kernel
 
@@ -147,8 +147,7 @@ def lora_launch_config(c: LinearConfig, lora: LoRAEpilogue) -> tuple[LinearConfi
     ONE_SPLIT_STAGES would not; fewer stages change no sum's order)."""
     if lora.shrink is not None:
         block_m, block_k = lora.shrink
-        stages = SMEM_BYTES // ((lora.rank_tile + block_m) * block_k * 2)  # a buffer a stage at most
-        c = replace(c, num_stages=max(1, min(c.num_stages, stages)))
+        c = replace(c, num_stages=stages_that_fit(lora.rank_tile + block_m, block_k, c.num_stages))
     plan = lora_epilogue_plan(c, lora)
     if plan is None:
         raise ValueError(f"{c} holds no LoRA epilogue of rank tile {lora.rank_tile} in shared memory")

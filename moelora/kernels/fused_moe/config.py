@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from moelora.kernels.gemm_tiles import SMEM_BYTES, gemm_block_k
+from moelora.kernels.gemm_tiles import gemm_block_k, stages_that_fit
 
 # A row's result must not depend on what it is batched with, so everything that sets the order of
 # its fp32 sums is fixed here, never by the config: the gate/up shrink's K split (SHRINK_SPLIT_K columns
@@ -27,7 +27,7 @@ PAIR_BLOCKS_MAX_TOKENS = 2
 # enough where the experts are many: with Qwen3's 128 it beat the gate_up epilogue's parts, with Mixtral's 8 it lost
 # (benchmarks/RESULTS.md, session 38)
 DOWN_SHRINK_LAUNCH_MIN_EXPERTS = 128
-# Hopper's shared memory per program (SMEM_BYTES) holds the GEMMs' slot-loop pipeline (SLOT_STAGES B
+# Hopper's shared memory per program (gemm_tiles.SMEM_BYTES) holds the GEMMs' slot-loop pipeline (SLOT_STAGES B
 # tiles of the rank tile) up to this many stages x rank-tile rows: the tile table's 4 stages at rank tile 64, in
 # every row; the prefill row asked 294912 B at 4 x 128 and 2 x 256 (compiled for sm_90, session 48)
 SLOT_PIPELINE_ROWS = 256
@@ -147,6 +147,6 @@ def for_rank_tile(cfg: MoEKernelConfig, block_r: int) -> MoEKernelConfig:
     if block_r > MAX_RANK_TILE:
         raise ValueError(f"the experts' LoRA kernels hold rank tiles up to {MAX_RANK_TILE} in shared memory, got "
                          f"{block_r}: a --max-lora-rank of at most {MAX_RANK_TILE}")
-    shrink_stages = SMEM_BYTES // ((cfg.shrink_rows + 2 * block_r) * cfg.block_k * 2)
     return replace(cfg, slot_stages=max(1, min(cfg.slot_stages, SLOT_PIPELINE_ROWS // block_r)),
-                   shrink_num_stages=max(1, min(cfg.shrink_num_stages, shrink_stages)))
+                   shrink_num_stages=stages_that_fit(cfg.shrink_rows + 2 * block_r, cfg.block_k,
+                                                     cfg.shrink_num_stages))
