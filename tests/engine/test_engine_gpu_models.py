@@ -1,16 +1,19 @@
 """The engine on a GPU in bf16: for every family, prompt log-probs of the base model and two PEFT
 adapters (one batch) against the fp32 CPU engine, and greedy tokens of a request alone equal to
 those it gets in a batch mixed with other adapters and the base model; then a dummy-weight model of
-Qwen3-30B-A3B's real sizes serving 8 rank-16 adapters in one batch."""
+Qwen3-30B-A3B's real sizes serving 8 rank-16 adapters in one batch; adapters of ranks up to 256."""
 import gc
 import shutil
 
 import pytest
 import torch
+from peft import LoraConfig
 
 from moelora.engine.sampling_params import SamplingParams
 from tests.engine.dummy_qwen3 import check_adapters_in_one_batch, dummy_qwen3_engine
-from tests.models.families import FAMILIES, MAX_OFF, bf16_tolerance, family_config, share_off
+from tests.models.conftest import EXPERT_PARAMS
+from tests.models.families import FAMILIES, MAX_OFF, bf16_tolerance, family_config, hf_model, share_off
+from tests.support import peft_adapter
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -69,3 +72,38 @@ def test_greedy_tokens_do_not_depend_on_the_batch(family, make_engine):
             pytest.fail(f"{family} request {i} ({loras[i] or 'base'}): tokens differ from step {step} on, alone "
                         f"{one.token_ids[step]}, in the batch {mixed.token_ids[step]}; top log-probs there alone "
                         f"{one.logprobs[step]}, in the batch {mixed.logprobs[step]} (a near-tie shows a bit-level difference)")
+
+
+def test_adapters_of_ranks_up_to_256_serve(make_engine, tmp_path):
+    """Slots of rank 256 (the largest rank tile of the experts' kernels) with adapters of rank 200 (attention and
+    every expert) and 130 (the experts): bf16 prompt log-probs against the fp32 CPU engine, and CUDA-graph decode
+    bitwise equal to eager. The kernels' pipelines at these rank tiles were cut to Hopper's shared memory by
+    compiling them; this runs them."""
+    config = family_config("qwen3_moe")
+    lora_paths = {}
+    for name, rank, modules in [("r200", 200, ["q_proj", "v_proj", "o_proj"]), ("r130", 130, [])]:
+        lora_paths[name] = str(tmp_path / name)
+        peft_adapter(hf_model(config), LoraConfig(r=rank, lora_alpha=rank, target_modules=modules,
+                                                  target_parameters=EXPERT_PARAMS), tmp_path / name, seed=rank)
+    options = dict(max_lora_rank=256, max_loras_per_batch=2, lora_paths=lora_paths)
+    loras = [None, "r200", "r130"]
+    jobs = [(p, a) for a in loras for p in PROMPTS[:4]]
+    prompts, job_loras = [p for p, _ in jobs], [a for _, a in jobs]
+    want = make_engine("qwen3_moe", **options).prompt_logprobs(prompts, lora=job_loras)
+    rows = {a: [i for i, b in enumerate(job_loras) if b == a] for a in loras}
+    tols = {a: bf16_tolerance([want[i] for i in rows[a]], config.num_hidden_layers) for a in loras}
+    for a, b in [(None, "r200"), (None, "r130"), ("r200", "r130")]:  # the check tells the adapters apart
+        assert share_off([want[i] for i in rows[b]], [want[i] for i in rows[a]], tols[a]) > MAX_OFF, f"{b} passes for {a}"
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    batch, batch_loras = PROMPTS[:4], ["r200", "r130", None, "r200"]
+    outputs = []
+    for graphs in [dict(cuda_graph_max_bs=4), dict(disable_cuda_graph=True)]:
+        engine = make_engine("qwen3_moe", **graphs, **GPU, **options)
+        got = engine.prompt_logprobs(prompts, lora=job_loras)  # both engines: the same prefixes cached before decode
+        for a in loras:
+            off = share_off([got[i] for i in rows[a]], [want[i] for i in rows[a]], tols[a])
+            assert off <= MAX_OFF, f"{a or 'base'}: {off:.0%} of positions off by more than {tols[a]:.3f}"
+        outputs.append(engine.generate(batch, params, lora=batch_loras))
+        del engine
+    for i, (g, e) in enumerate(zip(*outputs)):
+        assert g.token_ids == e.token_ids and g.logprobs == e.logprobs, f"request {i} ({batch_loras[i] or 'base'})"
