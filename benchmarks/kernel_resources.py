@@ -5,6 +5,7 @@ numbers are this machine's Triton's; the GPU's Triton may allocate differently).
 
     python3 benchmarks/kernel_resources.py                          # Qwen3-30B-A3B's tile rows, LoRA off and on
     python3 benchmarks/kernel_resources.py --tokens 512 --maxnreg 168   # with a register cap on the LoRA GEMMs
+    python3 benchmarks/kernel_resources.py --rank-tiles 128,256         # slots of large ranks
 """
 from __future__ import annotations
 
@@ -68,14 +69,18 @@ def resources(kernel, constexprs: dict, num_warps: int, num_stages: int, maxnreg
     return Resources(registers, max(stack, local), static_shared + compiled.metadata.shared, num_warps)
 
 
-def rows(tokens: int, shape: tuple[int, int, int, int], lora: bool, maxnreg: int | None):
+def rows(tokens: int, shape: tuple[int, int, int, int], lora: bool, maxnreg: int | None,
+         largest_rank_tiles: tuple[int, ...] = (16, 64)):
     """(kernel name, rank tiles, Resources) of each kernel a fused_moe call of `tokens` tokens launches on the
-    default tile table: without LoRA, or with LoRA on the rank-16 tile alone and on tiles up to 64 (the segment
-    shrink then, where the config says so, a launch per tile)."""
+    default tile table: without LoRA, or with LoRA on tiles up to each of `largest_rank_tiles` (16: the rank-16 tile
+    alone; the segment shrink then, where the config says so, a launch per tile), as the launcher runs that tile
+    (`for_rank_tile`: its pipelines cut to shared memory)."""
     _, _, experts, top_k = shape
-    cfg = fm_config.default_config(tokens, top_k, experts, torch.bfloat16, lora=lora)
-    segment_shrink = lora and not cfg.pair_blocks and tokens * top_k > cfg.pair_shrink_max_pairs
-    for block_r, rank_tiles in ((16, 1), (64, 3)) if lora else ((16, 1),):
+    table_cfg = fm_config.default_config(tokens, top_k, experts, torch.bfloat16, lora=lora)
+    segment_shrink = lora and not table_cfg.pair_blocks and tokens * top_k > table_cfg.pair_shrink_max_pairs
+    for block_r in largest_rank_tiles if lora else (LORA_RANK_CHUNK,):
+        cfg = fm_config.for_rank_tile(table_cfg, block_r) if lora else table_cfg
+        rank_tiles = (block_r // LORA_RANK_CHUNK).bit_length()
         cap = (maxnreg or cfg.max_registers) if rank_tiles > 1 else None  # as the launcher applies max_registers
         def constexprs(block_n: int) -> dict:  # (A_ALIGNED: on branches whose shrink takes it)
             return {**moe_gemm_constexprs(cfg, lora, block_n, block_r, rank_tiles, triton.next_power_of_2(top_k)),
@@ -100,14 +105,17 @@ def main():
     p.add_argument("--tokens", default="1,128,512,2048,4096")
     p.add_argument("--maxnreg", type=int, default=None,
                    help="register cap of the LoRA GEMMs with more than one rank tile (MoEKernelConfig.max_registers)")
+    p.add_argument("--rank-tiles", default="16,64",
+                   help="with LoRA, the largest rank tile of each set of kernels (the slots' rank, to a power of two)")
     args = p.parse_args()
+    largest = tuple(map(int, args.rank_tiles.split(",")))
     print(f"# fused MoE kernel resources on sm_90a, {args.shape}, Triton {triton.__version__}\n")
     print("| T | LoRA | kernel | rank tiles | registers | spilled bytes | shared KiB | programs an SM (registers, "
           "shared, warps) |")
     print("|---|---|---|---|---|---|---|---|")
     for tokens in map(int, args.tokens.split(",")):
         for lora in (False, True):
-            for name, rank_tiles, r in rows(tokens, SHAPES[args.shape], lora, args.maxnreg):
+            for name, rank_tiles, r in rows(tokens, SHAPES[args.shape], lora, args.maxnreg, largest):
                 held = r.programs_per_sm()
                 print(f"| {tokens} | {'on' if lora else 'off'} | {name} | {rank_tiles if lora else ''} | {r.registers} "
                       f"| {r.spilled} | {r.shared / 1024:.1f} | **{min(held.values())}** ({held['registers']}, "

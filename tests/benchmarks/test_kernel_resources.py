@@ -29,7 +29,8 @@ def test_programs_an_sm_holds():
 def test_resources_of_each_kernel_at_a_prefill_batch():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for the target, not interpret
     env["PYTHONPATH"] = str(ROOT)
-    run = subprocess.run([sys.executable, "benchmarks/kernel_resources.py", "--tokens", "512", "--maxnreg", "168"],
+    run = subprocess.run([sys.executable, "benchmarks/kernel_resources.py", "--tokens", "512", "--maxnreg", "168",
+                          "--rank-tiles", "16,64"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in run.stdout.splitlines()

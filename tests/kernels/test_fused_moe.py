@@ -368,16 +368,20 @@ def test_config_names_a_bad_field(field, value, rule):
 def test_large_rank_tiles_take_fewer_pipeline_stages():
     """The GEMMs' slot-loop pipeline and the segment shrink's stages hold tiles of the rank tile in shared memory: at
     rank tiles of 128 and 256 the prefill row's asked 294912 B and its shrink 245760 B of an H100's 232448 (compiled
-    for sm_90, session 48), so a launch of those runs fewer stages; up to 64 every row keeps its own; past 256 the
-    launch names the limit."""
+    for sm_90, session 48), so a launch of those runs fewer stages; and the segment shrink, whose registers spilled
+    kilobytes there (session 49), runs on 8 warps and fewer rows a pass. Up to 64 every row keeps its own; past 256
+    the launch names the limit."""
     from moelora.kernels.fused_moe.config import for_rank_tile
     rows = [default_config(t, 8, 128, torch.bfloat16, lora=True) for t in (1, 32, 512, 1024, 8192)]
     for cfg in rows:
         assert for_rank_tile(cfg, 64) == cfg and for_rank_tile(cfg, 16) == cfg
+        for block_r in (128, 256):
+            large = for_rank_tile(cfg, block_r)
+            assert large.shrink_num_warps == 8 and large.shrink_rows == min(cfg.shrink_rows, 8192 // block_r)
     prefill = rows[-1]
-    assert (prefill.slot_stages, prefill.shrink_num_stages) == (4, 3)
+    assert (prefill.slot_stages, prefill.shrink_num_stages, prefill.shrink_rows) == (4, 3, 128)
     assert (for_rank_tile(prefill, 128).slot_stages, for_rank_tile(prefill, 128).shrink_num_stages) == (2, 3)
-    assert (for_rank_tile(prefill, 256).slot_stages, for_rank_tile(prefill, 256).shrink_num_stages) == (1, 2)
+    assert (for_rank_tile(prefill, 256).slot_stages, for_rank_tile(prefill, 256).shrink_num_stages) == (1, 3)
     with pytest.raises(ValueError, match="rank tiles up to 256 .* got 512: a --max-lora-rank of at most 256"):
         for_rank_tile(prefill, 512)
 

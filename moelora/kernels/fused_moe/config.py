@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from moelora.kernels.gemm_tiles import gemm_block_k, stages_that_fit
+from moelora.kernels.lora_tiles import LORA_RANK_CHUNK
 
 # A row's result must not depend on what it is batched with, so everything that sets the order of
 # its fp32 sums is fixed here, never by the config: the gate/up shrink's K split (SHRINK_SPLIT_K columns
@@ -32,6 +33,11 @@ DOWN_SHRINK_LAUNCH_MIN_EXPERTS = 128
 # every row; the prefill row asked 294912 B at 4 x 128 and 2 x 256 (compiled for sm_90, session 48)
 SLOT_PIPELINE_ROWS = 256
 MAX_RANK_TILE = SLOT_PIPELINE_ROWS  # a larger tile's one slot-loop stage alone would not fit in the prefill row
+# Past rank tile 64 the segment shrink's fp32 tiles [SHRINK_ROWS, 2 x rank tile] spill on the tile table's 2-4 warps
+# (compiled for sm_90: 752 to 6968 bytes a thread at rank tiles 128 and 256); on 8 warps and at most this many rows x
+# rank tile they spill 0-312 (benchmarks/RESULTS.md, session 49)
+LARGE_RANK_SHRINK_WARPS = 8
+LARGE_RANK_SHRINK_ELEMENTS = 8192
 
 
 @dataclass(frozen=True)
@@ -143,10 +149,15 @@ def for_rank_tile(cfg: MoEKernelConfig, block_r: int) -> MoEKernelConfig:
     """`cfg` as a launch with LoRA of rank tile block_r runs it: the GEMMs' slot-loop pipeline and the segment
     shrink's stages cut where their tiles of a large rank tile would not fit in shared memory (the shrink: a buffer
     per stage of its x and gate and up A tiles, SHRINK_ROWS + 2 x block_r rows of BLOCK_K; the prefill row's 3 stages
-    took 245760 B at rank tile 256). Pipelining sets the order of no sum: the bits stay."""
+    took 245760 B at rank tile 256); past rank tile 64 the segment shrink on more warps and fewer rows a pass, where
+    its registers would spill. Neither pipelining nor the shrink's warps and rows set the order of a sum: the bits
+    stay."""
     if block_r > MAX_RANK_TILE:
         raise ValueError(f"the experts' LoRA kernels hold rank tiles up to {MAX_RANK_TILE} in shared memory, got "
                          f"{block_r}: a --max-lora-rank of at most {MAX_RANK_TILE}")
+    if block_r > 4 * LORA_RANK_CHUNK:
+        cfg = replace(cfg, shrink_num_warps=max(cfg.shrink_num_warps, LARGE_RANK_SHRINK_WARPS),
+                      shrink_rows=min(cfg.shrink_rows, LARGE_RANK_SHRINK_ELEMENTS // block_r))
     return replace(cfg, slot_stages=max(1, min(cfg.slot_stages, SLOT_PIPELINE_ROWS // block_r)),
                    shrink_num_stages=stages_that_fit(cfg.shrink_rows + 2 * block_r, cfg.block_k,
                                                      cfg.shrink_num_stages))
