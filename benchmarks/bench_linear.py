@@ -12,6 +12,7 @@ For each shape and number of rows M it reports, all measured in one run on one d
     python3 benchmarks/bench_linear.py --sweep 1,4096         # also time candidate tiles at M = 1 and 4096
     python3 benchmarks/bench_linear.py --split-sweep 1,8      # also time other split counts at M = 1 and 8
     python3 benchmarks/bench_linear.py --lora --rows 1,8,32   # the dense LoRA's cost instead (lora_linear, rank 16)
+    python3 benchmarks/bench_linear.py --lora --lora-rank 64  # ... of adapters of rank 64 (slots of that rank)
     python3 benchmarks/bench_linear.py --lora --sweep 8192    # also time candidate tiles of the GEMM with LoRA
     python3 benchmarks/bench_linear.py --shapes tiny          # CPU-sized smoke run (torch path on CPU)
 """
@@ -43,7 +44,7 @@ SHAPES = {  # in features K, out features N
     "tiny": (512, 80),  # 4 K splits in fp32 (the CPU's dtype)
 }
 LORA_PARTS = {"qkv": (4096, 512, 512), "o": (2048,), "tiny": (48, 32)}  # the parts each LoRA module adapts
-LORA_SLOTS, LORA_RANK = 8, 16
+LORA_SLOTS = 8
 STREAMED_BYTES = 2e8  # weight copies per timed call: at least this much, 4x the L2 of an H100/H200
 SPLIT_PROGRAMS = (64, 128, 256, 512, 1024)  # --split-sweep: values of the rule's program target tried
 
@@ -77,8 +78,9 @@ def main():
     p.add_argument("--sweep", default="", help="M values at which to also time candidate tiles (tuning aid)")
     p.add_argument("--split-sweep", default="", help="M values at which to also time the K-split rule with "
                    f"its program target at {SPLIT_PROGRAMS} (tuning aid)")
-    p.add_argument("--lora", action="store_true", help="time the projection with rank-16 LoRA of 1 and of 8 "
-                   "adapters (tokens round-robin) against without, as the engine runs it (lora_linear)")
+    p.add_argument("--lora", action="store_true", help="time the projection with LoRA of 1 and of 8 adapters "
+                   "(tokens round-robin) against without, as the engine runs it (lora_linear)")
+    p.add_argument("--lora-rank", type=int, default=16, help="the adapters' rank, and the slots' (--lora)")
     args = p.parse_args()
     device, dtype, name, mm, bw = machine()
     torch.manual_seed(0)
@@ -118,10 +120,11 @@ def main():
 def lora_table(args, device, dtype, name, bw) -> None:
     """The dense LoRA's cost per projection: lora_linear (the shrink in the GEMM's launch up to 256 rows, the
     expand in its epilogue) with every token on one adapter, and round-robin over 8, against the plain GEMM;
-    slot buffers of LORA_SLOTS adapters of rank LORA_RANK per weight copy, the tokens' slot blocks aligned once
+    slot buffers of LORA_SLOTS adapters of rank --lora-rank per weight copy, the tokens' slot blocks aligned once
     (the engine aligns them once per step)."""
     print(f"# moelora dense LoRA cost, {name}, {datetime.date.today()}, torch {torch.__version__}, {dtype}")
-    print(f"measured copy bandwidth {bw / 1e12:.2f} TB/s; {LORA_SLOTS} slots of rank {LORA_RANK} per weight copy\n")
+    print(f"measured copy bandwidth {bw / 1e12:.2f} TB/s; {LORA_SLOTS} slots of rank {args.lora_rank} per weight "
+          "copy\n")
     print("| shape | M | no LoRA us | 1 adapter us | delta us | 8 adapters us | delta us |")
     print("|---|---|---|---|---|---|---|")
     for shape_name in args.shapes.split(","):
@@ -136,7 +139,7 @@ def lora_rows(args, shape_name: str, device, dtype) -> None:
     """lora_table's rows of one shape."""
     shape, parts = SHAPES[shape_name], LORA_PARTS[shape_name]
     weights = weight_copies(shape, dtype, device)
-    loras = [random_linear_lora(shape[0], parts, [[LORA_RANK] * len(parts)] * LORA_SLOTS, dtype, device)
+    loras = [random_linear_lora(shape[0], parts, [[args.lora_rank] * len(parts)] * LORA_SLOTS, dtype, device)
              for _ in weights]
     for m in map(int, args.rows.split(",")):
         x = torch.randn(m, shape[0], device=device, dtype=dtype)
