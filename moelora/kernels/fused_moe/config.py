@@ -10,7 +10,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from moelora.kernels.gemm_tiles import gemm_block_k, stages_that_fit
-from moelora.kernels.lora_tiles import LORA_RANK_CHUNK
 
 # A row's result must not depend on what it is batched with, so everything that sets the order of
 # its fp32 sums is fixed here, never by the config: the gate/up shrink's K split (SHRINK_SPLIT_K columns
@@ -33,9 +32,11 @@ DOWN_SHRINK_LAUNCH_MIN_EXPERTS = 128
 # every row; the prefill row asked 294912 B at 4 x 128 and 2 x 256 (compiled for sm_90, session 48)
 SLOT_PIPELINE_ROWS = 256
 MAX_RANK_TILE = SLOT_PIPELINE_ROWS  # a larger tile's one slot-loop stage alone would not fit in the prefill row
-# Past rank tile 64 the segment shrink's fp32 tiles [SHRINK_ROWS, 2 x rank tile] spill on the tile table's 2-4 warps
-# (compiled for sm_90: 752 to 6968 bytes a thread at rank tiles 128 and 256); on 8 warps and at most this many rows x
-# rank tile they spill 0-312 (benchmarks/RESULTS.md, session 49)
+# From rank tile 128 the gate/up segment shrink's fp32 tiles [SHRINK_ROWS, 2 x rank tile] spill on the tile table's
+# 2-4 warps (compiled for sm_90: 752 to 6968 bytes a thread at rank tiles 128 and 256); the shrinks (gate/up and down)
+# then run on 8 warps and at most LARGE_RANK_SHRINK_ELEMENTS / rank tile rows a pass: 0-312 bytes
+# (benchmarks/RESULTS.md, session 49)
+LARGE_RANK_TILE = 128
 LARGE_RANK_SHRINK_WARPS = 8
 LARGE_RANK_SHRINK_ELEMENTS = 8192
 
@@ -155,7 +156,7 @@ def for_rank_tile(cfg: MoEKernelConfig, block_r: int) -> MoEKernelConfig:
     if block_r > MAX_RANK_TILE:
         raise ValueError(f"the experts' LoRA kernels hold rank tiles up to {MAX_RANK_TILE} in shared memory, got "
                          f"{block_r}: a --max-lora-rank of at most {MAX_RANK_TILE}")
-    if block_r > 4 * LORA_RANK_CHUNK:
+    if block_r >= LARGE_RANK_TILE:
         cfg = replace(cfg, shrink_num_warps=max(cfg.shrink_num_warps, LARGE_RANK_SHRINK_WARPS),
                       shrink_rows=min(cfg.shrink_rows, LARGE_RANK_SHRINK_ELEMENTS // block_r))
     return replace(cfg, slot_stages=max(1, min(cfg.slot_stages, SLOT_PIPELINE_ROWS // block_r)),
