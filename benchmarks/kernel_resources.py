@@ -27,7 +27,7 @@ from bench_moe import SHAPES
 from moelora.kernels.fused_moe import config as fm_config
 from moelora.kernels.fused_moe import gemm as fm_gemm
 from moelora.kernels.fused_moe import shrink as fm_shrink
-from moelora.kernels.lora_tiles import LORA_RANK_CHUNK
+from moelora.kernels.lora_tiles import LORA_RANK_CHUNK, rank_tile_count
 from tests.kernels.test_compile_sm90 import compile_sm90, moe_gemm_constexprs
 
 REGISTERS_PER_SM, SHARED_PER_SM, WARPS_PER_SM, PROGRAMS_PER_SM = 65536, 228 * 1024, 64, 32  # Hopper
@@ -80,7 +80,7 @@ def rows(tokens: int, shape: tuple[int, int, int, int], lora: bool, maxnreg: int
     segment_shrink = lora and not table_cfg.pair_blocks and tokens * top_k > table_cfg.pair_shrink_max_pairs
     for block_r in largest_rank_tiles if lora else (LORA_RANK_CHUNK,):
         cfg = fm_config.for_rank_tile(table_cfg, block_r) if lora else table_cfg
-        rank_tiles = (block_r // LORA_RANK_CHUNK).bit_length()
+        rank_tiles = rank_tile_count(block_r)
         cap = (maxnreg or cfg.max_registers) if rank_tiles > 1 else None  # as the launcher applies max_registers
         def constexprs(block_n: int) -> dict:  # (A_ALIGNED: on branches whose shrink takes it)
             return {**moe_gemm_constexprs(cfg, lora, block_n, block_r, rank_tiles, triton.next_power_of_2(top_k)),

@@ -15,6 +15,11 @@ def rank_tile(max_rank: int) -> int:
     return max(LORA_RANK_CHUNK, triton.next_power_of_2(max_rank))
 
 
+def rank_tile_count(block_r: int) -> int:
+    """How many rank tiles 16, 32, ..., block_r the experts' kernels choose among (RANK_TILES)."""
+    return (block_r // LORA_RANK_CHUNK).bit_length()
+
+
 def step_rank_bound(batch_rank: int, slots_rank: int) -> int:
     """The bound on the experts' ranks (ExpertLoRASlots.max_rank_in_use) a step runs fused_moe with, for a step
     whose adapters' experts have ranks <= batch_rank in slots of rank slots_rank: the smallest rank tile's when

@@ -12,7 +12,7 @@ from moelora.kernels.fused_moe.gemm import down_kernel, gate_up_kernel
 from moelora.kernels.fused_moe.reduction import moe_sum_kernel, reduce_partials
 from moelora.kernels.fused_moe.shrink import down_shrink_kernel, pair_shrink_kernel, shrink_kernel
 from moelora.kernels.gemm_tiles import zeroed_counters
-from moelora.kernels.lora_tiles import LORA_RANK_CHUNK, rank_tile
+from moelora.kernels.lora_tiles import LORA_RANK_CHUNK, rank_tile, rank_tile_count
 from moelora.kernels.moe_align import AlignedBlocks, CHUNK, align_num_warps, alloc_aligned, key_tile, moe_align
 from moelora.kernels.pdl import pdl_launch
 
@@ -79,7 +79,7 @@ def fused_moe_triton(
         slots, ranks = token_slots, lora.ranks
         ag, au, bg, bu, ad, bd = lora.a_gate, lora.a_up, lora.b_gate, lora.b_up, lora.a_down, lora.b_down
         # each block's LoRA runs on the smallest of the rank tiles 16, 32, ..., block_r that holds its ranks
-        rank_tiles = (block_r // LORA_RANK_CHUNK).bit_length()
+        rank_tiles = rank_tile_count(block_r)
         a_strides, b_strides = ag.stride()[1:3], bg.stride()[1:3]
         a_aligned = rows_start_on_16_bytes(ag, au)
         ad_strides, bd_strides = ad.stride()[1:3], bd.stride()[1:3]
