@@ -5,7 +5,10 @@ a batch padded up to a captured size gives the same tokens. Overlap scheduling: 
 never waits for the device, nor does writing an adapter into a slot. A started engine compiles nothing while
 serving; a profile sees the graphs' kernels.
 Prefix caching gives the tokens of an engine without it."""
+import cProfile
 import gc
+import io
+import pstats
 import time
 
 import pytest
@@ -124,6 +127,13 @@ def test_slots_on_the_adapters_modules_alone_give_the_same_bits(make_engine, ada
     assert [(o.token_ids, o.logprobs) for o in got] == [(o.token_ids, o.logprobs) for o in want]
 
 
+def _largest_costs(profile: cProfile.Profile, lines: int = 12) -> str:
+    """The profile's functions of the most time spent in them and what they called."""
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(lines)
+    return text.getvalue()
+
+
 @pytest.mark.parametrize("newcomer", [False, True])
 def test_a_step_launched_ahead_does_not_wait_for_the_device(make_engine, newcomer):
     """With overlap scheduling a step's host work (scheduling, the batch's and the sampler's
@@ -147,17 +157,21 @@ def test_a_step_launched_ahead_does_not_wait_for_the_device(make_engine, newcome
     torch.cuda.synchronize()
     gc.collect()  # a full collection of the test process's garbage in the timed step is no wait for the device
     gc.disable()
+    profile = cProfile.Profile()  # where the host's time went, if it was too long
     try:
         start = time.perf_counter()
         for _ in range(200):  # about 300 ms of an H100 or H200, queued after the step in flight
             busy @ busy
+        profile.enable()
         outputs = engine.step()
+        profile.disable()
         host = time.perf_counter() - start
         torch.cuda.synchronize()
         device = time.perf_counter() - start
     finally:
         gc.enable()
-    assert len(outputs) == 3 and host < device / 3, f"the step's host work took {host:.3f} s of {device:.3f} s"
+    assert len(outputs) == 3 and host < device / 3, (f"the step's host work took {host:.3f} s of {device:.3f} s; "
+                                                     f"its largest costs:\n{_largest_costs(profile)}")
     while engine.has_unfinished():
         engine.step()
 
