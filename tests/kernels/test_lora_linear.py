@@ -66,22 +66,26 @@ def test_reference_matches_naive_formula(case, dtype, device):
     assert_rows_close(got.cpu(), _naive(x, weight, bias, lora, out_sizes, slots), rel_tolerance(dtype), "reference")
 
 
-def _shrink_in_own_launch(monkeypatch, tokens: int = 0):
-    """Batches of more than `tokens` tokens run the shrink in a launch of its own, as prefill batches do."""
+def _shrink_in_own_launch(monkeypatch, tokens: int = 0, rows: int = 16):
+    """Batches of more than `tokens` tokens run the shrink in a launch of its own, as prefill batches do, on blocks
+    of `rows` tokens (16: as small batches have them; 64: as the largest)."""
     monkeypatch.setattr(lora_linear_module, "FUSED_SHRINK_MAX_TOKENS", tokens)
+    monkeypatch.setattr(lora_linear_module, "PREFILL_SHRINK_PROGRAMS", 0 if rows == 64 else 1 << 30)
+    assert lora_linear_module.slot_block_rows(tokens + 1) == rows
 
 
-@pytest.mark.parametrize("fused_shrink", [True, False])
+@pytest.mark.parametrize("shrink_rows", [None, 16, 64], ids=["fused", "own-16", "own-64"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_triton_matches_reference_and_keeps_base_rows(case, dtype, bias, fused_shrink, device, poison, monkeypatch):
+def test_triton_matches_reference_and_keeps_base_rows(case, dtype, bias, shrink_rows, device, poison, monkeypatch):
     """Adapter rows: the reference within the dtype's tolerance. Every other row: the bits of the plain GEMM
     (whose unused xa rows are NaN here, as is A past each rank and in parts of rank 0, and B there garbage,
-    which the epilogue multiplies by xa's zeros). The shrink in the
-    GEMM's launch or in its own; either way the launch leaves its counters at 0 for the next."""
+    which the epilogue multiplies by xa's zeros). The shrink in the GEMM's launch or in its own (on blocks of 16
+    or 64 tokens); either way the launch leaves its counters at 0 for the next."""
+    fused_shrink = shrink_rows is None
     if not fused_shrink:
-        _shrink_in_own_launch(monkeypatch)
+        _shrink_in_own_launch(monkeypatch, rows=shrink_rows)
     x, weight, b, lora, out_sizes, slots = _case(*case, dtype, device, bias=bias)
     got = lora_linear(x, weight, b, lora, out_sizes, slots, impl="triton", config=SMALL)
     expected = lora_linear(x, weight, b, lora, out_sizes, slots, impl="torch")
@@ -111,18 +115,19 @@ def test_slots_in_chunks_give_the_bits_of_one_dot(fused_shrink, device, poison, 
         assert torch.equal(_bits(got), _bits(one_dot)), f"chunks of {chunk} slot(s)"
 
 
-@pytest.mark.parametrize("batch_shrink_fused", [True, False])
+@pytest.mark.parametrize("batch_shrink_rows", [None, 16, 64], ids=["fused", "own-16", "own-64"])
 @pytest.mark.parametrize("linear_config", [None, LinearConfig(16, 16, 8, 4, 2, parallel_splits=True)])
-def test_row_does_not_depend_on_batch(linear_config, batch_shrink_fused, device, poison, monkeypatch):
-    """Fixed block and K split, and the epilogue adds a row's products from its own slot only: a token's
-    output is the same bits alone and in a batch (blocks passed in, as the engine does once per step, or aligned
-    inside), on the default tiles and on narrow tiles whose K splits run in parallel programs, and with the
-    batch's shrink in its own launch while the token alone has it in the GEMM's."""
-    if not batch_shrink_fused:
-        _shrink_in_own_launch(monkeypatch, tokens=1)
+def test_row_does_not_depend_on_batch(linear_config, batch_shrink_rows, device, poison, monkeypatch):
+    """Fixed K split, and the epilogue adds a row's products from its own slot only: a token's output is the same
+    bits alone and in a batch (blocks passed in, as the engine does once per step, or aligned inside), on the
+    default tiles and on narrow tiles whose K splits run in parallel programs, and with the batch's shrink in its
+    own launch (blocks of 16 or 64 tokens, the splits in one program) while the token alone has it in the GEMM's
+    (the splits in programs of their own)."""
+    if batch_shrink_rows is not None:
+        _shrink_in_own_launch(monkeypatch, tokens=1, rows=batch_shrink_rows)
     dtype = DTYPES[0]
-    x, weight, bias, lora, out_sizes, slots = _case(40, 80, (24, 40, 40), dtype, device)
-    config = LoRALinearConfig(linear=linear_config)
+    x, weight, bias, lora, out_sizes, slots = _case(40, 150, (24, 40, 40), dtype, device)
+    config = LoRALinearConfig(split_k=64, linear=linear_config)  # three K splits, the last a short one
     blocks = align_tokens_by_slot(slots, lora.num_slots)
     batch = lora_linear(x, weight, bias, lora, out_sizes, slots, blocks=blocks, impl="triton", config=config)
     for t in (0, 5, 39):

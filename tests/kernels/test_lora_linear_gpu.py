@@ -60,12 +60,13 @@ def test_eight_slots_of_rank_64_run(layer, tokens, poison):
     assert torch.equal(got[base].view(torch.int16), linear(x, weight)[base].view(torch.int16))
 
 
+@pytest.mark.parametrize("tokens", [4096, 8192])  # the batch's shrink on blocks of 32 and of 64 tokens
 @pytest.mark.parametrize("layer", list(LAYERS))
-def test_row_does_not_depend_on_batch(layer, poison):
+def test_row_does_not_depend_on_batch(layer, tokens, poison):
     gen = torch.Generator().manual_seed(torch.seed())
-    x, weight, lora, out_sizes, slots = _layer(layer, 4096, gen)
+    x, weight, lora, out_sizes, slots = _layer(layer, tokens, gen)
     batch = lora_linear(x, weight, None, lora, out_sizes, slots)
-    for t in (0, 1, 2, 2049, 4095):
+    for t in (0, 1, 2, tokens // 2 + 1, tokens - 1):
         alone = lora_linear(x[t:t + 1], weight, None, lora, out_sizes, slots[t:t + 1])
         assert torch.equal(alone[0], batch[t]), f"token {t} (slot {int(slots[t])}) differs alone vs in the batch"
 
