@@ -16,9 +16,11 @@ The shrink and the GEMM with the expand in its epilogue:
                     the GEMM's launch, one per (block of 16 tokens, part, K split), the last split to arrive
                     adding them up (`shrink_linear_block`; a launch of its own costs a decode step more than its
                     work). Above, where the GEMM's prefill tiles (8 warps, deep pipelines) would hold the shrink's
-                    programs to their occupancy, a launch of its own (`_shrink_kernel`), one program per block of
-                    16 to 64 tokens and chunk of the parts' columns side by side, its splits one after the other:
-                    x read once for every part, no partials in memory. The same bits either way
+                    programs to their occupancy, a launch of its own: where K is short and the blocks fill the
+                    SMs (`serial_shrink`), one program per block of 16 to 64 tokens and chunk of the parts' columns
+                    side by side, its splits one after the other (`_serial_shrink_kernel`: x read once for every
+                    part, no partials in memory); else the split programs (`_split_shrink_kernel`), whose serial
+                    K loop would be the launch's time. The same bits every way
     linear's GEMM   y = x @ W^T with the expand in its epilogue (`add_linear_lora`): each output tile adds
                     xa @ B[s, :r, tile] of its rows' slots before the bias and the one rounding, so the delta
                     costs no launch and no pass over y of its own
@@ -41,16 +43,17 @@ from moelora.core import LinearLoRASlots
 from moelora.kernels.gemm_tiles import zeroed_counters
 from moelora.kernels.linear import (LinearConfig, LinearLoRA, LinearShrink, check_linear_inputs, linear_reference,
                                     linear_triton)
-from moelora.kernels.lora_tiles import rank_tile
+from moelora.kernels.lora_tiles import rank_tile, shrink_linear_block
 from moelora.kernels.moe_align import AlignedBlocks, moe_align
 from moelora.kernels.pdl import pdl_launch, wait_for_previous_kernel
 
 
-# arrival counters per device, one per (block, part) where the GEMM's launch shrinks: at most 256 tokens, so 16
-# blocks and one more per slot, times the parts
-SHRINK_COUNTERS = 8192
+SHRINK_COUNTERS = 8192  # arrival counters per device, one per (block, part): 16-token blocks of 40k tokens, 3 parts
 FUSED_SHRINK_MAX_TOKENS = 256  # up to here the shrink runs in the GEMM's launch (linear's parallel-split sizes)
 PREFILL_SHRINK_PROGRAMS = 128  # the shrink's launch of its own: about a program per SM of an H100 / H200 (132)
+# the serial shrink's K loop at most (K = 2048 in bf16): with o_proj's 64 steps it took 2-4x the split programs'
+# time at 2048-4096 tokens on an H100 (benchmarks/RESULTS.md, session 50)
+SERIAL_SHRINK_MAX_STEPS = 32
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,23 @@ class LoRALinearConfig:
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # row counts: kernels/__init__.py
-def _shrink_kernel(
+def _split_shrink_kernel(
+    x_ptr, a_ptr, ranks_ptr, part_ptr, xa_ptr, count_ptr, sorted_ids_ptr, block_slot_ptr,
+    num_tokens, K, stride_xt, stride_as, stride_ap, stride_ar,
+    P: tl.constexpr, SPLITS: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The shrink in a launch of its own, as the GEMM's launch runs it: program (block, part, split) in one
+    dimension (`shrink_linear_block`)."""
+    wait_for_previous_kernel(PDL)
+    shrink_linear_block(tl.program_id(0), x_ptr, a_ptr, ranks_ptr, part_ptr, xa_ptr, count_ptr, sorted_ids_ptr,
+                        block_slot_ptr, num_tokens, K, stride_xt, stride_as, stride_ap, stride_ar,
+                        P, SPLITS, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])  # row counts: kernels/__init__.py
+def _serial_shrink_kernel(
     x_ptr, a_ptr, ranks_ptr, xa_ptr, sorted_ids_ptr, block_slot_ptr,
     num_tokens, K, stride_xt, stride_as, stride_ap, stride_ar,
     P: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -113,7 +132,8 @@ def _shrink_kernel(
 def slot_block_rows(num_tokens: int, config: LoRALinearConfig | None = None) -> int:
     """The rows of `align_tokens_by_slot`'s blocks for a batch of num_tokens, the shrink's BLOCK_M: in the GEMM's
     launch config.block_m; in a launch of its own the most rows, up to config.prefill_block_m, that still give
-    PREFILL_SHRINK_PROGRAMS blocks (a block's program reads each A tile once for all its rows), else block_m."""
+    PREFILL_SHRINK_PROGRAMS blocks (a block's program reads each A tile once for all its rows; a step's layers share
+    the blocks, so the split programs run on them too), else block_m."""
     cfg = config or LoRALinearConfig()
     if num_tokens <= FUSED_SHRINK_MAX_TOKENS:
         return cfg.block_m
@@ -121,6 +141,15 @@ def slot_block_rows(num_tokens: int, config: LoRALinearConfig | None = None) -> 
     while rows > cfg.block_m and num_tokens // rows < PREFILL_SHRINK_PROGRAMS:
         rows //= 2
     return rows
+
+
+def serial_shrink(num_tokens: int, in_features: int, config: LoRALinearConfig | None = None) -> bool:
+    """Whether the shrink of num_tokens tokens runs its K splits one after the other in a program
+    (`_serial_shrink_kernel`): in a launch of its own, with 16-token blocks enough for PREFILL_SHRINK_PROGRAMS
+    programs and a K loop of at most SERIAL_SHRINK_MAX_STEPS steps."""
+    cfg = config or LoRALinearConfig()
+    return (num_tokens > FUSED_SHRINK_MAX_TOKENS and num_tokens >= PREFILL_SHRINK_PROGRAMS * cfg.block_m
+            and triton.cdiv(in_features, cfg.block_k) <= SERIAL_SHRINK_MAX_STEPS)
 
 
 def align_tokens_by_slot(token_slots: torch.Tensor, num_slots: int, block_m: int | None = None) -> AlignedBlocks:
@@ -153,7 +182,16 @@ def lora_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     num_blocks = blocks.block_expert.numel()
     # rows of tokens without an adapter are never written, nor read by the GEMM's epilogue
     xa = torch.empty(num_tokens, num_parts, block_r, dtype=lora.b.dtype, device=x.device)
-    if num_tokens <= FUSED_SHRINK_MAX_TOKENS:  # the GEMM's launch runs it
+    shrink = None
+    if serial_shrink(num_tokens, in_features, cfg):
+        block_c = min(cfg.prefill_block_c, triton.next_power_of_2(num_parts) * block_r)
+        _serial_shrink_kernel[(num_blocks, triton.cdiv(num_parts * block_r, block_c))](
+            x, lora.a, lora.ranks, xa, blocks.sorted_ids, blocks.block_expert,
+            num_tokens, in_features, x.stride(0), *lora.a.stride()[:3],
+            P=num_parts, SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_K=cfg.block_k, BLOCK_R=block_r, BLOCK_C=block_c,
+            num_warps=cfg.num_warps, num_stages=cfg.prefill_stages, **pdl_launch(x.device),
+        )
+    else:
         splits = triton.cdiv(in_features, cfg.split_k)
         if splits > 1 and num_blocks * num_parts > SHRINK_COUNTERS:
             raise ValueError(f"{num_blocks} blocks of {num_parts} parts: more than the {SHRINK_COUNTERS} shrink "
@@ -161,17 +199,16 @@ def lora_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         part = torch.empty(num_tokens, num_parts, splits, block_r, dtype=torch.float32, device=x.device) \
             if splits > 1 else xa
         counters = zeroed_counters(_counters, SHRINK_COUNTERS, x.device, "LoRA shrink K splits") if splits > 1 else xa
-        shrink = LinearShrink(lora.a, part, counters, blocks.sorted_ids, blocks.block_expert, splits, cfg.split_k,
-                              cfg.block_m, cfg.block_k)
-    else:
-        block_c = min(cfg.prefill_block_c, triton.next_power_of_2(num_parts) * block_r)
-        _shrink_kernel[(num_blocks, triton.cdiv(num_parts * block_r, block_c))](
-            x, lora.a, lora.ranks, xa, blocks.sorted_ids, blocks.block_expert,
-            num_tokens, in_features, x.stride(0), *lora.a.stride()[:3],
-            P=num_parts, SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_K=cfg.block_k, BLOCK_R=block_r, BLOCK_C=block_c,
-            num_warps=cfg.num_warps, num_stages=cfg.prefill_stages, **pdl_launch(x.device),
-        )
-        shrink = None
+        if num_tokens <= FUSED_SHRINK_MAX_TOKENS:  # the GEMM's launch runs it
+            shrink = LinearShrink(lora.a, part, counters, blocks.sorted_ids, blocks.block_expert, splits, cfg.split_k,
+                                  block_m, cfg.block_k)
+        else:
+            _split_shrink_kernel[(num_blocks * num_parts * splits,)](
+                x, lora.a, lora.ranks, part, xa, counters, blocks.sorted_ids, blocks.block_expert,
+                num_tokens, in_features, x.stride(0), *lora.a.stride()[:3],
+                P=num_parts, SPLITS=splits, SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_K=cfg.block_k,
+                BLOCK_R=block_r, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),
+            )
     bounds = tuple(sum(out_sizes[:p]) for p in range(num_parts + 1))
     return linear_triton(x, weight, bias, cfg.linear, LinearLoRA(xa, lora.b, lora.ranks, token_slots, bounds, shrink))
 

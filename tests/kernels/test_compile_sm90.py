@@ -262,7 +262,7 @@ def test_the_lora_epilogues_shared_memory_bound_is_the_compilers():
 
 
 def test_all_kernels_fit_shared_memory(compiled):
-    assert len(compiled) == (11 * 2 * 2 + 2 + 2 + 2 + 9 + 4 + 2 + 2 * len(ATTENTION_HEADS) + 1 + len(LORA_LINEARS)
+    assert len(compiled) == (11 * 2 * 2 + 2 + 2 + 2 + 9 + 4 + 2 + 2 * len(ATTENTION_HEADS) + 1 + 2 * len(LORA_LINEARS)
                              + len(ROTARY_HEADS) + len(ROUTERS) + 2 * len(RMS_NORMS) + 1 + len(KV_STORES) + 1
                              + len(ROPE_KV_STORES) + 1
                              + 2 * len(LINEARS) + 1 + len(LORA_EPILOGUES))
@@ -342,16 +342,26 @@ def test_gemms_of_several_rank_tiles_let_the_next_launch_start_after_their_work(
 
 
 def compile_lora_linear() -> list[dict]:
-    """The dense LoRA's shrink in a launch of its own (prefill), as lora_linear launches it."""
+    """The dense LoRA's shrink in a launch of its own (prefill), both kernels as lora_linear launches them: the split
+    programs on 16-token blocks, the serial one on 64."""
     results, cfg = [], ll.LoRALinearConfig()
     for in_features, out_sizes, block_r in LORA_LINEARS:
         block_c = min(cfg.prefill_block_c, triton.next_power_of_2(len(out_sizes)) * block_r)
-        constexprs = dict(P=len(out_sizes), SPLIT_K=cfg.split_k, BLOCK_M=cfg.prefill_block_m, BLOCK_K=cfg.block_k,
-                          BLOCK_R=block_r, BLOCK_C=block_c)
-        compiled = compile_sm90(ll._shrink_kernel, constexprs, "bf16", cfg.num_warps, cfg.prefill_stages,
-                                {"xa_ptr": "*bf16"})
-        results.append(dict(kernel="_shrink_kernel", dtype="bf16", block_r=block_r, block_m=cfg.prefill_block_m,
-                            shared=compiled.metadata.shared, ttgir=compiled.asm["ttgir"]))
+        for kernel, constexprs, stages, types in (
+            (ll._split_shrink_kernel, dict(P=len(out_sizes), SPLITS=-(-in_features // cfg.split_k),
+                                           SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
+                                           BLOCK_R=block_r), cfg.num_stages,
+             {"xa_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}),
+            (ll._serial_shrink_kernel, dict(P=len(out_sizes), SPLIT_K=cfg.split_k, BLOCK_M=cfg.prefill_block_m,
+                                            BLOCK_K=cfg.block_k, BLOCK_R=block_r, BLOCK_C=block_c), cfg.prefill_stages,
+             {"xa_ptr": "*bf16"}),
+        ):
+            compiled = compile_sm90(kernel, constexprs, "bf16", cfg.num_warps, stages, types)
+            ptx = compiled.asm["ptx"]
+            results.append(dict(kernel=kernel.fn.__name__, dtype="bf16", block_r=block_r,
+                                block_m=constexprs["BLOCK_M"], splits=constexprs.get("SPLITS", 1),
+                                shared=compiled.metadata.shared, ttgir=compiled.asm["ttgir"],
+                                arrive="atom.global.gpu.acq_rel.add" in ptx, cg_loads="ld.global.cg" in ptx))
     return results
 
 
@@ -420,12 +430,17 @@ def test_attention_pipelines_key_loads(compiled):
 
 
 def test_lora_linear_main_loops_pipeline(compiled):
-    for r in compiled:
-        if r["kernel"] == "_shrink_kernel" and "block_r" in r:
-            where = f"{r['kernel']} block_r={r['block_r']}"
-            assert "async_copy_global_to_local" in r["ttgir"], f"{where}: loads not pipelined"
-            if r["block_m"] >= 64:
-                assert "warp_group_dot" in r["ttgir"], f"{where}: does not use wgmma"
+    """Both shrink launches pipeline their loads, the serial one on 64-token blocks with wgmma; in the split
+    programs the last K split to arrive sums the partials (a gpu-scope acq_rel count, the partials read from L2)."""
+    shrinks = [r for r in compiled if r["kernel"] in ("_split_shrink_kernel", "_serial_shrink_kernel")]
+    assert {r["kernel"] for r in shrinks} == {"_split_shrink_kernel", "_serial_shrink_kernel"}
+    for r in shrinks:
+        where = f"{r['kernel']} block_r={r['block_r']}"
+        assert "async_copy_global_to_local" in r["ttgir"], f"{where}: loads not pipelined"
+        if r["kernel"] == "_serial_shrink_kernel":
+            assert "warp_group_dot" in r["ttgir"], f"{where}: does not use wgmma"
+        else:
+            assert r["splits"] > 1 and r["arrive"] and r["cg_loads"], where
 
 
 def compile_rotary() -> list[dict]:

@@ -66,26 +66,39 @@ def test_reference_matches_naive_formula(case, dtype, device):
     assert_rows_close(got.cpu(), _naive(x, weight, bias, lora, out_sizes, slots), rel_tolerance(dtype), "reference")
 
 
-def _shrink_in_own_launch(monkeypatch, tokens: int = 0, rows: int = 16):
-    """Batches of more than `tokens` tokens run the shrink in a launch of its own, as prefill batches do, on blocks
-    of `rows` tokens (16: as small batches have them; 64: as the largest)."""
+def _shrink_in_own_launch(monkeypatch, tokens: int = 0, launch: str = "serial-16"):
+    """Batches of more than `tokens` tokens run the shrink in a launch of its own, as prefill batches do: `launch`
+    is the kernel (split: `_split_shrink_kernel`, serial: `_serial_shrink_kernel`) and the blocks' rows (16: as
+    batches under 2048 tokens have them; 64: as the largest). The rules that choose them: test_own_launch_rules."""
+    kind, rows = launch.split("-")
     monkeypatch.setattr(lora_linear_module, "FUSED_SHRINK_MAX_TOKENS", tokens)
-    monkeypatch.setattr(lora_linear_module, "PREFILL_SHRINK_PROGRAMS", 0 if rows == 64 else 1 << 30)
-    assert lora_linear_module.slot_block_rows(tokens + 1) == rows
+    monkeypatch.setattr(lora_linear_module, "slot_block_rows", lambda n, config=None: int(rows) if n > tokens else 16)
+    monkeypatch.setattr(lora_linear_module, "serial_shrink", lambda n, k, config=None: kind == "serial" and n > tokens)
 
 
-@pytest.mark.parametrize("shrink_rows", [None, 16, 64], ids=["fused", "own-16", "own-64"])
+def test_own_launch_rules():
+    """Blocks of 16 tokens up to 4095 tokens, then the most rows up to 64 that give 128 blocks; the serial launch
+    for K of up to 32 steps (Qwen3-30B-A3B's qkv, K 2048) from 2048 tokens, the split programs for o_proj (K 4096)
+    and under 2048 tokens."""
+    rows, serial = lora_linear_module.slot_block_rows, lora_linear_module.serial_shrink
+    assert [rows(t) for t in (1, 256, 257, 2048, 4095, 4096, 8191, 8192, 65536)] == [16, 16, 16, 16, 16, 32, 32, 64, 64]
+    assert [serial(t, 2048) for t in (256, 2047, 2048, 8192)] == [False, False, True, True]
+    assert [serial(t, 4096) for t in (2048, 8192)] == [False, False]
+
+
+@pytest.mark.parametrize("shrink_launch", [None, "split-16", "split-64", "serial-16", "serial-64"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_triton_matches_reference_and_keeps_base_rows(case, dtype, bias, shrink_rows, device, poison, monkeypatch):
+def test_triton_matches_reference_and_keeps_base_rows(case, dtype, bias, shrink_launch, device, poison,
+                                                      monkeypatch):
     """Adapter rows: the reference within the dtype's tolerance. Every other row: the bits of the plain GEMM
     (whose unused xa rows are NaN here, as is A past each rank and in parts of rank 0, and B there garbage,
-    which the epilogue multiplies by xa's zeros). The shrink in the GEMM's launch or in its own (on blocks of 16
-    or 64 tokens); either way the launch leaves its counters at 0 for the next."""
-    fused_shrink = shrink_rows is None
+    which the epilogue multiplies by xa's zeros). The shrink in the GEMM's launch or in its own (the split or the
+    serial kernel, on blocks of 16 or 64 tokens); either way the launch leaves its counters at 0 for the next."""
+    fused_shrink = shrink_launch is None
     if not fused_shrink:
-        _shrink_in_own_launch(monkeypatch, rows=shrink_rows)
+        _shrink_in_own_launch(monkeypatch, launch=shrink_launch)
     x, weight, b, lora, out_sizes, slots = _case(*case, dtype, device, bias=bias)
     got = lora_linear(x, weight, b, lora, out_sizes, slots, impl="triton", config=SMALL)
     expected = lora_linear(x, weight, b, lora, out_sizes, slots, impl="torch")
@@ -115,16 +128,16 @@ def test_slots_in_chunks_give_the_bits_of_one_dot(fused_shrink, device, poison, 
         assert torch.equal(_bits(got), _bits(one_dot)), f"chunks of {chunk} slot(s)"
 
 
-@pytest.mark.parametrize("batch_shrink_rows", [None, 16, 64], ids=["fused", "own-16", "own-64"])
+@pytest.mark.parametrize("batch_shrink", [None, "split-16", "split-64", "serial-16", "serial-64"])
 @pytest.mark.parametrize("linear_config", [None, LinearConfig(16, 16, 8, 4, 2, parallel_splits=True)])
-def test_row_does_not_depend_on_batch(linear_config, batch_shrink_rows, device, poison, monkeypatch):
+def test_row_does_not_depend_on_batch(linear_config, batch_shrink, device, poison, monkeypatch):
     """Fixed K split, and the epilogue adds a row's products from its own slot only: a token's output is the same
     bits alone and in a batch (blocks passed in, as the engine does once per step, or aligned inside), on the
     default tiles and on narrow tiles whose K splits run in parallel programs, and with the batch's shrink in its
-    own launch (blocks of 16 or 64 tokens, the splits in one program) while the token alone has it in the GEMM's
+    own launch (the split programs or the serial kernel, blocks of 16 or 64 tokens) while the token alone has it in the GEMM's
     (the splits in programs of their own)."""
-    if batch_shrink_rows is not None:
-        _shrink_in_own_launch(monkeypatch, tokens=1, rows=batch_shrink_rows)
+    if batch_shrink is not None:
+        _shrink_in_own_launch(monkeypatch, tokens=1, launch=batch_shrink)
     dtype = DTYPES[0]
     x, weight, bias, lora, out_sizes, slots = _case(40, 150, (24, 40, 40), dtype, device)
     config = LoRALinearConfig(split_k=64, linear=linear_config)  # three K splits, the last a short one
