@@ -25,9 +25,9 @@ The shrink and the GEMM with the expand in its epilogue:
                     xa @ B[s, :r, tile] of its rows' slots before the bias and the one rounding, so the delta
                     costs no launch and no pass over y of its own
 
-BLOCK_M and the K split are fixed (not chosen by the batch) and the epilogue adds a row's products from its
-own slot only, so a token's output is the same bits whatever it is batched with; rows of tokens without an
-adapter are the plain GEMM's bits.
+The K splits are fixed (not chosen by the batch; the blocks' rows and the shrink's kernel are, and change no sum's
+order) and the epilogue adds a row's products from its own slot only, so a token's output is the same bits whatever
+it is batched with; rows of tokens without an adapter are the plain GEMM's bits.
 
 `lora_linear_reference` (the delta in plain torch) with torch's linear is the CPU backend.
 """
@@ -65,7 +65,7 @@ class LoRALinearConfig:
     num_stages: int = 2
     linear: LinearConfig | None = None  # the base GEMM's tiles (default: linear's choice for the shape)
     # the shrink in a launch of its own (batches above FUSED_SHRINK_MAX_TOKENS): its blocks' tokens at most
-    # (`slot_block_rows`), columns of the parts side by side a program at most, pipeline stages
+    # (`slot_block_rows`); the serial kernel's columns of the parts side by side a program at most, pipeline stages
     prefill_block_m: int = 64
     prefill_block_c: int = 64
     prefill_stages: int = 4
