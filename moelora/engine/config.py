@@ -13,6 +13,7 @@ import torch
 
 from moelora.distributed.state import DISPATCH_MODES
 from moelora.engine.fields import keyword_aliases, option
+from moelora.kernels.fused_moe.config import MAX_RANK_TILE as MAX_LORA_RANK
 from moelora.layers.moe.runner import BACKENDS as MOE_BACKENDS
 
 CPU_KV_TOKENS = 16384  # KV cache size on CPU without max_total_tokens (no free-memory query there)
@@ -64,8 +65,8 @@ class EngineConfig:
     # LoRA
     max_loras_per_batch: int = option(8, "GPU adapter slots: distinct adapters in one running batch",
                                       ("--max-loras",))
-    max_lora_rank: int | None = option(None, "rank of the GPU adapter slots (default: the largest rank among "
-                                             "lora_paths)")
+    max_lora_rank: int | None = option(None, f"rank of the GPU adapter slots, at most {MAX_LORA_RANK} (default: the largest "
+                                             "rank among lora_paths)")
     max_cpu_loras: int | None = option(None, "adapters kept in host memory, least recently used dropped and re-read "
                                              "from disk (default: no limit)")
     # SGLang's flag: without it an adapter's copies into its slot sit on the step's stream, between two steps
@@ -169,7 +170,8 @@ class EngineConfig:
                                                                   "generation_config.json").is_file(),
                     "generation_config", "'auto', 'vllm' or a directory holding a generation_config.json")
         self._check(self.max_loras_per_batch >= 1, "max_loras_per_batch", ">= 1")
-        self._check(self.max_lora_rank is None or self.max_lora_rank >= 1, "max_lora_rank", ">= 1")
+        self._check(self.max_lora_rank is None or 1 <= self.max_lora_rank <= MAX_LORA_RANK, "max_lora_rank",
+                    f"in 1..{MAX_LORA_RANK} (the experts' LoRA kernels' largest rank tile)")
         self._check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras_per_batch, "max_cpu_loras",
                     f">= max_loras_per_batch ({self.max_loras_per_batch}): every adapter in a slot is also in host memory")
         self._check(0.0 < self.mem_fraction_static < 1.0, "mem_fraction_static", "in (0, 1)")

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from moelora.core import ExpertLoRASlots, LinearLoRASlots
-from moelora.engine.config import EngineConfig
+from moelora.engine.config import MAX_LORA_RANK, EngineConfig
 from moelora.engine.lora_slots import (RankShare, adapted_layers, allocate_lora_slots, fit_problems, model_modules,
                                        resolve_targets, share_of, slot_buffer_bytes, slot_bytes, slotted_modules,
                                        staged_share, unslotted_problems, write_share_to_slot)
@@ -154,8 +154,8 @@ class LoRAManager:
         self._unloading: set[str] = set()
         self.pool = LoRASlotPool(config.max_loras_per_batch)
         # the adapters given at start, each cut to this rank's share as soon as it is read (one whole adapter in
-        # memory at a time); without max_lora_rank the slots take the largest rank among them
-        initial = {name: self._read_share(path, config.max_lora_rank, f"adapter {name!r} ({path})")
+        # memory at a time); without max_lora_rank the slots take the largest rank among them, up to the kernels' limit
+        initial = {name: self._read_share(path, config.max_lora_rank or MAX_LORA_RANK, f"adapter {name!r} ({path})")
                    for name, path in config.lora_paths.items()}
         self.stats.disk_loads += len(initial)
         self.max_rank = config.max_lora_rank or max((a.max_rank for a in initial.values()), default=0)

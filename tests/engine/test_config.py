@@ -25,6 +25,7 @@ def test_the_start_warms_up_on_cuda_unless_skipped():
 
 @pytest.mark.parametrize("field, value", [
     ("dtype", "float64"), ("device", "tpu"), ("load_format", "pt"), ("max_loras_per_batch", 0), ("max_lora_rank", 0),
+    ("max_lora_rank", 512),  # past the LoRA kernels' largest rank tile
     ("max_cpu_loras", 2), ("mem_fraction_static", 1.0), ("max_total_tokens", 1), ("max_running_requests", 0),
     ("chunked_prefill_size", 0), ("max_prefill_tokens", 0), ("cuda_graph_max_bs", 0), ("context_length", 1),
     ("max_total_tokens", 2),  # a request holds 2 at least, and the cache keeps one to spare

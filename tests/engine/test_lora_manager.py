@@ -8,16 +8,18 @@ import time
 import weakref
 
 import pytest
+from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 
 import moelora.engine.lora_manager as lora_manager
 from moelora.core import ExpertLoRASlots, LinearLoRASlots
+from moelora.engine.config import MAX_LORA_RANK
 from moelora.engine.engine import RequestFailed
 from moelora.engine.lora_manager import LoRAManager, LoRASlotPool
 from moelora.engine.sampling_params import SamplingParams
 from moelora.lora import AdapterError, load_adapter
-from tests.models.families import family_config
-from tests.support import assert_released
+from tests.models.families import family_config, hf_model
+from tests.support import assert_released, peft_adapter
 
 FAMILY = "qwen3_moe"
 PROMPTS = [[5, 17, 2, 93, 41], [11, 4, 77, 30, 1, 9]]
@@ -172,6 +174,17 @@ def test_slots_past_the_free_memory_are_an_error_before_they_are_allocated(make_
     with pytest.raises(ValueError, match=r"the LoRA slots need .* GiB \(EngineConfig.max_loras_per_batch 3 of "
                                          r"EngineConfig.max_lora_rank 32\); .* GiB of host memory is available"):
         make_engine(FAMILY, max_lora_rank=32, max_loras_per_batch=3, lora_target_modules="all", max_cpu_loras=5)
+
+
+def test_an_adapter_past_the_kernels_largest_rank_is_refused_at_the_start(make_engine, tmp_path):
+    """Without max_lora_rank the slots take the largest rank among the adapters given at start, up to the LoRA
+    kernels' largest rank tile: past it, the start names the adapter and its rank (the kernels refused it only when
+    their first step was compiled, at warm-up on the GPU)."""
+    path = tmp_path / "huge"
+    peft_adapter(hf_model(family_config(FAMILY)), LoraConfig(r=MAX_LORA_RANK + 8, target_modules=["q_proj"]), path)
+    with pytest.raises(AdapterError, match=rf"(?s)adapter .*huge: .*q_proj.lora_A.weight: rank {MAX_LORA_RANK + 8} is "
+                                           rf"above the engine's max_lora_rank={MAX_LORA_RANK}"):
+        make_engine(FAMILY, max_lora_rank=None, lora_paths={"huge": str(path)})
 
 
 def test_no_slots_without_a_rank(make_engine, adapters):
