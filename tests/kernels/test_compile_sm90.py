@@ -176,7 +176,7 @@ def compile_all() -> list[dict]:
                                (ma._place_kernel, dict(HAS_SLOTS=True, E_P=256, S1_P=16, CHUNK=256)),
                                (fm_shrink.shrink_kernel,
                                 dict(SHRINK_ROWS=16, BLOCK_K=64, BLOCK_R=64, RANK_TILES=3, TILE=2,
-                                     SPLIT_K=fm_config.SHRINK_SPLIT_K, A_ALIGNED=True)),
+                                     SPLIT_K=fm_config.SHRINK_SPLIT_K, A_ALIGNED=True, SERIAL=False)),
                                (fm_shrink.pair_shrink_kernel, dict(BLOCK_M=16, E_P=128, S1_P=16, CHUNK=256, BLOCK_K=64,
                                                                    SHRINK_ROWS=16, BLOCK_R=64, RANK_TILES=3,
                                                                    A_ALIGNED=True,
@@ -193,7 +193,8 @@ def compile_all() -> list[dict]:
                                                  (8192, 64, 3, True)):
         cfg = fm_config.default_config(tokens, 8, 128, torch.bfloat16, lora=True)
         constexprs = dict(SHRINK_ROWS=cfg.shrink_rows, BLOCK_K=64, BLOCK_R=block_r, RANK_TILES=rank_tiles,
-                          TILE=rank_tiles - 1, SPLIT_K=fm_config.SHRINK_SPLIT_K, A_ALIGNED=aligned)
+                          TILE=rank_tiles - 1, SPLIT_K=fm_config.SHRINK_SPLIT_K, A_ALIGNED=aligned,
+                          SERIAL=block_r == 16 and tokens * 8 >= cfg.reduce_partials_min_pairs)  # the launcher's rule
         compiled = compile_sm90(fm_shrink.shrink_kernel, constexprs, "bf16", cfg.shrink_num_warps,
                                 cfg.shrink_num_stages)
         copies = [line for line in compiled.asm["ttgir"].splitlines() if "async_copy_global_to_local" in line]
@@ -573,7 +574,7 @@ def compile_large_rank_tiles() -> list[dict]:
     results = [dict(kernel=r["kernel"], shared=r["shared"]) for r in compile_moe_gemms(cfg, True, "bf16", 5)]
     for kernel, constexprs in ((fm_shrink.shrink_kernel, dict(SHRINK_ROWS=cfg.shrink_rows, BLOCK_K=64, BLOCK_R=256,
                                                                RANK_TILES=5, TILE=4, SPLIT_K=fm_config.SHRINK_SPLIT_K,
-                                                               A_ALIGNED=True)),
+                                                               A_ALIGNED=True, SERIAL=False)),
                                (fm_shrink.down_shrink_kernel, dict(SHRINK_ROWS=cfg.shrink_rows, BLOCK_R=256, RANK_TILES=5,
                                                                    PART_N=fm_config.DOWN_SHRINK_PART))):
         compiled = compile_sm90(kernel, constexprs, "bf16", cfg.shrink_num_warps, cfg.shrink_num_stages)

@@ -150,11 +150,15 @@ def test_gate_up_tile_of_two_down_shrink_parts(dtype, device, poison):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_partials_summed_once_equal_partials_summed_per_program(dtype, device, poison):
+@pytest.mark.parametrize("pair_shrink", [True, False])
+def test_partials_summed_once_equal_partials_summed_per_program(dtype, pair_shrink, device, poison):
     """Large batches sum the shrink's K-split and down-shrink partials once per row before the GEMMs read
-    them; the bits must equal every program summing them itself (2 K splits, 4 down-shrink parts here)."""
+    them, and a segment shrink's program adds its K splits up itself; the bits must equal every program summing
+    them itself (2 K splits, the second a short one, 4 down-shrink parts here), with the shrink per pair or per
+    segment."""
     x, w13, w2, topk, lora, slots = _case(19, 600, 200, 5, 2, dtype, device, slot_ranks=SMALL_RANKS)
-    cfg = default_config(19, 2, 5, dtype, lora=True)
+    cfg = dataclasses.replace(default_config(19, 2, 5, dtype, lora=True),
+                              pair_shrink_max_pairs=10**6 if pair_shrink else 0)
     per_program = fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
                             config=dataclasses.replace(cfg, reduce_partials_min_pairs=10**9))
     once = fused_moe(x, w13, w2, topk, lora, slots, impl="triton",

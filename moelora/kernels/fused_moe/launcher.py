@@ -84,6 +84,12 @@ def fused_moe_triton(
         a_aligned = rows_start_on_16_bytes(ag, au)
         ad_strides, bd_strides = ad.stride()[1:3], bd.stride()[1:3]
         num_splits = triton.cdiv(hidden, SHRINK_SPLIT_K)
+        # at large batches of aligned blocks the segment shrink's programs add their K splits up themselves, on the
+        # smallest rank tile only: past it a program's two accumulators spill (compiled for sm_90)
+        serial_splits = block_r == LORA_RANK_CHUNK and not cfg.pair_blocks and \
+            cfg.pair_shrink_max_pairs < num_pairs and num_pairs >= cfg.reduce_partials_min_pairs
+        if serial_splits:
+            num_splits = 1
         xa = torch.empty(num_pairs, 2, num_splits, block_r, dtype=torch.float32, device=x.device)
         if cfg.pair_blocks:  # the shrink runs in the gate_up launch, its GEMM programs wait on a counter per pair
             if num_pairs > READY_COUNTERS:
@@ -113,7 +119,8 @@ def fused_moe_triton(
                     x, xa, blocks.sorted_ids, blocks.segments, blocks.num_segments, ranks, ag, au,
                     num_pairs, top_k, hidden, num_slots, num_experts, num_splits, max_segs, x.stride(0), *a_strides,
                     SHRINK_ROWS=cfg.shrink_rows, BLOCK_K=cfg.block_k, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K,
-                    RANK_TILES=rank_tiles, A_ALIGNED=a_aligned, TILE=tile, num_warps=cfg.shrink_num_warps,
+                    RANK_TILES=rank_tiles, A_ALIGNED=a_aligned, TILE=tile, SERIAL=serial_splits,
+                    num_warps=cfg.shrink_num_warps,
                     num_stages=cfg.shrink_num_stages, **pdl,
                 )
         if not cfg.pair_blocks:  # (with pair blocks xa is written in the gate_up launch that reads it)

@@ -15,20 +15,25 @@ from moelora.kernels.pdl import wait_for_previous_kernel
 @triton.jit
 def _shrink_rows(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, k_lo, k_hi, num_experts,
                  num_splits, stride_ae, stride_ar, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_R: tl.constexpr, RANK_TILES: tl.constexpr, A_ALIGNED: tl.constexpr, TILE: tl.constexpr = -1):
+                 BLOCK_R: tl.constexpr, RANK_TILES: tl.constexpr, A_ALIGNED: tl.constexpr, TILE: tl.constexpr = -1,
+                 SERIAL_SPLIT_K: tl.constexpr = 0):
     """xa_g, xa_u = x[rows] @ A[s, e][:, k_lo:k_hi]^T for gate and up (ranks rank_g, rank_u), stored from xa_rows
     (column 0 of each row's gate partial) for `rows`, on the smallest rank tile that holds both ranks
-    (tiles.takes_rank_tile); with TILE >= 0 only if that is tile TILE (the others are not compiled)."""
+    (tiles.takes_rank_tile); with TILE >= 0 only if that is tile TILE (the others are not compiled).
+    SERIAL_SPLIT_K > 0: [k_lo, k_hi) is several K splits of that many columns, each summed from its own zero and
+    added to the total in order, as tiles.sum_partials adds the partials of a program per split (the same bits)."""
     for c in tl.static_range(RANK_TILES):
         if (TILE < 0 or TILE == c) and takes_rank_tile(tl.maximum(rank_g, rank_u), c, RANK_TILES, BLOCK_R):
             _shrink_tile(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, k_lo, k_hi, num_experts,
-                         num_splits, stride_ae, stride_ar, BLOCK_M, BLOCK_K, c, RANK_TILES, BLOCK_R, A_ALIGNED)
+                         num_splits, stride_ae, stride_ar, BLOCK_M, BLOCK_K, c, RANK_TILES, BLOCK_R, A_ALIGNED,
+                         SERIAL_SPLIT_K)
 
 
 @triton.jit
 def _shrink_tile(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, k_lo, k_hi, num_experts, num_splits,
                  stride_ae, stride_ar, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, C: tl.constexpr,
-                 RANK_TILES: tl.constexpr, BLOCK_R: tl.constexpr, A_ALIGNED: tl.constexpr):
+                 RANK_TILES: tl.constexpr, BLOCK_R: tl.constexpr, A_ALIGNED: tl.constexpr,
+                 SERIAL_SPLIT_K: tl.constexpr):
     """_shrink_rows on rank tile C (tiles.takes_rank_tile); the partials are laid out BLOCK_R columns a part. Gate
     and up in one dot, A_g's R rows then A_u's as its 2R columns: each x tile goes through the MMAs once, not once a
     projection (a column's sum does not depend on the dot's other columns, so the bits are those of a dot each).
@@ -47,10 +52,17 @@ def _shrink_tile(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, k_
     a_ptrs = col_ptrs[None, :] + offs_k[:, None]
     in_rank = (r < tl.where(up, rank_u, rank_g))[None, :]
     xa = tl.zeros((BLOCK_M, 2 * R), dtype=tl.float32)
+    split = tl.zeros((BLOCK_M, 2 * R), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_mask = k0 + offs_k < k_hi
         xt = tl.load(x_ptrs + k0, mask=rows[:, None] & k_mask[None, :], other=0.0)
-        xa += tl.dot(xt, tl.load(a_ptrs + k0, mask=k_mask[:, None] & in_rank, other=0.0))
+        if SERIAL_SPLIT_K > 0:
+            split += tl.dot(xt, tl.load(a_ptrs + k0, mask=k_mask[:, None] & in_rank, other=0.0))
+            split_ends = ((k0 + BLOCK_K) % SERIAL_SPLIT_K == 0) | (k0 + BLOCK_K >= k_hi)
+            xa = tl.where(split_ends, xa + split, xa)
+            split = tl.where(split_ends, 0.0, split)
+        else:
+            xa += tl.dot(xt, tl.load(a_ptrs + k0, mask=k_mask[:, None] & in_rank, other=0.0))
     tl.store(xa_rows[:, None] + tl.where(up, num_splits * BLOCK_R + r, r)[None, :], xa, mask=rows[:, None])
 
 
@@ -68,14 +80,15 @@ def shrink_kernel(
     x_ptr, xa_ptr, sorted_ids_ptr, segments_ptr, num_segments_ptr, ranks_ptr, ag_ptr, au_ptr,
     num_pairs, top_k, H, num_slots, num_experts, num_splits, max_segs, stride_xt, stride_ae, stride_ar,
     SHRINK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
-    RANK_TILES: tl.constexpr, A_ALIGNED: tl.constexpr, TILE: tl.constexpr,
+    RANK_TILES: tl.constexpr, A_ALIGNED: tl.constexpr, TILE: tl.constexpr, SERIAL: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """xa[p, proj, split] = x[p] @ A_proj[slot(p), e][:, split's K range]^T for gate (proj 0) and up
     (proj 1), one program per (segment, K split): a segment is a piece of the rows of one (expert, slot) key
     (AlignedBlocks.segments), taken SHRINK_ROWS (MoEKernelConfig.shrink_rows) at a time. Each program runs one
     chain of loads, where a program per block walked the block's slots one after the other. The gate_up GEMM sums
-    the splits in a fixed order.
+    the splits in a fixed order. SERIAL (num_splits 1): a program per segment adds its splits up itself, in that
+    order (_shrink_rows' SERIAL_SPLIT_K), so xa holds their sum, with no partials to write, read and sum again.
     TILE >= 0: only the segments whose ranks take rank tile TILE, the launch compiled for that tile alone (a launch
     per tile: the registers of the largest tile's loop would set how many programs of the smaller tiles an SM
     holds)."""
@@ -93,9 +106,10 @@ def shrink_kernel(
             rows = pair < num_pairs
             x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + tl.arange(0, BLOCK_K)[None, :]
             xa_rows = xa_ptr + ((pair.to(tl.int64) * 2) * num_splits + split) * BLOCK_R
-            _shrink_rows(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, split * SPLIT_K,
-                         tl.minimum(H, (split + 1) * SPLIT_K), num_experts, num_splits, stride_ae, stride_ar,
-                         SHRINK_ROWS, BLOCK_K, BLOCK_R, RANK_TILES, A_ALIGNED, TILE)
+            k_lo, k_hi = (0, H) if SERIAL else (split * SPLIT_K, tl.minimum(H, (split + 1) * SPLIT_K))
+            _shrink_rows(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, k_lo, k_hi, num_experts,
+                         num_splits, stride_ae, stride_ar, SHRINK_ROWS, BLOCK_K, BLOCK_R, RANK_TILES, A_ALIGNED, TILE,
+                         SPLIT_K if SERIAL else 0)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_segs"])  # row counts: kernels/__init__.py
