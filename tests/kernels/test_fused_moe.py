@@ -160,10 +160,13 @@ def test_partials_summed_once_equal_partials_summed_per_program(dtype, pair_shri
     cfg = dataclasses.replace(default_config(19, 2, 5, dtype, lora=True),
                               pair_shrink_max_pairs=10**6 if pair_shrink else 0)
     per_program = fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
-                            config=dataclasses.replace(cfg, reduce_partials_min_pairs=10**9))
+                            config=dataclasses.replace(cfg, reduce_partials_min_pairs=10**9,
+                                                       serial_shrink_min_pairs=10**9))
     once = fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
-                     config=dataclasses.replace(cfg, reduce_partials_min_pairs=0))
-    assert torch.equal(per_program, once)
+                     config=dataclasses.replace(cfg, reduce_partials_min_pairs=0, serial_shrink_min_pairs=10**9))
+    serial = fused_moe(x, w13, w2, topk, lora, slots, impl="triton",
+                       config=dataclasses.replace(cfg, reduce_partials_min_pairs=0, serial_shrink_min_pairs=0))
+    assert torch.equal(per_program, once) and torch.equal(per_program, serial)
     assert_rows_close(once, fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(dtype, device))
 
 

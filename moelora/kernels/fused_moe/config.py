@@ -59,6 +59,11 @@ class MoEKernelConfig:
     # from this many pairs on, one launch sums the LoRA partials per row before the GEMMs read them, instead
     # of every (block, n-tile) program summing its rows' partials itself
     reduce_partials_min_pairs: int = 512
+    # from this many pairs on (and past pair_shrink_max_pairs, on the smallest rank tile) a segment shrink program
+    # adds its K splits up itself: no partials to write, read and sum. Qwen3-30B-A3B on an H100 gained 23-35 us a
+    # layer at 8192 tokens and up to 12 at 2048; at 512 tokens one adapter lost 5 us (too few segments for the SMs
+    # with one program each; benchmarks/RESULTS.md, session 51)
+    serial_shrink_min_pairs: int = 16384
     # registers per thread the GEMM kernels may use when they hold LoRA epilogues of more than one rank tile
     # (None: the compiler's choice). The kernels hold an epilogue per rank tile up to the slot buffers'
     # (tiles.takes_rank_tile); the largest one's registers would set the occupancy of every program, also of
@@ -110,7 +115,7 @@ class MoEKernelConfig:
         for name in ("group_m", "num_stages", "slot_stages", "shrink_num_stages", "segment_rows"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 fail(name, "an int of at least 1")
-        for name in ("pair_shrink_max_pairs", "reduce_partials_min_pairs"):
+        for name in ("pair_shrink_max_pairs", "reduce_partials_min_pairs", "serial_shrink_min_pairs"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 fail(name, "an int of at least 0")
         if self.max_registers is not None and not (isinstance(self.max_registers, int) and

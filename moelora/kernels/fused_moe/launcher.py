@@ -87,7 +87,7 @@ def fused_moe_triton(
         # at large batches of aligned blocks the segment shrink's programs add their K splits up themselves, on the
         # smallest rank tile only: past it a program's two accumulators spill (compiled for sm_90)
         serial_splits = block_r == LORA_RANK_CHUNK and not cfg.pair_blocks and \
-            cfg.pair_shrink_max_pairs < num_pairs and num_pairs >= cfg.reduce_partials_min_pairs
+            cfg.pair_shrink_max_pairs < num_pairs and num_pairs >= cfg.serial_shrink_min_pairs
         if serial_splits:
             num_splits = 1
         xa = torch.empty(num_pairs, 2, num_splits, block_r, dtype=torch.float32, device=x.device)
