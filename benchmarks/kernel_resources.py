@@ -92,7 +92,8 @@ def rows(tokens: int, shape: tuple[int, int, int, int], lora: bool, maxnreg: int
                                                    cfg.num_warps, cfg.num_stages, cap)
         for tile in (range(rank_tiles) if cfg.shrink_per_rank_tile else (-1,)) if segment_shrink else ():
             name = f"shrink_kernel (tile {LORA_RANK_CHUNK << tile})" if tile >= 0 else "shrink_kernel"
-            yield name, rank_tiles, resources(fm_shrink.shrink_kernel, {**constexprs(0), "TILE": tile},
+            serial = fm_config.serial_shrink(cfg, tokens * top_k, block_r)
+            yield name, rank_tiles, resources(fm_shrink.shrink_kernel, {**constexprs(0), "TILE": tile, "SERIAL": serial},
                                               cfg.shrink_num_warps, cfg.shrink_num_stages)
         if segment_shrink and cfg.down_shrink_launch:
             yield "down_shrink_kernel", rank_tiles, resources(fm_shrink.down_shrink_kernel, constexprs(0),

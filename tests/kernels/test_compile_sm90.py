@@ -188,18 +188,19 @@ def compile_all() -> list[dict]:
         results.append(dict(kernel=kernel.fn.__name__, shared=compiled.metadata.shared, ttgir=""))
     # the segment shrink on the 16-row tile row's launch options (the deepest pipeline): with the rank-64 tiles (the
     # most shared memory), and on the rank-16 tile with rows of A known to start on 16 bytes and not; and on the
-    # prefill row's tile of 128 rows with the rank-64 tiles
+    # prefill row's tile of 128 rows with the rank-64 tiles, and on the rank-16 tile (its programs adding their K splits
+    # up themselves: serial_shrink)
     for tokens, block_r, rank_tiles, aligned in ((128, 64, 3, True), (128, 16, 1, True), (128, 16, 1, False),
-                                                 (8192, 64, 3, True)):
+                                                 (8192, 64, 3, True), (8192, 16, 1, True)):
         cfg = fm_config.default_config(tokens, 8, 128, torch.bfloat16, lora=True)
+        serial = fm_config.serial_shrink(cfg, tokens * 8, block_r)
         constexprs = dict(SHRINK_ROWS=cfg.shrink_rows, BLOCK_K=64, BLOCK_R=block_r, RANK_TILES=rank_tiles,
-                          TILE=rank_tiles - 1, SPLIT_K=fm_config.SHRINK_SPLIT_K, A_ALIGNED=aligned,
-                          SERIAL=block_r == 16 and tokens * 8 >= cfg.reduce_partials_min_pairs)  # the launcher's rule
+                          TILE=rank_tiles - 1, SPLIT_K=fm_config.SHRINK_SPLIT_K, A_ALIGNED=aligned, SERIAL=serial)
         compiled = compile_sm90(fm_shrink.shrink_kernel, constexprs, "bf16", cfg.shrink_num_warps,
                                 cfg.shrink_num_stages)
         copies = [line for line in compiled.asm["ttgir"].splitlines() if "async_copy_global_to_local" in line]
         results.append(dict(kernel="shrink_kernel", shared=compiled.metadata.shared, block_r=block_r,
-                            a_aligned=aligned, ttgir="",
+                            a_aligned=aligned, serial=serial, ttgir="",
                             x_copies=sum(f"tensor<{cfg.shrink_rows}x64x!tt.ptr" in line for line in copies),
                             a_copies=sum(f"tensor<64x{2 * block_r}x!tt.ptr" in line for line in copies)))
     # the down shrink's launch of the 64-row and the prefill rows, with the rank-64 tiles
@@ -263,7 +264,7 @@ def test_the_lora_epilogues_shared_memory_bound_is_the_compilers():
 
 
 def test_all_kernels_fit_shared_memory(compiled):
-    assert len(compiled) == (11 * 2 * 2 + 2 + 2 + 2 + 9 + 4 + 2 + 2 * len(ATTENTION_HEADS) + 1 + 2 * len(LORA_LINEARS)
+    assert len(compiled) == (11 * 2 * 2 + 2 + 2 + 2 + 9 + 5 + 2 + 2 * len(ATTENTION_HEADS) + 1 + 2 * len(LORA_LINEARS)
                              + len(ROTARY_HEADS) + len(ROUTERS) + 2 * len(RMS_NORMS) + 1 + len(KV_STORES) + 1
                              + len(ROPE_KV_STORES) + 1
                              + 2 * len(LINEARS) + 1 + len(LORA_EPILOGUES))
@@ -296,10 +297,12 @@ def test_lora_slot_loops_pipeline(compiled):
 def test_shrink_loads_aligned_a_rows_asynchronously(compiled):
     """Gate and up share the shrink's dot, so its A tile picks a pointer per column; told that every row of A starts
     on 16 bytes (A_ALIGNED), the compiler loads it in vectors, as async copies in the pipeline, as many as x's.
-    (Without the hint Triton 3.9 loads A through registers; 3.6 sees the alignment through the choice itself.)"""
-    [(x_copies, a_copies)] = [(r["x_copies"], r["a_copies"]) for r in compiled
-                              if r["kernel"] == "shrink_kernel" and r.get("block_r") == 16 and r["a_aligned"]]
-    assert x_copies > 0 and a_copies == x_copies, (x_copies, a_copies)
+    (Without the hint Triton 3.9 loads A through registers; 3.6 sees the alignment through the choice itself.) So
+    does the serial shrink's one K loop over its splits."""
+    for serial in (True, False):
+        [(x_copies, a_copies)] = [(r["x_copies"], r["a_copies"]) for r in compiled if r["kernel"] == "shrink_kernel"
+                                  and r.get("block_r") == 16 and r["a_aligned"] and r["serial"] == serial]
+        assert x_copies > 0 and a_copies == x_copies, (serial, x_copies, a_copies)
     unaligned = [r for r in compiled if r["kernel"] == "shrink_kernel" and r.get("block_r") == 16
                  and not r["a_aligned"]]
     assert unaligned and unaligned[0]["x_copies"] == x_copies  # the hint changes A's loads only

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from moelora.kernels.gemm_tiles import gemm_block_k, stages_that_fit
+from moelora.kernels.lora_tiles import LORA_RANK_CHUNK
 
 # A row's result must not depend on what it is batched with, so everything that sets the order of
 # its fp32 sums is fixed here, never by the config: the gate/up shrink's K split (SHRINK_SPLIT_K columns
@@ -167,3 +168,11 @@ def for_rank_tile(cfg: MoEKernelConfig, block_r: int) -> MoEKernelConfig:
     return replace(cfg, slot_stages=max(1, min(cfg.slot_stages, SLOT_PIPELINE_ROWS // block_r)),
                    shrink_num_stages=stages_that_fit(cfg.shrink_rows + 2 * block_r, cfg.block_k,
                                                      cfg.shrink_num_stages))
+
+
+def serial_shrink(cfg: MoEKernelConfig, num_pairs: int, block_r: int) -> bool:
+    """Whether the segment shrink's programs add their K splits up themselves (shrink_kernel's SERIAL): aligned
+    blocks past pair_shrink_max_pairs, from serial_shrink_min_pairs on, on the smallest rank tile only (past it a
+    program's two accumulators spill, compiled for sm_90)."""
+    return block_r == LORA_RANK_CHUNK and not cfg.pair_blocks and cfg.pair_shrink_max_pairs < num_pairs and \
+        num_pairs >= cfg.serial_shrink_min_pairs

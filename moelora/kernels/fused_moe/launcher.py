@@ -7,7 +7,7 @@ import triton
 
 from moelora.core import ExpertLoRASlots, TopKOutput
 from moelora.kernels.fused_moe.config import (DOWN_SHRINK_PART, SHRINK_SPLIT_K, SUM_PARTS, MoEKernelConfig,
-                                              default_config, for_rank_tile)
+                                              default_config, for_rank_tile, serial_shrink)
 from moelora.kernels.fused_moe.gemm import down_kernel, gate_up_kernel
 from moelora.kernels.fused_moe.reduction import moe_sum_kernel, reduce_partials
 from moelora.kernels.fused_moe.shrink import down_shrink_kernel, pair_shrink_kernel, shrink_kernel
@@ -84,10 +84,7 @@ def fused_moe_triton(
         a_aligned = rows_start_on_16_bytes(ag, au)
         ad_strides, bd_strides = ad.stride()[1:3], bd.stride()[1:3]
         num_splits = triton.cdiv(hidden, SHRINK_SPLIT_K)
-        # at large batches of aligned blocks the segment shrink's programs add their K splits up themselves, on the
-        # smallest rank tile only: past it a program's two accumulators spill (compiled for sm_90)
-        serial_splits = block_r == LORA_RANK_CHUNK and not cfg.pair_blocks and \
-            cfg.pair_shrink_max_pairs < num_pairs and num_pairs >= cfg.serial_shrink_min_pairs
+        serial_splits = serial_shrink(cfg, num_pairs, block_r)  # the segment shrink adds its K splits up itself
         if serial_splits:
             num_splits = 1
         xa = torch.empty(num_pairs, 2, num_splits, block_r, dtype=torch.float32, device=x.device)
