@@ -54,6 +54,13 @@ ONE_SPLIT_STAGES = 8  # decode tiles (M <= 32) of a shape without K splits: more
 SPLIT_MIN_BLOCKS = 4
 PARALLEL_SPLITS_MAX_M = 256  # up to here the GEMM is bound by reading W: splits run in parallel programs
 SPLIT_COUNTERS = 4096  # arrival counters per device: tiles of a parallel-split launch (default tiles: <= 512)
+# From rank tile 64 a dot of the LoRA epilogue stacking more rows of B than LORA_DOT_MAX_ROWS, or than
+# LORA_DOT_ELEMENTS / BLOCK_N, spilled registers (compiled for sm_90: 320-864 bytes a thread with 8 slots of rank 64
+# at 200 and 4096 rows, none in the chunks below these; benchmarks/RESULTS.md, session 49). Smaller rank tiles keep
+# the one dot their timings chose.
+LORA_DOT_RANK_TILE = 64
+LORA_DOT_MAX_ROWS = 512
+LORA_DOT_ELEMENTS = 16384
 
 
 @dataclass(frozen=True)
@@ -120,14 +127,23 @@ def default_config(M: int, N: int, splits: int = 1, lora: LoRAEpilogue | None = 
 def lora_epilogue_plan(c: LinearConfig, lora: LoRAEpilogue) -> tuple[int, bool] | None:
     """How tile c runs the LoRA epilogue: (CHUNK_S, B_EARLY), its dots stacking CHUNK_S slots each (a power of two
     dividing BLOCK_S: the tile keeps its size with many slots of a large rank, where one dot of them all would not
-    fit in shared memory), and whether B is loaded before the shrink's wait (one dot, a launch with the shrink).
-    None: not even one slot's dot fits."""
-    if lora.shrink is not None and _lora_epilogue_fits(c, lora.slots * lora.rank_tile, True):
+    fit in shared memory, or its registers would spill), and whether B is loaded before the shrink's wait (one dot,
+    a launch with the shrink). None: not even one slot's dot fits in shared memory."""
+    if lora.shrink is not None and _lora_epilogue_fits(c, lora.slots * lora.rank_tile, True) and \
+            _lora_dot_holds(c, lora, lora.slots):
         return lora.slots, True
     chunk = lora.slots
     while chunk >= 1 and not _lora_epilogue_fits(c, chunk * lora.rank_tile, False):
         chunk //= 2
+    while chunk > 1 and not _lora_dot_holds(c, lora, chunk):
+        chunk //= 2
     return (chunk, False) if chunk >= 1 else None
+
+
+def _lora_dot_holds(c: LinearConfig, lora: LoRAEpilogue, chunk: int) -> bool:
+    """Whether a dot of `chunk` slots holds its rows in registers (LORA_DOT_MAX_ROWS)."""
+    rows = chunk * lora.rank_tile
+    return lora.rank_tile < LORA_DOT_RANK_TILE or rows <= min(LORA_DOT_MAX_ROWS, LORA_DOT_ELEMENTS // c.block_n)
 
 
 def _lora_epilogue_fits(c: LinearConfig, lora_rows: int, b_early: bool) -> bool:

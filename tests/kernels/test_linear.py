@@ -223,15 +223,20 @@ def test_many_slots_of_a_large_rank_keep_the_tile(m, n, splits):
 def test_an_epilogue_chunks_slots_only_where_one_dot_would_not_fit():
     """One dot with B loaded before the shrink's wait where it fits; else one dot loaded after it (a wgmma tile
     holds early-loaded B twice: session 48's H100 run, 8 slots of rank 64 on the 64 x 128 tile at 200 rows, 320 KiB);
-    else chunks; a rank tile of which not even one slot fits moves to a smaller tile, and past every tile is an
+    else chunks, also where one dot's rows at rank tile 64 and more would spill registers (LORA_DOT_MAX_ROWS,
+    LORA_DOT_ELEMENTS / BLOCK_N: 128 rows on 128 columns, 64 on 256; the smaller rank tiles keep their one dot); a
+    rank tile of which not even one slot fits in shared memory moves to a smaller tile, and past every tile is an
     error."""
-    medium, prefill = default_config(200, 5120, 1), default_config(8192, 5120, 1)
-    assert (medium.block_n, prefill.block_n) == (128, 256)
+    decode, medium, prefill = default_config(1, 5120, 1), default_config(200, 5120, 1), default_config(8192, 5120, 1)
+    assert (decode.block_n, medium.block_n, prefill.block_n) == (32, 128, 256)
     plan = linear_module.lora_epilogue_plan
+    assert plan(decode, LoRAEpilogue(8, 64, SHRINK)) == (8, True)  # 512 rows
+    assert plan(decode, LoRAEpilogue(8, 128, SHRINK)) == (4, False)
     assert plan(medium, LoRAEpilogue(8, 16, SHRINK)) == (8, True)
-    assert plan(medium, LoRAEpilogue(8, 64, SHRINK)) == (8, False)
+    assert plan(medium, LoRAEpilogue(8, 64, SHRINK)) == (2, False)
     assert plan(prefill, LoRAEpilogue(8, 32, None)) == (8, False)
-    assert plan(prefill, LoRAEpilogue(8, 64, None)) == (4, False)
+    assert plan(prefill, LoRAEpilogue(8, 64, None)) == (1, False)
+    assert plan(prefill, LoRAEpilogue(8, 128, None)) == (1, False)  # one slot is the least a dot takes
     assert plan(prefill, LoRAEpilogue(8, 512, None)) is None
     assert default_config(8192, 5120, 1, LoRAEpilogue(8, 512, None)).block_m == 64
     with pytest.raises(ValueError, match="no GEMM tile holds a LoRA epilogue of rank tile 4096"):
