@@ -4,6 +4,7 @@ import dataclasses
 import pytest
 import torch
 
+from moelora.kernels.fused_moe import config as fm_config
 from moelora.kernels.fused_moe import launcher
 from moelora.kernels.fused_moe import default_config, fused_moe
 from tests.support import (assert_gpu_finishes, assert_rows_close, random_expert_lora, random_moe_weights,
@@ -104,6 +105,29 @@ def test_prefill_tiles_agree(shape, poison):
                                            num_warps=4, num_stages=3)]
         for other in others:
             assert torch.equal(got, fused_moe(x, w13, w2, topk, *adapters, config=other)), f"{shape} {other}"
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_serial_shrink_agrees(shape, poison):
+    """On the rank-16 tile, from MoEKernelConfig.serial_shrink_min_pairs (Qwen3 at 2048 tokens by default), a segment
+    shrink program adds its K splits up itself: bit for bit the split programs' partials that reduce_partials sums,
+    with adapters of ranks 4-16 on 70% of the experts (NaN wherever a kernel must not read)."""
+    gen = torch.Generator("cuda").manual_seed(torch.seed())
+    hidden, inter, experts, top_k = SHAPES[shape]
+    x, w13, w2, topk, _, _ = _layer(shape, 2048, gen)
+    ranks = [4, 8, 16, 16]
+    lora = random_expert_lora(len(ranks), experts, hidden, inter, ranks, torch.bfloat16, "cuda", coverage=0.7,
+                              poison_unused=True, generator=gen)
+    slots = torch.randint(-1, len(ranks), (x.shape[0],), generator=gen, device="cuda", dtype=torch.int32)
+    cfg = default_config(x.shape[0], top_k, experts, x.dtype, lora=True)
+    serial, split = (dataclasses.replace(cfg, serial_shrink_min_pairs=n) for n in (0, 10**9))
+    num_pairs = x.shape[0] * top_k
+    assert fm_config.serial_shrink(serial, num_pairs, 16) and not fm_config.serial_shrink(split, num_pairs, 16)
+    assert fm_config.serial_shrink(cfg, num_pairs, 16) == (shape == "qwen3-30b-a3b")  # 16384 pairs: the default's
+    got = fused_moe(x, w13, w2, topk, lora, slots, config=serial)
+    assert torch.equal(got, fused_moe(x, w13, w2, topk, lora, slots, config=split)), shape
+    ref = fused_moe(x, w13, w2, topk, lora, slots, impl="torch")
+    assert_rows_close(got, ref, rel_tolerance(torch.bfloat16, "cuda"), shape)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
