@@ -65,8 +65,8 @@ class EngineConfig:
     # LoRA
     max_loras_per_batch: int = option(8, "GPU adapter slots: distinct adapters in one running batch",
                                       ("--max-loras",))
-    max_lora_rank: int | None = option(None, f"rank of the GPU adapter slots, at most {MAX_LORA_RANK} (default: the largest "
-                                             "rank among lora_paths)")
+    max_lora_rank: int | None = option(None, f"rank of the GPU adapter slots, at most {MAX_LORA_RANK} (default: the "
+                                             "largest rank among lora_paths)")
     max_cpu_loras: int | None = option(None, "adapters kept in host memory, least recently used dropped and re-read "
                                              "from disk (default: no limit)")
     # SGLang's flag: without it an adapter's copies into its slot sit on the step's stream, between two steps
