@@ -43,7 +43,7 @@ from moelora.core import LinearLoRASlots
 from moelora.kernels.gemm_tiles import zeroed_counters
 from moelora.kernels.linear import (LinearConfig, LinearLoRA, LinearShrink, check_linear_inputs, linear_reference,
                                     linear_triton)
-from moelora.kernels.lora_tiles import rank_tile, shrink_linear_block
+from moelora.kernels.lora_tiles import end_of_split, rank_tile, shrink_linear_block
 from moelora.kernels.moe_align import AlignedBlocks, moe_align
 from moelora.kernels.pdl import pdl_launch, wait_for_previous_kernel
 
@@ -122,9 +122,7 @@ def _serial_shrink_kernel(
             k_ok = k0 + offs_k < K
             xt = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             split += tl.dot(xt, tl.load(a_ptrs + k0, mask=k_ok[:, None] & a_ok, other=0.0))
-            split_ends = ((k0 + BLOCK_K) % SPLIT_K == 0) | (k0 + BLOCK_K >= K)
-            xa = tl.where(split_ends, xa + split, xa)
-            split = tl.where(split_ends, 0.0, split)
+            xa, split = end_of_split(xa, split, k0, K, SPLIT_K, BLOCK_K)
         out_ptrs = xa_ptr + tokens.to(tl.int64)[:, None] * (P * BLOCK_R) + cols[None, :]
         tl.store(out_ptrs, xa.to(xa_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 

@@ -50,6 +50,17 @@ def shrink_k_range(x_ptrs, a_ptrs, row_ok, rank, k_lo, k_hi,
 
 
 @triton.jit
+def end_of_split(total, split, k0, k_hi, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A serial shrink's step k0 done: where it ends a K split of SPLIT_K columns (or the range, at k_hi), the
+    split's sum added to the total and the split started again from zero, so the total is each split summed from
+    its own zero and added in order, the bits of a program per split whose partials are then summed in order.
+    Returns (total, split). A where at each step, not a loop per split: one flat K loop keeps its software
+    pipeline, which a loop per split would refill."""
+    ends = ((k0 + BLOCK_K) % SPLIT_K == 0) | (k0 + BLOCK_K >= k_hi)
+    return tl.where(ends, total + split, total), tl.where(ends, 0.0, split)
+
+
+@triton.jit
 def shrink_linear_block(pid, x_ptr, a_ptr, ranks_ptr, part_ptr, xa_ptr, count_ptr, sorted_ids_ptr, block_slot_ptr,
                         num_tokens, K, stride_xt, stride_as, stride_ap, stride_ar,
                         P: tl.constexpr, SPLITS: tl.constexpr, SPLIT_K: tl.constexpr,

@@ -61,9 +61,8 @@ class MoEKernelConfig:
     # of every (block, n-tile) program summing its rows' partials itself
     reduce_partials_min_pairs: int = 512
     # from this many pairs on (and past pair_shrink_max_pairs, on the smallest rank tile) a segment shrink program
-    # adds its K splits up itself: no partials to write, read and sum. Qwen3-30B-A3B on an H100 gained 23-35 us a
-    # layer at 8192 tokens and up to 12 at 2048; at 512 tokens one adapter lost 5 us (too few segments for the SMs
-    # with one program each; benchmarks/RESULTS.md, session 51)
+    # adds its K splits up itself (serial_shrink): no partials to write, read and sum. Below it there are too few
+    # segments to fill the SMs with one program each (benchmarks/RESULTS.md, session 51)
     serial_shrink_min_pairs: int = 16384
     # registers per thread the GEMM kernels may use when they hold LoRA epilogues of more than one rank tile
     # (None: the compiler's choice). The kernels hold an epilogue per rank tile up to the slot buffers'

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.fused_moe.tiles import lora_rank, lora_tile, takes_rank_tile
+from moelora.kernels.lora_tiles import end_of_split
 from moelora.kernels.moe_align import moe_align_program
 from moelora.kernels.pdl import wait_for_previous_kernel
 
@@ -58,9 +59,7 @@ def _shrink_tile(x_ptrs, rows, xa_rows, ag_ptr, au_ptr, rank_g, rank_u, s, e, k_
         xt = tl.load(x_ptrs + k0, mask=rows[:, None] & k_mask[None, :], other=0.0)
         if SERIAL_SPLIT_K > 0:
             split += tl.dot(xt, tl.load(a_ptrs + k0, mask=k_mask[:, None] & in_rank, other=0.0))
-            split_ends = ((k0 + BLOCK_K) % SERIAL_SPLIT_K == 0) | (k0 + BLOCK_K >= k_hi)
-            xa = tl.where(split_ends, xa + split, xa)
-            split = tl.where(split_ends, 0.0, split)
+            xa, split = end_of_split(xa, split, k0, k_hi, SERIAL_SPLIT_K, BLOCK_K)
         else:
             xa += tl.dot(xt, tl.load(a_ptrs + k0, mask=k_mask[:, None] & in_rank, other=0.0))
     tl.store(xa_rows[:, None] + tl.where(up, num_splits * BLOCK_R + r, r)[None, :], xa, mask=rows[:, None])
