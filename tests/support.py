@@ -22,6 +22,8 @@ from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Conf
 
 from moelora.core import ExpertLoRASlots, ForwardBatch, KVCache, LinearLoRASlots, TopKConfig, TopKOutput
 from moelora.distributed.state import ParallelState, parallel_state
+from moelora.engine import model_runner
+from moelora.engine.config import EngineConfig
 from moelora.engine.lora_slots import allocate_lora_slots, slot_bytes
 from moelora.layers.moe.runner import Runner
 from moelora.models.config import ModelConfig
@@ -247,6 +249,20 @@ def assert_released(engine) -> None:
     assert cache is None or cache.evictable == cache.cached
     assert engine.scheduler.pool.free_rows == engine.config.max_running_requests
     assert engine.runner.lora.in_flight == {}
+
+
+def out_of_gpu_memory_in(phase: str, monkeypatch) -> None:
+    """Make the start's `phase` ("warm-up", "decode graphs" or "prompt graphs") run out of GPU memory, the phases
+    before it pass and the start run them all (faked: on a CPU it runs neither)."""
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 38.00 MiB.")
+    monkeypatch.setattr(EngineConfig, "warm_up_at_start", property(lambda self: True))
+    monkeypatch.setattr(EngineConfig, "use_cuda_graph", property(lambda self: True))
+    monkeypatch.setattr(model_runner.ModelRunner, "warm_up",
+                        out_of_memory if phase == "warm-up" else lambda self, max_tokens: None)
+    monkeypatch.setattr(model_runner, "CudaGraphs", out_of_memory if phase == "decode graphs" else
+                        lambda *args: "decode graphs")
+    monkeypatch.setattr(model_runner, "PromptGraphs", out_of_memory)
 
 
 def assert_rows_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "output") -> None:

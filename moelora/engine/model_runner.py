@@ -99,6 +99,28 @@ class ModelRunner:
         yield
         self.start_seconds[name] = time.perf_counter() - t0
 
+    @contextlib.contextmanager
+    def _room_for(self, what: str, remedy: str) -> Iterator[None]:
+        """A start phase after the KV cache's allocation (what it does, and the settings that shrink it) that runs out
+        of GPU memory fails with one message that says which and what makes room, not an allocator traceback: the KV
+        cache took mem_fraction_static of the memory, or max_total_tokens, and the activations of the warm-up's steps
+        and the graphs' pools share what is left."""
+        try:
+            yield
+        except torch.OutOfMemoryError as e:
+            in_use = ""
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                in_use = (f" ({(total - free) / 2**30:.2f} of its {total / 2**30:.2f} GiB in use, by this process "
+                          "and any other)")
+            self.graphs = self.prompt_graphs = None
+            kv = (f"EngineConfig.max_total_tokens (KV cache slots, {self.config.max_total_tokens} now)"
+                  if self.config.max_total_tokens else
+                  f"EngineConfig.mem_fraction_static (the share of the GPU for the weights, LoRA slots and KV cache, "
+                  f"{self.config.mem_fraction_static} now)")
+            raise ValueError(f"the GPU ran out of memory {what}{in_use}: {remedy}, or leave it more memory with a "
+                             f"smaller {kv}") from e
+
     def _build(self, config: EngineConfig) -> None:
         self.dist_state = get_parallel()  # the world it is built in: its model's, whatever is current later
         # seconds of each phase of the start: on a cold Triton cache mostly compiles (warm-up and graph captures)
@@ -141,7 +163,9 @@ class ModelRunner:
         max_step_tokens = min(config.max_prefill_tokens, config.prefill_chunk or config.max_prefill_tokens,
                               self.context_len)
         if config.warm_up_at_start:
-            with self._start_phase(f"prompt steps of {len(warm_up_sizes(max_step_tokens))} sizes run"):
+            with self._start_phase(f"prompt steps of {len(warm_up_sizes(max_step_tokens))} sizes run"), \
+                    self._room_for(f"running the start's prompt steps of up to {max_step_tokens} tokens",
+                                   "lower EngineConfig.chunked_prefill_size or EngineConfig.max_prefill_tokens"):
                 self.warm_up(max_step_tokens)
         max_bs = config.decode_graph_max_bs
         prompt_graph_tokens = min(config.cuda_graph_max_prefill_tokens, max_step_tokens)
@@ -149,10 +173,15 @@ class ModelRunner:
             max_bs, prompt_graph_tokens = min(max_bs, FIXED_MAX_TOKENS), min(prompt_graph_tokens, FIXED_MAX_TOKENS)
         self.graphs = self.prompt_graphs = None
         if config.use_cuda_graph:
-            with self._start_phase(f"decode graphs to batch {max_bs} captured"):
+            with self._start_phase(f"decode graphs to batch {max_bs} captured"), \
+                    self._room_for(f"capturing the decode CUDA graphs to batch {max_bs}",
+                                   "lower EngineConfig.cuda_graph_max_bs, or set EngineConfig.disable_cuda_graph"):
                 self.graphs = CudaGraphs(self.logits, self.kv, max_bs, self.lora.slot_buffers, self.lora.max_rank)
             if prompt_graph_tokens > 0:
-                with self._start_phase(f"prompt graphs to {prompt_graph_tokens} tokens captured"):
+                with self._start_phase(f"prompt graphs to {prompt_graph_tokens} tokens captured"), \
+                        self._room_for(f"capturing the prompt CUDA graphs to {prompt_graph_tokens} tokens",
+                                       "lower EngineConfig.cuda_graph_max_prefill_tokens (0: prompt steps run "
+                                       "eagerly)"):
                     self.prompt_graphs = PromptGraphs(self.logits, self.kv, prompt_graph_tokens,
                                                       self.lora.slot_buffers, self.lora.max_rank)
         self.vocab_size = self.model.config.vocab_size

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from moelora.engine.engine import Engine
 from moelora.engine.sampling_params import SamplingParams
 from moelora.lora import AdapterError
-from tests.support import assert_released
+from tests.support import assert_released, out_of_gpu_memory_in
 
 FAMILY = "qwen3_moe"
 PROMPTS = [[(7 * i + 3 * j) % 90 + 3 for j in range(5 + i)] for i in range(6)]  # 5 to 10 tokens
@@ -395,6 +395,39 @@ def test_the_start_warms_up_as_the_config_says(make_engine, monkeypatch, warm_up
     engine = make_engine(FAMILY, max_prefill_tokens=20)
     assert calls == ([20] if warm_up else [])
     assert_released(engine)
+
+
+@pytest.mark.parametrize("phase, message", [
+    ("warm-up", "running the start's prompt steps of up to 32 tokens: lower EngineConfig.chunked_prefill_size or "
+                "EngineConfig.max_prefill_tokens"),
+    ("decode graphs", "capturing the decode CUDA graphs to batch 4: lower EngineConfig.cuda_graph_max_bs, or set "
+                      "EngineConfig.disable_cuda_graph"),
+    ("prompt graphs", "capturing the prompt CUDA graphs to 16 tokens: lower EngineConfig.cuda_graph_max_prefill_tokens "
+                      "(0: prompt steps run eagerly)")], ids=["warm-up", "decode-graphs", "prompt-graphs"])
+@pytest.mark.parametrize("kv, kv_message", [
+    ({"max_total_tokens": 64}, "EngineConfig.max_total_tokens (KV cache slots, 64 now)"),
+    ({}, "EngineConfig.mem_fraction_static (the share of the GPU for the weights, LoRA slots and KV cache, 0.85 now)")],
+    ids=["max_total_tokens", "mem_fraction_static"])
+def test_a_start_out_of_gpu_memory_says_where_and_what_makes_room(make_engine, monkeypatch, phase, message, kv,
+                                                                  kv_message):
+    """Past the KV cache's allocation the start's prompt steps and CUDA graphs share the memory left: one that runs out
+    fails the start with a message that names it and the settings that make room, not the allocator's traceback, and
+    the graphs captured before it are let go (the exception's frames would otherwise hold them)."""
+    out_of_gpu_memory_in(phase, monkeypatch)
+    with pytest.raises(ValueError) as failed:
+        make_engine(FAMILY, max_prefill_tokens=32, cuda_graph_max_bs=4, cuda_graph_max_prefill_tokens=16, **kv)
+    assert str(failed.value) == \
+        f"the GPU ran out of memory {message}, or leave it more memory with a smaller {kv_message}"
+    assert isinstance(failed.value.__cause__, torch.OutOfMemoryError)
+    runners = [tb.tb_frame.f_locals["self"] for tb in _frames(failed.value.__traceback__)
+               if type(tb.tb_frame.f_locals.get("self")).__name__ == "ModelRunner"]
+    assert runners and all(r.graphs is None and r.prompt_graphs is None for r in runners)
+
+
+def _frames(tb):
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
 
 
 

@@ -20,7 +20,7 @@ from moelora.distributed.launch import free_port
 from moelora.engine.config import EngineConfig
 from moelora.engine.sampling_params import SamplingParams
 from tests.server.conftest import env, start_serve
-from tests.support import tiny_config, write_random_peft_adapter
+from tests.support import out_of_gpu_memory_in, tiny_config, write_random_peft_adapter
 
 CPU = ["--device", "cpu", "--dtype", "float32"]
 
@@ -156,6 +156,17 @@ def test_a_cuda_device_the_machine_lacks_is_one_error(demo_dir, monkeypatch, cap
     assert capsys.readouterr().err == ("moelora generate: error: EngineConfig.device (--device) 'cuda:1' with tp_size 2: the "
                                        "ranks on this node take cuda:1..cuda:2, and this machine has 2 CUDA "
                                        "device(s)\n")
+
+
+def test_a_start_out_of_gpu_memory_is_one_error_naming_the_flags(demo_dir, monkeypatch, capsys):
+    out_of_gpu_memory_in("prompt graphs", monkeypatch)
+    argv = ["generate", "--model-path", str(demo_dir / "model"), "--prompt", "x", *CPU]
+    assert main([*argv, "--cuda-graph-max-prefill-tokens", "16", "--max-total-tokens", "64"]) == 1
+    assert capsys.readouterr().err == (
+        "moelora generate: error: the GPU ran out of memory capturing the prompt CUDA graphs to 16 tokens: lower "
+        "EngineConfig.cuda_graph_max_prefill_tokens (--cuda-graph-max-prefill-tokens) (0: prompt steps run eagerly), "
+        "or leave it more memory with a smaller EngineConfig.max_total_tokens (--max-total-tokens) (KV cache slots, "
+        "64 now)\n")
 
 
 def test_a_reasoning_parser_for_a_model_that_does_not_think_is_one_error(demo_dir, capsys):
