@@ -251,11 +251,12 @@ def assert_released(engine) -> None:
     assert engine.runner.lora.in_flight == {}
 
 
-def out_of_gpu_memory_in(phase: str, monkeypatch) -> None:
-    """Make the start's `phase` ("warm-up", "decode graphs" or "prompt graphs") run out of GPU memory, the phases
-    before it pass and the start run them all (faked: on a CPU it runs neither)."""
+def out_of_gpu_memory_in(phase: str, monkeypatch, error: Exception | None = None) -> None:
+    """Make the start's `phase` ("warm-up", "decode graphs" or "prompt graphs") raise `error` (by default the caching
+    allocator's out-of-memory), the phases before it pass and the start run them all (faked: on a CPU it runs
+    neither)."""
     def out_of_memory(*args, **kwargs):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 38.00 MiB.")
+        raise error or torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 38.00 MiB.")
     monkeypatch.setattr(EngineConfig, "warm_up_at_start", property(lambda self: True))
     monkeypatch.setattr(EngineConfig, "use_cuda_graph", property(lambda self: True))
     monkeypatch.setattr(model_runner.ModelRunner, "warm_up",

@@ -107,7 +107,11 @@ class ModelRunner:
         and the graphs' pools share what is left."""
         try:
             yield
-        except torch.OutOfMemoryError as e:
+        except RuntimeError as e:
+            # the caching allocator's OutOfMemoryError, or the driver's error where a graph's instantiation or a
+            # library's workspace allocates outside it (cudaErrorMemoryAllocation: not sticky, the process goes on)
+            if not isinstance(e, torch.OutOfMemoryError) and "CUDA error: out of memory" not in str(e):
+                raise
             in_use = ""
             if self.device.type == "cuda":
                 free, total = torch.cuda.mem_get_info(self.device)

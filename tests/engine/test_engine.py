@@ -424,6 +424,22 @@ def test_a_start_out_of_gpu_memory_says_where_and_what_makes_room(make_engine, m
     assert runners and all(r.graphs is None and r.prompt_graphs is None for r in runners)
 
 
+@pytest.mark.parametrize("error, ours", [
+    (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"), True),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), False)], ids=["driver-oom", "other"])
+def test_the_drivers_out_of_memory_in_a_graph_capture_gets_the_message_too(make_engine, monkeypatch, error, ours):
+    """A graph's instantiation or a library's workspace allocates outside the caching allocator: the driver's
+    out-of-memory is a plain RuntimeError, named the same way; any other error of the phase passes through as it is."""
+    out_of_gpu_memory_in("decode graphs", monkeypatch, error)
+    with pytest.raises(RuntimeError if not ours else ValueError) as failed:
+        make_engine(FAMILY, cuda_graph_max_bs=4, max_total_tokens=64)
+    if ours:
+        assert str(failed.value).startswith("the GPU ran out of memory capturing the decode CUDA graphs to batch 4: ")
+        assert failed.value.__cause__ is error
+    else:
+        assert failed.value is error
+
+
 def _frames(tb):
     while tb is not None:
         yield tb
