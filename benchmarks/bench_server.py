@@ -1,8 +1,9 @@
 """HTTP serving benchmark (not a test): `moelora serve` in its own process on a dummy-weight model of
-Qwen3-30B-A3B's sizes with 8 adapters of rank 16 (q/k/v/o and every routed expert), driven by C
-concurrent clients of the official `openai` client, streaming, in processes of --clients-per-process
-(benchmarks/http_clients.py). Client i uses adapter i % 8; each sends --requests completions of --prompt-len
-token ids and gets --max-tokens greedy tokens (ignore_eos).
+Qwen3-30B-A3B's sizes with N adapters of rank 16 (--adapters, 8 by default: on an 80 GB GPU 8 slots of them leave
+no memory for the KV cache, so fewer), on q/k/v/o and every routed expert, driven by C concurrent clients of the
+official `openai` client, streaming, in processes of --clients-per-process (benchmarks/http_clients.py). Client i
+uses adapter i % N; each sends --requests completions of --prompt-len token ids and gets --max-tokens greedy tokens
+(ignore_eos).
 
 Reported per concurrency: time to first token (p50, p90), inter-token latency (the median over
 requests of (last token - first token) / (tokens - 1)), and aggregate generated tokens/s over the
@@ -46,7 +47,7 @@ from http_clients import client_prompt
 
 from tests.support import qwen3_30b_a3b_config, write_dummy_checkpoint, write_random_peft_adapter
 
-ADAPTERS, RANK = 8, 16
+RANK = 16
 CLIENTS = Path(__file__).with_name("http_clients.py")
 
 
@@ -57,9 +58,9 @@ def free_port() -> int:
 
 
 def engine_argv(model_dir: Path, adapters: dict[str, Path], device: str, extra: list[str]) -> list[str]:
-    """The `moelora serve` engine flags of both the server and the offline engine."""
+    """The `moelora serve` engine flags of both the server and the offline engine: a slot for every adapter."""
     return ["--model-path", str(model_dir), "--load-format", "dummy",
-            "--lora-paths", *[f"{n}={p}" for n, p in adapters.items()], "--max-loras-per-batch", str(ADAPTERS),
+            "--lora-paths", *[f"{n}={p}" for n, p in adapters.items()], "--max-loras-per-batch", str(len(adapters)),
             "--max-lora-rank", str(RANK), "--device", device, "--dtype", "bfloat16" if device == "cuda" else "float32",
             *extra]
 
@@ -72,9 +73,10 @@ def start_server(argv: list[str], port: int, log: Path, trace: Path | None) -> s
 
 
 def offline_tokens_per_s(argv: list[str], concurrencies: list[int], requests: int, prompt_len: int, max_tokens: int,
-                         vocab: int) -> tuple[dict[int, float], dict[int, dict[str, float]]]:
+                         vocab: int, num_adapters: int) -> tuple[dict[int, float], dict[int, dict[str, float]]]:
     """Tokens/s of the offline engine on the clients' work, and its step counters over it: per concurrency C,
-    `requests` waves of the C clients' prompts (client i with adapter i % ADAPTERS), each wave one generate call."""
+    `requests` waves of the C clients' prompts (client i with adapter i % num_adapters), each wave one generate
+    call."""
     from moelora.cli import engine_kwargs
     from moelora.engine.engine import Engine
     from moelora.engine.sampling_params import SamplingParams
@@ -83,7 +85,7 @@ def offline_tokens_per_s(argv: list[str], concurrencies: list[int], requests: in
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     rates, stats = {}, {}
     for c in concurrencies:
-        adapters = [f"a{i % ADAPTERS}" for i in range(c)]
+        adapters = [f"a{i % num_adapters}" for i in range(c)]
         # warm-up on prompts the timed waves do not send, as the clients' (a prefix cache would serve them again)
         engine.generate([client_prompt(i, requests, prompt_len, vocab) for i in range(c)], params, lora=adapters)
         before = engine.step_stats.as_dict()
@@ -172,13 +174,13 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 
 def run_clients(url: str, concurrency: int, requests: int, prompt_len: int, max_tokens: int, vocab: int,
-                processes: int, when_warm: Callable[[], None]) -> dict:
+                num_adapters: int, processes: int, when_warm: Callable[[], None]) -> dict:
     """The clients in `processes` groups (benchmarks/http_clients.py, one process each): every client's warm-up
     request (which also compiles the kernels of this batch's shapes), `when_warm()`, then the measured requests,
     started together; TTFT, inter-token latency and tokens over the wall time from the first group's start to the
     last one's end."""
     groups = [list(range(p, concurrency, processes)) for p in range(min(processes, concurrency))]
-    work = [str(v) for v in (requests, prompt_len, max_tokens, vocab, ADAPTERS)]
+    work = [str(v) for v in (requests, prompt_len, max_tokens, vocab, num_adapters)]
     procs = [subprocess.Popen([sys.executable, str(CLIENTS), url, ",".join(map(str, g)), *work], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True) for g in groups]
     try:
@@ -211,6 +213,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="a tiny model of the same kind, few tokens (CPU test)")
     p.add_argument("--concurrency", default="1,32")
+    p.add_argument("--adapters", type=int, default=8, help="adapters, a slot each, client i using adapter i %% N "
+                                                           "(default 8)")
     p.add_argument("--requests", type=int, default=None, help="requests per client (default 4; tiny 2)")
     p.add_argument("--prompt-len", type=int, default=None, help="default 128; tiny 8")
     p.add_argument("--max-tokens", type=int, default=None, help="default 64; tiny 4")
@@ -233,7 +237,7 @@ def main() -> None:
         work = Path(tmp)
         model_dir = write_dummy_checkpoint(config, work / "model")
         adapters = {f"a{i}": write_random_peft_adapter(config, work / f"a{i}", RANK, seed=i, device=device)
-                    for i in range(ADAPTERS)}
+                    for i in range(args.adapters)}
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         argv = engine_argv(model_dir, adapters, device, shlex.split(args.server_args))
@@ -248,8 +252,8 @@ def main() -> None:
             name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
             print(f"# moelora HTTP serving benchmark, {name}, {datetime.date.today()}, torch {torch.__version__}, "
                   f"openai {openai.__version__}")
-            print(f"model: {'tiny Qwen3-MoE' if args.tiny else 'Qwen3-30B-A3B'} sizes, dummy weights, {ADAPTERS} adapters "
-                  f"of rank {RANK} (client i uses adapter i % {ADAPTERS}); server up in {time.perf_counter() - t0:.0f} s; "
+            print(f"model: {'tiny Qwen3-MoE' if args.tiny else 'Qwen3-30B-A3B'} sizes, dummy weights, {args.adapters} "
+                  f"adapters of rank {RANK} (client i uses adapter i % {args.adapters}); server up in {time.perf_counter() - t0:.0f} s; "
                   f"prompts of {prompt_len} tokens, {max_tokens} greedy tokens each (ignore_eos), streamed; clients in processes "
                   f"of {args.clients_per_process}; server flags: "
                   f"{args.server_args or 'defaults'}\n")
@@ -258,8 +262,8 @@ def main() -> None:
             print("|---|---|---|---|---|---|", flush=True)
             for c in concurrencies:
                 before = {}
-                r = run_clients(url, c, requests, prompt_len, max_tokens, config.vocab_size, processes(c),
-                                when_warm=lambda: before.update(server_counters(url)))
+                r = run_clients(url, c, requests, prompt_len, max_tokens, config.vocab_size, args.adapters,
+                                processes(c), when_warm=lambda: before.update(server_counters(url)))
                 served_stats[c] = difference(server_counters(url), before)
                 assert r["tokens"] == c * requests * max_tokens, f"got {r['tokens']} tokens"
                 served[c], walls[c] = r["tokens"] / r["wall"], r["wall"]
@@ -274,7 +278,7 @@ def main() -> None:
         if args.step_trace is not None:  # read when the offline engine is constructed
             os.environ["MOELORA_STEP_TRACE"] = str(args.step_trace / "offline.jsonl")
         offline, offline_stats = offline_tokens_per_s(argv, concurrencies, requests, prompt_len, max_tokens,
-                                                      config.vocab_size)
+                                                      config.vocab_size, args.adapters)
         print("\n| concurrent clients | offline engine tokens/s (same waves) | served / offline |")
         print("|---|---|---|")
         for c in concurrencies:

@@ -1,4 +1,4 @@
-"""The HTTP serving benchmark runs end to end (--tiny: `moelora serve` on a tiny model with 8 adapters,
+"""The HTTP serving benchmark runs end to end (--tiny: `moelora serve` on a tiny model with 3 adapters,
 streamed clients in client processes of 3 (the 4 clients in 2); scheduling ahead, a small step budget; then the offline engine on the same flags), and
 summarises the steps of both and the server's threads, so the GPU run cannot be the first to find it broken."""
 import os
@@ -14,9 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_tiny_server_benchmark_reports_each_concurrency():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, "benchmarks/bench_server.py", "--tiny", "--concurrency", "1,4", "--clients-per-process", "3",
+                          "--adapters", "3",
                           "--server-args=--disable-overlap-schedule --enable-mixed-chunk --max-num-batched-tokens 16"], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "3 adapters of rank 16 (client i uses adapter i % 3)" in run.stdout
     blocks = run.stdout.split("\n\n")
     tables = [[[float(v) for v in line.split("|")[1:-1]] for line in block.splitlines()[2:]]
               for block in blocks if block.startswith("| concurrent clients")]
