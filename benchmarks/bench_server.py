@@ -225,6 +225,8 @@ def main() -> None:
                    help="a folder for the step traces of the server (server.jsonl) and the offline engine (offline.jsonl), "
                         "warm-ups included: one JSON line per step (moelora/engine/step_stats.py)")
     args = p.parse_args()
+    if args.adapters < 1:
+        p.error(f"--adapters must be at least 1, got {args.adapters}")
     requests = args.requests or (2 if args.tiny else 4)
     prompt_len, max_tokens = args.prompt_len or (8 if args.tiny else 128), args.max_tokens or (4 if args.tiny else 64)
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
