@@ -255,7 +255,9 @@ def out_of_gpu_memory_in(phase: str, monkeypatch, error: Exception | None = None
     """Make the start's `phase` ("warm-up", "decode graphs" or "prompt graphs") raise `error` (by default the caching
     allocator's out-of-memory), the phases before it pass and the start run them all (faked: on a CPU it runs
     neither)."""
-    def out_of_memory(*args, **kwargs):
+    def out_of_memory(runner_or_logits, *args, **kwargs):
+        # raised, as a real one is, from a frame that holds the model (warm_up's runner, or the graphs' logits method)
+        model = getattr(runner_or_logits, "__self__", runner_or_logits).model  # noqa: F841
         raise error or torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 38.00 MiB.")
     monkeypatch.setattr(EngineConfig, "warm_up_at_start", property(lambda self: True))
     monkeypatch.setattr(EngineConfig, "use_cuda_graph", property(lambda self: True))

@@ -11,10 +11,10 @@ import gc
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -36,6 +36,7 @@ from moelora.models.loader import load_model
 
 logger = logging.getLogger(__name__)
 ALLOW_LONG_CONTEXT = "MOELORA_ALLOW_LONG_CONTEXT_LENGTH"  # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN
+T = TypeVar("T")
 PROFILE_WRITE_TIMEOUT_FACTOR = 10  # the ranks' wait for each other's profile writes: this many dist_timeouts
 # the host's memory, and cgroup v2's: the process's group ("0::/path") under the unified hierarchy's root
 MEMINFO, CGROUP_OF_PROCESS, CGROUP_ROOT = "/proc/meminfo", "/proc/self/cgroup", "/sys/fs/cgroup"
@@ -90,7 +91,13 @@ class ModelRunner:
         """workers: the other ranks, when this is rank 0 of several."""
         self.config, self.device, self.workers = config, _indexed(config.torch_device), workers
         with on_device(self.device):
-            self._build(config)
+            try:
+                self._build(config)
+            except BaseException:
+                # the exception's frames hold this runner: a caller that catches it (a notebook's retry with smaller
+                # settings) would otherwise keep the failed start's weights, slots, KV cache and graphs in memory
+                self.__dict__.clear()
+                raise
 
     @contextlib.contextmanager
     def _start_phase(self, name: str) -> Iterator[None]:
@@ -99,14 +106,14 @@ class ModelRunner:
         yield
         self.start_seconds[name] = time.perf_counter() - t0
 
-    @contextlib.contextmanager
-    def _room_for(self, what: str, remedy: str) -> Iterator[None]:
-        """A start phase after the KV cache's allocation (what it does, and the settings that shrink it) that runs out
-        of GPU memory fails with one message that says which and what makes room, not an allocator traceback: the KV
-        cache took mem_fraction_static of the memory, or max_total_tokens, and the activations of the warm-up's steps
-        and the graphs' pools share what is left."""
+    def _room_for(self, what: str, remedy: str, phase: Callable[[], T]) -> T:
+        """phase(), a start phase after the KV cache's allocation (what it does, and the settings that shrink it), whose
+        running out of GPU memory fails with one message that says which and what makes room, not an allocator
+        traceback: the KV cache took mem_fraction_static of the memory, or max_total_tokens, and the activations of
+        the warm-up's steps and the graphs' pools share what is left. A plain call, not a context manager: a `with`
+        block's __exit__ frame would hold the allocator's traceback, whose frames hold the model."""
         try:
-            yield
+            return phase()
         except RuntimeError as e:
             # the caching allocator's OutOfMemoryError, or the driver's error where a graph's instantiation or a
             # library's workspace allocates outside it (cudaErrorMemoryAllocation: not sticky, the process goes on)
@@ -117,13 +124,13 @@ class ModelRunner:
                 free, total = torch.cuda.mem_get_info(self.device)
                 in_use = (f" ({(total - free) / 2**30:.2f} of its {total / 2**30:.2f} GiB in use, by this process "
                           "and any other)")
-            self.graphs = self.prompt_graphs = None
             kv = (f"EngineConfig.max_total_tokens (KV cache slots, {self.config.max_total_tokens} now)"
                   if self.config.max_total_tokens else
                   f"EngineConfig.mem_fraction_static (the share of the GPU for the weights, LoRA slots and KV cache, "
                   f"{self.config.mem_fraction_static} now)")
+            # (the allocator's error without its frames, which hold the model's layers and the step's tensors)
             raise ValueError(f"the GPU ran out of memory {what}{in_use}: {remedy}, or leave it more memory with a "
-                             f"smaller {kv}") from e
+                             f"smaller {kv}") from e.with_traceback(None)
 
     def _build(self, config: EngineConfig) -> None:
         self.dist_state = get_parallel()  # the world it is built in: its model's, whatever is current later
@@ -167,27 +174,28 @@ class ModelRunner:
         max_step_tokens = min(config.max_prefill_tokens, config.prefill_chunk or config.max_prefill_tokens,
                               self.context_len)
         if config.warm_up_at_start:
-            with self._start_phase(f"prompt steps of {len(warm_up_sizes(max_step_tokens))} sizes run"), \
-                    self._room_for(f"running the start's prompt steps of up to {max_step_tokens} tokens",
-                                   "lower EngineConfig.chunked_prefill_size or EngineConfig.max_prefill_tokens"):
-                self.warm_up(max_step_tokens)
+            with self._start_phase(f"prompt steps of {len(warm_up_sizes(max_step_tokens))} sizes run"):
+                self._room_for(f"running the start's prompt steps of up to {max_step_tokens} tokens",
+                               "lower EngineConfig.chunked_prefill_size or EngineConfig.max_prefill_tokens",
+                               lambda: self.warm_up(max_step_tokens))
         max_bs = config.decode_graph_max_bs
         prompt_graph_tokens = min(config.cuda_graph_max_prefill_tokens, max_step_tokens)
         if config.tp_size > 1 and config.moe_dispatch == "all_to_all":  # it reads counts on the host above that
             max_bs, prompt_graph_tokens = min(max_bs, FIXED_MAX_TOKENS), min(prompt_graph_tokens, FIXED_MAX_TOKENS)
         self.graphs = self.prompt_graphs = None
         if config.use_cuda_graph:
-            with self._start_phase(f"decode graphs to batch {max_bs} captured"), \
-                    self._room_for(f"capturing the decode CUDA graphs to batch {max_bs}",
-                                   "lower EngineConfig.cuda_graph_max_bs, or set EngineConfig.disable_cuda_graph"):
-                self.graphs = CudaGraphs(self.logits, self.kv, max_bs, self.lora.slot_buffers, self.lora.max_rank)
+            with self._start_phase(f"decode graphs to batch {max_bs} captured"):
+                self.graphs = self._room_for(
+                    f"capturing the decode CUDA graphs to batch {max_bs}",
+                    "lower EngineConfig.cuda_graph_max_bs, or set EngineConfig.disable_cuda_graph",
+                    lambda: CudaGraphs(self.logits, self.kv, max_bs, self.lora.slot_buffers, self.lora.max_rank))
             if prompt_graph_tokens > 0:
-                with self._start_phase(f"prompt graphs to {prompt_graph_tokens} tokens captured"), \
-                        self._room_for(f"capturing the prompt CUDA graphs to {prompt_graph_tokens} tokens",
-                                       "lower EngineConfig.cuda_graph_max_prefill_tokens (0: prompt steps run "
-                                       "eagerly)"):
-                    self.prompt_graphs = PromptGraphs(self.logits, self.kv, prompt_graph_tokens,
-                                                      self.lora.slot_buffers, self.lora.max_rank)
+                with self._start_phase(f"prompt graphs to {prompt_graph_tokens} tokens captured"):
+                    self.prompt_graphs = self._room_for(
+                        f"capturing the prompt CUDA graphs to {prompt_graph_tokens} tokens",
+                        "lower EngineConfig.cuda_graph_max_prefill_tokens (0: prompt steps run eagerly)",
+                        lambda: PromptGraphs(self.logits, self.kv, prompt_graph_tokens, self.lora.slot_buffers,
+                                             self.lora.max_rank))
         self.vocab_size = self.model.config.vocab_size
         self.penalties = PenaltyState(config.max_running_requests, self.vocab_size, self.device)
         self.profiler = StepProfiler(self.dist_state.rank, self.device)

@@ -422,9 +422,25 @@ def test_a_start_out_of_gpu_memory_says_where_and_what_makes_room(make_engine, m
     assert str(failed.value) == \
         f"the GPU ran out of memory {message}, or leave it more memory with a smaller {kv_message}"
     assert isinstance(failed.value.__cause__, torch.OutOfMemoryError)
-    runners = [tb.tb_frame.f_locals["self"] for tb in _frames(failed.value.__traceback__)
-               if type(tb.tb_frame.f_locals.get("self")).__name__ == "ModelRunner"]
-    assert runners and all(r.graphs is None and r.prompt_graphs is None for r in runners)
+
+
+@pytest.mark.parametrize("phase", ["warm-up", "prompt graphs"])
+def test_a_failed_start_lets_go_of_its_model_while_its_error_lives(make_engine, monkeypatch, phase):
+    """The error's frames hold the runner that raised it: a caller that keeps the error (a notebook's last traceback,
+    a retry with smaller settings) must not keep the failed start's weights, slots, KV cache and graphs with it."""
+    from moelora.engine import model_runner
+    models, load = [], model_runner.load_model
+
+    def loaded(*args):
+        model = load(*args)
+        models.append(weakref.ref(model))
+        return model
+    monkeypatch.setattr(model_runner, "load_model", loaded)
+    out_of_gpu_memory_in(phase, monkeypatch)
+    with pytest.raises(ValueError, match="ran out of memory") as failed:
+        make_engine(FAMILY, max_prefill_tokens=32, cuda_graph_max_bs=4, cuda_graph_max_prefill_tokens=16)
+    gc.collect()
+    assert failed.value is not None and len(models) == 1 and models[0]() is None, "the failed start's model is alive"
 
 
 @pytest.mark.parametrize("error, ours", [
@@ -442,11 +458,6 @@ def test_the_drivers_out_of_memory_in_a_graph_capture_gets_the_message_too(make_
     else:
         assert failed.value is error
 
-
-def _frames(tb):
-    while tb is not None:
-        yield tb
-        tb = tb.tb_next
 
 
 
