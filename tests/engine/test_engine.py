@@ -414,8 +414,7 @@ def test_the_start_warms_up_as_the_config_says(make_engine, monkeypatch, warm_up
 def test_a_start_out_of_gpu_memory_says_where_and_what_makes_room(make_engine, monkeypatch, phase, message, kv,
                                                                   kv_message):
     """Past the KV cache's allocation the start's prompt steps and CUDA graphs share the memory left: one that runs out
-    fails the start with a message that names it and the settings that make room, not the allocator's traceback, and
-    the graphs captured before it are let go (the exception's frames would otherwise hold them)."""
+    fails the start with a message that names it and the settings that make room, not the allocator's traceback."""
     out_of_gpu_memory_in(phase, monkeypatch)
     with pytest.raises(ValueError) as failed:
         make_engine(FAMILY, max_prefill_tokens=32, cuda_graph_max_bs=4, cuda_graph_max_prefill_tokens=16, **kv)
@@ -457,8 +456,6 @@ def test_the_drivers_out_of_memory_in_a_graph_capture_gets_the_message_too(make_
         assert failed.value.__cause__ is error
     else:
         assert failed.value is error
-
-
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
