@@ -11,10 +11,10 @@ import re
 import sys
 import types
 import typing
-from importlib.metadata import version
 from pathlib import Path
 
 from moelora.server.reasoning import PARSERS as REASONING_PARSERS
+from moelora.server.version import package_version
 
 
 def inspect(args: argparse.Namespace) -> int:
@@ -187,7 +187,7 @@ def _fields_of(args: argparse.Namespace, cls: type) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moelora", description="Serving engine for MoE models with many LoRA adapters.")
-    parser.add_argument("--version", action="version", version=f"moelora {version('moelora')}")
+    parser.add_argument("--version", action="version", version=f"moelora {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     p = commands.add_parser("inspect", help="describe and validate a LoRA adapter directory")

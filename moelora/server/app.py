@@ -22,7 +22,6 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from importlib.metadata import version
 from types import FrameType
 from typing import Any
 
@@ -50,6 +49,7 @@ from moelora.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion
                                      UnloadLoRARequest, UsageInfo)
 from moelora.server.reasoning import Reasoning, ReasoningParser
 from moelora.server.tools import ChatTools
+from moelora.server.version import package_version
 
 logger = logging.getLogger(__name__)
 # at shutdown, after the drain: uvicorn's wait for the connections still open. The responses of requests that
@@ -194,7 +194,7 @@ class OpenAIServing:
 
     async def version(self) -> dict:
         """vLLM's /version: the server's."""
-        return {"version": version("moelora")}
+        return {"version": package_version()}
 
     async def metrics(self) -> Response:
         body, content_type = self.loop.metrics.render()

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 import openai
 import pytest
@@ -373,4 +374,17 @@ def test_serve_starts_a_server(demo_dir, reference, tmp_path):
 def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
-    assert e.value.code == 0 and capsys.readouterr().out.startswith("moelora ")
+    assert e.value.code == 0 and capsys.readouterr().out == f"moelora {version('moelora')}\n"
+
+
+def test_a_source_tree_never_installed_runs_with_an_unknown_version(capsys, monkeypatch):
+    """Run from a checkout on PYTHONPATH (as the GPU scripts do) the distribution has no metadata: the CLI starts
+    all the same, its version unknown, where building its parser raised PackageNotFoundError."""
+    from moelora.server import version as package
+
+    def not_installed(name):
+        raise PackageNotFoundError(name)
+    monkeypatch.setattr(package, "version", not_installed)
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == "moelora unknown\n"
