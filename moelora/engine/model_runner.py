@@ -123,7 +123,8 @@ class ModelRunner:
             if self.device.type == "cuda":
                 free, total = torch.cuda.mem_get_info(self.device)
                 in_use = (f" ({(total - free) / 2**30:.2f} of its {total / 2**30:.2f} GiB in use, by this process "
-                          "and any other)")
+                          f"and any other; this process's tensors {torch.cuda.memory_allocated(self.device) / 2**30:.2f}"
+                          f" GiB, its allocator's reserve {torch.cuda.memory_reserved(self.device) / 2**30:.2f} GiB)")
             kv = (f"EngineConfig.max_total_tokens (KV cache slots, {self.config.max_total_tokens} now)"
                   if self.config.max_total_tokens else
                   f"EngineConfig.mem_fraction_static (the share of the GPU for the weights, LoRA slots and KV cache, "
@@ -184,6 +185,9 @@ class ModelRunner:
             max_bs, prompt_graph_tokens = min(max_bs, FIXED_MAX_TOKENS), min(prompt_graph_tokens, FIXED_MAX_TOKENS)
         self.graphs = self.prompt_graphs = None
         if config.use_cuda_graph:
+            # the warm-up's activations stay reserved by the caching allocator, where the graphs' private pools cannot
+            # draw from them: given back first, the captures have all the memory the KV cache left
+            torch.cuda.empty_cache()
             with self._start_phase(f"decode graphs to batch {max_bs} captured"):
                 self.graphs = self._room_for(
                     f"capturing the decode CUDA graphs to batch {max_bs}",
