@@ -423,10 +423,10 @@ def test_a_start_out_of_gpu_memory_says_where_and_what_makes_room(make_engine, m
     assert isinstance(failed.value.__cause__, torch.OutOfMemoryError)
 
 
-def test_the_warm_ups_cached_memory_is_given_back_before_the_graph_captures(make_engine, monkeypatch):
-    """The caching allocator keeps the warm-up's activations reserved, and the graphs' private pools cannot draw from
-    that reserve: the start empties it between the two (an H100 ran out of memory capturing the 30B dummy's prompt
-    graphs)."""
+def test_cached_memory_is_given_back_before_each_set_of_graph_captures(make_engine, monkeypatch):
+    """The caching allocator keeps the warm-up's activations reserved (and the decode captures' warm-up runs'), and the
+    graphs' private pools cannot draw from that reserve: the start empties it before each set of captures (an H100 ran
+    out of memory capturing the 30B dummy's prompt graphs)."""
     from moelora.engine import model_runner
     events = []
     out_of_gpu_memory_in("prompt graphs", monkeypatch)
@@ -435,7 +435,7 @@ def test_the_warm_ups_cached_memory_is_given_back_before_the_graph_captures(make
     monkeypatch.setattr(model_runner, "PromptGraphs", lambda *args: events.append("prompt graphs"))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty cache"))
     engine = make_engine(FAMILY, max_prefill_tokens=32, cuda_graph_max_bs=4, cuda_graph_max_prefill_tokens=16)
-    assert events == ["warm-up", "empty cache", "decode graphs", "prompt graphs"]
+    assert events == ["warm-up", "empty cache", "decode graphs", "empty cache", "prompt graphs"]
     engine.shutdown()
 
 
