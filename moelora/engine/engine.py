@@ -144,6 +144,7 @@ class Engine:
                 t0 = time.perf_counter()
                 self.workers.barrier()  # every rank loaded (serve_rank's barrier), or an error naming one
         self.start_seconds.update(self.runner.start_seconds)
+        self.start_memory = dict(self.runner.start_memory)  # rank 0's, on a GPU: bytes in use after each phase
         if self.workers is not None:
             self.start_seconds["the other ranks' starts waited for"] = time.perf_counter() - t0
         # None for a model directory without tokenizer files: token ids in and out, no text
@@ -501,7 +502,12 @@ class Engine:
                 *([f"parallel: {config.tp_size} ranks, tensor parallel with the experts over {config.ep_size} groups "
                    f"({config.moe_dispatch} dispatch); per rank: weights {_size(runner.weight_bytes())}, "
                    "KV cache and LoRA slots as above"] if config.tp_size > 1 else []),
-                "start: " + ", ".join(f"{phase} in {seconds:.1f} s" for phase, seconds in self.start_seconds.items())]
+                "start: " + ", ".join(self._phase_line(phase) for phase in self.start_seconds)]
+
+    def _phase_line(self, phase: str) -> str:
+        """A phase of the start for the summary: how long it took and, on a GPU, the memory in use after it."""
+        memory = f" ({_size(self.start_memory[phase])} of GPU memory in use)" if phase in self.start_memory else ""
+        return f"{phase} in {self.start_seconds[phase]:.1f} s{memory}"
 
     def accounting_error(self) -> str | None:
         """What does not add up between the KV cache pool and the requests holding it (None: all well)."""

@@ -101,10 +101,14 @@ class ModelRunner:
 
     @contextlib.contextmanager
     def _start_phase(self, name: str) -> Iterator[None]:
-        """Times a phase of the start into start_seconds (Engine.summary reports them)."""
+        """Times a phase of the start into start_seconds and, on a GPU, puts the device memory in use after it (by
+        this process and any other) into start_memory; Engine.summary reports both."""
         t0 = time.perf_counter()
         yield
         self.start_seconds[name] = time.perf_counter() - t0
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            self.start_memory[name] = total - free
 
     def _room_for(self, what: str, remedy: str, phase: Callable[[], T]) -> T:
         """phase(), a start phase after the KV cache's allocation (what it does, and the settings that shrink it), whose
@@ -137,6 +141,7 @@ class ModelRunner:
         self.dist_state = get_parallel()  # the world it is built in: its model's, whatever is current later
         # seconds of each phase of the start: on a cold Triton cache mostly compiles (warm-up and graph captures)
         self.start_seconds: dict[str, float] = {}
+        self.start_memory: dict[str, int] = {}
         if not (Path(config.model_path) / "config.json").is_file():
             raise ValueError(f"EngineConfig.model_path {config.model_path!r} is not a local model directory (it has no "
                              "config.json); moelora reads local Hugging Face checkpoints, not Hub ids")
@@ -170,8 +175,9 @@ class ModelRunner:
                 tokens, = min_over_ranks(self.dist_state, [tokens], config.dist_timeout)
         # a request alone always fits, with a slot to spare for the scheduler's decode reserve
         self.context_len = min(context, tokens - 1)
-        self.kv = KVCache(shape.num_layers, tokens + 1, shape.num_kv_heads, shape.k_head_dim, shape.v_head_dim,
-                          config.max_running_requests, self.context_len, self.dtype, self.device)
+        with self._start_phase("KV cache allocated"):
+            self.kv = KVCache(shape.num_layers, tokens + 1, shape.num_kv_heads, shape.k_head_dim, shape.v_head_dim,
+                              config.max_running_requests, self.context_len, self.dtype, self.device)
         max_step_tokens = min(config.max_prefill_tokens, config.prefill_chunk or config.max_prefill_tokens,
                               self.context_len)
         if config.warm_up_at_start:

@@ -323,10 +323,17 @@ def test_the_summary_says_how_long_the_start_took(make_engine):
     also the warm-up steps and graph captures, most of a cold start."""
     engine = make_engine(FAMILY)
     assert len(engine.config.lora_paths) == 2
-    seconds, loras = engine.start_seconds, "LoRA slots allocated, 2 adapters loaded"
-    assert list(seconds) == ["model loaded", loras]  # no warm-up steps or graphs on the CPU
+    seconds, loras, kv = engine.start_seconds, "LoRA slots allocated, 2 adapters loaded", "KV cache allocated"
+    assert list(seconds) == ["model loaded", loras, kv]  # no warm-up steps or graphs on the CPU
+    assert engine.start_memory == {}  # nor GPU memory
     assert engine.summary()[-1] == (f"start: model loaded in {seconds['model loaded']:.1f} s, "
-                                    f"{loras} in {seconds[loras]:.1f} s")
+                                    f"{loras} in {seconds[loras]:.1f} s, {kv} in {seconds[kv]:.1f} s")
+    # on a GPU: the memory in use after each phase (this process's and any other's), what an operator whose start
+    # ran out of memory compares
+    engine.start_memory = {"model loaded": 57 * 2**30, kv: 67 * 2**30 + 2**29}
+    assert engine.summary()[-1] == (f"start: model loaded in {seconds['model loaded']:.1f} s (57.00 GiB of GPU memory "
+                                    f"in use), {loras} in {seconds[loras]:.1f} s, {kv} in {seconds[kv]:.1f} s (67.50 "
+                                    "GiB of GPU memory in use)")
     engine.shutdown()
 
 
