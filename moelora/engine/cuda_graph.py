@@ -47,15 +47,13 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def capture(run: Callable[[], torch.Tensor], pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+def capture(run: Callable[[], torch.Tensor], pool) -> torch.cuda.CUDAGraph:
     """The graph of run(), which copies its output into a buffer of the caller's. run builds its batch itself: what
-    a step derives once from its inputs (ForwardBatch.derived, LoRABatch.derived) is then inside the graph.
-    `stream`: a side stream of the caller's, the same for all its captures."""
+    a step derives once from its inputs (ForwardBatch.derived, LoRABatch.derived) is then inside the graph."""
     # warm up on a side stream, as torch.cuda.graphs asks: Triton compiles outside the capture. The capture runs on
     # it too: torch.cuda.graph's default capture stream is one per process, made on the device current at its first
-    # use, so a second engine on another device would capture on the first one's device (and Triton launch there).
-    # One stream for all the captures: the caching allocator reuses a freed block only on the stream it was allocated
-    # on, so a stream per capture kept every warm-up's activations reserved, one copy per graph
+    # use, so a second engine on another device would capture on the first one's device (and Triton launch there)
+    stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):
@@ -114,7 +112,7 @@ class CudaGraphs:
         self.arange = torch.arange(n, dtype=torch.int32, device=device)
         self.arange64 = torch.arange(n, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode(), collector_paused():
             # one output for every graph, each copying its logits there: a graph's own would hold memory per graph
             probe = self.logits(self._batch(1, False))
@@ -125,7 +123,7 @@ class CudaGraphs:
 
                     def run(bs: int = bs, with_lora: bool = with_lora) -> torch.Tensor:
                         return self.out[:bs].copy_(self.logits(self._batch(bs, with_lora)))
-                    self.graphs[bs, key] = capture(run, pool, stream)
+                    self.graphs[bs, key] = capture(run, pool)
         self.bounds.set(0)
 
     def can_run(self, batch: ForwardBatch) -> bool:
@@ -240,7 +238,7 @@ class PromptGraphs:
         self.inputs = PaddedPrompt(kv, max_tokens)
         self.bounds = RankBounds(slot_buffers, lora_rank)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode(), collector_paused():
             # one output for every graph, each copying its logits there: a graph's own would hold memory per graph
             self.inputs.fill(None, self.sizes[0])
@@ -255,7 +253,7 @@ class PromptGraphs:
                     def run(size: int = size, with_lora: bool = with_lora) -> torch.Tensor:
                         out = logits(self.inputs.batch(size, with_lora))
                         return self.logits[:out.shape[0]].copy_(out)
-                    self.graphs[size, key] = capture(run, pool, stream)
+                    self.graphs[size, key] = capture(run, pool)
             self.bounds.set(0)
 
     def size(self, batch: ForwardBatch) -> int | None:

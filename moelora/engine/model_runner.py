@@ -191,17 +191,12 @@ class ModelRunner:
             max_bs, prompt_graph_tokens = min(max_bs, FIXED_MAX_TOKENS), min(prompt_graph_tokens, FIXED_MAX_TOKENS)
         self.graphs = self.prompt_graphs = None
         if config.use_cuda_graph:
-            # the warm-up's activations (and below, the decode captures' warm-up runs) stay reserved by the caching
-            # allocator, where the graphs' private pools cannot draw from them, nor can it give them back during a
-            # capture: given back first, the captures have all the memory the KV cache left
-            torch.cuda.empty_cache()
             with self._start_phase(f"decode graphs to batch {max_bs} captured"):
                 self.graphs = self._room_for(
                     f"capturing the decode CUDA graphs to batch {max_bs}",
                     "lower EngineConfig.cuda_graph_max_bs, or set EngineConfig.disable_cuda_graph",
                     lambda: CudaGraphs(self.logits, self.kv, max_bs, self.lora.slot_buffers, self.lora.max_rank))
             if prompt_graph_tokens > 0:
-                torch.cuda.empty_cache()
                 with self._start_phase(f"prompt graphs to {prompt_graph_tokens} tokens captured"):
                     self.prompt_graphs = self._room_for(
                         f"capturing the prompt CUDA graphs to {prompt_graph_tokens} tokens",

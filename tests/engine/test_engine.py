@@ -430,22 +430,6 @@ def test_a_start_out_of_gpu_memory_says_where_and_what_makes_room(make_engine, m
     assert isinstance(failed.value.__cause__, torch.OutOfMemoryError)
 
 
-def test_cached_memory_is_given_back_before_each_set_of_graph_captures(make_engine, monkeypatch):
-    """The caching allocator keeps the warm-up's activations reserved (and the decode captures' warm-up runs'), and the
-    graphs' private pools cannot draw from that reserve: the start empties it before each set of captures (an H100 ran
-    out of memory capturing the 30B dummy's prompt graphs)."""
-    from moelora.engine import model_runner
-    events = []
-    out_of_gpu_memory_in("prompt graphs", monkeypatch)
-    monkeypatch.setattr(model_runner.ModelRunner, "warm_up", lambda self, max_tokens: events.append("warm-up"))
-    monkeypatch.setattr(model_runner, "CudaGraphs", lambda *args: events.append("decode graphs"))
-    monkeypatch.setattr(model_runner, "PromptGraphs", lambda *args: events.append("prompt graphs"))
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty cache"))
-    engine = make_engine(FAMILY, max_prefill_tokens=32, cuda_graph_max_bs=4, cuda_graph_max_prefill_tokens=16)
-    assert events == ["warm-up", "empty cache", "decode graphs", "empty cache", "prompt graphs"]
-    engine.shutdown()
-
-
 @pytest.mark.parametrize("phase", ["warm-up", "prompt graphs"])
 def test_a_failed_start_lets_go_of_its_model_while_its_error_lives(make_engine, monkeypatch, phase):
     """The error's frames hold the runner that raised it: a caller that keeps the error (a notebook's last traceback,
