@@ -35,10 +35,11 @@ def test_tiny_scaling_benchmark_runs_every_layout():
         for row in profile_rows[2:]:
             assert all(float(cell.split(" (")[0]) >= 0 for cell in row[1:]), row
     # each layout's start in phases (no graphs on the CPU); over several ranks, rank 0's waits for the others
-    one_rank = ["model loaded", "LoRA slots allocated, 1 adapter loaded"]
-    assert [r[2] for r in start_rows if r[:2] == ["1", "1"]] == one_rank
-    assert [r[2] for r in start_rows if r[:2] == ["2", "2"]] == ["ranks started", *one_rank,
+    loads = ["model loaded", "LoRA slots allocated, 1 adapter loaded"]
+    assert [r[2] for r in start_rows if r[:2] == ["1", "1"]] == [*loads, "KV cache allocated"]
+    assert [r[2] for r in start_rows if r[:2] == ["2", "2"]] == ["ranks started", *loads,
                                                                  "the other ranks' loads waited for",
+                                                                 "KV cache allocated",
                                                                  "the other ranks' starts waited for"]
     measured = {(r[0], r[1], r[2], r[3], r[4]) for r in rows if r[2] in ("decode", "prefill")}
     assert measured == {(tp, ep, phase, batch, n) for tp, ep in (("1", "1"), ("2", "2"))
