@@ -133,9 +133,12 @@ class ModelRunner:
                   if self.config.max_total_tokens else
                   f"EngineConfig.mem_fraction_static (the share of the GPU for the weights, LoRA slots and KV cache, "
                   f"{self.config.mem_fraction_static} now)")
+            # where the memory went, phase by phase (on a GPU)
+            phases = "; ".join(f"{name}: {used / 2**30:.2f} GiB" for name, used in self.start_memory.items())
+            phases = f" (in use after each phase of the start: {phases})" if phases else ""
             # (the allocator's error without its frames, which hold the model's layers and the step's tensors)
             raise ValueError(f"the GPU ran out of memory {what}{in_use}: {remedy}, or leave it more memory with a "
-                             f"smaller {kv}") from e.with_traceback(None)
+                             f"smaller {kv}{phases}") from e.with_traceback(None)
 
     def _build(self, config: EngineConfig) -> None:
         self.dist_state = get_parallel()  # the world it is built in: its model's, whatever is current later

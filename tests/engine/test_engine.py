@@ -1,5 +1,6 @@
 """Engine behaviour on the tiny Qwen3-MoE: batch invariance (with chunked prefill and retraction),
 the step API, aborts, per-request errors, n > 1, logprobs and stop tokens."""
+import contextlib
 import gc
 import json
 import shutil
@@ -428,6 +429,28 @@ def test_a_start_out_of_gpu_memory_says_where_and_what_makes_room(make_engine, m
     assert str(failed.value) == \
         f"the GPU ran out of memory {message}, or leave it more memory with a smaller {kv_message}"
     assert isinstance(failed.value.__cause__, torch.OutOfMemoryError)
+
+
+def test_a_start_out_of_gpu_memory_says_the_memory_after_each_phase_before(make_engine, monkeypatch):
+    """On a GPU the start reads the memory in use after each phase (ModelRunner.start_memory), and a phase that runs out
+    of memory lists them: where it went, from the message alone (an H100 ran out capturing the 30B dummy's prompt
+    graphs, and the server's log had nothing else). Faked on the CPU: each phase's reading is its order in GiB."""
+    from moelora.engine import model_runner
+    real = model_runner.ModelRunner._start_phase
+
+    @contextlib.contextmanager
+    def start_phase(self, name):
+        with real(self, name):
+            yield
+        self.start_memory[name] = (len(self.start_memory) + 1) * 2**30
+    monkeypatch.setattr(model_runner.ModelRunner, "_start_phase", start_phase)
+    out_of_gpu_memory_in("prompt graphs", monkeypatch)
+    with pytest.raises(ValueError) as failed:
+        make_engine(FAMILY, max_prefill_tokens=32, cuda_graph_max_bs=4, cuda_graph_max_prefill_tokens=16)
+    assert str(failed.value).endswith(
+        " (in use after each phase of the start: model loaded: 1.00 GiB; LoRA slots allocated, 2 adapters loaded: 2.00 "
+        "GiB; KV cache allocated: 3.00 GiB; prompt steps of 10 sizes run: 4.00 GiB; decode graphs to batch 4 captured: "
+        "5.00 GiB)")
 
 
 @pytest.mark.parametrize("phase", ["warm-up", "prompt graphs"])
