@@ -261,6 +261,7 @@ def out_of_gpu_memory_in(phase: str, monkeypatch, error: Exception | None = None
         raise error or torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 38.00 MiB.")
     monkeypatch.setattr(EngineConfig, "warm_up_at_start", property(lambda self: True))
     monkeypatch.setattr(EngineConfig, "use_cuda_graph", property(lambda self: True))
+    monkeypatch.setattr(model_runner, "GraphCapture", lambda device: None)  # a CUDA stream and memory pool
     monkeypatch.setattr(model_runner.ModelRunner, "warm_up",
                         out_of_memory if phase == "warm-up" else lambda self, max_tokens: None)
     monkeypatch.setattr(model_runner, "CudaGraphs", out_of_memory if phase == "decode graphs" else

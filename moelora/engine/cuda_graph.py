@@ -47,22 +47,35 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def capture(run: Callable[[], torch.Tensor], pool) -> torch.cuda.CUDAGraph:
-    """The graph of run(), which copies its output into a buffer of the caller's. run builds its batch itself: what
-    a step derives once from its inputs (ForwardBatch.derived, LoRABatch.derived) is then inside the graph."""
-    # warm up on a side stream, as torch.cuda.graphs asks: Triton compiles outside the capture. The capture runs on
-    # it too: torch.cuda.graph's default capture stream is one per process, made on the device current at its first
-    # use, so a second engine on another device would capture on the first one's device (and Triton launch there)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
+class GraphCapture:
+    """The capture of all an engine's graphs, decode and prompt alike: one private memory pool and one side stream.
+
+    A graph's scratch memory stays in its pool as long as the graph lives, and a later capture reuses what an earlier
+    one freed only when it allocates on the same stream (the caching allocator keys free blocks by stream): with a
+    stream per capture (torch hands out 32 in turn) the pool kept the scratch of 32 graphs, not of one. Graphs of one pool never run at once (they replay on one stream, one step at
+    a time) and leave nothing in it between replays (each copies its output into a buffer outside), so one pool for
+    both sets holds the largest graph's scratch only."""
+
+    def __init__(self, device: torch.device):
+        self.pool = torch.cuda.graph_pool_handle()
+        # the engine's device, not the current one: torch.cuda.graph's default capture stream is one per process, made
+        # on the device current at its first use, so a second engine on another device would capture (and Triton
+        # launch) on the first one's
+        self.stream = torch.cuda.Stream(device)
+
+    def __call__(self, run: Callable[[], torch.Tensor]) -> torch.cuda.CUDAGraph:
+        """The graph of run(), which copies its output into a buffer of the caller's. run builds its batch itself:
+        what a step derives once from its inputs (ForwardBatch.derived, LoRABatch.derived) is then inside the graph."""
+        # warm up on the side stream, as torch.cuda.graphs asks: Triton compiles outside the capture
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream):
-        run()
-    return graph
+        return graph
 
 
 class RankBounds:
@@ -95,7 +108,7 @@ def decode_graph_sizes(max_bs: int) -> list[int]:
 
 class CudaGraphs:
     def __init__(self, logits: Logits, kv: KVCache, max_bs: int, slot_buffers: list[LinearLoRASlots | ExpertLoRASlots],
-                 lora_rank: int):
+                 lora_rank: int, capture: GraphCapture):
         """logits(batch): the step the graphs capture; lora_rank: the slots' rank (0: no LoRA graphs)."""
         self.logits, self.kv, self.max_bs = logits, kv, max_bs
         self.bounds = RankBounds(slot_buffers, lora_rank)
@@ -112,7 +125,6 @@ class CudaGraphs:
         self.arange = torch.arange(n, dtype=torch.int32, device=device)
         self.arange64 = torch.arange(n, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode(), collector_paused():
             # one output for every graph, each copying its logits there: a graph's own would hold memory per graph
             probe = self.logits(self._batch(1, False))
@@ -123,7 +135,7 @@ class CudaGraphs:
 
                     def run(bs: int = bs, with_lora: bool = with_lora) -> torch.Tensor:
                         return self.out[:bs].copy_(self.logits(self._batch(bs, with_lora)))
-                    self.graphs[bs, key] = capture(run, pool)
+                    self.graphs[bs, key] = capture(run)
         self.bounds.set(0)
 
     def can_run(self, batch: ForwardBatch) -> bool:
@@ -232,13 +244,12 @@ class PaddedPrompt:
 
 class PromptGraphs:
     def __init__(self, logits: Logits, kv: KVCache, max_tokens: int,
-                 slot_buffers: list[LinearLoRASlots | ExpertLoRASlots], lora_rank: int):
+                 slot_buffers: list[LinearLoRASlots | ExpertLoRASlots], lora_rank: int, capture: GraphCapture):
         """logits(batch): the step the graphs capture; lora_rank: the slots' rank (0: no LoRA graphs)."""
         self.sizes = prompt_graph_sizes(max_tokens)
         self.inputs = PaddedPrompt(kv, max_tokens)
         self.bounds = RankBounds(slot_buffers, lora_rank)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode(), collector_paused():
             # one output for every graph, each copying its logits there: a graph's own would hold memory per graph
             self.inputs.fill(None, self.sizes[0])
@@ -253,7 +264,7 @@ class PromptGraphs:
                     def run(size: int = size, with_lora: bool = with_lora) -> torch.Tensor:
                         out = logits(self.inputs.batch(size, with_lora))
                         return self.logits[:out.shape[0]].copy_(out)
-                    self.graphs[size, key] = capture(run, pool)
+                    self.graphs[size, key] = capture(run)
             self.bounds.set(0)
 
     def size(self, batch: ForwardBatch) -> int | None:

@@ -22,7 +22,7 @@ from moelora.core import ForwardBatch, KVCache, to_device
 from moelora.distributed.comm import broadcast, broadcast_object, control_barrier, min_over_ranks, wait_event
 from moelora.distributed.state import ParallelState, destroy_parallel, get_parallel, parallel_state
 from moelora.engine.config import CPU_KV_TOKENS, DTYPES, EngineConfig
-from moelora.engine.cuda_graph import CudaGraphs, PromptGraphs, RankBounds
+from moelora.engine.cuda_graph import CudaGraphs, GraphCapture, PromptGraphs, RankBounds
 from moelora.engine.lora_manager import READ_DONE, LoRAManager
 from moelora.engine.profiler import StepProfiler
 from moelora.engine.request import Req
@@ -194,18 +194,20 @@ class ModelRunner:
             max_bs, prompt_graph_tokens = min(max_bs, FIXED_MAX_TOKENS), min(prompt_graph_tokens, FIXED_MAX_TOKENS)
         self.graphs = self.prompt_graphs = None
         if config.use_cuda_graph:
+            capture = GraphCapture(self.device)
             with self._start_phase(f"decode graphs to batch {max_bs} captured"):
                 self.graphs = self._room_for(
                     f"capturing the decode CUDA graphs to batch {max_bs}",
                     "lower EngineConfig.cuda_graph_max_bs, or set EngineConfig.disable_cuda_graph",
-                    lambda: CudaGraphs(self.logits, self.kv, max_bs, self.lora.slot_buffers, self.lora.max_rank))
+                    lambda: CudaGraphs(self.logits, self.kv, max_bs, self.lora.slot_buffers, self.lora.max_rank,
+                                       capture))
             if prompt_graph_tokens > 0:
                 with self._start_phase(f"prompt graphs to {prompt_graph_tokens} tokens captured"):
                     self.prompt_graphs = self._room_for(
                         f"capturing the prompt CUDA graphs to {prompt_graph_tokens} tokens",
                         "lower EngineConfig.cuda_graph_max_prefill_tokens (0: prompt steps run eagerly)",
                         lambda: PromptGraphs(self.logits, self.kv, prompt_graph_tokens, self.lora.slot_buffers,
-                                             self.lora.max_rank))
+                                             self.lora.max_rank, capture))
         self.vocab_size = self.model.config.vocab_size
         self.penalties = PenaltyState(config.max_running_requests, self.vocab_size, self.device)
         self.profiler = StepProfiler(self.dist_state.rank, self.device)

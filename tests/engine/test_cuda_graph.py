@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from moelora.core import ForwardBatch
-from moelora.engine.cuda_graph import (PROMPT_ROWS, PaddedPrompt, PromptGraphs, RankBounds, collector_paused,
-                                       decode_graph_sizes,
-                                       prompt_graph_sizes)
+from moelora.engine.cuda_graph import (PROMPT_ROWS, GraphCapture, PaddedPrompt, PromptGraphs, RankBounds,
+                                       collector_paused, decode_graph_sizes, prompt_graph_sizes)
 from moelora.engine.sampling_params import SamplingParams
 
 FAMILY = "qwen3_moe"
@@ -150,3 +149,26 @@ def test_prompt_graphs_give_the_eager_bits(make_engine, monkeypatch, lengths):
     assert replays == [next(s for s in (64, 128, 256) if s >= sum(lengths))]  # the prompt step; decode: CudaGraphs
     for g, e in zip(*outs):
         assert g.token_ids == e.token_ids and g.logprobs == e.logprobs and g.prompt_logprobs == e.prompt_logprobs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_graphs_of_one_capture_hold_one_graphs_scratch():
+    """40 graphs (more than the 32 streams torch hands out in turn), each with 64 MiB of scratch, hold about one
+    graph's scratch between them, and each replays what it captured."""
+    capture, mib = GraphCapture(torch.device("cuda")), 2**20
+    out = torch.full((40,), float("nan"), device="cuda")
+
+    def run(i: int) -> torch.Tensor:
+        scratch = torch.full((16 * mib,), float(i), device="cuda")  # 64 MiB of float32, freed within the capture
+        return out[i:i + 1].copy_(scratch[-1:])
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    graphs = [capture(lambda i=i: run(i)) for i in range(40)]
+    grown = torch.cuda.memory_reserved() - before
+    assert grown <= 2 * 64 * mib, f"the graphs' pool grew by {grown / mib:.0f} MiB"
+    out.fill_(float("nan"))
+    for graph in reversed(graphs):
+        graph.replay()
+    assert out.tolist() == [float(i) for i in range(40)]

@@ -30,15 +30,15 @@ def release_gpu_memory():
     torch.cuda.empty_cache()
 
 
-# the dummy Qwen3-30B-A3B's engine took 76 GiB on an H100 (weights 57 GiB in bf16, 8 rank-16 slots on every expert
-# 12 GiB, graphs 5 GiB), and the suite's other engines run beside it on the same GPU: an H100's 79 GiB ran out
-GPU_GIB_FOR_QWEN3_30B = 96
+# the dummy Qwen3-30B-A3B's engine takes about 70 GiB (weights 57 GiB in bf16, 8 rank-16 slots on every expert
+# 12 GiB, graphs under 1 GiB), and the suite's other engines run beside it on the same GPU: it passed on an H100 (79 GiB)
+GPU_GIB_FOR_QWEN3_30B = 78
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and
                     torch.cuda.get_device_properties(0).total_memory < GPU_GIB_FOR_QWEN3_30B * 2**30,
                     reason=f"the dummy Qwen3-30B-A3B with 8 adapter slots beside the other tests' engines needs a GPU "
-                           f"of {GPU_GIB_FOR_QWEN3_30B} GiB (an H200)")
+                           f"of {GPU_GIB_FOR_QWEN3_30B} GiB (an H100)")
 def test_qwen3_30b_dummy_serves_8_adapters_in_one_batch(tmp_path):
     """A dummy Qwen3-30B-A3B at its real sizes serves 8 adapters in one batch. First in the file: the longest test
     (about 200 s on a cold Triton cache) then starts first when scripts/gpu_engine_check.sh spreads the file over
