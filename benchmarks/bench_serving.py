@@ -27,6 +27,7 @@ sub-batch of their own, one after another. transformers runs after our engine is
     python3 benchmarks/bench_serving.py                  # both; about 5 minutes on an H200
     python3 benchmarks/bench_serving.py --impl ours      # or --impl hf
     python3 benchmarks/bench_serving.py --tiny           # a tiny model of the same kind in seconds (CPU test)
+    python3 benchmarks/bench_serving.py --impl ours --adapters 0,8 --mem-fraction-static 0.93   # 8 slots on 80 GB
 """
 from __future__ import annotations
 
@@ -255,6 +256,9 @@ def main():
     p.add_argument("--max-lora-rank", type=int, default=RANK,
                    help=f"the slots' rank (default {RANK}, the adapters'): larger, the pool of a server whose adapters' "
                         "ranks go higher")
+    p.add_argument("--mem-fraction-static", type=float, default=None,
+                   help="our engine's share of GPU memory for weights, LoRA slots and KV cache (default: the "
+                        "engine's): 8 slots of the 30B model leave an 80 GB GPU's default share no KV cache")
     args = p.parse_args()
     if args.max_lora_rank < RANK:
         p.error(f"--max-lora-rank: at least the adapters' rank, {RANK}")
@@ -280,7 +284,8 @@ def bench(args, workdir: Path) -> None:
           f"{triton.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, {dtype}")
     print(f"model: {'tiny Qwen3-MoE' if args.tiny else 'Qwen3-30B-A3B'} sizes, dummy weights; adapters rank {RANK} "
           f"(slots of rank {args.max_lora_rank}) on q/k/v/o and all routed experts (PEFT target_parameters), "
-          f"written in {time.perf_counter() - t0:.0f} s")
+          f"written in {time.perf_counter() - t0:.0f} s"
+          + (f"; our engine's mem_fraction_static {args.mem_fraction_static}" if args.mem_fraction_static else ""))
     print(f"measured copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write), {dtype} matmul {matmul / 1e12:.0f} TFLOP/s")
     print("transformers: sdpa attention, experts grouped_mm (generate() decodes with batched_mm), DynamicCache, "
           "eager; PEFT: one sub-batch per adapter\n")
@@ -302,7 +307,8 @@ def bench(args, workdir: Path) -> None:
         with stopwatch("ours", "start (dummy weights, adapters, CUDA graphs)"):
             ours = Ours(model_dir, adapters, device, dtype,
                         args.cuda_graph_max_bs or max(map(int, args.batch_sizes.split(","))),
-                        max_lora_rank=args.max_lora_rank)
+                        max_lora_rank=args.max_lora_rank,
+                        **({"mem_fraction_static": args.mem_fraction_static} if args.mem_fraction_static else {}))
         measure_all("ours", ours.generate, ours)
         del ours
         free_memory(device)

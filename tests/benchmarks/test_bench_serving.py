@@ -65,3 +65,27 @@ def test_each_time_is_the_least_of_its_repeats(monkeypatch):
     times[1] = [0.3, 0.25, 0.6]
     prefill = bench_serving.run(generate, bench_serving.Workload("prefill", 2, 0, 4, 1), 100, "cpu")
     assert (prefill.seconds, prefill.steps, prefill.tokens) == (0.25, 1, 8)
+
+
+def test_mem_fraction_static_reaches_our_engine(monkeypatch, tmp_path):
+    """--mem-fraction-static (8 slots of the 30B model on an 80 GB GPU) is our engine's; without it the engine's
+    default stands."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    bench_serving = importlib.import_module("bench_serving")
+    given: list[dict] = []
+
+    class Started(Exception):
+        pass
+
+    def engine(*args, **kwargs):
+        given.append(kwargs)
+        raise Started
+    monkeypatch.setattr(bench_serving, "Engine", engine)
+    for flags in (["--mem-fraction-static", "0.93"], []):
+        monkeypatch.setattr(sys, "argv", ["bench_serving.py", "--tiny", "--impl", "ours", "--adapters", "0,1",
+                                          "--workdir", str(tmp_path / str(len(given))), *flags])
+        try:
+            bench_serving.main()
+        except Started:
+            pass
+    assert given[0]["mem_fraction_static"] == 0.93 and "mem_fraction_static" not in given[1]
