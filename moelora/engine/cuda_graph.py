@@ -52,9 +52,10 @@ class GraphCapture:
 
     A graph's scratch memory stays in its pool as long as the graph lives, and a later capture reuses what an earlier
     one freed only when it allocates on the same stream (the caching allocator keys free blocks by stream): with a
-    stream per capture (torch hands out 32 in turn) the pool kept the scratch of 32 graphs, not of one. Graphs of one pool never run at once (they replay on one stream, one step at
-    a time) and leave nothing in it between replays (each copies its output into a buffer outside), so one pool for
-    both sets holds the largest graph's scratch only."""
+    stream per capture (torch hands out 32 in turn) the pool kept the scratch of 32 graphs, not of one. Graphs of
+    one pool never run at once (they replay on one stream, one step at a time) and leave nothing in it between
+    replays (each copies its output into a buffer outside), so one pool for both sets holds the largest graph's
+    scratch only."""
 
     def __init__(self, device: torch.device):
         self.pool = torch.cuda.graph_pool_handle()
