@@ -285,7 +285,7 @@ def bench(args, workdir: Path) -> None:
     print(f"model: {'tiny Qwen3-MoE' if args.tiny else 'Qwen3-30B-A3B'} sizes, dummy weights; adapters rank {RANK} "
           f"(slots of rank {args.max_lora_rank}) on q/k/v/o and all routed experts (PEFT target_parameters), "
           f"written in {time.perf_counter() - t0:.0f} s"
-          + (f"; our engine's mem_fraction_static {args.mem_fraction_static}" if args.mem_fraction_static else ""))
+          + (f"; our engine's mem_fraction_static {args.mem_fraction_static}" if args.mem_fraction_static is not None else ""))
     print(f"measured copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write), {dtype} matmul {matmul / 1e12:.0f} TFLOP/s")
     print("transformers: sdpa attention, experts grouped_mm (generate() decodes with batched_mm), DynamicCache, "
           "eager; PEFT: one sub-batch per adapter\n")
@@ -308,7 +308,7 @@ def bench(args, workdir: Path) -> None:
             ours = Ours(model_dir, adapters, device, dtype,
                         args.cuda_graph_max_bs or max(map(int, args.batch_sizes.split(","))),
                         max_lora_rank=args.max_lora_rank,
-                        **({"mem_fraction_static": args.mem_fraction_static} if args.mem_fraction_static else {}))
+                        **({"mem_fraction_static": args.mem_fraction_static} if args.mem_fraction_static is not None else {}))
         measure_all("ours", ours.generate, ours)
         del ours
         free_memory(device)

@@ -54,14 +54,15 @@ class GraphCapture:
     one freed only when it allocates on the same stream (the caching allocator keys free blocks by stream): with a
     stream per capture (torch hands out 32 in turn) the pool kept the scratch of 32 graphs, not of one. Graphs of
     one pool never run at once (they replay on one stream, one step at a time) and leave nothing in it between
-    replays (each copies its output into a buffer outside), so one pool for both sets holds the largest graph's
-    scratch only."""
+    replays (each copies its output into a buffer outside), so the sets share it too: it holds about the largest
+    decode graph's scratch and the largest prompt graph's (the decode graphs, captured first, keep theirs).
+    Captures run with `device` current (the engine's start runs on its device)."""
 
     def __init__(self, device: torch.device):
         self.pool = torch.cuda.graph_pool_handle()
-        # the engine's device, not the current one: torch.cuda.graph's default capture stream is one per process, made
-        # on the device current at its first use, so a second engine on another device would capture (and Triton
-        # launch) on the first one's
+        # a stream of the engine's own: torch.cuda.graph's default capture stream is one per process, made on the
+        # device current at its first use, so a second engine on another device would capture (and Triton launch) on
+        # the first one's
         self.stream = torch.cuda.Stream(device)
 
     def __call__(self, run: Callable[[], torch.Tensor]) -> torch.cuda.CUDAGraph:

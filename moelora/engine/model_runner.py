@@ -114,7 +114,7 @@ class ModelRunner:
         """phase(), a start phase after the KV cache's allocation (what it does, and the settings that shrink it), whose
         running out of GPU memory fails with one message that says which and what makes room, not an allocator
         traceback: the KV cache took mem_fraction_static of the memory, or max_total_tokens, and the activations of
-        the warm-up's steps and the graphs' pools share what is left. A plain call, not a context manager: a `with`
+        the warm-up's steps and the graphs' pool share what is left. A plain call, not a context manager: a `with`
         block's __exit__ frame would hold the allocator's traceback, whose frames hold the model."""
         try:
             return phase()
