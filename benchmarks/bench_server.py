@@ -9,7 +9,9 @@ Reported per concurrency: time to first token (p50, p90), inter-token latency (t
 requests of (last token - first token) / (tokens - 1)), and aggregate generated tokens/s over the
 wall time of the whole run. Then, in the same run, the offline engine on the same settings (the serve
 flags parsed by the CLI) on the same work: --requests waves of C prompts through `Engine.generate`,
-tokens/s over the waves' wall time; served / offline is the share of the engine the server delivers.
+tokens/s over the waves' wall time; served / offline is the share of the engine the server delivers. One wave
+more through Engine.step gives the offline decode step (the median of its steps of decode rows only), which the
+served inter-token latency is read against.
 Last, how the steps of each measured run formed and where their host time went (the engine's StepStats,
 from the server's /metrics and from the offline engine; moelora/engine/step_stats.py says what each
 counts), and where the server's threads spent the run.
@@ -72,18 +74,21 @@ def start_server(argv: list[str], port: int, log: Path, trace: Path | None) -> s
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 
 
-def offline_tokens_per_s(argv: list[str], concurrencies: list[int], requests: int, prompt_len: int, max_tokens: int,
-                         vocab: int, num_adapters: int) -> tuple[dict[int, float], dict[int, dict[str, float]]]:
+def offline_run(argv: list[str], concurrencies: list[int], requests: int, prompt_len: int, max_tokens: int,
+                vocab: int, num_adapters: int) -> tuple[dict[int, float], dict[int, dict[str, float]], dict[int, float]]:
     """Tokens/s of the offline engine on the clients' work, and its step counters over it: per concurrency C,
     `requests` waves of the C clients' prompts (client i with adapter i % num_adapters), each wave one generate
-    call."""
+    call. Then one more wave through Engine.step: the median seconds of its steps of decode rows only (NaN where
+    there were not two in a row), against which the served inter-token latency is read."""
+    from bench_serving import decode_step_seconds
+
     from moelora.cli import engine_kwargs
     from moelora.engine.engine import Engine
     from moelora.engine.sampling_params import SamplingParams
 
     engine = Engine(**engine_kwargs(argv))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    rates, stats = {}, {}
+    rates, stats, steps = {}, {}, {}
     for c in concurrencies:
         adapters = [f"a{i % num_adapters}" for i in range(c)]
         # warm-up on prompts the timed waves do not send, as the clients' (a prefix cache would serve them again)
@@ -98,8 +103,11 @@ def offline_tokens_per_s(argv: list[str], concurrencies: list[int], requests: in
             torch.cuda.synchronize()
         rates[c] = tokens / (time.perf_counter() - t0)
         stats[c] = difference(engine.step_stats.as_dict(), before)
+        intervals = decode_step_seconds(engine, [client_prompt(i, requests + 1, prompt_len, vocab) for i in range(c)],
+                                        adapters, max_tokens)
+        steps[c] = statistics.median(intervals) if intervals else math.nan
     engine.shutdown()
-    return rates, stats
+    return rates, stats, steps
 
 
 def server_counters(url: str) -> dict[str, float]:
@@ -244,7 +252,7 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         argv = engine_argv(model_dir, adapters, device, shlex.split(args.server_args))
         concurrencies = [int(c) for c in args.concurrency.split(",")]
-        served, served_stats, walls = {}, {}, {}
+        served, served_stats, walls, itl = {}, {}, {}, {}
         if args.step_trace is not None:
             args.step_trace.mkdir(parents=True, exist_ok=True)
         proc = start_server(argv, port, work / "server.log", args.step_trace and args.step_trace / "server.jsonl")
@@ -268,7 +276,7 @@ def main() -> None:
                                 processes(c), when_warm=lambda: before.update(server_counters(url)))
                 served_stats[c] = difference(server_counters(url), before)
                 assert r["tokens"] == c * requests * max_tokens, f"got {r['tokens']} tokens"
-                served[c], walls[c] = r["tokens"] / r["wall"], r["wall"]
+                served[c], walls[c], itl[c] = r["tokens"] / r["wall"], r["wall"], r["itl"]
                 print(f"| {c} | {c * requests} | {1e3 * r['ttft_p50']:.1f} | {1e3 * r['ttft_p90']:.1f} "
                       f"| {1e3 * r['itl']:.2f} | {served[c]:.0f} |", flush=True)
         except Exception:
@@ -279,12 +287,14 @@ def main() -> None:
             proc.wait(timeout=60)
         if args.step_trace is not None:  # read when the offline engine is constructed
             os.environ["MOELORA_STEP_TRACE"] = str(args.step_trace / "offline.jsonl")
-        offline, offline_stats = offline_tokens_per_s(argv, concurrencies, requests, prompt_len, max_tokens,
-                                                      config.vocab_size, args.adapters)
-        print("\n| concurrent clients | offline engine tokens/s (same waves) | served / offline |")
-        print("|---|---|---|")
+        offline, offline_stats, offline_step = offline_run(argv, concurrencies, requests, prompt_len, max_tokens,
+                                                           config.vocab_size, args.adapters)
+        print("\n| concurrent clients | offline engine tokens/s (same waves) | served / offline "
+              "| offline decode step ms (median) | served inter-token / offline decode step |")
+        print("|---|---|---|---|---|")
         for c in concurrencies:
-            print(f"| {c} | {offline[c]:.0f} | {served[c] / offline[c]:.2f} |")
+            print(f"| {c} | {offline[c]:.0f} | {served[c] / offline[c]:.2f} | {1e3 * offline_step[c]:.2f} "
+                  f"| {itl[c] / offline_step[c]:.2f} |")
         print_step_tables(served_stats, offline_stats, walls)
 
 

@@ -4,7 +4,7 @@ Qwen3-30B-A3B's sizes, with adapters of rank 16 on q/k/v/o and every routed expe
   decode   B requests of --prompt-len random tokens each make --decode-tokens greedy tokens (ignore_eos),
            with LoRA off, one adapter for all, or 8 adapters (request i gets adapter i % 8). Ours: the
            median time of a step of decode rows only, the requests run through Engine.step
-           (Ours.decode_step_seconds): no prefill in it; the least of REPEATS such medians. transformers,
+           (decode_step_seconds): no prefill in it; the least of REPEATS such medians. transformers,
            which has no step API: time(generate N tokens) - time(generate 1 token), each the least of REPEATS
            calls; the prefill cancels, N - 1 steps remain, but a prefill slower in the 1-token calls comes off
            them (at batch 128 up to a third).
@@ -99,24 +99,12 @@ class Ours:
         outs = self.engine.generate(prompts, params, lora=names)
         assert all(len(o.token_ids) == new_tokens for o in outs), "ours made a different number of tokens"
 
-    def decode_step_seconds(self, prompts: list[list[int]], names: list[str | None], new_tokens: int) -> list[float]:
-        """The requests run through Engine.step; the seconds between the returns of consecutive step calls that both
-        launched a step of decode rows only. With overlap scheduling a call returns once the step before the one it
-        launched is done, so each is one decode step's time, with no prefill in it (bench_tp.py's decode timing)."""
-        intervals, last = [], None
-        for decode_only in self._steps(prompts, names, new_tokens):
-            now = time.perf_counter()
-            if decode_only and last is not None:
-                intervals.append(now - last)
-            last = now if decode_only else None
-        return intervals
-
     def profile_decode_steps(self, prompts: list[list[int]], names: list[str | None], new_tokens: int,
                              output_dir: str) -> list[str]:
         """The requests run as in decode_step_seconds, the steps after the first step of decode rows only profiled
         on every rank (Engine.start_profile): each rank's trace, in output_dir."""
         profiling = False
-        for decode_only in self._steps(prompts, names, new_tokens):
+        for decode_only in engine_steps(self.engine, prompts, names, new_tokens):
             if decode_only and not profiling:
                 self.engine.start_profile(output_dir)
                 profiling = True
@@ -124,17 +112,34 @@ class Ours:
             raise SystemExit(f"no decode step at batch {len(prompts)}: raise --decode-tokens")
         return [str(trace) for trace in self.engine.stop_profile()]
 
-    def _steps(self, prompts: list[list[int]], names: list[str | None], new_tokens: int) -> Iterator[bool]:
-        """Adds the requests and steps the engine until they finish; after each step call, whether it launched a
-        step of decode rows only."""
-        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-        for prompt, name in zip(prompts, names):
-            self.engine.add_request(prompt, params, lora=name, detokenize=False)
-        stats = self.engine.step_stats
-        while self.engine.has_unfinished():
-            decode, steps = stats.decode_steps, stats.steps
-            self.engine.step()
-            yield stats.decode_steps == decode + 1 and stats.steps == steps + 1
+
+def decode_step_seconds(engine: Engine, prompts: list[list[int]], names: list[str | None],
+                        new_tokens: int) -> list[float]:
+    """The requests run through Engine.step; the seconds between the returns of consecutive step calls that both
+    launched a step of decode rows only. With overlap scheduling a call returns once the step before the one it
+    launched is done, so each is one decode step's time, with no prefill in it (bench_tp.py's and bench_server.py's
+    decode timing too)."""
+    intervals, last = [], None
+    for decode_only in engine_steps(engine, prompts, names, new_tokens):
+        now = time.perf_counter()
+        if decode_only and last is not None:
+            intervals.append(now - last)
+        last = now if decode_only else None
+    return intervals
+
+
+def engine_steps(engine: Engine, prompts: list[list[int]], names: list[str | None],
+                 new_tokens: int) -> Iterator[bool]:
+    """Adds the requests (greedy, new_tokens each) and steps the engine until they finish; after each step call,
+    whether it launched a step of decode rows only."""
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for prompt, name in zip(prompts, names):
+        engine.add_request(prompt, params, lora=name, detokenize=False)
+    stats = engine.step_stats
+    while engine.has_unfinished():
+        decode, steps = stats.decode_steps, stats.steps
+        engine.step()
+        yield stats.decode_steps == decode + 1 and stats.steps == steps + 1
 
 
 class HF:
@@ -195,7 +200,7 @@ def run(generate: Generate, w: Workload, vocab: int, device: str, ours: Ours | N
     if w.phase == "decode" and ours is not None:
         step, steps = math.inf, 0
         for _ in range(REPEATS):
-            intervals = ours.decode_step_seconds(prompts, names, w.new_tokens)
+            intervals = decode_step_seconds(ours.engine, prompts, names, w.new_tokens)
             if not intervals:
                 raise SystemExit(f"no two decode steps in a row at batch {w.batch}: raise --decode-tokens")
             step, steps = min(step, statistics.median(intervals)), len(intervals)

@@ -27,10 +27,13 @@ def test_tiny_server_benchmark_reports_each_concurrency():
     for clients, _, ttft50, ttft90, itl, tps in served:
         assert 0 < ttft50 <= ttft90 and itl > 0 and tps > 0
     assert [r[0] for r in offline] == [1, 4]
-    for (clients, offline_tps, ratio), served_row in zip(offline, served):
+    for (clients, offline_tps, ratio, step_ms, itl_ratio), served_row in zip(offline, served):
         # the table's tokens/s are rounded to integers: on a loaded CPU the offline rate may be 1-2 tokens/s
         rounding = 0.5 / offline_tps + 0.5 / served_row[-1]
         assert offline_tps > 0 and ratio == pytest.approx(served_row[-1] / offline_tps, rel=0.1 + rounding, abs=0.01)
+        # the offline decode step (4 tokens a request: two decode steps in a row at least), and the served
+        # inter-token latency against it (both printed to 2 decimals)
+        assert step_ms > 0 and itl_ratio == pytest.approx(served_row[4] / step_ms, rel=0.05, abs=0.01)
 
     steps = next(block for block in blocks if block.startswith("| run |")).splitlines()[2:]
     rows = {(cells[0], int(cells[1])): [float(v) for v in cells[2:9]] + [float(v) for v in cells[10].split(" / ")]
