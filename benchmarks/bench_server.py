@@ -74,8 +74,8 @@ def start_server(argv: list[str], port: int, log: Path, trace: Path | None) -> s
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 
 
-def offline_run(argv: list[str], concurrencies: list[int], requests: int, prompt_len: int, max_tokens: int,
-                vocab: int, num_adapters: int) -> tuple[dict[int, float], dict[int, dict[str, float]], dict[int, float]]:
+def offline_run(argv: list[str], concurrencies: list[int], requests: int, prompt_len: int, max_tokens: int, vocab: int,
+                num_adapters: int) -> tuple[dict[int, float], dict[int, dict[str, float]], dict[int, float]]:
     """Tokens/s of the offline engine on the clients' work, and its step counters over it: per concurrency C,
     `requests` waves of the C clients' prompts (client i with adapter i % num_adapters), each wave one generate
     call. Then one more wave through Engine.step: the median seconds of its steps of decode rows only (NaN where

@@ -279,6 +279,8 @@ def main():
 
 def bench(args, workdir: Path) -> None:
     device, dtype, name, matmul, bandwidth = machine()
+    # our engine's settings given on the command line (else the engine's defaults)
+    options = {} if args.mem_fraction_static is None else {"mem_fraction_static": args.mem_fraction_static}
     torch.manual_seed(0)
     config = qwen3_30b_a3b_config(tiny=args.tiny)
     t0 = time.perf_counter()
@@ -290,7 +292,7 @@ def bench(args, workdir: Path) -> None:
     print(f"model: {'tiny Qwen3-MoE' if args.tiny else 'Qwen3-30B-A3B'} sizes, dummy weights; adapters rank {RANK} "
           f"(slots of rank {args.max_lora_rank}) on q/k/v/o and all routed experts (PEFT target_parameters), "
           f"written in {time.perf_counter() - t0:.0f} s"
-          + (f"; our engine's mem_fraction_static {args.mem_fraction_static}" if args.mem_fraction_static is not None else ""))
+          + "".join(f"; our engine's {name} {value}" for name, value in options.items()))
     print(f"measured copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write), {dtype} matmul {matmul / 1e12:.0f} TFLOP/s")
     print("transformers: sdpa attention, experts grouped_mm (generate() decodes with batched_mm), DynamicCache, "
           "eager; PEFT: one sub-batch per adapter\n")
@@ -312,8 +314,7 @@ def bench(args, workdir: Path) -> None:
         with stopwatch("ours", "start (dummy weights, adapters, CUDA graphs)"):
             ours = Ours(model_dir, adapters, device, dtype,
                         args.cuda_graph_max_bs or max(map(int, args.batch_sizes.split(","))),
-                        max_lora_rank=args.max_lora_rank,
-                        **({"mem_fraction_static": args.mem_fraction_static} if args.mem_fraction_static is not None else {}))
+                        max_lora_rank=args.max_lora_rank, **options)
         measure_all("ours", ours.generate, ours)
         del ours
         free_memory(device)

@@ -126,9 +126,10 @@ class ModelRunner:
             in_use = ""
             if self.device.type == "cuda":
                 free, total = torch.cuda.mem_get_info(self.device)
+                tensors, reserve = torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
                 in_use = (f" ({(total - free) / 2**30:.2f} of its {total / 2**30:.2f} GiB in use, by this process "
-                          f"and any other; this process's tensors {torch.cuda.memory_allocated(self.device) / 2**30:.2f}"
-                          f" GiB, its allocator's reserve {torch.cuda.memory_reserved(self.device) / 2**30:.2f} GiB)")
+                          f"and any other; this process's tensors {tensors / 2**30:.2f} GiB, its allocator's reserve "
+                          f"{reserve / 2**30:.2f} GiB)")
             kv = (f"EngineConfig.max_total_tokens (KV cache slots, {self.config.max_total_tokens} now)"
                   if self.config.max_total_tokens else
                   f"EngineConfig.mem_fraction_static (the share of the GPU for the weights, LoRA slots and KV cache, "

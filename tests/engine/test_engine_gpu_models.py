@@ -31,7 +31,8 @@ def release_gpu_memory():
 
 
 # the dummy Qwen3-30B-A3B's engine takes about 70 GiB (weights 57 GiB in bf16, 8 rank-16 slots on every expert
-# 12 GiB, graphs under 1 GiB), and the suite's other engines run beside it on the same GPU: it passed on an H100 (79 GiB)
+# 12 GiB, graphs under 1 GiB), and the suite's other engines run beside it on the same GPU: it passed on an H100
+# (79 GiB)
 GPU_GIB_FOR_QWEN3_30B = 78
 
 
