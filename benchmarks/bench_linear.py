@@ -174,11 +174,12 @@ def candidates(m: int, n: int) -> list[LinearConfig]:
     among them (with the K splits it sets the order of a row's sums: changing it with M would make results
     depend on the batch)."""
     m_p, n_p = max(16, triton.next_power_of_2(m)), max(16, triton.next_power_of_2(n))
-    parallel, out = default_config(m, n).parallel_splits, []
+    default, out = default_config(m, n), []
     for bm in (bm for bm in (16, 32, 64, 128) if min(64, m_p) // 2 <= bm <= m_p):
         for bn in (bn for bn in (16, 32, 64, 128, 256) if bn <= n_p):
             for warps in (4, 8) if bm * bn >= 128 * 128 else (4,):
-                out += [LinearConfig(bm, bn, 8, warps, stages, parallel) for stages in (3, 4, 5, 6, 8)]
+                out += [LinearConfig(bm, bn, 8, warps, stages, default.parallel_splits, tma)
+                        for stages in (3, 4, 5, 6, 8) for tma in sorted({default.tma, False})]
     return out
 
 

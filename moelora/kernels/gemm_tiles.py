@@ -8,11 +8,38 @@ program computes a row, not the order of its sums.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 SMEM_BYTES = 232448  # shared memory one program may take on an H100 / H200 (Triton's "Hardware limit")
+TMA_ALIGN_BYTES = 16  # the copy engine's alignment of a tensor's start and of its strides but the last
+
+
+def tma_descriptor(t: torch.Tensor, block: tuple[int, ...]) -> TensorDescriptor | None:
+    """A descriptor through which a kernel loads `block` tiles of t with the copy engine (TMA; a tile's elements
+    past t's edges read as zeros), or None where it cannot: a device without one (`has_copy_engine`), t's last
+    dimension not contiguous, or its start or another stride not TMA_ALIGN_BYTES aligned."""
+    if not has_copy_engine(t.device) or t.stride(-1) != 1 or t.data_ptr() % TMA_ALIGN_BYTES or \
+            any(stride * t.element_size() % TMA_ALIGN_BYTES for stride in t.stride()[:-1]):
+        return None
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
+
+
+def has_copy_engine(device: torch.device) -> bool:
+    """Whether kernels on `device` load tiles by TMA: GPUs from Hopper on. Triton's interpreter emulates it on the
+    CPU, but there tl.dot's sums follow its operands' layout in memory (numpy's matmul), so TMA and pointer loads
+    would not give the same bits: CPU runs load by pointers."""
+    return device.type == "cuda" and _tma_capable(device.index if device.index is not None else
+                                                  torch.cuda.current_device())
+
+
+@functools.cache
+def _tma_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def stages_that_fit(rows: int, block_k: int, stages: int) -> int:

@@ -15,8 +15,9 @@ batch invariant by construction: the order of a row's fp32 sums is a function of
   accumulator from zero; the result is (((0 + part_0) + part_1) + ...) in split order, plus the bias,
   then the one rounding to the output dtype (as cuBLAS's addmm adds the bias).
 
-Only the tiles (BLOCK_M, BLOCK_N, GROUP_M, warps, stages) and where the splits run follow M, and
-neither changes that order. Up to 256 rows (`LinearConfig.parallel_splits`), where reading W bounds
+Only the tiles (BLOCK_M, BLOCK_N, GROUP_M, warps, stages), where the splits run and how the K loop
+loads its tiles (by pointers, or on Hopper by the copy engine, TMA: `LinearConfig.tma`) follow M, and
+none of them changes that order. Up to 256 rows (`LinearConfig.parallel_splits`), where reading W bounds
 the GEMM, the splits of a tile run in programs of their own, which write fp32 partials; the last of
 them to finish (an arrival counter per tile) adds the partials up in split order. On prefill tiles
 one program runs its tile's splits one after the other, at no extra traffic (S x M x N fp32 partials
@@ -43,7 +44,7 @@ import triton.language as tl
 from torch import nn
 
 from moelora.kernels.gemm_tiles import (SMEM_BYTES, arrive, gemm_block_k, gemm_loop, grouped_tile,
-                                       stages_that_fit, wait_arrivals, zeroed_counters)
+                                       stages_that_fit, tma_descriptor, wait_arrivals, zeroed_counters)
 from moelora.kernels.lora_tiles import add_linear_lora, linear_lora_rows, load_linear_lora_b, shrink_linear_block
 from moelora.kernels.pdl import pdl_launch, wait_for_previous_kernel
 
@@ -73,14 +74,19 @@ class LinearConfig:
     # the K splits of a tile (if (N, K) has more than one) in programs of their own, else one after the
     # other in one program: the same bits either way
     parallel_splits: bool = False
+    # where the splits run one after the other, the K loop's x and W tiles loaded by the copy engine (TMA) on GPUs
+    # that have one and for tensors it can read (gemm_tiles.tma_descriptor), else by pointers: the same bits. The
+    # prefill tiles take it: 1.1-1.3x faster GEMMs on an H100 (benchmarks/RESULTS.md, session 55)
+    tma: bool = False
 
 
 # candidate tiles by M, largest first; `default_config` takes the first that gives MIN_PROGRAMS programs
 _DECODE = (LinearConfig(16, 64, 8, 4, 5), LinearConfig(16, 32, 8, 4, 5), LinearConfig(16, 16, 8, 4, 5))
 _SMALL = (LinearConfig(32, 64, 8, 4, 4), LinearConfig(32, 32, 8, 4, 4), LinearConfig(32, 16, 8, 4, 4))
 _MEDIUM = (LinearConfig(64, 128, 8, 4, 4), LinearConfig(64, 64, 8, 4, 4), LinearConfig(64, 32, 8, 4, 4))
-_LARGE = (LinearConfig(128, 256, 8, 8, 3), LinearConfig(128, 128, 8, 8, 4), LinearConfig(64, 128, 8, 4, 4),
-          LinearConfig(64, 64, 8, 4, 4))  # the last: narrow N (the router's 128 columns at prefill)
+_LARGE = (LinearConfig(128, 256, 8, 8, 3, tma=True), LinearConfig(128, 128, 8, 8, 4, tma=True),
+          LinearConfig(64, 128, 8, 4, 4, tma=True),
+          LinearConfig(64, 64, 8, 4, 4, tma=True))  # the last: narrow N (the router's 128 columns at prefill)
 
 
 class LoRAEpilogue(NamedTuple):
@@ -104,7 +110,8 @@ def default_config(M: int, N: int, splits: int = 1, lora: LoRAEpilogue | None = 
     fill the SMs. Up to 32 rows a shape without K splits has fewer programs for the same bytes, so each
     keeps ONE_SPLIT_STAGES W tiles in flight (with splits, deeper pipelines measured slower). A prefill
     tile whose K splits run one after the other holds two accumulators (the running sum and the split's);
-    with a LoRA epilogue besides, a 128 x 256 tile's registers overflow, so such a GEMM starts at 128 x 128.
+    on 128 x 256 its registers overflow (with TMA loads, or with a LoRA epilogue besides), so such a GEMM
+    starts at 128 x 128.
     A tile on which not even one slot's epilogue fits in shared memory (`lora_epilogue_plan`) is passed over,
     for the next smaller one that does."""
     classes = (_DECODE, _SMALL, _MEDIUM, _LARGE)
@@ -112,7 +119,7 @@ def default_config(M: int, N: int, splits: int = 1, lora: LoRAEpilogue | None = 
     narrow_n = max(16, triton.next_power_of_2(N))  # tl.dot needs 16; a tile wider than N only reads masks
     stages = {"num_stages": ONE_SPLIT_STAGES} if M <= 32 and splits == 1 else {}
     for candidates in classes[here::-1]:
-        if lora and splits > 1 and M > PARALLEL_SPLITS_MAX_M and candidates is classes[here]:
+        if splits > 1 and M > PARALLEL_SPLITS_MAX_M and candidates is classes[here]:
             candidates = candidates[1:]
         tiles = [replace(c, block_n=min(c.block_n, narrow_n), parallel_splits=M <= PARALLEL_SPLITS_MAX_M, **stages)
                  for c in candidates]
@@ -195,6 +202,17 @@ def _split_sum(x_ptrs, m_mask, w_ptrs, n_mask, K, SPLIT_K, split,
 
 
 @triton.jit
+def _split_sum_tma(x_desc, w_desc, m0, n0, K, SPLIT_K, split,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_split_sum with the x and W tiles of rows m0.. and n0.. loaded by the copy engine (past M, N and K: zeros)."""
+    k_lo = split * SPLIT_K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k_lo, tl.minimum(K, k_lo + SPLIT_K), BLOCK_K):
+        acc += tl.dot(x_desc.load([m0, k]), w_desc.load([n0, k]).T)
+    return acc
+
+
+@triton.jit
 def _store_rows(acc, b_ptr, y_ptr, offs_m, offs_n, out_mask, N, HAS_BIAS: tl.constexpr):
     """y = acc (+ b), rounded once to y's dtype."""
     if HAS_BIAS:
@@ -204,7 +222,7 @@ def _store_rows(acc, b_ptr, y_ptr, offs_m, offs_n, out_mask, N, HAS_BIAS: tl.con
 
 
 @triton.jit(do_not_specialize=["M", "num_shrink"])  # row counts: kernels/__init__.py
-def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, SPLIT_K,
+def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, x_desc, w_desc, M, N, K, stride_xm, SPLIT_K,
                    xa_ptr, lora_b_ptr, lora_ranks_ptr, slots_ptr, num_slots, lora_b_rows, stride_lbs, stride_lbr,
                    a_ptr, xa_part_ptr, shrink_count_ptr, sorted_ids_ptr, block_slot_ptr, done_ptr, num_shrink,
                    stride_as, stride_ap, stride_ar,
@@ -214,12 +232,13 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, str
                    BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, B_EARLY: tl.constexpr,
                    HAS_SHRINK: tl.constexpr, SHRINK_SPLITS: tl.constexpr,
                    SHRINK_SPLIT_K: tl.constexpr, SHRINK_BLOCK_M: tl.constexpr, SHRINK_BLOCK_K: tl.constexpr,
-                   PDL: tl.constexpr):
+                   TMA: tl.constexpr, PDL: tl.constexpr):
     """y[m-tile, n-tile] = x[m-tile] @ W[n-tile]^T (+ b), the SPLITS K splits summed in order; W and y
     contiguous, offsets in int64 (prefill logits: M * N > 2^31). PARALLEL: program (tile, split) writes
     its split's fp32 partial to part [SPLITS, M, N] and the tile's last program to arrive adds them up;
-    else program (tile, 0) runs the splits one after the other. HAS_LORA: each row's LoRA delta is added to
-    the sum before the bias and the rounding (`add_linear_lora`; the xa_ptr.. arguments are its).
+    else program (tile, 0) runs the splits one after the other, with TMA its tiles loaded through the
+    descriptors x_desc [M, K] and w_desc [N, K]. HAS_LORA: each row's LoRA delta is added to the sum before
+    the bias and the rounding (`add_linear_lora`; the xa_ptr.. arguments are its).
     HAS_SHRINK: programs (0..num_shrink - 1, 0) are the shrink that writes xa (`shrink_linear_block`; the
     a_ptr.. arguments), the one that finishes each (block, part) counting in at done_ptr, and the tiles'
     programs come after them."""
@@ -254,6 +273,10 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, str
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PARALLEL:
         part = _split_sum(x_ptrs, m_mask, w_ptrs, n_mask, K, SPLIT_K, tl.program_id(1), BLOCK_M, BLOCK_N, BLOCK_K)
+    elif TMA:
+        for s in range(SPLITS):
+            acc += _split_sum_tma(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K, SPLIT_K, s,
+                                  BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         for s in range(SPLITS):
             acc += _split_sum(x_ptrs, m_mask, w_ptrs, n_mask, K, SPLIT_K, s, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -328,6 +351,11 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     parallel = cfg.parallel_splits and splits > 1
     if parallel and tiles > SPLIT_COUNTERS:
         raise ValueError(f"parallel K splits on {tiles} tiles of {cfg}: more than the {SPLIT_COUNTERS} counters")
+    block_k = gemm_block_k(x.dtype)
+    # x and W through the copy engine where the tile's splits run in series and both tensors allow it
+    x_desc, w_desc = (None, None) if parallel or not cfg.tma else \
+        (tma_descriptor(x, (cfg.block_m, block_k)), tma_descriptor(weight, (cfg.block_n, block_k)))
+    tma = x_desc is not None and w_desc is not None
     # partials only where splits run in parallel; else y and W stand in, never touched
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if parallel else y
     counters = zeroed_counters(_counters, SPLIT_COUNTERS, x.device, "linear parallel K splits") if parallel else weight
@@ -342,17 +370,18 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         num_shrink = block_slot.numel() * (len(bounds) - 1) * shrink_splits
         done = zeroed_counters(_shrink_done, 1, x.device, "linear LoRA shrink in the GEMM launch")
     _linear_kernel[(num_shrink + tiles, splits if parallel else 1)](
-        x, weight, weight if bias is None else bias, y, part, counters, M, N, K, x.stride(0), split_k,
+        x, weight, weight if bias is None else bias, y, part, counters, x_desc if tma else None,
+        w_desc if tma else None, M, N, K, x.stride(0), split_k,
         xa, lora_b, ranks, slots, *((lora_b.shape[0], lora_b.shape[1]) if lora is not None else (0, 0)),
         lora_b.stride(0), lora_b.stride(-2),
         a, xa_part, shrink_counters, sorted_ids, block_slot, done, num_shrink,
         *(a.stride()[:3] if shrink is not None else (0, 0, 0)),
         HAS_BIAS=bias is not None, SPLITS=splits, PARALLEL=parallel,  # HAS_BIAS=False never reads b
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=gemm_block_k(x.dtype), GROUP_M=cfg.group_m,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
         HAS_LORA=lora is not None, PART_BOUNDS=bounds, BLOCK_R=xa.shape[2] if lora is not None else 16,
         BLOCK_S=epilogue.slots if lora is not None else 1, CHUNK_S=chunk_s, B_EARLY=b_early,
         HAS_SHRINK=shrink is not None, SHRINK_SPLITS=shrink_splits, SHRINK_SPLIT_K=shrink_split_k,
-        SHRINK_BLOCK_M=shrink_block_m, SHRINK_BLOCK_K=shrink_block_k,
+        SHRINK_BLOCK_M=shrink_block_m, SHRINK_BLOCK_K=shrink_block_k, TMA=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),
     )
     return y

@@ -13,6 +13,8 @@ from moelora.engine.config import EngineConfig
 from moelora.engine.cuda_graph import (PROMPT_ROWS, GraphCapture, PaddedPrompt, PromptGraphs, RankBounds,
                                        collector_paused, decode_graph_sizes, prompt_graph_sizes)
 from moelora.engine.sampling_params import SamplingParams
+from moelora.kernels import gemm_tiles
+from moelora.kernels import linear as linear_module
 
 FAMILY = "qwen3_moe"
 
@@ -130,15 +132,23 @@ def test_which_steps_fit(make_engine):
 
 
 GPU = dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8, max_total_tokens=4096,
-           cuda_graph_max_prefill_tokens=256)
+           cuda_graph_max_prefill_tokens=512)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("lengths", [[4], [5, 9, 14], [100, 37], [60, 90, 100]], ids=["1", "3", "137", "250"])
+@pytest.mark.parametrize("lengths", [[4], [5, 9, 14], [100, 37], [60, 90, 100], [200, 150, 100]],
+                         ids=["1", "3", "137", "250", "450"])
 def test_prompt_graphs_give_the_eager_bits(make_engine, monkeypatch, lengths):
+    """A 450-token step runs the dense GEMMs on prefill tiles, which load through the copy engine's descriptors on
+    Hopper (kernels/linear.py): captured in the graph as they are."""
+    descriptors = []  # the copy engine's, made at the graphs' capture
+    real_descriptor = linear_module.tma_descriptor
+    monkeypatch.setattr(linear_module, "tma_descriptor",
+                        lambda t, block: descriptors.append(real_descriptor(t, block)) or descriptors[-1])
     graphed, eager = make_engine(FAMILY, **GPU), make_engine(FAMILY, disable_cuda_graph=True, **GPU)
-    assert graphed.runner.prompt_graphs.sizes == [64, 128, 256] and eager.runner.prompt_graphs is None
+    assert graphed.runner.prompt_graphs.sizes == [64, 128, 256, 512] and eager.runner.prompt_graphs is None
+    assert any(d is not None for d in descriptors) == gemm_tiles.has_copy_engine(torch.device("cuda"))
     replays = []
     real_replay = PromptGraphs.replay
     monkeypatch.setattr(PromptGraphs, "replay", lambda self, batch, size: replays.append(size) or real_replay(self, batch, size))
@@ -148,7 +158,7 @@ def test_prompt_graphs_give_the_eager_bits(make_engine, monkeypatch, lengths):
     params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=5, prompt_logprobs=prompt_logprobs, ignore_eos=True)
     loras = [[None, "full", "partial"][i % 3] for i in range(len(lengths))]
     outs = [e.generate(prompts, params, lora=loras) for e in (graphed, eager)]
-    assert replays == [next(s for s in (64, 128, 256) if s >= sum(lengths))]  # the prompt step; decode: CudaGraphs
+    assert replays == [next(s for s in (64, 128, 256, 512) if s >= sum(lengths))]  # the prompt step; decode: CudaGraphs
     for g, e in zip(*outs):
         assert g.token_ids == e.token_ids and g.logprobs == e.logprobs and g.prompt_logprobs == e.prompt_logprobs
 

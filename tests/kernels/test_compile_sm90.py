@@ -48,7 +48,8 @@ FP32_SCALARS = {"qk_scale", "scale", "routed_scaling_factor", "eps", "q_eps", "k
 NOT_DIVISIBLE = {"num_pairs", "top_k", "num_slots", "num_experts", "max_rows", "group", "num_q_heads", "max_splits",
                  "qk_scale", "num_tokens", "num_splits", "num_hd_parts", "num_k_heads", "stride_lt", "scale",
                  "rows_per_token", "num_parts", "num_n_down", "tokens_per_program", "routed_scaling_factor", "num_heads", "eps", "M",
-                 "num_kv_heads", "q_eps", "k_eps", "max_segs"}
+                 "num_kv_heads", "q_eps", "k_eps", "max_segs",
+                 "x_desc", "w_desc"}  # descriptors: no divisibility to claim
 ATTENTION_HEADS = ((128, 128, 8), (192, 128, 1), (64, 64, 4))  # Dk, Dv, q heads per kv head: Qwen3, MLA, small
 LORA_LINEARS = ((2048, (4096, 512, 512), 16), (2048, (4096, 512, 512), 64), (4096, (2048,), 16))  # Qwen3-30B-A3B
 #                 qkv and o: in features, out sizes, rank tile
@@ -498,14 +499,19 @@ def compile_linear_kernel(m: int, n: int, k: int, dtype: str, cfg, has_bias: boo
         lora = dict(HAS_LORA=True, PART_BOUNDS=tuple(sum(parts[:p]) for p in range(len(parts) + 1)), BLOCK_R=block_r,
                     BLOCK_S=block_s, CHUNK_S=chunk_s, B_EARLY=b_early)
     shrink_cfg = ll.LoRALinearConfig()
-    constexprs = dict(HAS_BIAS=has_bias, SPLITS=splits, PARALLEL=cfg.parallel_splits and splits > 1,
-                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=gemm_block_k(torch.bfloat16),
+    parallel, block_k = cfg.parallel_splits and splits > 1, gemm_block_k(torch.bfloat16)
+    tma = cfg.tma and not parallel  # the K loop through the copy engine's descriptors, as on Hopper
+    descriptors = {"x_desc": f"tensordesc<{dtype}[{cfg.block_m}, {block_k}]>",
+                   "w_desc": f"tensordesc<{dtype}[{cfg.block_n}, {block_k}]>"} if tma else {}
+    constexprs = dict(HAS_BIAS=has_bias, SPLITS=splits, PARALLEL=parallel,
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
                       GROUP_M=cfg.group_m, HAS_SHRINK=shrink,
                       SHRINK_SPLITS=-(-k // shrink_cfg.split_k), SHRINK_SPLIT_K=shrink_cfg.split_k,
-                      SHRINK_BLOCK_M=shrink_cfg.block_m, SHRINK_BLOCK_K=shrink_cfg.block_k, **lora)
+                      SHRINK_BLOCK_M=shrink_cfg.block_m, SHRINK_BLOCK_K=shrink_cfg.block_k, TMA=tma, **lora,
+                      **({} if tma else {"x_desc": None, "w_desc": None}))
     return compile_sm90(li._linear_kernel, constexprs, dtype, cfg.num_warps, cfg.num_stages,
                         {"part_ptr": "*fp32", "count_ptr": "*i32", "xa_ptr": f"*{dtype}", "xa_part_ptr": "*fp32",
-                         "shrink_count_ptr": "*i32", "done_ptr": "*i32"}), constexprs
+                         "shrink_count_ptr": "*i32", "done_ptr": "*i32", **descriptors}), constexprs
 
 
 def lora_shrink_in_gemm(m: int) -> bool:
@@ -531,6 +537,7 @@ def compile_linear() -> list[dict]:
         ptx = compiled.asm["ptx"]
         results.append(dict(kernel="_linear_kernel", dtype=dtype, m=m, n=n, block_m=cfg.block_m, bias=has_bias, lora=bool(parts),
                             shrink=constexprs["HAS_SHRINK"], splits=splits, parallel=constexprs["PARALLEL"],
+                            tma=constexprs["TMA"], bulk_copies="cp.async.bulk.tensor" in ptx,
                             shared=compiled.metadata.shared, ttgir=compiled.asm["ttgir"],
                             arrive="atom.global.gpu.acq_rel.add" in ptx, acquire="global.gpu.acquire" in ptx,
                             cg_loads="ld.global.cg" in ptx, waits_as_one=waits_as_one(compiled.asm["ttir"])))
@@ -595,15 +602,19 @@ def test_the_experts_kernels_of_the_largest_rank_tile_fit_shared_memory():
 
 
 def test_linear_pipelines_on_wgmma(compiled):
-    """Every tile's K loop is software-pipelined, also inside the loop over K splits; from BLOCK_M 64 (medium
-    and prefill tiles) tl.dot is wgmma. Parallel splits count arrivals with a gpu-scope acq_rel atomic and
-    read the partials from L2 (checked in the PTX, as for the fused MoE kernels)."""
+    """Every tile's K loop is software-pipelined, also inside the loop over K splits: on the prefill tiles (the
+    splits in series) through the copy engine (TMA), on the others by pointers; from BLOCK_M 64 (medium and
+    prefill tiles) tl.dot is wgmma. Parallel splits count arrivals with a gpu-scope acq_rel atomic and read the
+    partials from L2 (checked in the PTX, as for the fused MoE kernels)."""
     linears = [r for r in compiled if r["kernel"] == "_linear_kernel"]
     assert {r["block_m"] for r in linears} == {16, 32, 64, 128}
     assert {(r["splits"] > 1, r["parallel"]) for r in linears} == {(False, False), (True, False), (True, True)}
+    assert {r["tma"] for r in linears} == {True, False}
     for r in linears:
         where = f"_linear_kernel {r['dtype']} M={r['m']} N={r['n']} bias={r['bias']} lora={r['lora']} splits={r['splits']}"
-        assert "async_copy_global_to_local" in r["ttgir"], f"{where}: main loop is not software-pipelined"
+        assert r["tma"] == (r["m"] > li.PARALLEL_SPLITS_MAX_M) == r["bulk_copies"], where
+        copy = "async_tma_copy_global_to_local" if r["tma"] else "async_copy_global_to_local"
+        assert copy in r["ttgir"], f"{where}: main loop is not software-pipelined"
         if r["block_m"] >= 64:
             assert "warp_group_dot" in r["ttgir"], f"{where}: does not use wgmma"
         if r["parallel"]:

@@ -5,6 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from moelora.kernels import gemm_tiles
 from moelora.kernels import linear as linear_module
 from moelora.kernels.gemm_tiles import gemm_block_k
 from moelora.kernels.linear import LinearConfig, LoRAEpilogue, default_config, k_splits, linear
@@ -195,12 +196,12 @@ def test_bad_inputs_name_the_tensor(impl, device):
         linear(x, w, impl="cublas")
 
 
-def test_prefill_tiles_with_lora_and_serial_splits_leave_registers_for_the_epilogue():
-    """128 x 256 prefill tiles, but 128 x 128 where the K splits run in series and a LoRA epilogue (8 slots of rank
-    tile 16) is added."""
+def test_prefill_tiles_of_serial_splits_hold_two_accumulators():
+    """128 x 256 prefill tiles, but 128 x 128 where the K splits run in series (the running sum and the split's),
+    with a LoRA epilogue (8 slots of rank tile 16) or without."""
     eight_16 = LoRAEpilogue(8, 16, None)
-    assert (default_config(8192, 2048, 4).block_n, default_config(8192, 2048, 4, eight_16).block_n) == (256, 128)
-    assert default_config(8192, 5120, 1, eight_16).block_n == 256  # one split: one accumulator
+    assert (default_config(8192, 2048, 4).block_n, default_config(8192, 2048, 4, eight_16).block_n) == (128, 128)
+    assert default_config(8192, 5120, 1).block_n == default_config(8192, 5120, 1, eight_16).block_n == 256
     assert default_config(16, 2048, 4, LoRAEpilogue(8, 16, SHRINK)) == default_config(16, 2048, 4)  # decode
 
 
@@ -253,3 +254,64 @@ def test_the_shrinks_pipeline_in_the_launch_fits_in_shared_memory():
         cfg, _, _ = linear_module.lora_launch_config(decode, LoRAEpilogue(1, rank_tile, SHRINK))
         assert cfg.num_stages == stages and stages * (rank_tile + 16) * 64 * 2 <= linear_module.SMEM_BYTES
         assert linear_module.lora_launch_config(decode, LoRAEpilogue(1, rank_tile, None))[0] == decode
+
+
+TMA_CASES = [  # M, N, K with K x 2 bytes 16-byte aligned (the copy engine's rule): tiles past M, N and K read zeros
+    (300, 130, 72),  # one split, K past its last BLOCK_K
+    (257, 24, 520),  # 2 / 4 K splits (fp16 / fp32), the last a short one
+    (600, 300, 96),  # several m- and n-tiles
+]
+
+
+@pytest.fixture
+def copy_engine(monkeypatch):
+    """The copy engine's tile loads on this device: on the CPU Triton's interpreter emulates them (the sums of its
+    tl.dot then follow the operands' layout, so they agree with pointer loads to rounding, not bit for bit as on a
+    GPU: tests/kernels/test_linear_gpu.py). Records each descriptor linear made."""
+    made = []
+
+    def descriptor(t, block):
+        desc = gemm_tiles.tma_descriptor(t, block)
+        made.append(desc)
+        return desc
+    monkeypatch.setattr(gemm_tiles, "has_copy_engine", lambda device: True)
+    monkeypatch.setattr(linear_module, "tma_descriptor", descriptor)
+    return made
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("case", TMA_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_tiles_load_through_the_copy_engine(case, dtype, with_bias, device, poison, copy_engine):
+    """Prefill tiles (their K splits in series) load x and W through descriptors where the device has the copy
+    engine: every output written, and close to torch as the pointer loads are."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    x, w, b = _inputs(*case, dtype, device, gen, with_bias)
+    cfg = default_config(case[0], case[1], k_splits(case[1], case[2], dtype)[0])
+    assert cfg.tma and not cfg.parallel_splits
+    for config in (cfg, LinearConfig(64, 32, 2, 4, 3, tma=True)):  # the default tile, and a partial GROUP_M group
+        copy_engine.clear()
+        _check(x, w, b, config)
+        assert len(copy_engine) == 2 and None not in copy_engine, config
+
+
+def test_tiles_that_can_not_take_the_copy_engine_load_by_pointers(device, poison, copy_engine):
+    """The copy engine reads tensors whose start and row stride are 16-byte aligned: a column slice starting at an
+    odd column, or W with rows of an odd length, load by pointers (the same result as a contiguous x); decode tiles
+    and parallel K splits always do."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    wide, w, b = _inputs(300, 64, 200, torch.float16, device, gen)
+    cfg = default_config(300, 64)
+    for x in (wide[:, 8:72], wide[:, 9:73], wide[:, :99]):
+        copy_engine.clear()
+        narrow_w = w[:, :x.shape[1]].contiguous()
+        got = _check(x, narrow_w, b, cfg)
+        aligned = x.data_ptr() % 16 == 0 and x.shape[1] % 8 == 0
+        assert len(copy_engine) == 2 and (None not in copy_engine) == aligned, (x.storage_offset(), x.shape)
+        if not aligned:  # by pointers, as a contiguous x is (the interpreter's TMA loads agree to rounding only)
+            assert torch.equal(got, linear(x.contiguous(), narrow_w, b, impl="triton", config=replace(cfg, tma=False)))
+    x, w, b = _inputs(16, 24, 520, torch.float16, device, gen)
+    copy_engine.clear()
+    _check(x, w, b)  # a decode tile
+    _check(x, w, b, replace(default_config(16, 24), tma=True))  # its 2 K splits in parallel programs
+    assert copy_engine == []

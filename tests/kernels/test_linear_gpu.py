@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from moelora.kernels import gemm_tiles
 from moelora.kernels import linear as linear_module
 from moelora.kernels.linear import default_config, k_splits, linear
 from tests.support import assert_rows_close, record_compiles, rel_tolerance
@@ -140,6 +141,25 @@ def test_parallel_and_serial_splits_give_the_same_bits(shape, poison):
             parallel = linear(x, w, b, config=replace(cfg, parallel_splits=True)).view(torch.int16)
             assert torch.equal(parallel, serial), f"{shape} M={m}"
     assert not linear_module._counters[torch.device("cuda", torch.cuda.current_device())].any()
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_copy_engine_and_pointer_loads_give_the_same_bits(shape, poison):
+    """Prefill tiles load x and W through the copy engine (TMA) on Hopper, others by pointers: the same bits, with
+    and without K splits in series, in a whole tile table's rows of prefill tiles; x's rows strided too."""
+    if not gemm_tiles.has_copy_engine(torch.device("cuda")):
+        pytest.skip("no copy engine (TMA) on this GPU")
+    gen = torch.Generator("cuda").manual_seed(torch.seed())
+    w, b = _weights(shape, gen, bias=shape == "qwen3 qkv")
+    for m in (300, 1000, 4097):
+        cfg = default_config(m, w.shape[0], k_splits(w.shape[0], w.shape[1], torch.bfloat16)[0])
+        assert cfg.tma, cfg
+        x = _x(m, shape, gen)
+        wide = torch.cat([x, x[:, :64]], dim=1)[:, :x.shape[1]]  # rows 64 elements further apart
+        pointers = linear(x, w, b, config=replace(cfg, tma=False)).view(torch.int16)
+        assert torch.equal(linear(x, w, b).view(torch.int16), pointers), f"{shape} M={m}"
+        assert torch.equal(linear(wide, w, b).view(torch.int16), pointers), f"{shape} M={m}, strided rows"
 
 
 def test_split_shapes_run_both_ways():
