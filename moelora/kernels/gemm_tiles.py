@@ -30,16 +30,16 @@ def tma_descriptor(t: torch.Tensor, block: tuple[int, ...]) -> TensorDescriptor 
 
 
 def has_copy_engine(device: torch.device) -> bool:
-    """Whether kernels on `device` load tiles by TMA: GPUs from Hopper on. Triton's interpreter emulates it on the
-    CPU, but there tl.dot's sums follow its operands' layout in memory (numpy's matmul), so TMA and pointer loads
-    would not give the same bits: CPU runs load by pointers."""
+    """Whether kernels on `device` load tiles by TMA: NVIDIA GPUs from Hopper on. Triton's interpreter emulates it
+    on the CPU, but there tl.dot's sums follow its operands' layout in memory (numpy's matmul), so TMA and pointer
+    loads would not give the same bits: CPU runs load by pointers."""
     return device.type == "cuda" and _tma_capable(device.index if device.index is not None else
                                                   torch.cuda.current_device())
 
 
 @functools.cache
 def _tma_capable(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def stages_that_fit(rows: int, block_k: int, stages: int) -> int:
