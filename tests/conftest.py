@@ -1,6 +1,7 @@
 """Test setup: Triton runs in its interpreter on machines without a GPU (set before triton loads)."""
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -52,7 +53,10 @@ def _row_independent_interpreter_dot():
         if a.data.ndim != 2 or b.data.ndim != 2 or a.dtype.primitive_bitwidth == 8:
             return real_dot(self, a, b, d, *args)
         acc = d.data.dtype  # fp32: products of fp16 inputs are exact in it
-        out = (a.data.astype(acc)[:, :, None] * b.data.astype(acc)[None, :, :]).sum(axis=1, dtype=acc)
+        # operands made C-contiguous first: numpy's sum follows its operands' memory layout, and a transposed operand
+        # (a tile loaded through a descriptor, then .T) would otherwise sum in another order
+        a_data, b_data = np.ascontiguousarray(a.data, dtype=acc), np.ascontiguousarray(b.data, dtype=acc)
+        out = (a_data[:, :, None] * b_data[None, :, :]).sum(axis=1, dtype=acc)
         return interpreter.TensorHandle(out + d.data, d.dtype.scalar)
 
     interpreter.InterpreterBuilder.create_dot = create_dot  # for the session: a test's own monkeypatch

@@ -30,10 +30,9 @@ def tma_descriptor(t: torch.Tensor, block: tuple[int, ...]) -> TensorDescriptor 
 
 
 def has_copy_engine(device: torch.device) -> bool:
-    """Whether kernels on `device` load tiles by TMA: NVIDIA GPUs from Hopper on. Triton's interpreter emulates it
-    on the CPU, but there tl.dot's sums follow its operands' layout in memory (numpy's matmul), so TMA and pointer
-    loads would not give the same bits: CPU runs load by pointers."""
-    return device.type == "cuda" and _tma_capable(device.index if device.index is not None else
+    """Whether kernels on `device` load tiles by TMA: NVIDIA GPUs from Hopper on, and the CPU, where kernels run in
+    Triton's interpreter (tests), which emulates it."""
+    return device.type == "cpu" or device.type == "cuda" and _tma_capable(device.index if device.index is not None else
                                                   torch.cuda.current_device())
 
 

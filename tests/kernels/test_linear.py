@@ -264,54 +264,49 @@ TMA_CASES = [  # M, N, K with K x 2 bytes 16-byte aligned (the copy engine's rul
 
 
 @pytest.fixture
-def copy_engine(monkeypatch):
-    """The copy engine's tile loads on this device: on the CPU Triton's interpreter emulates them (the sums of its
-    tl.dot then follow the operands' layout, so they agree with pointer loads to rounding, not bit for bit as on a
-    GPU: tests/kernels/test_linear_gpu.py). Records each descriptor linear made."""
-    made = []
-
-    def descriptor(t, block):
-        desc = gemm_tiles.tma_descriptor(t, block)
-        made.append(desc)
-        return desc
-    monkeypatch.setattr(gemm_tiles, "has_copy_engine", lambda device: True)
-    monkeypatch.setattr(linear_module, "tma_descriptor", descriptor)
+def descriptors(monkeypatch):
+    """Each copy-engine descriptor linear makes (None where it can not), in order."""
+    made, real = [], linear_module.tma_descriptor
+    monkeypatch.setattr(linear_module, "tma_descriptor", lambda t, block: made.append(real(t, block)) or made[-1])
     return made
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("case", TMA_CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_tiles_load_through_the_copy_engine(case, dtype, with_bias, device, poison, copy_engine):
+def test_prefill_tiles_load_through_the_copy_engine(case, dtype, with_bias, device, poison, descriptors):
     """Prefill tiles (their K splits in series) load x and W through descriptors where the device has the copy
-    engine: every output written, and close to torch as the pointer loads are."""
+    engine (the CPU's interpreter emulates it): every output written, close to torch, and the bits of the same tile
+    loading by pointers."""
     gen = torch.Generator().manual_seed(torch.seed())
     x, w, b = _inputs(*case, dtype, device, gen, with_bias)
     cfg = default_config(case[0], case[1], k_splits(case[1], case[2], dtype)[0])
     assert cfg.tma and not cfg.parallel_splits
+    engine = gemm_tiles.has_copy_engine(x.device)
     for config in (cfg, LinearConfig(64, 32, 2, 4, 3, tma=True)):  # the default tile, and a partial GROUP_M group
-        copy_engine.clear()
-        _check(x, w, b, config)
-        assert len(copy_engine) == 2 and None not in copy_engine, config
+        descriptors.clear()
+        got = _check(x, w, b, config)
+        assert len(descriptors) == 2 and (None not in descriptors) == engine, config
+        assert torch.equal(_bits(got), _bits(linear(x, w, b, impl="triton", config=replace(config, tma=False))))
 
 
-def test_tiles_that_can_not_take_the_copy_engine_load_by_pointers(device, poison, copy_engine):
+def test_tiles_that_can_not_take_the_copy_engine_load_by_pointers(device, poison, descriptors):
     """The copy engine reads tensors whose start and row stride are 16-byte aligned: a column slice starting at an
-    odd column, or W with rows of an odd length, load by pointers (the same result as a contiguous x); decode tiles
+    odd column, or W with rows of an odd length, load by pointers (the same bits as a contiguous x); decode tiles
     and parallel K splits always do."""
     gen = torch.Generator().manual_seed(torch.seed())
     wide, w, b = _inputs(300, 64, 200, torch.float16, device, gen)
     cfg = default_config(300, 64)
+    engine = gemm_tiles.has_copy_engine(wide.device)
     for x in (wide[:, 8:72], wide[:, 9:73], wide[:, :99]):
-        copy_engine.clear()
+        descriptors.clear()
         narrow_w = w[:, :x.shape[1]].contiguous()
         got = _check(x, narrow_w, b, cfg)
         aligned = x.data_ptr() % 16 == 0 and x.shape[1] % 8 == 0
-        assert len(copy_engine) == 2 and (None not in copy_engine) == aligned, (x.storage_offset(), x.shape)
-        if not aligned:  # by pointers, as a contiguous x is (the interpreter's TMA loads agree to rounding only)
-            assert torch.equal(got, linear(x.contiguous(), narrow_w, b, impl="triton", config=replace(cfg, tma=False)))
+        assert len(descriptors) == 2 and (None not in descriptors) == (aligned and engine), (x.storage_offset(), x.shape)
+        assert torch.equal(got, linear(x.contiguous(), narrow_w, b, impl="triton"))
     x, w, b = _inputs(16, 24, 520, torch.float16, device, gen)
-    copy_engine.clear()
+    descriptors.clear()
     _check(x, w, b)  # a decode tile
     _check(x, w, b, replace(default_config(16, 24), tma=True))  # its 2 K splits in parallel programs
-    assert copy_engine == []
+    assert descriptors == []
