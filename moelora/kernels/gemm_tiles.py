@@ -32,8 +32,9 @@ def tma_descriptor(t: torch.Tensor, block: tuple[int, ...]) -> TensorDescriptor 
 def has_copy_engine(device: torch.device) -> bool:
     """Whether kernels on `device` load tiles by TMA: NVIDIA GPUs from Hopper on, and the CPU, where kernels run in
     Triton's interpreter (tests), which emulates it."""
-    return device.type == "cpu" or device.type == "cuda" and _tma_capable(device.index if device.index is not None else
-                                                  torch.cuda.current_device())
+    if device.type != "cuda":
+        return device.type == "cpu"
+    return _tma_capable(torch.cuda.current_device() if device.index is None else device.index)
 
 
 @functools.cache

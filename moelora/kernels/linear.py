@@ -353,9 +353,10 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"parallel K splits on {tiles} tiles of {cfg}: more than the {SPLIT_COUNTERS} counters")
     block_k = gemm_block_k(x.dtype)
     # x and W through the copy engine where the tile's splits run in series and both tensors allow it
-    x_desc, w_desc = (None, None) if parallel or not cfg.tma else \
-        (tma_descriptor(x, (cfg.block_m, block_k)), tma_descriptor(weight, (cfg.block_n, block_k)))
-    tma = x_desc is not None and w_desc is not None
+    descriptors = (tma_descriptor(x, (cfg.block_m, block_k)), tma_descriptor(weight, (cfg.block_n, block_k))) \
+        if cfg.tma and not parallel else (None, None)
+    tma = None not in descriptors
+    x_desc, w_desc = descriptors if tma else (None, None)
     # partials only where splits run in parallel; else y and W stand in, never touched
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if parallel else y
     counters = zeroed_counters(_counters, SPLIT_COUNTERS, x.device, "linear parallel K splits") if parallel else weight
@@ -370,8 +371,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         num_shrink = block_slot.numel() * (len(bounds) - 1) * shrink_splits
         done = zeroed_counters(_shrink_done, 1, x.device, "linear LoRA shrink in the GEMM launch")
     _linear_kernel[(num_shrink + tiles, splits if parallel else 1)](
-        x, weight, weight if bias is None else bias, y, part, counters, x_desc if tma else None,
-        w_desc if tma else None, M, N, K, x.stride(0), split_k,
+        x, weight, weight if bias is None else bias, y, part, counters, x_desc, w_desc, M, N, K, x.stride(0), split_k,
         xa, lora_b, ranks, slots, *((lora_b.shape[0], lora_b.shape[1]) if lora is not None else (0, 0)),
         lora_b.stride(0), lora_b.stride(-2),
         a, xa_part, shrink_counters, sorted_ids, block_slot, done, num_shrink,

@@ -48,8 +48,7 @@ FP32_SCALARS = {"qk_scale", "scale", "routed_scaling_factor", "eps", "q_eps", "k
 NOT_DIVISIBLE = {"num_pairs", "top_k", "num_slots", "num_experts", "max_rows", "group", "num_q_heads", "max_splits",
                  "qk_scale", "num_tokens", "num_splits", "num_hd_parts", "num_k_heads", "stride_lt", "scale",
                  "rows_per_token", "num_parts", "num_n_down", "tokens_per_program", "routed_scaling_factor", "num_heads", "eps", "M",
-                 "num_kv_heads", "q_eps", "k_eps", "max_segs",
-                 "x_desc", "w_desc"}  # descriptors: no divisibility to claim
+                 "num_kv_heads", "q_eps", "k_eps", "max_segs"}
 ATTENTION_HEADS = ((128, 128, 8), (192, 128, 1), (64, 64, 4))  # Dk, Dv, q heads per kv head: Qwen3, MLA, small
 LORA_LINEARS = ((2048, (4096, 512, 512), 16), (2048, (4096, 512, 512), 64), (4096, (2048,), 16))  # Qwen3-30B-A3B
 #                 qkv and o: in features, out sizes, rank tile
@@ -93,7 +92,7 @@ def compile_sm90(kernel, constexprs: dict, dtype: str, num_warps: int, num_stage
             signature[name] = "*i32" if name in INT_PTRS else "*fp32" if name in FP32_PTRS else f"*{dtype}"
         else:
             signature[name] = "fp32" if name in FP32_SCALARS else "i32"
-        if name not in NOT_DIVISIBLE:
+        if name not in NOT_DIVISIBLE and not signature[name].startswith("tensordesc"):  # a descriptor: no hint
             attrs[(i,)] = [["tt.divisibility", 16]]
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER,
                               options={"num_warps": num_warps, "num_stages": num_stages,
