@@ -28,7 +28,7 @@ from moelora.kernels.fused_moe import config as fm_config
 from moelora.kernels.fused_moe import gemm as fm_gemm
 from moelora.kernels.fused_moe import shrink as fm_shrink
 from moelora.kernels.lora_tiles import LORA_RANK_CHUNK, rank_tile_count
-from tests.kernels.test_compile_sm90 import compile_sm90, moe_gemm_constexprs
+from tests.kernels.test_compile_sm90 import compile_sm90, moe_gemm_constexprs, moe_weight_types
 
 REGISTERS_PER_SM, SHARED_PER_SM, WARPS_PER_SM, PROGRAMS_PER_SM = 65536, 228 * 1024, 64, 32  # Hopper
 SUB_PARTITIONS = 4  # an SM's register file is four, a warp's registers all in one (CUDA's occupancy calculator)
@@ -52,11 +52,12 @@ class Resources:
                 "warps": min(PROGRAMS_PER_SM, WARPS_PER_SM // self.warps)}
 
 
-def resources(kernel, constexprs: dict, num_warps: int, num_stages: int, maxnreg: int | None = None) -> Resources:
+def resources(kernel, constexprs: dict, num_warps: int, num_stages: int, maxnreg: int | None = None,
+              types: dict | None = None) -> Resources:
     """The kernel compiled for sm_90a in bf16 with the constexprs it takes (others are dropped, so one table serves
-    kernels of different signatures)."""
+    kernels of different signatures); types: argument types other than compile_sm90's defaults."""
     own = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
-    compiled = compile_sm90(kernel, own, "bf16", num_warps, num_stages, maxnreg=maxnreg)
+    compiled = compile_sm90(kernel, own, "bf16", num_warps, num_stages, types, maxnreg=maxnreg)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
@@ -87,9 +88,11 @@ def rows(tokens: int, shape: tuple[int, int, int, int], lora: bool, maxnreg: int
                     "SPLIT_K": fm_config.SHRINK_SPLIT_K, "PART_N": fm_config.DOWN_SHRINK_PART, "A_ALIGNED": True,
                     "SHRINK_ROWS": cfg.shrink_rows, "DOWN_SHRINK": not (segment_shrink and cfg.down_shrink_launch)}
         yield "gate_up_kernel", rank_tiles, resources(fm_gemm.gate_up_kernel, constexprs(cfg.block_n_gate_up),
-                                                      cfg.num_warps, cfg.num_stages, cap)
+                                                      cfg.num_warps, cfg.num_stages, cap,
+                                                      moe_weight_types(cfg, cfg.block_n_gate_up, "bf16"))
         yield "down_kernel", rank_tiles, resources(fm_gemm.down_kernel, constexprs(cfg.block_n_down),
-                                                   cfg.num_warps, cfg.num_stages, cap)
+                                                   cfg.num_warps, cfg.num_stages, cap,
+                                                   moe_weight_types(cfg, cfg.block_n_down, "bf16"))
         for tile in (range(rank_tiles) if cfg.shrink_per_rank_tile else (-1,)) if segment_shrink else ():
             name = f"shrink_kernel (tile {LORA_RANK_CHUNK << tile})" if tile >= 0 else "shrink_kernel"
             serial = fm_config.serial_shrink(cfg, tokens * top_k, block_r)

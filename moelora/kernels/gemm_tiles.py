@@ -98,6 +98,22 @@ def gemm_loop(in_ptrs, row_ok, K, w1_ptrs, w2_ptrs, n_mask, DUAL: tl.constexpr,
 
 
 @triton.jit
+def gemm_loop_tma(in_ptrs, row_ok, K, w_desc, e, n1, n2, DUAL: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """gemm_loop with W's tiles loaded by the copy engine through w_desc [E, N, K] (tiles [1, BLOCK_N, BLOCK_K]):
+    rows n1.. (and n2.. when DUAL) of expert e. The input rows, gathered, by pointers."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        xt = tl.load(in_ptrs + k0, mask=row_ok[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
+        acc1 += tl.dot(xt, tl.reshape(w_desc.load([e, n1, k0]), (BLOCK_N, BLOCK_K)).T)
+        if DUAL:
+            acc2 += tl.dot(xt, tl.reshape(w_desc.load([e, n2, k0]), (BLOCK_N, BLOCK_K)).T)
+    return acc1, acc2
+
+
+@triton.jit
 def arrive(counter_ptrs, mask=None):
     """Count this program in at counter_ptrs (atomic, acq_rel, gpu scope) and return the counts before it:
     the program that sees the last count may then read what the others wrote. The barriers put the whole

@@ -76,14 +76,16 @@ class LinearConfig:
     parallel_splits: bool = False
     # where the splits run one after the other, the K loop's x and W tiles loaded by the copy engine (TMA) on GPUs
     # that have one and for tensors it can read (gemm_tiles.tma_descriptor), else by pointers: the same bits. The
-    # prefill tiles take it: 1.1-1.3x faster GEMMs on an H100 (benchmarks/RESULTS.md, session 55)
+    # prefill tiles take it (1.1-1.3x faster GEMMs on an H100), and the medium ones (up to 1.2x); on decode tiles
+    # and parallel splits it was slower (benchmarks/RESULTS.md, sessions 55 and 56)
     tma: bool = False
 
 
 # candidate tiles by M, largest first; `default_config` takes the first that gives MIN_PROGRAMS programs
 _DECODE = (LinearConfig(16, 64, 8, 4, 5), LinearConfig(16, 32, 8, 4, 5), LinearConfig(16, 16, 8, 4, 5))
 _SMALL = (LinearConfig(32, 64, 8, 4, 4), LinearConfig(32, 32, 8, 4, 4), LinearConfig(32, 16, 8, 4, 4))
-_MEDIUM = (LinearConfig(64, 128, 8, 4, 4), LinearConfig(64, 64, 8, 4, 4), LinearConfig(64, 32, 8, 4, 4))
+_MEDIUM = (LinearConfig(64, 128, 8, 4, 4, tma=True), LinearConfig(64, 64, 8, 4, 4, tma=True),
+           LinearConfig(64, 32, 8, 4, 4, tma=True))
 _LARGE = (LinearConfig(128, 256, 8, 8, 3, tma=True), LinearConfig(128, 128, 8, 8, 4, tma=True),
           LinearConfig(64, 128, 8, 4, 4, tma=True),
           LinearConfig(64, 64, 8, 4, 4, tma=True))  # the last: narrow N (the router's 128 columns at prefill)

@@ -117,16 +117,23 @@ def waits_as_one(ttir: str) -> bool:
 def moe_gemm_constexprs(cfg, has_lora: bool, block_n: int, block_r: int = 64, rank_tiles: int = 3,
                         top_k_p: int = 8) -> dict:
     """The constexprs of fused_moe's gate_up and down kernels (gate_up's own, SPLIT_K, PART_N, DOWN_SHRINK,
-    besides) for a tile row, as the launcher passes them."""
+    besides) for a tile row, as the launcher passes them on Hopper (TMA: with `moe_weight_types`)."""
     return dict(HAS_LORA=has_lora, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                 BLOCK_R=block_r, RANK_TILES=rank_tiles, PARTS=fm_config.SUM_PARTS, PAIR_BLOCKS=cfg.pair_blocks,
-                HALF_TILES=cfg.half_tiles, TOP_K_P=top_k_p, SLOT_STAGES=cfg.slot_stages)
+                HALF_TILES=cfg.half_tiles, TOP_K_P=top_k_p, SLOT_STAGES=cfg.slot_stages, TMA=cfg.tma)
+
+
+def moe_weight_types(cfg, block_n: int, dtype: str) -> dict:
+    """The argument types of fused_moe's gate_up and down kernels that differ from compile_sm90's defaults: with TMA
+    the weights are the copy engine's descriptor, tiles [1, block_n, BLOCK_K]."""
+    return {"w_ptr": f"tensordesc<{dtype}[1, {block_n}, {cfg.block_k}]>"} if cfg.tma else {}
 
 
 def compile_moe_gemms(cfg, has_lora: bool, dtype: str, rank_tiles: int | None = None) -> list[dict]:
     """fused_moe's gate_up and down kernels of one tile row, compiled; one summary each. rank_tiles: with LoRA 3 unless
-    given, else 1, as the launcher passes it. launches_next_first: the PTX lets the next launch start before its first
-    MMA (right after the PDL wait), not only after MMAs (at the end of each of the kernel's paths)."""
+    given, else 1, as the launcher passes it; the weights through the copy engine's descriptor where cfg.tma, as on
+    Hopper. launches_next_first: the PTX lets the next launch start before its first MMA (right after the PDL wait),
+    not only after MMAs (at the end of each of the kernel's paths)."""
     rank_tiles = rank_tiles or (3 if has_lora else 1)
     results = []
     for kernel, block_n, own in ((fm_gemm.gate_up_kernel, cfg.block_n_gate_up,
@@ -135,10 +142,12 @@ def compile_moe_gemms(cfg, has_lora: bool, dtype: str, rank_tiles: int | None = 
                                        DOWN_SHRINK=not cfg.down_shrink_launch)),
                                  (fm_gemm.down_kernel, cfg.block_n_down, {})):
         constexprs = moe_gemm_constexprs(cfg, has_lora, block_n, LORA_RANK_CHUNK << (rank_tiles - 1), rank_tiles)
-        compiled = compile_sm90(kernel, {**constexprs, **own}, dtype, cfg.num_warps, cfg.num_stages)
+        compiled = compile_sm90(kernel, {**constexprs, **own}, dtype, cfg.num_warps, cfg.num_stages,
+                                moe_weight_types(cfg, block_n, dtype))
         ptx = compiled.asm["ptx"]
         mmas = [m.start() for m in re.finditer(r"\b(?:wgmma\.mma_async|mma\.sync)", ptx)]
-        results.append(dict(kernel=kernel.fn.__name__, dtype=dtype, lora=has_lora, block_m=cfg.block_m,
+        results.append(dict(kernel=kernel.fn.__name__, dtype=dtype, lora=has_lora, block_m=cfg.block_m, tma=cfg.tma,
+                            bulk_copies="cp.async.bulk.tensor" in ptx,
                             pair_blocks=cfg.pair_blocks, slot_stages=cfg.slot_stages, rank_tiles=rank_tiles,
                             shared=compiled.metadata.shared, ttgir=compiled.asm["ttgir"],
                             arrive="atom.global.gpu.acq_rel.add" in ptx, acquire="global.gpu.acquire" in ptx,
@@ -277,6 +286,9 @@ def test_grouped_gemms_pipeline_on_wgmma(compiled):
         if r["kernel"] in ("gate_up_kernel", "down_kernel"):
             where = f"{r['kernel']} {r['dtype']} block_m={r['block_m']} lora={r['lora']}"
             assert "async_copy_global_to_local" in r["ttgir"], f"{where}: main loop is not software-pipelined"
+            # the weights through the copy engine, pipelined beside the gathered rows' copies, but on pair blocks
+            assert r["tma"] == (not r["pair_blocks"]) == r["bulk_copies"], where
+            assert r["tma"] == ("async_tma_copy_global_to_local" in r["ttgir"]), where
             if r["block_m"] >= 64:  # wgmma works on 64-row tiles; smaller blocks use mma.sync
                 assert "warp_group_dot" in r["ttgir"], f"{where}: does not use wgmma"
 
@@ -601,8 +613,8 @@ def test_the_experts_kernels_of_the_largest_rank_tile_fit_shared_memory():
 
 
 def test_linear_pipelines_on_wgmma(compiled):
-    """Every tile's K loop is software-pipelined, also inside the loop over K splits: on the prefill tiles (the
-    splits in series) through the copy engine (TMA), on the others by pointers; from BLOCK_M 64 (medium and
+    """Every tile's K loop is software-pipelined, also inside the loop over K splits: on the prefill and medium
+    tiles whose splits run in series through the copy engine (TMA), on the others by pointers; from BLOCK_M 64 (medium and
     prefill tiles) tl.dot is wgmma. Parallel splits count arrivals with a gpu-scope acq_rel atomic and read the
     partials from L2 (checked in the PTX, as for the fused MoE kernels)."""
     linears = [r for r in compiled if r["kernel"] == "_linear_kernel"]
@@ -611,7 +623,7 @@ def test_linear_pipelines_on_wgmma(compiled):
     assert {r["tma"] for r in linears} == {True, False}
     for r in linears:
         where = f"_linear_kernel {r['dtype']} M={r['m']} N={r['n']} bias={r['bias']} lora={r['lora']} splits={r['splits']}"
-        assert r["tma"] == (r["m"] > li.PARALLEL_SPLITS_MAX_M) == r["bulk_copies"], where
+        assert r["tma"] == (r["block_m"] >= 64 and not r["parallel"]) == r["bulk_copies"], where
         copy = "async_tma_copy_global_to_local" if r["tma"] else "async_copy_global_to_local"
         assert copy in r["ttgir"], f"{where}: main loop is not software-pipelined"
         if r["block_m"] >= 64:

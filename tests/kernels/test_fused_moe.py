@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from moelora.core import ExpertLoRASlots, TopKOutput
+from moelora.kernels import gemm_tiles
 from moelora.kernels.fused_moe import launcher
 from moelora.kernels.fused_moe import MoEKernelConfig, default_config, fused_moe
 from moelora.kernels.pdl import pdl_launch
@@ -98,6 +99,27 @@ def test_triton_matches_reference_mixed_adapters(shape, slot_ranks, dtype, devic
     adapted = (in_range & covered).any(-1) & ~no_adapter
     changed = (got != base).any(-1)
     assert adapted.any() and changed[adapted].float().mean() > 0.5, "LoRA was not applied"
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_weights_through_the_copy_engine_give_the_pointer_loads_bits(shape, dtype, device, poison, monkeypatch):
+    """Where the device has the copy engine (the CPU's interpreter emulates it) the GEMMs read the experts' weights
+    through descriptors, the gathered rows by pointers: with LoRA and without, the bits of the same tiles loading by
+    pointers (MoEKernelConfig.tma False). The tile table takes it on aligned blocks, not on pair blocks (T <= 2)."""
+    made, real = [], launcher.tma_descriptor
+    monkeypatch.setattr(launcher, "tma_descriptor", lambda t, block: made.append(real(t, block)) or made[-1])
+    x, w13, w2, topk, lora, slots = _case(*shape, dtype, device)
+    for adapters in ((lora, slots), ()):
+        cfg = default_config(x.shape[0], topk.ids.shape[1], w2.shape[0], dtype, lora=bool(adapters))
+        assert cfg.tma == (not cfg.pair_blocks)
+        cfg = dataclasses.replace(cfg, tma=True)
+        made.clear()
+        got = fused_moe(x, w13, w2, topk, *adapters, impl="triton", config=cfg)
+        assert len(made) == 2 and (None not in made) == gemm_tiles.has_copy_engine(x.device)
+        made.clear()
+        pointers = fused_moe(x, w13, w2, topk, *adapters, impl="triton", config=dataclasses.replace(cfg, tma=False))
+        assert made == [] and torch.equal(got, pointers), f"LoRA: {bool(adapters)}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

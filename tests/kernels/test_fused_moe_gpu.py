@@ -85,6 +85,20 @@ def test_row_does_not_depend_on_batch(shape, poison):
         assert torch.equal(fused_moe(x[t:t + 1], w13, w2, topk_t)[0], base_batch[t]), f"token {t} base differs"
 
 
+@pytest.mark.parametrize("tokens", [1, 32, 300, 2048])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_copy_engine_and_pointer_loads_give_the_same_bits(shape, tokens, poison):
+    """The experts' weights through the copy engine (TMA, on Hopper) or by pointers: the same bits on each row of
+    the tile table (pair blocks, 16-, 32- or 64-row blocks, prefill tiles), with LoRA and without."""
+    gen = torch.Generator("cuda").manual_seed(torch.seed())
+    x, w13, w2, topk, lora, slots = _layer(shape, tokens, gen)
+    for adapters in ((lora, slots), ()):
+        cfg = default_config(tokens, topk.ids.shape[1], w2.shape[0], x.dtype, lora=bool(adapters))
+        got = fused_moe(x, w13, w2, topk, *adapters, config=dataclasses.replace(cfg, tma=True))
+        pointers = fused_moe(x, w13, w2, topk, *adapters, config=dataclasses.replace(cfg, tma=False))
+        assert torch.equal(got, pointers), f"{shape} T={tokens} LoRA: {bool(adapters)}"
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_prefill_tiles_agree(shape, poison):
     """Prefill tiles run the blocks at most half full as half tiles (64 of 128 rows), and with LoRA the down

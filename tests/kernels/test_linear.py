@@ -260,6 +260,7 @@ TMA_CASES = [  # M, N, K with K x 2 bytes 16-byte aligned (the copy engine's rul
     (300, 130, 72),  # one split, K past its last BLOCK_K
     (257, 24, 520),  # 2 / 4 K splits (fp16 / fp32), the last a short one
     (600, 300, 96),  # several m- and n-tiles
+    (100, 96, 200),  # a medium tile (up to PARALLEL_SPLITS_MAX_M rows) of a shape with one K split
 ]
 
 
@@ -275,13 +276,14 @@ def descriptors(monkeypatch):
 @pytest.mark.parametrize("case", TMA_CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_tiles_load_through_the_copy_engine(case, dtype, with_bias, device, poison, descriptors):
-    """Prefill tiles (their K splits in series) load x and W through descriptors where the device has the copy
+    """Prefill and medium tiles whose K splits run in series load x and W through descriptors where the device has the copy
     engine (the CPU's interpreter emulates it): every output written, close to torch, and the bits of the same tile
     loading by pointers."""
     gen = torch.Generator().manual_seed(torch.seed())
     x, w, b = _inputs(*case, dtype, device, gen, with_bias)
-    cfg = default_config(case[0], case[1], k_splits(case[1], case[2], dtype)[0])
-    assert cfg.tma and not cfg.parallel_splits
+    splits = k_splits(case[1], case[2], dtype)[0]
+    cfg = default_config(case[0], case[1], splits)
+    assert cfg.tma and not (cfg.parallel_splits and splits > 1)
     engine = gemm_tiles.has_copy_engine(x.device)
     for config in (cfg, LinearConfig(64, 32, 2, 4, 3, tma=True)):  # the default tile, and a partial GROUP_M group
         descriptors.clear()

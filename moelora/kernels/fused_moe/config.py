@@ -98,6 +98,11 @@ class MoEKernelConfig:
     # epilogue and their sum. On prefill tiles (one program an SM) the epilogue's parts cost more than the launch,
     # and on blocks of 64 rows where the experts are many (benchmarks/RESULTS.md, sessions 37 and 38)
     down_shrink_launch: bool = False
+    # the GEMMs load the experts' weights through the copy engine (TMA) where the GPU has one and the weights are
+    # 16-byte aligned (gemm_tiles.tma_descriptor), else by pointers: the same bits (the input rows, gathered, by
+    # pointers either way). Pair blocks (one or two tokens) keep pointers: Mixtral's base at one token ran 4% slower
+    # through TMA, aligned blocks 1.0-1.1x faster, their LoRA delta up to 4x smaller (benchmarks/RESULTS.md, session 56)
+    tma: bool = True
 
     def __post_init__(self):
         """A config is a public knob (fused_moe's config=): a bad field is named here, not in a Triton compile error
@@ -131,7 +136,7 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     blocks cost less in all."""
     block_k = gemm_block_k(dtype)
     if num_tokens <= PAIR_BLOCKS_MAX_TOKENS:
-        return MoEKernelConfig(16, 64, 64, block_k, 8, 4, 4, pair_blocks=True, max_registers=128)
+        return MoEKernelConfig(16, 64, 64, block_k, 8, 4, 4, pair_blocks=True, max_registers=128, tma=False)
     num_pairs = num_tokens * top_k
     rows_per_expert = num_pairs / num_experts
     if rows_per_expert <= 16:

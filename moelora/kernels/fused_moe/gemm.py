@@ -11,7 +11,7 @@ from moelora.kernels.fused_moe.shrink import shrink_one_pair
 from moelora.kernels.fused_moe.tiles import (adapter_slots, at_most_half_full, block_info, block_rows, lora_expand,
                                              lora_tile, next_run_slot, previous_row_slots, row_ranks, row_slots,
                                              slot_rank, slot_runs, sum_partials, takes_rank_tile)
-from moelora.kernels.gemm_tiles import arrive, gemm_loop, wait_arrivals
+from moelora.kernels.gemm_tiles import arrive, gemm_loop, gemm_loop_tma, wait_arrivals
 from moelora.kernels.pdl import launch_next_kernel, wait_for_previous_kernel
 
 
@@ -26,9 +26,10 @@ def gate_up_kernel(
     GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     HALF_TILES: tl.constexpr, TOP_K_P: tl.constexpr, SPLIT_K: tl.constexpr, PART_N: tl.constexpr,
     RANK_TILES: tl.constexpr, SLOT_STAGES: tl.constexpr, A_ALIGNED: tl.constexpr, SHRINK_ROWS: tl.constexpr,
-    DOWN_SHRINK: tl.constexpr, PDL: tl.constexpr,
+    DOWN_SHRINK: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
 ):
-    """h[p] = silu(x Wg^T + LoRA_g) * (x Wu^T + LoRA_u) for the pairs p of one block; with LoRA and DOWN_SHRINK
+    """h[p] = silu(x Wg^T + LoRA_g) * (x Wu^T + LoRA_u) for the pairs p of one block (TMA: w_ptr is the copy engine's
+    descriptor of W [E, 2I, H], tiles [1, BLOCK_N, BLOCK_K]); with LoRA and DOWN_SHRINK
     also this n-tile's parts of the down shrink (_down_shrink_part). With pair blocks and
     LoRA the first num_pairs * num_splits programs are the gate/up shrink (a launch of its own costs a
     decode step more than the shrink's work); the GEMM programs wait for it only in the epilogue. Holding the
@@ -61,14 +62,14 @@ def gate_up_kernel(
                        num_splits, stride_xt, stride_we, stride_wn, stride_ht, stride_be, stride_br, stride_ade,
                        stride_adr,
                        HAS_LORA, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, PART_N,
-                       RANK_TILES, SLOT_STAGES, DOWN_SHRINK)
+                       RANK_TILES, SLOT_STAGES, DOWN_SHRINK, TMA)
     else:
         _gate_up_block(x_ptr, w_ptr, h_ptr, sorted_ids_ptr, token_slots_ptr, ranks_ptr, xa_ptr, bg_ptr, bu_ptr,
                        ad_ptr, hd_ptr, ready_ptr, e, pid_m, pid_n, num_pairs, top_k, H, I, num_slots, num_experts,
                        num_splits, stride_xt, stride_we, stride_wn, stride_ht, stride_be, stride_br, stride_ade,
                        stride_adr,
                        HAS_LORA, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, PART_N, RANK_TILES,
-                       SLOT_STAGES, DOWN_SHRINK)
+                       SLOT_STAGES, DOWN_SHRINK, TMA)
     if RANK_TILES > 1:
         launch_next_kernel(PDL)
 
@@ -80,7 +81,7 @@ def _gate_up_block(
     stride_ht, stride_be, stride_br, stride_ade, stride_adr,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr, PART_N: tl.constexpr,
-    RANK_TILES: tl.constexpr, SLOT_STAGES: tl.constexpr, DOWN_SHRINK: tl.constexpr,
+    RANK_TILES: tl.constexpr, SLOT_STAGES: tl.constexpr, DOWN_SHRINK: tl.constexpr, TMA: tl.constexpr,
 ):
     """The work of one (block, n-tile) program of gate_up_kernel on a tile of ROWS rows."""
     pair, row_ok = block_rows(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M, ROWS, PAIR_BLOCKS)
@@ -88,13 +89,17 @@ def _gate_up_block(
     n_mask = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
-    wg_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
     if HAS_LORA:  # constexpr: without it the LoRA path is not compiled at all
         token_slot = tl.load(token_slots_ptr + pair // top_k, mask=row_ok, other=-1)  # in flight during the GEMM
         prev_slot = previous_row_slots(sorted_ids_ptr, token_slots_ptr, pid_m, num_pairs, top_k, num_slots, BLOCK_M,
                                        ROWS, PAIR_BLOCKS)
-    acc_g, acc_u = gemm_loop(x_ptrs, row_ok, H, wg_ptrs, wg_ptrs + I * stride_wn, n_mask, True,
-                             ROWS, BLOCK_N, BLOCK_K)
+    if TMA:
+        acc_g, acc_u = gemm_loop_tma(x_ptrs, row_ok, H, w_ptr, e, pid_n * BLOCK_N, I + pid_n * BLOCK_N, True,
+                                     ROWS, BLOCK_N, BLOCK_K)
+    else:
+        wg_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+        acc_g, acc_u = gemm_loop(x_ptrs, row_ok, H, wg_ptrs, wg_ptrs + I * stride_wn, n_mask, True,
+                                 ROWS, BLOCK_N, BLOCK_K)
     if HAS_LORA:
         slot, _, hi = row_slots(token_slot, num_slots)
         rank_g = row_ranks(ranks_ptr, slot, e, num_slots, num_experts, 0)
@@ -237,9 +242,10 @@ def down_kernel(
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     HALF_TILES: tl.constexpr, TOP_K_P: tl.constexpr, RANK_TILES: tl.constexpr, SLOT_STAGES: tl.constexpr,
-    PDL: tl.constexpr,
+    TMA: tl.constexpr, PDL: tl.constexpr,
 ):
-    """out[p] = w[p] * (h[p] Wd^T + LoRA_d) for the pairs p of one block (the down shrink is the sum
+    """out[p] = w[p] * (h[p] Wd^T + LoRA_d) for the pairs p of one block (TMA: w_ptr is the copy engine's descriptor
+    of Wd [E, H, I], tiles [1, BLOCK_N, BLOCK_K]; the down shrink is the sum
     of the gate_up kernel's per-tile parts, or down_shrink_kernel's sum of them), then y for the tokens whose
     last pair this was. With more than one rank tile, the next launch starts when the programs' work is done
     (as gate_up_kernel's)."""
@@ -257,14 +263,14 @@ def down_kernel(
                     num_experts, num_hd_parts, stride_ht, stride_we, stride_wn, stride_ot, stride_be, stride_br,
                     stride_yt,
                     HAS_LORA, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, TOP_K_P, RANK_TILES,
-                    SLOT_STAGES)
+                    SLOT_STAGES, TMA)
     else:
         _down_block(h_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_ids_ptr, token_slots_ptr, ranks_ptr, hd_ptr,
                     b_ptr, topk_ids_ptr, counter_ptr, y_ptr, e, pid_m, pid_n, num_pairs, top_k, H, I, num_slots,
                     num_experts, num_hd_parts, stride_ht, stride_we, stride_wn, stride_ot, stride_be, stride_br,
                     stride_yt,
                     HAS_LORA, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, TOP_K_P, RANK_TILES,
-                    SLOT_STAGES)
+                    SLOT_STAGES, TMA)
     if RANK_TILES > 1:
         launch_next_kernel(PDL)
 
@@ -276,7 +282,7 @@ def _down_block(
     stride_we, stride_wn, stride_ot, stride_be, stride_br, stride_yt,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr, TOP_K_P: tl.constexpr,
-    RANK_TILES: tl.constexpr, SLOT_STAGES: tl.constexpr,
+    RANK_TILES: tl.constexpr, SLOT_STAGES: tl.constexpr, TMA: tl.constexpr,
 ):
     """The work of one (block, n-tile) program of down_kernel on a tile of ROWS rows."""
     pair, row_ok = block_rows(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M, ROWS, PAIR_BLOCKS)
@@ -284,13 +290,16 @@ def _down_block(
     n_mask = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_ht + offs_k[None, :]
-    w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
     weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)  # loads in flight during the GEMM
     if HAS_LORA:
         token_slot = tl.load(token_slots_ptr + pair // top_k, mask=row_ok, other=-1)
         prev_slot = previous_row_slots(sorted_ids_ptr, token_slots_ptr, pid_m, num_pairs, top_k, num_slots, BLOCK_M,
                                        ROWS, PAIR_BLOCKS)
-    acc, _ = gemm_loop(h_ptrs, row_ok, I, w_ptrs, w_ptrs, n_mask, False, ROWS, BLOCK_N, BLOCK_K)
+    if TMA:
+        acc, _ = gemm_loop_tma(h_ptrs, row_ok, I, w_ptr, e, pid_n * BLOCK_N, 0, False, ROWS, BLOCK_N, BLOCK_K)
+    else:
+        w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+        acc, _ = gemm_loop(h_ptrs, row_ok, I, w_ptrs, w_ptrs, n_mask, False, ROWS, BLOCK_N, BLOCK_K)
     if HAS_LORA:
         slot = adapter_slots(token_slot, num_slots)
         rank_d = row_ranks(ranks_ptr, slot, e, num_slots, num_experts, 2)

@@ -11,7 +11,7 @@ from moelora.kernels.fused_moe.config import (DOWN_SHRINK_PART, SHRINK_SPLIT_K, 
 from moelora.kernels.fused_moe.gemm import down_kernel, gate_up_kernel
 from moelora.kernels.fused_moe.reduction import moe_sum_kernel, reduce_partials
 from moelora.kernels.fused_moe.shrink import down_shrink_kernel, pair_shrink_kernel, shrink_kernel
-from moelora.kernels.gemm_tiles import zeroed_counters
+from moelora.kernels.gemm_tiles import tma_descriptor, zeroed_counters
 from moelora.kernels.lora_tiles import LORA_RANK_CHUNK, rank_tile, rank_tile_count
 from moelora.kernels.moe_align import AlignedBlocks, CHUNK, align_num_warps, alloc_aligned, key_tile, moe_align
 from moelora.kernels.pdl import pdl_launch
@@ -130,15 +130,18 @@ def fused_moe_triton(
         common["maxnreg"] = cfg.max_registers
     num_m = blocks.block_expert.numel()
     grid_gate_up = num_m * num_n_gate_up
+    # W through the copy engine where it can (cfg.tma): its descriptor goes where the pointer would
+    w13_desc = tma_descriptor(w13, (1, cfg.block_n_gate_up, cfg.block_k)) if cfg.tma else None
+    w2_desc = tma_descriptor(w2, (1, cfg.block_n_down, cfg.block_k)) if cfg.tma else None
     gate_up_kernel[(num_shrink + grid_gate_up,)](
-        x, w13, h, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, slots,
+        x, w13 if w13_desc is None else w13_desc, h, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, slots,
         ranks, xa, ag, au, bg, bu, ad, hd, ready, topk.ids, counters, y,
         num_pairs, num_tokens, top_k, hidden, inter, num_slots, num_experts, num_splits, num_n_down,
         triton.cdiv(num_tokens, grid_gate_up),
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *a_strides, *b_strides, *ad_strides, y.stride(0),
         BLOCK_N=cfg.block_n_gate_up, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, PART_N=DOWN_SHRINK_PART,
         RANK_TILES=rank_tiles, A_ALIGNED=a_aligned, SHRINK_ROWS=cfg.shrink_rows, DOWN_SHRINK=not down_shrink_launch,
-        **common,
+        TMA=w13_desc is not None, **common,
     )
     if down_shrink_launch:
         down_shrink_kernel[(max_segs,)](
@@ -150,11 +153,11 @@ def fused_moe_triton(
     elif lora is not None:
         hd, num_hd_parts = reduce_partials(hd, topk.ids, slots, ranks, 2, num_pairs >= cfg.reduce_partials_min_pairs)
     down_kernel[(num_m * num_n_down,)](
-        h, w2, out, topk.weights, blocks.sorted_ids, blocks.block_expert, blocks.num_rows, slots,
-        ranks, hd, bd, topk.ids, counters, y,
+        h, w2 if w2_desc is None else w2_desc, out, topk.weights, blocks.sorted_ids, blocks.block_expert,
+        blocks.num_rows, slots, ranks, hd, bd, topk.ids, counters, y,
         num_pairs, top_k, hidden, inter, num_slots, num_experts, num_hd_parts,
         h.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *bd_strides, y.stride(0),
-        BLOCK_N=cfg.block_n_down, BLOCK_R=block_r, RANK_TILES=rank_tiles, **common,
+        BLOCK_N=cfg.block_n_down, BLOCK_R=block_r, RANK_TILES=rank_tiles, TMA=w2_desc is not None, **common,
     )
     if not cfg.pair_blocks:
         block_h = min(1024, triton.next_power_of_2(hidden))
