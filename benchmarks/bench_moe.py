@@ -14,6 +14,7 @@ delta alternate, replay by replay, and the delta is the median of neighbouring d
 
     python3 benchmarks/bench_moe.py                       # all shapes, markdown table to stdout
     python3 benchmarks/bench_moe.py --shapes tiny         # CPU-sized demo (torch path on CPU)
+    python3 benchmarks/bench_moe.py --tokens 1,4096 --adapters 1 --sweep-tokens 1,4096   # also other tiles there
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 
 from moelora.core import TopKConfig
 from moelora.kernels.fused_moe import MoEKernelConfig, default_config, fused_moe
+from moelora.kernels.fused_moe.config import PAIR_BLOCKS_MAX_TOKENS
 from moelora.kernels.lora_tiles import step_rank_bound
 from moelora.kernels.topk import select_experts
 from tests.support import assert_rows_close, random_expert_lora, random_moe_weights, rel_tolerance
@@ -324,13 +326,23 @@ def rank_cases_of_shape(args, shape_name: str, device, dtype, bw: float) -> dict
     return deltas
 
 
-def sweep(layers, tokens, n, device, dtype, bw):
-    """Other tiles at one batch size (block 128 with half tiles). block_k stays fixed: it sets the order of
-    a row's sums, so changing it would make results depend on the batch size."""
+def sweep_configs(tokens: int) -> list[MoEKernelConfig]:
+    """The tiles sweep times at T tokens: pair blocks (a block per (token, expert) pair) up to
+    PAIR_BLOCKS_MAX_TOKENS, with and without the register cap; else aligned blocks (block 128 with half tiles), with
+    and without the copy engine. block_k stays fixed: it sets the order of a row's sums, so changing it would make results
+    depend on the batch size."""
     k = 64
-    for cfg in [MoEKernelConfig(bm, bn1, bn2, k, g, w, s, half_tiles=bm == 128)
-                for bm in (32, 64, 128) for bn1 in (64, 128) for bn2 in (128, 256)
-                for g, w, s in ((8, 4, 3), (8, 4, 4), (8, 8, 3), (8, 8, 4))]:
+    if tokens <= PAIR_BLOCKS_MAX_TOKENS:  # gate_up tiles of 64 or 128 columns hold the down shrink's parts
+        return [MoEKernelConfig(16, bn1, bn2, k, 8, w, s, pair_blocks=True, max_registers=cap, tma=False)
+                for bn1 in (64, 128) for bn2 in (32, 64, 128) for w in (2, 4) for s in (4, 6) for cap in (None, 128)]
+    return [MoEKernelConfig(bm, bn1, bn2, k, g, w, s, half_tiles=bm == 128, tma=tma)
+            for bm in (32, 64, 128) for bn1 in (64, 128) for bn2 in (128, 256)
+            for g, w, s in ((8, 4, 3), (8, 4, 4), (8, 8, 3), (8, 8, 4)) for tma in (False, True)]
+
+
+def sweep(layers, tokens, n, device, dtype, bw):
+    """Other tiles at one batch size (sweep_configs), base and with LoRA."""
+    for cfg in sweep_configs(tokens):
         try:
             r = bench_point(layers, tokens, n, device, dtype, bw, cfg)
         except Exception as exc:  # out of shared memory etc.

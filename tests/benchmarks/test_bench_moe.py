@@ -98,3 +98,19 @@ def test_measure_pair_times_the_two_in_alternation_and_takes_the_median_differen
     t_a, t_b = bench_moe.measure_pair(a, b, reps=3)
     assert calls == [a, b, b, a, a, b]
     assert (t_a, t_b) == (2.0, 2.5)
+
+
+def test_sweep_times_pair_blocks_at_pair_block_sizes_and_aligned_blocks_past_them():
+    """--sweep-tokens times the tiles the table could pick at that T: pair blocks up to PAIR_BLOCKS_MAX_TOKENS
+    (their gate_up tiles wide enough for the down shrink's parts), aligned blocks past it; every config is valid."""
+    limit = bench_moe.PAIR_BLOCKS_MAX_TOKENS
+    pairs, aligned = bench_moe.sweep_configs(limit), bench_moe.sweep_configs(limit + 1)
+    assert pairs and all(c.pair_blocks and c.block_n_gate_up >= 64 for c in pairs)
+    assert {c.max_registers for c in pairs} == {None, 128}
+    assert aligned and not any(c.pair_blocks for c in aligned) and {c.tma for c in aligned} == {False, True}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "benchmarks/bench_moe.py", "--shapes", "tiny", "--tokens", "1",
+                          "--adapters", "1", "--sweep-tokens", "1"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert sum(line.startswith("  sweep T=1 n=1 ") for line in run.stdout.splitlines()) == len(pairs)
