@@ -328,9 +328,9 @@ def rank_cases_of_shape(args, shape_name: str, device, dtype, bw: float) -> dict
 
 def sweep_configs(tokens: int) -> list[MoEKernelConfig]:
     """The tiles sweep times at T tokens: pair blocks (a block per (token, expert) pair) up to
-    PAIR_BLOCKS_MAX_TOKENS, with and without the register cap; else aligned blocks (block 128 with half tiles), with
-    and without the copy engine. block_k stays fixed: it sets the order of a row's sums, so changing it would make results
-    depend on the batch size."""
+    PAIR_BLOCKS_MAX_TOKENS, with and without the register cap; else aligned blocks (block 128 with half tiles),
+    with and without the copy engine. block_k stays fixed: it sets the order of a row's sums, so changing it would
+    make results depend on the batch size."""
     k = 64
     if tokens <= PAIR_BLOCKS_MAX_TOKENS:  # gate_up tiles of 64 or 128 columns hold the down shrink's parts
         return [MoEKernelConfig(16, bn1, bn2, k, 8, w, s, pair_blocks=True, max_registers=cap, tma=False)

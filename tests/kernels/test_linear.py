@@ -276,9 +276,9 @@ def descriptors(monkeypatch):
 @pytest.mark.parametrize("case", TMA_CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_tiles_load_through_the_copy_engine(case, dtype, with_bias, device, poison, descriptors):
-    """Prefill and medium tiles whose K splits run in series load x and W through descriptors where the device has the copy
-    engine (the CPU's interpreter emulates it): every output written, close to torch, and the bits of the same tile
-    loading by pointers."""
+    """Prefill and medium tiles whose K splits run in series load x and W through descriptors where the device has
+    the copy engine (the CPU's interpreter emulates it): every output written, close to torch, and the bits of the
+    same tile loading by pointers."""
     gen = torch.Generator().manual_seed(torch.seed())
     x, w, b = _inputs(*case, dtype, device, gen, with_bias)
     splits = k_splits(case[1], case[2], dtype)[0]
@@ -305,7 +305,8 @@ def test_tiles_that_can_not_take_the_copy_engine_load_by_pointers(device, poison
         narrow_w = w[:, :x.shape[1]].contiguous()
         got = _check(x, narrow_w, b, cfg)
         aligned = x.data_ptr() % 16 == 0 and x.shape[1] % 8 == 0
-        assert len(descriptors) == 2 and (None not in descriptors) == (aligned and engine), (x.storage_offset(), x.shape)
+        assert len(descriptors) == 2 and (None not in descriptors) == (aligned and engine), \
+            (x.storage_offset(), x.shape)
         assert torch.equal(got, linear(x.contiguous(), narrow_w, b, impl="triton"))
     x, w, b = _inputs(16, 24, 520, torch.float16, device, gen)
     descriptors.clear()

@@ -93,6 +93,8 @@ def _gate_up_block(
         token_slot = tl.load(token_slots_ptr + pair // top_k, mask=row_ok, other=-1)  # in flight during the GEMM
         prev_slot = previous_row_slots(sorted_ids_ptr, token_slots_ptr, pid_m, num_pairs, top_k, num_slots, BLOCK_M,
                                        ROWS, PAIR_BLOCKS)
+    # TMA: a last tile past I reads up rows as its gate rows there (the descriptor spans 2I) and zeros as their up
+    # rows (past 2I), so h is 0 in those columns, which are never stored
     if TMA:
         acc_g, acc_u = gemm_loop_tma(x_ptrs, row_ok, H, w_ptr, e, pid_n * BLOCK_N, I + pid_n * BLOCK_N, True,
                                      ROWS, BLOCK_N, BLOCK_K)
