@@ -615,8 +615,8 @@ def test_the_experts_kernels_of_the_largest_rank_tile_fit_shared_memory():
 def test_linear_pipelines_on_wgmma(compiled):
     """Every tile's K loop is software-pipelined, also inside the loop over K splits: on the prefill and medium
     tiles whose splits run in series through the copy engine (TMA), on the others by pointers; from BLOCK_M 64
-    (medium and prefill tiles) tl.dot is wgmma. Parallel splits count arrivals with a gpu-scope acq_rel atomic and read the
-    partials from L2 (checked in the PTX, as for the fused MoE kernels)."""
+    (medium and prefill tiles) tl.dot is wgmma. Parallel splits count arrivals with a gpu-scope acq_rel atomic and
+    read the partials from L2 (checked in the PTX, as for the fused MoE kernels)."""
     linears = [r for r in compiled if r["kernel"] == "_linear_kernel"]
     assert {r["block_m"] for r in linears} == {16, 32, 64, 128}
     assert {(r["splits"] > 1, r["parallel"]) for r in linears} == {(False, False), (True, False), (True, True)}
