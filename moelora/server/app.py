@@ -1,4 +1,4 @@
-"""FastAPI app over one Engine: the OpenAI API (models, completions, chat completions, streamed or
+"""FastAPI app over one Engine: the OpenAI API (models, completions, chat completions, responses, streamed or
 not), adapter loading and unloading at runtime, health and Prometheus metrics. The engine runs in
 its own thread (EngineLoop); handlers only parse, queue and format.
 
@@ -30,7 +30,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from uvicorn.config import STARTUP_FAILURE
 
@@ -48,7 +48,8 @@ from moelora.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion
                                      SamplingRequest, TokenizeRequest, TokenizeResponse, TokenLogprob, TopLogprob,
                                      UnloadLoRARequest, UsageInfo)
 from moelora.server.reasoning import Reasoning, ReasoningParser
-from moelora.server.tools import ChatTools
+from moelora.server.responses import CHAT_ALIASES, ResponseBuilder, ResponsesRequest, response_usage
+from moelora.server.tools import ChatTools, ChoiceOutput
 from moelora.server.version import package_version
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,17 @@ class _Choice:
         """The text not yet sent in a stream chunk, marked sent."""
         text, self.streamed = self.text[self.streamed:], len(self.text)
         return text
+
+
+@dataclass
+class _ChatRun:
+    """A chat request's submitted sequences: their ids and Delta queue, each one's output so far, and how it is
+    parsed (reasoning, tool calls); top_logprobs: the request's, 0 when not asked."""
+    rids: list[str]
+    queue: asyncio.Queue
+    choices: list[_Choice]
+    outputs: list[ChoiceOutput]
+    top_logprobs: int
 
 
 LOGPROB_FLOOR = -9999.0  # vLLM's: JSON has no -inf (nor NaN), which logits of a broken model or adapter give
@@ -181,6 +193,9 @@ def _chat_logprobs(entries: list[Entry], k: int) -> ChoiceLogprobs:
 
 def _sse(chunk: BaseModel) -> str:
     return f"data: {chunk.model_dump_json()}\n\n"
+
+
+_DONE = "data: [DONE]\n\n"  # the end of a legacy route's stream
 
 
 class OpenAIServing:
@@ -338,28 +353,9 @@ class OpenAIServing:
             for i, c in enumerate(best)]))
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
-        if body.top_logprobs is not None and not body.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        k = body.top_logprobs or 0
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        aliases = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
-        aliases |= {"logprobs": "top_logprobs", "prompt": "messages"}
-        tools = ChatTools.of(body, self.loop.engine.tokenizer)
-        messages = self._template_messages(body)
-        prompt = await self._chat_prompt(body, messages, tools.specs)
-        start = self.reasoning.output_start(prompt, messages[-1] if body.continue_final_message else None) \
-            if self.reasoning else None
-        subs = self._submissions(body, [prompt], max_tokens, k if body.logprobs else None,
-                                 add_special_tokens=False, aliases=aliases, grammar=tools.grammar,
-                                 prompt_logprobs=body.prompt_logprobs,
-                                 grammar_gate=self.reasoning.grammar_gate(start) if self.reasoning else None)
-        grammar = await self._compile_grammar(body, subs)
-        rids, queue, prompt_tokens = await self._submit(body, subs, aliases)
-        del grammar  # held until the engine started the request's matchers from it (_compile_grammar)
+        run = await self._start_chat(body)
+        choices, outputs, k = run.choices, run.outputs, run.top_logprobs
         head = self._head("chatcmpl", body.model)
-        choices = [_Choice(prompt_tokens=p, prompt_top=body.prompt_logprobs) for p in prompt_tokens]
-        separate = self.reasoning is not None and body.separate_reasoning
-        outputs = [tools.output(ReasoningParser(start) if separate else None, body.include_reasoning) for _ in subs]
 
         def usage_so_far(i: int) -> UsageInfo | None:
             return _usage_so_far(choices[i]) if body.continuous_usage else None
@@ -378,9 +374,10 @@ class OpenAIServing:
 
         if body.stream:
             roles = [ChatCompletionChunk(**head, usage=usage_so_far(i), choices=[
-                ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]) for i in range(len(subs))]
-            return self._stream(rids, queue, chunk, roles, usage_chunk if body.include_usage else None)
-        await self._collect(request, rids, queue, choices)
+                ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+                for i in range(len(choices))]
+            return self._stream(run.rids, run.queue, chunk, roles, usage_chunk if body.include_usage else None)
+        await self._collect(request, run.rids, run.queue, choices)
         messages = [out.message(c.text, c.finish_reason) for out, c in zip(outputs, choices)]
         return self._json(ChatCompletionResponse(**head, usage=_usage(choices, body.n),
                                                  prompt_logprobs=choices[0].prompt_logprobs, choices=[
@@ -388,7 +385,66 @@ class OpenAIServing:
                        logprobs=_chat_logprobs(c.logprobs, k) if body.logprobs else None)
             for i, (c, (message, reason)) in enumerate(zip(choices, messages))]))
 
+    async def responses(self, body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses API through the chat route (server.responses)."""
+        try:
+            chat = ChatCompletionRequest.model_validate(body.chat_body())
+            run = await self._start_chat(chat)
+        except ValidationError as e:  # a value only the chat route's checks refuse
+            first = e.errors()[0]
+            param = str(first["loc"][0]) if first["loc"] else None
+            param = CHAT_ALIASES.get(param, param)
+            raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from e
+        except APIError as e:  # named as the Responses request names it
+            e.info.param = CHAT_ALIASES.get(e.info.param, e.info.param)
+            raise
+        response = ResponseBuilder(body, body.model or self.served_model_name)
+        choice, output = run.choices[0], run.outputs[0]
+
+        def usage() -> dict:
+            return response_usage(choice.prompt_tokens, choice.cached_tokens, choice.completion_tokens,
+                                  self.loop.engine.config.enable_prefix_caching)
+
+        if body.stream:
+            def events(d: Delta) -> list[str]:
+                choice.add(d)
+                delta, _ = output.delta(d.out.text, d.out.finish_reason if d.out.finished else None)
+                return response.events(delta)
+            return self._event_stream(run.rids, run.queue, events, response.start(),
+                                      lambda: response.finish(choice.finish_reason, usage()), response.failed)
+        await self._collect(request, run.rids, run.queue, run.choices)
+        message, _ = output.message(choice.text, choice.finish_reason)
+        response.items(message.reasoning_content, message.content,
+                       [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []])
+        return JSONResponse(response.response("completed", choice.finish_reason, usage()))
+
     # ---------------------------------------------------------------------------- internals
+
+    async def _start_chat(self, body: ChatCompletionRequest) -> _ChatRun:
+        """A chat request's sequences submitted: the messages through the chat template, its tools and reasoning
+        parser set up for each choice's output."""
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        k = body.top_logprobs or 0
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        aliases = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
+        aliases |= {"logprobs": "top_logprobs", "prompt": "messages"}
+        tools = ChatTools.of(body, self.loop.engine.tokenizer)
+        messages = self._template_messages(body)
+        prompt = await self._chat_prompt(body, messages, tools.specs)
+        start = self.reasoning.output_start(prompt, messages[-1] if body.continue_final_message else None) \
+            if self.reasoning else None
+        subs = self._submissions(body, [prompt], max_tokens, k if body.logprobs else None,
+                                 add_special_tokens=False, aliases=aliases, grammar=tools.grammar,
+                                 prompt_logprobs=body.prompt_logprobs,
+                                 grammar_gate=self.reasoning.grammar_gate(start) if self.reasoning else None)
+        grammar = await self._compile_grammar(body, subs)
+        rids, queue, prompt_tokens = await self._submit(body, subs, aliases)
+        del grammar  # held until the engine started the request's matchers from it (_compile_grammar)
+        separate = self.reasoning is not None and body.separate_reasoning
+        return _ChatRun(rids, queue, [_Choice(prompt_tokens=p, prompt_top=body.prompt_logprobs) for p in prompt_tokens],
+                        [tools.output(ReasoningParser(start) if separate else None, body.include_reasoning)
+                         for _ in subs], k)
 
     def _head(self, prefix: str, model: str | None) -> dict:
         """The fields every response and stream chunk of one request carries: its id, its creation time (one for
@@ -551,28 +607,43 @@ class OpenAIServing:
 
     def _stream(self, rids: list[str], queue: asyncio.Queue, chunk: Callable[[Delta], BaseModel | None],
                 first: list[BaseModel], usage: Callable[[], BaseModel] | None) -> StreamingResponse:
-        """SSE: the `first` chunks, one chunk per step output that has something to say, the usage chunk."""
+        """The legacy routes' SSE: the `first` chunks, one chunk per step output that has something to say, the
+        usage chunk, then [DONE] (after an error too)."""
+        def events(d: Delta) -> list[str]:
+            return [_sse(c)] if (c := chunk(d)) is not None else []
+
+        def failed(message: str) -> list[str]:
+            return [_sse(ErrorResponse(error=ErrorInfo(message=message, type="server_error"))), _DONE]
+        return self._event_stream(rids, queue, events, [_sse(c) for c in first],
+                                  lambda: ([_sse(usage())] if usage is not None else []) + [_DONE], failed)
+
+    def _event_stream(self, rids: list[str], queue: asyncio.Queue, events: Callable[[Delta], list[str]],
+                      first: list[str], last: Callable[[], list[str]], failed: Callable[[str], list[str]]
+                      ) -> StreamingResponse:
+        """SSE: the `first` events, a step output's `events`, the `last` ones; `failed` the events of an error once
+        the stream has begun (it can only go in-band then). A client that leaves, or a failure, aborts the
+        sequences."""
         async def body() -> AsyncIterator[str]:
             done = False
             try:
-                for c in first:
-                    yield _sse(c)
+                for e in first:
+                    yield e
                 async for d in self._deltas(queue, len(rids)):
-                    if (c := chunk(d)) is not None:
-                        yield _sse(c)
-                if usage is not None:
-                    yield _sse(usage())
+                    for e in events(d):
+                        yield e
+                for e in last():
+                    yield e
                 done = True
             except EngineError as e:
-                yield _sse(ErrorResponse(error=ErrorInfo(message=str(e), type="server_error")))
+                for event in failed(str(e)):
+                    yield event
             except Exception as e:  # the response has started: the error can only go in-band
                 logger.exception("streaming a response failed")
-                yield _sse(ErrorResponse(error=ErrorInfo(message=f"internal error: {type(e).__name__}: {e}",
-                                                         type="server_error")))
+                for event in failed(f"internal error: {type(e).__name__}: {e}"):
+                    yield event
             finally:
                 if not done:  # the client left, or the engine failed: free the cache now
                     self.loop.abort(rids)
-            yield "data: [DONE]\n\n"
         # Starlette starts the generator before it can notice a disconnect (the first suspension
         # point is in here), so the finally runs even for a client that left before its first chunk
         return StreamingResponse(body(), media_type="text/event-stream")
@@ -673,6 +744,7 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
     app.get("/v1/models/{model:path}", dependencies=guarded)(serving.model)  # an adapter's name may hold a "/"
     app.post("/v1/completions", dependencies=guarded)(serving.completions)
     app.post("/v1/chat/completions", dependencies=guarded)(serving.chat_completions)
+    app.post("/v1/responses", dependencies=guarded)(serving.responses)
     for prefix in ("/v1", ""):
         app.post(f"{prefix}/tokenize", dependencies=guarded)(serving.tokenize)
         app.post(f"{prefix}/detokenize", dependencies=guarded)(serving.detokenize)

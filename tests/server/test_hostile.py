@@ -105,6 +105,8 @@ def test_seeds_of_n_sequences_wrap_in_int64(server):
      "messages"),
     ("/v1/load_lora_adapter", '{"lora_name": "\\ud800", "lora_path": "/tmp"}', "lora_name"),
     ("/v1/unload_lora_adapter", '{"lora_name": "\\ud800"}', "lora_name"),
+    ("/v1/responses", '{"input": "\\udc00"}', "input"),
+    ("/v1/responses", '{"input": [{"role": "user", "content": [{"type": "input_text", "text": "\\ud83d"}]}]}', "input"),
     # a JSON text inside the JSON: the arguments of an earlier call, whose escapes spell the surrogate
     ("/v1/chat/completions", '{"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", '
      '"function": {"name": "f", "arguments": "{\\"a\\": \\"\\\\ud800\\"}"}}]}, {"role": "user", "content": "hi"}]}',
@@ -287,6 +289,16 @@ PLAUSIBLE = {  # values of about the right type, extreme ones included, so that 
                               [{"type": "function", "function": {"name": "f", "parameters": {"type": "strng"}}}]]),
     "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}, "x"]),
     "parallel_tool_calls": st.booleans(),
+    "input": st.one_of(CLEAN_TEXT, st.lists(st.one_of(
+        st.fixed_dictionaries({"role": st.sampled_from(["user", "developer", "assistant"]), "content": CLEAN_TEXT}),
+        st.fixed_dictionaries({"type": st.just("function_call"), "call_id": CLEAN_TEXT, "name": CLEAN_TEXT,
+                               "arguments": CLEAN_TEXT}),
+        st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": CLEAN_TEXT, "output": CLEAN_TEXT}),
+        st.fixed_dictionaries({"type": st.just("reasoning"), "summary": st.just([])})), max_size=3)),
+    "instructions": CLEAN_TEXT, "max_output_tokens": INTS,
+    "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}},
+                             {"format": {"type": "json_schema", "name": "x", "schema": {"type": "integer"}}},
+                             {"format": {"type": "json_schema", "schema": {"minimum": "x"}}}, {"format": {}}]),
 }
 SAMPLING = ["model", "n", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "presence_penalty",
             "frequency_penalty", "top_k", "min_p", "stop_token_ids", "ignore_eos", "skip_special_tokens", "user",
@@ -296,6 +308,9 @@ ROUTES = {
     "/v1/completions": ({**OK, "max_tokens": 3}, SAMPLING + ["prompt", "echo", "best_of"]),
     "/v1/chat/completions": ({**CHAT, "max_tokens": 3}, SAMPLING + ["messages", "max_completion_tokens", "top_logprobs",
                                                                     "tools", "tool_choice", "parallel_tool_calls"]),
+    "/v1/responses": ({"model": "beta", "input": "Hello world", "max_output_tokens": 3},
+                      ["model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "seed",
+                       "text", "tool_choice", "parallel_tool_calls", "user", "stop", "an_unknown_field"]),
     "/v1/load_lora_adapter": ({"lora_name": "fuzzed", "lora_path": "GAMMA"}, ["lora_name", "lora_path"]),
     "/v1/unload_lora_adapter": ({"lora_name": "fuzzed"}, ["lora_name"]),
 }
