@@ -250,6 +250,15 @@ def test_a_failure_inside_the_engine_fails_only_its_request(server, canary_text,
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert "injected sampling fault" in events[-1]["error"]["message"]
     assert server.idle()
+    # the Responses route: not streamed, a 500; streamed, the error event and then response.failed
+    victim = post(server, "/v1/responses", {"input": "Hello world", "seed": victim_seed, "max_output_tokens": 4})
+    assert victim.status_code == 500 and "injected sampling fault" in victim.json()["error"]["message"]
+    with httpx.stream("POST", f"{server.url}/v1/responses", json={"input": "Hello world", "seed": victim_seed,
+                                                                  "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert "injected sampling fault" in events[-2]["message"] and events[-1]["response"]["status"] == "failed"
+    assert server.idle()
 
 
 # ---------------------------------------------------------------------------------------- fuzz
