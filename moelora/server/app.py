@@ -388,9 +388,8 @@ class OpenAIServing:
     async def responses(self, body: ResponsesRequest, request: Request) -> Response:
         """OpenAI's Responses API through the chat route (server.responses)."""
         try:
-            chat = ChatCompletionRequest.model_validate(body.chat_body())
-            run = await self._start_chat(chat)
-        except ValidationError as e:  # a value only the chat route's checks refuse
+            run = await self._start_chat(ChatCompletionRequest.model_validate(body.chat_body()))
+        except ValidationError as e:  # what the chat route's models check further (a call's arguments: JSON)
             first = e.errors()[0]
             param = str(first["loc"][0]) if first["loc"] else None
             param = CHAT_ALIASES.get(param, param)
@@ -414,8 +413,7 @@ class OpenAIServing:
                                       lambda: response.finish(choice.finish_reason, usage()), response.failed)
         await self._collect(request, run.rids, run.queue, run.choices)
         message, _ = output.message(choice.text, choice.finish_reason)
-        response.items(message.reasoning_content, message.content,
-                       [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []])
+        response.items(message)
         return JSONResponse(response.response("completed", choice.finish_reason, usage()))
 
     # ---------------------------------------------------------------------------- internals

@@ -9,20 +9,18 @@ import copy
 import json
 import time
 import uuid
-from typing import Any, Literal
-
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from moelora.server.protocol import DeltaMessage, FunctionDefinition, RequestBody
+from moelora.server.protocol import ChatMessageOut, DeltaMessage, FunctionDefinition, RequestBody
 
 # chat request fields -> the Responses request's names for them (in the errors the chat route raises)
 CHAT_ALIASES = {"messages": "input", "prompt": "input", "max_completion_tokens": "max_output_tokens",
                 "max_tokens": "max_output_tokens", "response_format": "text", "structured_output": "text"}
 # sampling fields a Responses request passes to the chat route as they are (OpenAI's, then vLLM's extensions)
-_PASSED = ("model", "temperature", "top_p", "stream", "user", "parallel_tool_calls",
+_PASSED = ("model", "temperature", "top_p", "user", "parallel_tool_calls",
            "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
            "priority", "chat_template_kwargs")
 
@@ -135,7 +133,7 @@ class ResponsesRequest(RequestBody):
     text: TextConfig | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    store: bool = True  # nothing is stored either way (the response says store: false)
+    store: bool | None = None  # (the API's default is true; nothing is stored here, the response says false)
     previous_response_id: str | None = None
     include: list[str] | None = None
     truncation: str = "disabled"
@@ -171,6 +169,7 @@ class ResponsesRequest(RequestBody):
         refusals = [
             ("previous_response_id", self.previous_response_id is not None, "responses are not stored, so send the "
              "conversation's earlier items (and the previous response's output) in input"),
+            ("store", self.store is True, "responses are not stored"),
             ("include", bool(self.include), "no output has additional data to include"),
             ("background", self.background, "a response is computed while its request waits (or streams)"),
             ("truncation", self.truncation != "disabled", "a prompt over the context is refused, never cut"),
@@ -179,8 +178,9 @@ class ResponsesRequest(RequestBody):
             if refused:
                 raise PydanticCustomError("unsupported_field", "{name} is not supported here: {why}",
                                           {"name": name, "why": why, "param": name})
-        if not self.input:
-            raise PydanticCustomError("too_short", "input must hold at least one item", {"param": "input"})
+        if all(isinstance(item, ReasoningItem) for item in self.input) and self.instructions is None:
+            raise PydanticCustomError("too_short", "input must hold at least one item besides reasoning (or the "
+                                      "request instructions): the chat template needs a message", {"param": "input"})
         return self
 
     def chat_body(self) -> dict[str, Any]:
@@ -281,14 +281,14 @@ class ResponseBuilder:
 
     # ------------------------------------------------------------------------------ whole
 
-    def items(self, reasoning: str | None, content: str | None, calls: list[tuple[str, str, str]]) -> None:
-        """The output of a whole message: reasoning, text, and calls (call id, name, arguments)."""
-        if reasoning:
-            self.output.append(self._reasoning_item(reasoning, "completed"))
-        if content or not (reasoning or calls):
-            self.output.append(self._message_item(content or "", "completed"))
-        for call_id, name, arguments in calls:
-            self.output.append(self._call_item(call_id, name, arguments, "completed"))
+    def items(self, message: ChatMessageOut) -> None:
+        """The output of the chat route's whole message: its reasoning, text and calls."""
+        if message.reasoning_content:
+            self.output.append(self._reasoning_item(message.reasoning_content, "completed"))
+        if message.content or not (message.reasoning_content or message.tool_calls):
+            self.output.append(self._message_item(message.content or "", "completed"))
+        for call in message.tool_calls or []:
+            self.output.append(self._call_item(call.id, call.function.name, call.function.arguments, "completed"))
 
     def response(self, status: str, finish_reason: str | None = None,
                  usage: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -346,13 +346,14 @@ class ResponseBuilder:
             item = self._reasoning_item("", "in_progress") if kind == "reasoning" else \
                 self._message_item("", "in_progress")
             out += self._open(item)
-        item = self.open
-        item["content"][0]["text"] += text
-        name = "reasoning_text" if kind == "reasoning" else "output_text"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
-        out.append(self._event(f"response.{name}.delta", item_id=item["id"], output_index=self.output.index(item),
-                               content_index=0, delta=text, **extra))
-        return out
+        self.open["content"][0]["text"] += text
+        return out + [self._text_event(self.open, "delta", delta=text)]
+
+    def _text_event(self, item: dict[str, Any], stage: str, **fields: Any) -> str:
+        """The delta or done event of a message's output_text or a reasoning item's reasoning_text."""
+        name, extra = ("reasoning_text", {}) if item["type"] == "reasoning" else ("output_text", {"logprobs": []})
+        return self._event(f"response.{name}.{stage}", item_id=item["id"], output_index=self.output.index(item),
+                           content_index=0, **fields, **extra)
 
     def _open(self, item: dict[str, Any]) -> list[str]:
         """An item added; a message's or reasoning's first (empty) part with it."""
@@ -377,14 +378,10 @@ class ResponseBuilder:
             out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                    name=item["name"], arguments=item["arguments"]))
         else:
-            part = item["content"][0]
-            name = "reasoning_text" if item["type"] == "reasoning" else "output_text"
-            extra = {} if item["type"] == "reasoning" else {"logprobs": []}
-            out.append(self._event(f"response.{name}.done", item_id=item["id"], output_index=index, content_index=0,
-                                   text=part["text"], **extra))
+            out.append(self._text_event(item, "done", text=item["content"][0]["text"]))
             if item["type"] == "message":
                 out.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                       content_index=0, part=dict(part)))
+                                       content_index=0, part=dict(item["content"][0])))
         return out + [self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item))]
 
     def _event(self, kind: str, **fields: Any) -> str:

@@ -75,7 +75,7 @@ def test_input_items_are_the_conversation(client):
                                                              {"type": "input_text", "text": "brown fox"}]},
              *[item.model_dump(exclude_none=True) for item in first.output],
              {"role": "user", "content": "déjà vu"}]
-    r = client.responses.create(model="alpha", input=items, max_output_tokens=MAX, temperature=0)
+    r = client.responses.create(model="alpha", input=items, max_output_tokens=MAX, temperature=0, store=False)
     want, _ = chat_text(client, "alpha", [{"role": "system", "content": "be brief"},
                                           {"role": "user", "content": "the quick brown fox"},
                                           {"role": "assistant", "content": first.output_text},
@@ -200,10 +200,13 @@ def test_forced_calls_are_function_call_items(tool_client, stream):
 @pytest.mark.parametrize("body, param, code", [
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id", "unsupported_parameter"),
     ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include", "unsupported_parameter"),
+    ({"input": "hi", "store": True}, "store", "unsupported_parameter"),
     ({"input": "hi", "background": True}, "background", None),
     ({"input": "hi", "truncation": "auto"}, "truncation", None),
     ({"input": "hi", "verbosity": "low"}, "verbosity", "unknown_parameter"),
     ({"input": []}, "input", None),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "invalid_value"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]}, "input", None),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", None),
     ({"input": [{"type": "web_search_call", "id": "w"}]}, "input", None),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools", None),
