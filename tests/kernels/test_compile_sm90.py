@@ -115,12 +115,17 @@ def waits_as_one(ttir: str) -> bool:
 
 
 def moe_gemm_constexprs(cfg, has_lora: bool, block_n: int, block_r: int = 64, rank_tiles: int = 3,
-                        top_k_p: int = 8) -> dict:
+                        top_k_p: int = 8, chunks: bool | None = None) -> dict:
     """The constexprs of fused_moe's gate_up and down kernels (gate_up's own, SPLIT_K, PART_N, DOWN_SHRINK,
-    besides) for a tile row, as the launcher passes them on Hopper (TMA: with `moe_weight_types`)."""
+    besides) for a tile row, as the launcher passes them on Hopper (TMA: with `moe_weight_types`). chunks (the
+    kernels' CHUNKS) unless given: LoRA on aligned blocks of more than 16 rows, whose batches (more than 16 rows an
+    expert) sum their partials once (reduce_partials), as the launcher runs them."""
+    if chunks is None:
+        chunks = has_lora and not cfg.pair_blocks and cfg.block_m > 16
     return dict(HAS_LORA=has_lora, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                BLOCK_R=block_r, RANK_TILES=rank_tiles, PARTS=fm_config.SUM_PARTS, PAIR_BLOCKS=cfg.pair_blocks,
-                HALF_TILES=cfg.half_tiles, TOP_K_P=top_k_p, SLOT_STAGES=cfg.slot_stages, TMA=cfg.tma)
+                BLOCK_R=block_r, RANK_TILES=rank_tiles, CHUNKS=chunks, PARTS=fm_config.SUM_PARTS,
+                PAIR_BLOCKS=cfg.pair_blocks, HALF_TILES=cfg.half_tiles, TOP_K_P=top_k_p, SLOT_STAGES=cfg.slot_stages,
+                TMA=cfg.tma)
 
 
 def moe_weight_types(cfg, block_n: int, dtype: str) -> dict:
@@ -149,6 +154,7 @@ def compile_moe_gemms(cfg, has_lora: bool, dtype: str, rank_tiles: int | None = 
         results.append(dict(kernel=kernel.fn.__name__, dtype=dtype, lora=has_lora, block_m=cfg.block_m, tma=cfg.tma,
                             bulk_copies="cp.async.bulk.tensor" in ptx,
                             pair_blocks=cfg.pair_blocks, slot_stages=cfg.slot_stages, rank_tiles=rank_tiles,
+                            chunks=constexprs["CHUNKS"],
                             shared=compiled.metadata.shared, ttgir=compiled.asm["ttgir"],
                             arrive="atom.global.gpu.acq_rel.add" in ptx, acquire="global.gpu.acquire" in ptx,
                             cg_loads="ld.global.cg" in ptx, waits_as_one=waits_as_one(compiled.asm["ttir"]),
@@ -294,9 +300,9 @@ def test_grouped_gemms_pipeline_on_wgmma(compiled):
 
 
 def test_lora_slot_loops_pipeline(compiled):
-    """With slot_stages > 1 the LoRA epilogues' loops over a block's slots load the next slot's tiles
-    asynchronously (more async copies than the same kernel without): a load nested in a branch of the loop
-    body would silently stop that."""
+    """With slot_stages > 1 the LoRA epilogues' loops over a block's slots (here in 16-rank steps, CHUNKS) load the
+    next steps' tiles asynchronously (more async copies than the same kernel without): a load nested in a branch
+    of the loop body, or a loop in it, would silently stop that."""
     def copies(kernel, dtype, stages):
         [r] = [r for r in compiled if r["kernel"] == kernel and r["dtype"] == dtype and r["lora"]
                and r["block_m"] == 32 and r["slot_stages"] == stages]
@@ -348,13 +354,15 @@ def test_pair_blocks_shrink_in_gate_up_synchronises(compiled):
 
 def test_gemms_of_several_rank_tiles_let_the_next_launch_start_after_their_work(compiled):
     """With PDL the next kernel's programs, launched early, would crowd these GEMMs' heavy programs on the SMs
-    (benchmarks/RESULTS.md, sessions 32 and 33): the GEMMs that hold more than the smallest rank tile let it start
-    at the end of their programs, after their MMAs; every other one right after its wait."""
+    (benchmarks/RESULTS.md, sessions 32 and 33): the GEMMs that hold the epilogues of more than the smallest rank
+    tile let it start at the end of their programs, after their MMAs; every other one (among them those whose LoRA
+    runs in 16-rank steps, CHUNKS) right after its wait."""
     gemms = [r for r in compiled if r["kernel"] in ("gate_up_kernel", "down_kernel")]
-    assert {r["rank_tiles"] for r in gemms} == {1, 3}
+    assert {r["rank_tiles"] for r in gemms} == {1, 3} and {r["chunks"] for r in gemms if r["rank_tiles"] == 3} == {
+        True, False}
     for r in gemms:
         where = f"{r['kernel']} {r['dtype']} block_m={r['block_m']} lora={r['lora']} rank_tiles={r['rank_tiles']}"
-        assert r["launches_next_first"] == (r["rank_tiles"] == 1), where
+        assert r["launches_next_first"] == (r["rank_tiles"] == 1 or r["chunks"]), where
 
 
 def compile_lora_linear() -> list[dict]:

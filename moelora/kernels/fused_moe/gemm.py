@@ -9,10 +9,14 @@ import triton.language as tl
 from moelora.kernels.fused_moe.reduction import prepare_topk_sum, sum_topk_if_last
 from moelora.kernels.fused_moe.shrink import shrink_one_pair
 from moelora.kernels.fused_moe.tiles import (adapter_slots, at_most_half_full, block_info, block_rows, lora_expand,
-                                             lora_tile, next_run_slot, previous_row_slots, row_ranks, row_slots,
-                                             slot_rank, slot_runs, sum_partials, takes_rank_tile)
+                                             lora_tile, next_chunk_step, next_run_slot, one_part, previous_row_slots,
+                                             row_ranks, row_slots, run_chunk_steps, slot_rank, slot_runs,
+                                             sum_partials, takes_rank_tile)
+from moelora.kernels.lora_tiles import LORA_RANK_CHUNK
 from moelora.kernels.gemm_tiles import arrive, gemm_loop, gemm_loop_tma, wait_arrivals
 from moelora.kernels.pdl import launch_next_kernel, wait_for_previous_kernel
+
+RC = tl.constexpr(LORA_RANK_CHUNK)  # the ranks of a step of the LoRA epilogues' loops with CHUNKS
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_tokens", "tokens_per_program"])  # row counts: kernels/__init__.py
@@ -25,17 +29,19 @@ def gate_up_kernel(
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     HALF_TILES: tl.constexpr, TOP_K_P: tl.constexpr, SPLIT_K: tl.constexpr, PART_N: tl.constexpr,
-    RANK_TILES: tl.constexpr, SLOT_STAGES: tl.constexpr, A_ALIGNED: tl.constexpr, SHRINK_ROWS: tl.constexpr,
-    DOWN_SHRINK: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
+    RANK_TILES: tl.constexpr, CHUNKS: tl.constexpr, SLOT_STAGES: tl.constexpr, A_ALIGNED: tl.constexpr,
+    SHRINK_ROWS: tl.constexpr, DOWN_SHRINK: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
 ):
     """h[p] = silu(x Wg^T + LoRA_g) * (x Wu^T + LoRA_u) for the pairs p of one block (TMA: w_ptr is the copy engine's
     descriptor of W [E, 2I, H], tiles [1, BLOCK_N, BLOCK_K]); with LoRA and DOWN_SHRINK
     also this n-tile's parts of the down shrink (_down_shrink_part). With pair blocks and
     LoRA the first num_pairs * num_splits programs are the gate/up shrink (a launch of its own costs a
-    decode step more than the shrink's work); the GEMM programs wait for it only in the epilogue. Holding the
-    epilogues of more than one rank tile, its programs let the next launch start only when their work is done:
-    launched earlier, that kernel's waiting programs crowded these (benchmarks/RESULTS.md, sessions 32-33)."""
-    wait_for_previous_kernel(PDL, RANK_TILES == 1)
+    decode step more than the shrink's work); the GEMM programs wait for it only in the epilogue. CHUNKS (aligned
+    blocks whose partials are one part): each run's LoRA in steps of LORA_RANK_CHUNK ranks (_gate_up_lora_chunks),
+    else each block's on one rank tile. Holding the epilogues of more than one rank tile, its programs let the next
+    launch start only when their work is done: launched earlier, that kernel's waiting programs crowded these
+    (benchmarks/RESULTS.md, sessions 32-33)."""
+    wait_for_previous_kernel(PDL, RANK_TILES == 1 or CHUNKS)
     pid, num_programs = tl.program_id(0), tl.num_programs(0)
     if PAIR_BLOCKS and HAS_LORA:
         num_shrink = num_pairs * num_splits
@@ -62,15 +68,15 @@ def gate_up_kernel(
                        num_splits, stride_xt, stride_we, stride_wn, stride_ht, stride_be, stride_br, stride_ade,
                        stride_adr,
                        HAS_LORA, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, PART_N,
-                       RANK_TILES, SLOT_STAGES, DOWN_SHRINK, TMA)
+                       RANK_TILES, CHUNKS, SLOT_STAGES, DOWN_SHRINK, TMA)
     else:
         _gate_up_block(x_ptr, w_ptr, h_ptr, sorted_ids_ptr, token_slots_ptr, ranks_ptr, xa_ptr, bg_ptr, bu_ptr,
                        ad_ptr, hd_ptr, ready_ptr, e, pid_m, pid_n, num_pairs, top_k, H, I, num_slots, num_experts,
                        num_splits, stride_xt, stride_we, stride_wn, stride_ht, stride_be, stride_br, stride_ade,
                        stride_adr,
                        HAS_LORA, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, PART_N, RANK_TILES,
-                       SLOT_STAGES, DOWN_SHRINK, TMA)
-    if RANK_TILES > 1:
+                       CHUNKS, SLOT_STAGES, DOWN_SHRINK, TMA)
+    if RANK_TILES > 1 and not CHUNKS:
         launch_next_kernel(PDL)
 
 
@@ -81,7 +87,8 @@ def _gate_up_block(
     stride_ht, stride_be, stride_br, stride_ade, stride_adr,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr, PART_N: tl.constexpr,
-    RANK_TILES: tl.constexpr, SLOT_STAGES: tl.constexpr, DOWN_SHRINK: tl.constexpr, TMA: tl.constexpr,
+    RANK_TILES: tl.constexpr, CHUNKS: tl.constexpr, SLOT_STAGES: tl.constexpr, DOWN_SHRINK: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """The work of one (block, n-tile) program of gate_up_kernel on a tile of ROWS rows."""
     pair, row_ok = block_rows(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M, ROWS, PAIR_BLOCKS)
@@ -110,19 +117,25 @@ def _gate_up_block(
         if DOWN_SHRINK:
             rank_d = row_ranks(ranks_ptr, slot, e, num_slots, num_experts, 2)
         start, s0, num_runs = slot_runs(slot, prev_slot, rank_g + rank_u + rank_d, num_slots)
-        r = tl.max(tl.maximum(tl.maximum(rank_g, rank_u), rank_d), axis=0)
-        for c in tl.static_range(RANK_TILES):
-            if takes_rank_tile(r, c, RANK_TILES, BLOCK_R):  # (returning the accumulators ends their old values)
-                acc_g, acc_u = _gate_up_lora(
-                    acc_g, acc_u, h_ptr, pair, row_ok, slot, start, s0, num_runs, hi, e, pid_n, offs_n, n_mask,
-                    rank_g, rank_u, rank_d, xa_ptr, bg_ptr, bu_ptr, ad_ptr, hd_ptr, ready_ptr, I, num_slots,
-                    num_experts, num_splits, stride_ht, stride_be, stride_br, stride_ade, stride_adr, ROWS, BLOCK_N,
-                    c, RANK_TILES, BLOCK_R, PARTS, PAIR_BLOCKS, PART_N, SLOT_STAGES, DOWN_SHRINK)
-        if r == 0:  # no adapter in the block covers expert e: the plain result, no LoRA work
-            if PAIR_BLOCKS:
-                if hi >= 0:  # row 0 has an adapter, so its pair's shrink programs signal: count in
-                    wait_arrivals(ready_ptr + tl.min(pair, axis=0), num_splits, tl.cdiv(I, BLOCK_N))
-            _store_h(acc_g, acc_u, h_ptr, pair, row_ok, offs_n, n_mask, stride_ht)
+        if CHUNKS:
+            _gate_up_lora_chunks(acc_g, acc_u, h_ptr, pair, row_ok, slot, start, s0, e, pid_n, offs_n, n_mask,
+                                 rank_g, rank_u, rank_d, xa_ptr, bg_ptr, bu_ptr, ad_ptr, hd_ptr, I, num_slots,
+                                 num_experts, stride_ht, stride_be, stride_br, stride_ade, stride_adr, ROWS, BLOCK_N,
+                                 BLOCK_R, PART_N, SLOT_STAGES, DOWN_SHRINK)
+        else:
+            r = tl.max(tl.maximum(tl.maximum(rank_g, rank_u), rank_d), axis=0)
+            for c in tl.static_range(RANK_TILES):
+                if takes_rank_tile(r, c, RANK_TILES, BLOCK_R):  # (returning the accumulators ends their old values)
+                    acc_g, acc_u = _gate_up_lora(
+                        acc_g, acc_u, h_ptr, pair, row_ok, slot, start, s0, num_runs, hi, e, pid_n, offs_n, n_mask,
+                        rank_g, rank_u, rank_d, xa_ptr, bg_ptr, bu_ptr, ad_ptr, hd_ptr, ready_ptr, I, num_slots,
+                        num_experts, num_splits, stride_ht, stride_be, stride_br, stride_ade, stride_adr, ROWS, BLOCK_N,
+                        c, RANK_TILES, BLOCK_R, PARTS, PAIR_BLOCKS, PART_N, SLOT_STAGES, DOWN_SHRINK)
+            if r == 0:  # no adapter in the block covers expert e: the plain result, no LoRA work
+                if PAIR_BLOCKS:
+                    if hi >= 0:  # row 0 has an adapter, so its pair's shrink programs signal: count in
+                        wait_arrivals(ready_ptr + tl.min(pair, axis=0), num_splits, tl.cdiv(I, BLOCK_N))
+                _store_h(acc_g, acc_u, h_ptr, pair, row_ok, offs_n, n_mask, stride_ht)
     else:
         _store_h(acc_g, acc_u, h_ptr, pair, row_ok, offs_n, n_mask, stride_ht)
 
@@ -210,6 +223,72 @@ def _gate_up_lora(
 
 
 @triton.jit
+def _gate_up_lora_chunks(
+    acc_g, acc_u, h_ptr, pair, row_ok, slot, start, s0, e, pid_n, offs_n, n_mask, row_rank_g, row_rank_u, row_rank_d,
+    xa_ptr, bg_ptr, bu_ptr, ad_ptr, hd_ptr, I, num_slots, num_experts, stride_ht, stride_be, stride_br, stride_ade,
+    stride_adr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PART_N: tl.constexpr, SLOT_STAGES: tl.constexpr,
+    DOWN_SHRINK: tl.constexpr,
+):
+    """_gate_up_lora for an aligned block whose xa is one part (reduce_partials' sums): each run (start, s0:
+    tiles.slot_runs) in steps of LORA_RANK_CHUNK ranks, as many as its rank takes (tiles.run_chunk_steps), so the
+    block's LoRA work follows its runs' ranks, not its largest. A step's dot adds its ranks' products to the sum of
+    the steps before it, as a dot over a wider rank tile does on the tensor cores (16 ranks an MMA, in order, into
+    the accumulator): the bits of the rank-tile path. Pipelined (SLOT_STAGES > 1), the next steps' tiles load while
+    this one's dots run. Stores h, and with DOWN_SHRINK this tile's parts of the down shrink."""
+    stride = 2 * BLOCK_R
+    s, c = s0, s0 * 0
+    for _ in tl.range(0, run_chunk_steps(tl.maximum(row_rank_g, row_rank_u), start, RC), num_stages=SLOT_STAGES):
+        rows = slot == s
+        rank_g, rank_u = slot_rank(row_rank_g, rows), slot_rank(row_rank_u, rows)
+        k0 = c * RC
+        bg = lora_tile(bg_ptr + k0 * stride_br, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_g - k0,
+                       RC)
+        bu = lora_tile(bu_ptr + k0 * stride_br, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_u - k0,
+                       RC)
+        acc_g = lora_expand(acc_g, one_part(xa_ptr + k0, pair, rows, stride, RC), rows, rank_g - k0, bg)
+        acc_u = lora_expand(acc_u, one_part(xa_ptr + BLOCK_R + k0, pair, rows, stride, RC), rows, rank_u - k0, bu)
+        s, c = next_chunk_step(s, c, tl.maximum(rank_g, rank_u), slot, start, num_slots, RC)
+    h = _store_h(acc_g, acc_u, h_ptr, pair, row_ok, offs_n, n_mask, stride_ht)
+    if DOWN_SHRINK:
+        offs_p0 = pid_n * BLOCK_N + tl.arange(0, PART_N)
+        if BLOCK_N == PART_N:
+            _down_shrink_part_chunks(h, pid_n, offs_p0, pair, slot, start, s0, e, row_rank_d, ad_ptr, hd_ptr, I,
+                                     num_slots, num_experts, stride_ade, stride_adr, BLOCK_R, PART_N, SLOT_STAGES)
+        else:  # two parts: the tile's column halves
+            tl.static_assert(BLOCK_N == 2 * PART_N)
+            h0, h1 = tl.split(tl.permute(tl.reshape(h, (ROWS, 2, PART_N)), (0, 2, 1)))
+            _down_shrink_part_chunks(h0, 2 * pid_n, offs_p0, pair, slot, start, s0, e, row_rank_d, ad_ptr, hd_ptr, I,
+                                     num_slots, num_experts, stride_ade, stride_adr, BLOCK_R, PART_N, SLOT_STAGES)
+            _down_shrink_part_chunks(h1, 2 * pid_n + 1, offs_p0 + PART_N, pair, slot, start, s0, e, row_rank_d,
+                                     ad_ptr, hd_ptr, I, num_slots, num_experts, stride_ade, stride_adr, BLOCK_R,
+                                     PART_N, SLOT_STAGES)
+
+
+@triton.jit
+def _down_shrink_part_chunks(h, part, offs_n, pair, slot, start, s0, e, row_rank_d, ad_ptr, hd_ptr, I, num_slots,
+                             num_experts, stride_ade, stride_adr, BLOCK_R: tl.constexpr, PART_N: tl.constexpr,
+                             SLOT_STAGES: tl.constexpr):
+    """_down_shrink_part over the block's runs in steps of LORA_RANK_CHUNK ranks (as _gate_up_lora_chunks): each step
+    stores its run's rows' columns of its chunk, below each row's rank (a column's sum runs over h's columns, so
+    the chunks of the ranks do not change it)."""
+    offs_r = tl.arange(0, RC)
+    num_parts = tl.cdiv(I, PART_N)
+    hd_rows = hd_ptr + (pair.to(tl.int64) * num_parts + part)[:, None] * BLOCK_R + offs_r[None, :]
+    in_part = tl.zeros_like(slot) + part < num_parts
+    s, c = s0, s0 * 0
+    for _ in tl.range(0, run_chunk_steps(row_rank_d, start, RC), num_stages=SLOT_STAGES):
+        rows = slot == s
+        rank_d = slot_rank(row_rank_d, rows)
+        k0 = c * RC
+        ad = lora_tile(ad_ptr + k0 * stride_adr, s, e, num_experts, stride_ade, stride_adr, offs_n, offs_n < I,
+                       rank_d - k0, RC)
+        hd = tl.dot(tl.where(rows[:, None], h, 0.0), tl.trans(ad))
+        tl.store(hd_rows + k0, hd, mask=(rows & in_part)[:, None] & (k0 + offs_r[None, :] < row_rank_d[:, None]))
+        s, c = next_chunk_step(s, c, rank_d, slot, start, num_slots, RC)
+
+
+@triton.jit
 def _down_shrink_part(h, part, offs_n, pair, slot, start, s0, num_runs, e, row_rank_d, ad, ad_ptr, hd_ptr, I,
                       num_slots, num_experts, stride_ade, stride_adr, ROWS: tl.constexpr, R: tl.constexpr,
                       BLOCK_R: tl.constexpr, PART_N: tl.constexpr, SLOT_STAGES: tl.constexpr):
@@ -243,15 +322,14 @@ def down_kernel(
     stride_ht, stride_we, stride_wn, stride_ot, stride_be, stride_br, stride_yt,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
-    HALF_TILES: tl.constexpr, TOP_K_P: tl.constexpr, RANK_TILES: tl.constexpr, SLOT_STAGES: tl.constexpr,
-    TMA: tl.constexpr, PDL: tl.constexpr,
+    HALF_TILES: tl.constexpr, TOP_K_P: tl.constexpr, RANK_TILES: tl.constexpr, CHUNKS: tl.constexpr,
+    SLOT_STAGES: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[p] = w[p] * (h[p] Wd^T + LoRA_d) for the pairs p of one block (TMA: w_ptr is the copy engine's descriptor
     of Wd [E, H, I], tiles [1, BLOCK_N, BLOCK_K]; the down shrink is the sum
     of the gate_up kernel's per-tile parts, or down_shrink_kernel's sum of them), then y for the tokens whose
-    last pair this was. With more than one rank tile, the next launch starts when the programs' work is done
-    (as gate_up_kernel's)."""
-    wait_for_previous_kernel(PDL, RANK_TILES == 1)
+    last pair this was. CHUNKS and the next launch's start: as gate_up_kernel's."""
+    wait_for_previous_kernel(PDL, RANK_TILES == 1 or CHUNKS)
     in_use, e, pid_m, pid_n = block_info(tl.program_id(0), tl.num_programs(0), block_expert_ptr, num_rows_ptr,
                                           num_experts, H, BLOCK_M, BLOCK_N, GROUP_M, PAIR_BLOCKS)
     if not in_use:
@@ -265,15 +343,15 @@ def down_kernel(
                     num_experts, num_hd_parts, stride_ht, stride_we, stride_wn, stride_ot, stride_be, stride_br,
                     stride_yt,
                     HAS_LORA, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, TOP_K_P, RANK_TILES,
-                    SLOT_STAGES, TMA)
+                    CHUNKS, SLOT_STAGES, TMA)
     else:
         _down_block(h_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_ids_ptr, token_slots_ptr, ranks_ptr, hd_ptr,
                     b_ptr, topk_ids_ptr, counter_ptr, y_ptr, e, pid_m, pid_n, num_pairs, top_k, H, I, num_slots,
                     num_experts, num_hd_parts, stride_ht, stride_we, stride_wn, stride_ot, stride_be, stride_br,
                     stride_yt,
                     HAS_LORA, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, PARTS, PAIR_BLOCKS, TOP_K_P, RANK_TILES,
-                    SLOT_STAGES, TMA)
-    if RANK_TILES > 1:
+                    CHUNKS, SLOT_STAGES, TMA)
+    if RANK_TILES > 1 and not CHUNKS:
         launch_next_kernel(PDL)
 
 
@@ -284,7 +362,7 @@ def _down_block(
     stride_we, stride_wn, stride_ot, stride_be, stride_br, stride_yt,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, PARTS: tl.constexpr, PAIR_BLOCKS: tl.constexpr, TOP_K_P: tl.constexpr,
-    RANK_TILES: tl.constexpr, SLOT_STAGES: tl.constexpr, TMA: tl.constexpr,
+    RANK_TILES: tl.constexpr, CHUNKS: tl.constexpr, SLOT_STAGES: tl.constexpr, TMA: tl.constexpr,
 ):
     """The work of one (block, n-tile) program of down_kernel on a tile of ROWS rows."""
     pair, row_ok = block_rows(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M, ROWS, PAIR_BLOCKS)
@@ -306,11 +384,15 @@ def _down_block(
         slot = adapter_slots(token_slot, num_slots)
         rank_d = row_ranks(ranks_ptr, slot, e, num_slots, num_experts, 2)
         start, s0, num_runs = slot_runs(slot, prev_slot, rank_d, num_slots)
-        for c in tl.static_range(RANK_TILES):
-            if takes_rank_tile(tl.max(rank_d, axis=0), c, RANK_TILES, BLOCK_R):
-                acc = _down_lora(acc, pair, slot, start, s0, num_runs, e, offs_n, n_mask, rank_d, hd_ptr, b_ptr,
-                                 num_slots, num_experts, num_hd_parts, stride_be, stride_br, c, RANK_TILES, BLOCK_R,
-                                 PARTS, SLOT_STAGES)
+        if CHUNKS:
+            acc = _down_lora_chunks(acc, pair, slot, start, s0, e, offs_n, n_mask, rank_d, hd_ptr, b_ptr, num_slots,
+                                    num_experts, stride_be, stride_br, BLOCK_R, SLOT_STAGES)
+        else:
+            for c in tl.static_range(RANK_TILES):
+                if takes_rank_tile(tl.max(rank_d, axis=0), c, RANK_TILES, BLOCK_R):
+                    acc = _down_lora(acc, pair, slot, start, s0, num_runs, e, offs_n, n_mask, rank_d, hd_ptr, b_ptr,
+                                     num_slots, num_experts, num_hd_parts, stride_be, stride_br, c, RANK_TILES, BLOCK_R,
+                                     PARTS, SLOT_STAGES)
     acc = acc * weight[:, None]
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_mask[None, :])
@@ -341,4 +423,21 @@ def _down_lora(acc, pair, slot, start, s0, num_runs, e, offs_n, n_mask, row_rank
             rank_d = slot_rank(row_rank_d, rows)
             bd = lora_tile(b_ptr, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_d, R)
             acc = lora_expand(acc, hd, rows, rank_d, bd)
+    return acc
+
+
+@triton.jit
+def _down_lora_chunks(acc, pair, slot, start, s0, e, offs_n, n_mask, row_rank_d, hd_ptr, b_ptr, num_slots,
+                      num_experts, stride_be, stride_br, BLOCK_R: tl.constexpr, SLOT_STAGES: tl.constexpr):
+    """_down_lora for an aligned block whose down shrink is one part: over its runs with down LoRA in steps of
+    LORA_RANK_CHUNK ranks, as many as each run's rank takes (as _gate_up_lora_chunks)."""
+    s, c = s0, s0 * 0
+    for _ in tl.range(0, run_chunk_steps(row_rank_d, start, RC), num_stages=SLOT_STAGES):
+        rows = slot == s
+        rank_d = slot_rank(row_rank_d, rows)
+        k0 = c * RC
+        bd = lora_tile(b_ptr + k0 * stride_br, s, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_d - k0,
+                       RC)
+        acc = lora_expand(acc, one_part(hd_ptr + k0, pair, rows, BLOCK_R, RC), rows, rank_d - k0, bd)
+        s, c = next_chunk_step(s, c, rank_d, slot, start, num_slots, RC)
     return acc

@@ -126,8 +126,11 @@ def fused_moe_triton(
         if down_shrink_launch:  # its sum over the parts, as reduce_partials leaves it
             num_hd_parts = 1
         hd = torch.empty(num_pairs, num_hd_parts, block_r, dtype=torch.float32, device=x.device)
-    if cfg.max_registers is not None and rank_tiles > 1:  # the cap is for the larger rank tiles' epilogues
-        common["maxnreg"] = cfg.max_registers
+    # aligned blocks whose LoRA partials are one part run each run's LoRA in steps of 16 ranks (the kernels' CHUNKS),
+    # the others each block's on one rank tile; the register cap is for the larger rank tiles' epilogues
+    chunks_gate_up = lora is not None and not cfg.pair_blocks and num_splits == 1
+    chunks_down = lora is not None and not cfg.pair_blocks and num_hd_parts == 1
+    regs = {} if cfg.max_registers is None or rank_tiles == 1 else {"maxnreg": cfg.max_registers}
     num_m = blocks.block_expert.numel()
     grid_gate_up = num_m * num_n_gate_up
     # W through the copy engine where it can (cfg.tma): its descriptor goes where the pointer would
@@ -140,8 +143,8 @@ def fused_moe_triton(
         triton.cdiv(num_tokens, grid_gate_up),
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *a_strides, *b_strides, *ad_strides, y.stride(0),
         BLOCK_N=cfg.block_n_gate_up, BLOCK_R=block_r, SPLIT_K=SHRINK_SPLIT_K, PART_N=DOWN_SHRINK_PART,
-        RANK_TILES=rank_tiles, A_ALIGNED=a_aligned, SHRINK_ROWS=cfg.shrink_rows, DOWN_SHRINK=not down_shrink_launch,
-        TMA=w13_desc is not None, **common,
+        RANK_TILES=rank_tiles, CHUNKS=chunks_gate_up, A_ALIGNED=a_aligned, SHRINK_ROWS=cfg.shrink_rows,
+        DOWN_SHRINK=not down_shrink_launch, TMA=w13_desc is not None, **common, **({} if chunks_gate_up else regs),
     )
     if down_shrink_launch:
         down_shrink_kernel[(max_segs,)](
@@ -157,7 +160,8 @@ def fused_moe_triton(
         blocks.num_rows, slots, ranks, hd, bd, topk.ids, counters, y,
         num_pairs, top_k, hidden, inter, num_slots, num_experts, num_hd_parts,
         h.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *bd_strides, y.stride(0),
-        BLOCK_N=cfg.block_n_down, BLOCK_R=block_r, RANK_TILES=rank_tiles, TMA=w2_desc is not None, **common,
+        BLOCK_N=cfg.block_n_down, BLOCK_R=block_r, RANK_TILES=rank_tiles, CHUNKS=chunks_down, TMA=w2_desc is not None,
+        **common, **({} if chunks_down else regs),
     )
     if not cfg.pair_blocks:
         block_h = min(1024, triton.next_power_of_2(hidden))

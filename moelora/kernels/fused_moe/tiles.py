@@ -91,6 +91,30 @@ def next_run_slot(slot, start, s, num_slots):
 
 
 @triton.jit
+def run_chunk_steps(row_rank, start, RC: tl.constexpr):
+    """How many steps a LoRA loop over a block's runs in rank chunks of RC takes (slot_runs' `start`; row_rank: each
+    row's rank): cdiv(rank, RC) steps a run, at least one, so a block's LoRA work follows the ranks of its runs, not
+    the largest one in the block or the slot buffers."""
+    return tl.sum(tl.where(start, tl.maximum(tl.cdiv(row_rank, RC), 1), 0), axis=0)
+
+
+@triton.jit
+def next_chunk_step(s, c, rank, slot, start, num_slots, RC: tl.constexpr):
+    """The (run slot, rank chunk) after chunk c of slot s's run, whose rank is `rank` (run_chunk_steps)."""
+    last = (c + 1) * RC >= rank
+    return tl.where(last, next_run_slot(slot, start, s, num_slots), s), tl.where(last, 0, c + 1)
+
+
+@triton.jit
+def one_part(part_ptr, pair, rows, row_stride, R: tl.constexpr):
+    """part[pair, 0, :R] for the rows in `rows` (0 elsewhere): partials of one part (reduce_partials' sums), in a
+    load, where sum_partials is a loop (a loop inside the LoRA steps' loop would keep that from pipelining)."""
+    offs_r = tl.arange(0, R)
+    return tl.load(part_ptr + (pair.to(tl.int64) * row_stride)[:, None] + offs_r[None, :], mask=rows[:, None],
+                   other=0.0)
+
+
+@triton.jit
 def lora_rank(ranks_ptr, proj, s, e, num_slots, num_experts):
     """Real rank of projection `proj` (0 gate, 1 up, 2 down) for slot s and expert e, both in range (0: not
     covered)."""
