@@ -458,14 +458,19 @@ def test_pair_blocks_past_the_ready_counters(device, monkeypatch):
                   config=dataclasses.replace(default_config(1, 2, 4, DTYPES[0], lora=True), pair_blocks=True))
 
 
-@pytest.mark.parametrize("tokens, slot_ranks, with_lora, cap", [
-    (1, SLOT_RANKS, True, 128), (48, SLOT_RANKS, True, None), (8, SLOT_RANKS, True, None), (1, [16, 8], True, None),
-    (1, SLOT_RANKS, False, None), (48, SLOT_RANKS, False, None)])
-def test_register_cap_and_pdl_reach_the_gemm_launches(tokens, slot_ranks, with_lora, cap, device, monkeypatch):
-    """Pair blocks (T = 1 here) cap the GEMM kernels' registers (MoEKernelConfig.max_registers) when they hold the
-    epilogues of rank tiles past the smallest, so those do not set every program's occupancy; aligned blocks (T = 8,
-    48: their LoRA in 16-rank steps), the smallest rank tile alone and no LoRA leave the compiler's choice. All
-    launch with PDL where the device has it (here it is made to)."""
+@pytest.mark.parametrize("tokens, hidden, slot_ranks, with_lora, caps", [
+    (1, 64, SLOT_RANKS, True, (128, 128)), (48, 600, SLOT_RANKS, True, (168, None)),
+    (48, 64, SLOT_RANKS, True, (None, None)), (8, 64, SLOT_RANKS, True, (None, None)),
+    (1, 64, [16, 8], True, (None, None)), (48, 600, [16, 8], True, (None, None)),
+    (1, 64, SLOT_RANKS, False, (None, None)), (48, 64, SLOT_RANKS, False, (None, None))])
+def test_register_cap_and_pdl_reach_the_gemm_launches(tokens, hidden, slot_ranks, with_lora, caps, device,
+                                                      monkeypatch):
+    """Pair blocks (T = 1 here) and blocks of 32 rows (T = 48: 24 rows an expert) cap a GEMM kernel's registers
+    (MoEKernelConfig.max_registers) when it holds the epilogues of rank tiles past the smallest, so those do not set
+    every program's occupancy. A kernel whose LoRA partials are one part runs in 16-rank steps and holds none: at
+    T = 48 the gate_up kernel's xa has two K splits with a hidden size of 600 (one with 64), the down kernel's one
+    part of I = 32 either way. Blocks of 16 rows (T = 8), the smallest rank tile alone and no LoRA leave the
+    compiler's choice. All launch with PDL where the device has it (here it is made to)."""
     launches = []
     real_pdl = pdl_launch(torch.device(device))
 
@@ -482,14 +487,14 @@ def test_register_cap_and_pdl_reach_the_gemm_launches(tokens, slot_ranks, with_l
 
     for name in ("pair_shrink_kernel", "shrink_kernel", "gate_up_kernel", "down_kernel", "moe_sum_kernel"):
         monkeypatch.setattr(launcher, name, Recorder(name))
-    x, w13, w2, topk, lora, slots = _case(tokens, 64, 32, 4, 2, DTYPES[0], device, slot_ranks=slot_ranks)
+    x, w13, w2, topk, lora, slots = _case(tokens, hidden, 32, 4, 2, DTYPES[0], device, slot_ranks=slot_ranks)
     lora = lora if with_lora else None
     cfg = default_config(tokens, 2, 4, DTYPES[0], lora=with_lora)
     expected = fused_moe(x, w13, w2, topk, lora, slots, impl="torch")
     monkeypatch.setattr(launcher, "pdl_launch", lambda _: {"PDL": True, "launch_pdl": True})
     got = fused_moe(x, w13, w2, topk, lora, slots, impl="triton", config=cfg)
     assert_rows_close(got, expected, rel_tolerance(DTYPES[0], device))
-    assert launches == [(cap, True, True)] * 2
+    assert launches == [(cap, True, True) for cap in caps]
 
 
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], SHAPES[3]])
