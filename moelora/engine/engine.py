@@ -338,9 +338,13 @@ class Engine:
         if req is None:
             return False
         req.finish_reason = reason
-        self.stepper.retire(req)
-        self._aborted.append(StepOutput(rid, [], "", True, reason, [], len(req.prompt_ids), len(req.output_ids),
-                                        cached_tokens=req.cached_prompt_tokens))
+        try:
+            self.stepper.retire(req)
+        except Exception:  # an engine fault, not the caller's (accounting_error tells what stays held)
+            logger.exception("releasing what request %s holds failed", rid)
+        finally:  # it ended: the next step reports it, whatever its release raised
+            self._aborted.append(StepOutput(rid, [], "", True, reason, [], len(req.prompt_ids), len(req.output_ids),
+                                            cached_tokens=req.cached_prompt_tokens))
         return True
 
     def has_unfinished(self) -> bool:

@@ -26,9 +26,11 @@ prompt, held while it holds cache, and admission counts the cached slots no requ
 evicted for prompts and decode rows before any request is retracted; a finished request's tokens go to the cache.
 
 A step is planned first and allocated second, request by request: a request leaves `waiting` (or
-takes its next chunk) only together with its row and KV slots, and one whose allocation raises is
-dropped with everything it held and reported in the batch's `failed`, so an exception at any point
-leaves the accounting exact and costs only that request.
+takes its next chunk) only together with its row and KV slots, and one whose planning (its retraction, its
+cached prefix's match and admission) or allocation raises is dropped with everything it held and reported in the
+batch's `failed`, so an exception at any point leaves the accounting exact and costs only that request. A
+request's release (_free) takes each thing it holds off it before giving it back, so a release that raises
+part-way gives back the rest all the same and nothing twice.
 """
 from __future__ import annotations
 
@@ -86,6 +88,7 @@ class Scheduler:
         # the requests the last schedule() took out of their queues or gave cache: where it raised (an interrupt
         # between two of them), those it had not put anywhere yet are in no queue, and the caller ends them
         self.taken: list[Req] = []
+        self._dropped: list[tuple[Req, Exception]] = []  # requests the last schedule() dropped while planning
 
     def add(self, req: Req) -> None:
         req.arrival_order = next(self._arrivals)
@@ -101,16 +104,17 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """The next step: the running requests' decode rows, then prompt pieces (enable_mixed_chunk), or
         prompt pieces alone while any can run, else the decode rows; None if nothing can run."""
-        self.taken = []
+        self.taken, self._dropped = [], []
         decode = self._decode_rows()
         prefill, extend_lens = self._plan_prefill(len(decode) if self.config.enable_mixed_chunk else 0)
         stalled = 0
         if prefill and not self.config.enable_mixed_chunk:
             decode, stalled = [], len(decode)
-        if not decode and not prefill:
+        if not decode and not prefill and not self._dropped:
             return None
         batch = self._allocate(decode + prefill, [1] * len(decode) + extend_lens, len(decode))
         batch.num_stalled = stalled
+        batch.failed[:0] = self._dropped
         return batch
 
     def start_decoding(self, batch: ScheduledBatch) -> None:
@@ -186,7 +190,10 @@ class Scheduler:
             victim = self.running[-1] if self.config.scheduling_policy == "fcfs" else max(self.running, key=_order)
             self.taken.append(victim)
             self.running.remove(victim)
-            self._retract(victim)
+            try:
+                self._retract(victim)
+            except Exception as e:  # whatever it is, it is this request's
+                self._drop(victim, e)
             self._reclaim(self._promised() + len(self.running))  # (the prefix it held may be enough)
         return [r for r in self.running if r.num_generated < r.params.max_tokens]
 
@@ -212,9 +219,14 @@ class Scheduler:
                     break
                 passed.append(req)
                 continue
-            if is_new and req.lora is not None and self.adapter_ready is not None and not self.adapter_ready(req.lora):
-                continue  # on its way into a slot
-            cached, node = self._match(req) if is_new else (None, None)
+            try:
+                if (is_new and req.lora is not None and self.adapter_ready is not None
+                        and not self.adapter_ready(req.lora)):
+                    continue  # on its way into a slot
+                cached, node = self._match(req) if is_new else (None, None)
+            except Exception as e:  # whatever it is, it is this request's
+                self._drop(req, e)
+                continue
             locks = self.cache.lock_cost(node) if node is not None else 0
             remaining = req.num_tokens - (cached.numel() if node is not None else req.kv_len)
             # a prompt starts only when all of it fits, keeping one decode slot for every request (the next
@@ -227,7 +239,11 @@ class Scheduler:
             if n <= 0:
                 break
             if is_new and self.cache is not None:
-                self._admit(req, cached, node)
+                try:
+                    self._admit(req, cached, node)
+                except Exception as e:
+                    self._drop(req, e)
+                    continue
                 free -= locks
             reqs.append(req)
             extend_lens.append(n)
@@ -266,6 +282,11 @@ class Scheduler:
             new.append(slots)
         batch.out_slots = torch.cat([batch.out_slots, *new])
         return batch
+
+    def _drop(self, req: Req, e: Exception) -> None:
+        """A request whose planning raised: out of its queue, what it holds freed, reported in the batch's `failed`."""
+        self.remove(req)
+        self._dropped.append((req, e))
 
     def _match(self, req: Req) -> tuple[torch.Tensor | None, object]:
         """The cached slots of the longest start of a new request's prompt (but its last token, whose logits it
@@ -328,19 +349,30 @@ class Scheduler:
 
     def _free(self, req: Req, keep: bool = False) -> None:
         """Free the request's cache: a finished one's computed tokens (or, `keep`, a retracted one's) go to the
-        prefix cache, the slots they duplicate and the rest to the pool; its cached prefix stays cached."""
-        own = req.kv_slots[req.cached_len:]
-        if req.prefix_key is not None and (keep or req.finish_reason in ("stop", "length")):
-            n = min(req.kv_len, len(req.prompt_ids) + len(req.output_ids) - 1)  # the last token's keys: not computed
-            own = torch.cat([self.cache.insert(req.prefix_key, req.token_ids(0, n), req.kv_slots[:n]),
-                             req.kv_slots[n:]])
-        self.pool.free(own)
-        if req.prefix_node is not None:
-            self.cache.unlock(req.prefix_node)
-        req.kv_slots, req.cached_len, req.prefix_node, req.prefix_key = req.kv_slots[:0], 0, None, None
-        if req.row is not None:
-            self.pool.free_row(req.row)
-            req.row = None
+        prefix cache, the slots they duplicate and the rest to the pool; its cached prefix stays cached. Each thing
+        it holds is taken off it first, and each is given back whatever the others' release raises (which then
+        propagates): nothing is kept, nothing given back twice."""
+        n = min(req.kv_len, len(req.prompt_ids) + len(req.output_ids) - 1)  # the last token's keys: not computed
+        slots, cached_len, node, key, row = req.kv_slots, req.cached_len, req.prefix_node, req.prefix_key, req.row
+        req.kv_slots, req.cached_len, req.prefix_node, req.prefix_key, req.row = slots[:0], 0, None, None, None
+        own = slots[cached_len:]
+        try:
+            if key is not None and (keep or req.finish_reason in ("stop", "length")):
+                try:
+                    own = torch.cat([self.cache.insert(key, req.token_ids(0, n), slots[:n]), slots[n:]])
+                except BaseException:  # what the tree took before it raised is the tree's
+                    own = own[~torch.isin(own, self.cache.slots())]
+                    raise
+        finally:
+            try:
+                self.pool.free(own)
+            finally:
+                try:
+                    if node is not None:
+                        self.cache.unlock(node)
+                finally:
+                    if row is not None:
+                        self.pool.free_row(row)
 
 
 def _order(req: Req) -> tuple[int, int]:

@@ -171,7 +171,7 @@ class Stepper:
                 "the scheduler found nothing to run for its unfinished requests"
             outputs += self._read(prev, []) if prev is not None else []
             return
-        outputs += [self.fail(req, f"allocating its KV cache failed: {_describe(e)}") for req, e in batch.failed]
+        outputs += [self.fail(req, f"scheduling it failed: {_describe(e)}") for req, e in batch.failed]
         if batch.reqs:
             self._count(batch, scheduled)
         if self.overlap and batch.reqs:
@@ -188,10 +188,13 @@ class Stepper:
             outputs += self._run_isolated(batch if len(live) == len(batch.reqs) else batch.subset(live), batch.reqs)
 
     def retire(self, req: Req) -> None:
-        """Release the request's cache, row, grammar and adapter reference (each once, whatever was released)."""
-        self.scheduler.remove(req)
-        req.grammar = None
-        self._release_adapter(req)
+        """Release the request's cache, row, grammar and adapter reference (each once, whatever was released, and
+        each whatever the others' release raises)."""
+        try:
+            self.scheduler.remove(req)
+        finally:
+            req.grammar = None
+            self._release_adapter(req)
 
     def _release_adapter(self, req: Req) -> None:
         if req.holds_adapter:
@@ -345,20 +348,26 @@ class Stepper:
             if len(req.prompt_logprob_entries) == start:  # not when a retracted request computes its prompt again
                 req.prompt_logprob_entries += entries
                 req.prompt_logprob_ranks += ranks
+        outputs: list[StepOutput] = []
         try:
-            outputs = self._append_tokens(result.sampled, launched.tokens) if launched.tokens is not None else []
-            for i, logprobs in result.prompt_logprobs.items():
-                batch.reqs[i].prompt_logprobs.append(logprobs)
-        finally:  # the requests that ended here release what they hold, whatever raised after their end
-            self._retire_all([r for r in batch.reqs if r.finished and r not in ended])
+            try:
+                if launched.tokens is not None:
+                    self._append_tokens(result.sampled, launched.tokens, outputs)
+                for i, logprobs in result.prompt_logprobs.items():
+                    batch.reqs[i].prompt_logprobs.append(logprobs)
+            finally:  # the requests that ended here release what they hold, whatever raised after their end
+                self._retire_all([r for r in batch.reqs if r.finished and r not in ended])
+        except BaseException:  # the outputs made before it (ends among them) go out with the step's
+            self._produced += outputs
+            raise
         self.stats.seconds["postprocess"] += time.perf_counter() - copied
         return outputs
 
-    def _append_tokens(self, reqs: list[Req], tokens: SampleOutput) -> list[StepOutput]:
+    def _append_tokens(self, reqs: list[Req], tokens: SampleOutput, outputs: list[StepOutput]) -> None:
+        """Each request's token appended, its output added to `outputs` as it is made."""
         ids, logprobs = tokens.token_ids.tolist(), tokens.logprobs.tolist()
         top_ids = tokens.top_ids.tolist() if tokens.top_ids is not None else None
         top_logprobs = tokens.top_logprobs.tolist() if tokens.top_logprobs is not None else None
-        outputs = []
         for i, req in enumerate(reqs):
             if req.finished:  # aborted while its step ran ahead (overlap scheduling): the token is dropped
                 continue
@@ -389,7 +398,6 @@ class Stepper:
                 out.prompt_token_ids, out.prompt_logprobs = list(req.prompt_ids), [None, *req.prompt_logprob_entries]
                 out.prompt_logprob_ranks = [None, *req.prompt_logprob_ranks]
             outputs.append(out)
-        return outputs
 
 
 def _copy_to_host(tokens: SampleOutput) -> tuple[SampleOutput, torch.cuda.Event | None]:

@@ -42,6 +42,16 @@ def drain(engine) -> dict[str, list]:
     return outputs
 
 
+def assert_serves_on(engine, solo: list[list[int]]) -> None:
+    """Everything released; the engine serves the whole batch again, each request its tokens alone, and no adapter
+    reference is left behind (the adapter leaves at once)."""
+    assert_released(engine)
+    assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS, lora=LORAS)] == solo
+    engine.unload_lora("partial")
+    assert "partial" not in engine.runner.lora.names
+    assert_released(engine)
+
+
 def inject(engine, victim, stage: str, when: str, monkeypatch) -> None:
     """Make `stage` raise whenever it works on the victim at `when` (its prefill, or a decode step)."""
     def due() -> bool:
@@ -189,10 +199,10 @@ def test_a_step_whose_tokens_cannot_be_read_fails_its_requests_and_is_not_run_ag
     first = engine.scheduler.find(victims[0])
     append_tokens = engine.stepper._append_tokens
 
-    def unreadable(reqs, tokens):
+    def unreadable(reqs, tokens, outputs):
         if first in reqs and not first.finished:  # the step of the new prompts, which run in a step of their own
             raise Injected("reading the tokens failed")
-        return append_tokens(reqs, tokens)
+        return append_tokens(reqs, tokens, outputs)
     monkeypatch.setattr(engine.stepper, "_append_tokens", unreadable)
     drained = drain(engine)
     for rid in victims:
@@ -219,7 +229,7 @@ def test_a_device_error_reading_a_step_fails_the_prompts_of_a_launch_that_failed
             raise Injected("launch fault")
         return logits(batch)
 
-    def device_error(reqs, tokens):
+    def device_error(reqs, tokens, outputs):
         raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
     monkeypatch.setattr(engine.runner, "logits", failing_launch)
     monkeypatch.setattr(engine.stepper, "_append_tokens", device_error)
@@ -261,11 +271,7 @@ def test_an_interrupt_in_a_step_ends_its_requests_and_leaves_the_engine_serving(
     monkeypatch.undo()
     while engine.has_unfinished():  # a step left in flight (overlap) reads as usual
         engine.step()
-    assert_released(engine)
-    assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS, lora=LORAS)] == solo
-    engine.unload_lora("partial")  # no reference left behind: the adapter leaves at once
-    assert "partial" not in engine.runner.lora.names
-    assert_released(engine)
+    assert_serves_on(engine, solo)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
@@ -313,10 +319,7 @@ def test_an_interrupt_while_scheduling_ends_the_requests_it_took(make_engine, so
         held = [rids.index(rid) for rid in running[0]]
         assert len(held) > 1 and calls[0] == rids[max(held, key=lambda i: (priorities[i], i))], (calls, held)
     assert set(outputs) <= set(rids)
-    assert_released(engine)
-    assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS, lora=LORAS)] == solo
-    engine.unload_lora("partial")  # no reference left behind: the adapter leaves at once
-    assert "partial" not in engine.runner.lora.names
+    assert_serves_on(engine, solo)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
@@ -417,4 +420,96 @@ def test_the_outputs_a_step_made_before_a_fault_are_reported(make_engine, monkey
     assert [t for o in mine for t in o.token_ids] == alone.token_ids
     assert [o.finish_reason for o in mine if o.finished] == [alone.finish_reason]
     assert [o.finished for o in outputs[rids[1]]].count(True) == 1
+    assert_released(engine)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("fault", [Injected, KeyboardInterrupt])
+@pytest.mark.parametrize("where", ["insert", "free", "unlock"])
+def test_a_release_that_raises_part_way_gives_back_the_rest_once(make_engine, solo, monkeypatch, where, fault,
+                                                                   overlap):
+    """Prefix caching, every prompt cached: the release of the victim's cache raises once, where its tokens go into
+    the prefix cache, where its own slots go back to the pool, or where its cached prefix is unlocked (an engine
+    fault, or Ctrl-C). What the release did not reach is given back all the same and nothing twice (a KV slot
+    given back twice goes to two requests), the adapter reference too: all that stays out is what the raising call
+    itself was handed (given back here by hand, the accounting is exact). Every request gets its one end (the
+    victim its own, those an interrupted step had not finished an error, from the next step), and the engine serves
+    on."""
+    engine = make_engine(FAMILY, disable_overlap_schedule=not overlap, enable_prefix_caching=True)
+    assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS, lora=LORAS)] == solo
+    scheduler, faults = engine.scheduler, []
+    owner = {"insert": scheduler.cache, "free": scheduler.pool, "unlock": scheduler.cache}[where]
+    real = getattr(owner, where)
+    rids = [engine.add_request(p, sp, lora=a) for p, sp, a in zip(PROMPTS, PARAMS, LORAS)]
+    victim = scheduler.find(rids[VICTIM])
+
+    def once(*args):
+        if victim.finished and not faults:
+            faults.append(args)
+            raise fault(f"{where} fault")
+        return real(*args)
+    monkeypatch.setattr(owner, where, once)
+    outputs: dict[str, list] = {}
+    while engine.has_unfinished():
+        try:
+            for out in engine.step():
+                outputs.setdefault(out.rid, []).append(out)
+        except KeyboardInterrupt:
+            assert fault is KeyboardInterrupt
+    assert len(faults) == 1
+    for i, rid in enumerate(rids):
+        ends = [o for o in outputs[rid] if o.finished]
+        assert len(ends) == 1, (i, ends)
+        if ends[0].finish_reason == "length":  # (an interrupt ends the requests of its step with an error)
+            assert [t for o in outputs[rid] for t in o.token_ids] == solo[i], i
+    assert outputs[rids[VICTIM]][-1].finish_reason == "length"  # (it had finished: its release raised)
+    free = scheduler.pool._free_slots
+    assert free.unique().numel() == free.numel(), "a KV slot given back twice"
+    if where != "insert":  # the slots pool.free was handed, or the cached prefix unlock was
+        real(*faults[0])
+    monkeypatch.undo()
+    assert_serves_on(engine, solo)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("where", ["_match", "_admit", "adapter_ready", "_retract"])
+def test_a_fault_planning_one_request_fails_it_alone(make_engine, solo, monkeypatch, where, overlap):
+    """A fault while the scheduler plans one request's step (matching or admitting its cached prefix, asking whether
+    its adapter is in its slot, retracting it for its KV slots) is that request's: it ends with the error and what it
+    held is freed; the requests beside it, decoding or newly come, finish with their tokens alone (the fault failed
+    the whole step, and the running requests with it)."""
+    engine = make_engine(FAMILY, disable_overlap_schedule=not overlap, enable_prefix_caching=where != "adapter_ready",
+                         enable_lora_overlap_loading=where == "adapter_ready",
+                         **({"max_total_tokens": 40} if where == "_retract" else {}))
+    scheduler, faults = engine.scheduler, []
+    rids = [engine.add_request(p, sp, lora=a) for p, sp, a in zip(PROMPTS[:VICTIM], PARAMS, LORAS)]
+    outputs: dict[str, list] = {}
+    for _ in range(3):  # they decode when the victim comes
+        for out in engine.step():
+            outputs.setdefault(out.rid, []).append(out)
+    rids += [engine.add_request(p, sp, lora=a) for p, sp, a in zip(PROMPTS[VICTIM:], PARAMS[VICTIM:], LORAS[VICTIM:])]
+    victim = scheduler.find(rids[VICTIM])
+    real = getattr(scheduler, where)
+
+    def failing(*args):
+        if where == "_retract":  # the first request retracted, whichever it is
+            due = not faults or args[0] is faults[0]
+        else:
+            due = (args[0] is victim or args[0] == victim.lora) and not victim.finished
+        if due:
+            faults.append(args[0])
+            raise Injected(f"{where} fault")
+        return real(*args)
+    monkeypatch.setattr(scheduler, where, failing)
+    for rid, outs in drain(engine).items():
+        outputs.setdefault(rid, []).extend(outs)
+    assert faults, "the victim was never planned there"
+    failed = rids.index(faults[0].rid) if where == "_retract" else VICTIM
+    for i, rid in enumerate(rids):
+        last = outputs[rid][-1]
+        if i == failed:
+            assert last.finish_reason == "error" and last.error == f"scheduling it failed: Injected: {where} fault"
+        else:
+            assert last.finish_reason == "length" and last.error is None, (i, last)
+            assert [t for o in outputs[rid] for t in o.token_ids] == solo[i], i
     assert_released(engine)
