@@ -392,6 +392,12 @@ class Engine:
             return params
         return replace(params, stop_token_ids=(*params.stop_token_ids, *extra))
 
+    def check_prompt_length(self, num_tokens: int) -> None:
+        """PromptError unless a prompt of num_tokens tokens leaves the context room for a new token."""
+        if num_tokens >= self.context_len:
+            raise PromptError(f"the prompt has {num_tokens} tokens, the context holds {self.context_len} (prompt + at "
+                              "least 1 new token)")
+
     def check_token_ids(self, ids: Sequence[int]) -> None:
         """PromptError unless every id of a prompt is an int in [0, vocab_size)."""
         if {int}.issuperset(map(type, ids)) and (not ids or 0 <= min(ids) and max(ids) < self.vocab_size):
@@ -562,16 +568,14 @@ class Engine:
         spec = params.structured_output
         for name, token_ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias),
                                 ("allowed_token_ids", params.allowed_token_ids),
-                                ("structured_output.reasoning_end", [spec and spec.reasoning_end]),
-                                ("structured_output.reasoning_start", [spec and spec.reasoning_start])):
-            bad = [t for t in token_ids or () if t is not None and t >= self.vocab_size]
-            if bad:
+                                ("structured_output.reasoning_end", [spec and spec.reasoning_end or -1]),
+                                ("structured_output.reasoning_start", [spec and spec.reasoning_start or -1])):
+            largest = max(token_ids or (), default=-1)  # (at C speed: a logit_bias may hold the whole vocabulary)
+            if largest >= self.vocab_size:
                 raise ValueError(f"SamplingParams.{name} must be token ids below the vocabulary size "
-                                 f"{self.vocab_size}, got {bad[0]}")
+                                 f"{self.vocab_size}, got {largest}")
+        self.check_prompt_length(len(ids))
         context = self.runner.context_len
-        if len(ids) >= context:
-            raise PromptError(f"the prompt has {len(ids)} tokens, the context holds {context} (prompt + at least 1 new "
-                              "token)")
         if params.max_tokens is None:
             params = replace(params, max_tokens=context - len(ids))
         elif len(ids) + params.max_tokens > context:  # as vLLM: refused, not cut

@@ -1,9 +1,11 @@
 """Per-request sampling options, with vLLM/SGLang semantics."""
 from __future__ import annotations
 
+import copy
 import json
 import math
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -120,10 +122,14 @@ class SamplingParams:
 
     def for_sequence(self, k: int) -> SamplingParams:
         """The params of the k-th of the n sequences: n=1, and with a seed, seed + k (wrapping in int64)."""
-        if k == 0 and self.n == 1:  # (itself: a copy would check every field again, a whole vocabulary's logit_bias)
+        if k == 0 and self.n == 1:
             return self
-        seed = None if self.seed is None else (self.seed + k - _INT64[0]) % 2**64 + _INT64[0]
-        return replace(self, n=1, seed=seed)
+        # a copy that shares the checked fields (they are never changed in place): replace() would check every field
+        # again, a whole vocabulary's logit_bias for each of n sequences
+        params = copy.copy(self)
+        params.n = 1
+        params.seed = None if self.seed is None else (self.seed + k - _INT64[0]) % 2**64 + _INT64[0]
+        return params
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and its value."""
@@ -145,7 +151,7 @@ class SamplingParams:
         stop_chars = sum(map(len, self.stop))
         _check(stop_chars <= MAX_STOP_CHARS, "stop", f"{stop_chars} characters",
                f"at most {MAX_STOP_CHARS} characters in all")
-        for t in self.stop_token_ids:
+        for t in () if _plain_token_ids(self.stop_token_ids) else self.stop_token_ids:
             _check(_is_int64(t) and t >= 0, "stop_token_ids", t, "an int >= 0")
         _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an int >= 1")
         for name in ("logprobs", "prompt_logprobs"):
@@ -158,7 +164,8 @@ class SamplingParams:
                    f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
         _check(_is_float32(self.repetition_penalty, positive=True), "repetition_penalty", self.repetition_penalty,
                "a number > 0 that fits in float32 (and is > 0 there)")
-        for token, bias in self.logit_bias.items():
+        fine = _plain_token_ids(self.logit_bias) and _biases(self.logit_bias.values())
+        for token, bias in () if fine else self.logit_bias.items():
             _check(_is_int64(token) and token >= 0, "logit_bias", token, "keyed by token ids (ints >= 0)")
             _check(_is_real(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS, "logit_bias", bias,
                    f"values in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
@@ -168,7 +175,7 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             _check(len(self.allowed_token_ids) > 0, "allowed_token_ids", list(self.allowed_token_ids),
                    "None or a non-empty list of token ids")
-            for t in self.allowed_token_ids:
+            for t in () if _plain_token_ids(self.allowed_token_ids) else self.allowed_token_ids:
                 _check(_is_int64(t) and t >= 0, "allowed_token_ids", t, "token ids (ints >= 0)")
         _check(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
                "structured_output", self.structured_output, "None or a StructuredOutput")
@@ -186,6 +193,25 @@ def check_text(text: str, what: str) -> None:
     except UnicodeEncodeError as e:
         raise ValueError(f"{what} is not valid Unicode: {text[e.start:e.end]!a} at position {e.start} is a lone "
                          "surrogate") from None
+
+
+def _plain_token_ids(ids: Collection) -> bool:
+    """Whether every id is a plain int in [0, 2**63), without a loop in Python (a logit_bias may hold the whole
+    vocabulary, and every copy of the params checks it): where not, the caller's checks of each id name the bad one."""
+    return not ids or set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < _INT64[1]
+
+
+def _biases(values: Collection) -> bool:
+    """Whether every value is a plain int or float in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as _plain_token_ids checks."""
+    if not values:
+        return True
+    if not set(map(type, values)) <= {int, float}:
+        return False
+    try:
+        finite = all(map(math.isfinite, values))
+    except OverflowError:  # an int past a float's range
+        return False
+    return finite and -MAX_LOGIT_BIAS <= min(values) and max(values) <= MAX_LOGIT_BIAS
 
 
 def _is_int(v: object) -> bool:

@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 _ANY_OBJECT = '{"type": "object"}'
+# a JSON schema nested deeper is refused: compiling one of 800 levels took xgrammar 24 s, of the server's threads
+# (a schema in a request's JSON is held to the same depth by the server's body check)
+MAX_SCHEMA_NESTING = 128
 # xgrammar's cache of compiled grammars, least recently used first out: each distinct grammar a client sends stays
 # there (about its vocabulary's size in masks), which unbounded grows without end (512 MiB: vLLM's default)
 GRAMMAR_CACHE_BYTES = 512 << 20
@@ -83,6 +86,8 @@ class GrammarBackend:
                 schema = json.loads(spec.spec)
                 if not isinstance(schema, dict):
                     raise ValueError(f"a JSON schema is an object, got {type(schema).__name__}")
+                if _nesting(schema) > MAX_SCHEMA_NESTING:  # xgrammar's compile time grows steeply with it
+                    raise ValueError(f"it is nested deeper than {MAX_SCHEMA_NESTING} lists and objects")
                 return compiler.compile_json_schema(spec.spec, any_whitespace=False)
             if spec.kind == "json_object":  # not strict: any properties
                 return compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
@@ -120,6 +125,18 @@ class GrammarBackend:
                                                                stop_token_ids=self._stop_token_ids or None)
                 self._compiler = xgrammar.GrammarCompiler(info, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
             return self._compiler
+
+
+def _nesting(value: Any) -> int:
+    """How deep lists and objects nest in a parsed JSON value (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if items is not None:
+            deepest = max(deepest, depth)
+            stack += [(item, depth + 1) for item in items if isinstance(item, (dict, list))]
+    return deepest
 
 
 def _ebnf_literal(text: str) -> str:

@@ -56,6 +56,8 @@ logger = logging.getLogger(__name__)
 # at shutdown, after the drain: uvicorn's wait for the connections still open. The responses of requests that
 # finished in the drain are still being written then (5 s cut some on a loaded 2-core CI machine)
 CLOSE_SECONDS = 30.0
+# FastAPI's 400 for a body its JSON parser raised on with other than a JSONDecodeError (the reason is not kept)
+FASTAPI_PARSE_ERROR = "There was an error parsing the body"
 # a request body's bytes past this are a 413 (BodyLimit): 100 MiB holds a batch of hundreds of long prompts
 MAX_REQUEST_BYTES = 100 << 20
 
@@ -511,11 +513,12 @@ class OpenAIServing:
         if self.loop.engine.tokenizer is None:
             raise APIError(400, f"echo needs a tokenizer: {self.loop.engine.missing_tokenizer}", param="echo")
         ids = [p for p in prompts if not isinstance(p, str)]
-        for p in ids:  # before the tokenizer sees them: ids outside its integers make it raise (OverflowError)
-            try:
+        for p in ids:  # before the tokenizer sees them: ids outside its integers make it raise (OverflowError), and
+            try:  # decoding millions of ids the engine then refuses would hold the tokenize thread for seconds
                 self.loop.engine.check_token_ids(p)
+                self.loop.engine.check_prompt_length(len(p))
             except PromptError as e:
-                raise APIError(400, str(e), param=field) from e
+                raise bad_value(e, {"prompt": field}) from e
         decoded = iter(await self.loop.run_tokenize(lambda: [self.loop.engine.tokenizer.decode(p) for p in ids]) if ids
                        else [])
         return [p if isinstance(p, str) else next(decoded) for p in prompts]
@@ -762,6 +765,10 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
+        if e.status_code == 400 and e.detail == FASTAPI_PARSE_ERROR:  # FastAPI's, for what Python's parser raised on
+            return error_response(400, ErrorInfo(
+                message="the request body could not be parsed as JSON (an integer of more than 4300 digits, or lists "
+                        "and objects nested thousands deep)", type="invalid_request_error", code="invalid_json"))
         return error_response(e.status_code, ErrorInfo(message=str(e.detail), type="invalid_request_error"))
 
     return app

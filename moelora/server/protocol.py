@@ -1,10 +1,12 @@
 """Request and response bodies of the OpenAI API (completions, chat completions, models), the
 adapter-management routes, and OpenAI's error shape. Pydantic checks types; SamplingParams checks
 ranges, so the rules live in one place. Every string of a request body, unknown fields included,
-must be valid Unicode (JSON can carry lone surrogates, which no tokenizer or response can)."""
+must be valid Unicode (JSON can carry lone surrogates, which no tokenizer or response can), and every number
+finite (JSON has no NaN or Infinity, which Python's parser reads: echoed back, they made the answer invalid JSON)."""
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any, ClassVar, Literal, get_args
 
@@ -66,8 +68,8 @@ class StructuredOutputs(BaseModel):
 
 
 class RequestBody(BaseModel):
-    """A request body: every string in it, at any depth, must encode as UTF-8; a null stands for the field's
-    default."""
+    """A request body: every string in it, at any depth, must encode as UTF-8 and every number be finite; a null
+    stands for the field's default."""
 
     @model_validator(mode="before")
     @classmethod
@@ -86,13 +88,17 @@ class RequestBody(BaseModel):
     def _unicode(cls, data: Any) -> Any:
         if isinstance(data, dict):
             try:
-                path = _first_bad_string(data)
+                bad = _first_bad_value(data)
             except NestingError as e:
                 raise PydanticCustomError("too_deep", "{message}",
                                           {"message": str(e), "param": str(e.path[0])}) from None
-            if path is not None:
-                raise PydanticCustomError("invalid_unicode", "{where} is not valid Unicode (a lone surrogate)",
-                                          {"where": _where(path), "param": str(path[0])})
+            if bad is not None:
+                path, value = bad
+                if isinstance(value, str):
+                    raise PydanticCustomError("invalid_unicode", "{where} is not valid Unicode (a lone surrogate)",
+                                              {"where": _where(path), "param": str(path[0])})
+                raise PydanticCustomError("not_finite", "{where} is {value}: JSON has no NaN or Infinity",
+                                          {"where": _where(path), "value": json.dumps(value), "param": str(path[0])})
         return data
 
 
@@ -118,11 +124,12 @@ def _where(path: tuple) -> str:
 _SCALARS = frozenset((int, float, bool, type(None)))  # what JSON gives besides strings, lists and objects
 
 
-def _first_bad_string(value: Any) -> tuple | None:
-    """Where the first string (or key) that cannot be encoded as UTF-8 is, None if there is none, in document
-    order. Iterative: nesting deeper than MAX_NESTING is a NestingError, before the validators and serialisers after
-    this one recurse into it (a RecursionError: a 500). It runs on the event loop, so a list of scalars (a prompt of
-    millions of token ids) is passed over at C speed and a path is made only for strings, lists and objects."""
+def _first_bad_value(value: Any) -> tuple[tuple, Any] | None:
+    """Where the first string (or key) that cannot be encoded as UTF-8, or number that is not finite, is, and it;
+    None if there is none, in document order. Iterative: nesting deeper than MAX_NESTING is a NestingError, before
+    the validators and serialisers after this one recurse into it (a RecursionError: a 500). It runs on the event
+    loop, so a list of scalars (a prompt of millions of token ids) is passed over at C speed, its numbers looked at
+    one by one only where a float is among them, and a path is made only for strings, lists and objects."""
     stack = [((), value)]
     while stack:
         path, value = stack.pop()
@@ -130,19 +137,35 @@ def _first_bad_string(value: Any) -> tuple | None:
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError:
-                return path
+                return path, value
             continue
+        if type(value) is float and not math.isfinite(value):
+            return path, value
         if not isinstance(value, (dict, list)) or not value:
             continue
         if len(path) >= MAX_NESTING:
             raise NestingError(path)
         if isinstance(value, dict):
-            if _SCALARS.issuperset(map(type, value.values())) and _all_encode(value):  # (a logit_bias of the vocabulary)
+            types = set(map(type, value.values()))
+            if (_SCALARS.issuperset(types) and (float not in types or _all_finite(value.values()))
+                    and _all_encode(value)):  # (a logit_bias of the vocabulary)
                 continue
             stack += reversed([c for key, item in value.items() for c in ((path + ("<key>",), key), (path + (key,), item))])
-        elif not _SCALARS.issuperset(map(type, value)):
-            stack += reversed([(path + (i,), item) for i, item in enumerate(value) if type(item) not in _SCALARS])
+        else:
+            types = set(map(type, value))
+            if _SCALARS.issuperset(types) and (float not in types or _all_finite(value)):
+                continue
+            stack += reversed([(path + (i,), item) for i, item in enumerate(value)
+                               if type(item) not in _SCALARS or type(item) is float])
     return None
+
+
+def _all_finite(scalars: Any) -> bool:
+    """Whether every float among the scalars is finite (an int is, however large), at C speed where it can."""
+    try:
+        return all(map(math.isfinite, scalars))
+    except (OverflowError, TypeError):  # an int past a float's range, a null: one by one
+        return all(type(v) is not float or math.isfinite(v) for v in scalars)
 
 
 def _all_encode(strings: Any) -> bool:
@@ -364,12 +387,14 @@ class FunctionCall(BaseModel):
             raise ValueError(f"the arguments are not valid JSON: {e}") from None
         except RecursionError:
             raise ValueError(f"the arguments are nested deeper than {MAX_NESTING} lists and objects") from None
-        try:  # the JSON's escapes can spell lone surrogates the text itself had not
-            bad = _first_bad_string(arguments)
+        try:  # the JSON's escapes can spell lone surrogates the text itself had not, and Python's parser reads NaN
+            bad = _first_bad_value(arguments)
         except NestingError:
             raise ValueError(f"the arguments are nested deeper than {MAX_NESTING} lists and objects") from None
         if bad is not None:
-            raise ValueError("the arguments are not valid Unicode (an escaped lone surrogate)")
+            raise ValueError("the arguments are not valid Unicode (an escaped lone surrogate)"
+                             if isinstance(bad[1], str) else
+                             f"the arguments hold {json.dumps(bad[1])}: JSON has no NaN or Infinity")
         return arguments
 
 

@@ -44,6 +44,12 @@ def test_defaults_are_valid_and_stop_is_normalised():
     ("logit_bias", {5: 101.0}),
     ("logit_bias", {-1: 1.0}),
     ("logit_bias", {"5": 1.0}),
+    ("logit_bias", {**{t: 1.0 for t in range(1000)}, 7: float("nan")}),  # past the checks without a Python loop
+    ("logit_bias", {**{t: 1.0 for t in range(2, 1000)}, True: 1.0}),
+    ("logit_bias", {**{t: 1.0 for t in range(1000)}, 9: 10**400}),
+    ("logit_bias", {**{t: 1.0 for t in range(1000)}, 2**63: 1.0}),
+    ("stop_token_ids", [*range(1000), 2**64]),
+    ("allowed_token_ids", [*range(1000), True]),
     ("min_tokens", -1),
     ("min_tokens", 17),  # above max_tokens=16
     ("allowed_token_ids", []),
@@ -89,3 +95,13 @@ def test_min_tokens_without_max_tokens():
     assert SamplingParams(max_tokens=None, min_tokens=10**6).min_tokens == 10**6
     with pytest.raises(ValueError, match=r"SamplingParams\.min_tokens must be an int >= 0, got -1"):
         SamplingParams(max_tokens=None, min_tokens=-1)
+
+
+def test_the_sequences_of_n_share_the_checked_fields_unchecked(monkeypatch):
+    """Each of the n sequences of a request is a copy of its params with n=1 and its own seed: checking every field
+    again for each (a whole vocabulary's logit_bias) held the server's event loop for seconds."""
+    params = SamplingParams(n=4, seed=2**63 - 2, logit_bias={t: 0.5 for t in range(1000)})
+    monkeypatch.setattr(SamplingParams, "validate", lambda self: pytest.fail("checked again"))
+    sequences = [params.for_sequence(k) for k in range(4)]
+    assert [s.seed for s in sequences] == [2**63 - 2, 2**63 - 1, -(2**63), -(2**63) + 1]
+    assert all(s.n == 1 and s.logit_bias is params.logit_bias for s in sequences) and params.n == 4

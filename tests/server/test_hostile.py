@@ -128,24 +128,29 @@ def test_a_json_body_without_its_content_type_is_told_so(server, content_type):
     assert post(server, "/v1/completions", OK).status_code == 200
 
 
-def test_the_first_bad_string_is_found_past_scalars_and_at_its_index():
+def test_the_first_bad_value_is_found_past_scalars_and_at_its_index():
     """The walk skips the numbers, booleans and nulls of a list (a prompt of token ids), and checks the keys of an
     object of such values at once (a logit_bias of the vocabulary), without losing the indices
     of what it does look at, in document order, keys before their values; a list of numbers nested too deep is
-    still too deep."""
-    from moelora.server.protocol import MAX_NESTING, NestingError, _first_bad_string
-    bad = "\ud800"
-    assert _first_bad_string({"prompt": [1, 2.5, None, True, ["ok", 3, bad]], "stop": [bad]}) == ("prompt", 4, 2)
-    assert _first_bad_string({"a": {"b": 1, bad: [bad]}}) == ("a", "<key>")
-    assert _first_bad_string({"prompt": [5] * 100_000, "n": 1}) is None
+    still too deep. A NaN or an infinity (which JSON has not, and Python's parser reads) is found wherever it is."""
+    from moelora.server.protocol import MAX_NESTING, NestingError, _first_bad_value
+    bad, nan, inf = "\ud800", float("nan"), float("inf")
+    assert _first_bad_value({"prompt": [1, 2.5, None, True, ["ok", 3, bad]], "stop": [bad]}) == (("prompt", 4, 2), bad)
+    assert _first_bad_value({"a": {"b": 1, bad: [bad]}}) == (("a", "<key>"), bad)
+    assert _first_bad_value({"prompt": [5] * 100_000, "n": 1}) is None
     bias = {str(t): 1.0 for t in range(1000)}
-    assert _first_bad_string({"logit_bias": bias}) is None
-    assert _first_bad_string({"logit_bias": {**bias, bad: 1.0}}) == ("logit_bias", "<key>")
+    assert _first_bad_value({"logit_bias": bias}) is None
+    assert _first_bad_value({"logit_bias": {**bias, bad: 1.0}}) == (("logit_bias", "<key>"), bad)
+    assert _first_bad_value({"logit_bias": {**bias, "7": -inf, "8": nan}}) == (("logit_bias", "7"), -inf)
+    assert _first_bad_value({"prompt": [1, 2**70, None, 2.5, nan]})[0] == ("prompt", 4)
+    assert _first_bad_value({"tools": [{"parameters": {"x": [1, {"y": inf}]}}]}) == (("tools", 0, "parameters", "x",
+                                                                                       1, "y"), inf)
+    assert _first_bad_value({"temperature": nan})[0] == ("temperature",)
     nested: list = [1, 2]
     for _ in range(MAX_NESTING):
         nested = [nested]
     with pytest.raises(NestingError):
-        _first_bad_string({"x": nested})
+        _first_bad_value({"x": nested})
 
 
 @pytest.mark.parametrize("field", ["whatever", "guided_json", "logit_bias"])
@@ -157,6 +162,51 @@ def test_bodies_nested_at_any_depth(server, field):
         body = '{"prompt": "x", "max_tokens": 2, "%s": %s}' % (field, "[" * depth + "]" * depth)
         r = raw_post(server, "/v1/completions", body.encode())
         assert r.status_code == 400, (depth, r.text[:300])
+
+
+def test_bodies_too_deep_or_too_long_for_the_parser_get_a_code(server):
+    """What Python's JSON parser cannot read (an integer past its 4300 digits, thousands of nested lists) was FastAPI's
+    400 with no code; every 400 carries one."""
+    for body in ['{"prompt": "x", "max_tokens": 1%s}' % ("0" * 4300),
+                 '{"prompt": "x", "whatever": %s}' % ("[" * 5000 + "]" * 5000)]:
+        err = error(raw_post(server, "/v1/completions", body.encode()), 400, None, "could not be parsed as JSON")
+        assert err["code"] == "invalid_json"
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2,
+                       "text": {"format": {"type": "json_object", "schema": {"x": float("nan")}}}}, "text"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "tool_choice": "none",
+                       "tools": [{"type": "function", "name": "f", "parameters": {"x": -float("inf")}}]}, "tools"),
+    ("/v1/chat/completions", {**CHAT, "whatever": [1, {"y": float("inf")}]}, "whatever"),
+    ("/v1/completions", {**OK, "logit_bias": {"5": float("nan")}}, "logit_bias"),
+])
+def test_nan_and_infinity_anywhere_are_refused(server, path, body, param):
+    """JSON has no NaN or Infinity, which Python's parser reads: /v1/responses echoed a schema holding one back,
+    which made its answer invalid JSON (a 500, after the whole generation; streamed, events no strict parser reads)."""
+    r = raw_post(server, path, json.dumps(body, allow_nan=True).encode())
+    assert error(r, 400, param, "JSON has no NaN or Infinity")["code"] == "invalid_value"
+    assert post(server, "/v1/completions", OK).status_code == 200
+
+
+@pytest.mark.parametrize("field", ["guided_json", "structured_outputs"])
+def test_a_schema_sent_as_text_is_held_to_the_depth_of_one_sent_as_json(server, field):
+    """The body's nesting limit never saw a schema sent as a string: 800 levels took the grammar compiler 24 s,
+    which no client leaving stops."""
+    schema = '{"type": "array", "items": ' * 200 + '{"type": "integer"}' + "}" * 200
+    body = {**OK, field: schema} if field == "guided_json" else {**OK, field: {"json": schema}}
+    error(post(server, "/v1/completions", body), 400, field, "nested deeper than 128 lists and objects")
+
+
+def test_echoed_token_ids_past_the_context_are_refused_before_they_are_decoded(server, monkeypatch):
+    """echo decodes a prompt of token ids in the one tokenize thread: millions of ids the engine then refuses held
+    every other request's text for seconds."""
+    engine = server.loop.engine
+    decoded = []
+    monkeypatch.setattr(engine.tokenizer, "decode", lambda *args, **kwargs: decoded.append(args) or "")
+    err = error(post(server, "/v1/completions", {**OK, "prompt": [5] * engine.context_len, "echo": True}), 400,
+                "prompt", f"the context holds {engine.context_len}")
+    assert err["code"] == "context_length_exceeded" and not decoded
 
 
 def test_call_arguments_nested_too_deep(server):
