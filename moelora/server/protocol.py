@@ -85,6 +85,20 @@ class RequestBody(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
+    def _no_booleans_for_numbers(cls, data: Any) -> Any:
+        """A number field given true or false is refused (pydantic's lax mode reads true as 1: "n": true was n=1)."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            for key, value in data.items():
+                if type(value) is bool and key in fields:
+                    types = set(get_args(fields[key].annotation)) or {fields[key].annotation}
+                    if bool not in types and types & {int, float}:
+                        raise PydanticCustomError("bool_not_number", "{field} must be a number, not {value}",
+                                                  {"field": key, "value": json.dumps(value), "param": key})
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
     def _unicode(cls, data: Any) -> Any:
         if isinstance(data, dict):
             try:

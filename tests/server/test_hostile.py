@@ -82,6 +82,15 @@ def test_echoed_token_ids_outside_the_vocabulary(server, prompt):
     error(post(server, "/v1/completions", {**OK, "prompt": prompt, "echo": True}), 400, "prompt", "token ids")
 
 
+@pytest.mark.parametrize("path, field, value", [("/v1/completions", "n", True), ("/v1/completions", "max_tokens", True),
+                                               ("/v1/chat/completions", "temperature", False),
+                                               ("/v1/chat/completions", "top_logprobs", True)])
+def test_a_boolean_is_not_a_number(server, path, field, value):
+    """pydantic's lax mode reads true as 1: "n": true was served as n=1."""
+    body = {**(OK if path == "/v1/completions" else CHAT), field: value}
+    assert error(post(server, path, body), 400, field, "must be a number")["code"] == "invalid_type"
+
+
 def test_fields_of_the_wrong_type_that_were_passed_on(server):
     error(raw_post(server, "/v1/completions", b'{"prompt": "x", "max_tokens": 2, "user": -Infinity}'), 400, "user")
     bad_name = {**CHAT, "messages": [{"role": "user", "content": "hi", "name": {}}]}
