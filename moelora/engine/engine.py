@@ -381,7 +381,7 @@ class Engine:
         """Text and stop strings of the outputs of a request added with detokenize=False, for its caller's
         thread: fed every output token, and finish(reason) when the engine ends the request ("stop" by a
         grammar, "length") without it having finished on its own."""
-        params = replace(self._with_eos_stops(params), max_tokens=None)
+        params = self._with_eos_stops(params).evolve(max_tokens=None)
         return IncrementalDetokenizer(self.tokenizer, prompt_ids, params, self._tokenizer_eos)
 
     def _with_eos_stops(self, params: SamplingParams) -> SamplingParams:
@@ -390,7 +390,7 @@ class Engine:
         extra = [t for t in self._eos_as_stops if t not in params.stop_token_ids]
         if params.ignore_eos or not extra:
             return params
-        return replace(params, stop_token_ids=(*params.stop_token_ids, *extra))
+        return params.evolve(stop_token_ids=(*params.stop_token_ids, *extra))
 
     def check_prompt_length(self, num_tokens: int) -> None:
         """PromptError unless a prompt of num_tokens tokens leaves the context room for a new token."""
@@ -577,11 +577,11 @@ class Engine:
         self.check_prompt_length(len(ids))
         context = self.runner.context_len
         if params.max_tokens is None:
-            params = replace(params, max_tokens=context - len(ids))
+            params = params.evolve(max_tokens=context - len(ids))
         elif len(ids) + params.max_tokens > context:  # as vLLM: refused, not cut
             raise ValueError(f"SamplingParams.max_tokens={params.max_tokens} and the prompt's {len(ids)} tokens are "
                              f"{len(ids) + params.max_tokens} tokens; the context holds {context}")
-        params = replace(params, min_tokens=min(params.min_tokens, params.max_tokens))
+        params = params.evolve(min_tokens=min(params.min_tokens, params.max_tokens))
         allowed = grammar = None
         if params.allowed_token_ids is not None:
             allowed = torch.zeros(1, self.vocab_size, dtype=torch.bool)

@@ -124,11 +124,16 @@ class SamplingParams:
         """The params of the k-th of the n sequences: n=1, and with a seed, seed + k (wrapping in int64)."""
         if k == 0 and self.n == 1:
             return self
-        # a copy that shares the checked fields (they are never changed in place): replace() would check every field
-        # again, a whole vocabulary's logit_bias for each of n sequences
+        seed = None if self.seed is None else (self.seed + k - _INT64[0]) % 2**64 + _INT64[0]
+        return self.evolve(n=1, seed=seed)
+
+    def evolve(self, **checked: object) -> SamplingParams:
+        """A copy with the `checked` fields (values the caller knows valid) that shares the others, which are never
+        changed in place: replace() would check every field again, a whole vocabulary's logit_bias for each of a
+        request's n sequences and each step of its way into the engine."""
         params = copy.copy(self)
-        params.n = 1
-        params.seed = None if self.seed is None else (self.seed + k - _INT64[0]) % 2**64 + _INT64[0]
+        for name, value in checked.items():
+            setattr(params, name, value)
         return params
 
     def validate(self) -> None:

@@ -300,3 +300,23 @@ def test_min_tokens_under_a_grammar(engine):
     spec = GRAMMARS[3]
     done = engine.generate(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0, min_tokens=20, structured_output=spec))[0]
     assert done.finish_reason == "stop" and done.text in spec.choices and len(done.token_ids) < 20
+
+
+def test_a_requests_params_are_checked_once_on_their_way_in(engine, monkeypatch):
+    """add_request checks the caller's params once; the copies made on the way in (its max_tokens and min_tokens
+    settled, the model's EOS tokens added to its stops) share the checked fields: checking them again took a whole
+    vocabulary's logit_bias through the engine thread's checks several times a request. The request still gets the
+    params asked for."""
+    params = SamplingParams(max_tokens=None, min_tokens=4, seed=5, logit_bias={t: 0.5 for t in range(50)})
+    checks = []
+    validate = SamplingParams.validate
+    monkeypatch.setattr(SamplingParams, "validate", lambda self: checks.append(self) or validate(self))
+    rid = engine.add_request([5, 6, 7], params)
+    assert len(checks) == 1
+    got = engine.scheduler.find(rid).params
+    assert (got.seed, got.max_tokens, got.min_tokens, got.logit_bias) == (5, engine.context_len - 3, 4,
+                                                                           params.logit_bias)
+    engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    assert_idle(engine)
