@@ -731,7 +731,7 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
     app.router.route_class = _Route
     app.state.engine_loop = loop
     serving = OpenAIServing(loop, served_model_name, reasoning)
-    app.get("/health")(serving.health)
+    app.api_route("/health", methods=["GET", "HEAD"])(serving.health)  # (probes that ask with HEAD got a 405)
     app.get("/metrics")(serving.metrics)
     app.get("/version")(serving.version)
 

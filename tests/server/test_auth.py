@@ -37,6 +37,7 @@ def test_the_key_opens_them_and_health_needs_none(client):
     r = client.post("/v1/completions", json=OK, headers=auth)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+    assert client.head("/health").status_code == 200  # (load balancers' probes may ask with HEAD)
     assert client.get("/version").json() == {"version": version("moelora")}
     for docs in ("/openapi.json", "/docs", "/redoc"):  # (FastAPI's pages would answer without the key: not served)
         assert client.get(docs, headers=auth).status_code == 404
