@@ -107,6 +107,9 @@ class TextFormat(BaseModel):
     def _schema_with_json_schema(self) -> TextFormat:
         if self.type == "json_schema" and self.schema_ is None:
             raise PydanticCustomError("missing", "type json_schema needs the schema field", {"param": "text"})
+        if self.type != "json_schema" and self.schema_ is not None:  # (it was ignored: output not held to it)
+            raise PydanticCustomError("unsupported_field", "text.format.schema is for type json_schema, not {kind}",
+                                      {"kind": self.type, "param": "text"})
         return self
 
 

@@ -214,6 +214,8 @@ def test_forced_calls_are_function_call_items(tool_client, stream):
     ({"input": "hi", "max_output_tokens": 100000}, "max_output_tokens", "context_length_exceeded"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "invalid_value"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "missing_required_parameter"),
+    ({"input": "hi", "text": {"format": {"type": "json_object", "schema": {"type": "object"}}}}, "text",
+     "unsupported_parameter"),  # (the schema was ignored: the output not held to it)
     ({"input": "hi", "temperature": -1}, "temperature", "invalid_value"),
 ])
 def test_refusals_name_their_field(server, body, param, code):
