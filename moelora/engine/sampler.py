@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from moelora.core import to_device
-from moelora.engine.sampling_params import SamplingParams
+from moelora.engine.sampling_params import CheckedBias, SamplingParams
 
 
 NEG_INF = float("-inf")
@@ -85,10 +85,18 @@ class LogitBias(NamedTuple):
 
 
 def logit_bias_tensors(params: SamplingParams) -> LogitBias | None:
-    if not params.logit_bias:
+    """params.logit_bias as tensors, made once for a checked one (sampling_params.CheckedBias), which every copy of
+    the params shares: the n sequences of a request, a whole vocabulary's each."""
+    bias = params.logit_bias
+    if not bias:
         return None
-    return LogitBias(torch.tensor(list(params.logit_bias), dtype=torch.int64),
-                     torch.tensor(list(params.logit_bias.values()), dtype=torch.float32))
+    made = getattr(bias, "tensors", None)
+    if made is None:
+        made = LogitBias(torch.tensor(list(bias), dtype=torch.int64),
+                         torch.tensor(list(bias.values()), dtype=torch.float32))
+        if isinstance(bias, CheckedBias):
+            bias.tensors = made
+    return made
 
 
 @dataclass

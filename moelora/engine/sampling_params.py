@@ -106,10 +106,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         self.stop_token_ids = tuple(self.stop_token_ids or ())
-        self.logit_bias = dict(self.logit_bias or {})
+        if not isinstance(self.logit_bias, CheckedBias):
+            self.logit_bias = dict(self.logit_bias or {})
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = tuple(self.allowed_token_ids)
         self.validate()
+        self.logit_bias = CheckedBias(self.logit_bias) if type(self.logit_bias) is dict else self.logit_bias
 
     @property
     def has_penalties(self) -> bool:
@@ -169,7 +171,8 @@ class SamplingParams:
                    f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
         _check(_is_float32(self.repetition_penalty, positive=True), "repetition_penalty", self.repetition_penalty,
                "a number > 0 that fits in float32 (and is > 0 there)")
-        fine = _plain_token_ids(self.logit_bias) and _biases(self.logit_bias.values())
+        fine = isinstance(self.logit_bias, CheckedBias) or (_plain_token_ids(self.logit_bias)
+                                                            and _biases(self.logit_bias.values()))
         for token, bias in () if fine else self.logit_bias.items():
             _check(_is_int64(token) and token >= 0, "logit_bias", token, "keyed by token ids (ints >= 0)")
             _check(_is_real(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS, "logit_bias", bias,
@@ -198,6 +201,20 @@ def check_text(text: str, what: str) -> None:
     except UnicodeEncodeError as e:
         raise ValueError(f"{what} is not valid Unicode: {text[e.start:e.end]!a} at position {e.start} is a lone "
                          "surrogate") from None
+
+
+class CheckedBias(dict):
+    """A logit_bias SamplingParams has checked (token id -> bias), read-only: every copy of the params (replace,
+    evolve) shares it unchecked, and what is made of it is made once (the sampler's tensors, `tensors`). A whole
+    vocabulary's took the engine thread tens of ms at each copy, several copies a sequence."""
+
+    def _read_only(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("SamplingParams.logit_bias is read-only once checked: make new SamplingParams")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _read_only
+
+    def __reduce__(self) -> tuple:
+        return CheckedBias, (dict(self),)
 
 
 def _plain_token_ids(ids: Collection) -> bool:

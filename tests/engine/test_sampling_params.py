@@ -105,3 +105,21 @@ def test_the_sequences_of_n_share_the_checked_fields_unchecked(monkeypatch):
     sequences = [params.for_sequence(k) for k in range(4)]
     assert [s.seed for s in sequences] == [2**63 - 2, 2**63 - 1, -(2**63), -(2**63) + 1]
     assert all(s.n == 1 and s.logit_bias is params.logit_bias for s in sequences) and params.n == 4
+
+
+def test_a_checked_logit_bias_is_shared_read_only_by_every_copy():
+    """Checked once, the logit_bias is read-only: replace() and evolve() copies share it unchecked, and its tensors
+    are made once for all of them (a whole vocabulary's took tens of ms at each copy, several a sequence)."""
+    from dataclasses import replace
+
+    from moelora.engine.sampler import logit_bias_tensors
+    params = SamplingParams(logit_bias={3: 1.5, 7: -2.0})
+    copies = [replace(params, max_tokens=3), params.evolve(seed=4), SamplingParams(logit_bias=params.logit_bias)]
+    assert all(c.logit_bias is params.logit_bias for c in copies) and params.logit_bias == {3: 1.5, 7: -2.0}
+    made = logit_bias_tensors(params)
+    assert made.tokens.tolist() == [3, 7] and made.values.tolist() == [1.5, -2.0]
+    assert all(logit_bias_tensors(c) is made for c in copies)
+    with pytest.raises(TypeError, match="read-only"):
+        params.logit_bias[5] = 1.0
+    with pytest.raises(TypeError, match="read-only"):
+        params.logit_bias.update({5: 1.0})
