@@ -111,7 +111,8 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = tuple(self.allowed_token_ids)
         self.validate()
-        self.logit_bias = CheckedBias(self.logit_bias) if type(self.logit_bias) is dict else self.logit_bias
+        if not isinstance(self.logit_bias, CheckedBias):  # checked: read-only from here, shared by every copy
+            self.logit_bias = CheckedBias(self.logit_bias)
 
     @property
     def has_penalties(self) -> bool:

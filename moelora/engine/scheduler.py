@@ -37,6 +37,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from itertools import accumulate, count
 
@@ -356,23 +357,18 @@ class Scheduler:
         slots, cached_len, node, key, row = req.kv_slots, req.cached_len, req.prefix_node, req.prefix_key, req.row
         req.kv_slots, req.cached_len, req.prefix_node, req.prefix_key, req.row = slots[:0], 0, None, None, None
         own = slots[cached_len:]
-        try:
+        with ExitStack() as release:  # on the way out, last in first: own's slots, the prefix's lock, the row
+            if row is not None:
+                release.callback(self.pool.free_row, row)
+            if node is not None:
+                release.callback(self.cache.unlock, node)
+            release.callback(lambda: self.pool.free(own))  # (own as the insert below leaves it)
             if key is not None and (keep or req.finish_reason in ("stop", "length")):
                 try:
                     own = torch.cat([self.cache.insert(key, req.token_ids(0, n), slots[:n]), slots[n:]])
                 except BaseException:  # what the tree took before it raised is the tree's
                     own = own[~torch.isin(own, self.cache.slots())]
                     raise
-        finally:
-            try:
-                self.pool.free(own)
-            finally:
-                try:
-                    if node is not None:
-                        self.cache.unlock(node)
-                finally:
-                    if row is not None:
-                        self.pool.free_row(row)
 
 
 def _order(req: Req) -> tuple[int, int]:

@@ -160,26 +160,29 @@ def _first_bad_value(value: Any) -> tuple[tuple, Any] | None:
         if len(path) >= MAX_NESTING:
             raise NestingError(path)
         if isinstance(value, dict):
-            types = set(map(type, value.values()))
-            if (_SCALARS.issuperset(types) and (float not in types or _all_finite(value.values()))
-                    and _all_encode(value)):  # (a logit_bias of the vocabulary)
+            if _plain_scalars(value.values()) and _all_encode(value):  # (a logit_bias of the vocabulary)
                 continue
             stack += reversed([c for key, item in value.items() for c in ((path + ("<key>",), key), (path + (key,), item))])
         else:
-            types = set(map(type, value))
-            if _SCALARS.issuperset(types) and (float not in types or _all_finite(value)):
+            if _plain_scalars(value):
                 continue
             stack += reversed([(path + (i,), item) for i, item in enumerate(value)
                                if type(item) not in _SCALARS or type(item) is float])
     return None
 
 
-def _all_finite(scalars: Any) -> bool:
-    """Whether every float among the scalars is finite (an int is, however large), at C speed where it can."""
+def _plain_scalars(values: Any) -> bool:
+    """Whether the values are all numbers, booleans and nulls, every float finite: at C speed, and a float's
+    finiteness looked at only where there is a float."""
+    types = set(map(type, values))
+    if not _SCALARS.issuperset(types):
+        return False
+    if float not in types:
+        return True
     try:
-        return all(map(math.isfinite, scalars))
+        return all(map(math.isfinite, values))
     except (OverflowError, TypeError):  # an int past a float's range, a null: one by one
-        return all(type(v) is not float or math.isfinite(v) for v in scalars)
+        return all(type(v) is not float or math.isfinite(v) for v in values)
 
 
 def _all_encode(strings: Any) -> bool:
