@@ -93,6 +93,8 @@ def load_adapter(path: str | Path, model: str | Path | PretrainedConfig | ModelS
 def canonicalize(file: AdapterFile, shapes: ModelShapes, max_lora_rank: int | None = None) -> Adapter:
     """The canonical adapter of an adapter file read by `read_adapter`; raises AdapterError listing every problem."""
     problems = list(file.problems) + _added_token_problems(file, shapes)
+    if not file.pairs and not problems:
+        problems.append(f"{file.path}: holds no LoRA weights (no lora_A / lora_B pair): nothing to serve")
     layers: dict[int, LayerLoRA] = defaultdict(LayerLoRA)
     pieces: dict[tuple[int, str], list[ExpertPiece]] = defaultdict(list)
     wrapper_names = defaultdict(set)  # layer -> 'inner'/'outer' ParamWrapper pairs present
@@ -137,6 +139,9 @@ def _read_added_tokens(path: Path, problems: list[str]) -> dict[str, int]:
     except ValueError as e:
         problems.append(f"{added}: not valid JSON ({e})")
         return {}
+    except RecursionError:
+        problems.append(f"{added}: JSON nested too deep to read")
+        return {}
     if not isinstance(tokens, dict) or not all(type(i) is int for i in tokens.values()):
         problems.append(f"{added}: must map each token to its id (an integer), got {str(tokens)[:200]}")
         return {}
@@ -173,11 +178,13 @@ def _scaling(key: str, rank: int, peft_path: str, config: AdapterConfig, max_lor
 
 
 def _scaled(b: torch.Tensor, scaling: float, key: str) -> torch.Tensor:
-    """B * scaling in float32, rounded once to B's dtype (B of the file's tensor `key`), which must hold it."""
-    scaled = (b.float() * scaling).to(b.dtype).contiguous()
+    """B * scaling in float32 (float64 for a float64 B), rounded once to B's dtype (B of the file's tensor `key`),
+    which must hold it."""
+    wide = b.to(torch.promote_types(b.dtype, torch.float32))
+    scaled = (wide * scaling).to(b.dtype).contiguous()
     if not torch.isfinite(scaled).all():
         raise AdapterError(f"{key}: times its scaling {scaling:g} (lora_alpha / r) it reaches "
-                           f"{b.float().abs().max().item() * scaling:.3g}, past {b.dtype}'s largest value "
+                           f"{wide.abs().max().item() * scaling:.3g}, past {b.dtype}'s largest value "
                            f"{torch.finfo(b.dtype).max:.3g}; save the adapter in float32")
     return scaled
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import regex
 
 from moelora.lora.errors import AdapterError, missing_file
 
@@ -17,6 +20,41 @@ PEFT_PARAM_ORIENTATION_FIXED = (0, 19, 1)
 # LoraConfig's defaults: PEFT builds its config with them when adapter_config.json has no such field
 PEFT_DEFAULT_R = 8
 PEFT_DEFAULT_LORA_ALPHA = 8
+
+# A pattern key matches a module path in microseconds, but one that backtracks without bound ('((a|aa)+)+b') would
+# take hours: all of a config's matches together get this long, matched with the GIL released so that a server
+# loading the adapter keeps serving meanwhile.
+PATTERN_MATCH_BUDGET_S = 5.0
+
+
+def _anchored(key: str) -> str:
+    """PEFT's get_pattern_key's regular expression: `key` matches the whole path or a dotted suffix of it."""
+    return rf"(.*\.)?({key})$"
+
+
+class PatternMatcher:
+    """PEFT's get_pattern_key for one config's pattern keys, all its matches within PATTERN_MATCH_BUDGET_S."""
+
+    def __init__(self) -> None:
+        self.spent_s = 0.0
+
+    def key(self, field_name: str, patterns: dict, path: str) -> str | None:
+        """The first key of `patterns` (the config's field `field_name`) that matches `path`, None if none does."""
+        for key in patterns:
+            left = PATTERN_MATCH_BUDGET_S - self.spent_s
+            start = time.perf_counter()
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                if regex.match(_anchored(key), path, timeout=left, concurrent=True):
+                    return key
+            except TimeoutError:
+                raise AdapterError(f"{field_name} key {key!r}: matching the pattern keys against the module paths "
+                                   f"took over {PATTERN_MATCH_BUDGET_S:g} s (a regular expression that backtracks "
+                                   f"without bound, such as '((a|aa)+)+b')") from None
+            finally:
+                self.spent_s += time.perf_counter() - start
+        return None
 
 
 @dataclass(frozen=True)
@@ -31,6 +69,7 @@ class AdapterConfig:
     peft_version: str | None = None
     lora_b_layout: str | None = None  # "grouped_by_expert": older Unsloth, B columns are (E, r)
     raw: dict = field(default_factory=dict, compare=False, repr=False)
+    pattern_matcher: PatternMatcher = field(default_factory=PatternMatcher, init=False, compare=False, repr=False)
 
     @classmethod
     def read(cls, adapter_dir: Path) -> AdapterConfig:
@@ -41,6 +80,8 @@ class AdapterConfig:
             raw = json.loads(path.read_bytes())  # bytes: UTF-8, -16 or -32, with or without a BOM
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise AdapterError(f"{path}: not valid JSON in UTF-8, UTF-16 or UTF-32 ({e})") from None
+        except ValueError as e:  # an integer past Python's 4300 digits
+            raise AdapterError(f"{path}: cannot be read ({e})") from None
         except RecursionError:
             raise AdapterError(f"{path}: JSON nested too deep to read") from None
         return cls.from_dict(raw, where=str(path))
@@ -68,9 +109,10 @@ class AdapterConfig:
             if bad is not None:
                 raise AdapterError(f"{where}: {pattern}[{bad[0]!r}] must be {expected}, got {bad[1]!r}")
             for key in raw.get(pattern) or {}:
-                try:
-                    re.compile(key)
-                except re.error as e:
+                try:  # as PEFT matches it (re), and as it is matched here
+                    re.compile(_anchored(key))
+                    regex.compile(_anchored(key))
+                except (re.error, regex.error) as e:
                     raise AdapterError(f"{where}: {pattern} key {key!r} is not a regular expression ({e})") from None
         layout = raw.get("lora_B_layout") or raw.get("lora_b_layout")
         if layout not in (None, "grouped_by_expert"):
@@ -92,8 +134,9 @@ class AdapterConfig:
     def rank_and_alpha(self, peft_path: str) -> tuple[int, float]:
         """(r, alpha) PEFT used for the module or parameter at `peft_path` (e.g.
         'model.layers.0.mlp.experts.gate_up_proj')."""
-        r = self.rank_pattern.get(_pattern_key(self.rank_pattern, peft_path), self.r)
-        alpha = self.alpha_pattern.get(_pattern_key(self.alpha_pattern, peft_path), self.lora_alpha)
+        r = self.rank_pattern.get(self.pattern_matcher.key("rank_pattern", self.rank_pattern, peft_path), self.r)
+        alpha = self.alpha_pattern.get(self.pattern_matcher.key("alpha_pattern", self.alpha_pattern, peft_path),
+                                       self.lora_alpha)
         return r, alpha
 
     def pattern_path(self, module_path: str) -> str:
@@ -114,7 +157,7 @@ class AdapterConfig:
         if not self.peft_version:
             return None
         numbers = re.findall(r"\d+", self.peft_version)[:3]
-        if not numbers:  # 'main', 'dev': a build whose release the file does not say
+        if not numbers or max(map(len, numbers)) > 9:  # 'main', 'dev': a build whose release the file does not say
             return None
         return tuple(int(n) for n in numbers) >= PEFT_PARAM_ORIENTATION_FIXED
 
@@ -132,13 +175,6 @@ def _is_rank(v: object) -> bool:
 def _is_finite(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
-
-def _pattern_key(patterns: dict, path: str) -> str | None:
-    """PEFT's get_pattern_key: the first pattern that matches the whole path or a dotted suffix of it."""
-    for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", path):
-            return key
-    return None
 
 
 def unsupported_features(raw: dict) -> list[str]:

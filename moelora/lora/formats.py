@@ -133,6 +133,9 @@ def pair_tensors(tensors: dict[str, torch.Tensor], problems: list[str], left_out
         if t.layout != torch.strided:
             problems.append(f"{key}: layout {t.layout}, expected a dense tensor")
             refused_modules.add(match["module"])
+        elif t.is_meta:
+            problems.append(f"{key}: a meta tensor (a shape without values), expected one that holds its values")
+            refused_modules.add(match["module"])
         elif t.dtype not in LORA_DTYPES:
             problems.append(f"{key}: dtype {t.dtype}, expected a floating point tensor of "
                             f"{', '.join(str(d).removeprefix('torch.') for d in LORA_DTYPES)}")

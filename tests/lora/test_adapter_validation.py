@@ -2,12 +2,14 @@
 config field) and what was expected; nothing is dropped silently."""
 import json
 import re
+import time
 
 import pytest
 import torch
 
 from lora_builders import EXPERTS, HIDDEN, MOE_INTER, tiny_config, write_adapter
-from moelora.lora import AdapterError, load_adapter
+from moelora.lora import AdapterError, config, load_adapter
+from moelora.lora.config import AdapterConfig
 
 LAYER1 = "base_model.model.model.layers.1"
 Q_A, Q_B = f"{LAYER1}.self_attn.q_proj.lora_A.weight", f"{LAYER1}.self_attn.q_proj.lora_B.weight"
@@ -239,10 +241,64 @@ def test_config_field_of_the_wrong_type(tmp_path, field, value):
     ("alpha_pattern", {"q_proj": float("nan")}, "alpha_pattern['q_proj'] must be a finite number, got nan"),
     ("rank_pattern", {"q_proj(": 8}, "rank_pattern key 'q_proj(' is not a regular expression (missing ), "),
     ("alpha_pattern", {"*": 8}, "alpha_pattern key '*' is not a regular expression (nothing to repeat"),
+    # valid alone, not inside PEFT's get_pattern_key (which matches '(.*\.)?(key)$')
+    ("rank_pattern", {"(?i)Q_PROJ": 8}, "rank_pattern key '(?i)Q_PROJ' is not a regular expression (global flags"),
 ])
 def test_config_values_the_adapter_cannot_have(tmp_path, field, value, expected):
     """json writes NaN and Infinity, and Python's json reads them: a NaN alpha would make every output NaN."""
     assert f"adapter_config.json: {expected}" in refused(tmp_path, good(), **{field: value})
+
+
+def test_a_pattern_key_that_backtracks_without_bound_is_refused_in_its_time_budget(tmp_path, monkeypatch):
+    """'((.|..)+)+[^j]' takes exponential time on a module path ending in 'q_proj': matched without a limit it held
+    the GIL, and a server loading the adapter, for hours."""
+    monkeypatch.setattr(config, "PATTERN_MATCH_BUDGET_S", 0.2)
+    start = time.perf_counter()
+    message = refused(tmp_path, good(), rank_pattern={"gate_proj": R, "((.|..)+)+[^j]": 4})
+    assert time.perf_counter() - start < 5
+    assert "rank_pattern key '((.|..)+)+[^j]': matching the pattern keys against the module paths took over 0.2 s" \
+        in message, message
+
+
+def test_a_pattern_key_matches_as_in_peft(tmp_path):
+    adapter = load_adapter(write_adapter(tmp_path, good() | {Q_A: torch.randn(4, HIDDEN), Q_B: torch.randn(16, 4)},
+                                         rank_pattern={"layers\\.1\\.self_attn\\.q_.*": 4}), tiny_config("qwen3_moe"))
+    assert adapter.layers[1].modules["self_attn.q_proj"].rank == 4
+
+
+def test_an_integer_past_pythons_digit_limit_in_the_config(tmp_path):
+    write_adapter(tmp_path, good())
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA", "r": ' + "9" * 5000 + "}")
+    with pytest.raises(AdapterError, match="adapter_config.json: cannot be read .*4300"):
+        load_adapter(tmp_path, tiny_config("qwen3_moe"))
+
+
+def test_a_peft_version_of_numbers_no_release_has_is_unknown():
+    assert AdapterConfig.from_dict({"peft_version": "0." + "9" * 5000}).param_orientation_fixed() is None
+    assert AdapterConfig.from_dict({"peft_version": "0.19.1"}).param_orientation_fixed() is True
+
+
+def test_an_adapter_without_lora_weights(tmp_path):
+    """PEFT would load it as the base model with a warning; an empty file is a broken save, not an adapter."""
+    message = refused(tmp_path, {})
+    assert "holds no LoRA weights (no lora_A / lora_B pair): nothing to serve" in message, message
+
+
+def test_a_meta_tensor_in_a_bin(tmp_path):
+    write_adapter(tmp_path, good())
+    (tmp_path / "adapter_model.safetensors").unlink()
+    torch.save(good() | {Q_A: torch.empty(R, HIDDEN, device="meta")}, tmp_path / "adapter_model.bin")
+    with pytest.raises(AdapterError, match=f"{Q_A}: a meta tensor"):
+        load_adapter(tmp_path, tiny_config("qwen3_moe"))
+
+
+def test_a_float64_b_is_scaled_in_float64(tmp_path):
+    """Past float32's range but not float64's: the adapter holds it (the engine's slots then check it against the
+    model's dtype)."""
+    tensors = {k: v.double() for k, v in good().items()}
+    tensors[Q_B][0, 0] = 1e39
+    adapter = load_adapter(write_adapter(tmp_path, tensors, r=R, lora_alpha=2 * R), tiny_config("qwen3_moe"))
+    assert adapter.layers[1].modules["self_attn.q_proj"].b[0, 0].item() == 2e39
 
 
 @pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-16-le", "utf-32"])
@@ -336,7 +392,8 @@ def test_added_tokens_against_the_base_tokenizer(tmp_path, tokenizer_file):
 
 
 @pytest.mark.parametrize("text, expected", [("{not json", "not valid JSON"), ("[32]", "must map each token to its id (an integer), got [32]"),
-                                            ('{"<sql>": "32"}', "must map each token to its id (an integer), got {'<sql>': '32'}")])
+                                            ('{"<sql>": "32"}', "must map each token to its id (an integer), got {'<sql>': '32'}"),
+                                            ("[" * 100000 + "]" * 100000, "JSON nested too deep to read")])
 def test_added_tokens_file_unreadable(tmp_path, text, expected):
     (tmp_path / "added_tokens.json").write_text(text)
     assert f"added_tokens.json: {expected}" in refused(tmp_path, good())
