@@ -159,19 +159,23 @@ def test_a_step_launched_ahead_does_not_wait_for_the_device(make_engine, newcome
     gc.disable()
     profile = cProfile.Profile()  # where the host's time went, if it was too long
     try:
-        start = time.perf_counter()
         for _ in range(200):  # about 300 ms of an H100 or H200, queued after the step in flight
             busy @ busy
+        start = time.perf_counter()
         profile.enable()
         outputs = engine.step()
         profile.disable()
-        host = time.perf_counter() - start
+        returned = time.perf_counter()
         torch.cuda.synchronize()
-        device = time.perf_counter() - start
+        done = time.perf_counter()
     finally:
         gc.enable()
-    assert len(outputs) == 3 and host < device / 3, (f"the step's host work took {host:.3f} s of {device:.3f} s; "
-                                                     f"its largest costs:\n{_largest_costs(profile)}")
+    # a step that waited would return with the device near done; the launches above are not timed: beside other
+    # processes on the device they may wait for room in the launch queue
+    host, busy_after = returned - start, done - returned
+    assert len(outputs) == 3 and host < busy_after, (
+        f"the step's host work took {host:.3f} s, the device was busy {busy_after:.3f} s after it; its largest "
+        f"costs:\n{_largest_costs(profile)}")
     while engine.has_unfinished():
         engine.step()
 
