@@ -18,9 +18,14 @@ from moelora.server.version import package_version
 
 
 def inspect(args: argparse.Namespace) -> int:
+    from moelora.engine.config import MAX_LORA_RANK
     from moelora.lora.report import format_report, inspect_adapter
 
-    report = inspect_adapter(args.adapter, args.model, args.max_lora_rank)
+    if args.max_lora_rank is not None and args.max_lora_rank > MAX_LORA_RANK:
+        raise ValueError(f"--max-lora-rank must be in 1..{MAX_LORA_RANK} (the engine's largest), got "
+                         f"{args.max_lora_rank}")
+    report = inspect_adapter(args.adapter, args.model, args.max_lora_rank or MAX_LORA_RANK,
+                             slot_rank=args.max_lora_rank)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 1 if report["problems"] else 0
 
@@ -57,6 +62,7 @@ def serve(args: argparse.Namespace) -> int:
     from moelora.server.app import bind_socket, create_app, run_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    api_key = args.api_key or _api_key_from_environment()
     fields = _fields_of(args, _engine_config())
     config = _engine_config()(**fields)
     if config.node_rank > 0:  # the Engine below serves node 0's and ends the process once it shut down: no HTTP here
@@ -67,7 +73,7 @@ def serve(args: argparse.Namespace) -> int:
     # "." is the directory it names; a symlink keeps its own name (not its target's, a snapshot hash)
     name = args.served_model_name or Path(os.path.abspath(args.model_path)).name
     try:
-        app = create_app(engine, name, args.max_queued_requests, args.api_key, args.log_stats_interval,
+        app = create_app(engine, name, args.max_queued_requests, api_key, args.log_stats_interval,
                          args.max_request_mb << 20, args.watchdog_timeout, args.reasoning_parser)
     except BaseException:
         engine.shutdown()
@@ -134,6 +140,34 @@ def _non_empty(value: str) -> str:
     if not value.strip():
         raise argparse.ArgumentTypeError("must not be empty")
     return value
+
+
+def _api_key(value: str) -> str:
+    problem = _api_key_problem(value)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return value
+
+
+def _api_key_problem(key: str) -> str | None:
+    """Why no request could ever present `key` in its Authorization header, if so."""
+    if not key.strip():
+        return "must not be empty"
+    if key != key.strip():
+        return "must not begin or end with whitespace (HTTP drops it from a header, so no request could match)"
+    if not key.isascii() or not key.isprintable():
+        return "must be printable ASCII (what an HTTP header carries)"
+    return None
+
+
+def _api_key_from_environment() -> str | None:
+    key = os.environ.get("MOELORA_API_KEY")
+    if not key:  # unset or empty: no authentication
+        return None
+    problem = _api_key_problem(key)
+    if problem:
+        raise ValueError(f"$MOELORA_API_KEY (the default of --api-key) {problem}")
+    return key
 
 
 def _name_path(value: str) -> tuple[str, str]:
@@ -223,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-mb", type=_positive_int, default=100,
                    help="refuse (413) a request whose body has more MiB: by its Content-Length before reading it, a chunked "
                         "body once that much has come (default: 100)")
-    p.add_argument("--api-key", type=_non_empty, default=os.environ.get("MOELORA_API_KEY") or None,
+    p.add_argument("--api-key", type=_api_key,
                    help="every route but /health, /metrics and /version needs 'Authorization: Bearer KEY', and "
                         "FastAPI's /docs is off (default: $MOELORA_API_KEY; unset: no authentication)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],

@@ -11,6 +11,7 @@ adapter without its expert tensors, in a temporary directory), greedy and sample
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
 import tempfile
 import time
@@ -44,9 +45,23 @@ def verify(root: Path) -> None:
     sums = root / "SHA256SUMS"
     if not sums.is_file():
         raise ValueError(f"{root}: no SHA256SUMS (the demo files are written by scripts/train_demo.py)")
+    try:
+        lines = sums.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{sums}: not UTF-8 text ({e})") from None
+    entries = []
+    for number, line in enumerate(lines, 1):
+        digest, sep, name = line.partition("  ")
+        if not (sep and name and re.fullmatch("[0-9a-f]{64}", digest)):
+            raise ValueError(f"{sums}, line {number}: expected '<sha256 in hex>  <file>' (sha256sum's format), got "
+                             f"{line[:100]!r}")
+        entries.append((digest, name))
+    needed = ["model/config.json", *(f"{name}/adapter_config.json" for name in ADAPTERS)]
+    unlisted = [name for name in needed if name not in {n for _, n in entries}]
+    if unlisted:
+        raise ValueError(f"{sums}: does not list {', '.join(unlisted)}: not the demo's files")
     bad = []
-    for line in sums.read_text().splitlines():
-        digest, name = line.split("  ", 1)
+    for digest, name in entries:
         path = root / name
         if not path.is_file():
             bad.append(f"{name} (missing)")

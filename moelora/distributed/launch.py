@@ -56,7 +56,16 @@ def rendezvous_store(addr: str | None, timeout: float) -> tuple[dist.TCPStore, s
     process, or by a rank's own connect to it (TCP connects a socket to itself when the system hands it, as its
     local port, the very port it calls and nothing listens on yet), after which no rank could use it."""
     host, port = host_port(addr or "127.0.0.1:0")
-    store = dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    try:
+        # bound once first: a host that is not this machine's would have the store retry connecting for `timeout`
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(info[0], socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(info[4])
+        store = dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    except (dist.DistNetworkError, OSError) as e:  # a port in use, a host that is not this machine's
+        reason = (str(e).strip() or type(e).__name__).splitlines()[0]
+        raise ValueError(f"cannot listen on {host}:{port}{' (--dist-init-addr)' if addr else ''}: {reason}") from None
     return store, f"{addr.rpartition(':')[0] if addr else host}:{store.port}"
 
 

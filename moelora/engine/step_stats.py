@@ -77,7 +77,11 @@ class StepTrace:
     waiting and running requests after it."""
 
     def __init__(self, path: str):
-        self._file = open(path, "a", buffering=1)  # line-buffered: the lines are there even if the process dies
+        """`path`: $MOELORA_STEP_TRACE's value."""
+        try:
+            self._file = open(path, "a", buffering=1)  # line-buffered: the lines are there even if the process dies
+        except OSError as e:
+            raise ValueError(f"$MOELORA_STEP_TRACE: cannot write the step trace to {path!r}: {e.strerror}") from None
         self._opened = time.perf_counter()
 
     def write(self, started: float, before: dict[str, float], after: dict[str, float], outputs: int, waiting: int,

@@ -18,8 +18,11 @@ from moelora.lora.model_shapes import ModelShapes, format_ranges, load_model_sha
 SLOT_ELEMENT_BYTES = 2  # GPU slots hold the activations' dtype: bf16/fp16 when serving
 
 
-def inspect_adapter(path: str | Path, model: str | Path | None = None, max_lora_rank: int | None = None) -> dict:
-    """A JSON-serialisable report; `problems` is empty when the adapter can be served as it is."""
+def inspect_adapter(path: str | Path, model: str | Path | None = None, max_lora_rank: int | None = None,
+                    slot_rank: int | None = None) -> dict:
+    """A JSON-serialisable report; `problems` is empty when the adapter can be served as it is. `max_lora_rank`: the
+    largest rank served; `slot_rank`: the rank of the engine's GPU slots, for their memory (default: the adapter's
+    largest)."""
     report: dict = {"adapter": str(path), "problems": []}
     try:
         file = read_adapter(path)
@@ -33,6 +36,10 @@ def inspect_adapter(path: str | Path, model: str | Path | None = None, max_lora_
                           "target_modules": config.target_modules, "target_parameters": list(config.target_parameters)},
                "problems": list(file.problems), "left_out": list(file.left_out)}
     report["modules"] = _group_rows(_file_rows(file, report["problems"]))
+    if max_lora_rank is not None:
+        report["problems"] += [f"{row['name']} (layers {row['layers']}): rank {row['rank']} is above the engine's "
+                               f"max_lora_rank={max_lora_rank}" for row in report["modules"]
+                               if row["rank"] > max_lora_rank]
     report["experts_covered"] = _file_coverage(file)
     if model is None:
         return report
@@ -46,7 +53,7 @@ def inspect_adapter(path: str | Path, model: str | Path | None = None, max_lora_
                        "hidden_size": shapes.hidden_size, "moe_intermediate_size": shapes.moe_intermediate_size}
     report["modules"] = _group_rows(_canonical_rows(adapter))
     report["experts_covered"] = _canonical_coverage(adapter, shapes.num_experts)
-    report["memory"] = _memory(adapter, shapes, max_lora_rank or adapter.max_rank)
+    report["memory"] = _memory(adapter, shapes, slot_rank or adapter.max_rank)
     return report
 
 

@@ -8,6 +8,7 @@ and the engine read one set of fields and never a transformers config.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -110,8 +111,19 @@ def _positive(hf: PretrainedConfig, *names: str, least: int = 1) -> None:
             raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
 
+def _finite(value: Any, name: str, above: float = 0.0) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= above:
+        raise ValueError(f"{name} must be a finite number > {above:g}, got {value!r}")
+
+
 def _check_common(hf: PretrainedConfig) -> None:
     """The fields every family reads, before anything divides by them or sizes a tensor with them."""
+    quantization = getattr(hf, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise ValueError(f"quantization_config (quant_method {method!r}): quantized checkpoints are not served")
+    if not isinstance(hf.architectures or [], (list, tuple)):
+        raise ValueError(f"architectures must be a list of class names, got {hf.architectures!r}")
     _positive(hf, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
     _positive(hf, "max_position_embeddings", least=2)  # a prompt token and one to generate
     for name in ("num_key_value_heads", "head_dim"):
@@ -121,7 +133,29 @@ def _check_common(hf: PretrainedConfig) -> None:
     if hf.num_attention_heads % kv_heads:
         raise ValueError(f"num_attention_heads ({hf.num_attention_heads}) must be a multiple of num_key_value_heads "
                          f"({kv_heads})")
+    _finite(hf.rms_norm_eps, "rms_norm_eps")
+    _check_rope(hf.rope_parameters)
     _saved_dtype(hf)
+
+
+def _check_rope(rope: Any) -> None:
+    """The rope_parameters layers/rotary.py reads (a zero or negative theta or factor makes every logit NaN)."""
+    if not isinstance(rope, dict):
+        raise ValueError(f"rope_parameters must be an object, got {rope!r}")
+    _finite(rope.get("rope_theta"), "rope_parameters.rope_theta")
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in ("default", "linear", "yarn"):
+        raise ValueError(f"rope_parameters.rope_type {rope_type!r} is not supported (default, linear, yarn)")
+    if rope_type == "linear":
+        _finite(rope.get("factor"), "rope_parameters.factor")
+    if rope_type != "yarn":
+        return
+    original = rope.get("original_max_position_embeddings")
+    if not isinstance(original, int) or isinstance(original, bool) or original < 1:
+        raise ValueError(f"rope_parameters.original_max_position_embeddings must be an int >= 1, got {original!r}")
+    for name in ("factor", "attention_factor", "mscale", "mscale_all_dim", "beta_fast", "beta_slow"):
+        if rope.get(name) is not None:
+            _finite(rope[name], f"rope_parameters.{name}")
 
 
 def _check_experts(config: ModelConfig) -> None:
@@ -163,6 +197,7 @@ def _qwen_moe(hf: PretrainedConfig) -> dict[str, Any]:
                                        and (i + 1) % hf.decoder_sparse_step == 0),
                   topk=TopKConfig(top_k=hf.num_experts_per_tok, renormalize=hf.norm_topk_prob))
     if hf.model_type == "qwen2_moe":
+        _positive(hf, "shared_expert_intermediate_size", least=0)
         fields.update(qkv_bias=getattr(hf, "qkv_bias", True), o_bias=False,
                       shared_expert_intermediate_size=hf.shared_expert_intermediate_size)
     return fields
@@ -176,6 +211,8 @@ def _mixtral(hf: PretrainedConfig) -> dict[str, Any]:
 
 
 def _olmoe(hf: PretrainedConfig) -> dict[str, Any]:
+    if hf.clip_qkv is not None:
+        _finite(hf.clip_qkv, "clip_qkv")
     return dict(num_experts=hf.num_experts, moe_intermediate_size=hf.intermediate_size,
                 moe_layers=frozenset(range(hf.num_hidden_layers)), clip_qkv=hf.clip_qkv,
                 topk=TopKConfig(top_k=hf.num_experts_per_tok, renormalize=hf.norm_topk_prob))
@@ -189,6 +226,12 @@ def _deepseek(hf: PretrainedConfig) -> dict[str, Any]:
     _positive(hf, "first_k_dense_replace", least=0)
     if hf.q_lora_rank is not None:
         _positive(hf, "q_lora_rank")
+    if hf.qk_rope_head_dim % 2:
+        raise ValueError(f"qk_rope_head_dim must be even (rotary embedding turns pairs of dimensions), got "
+                         f"{hf.qk_rope_head_dim}")
+    if hf.n_shared_experts is not None:
+        _positive(hf, "n_shared_experts", least=0)
+    _finite(hf.routed_scaling_factor, "routed_scaling_factor")
     v3 = hf.model_type == "deepseek_v3"
     grouped = v3 or hf.topk_method == "group_limited_greedy"
     topk = TopKConfig(top_k=hf.num_experts_per_tok, renormalize=bool(hf.norm_topk_prob),

@@ -31,6 +31,7 @@ from moelora.models.config import ModelConfig
 from moelora.models.registry import model_class
 
 WHOLE = "*"  # shard key of a tensor that fills its whole parameter
+MAX_PROBLEMS_SHOWN = 20  # a checkpoint of another model lists a problem per tensor: thousands
 
 
 class ModelLoadError(ValueError):
@@ -215,7 +216,9 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
                         plan.setdefault(file, []).append((name, target))
     problems += _missing(params, targets, loaded)
     if problems:
-        raise ModelLoadError(f"checkpoint does not fit {type(model).__name__}:\n  " + "\n  ".join(problems))
+        shown = problems[:MAX_PROBLEMS_SHOWN] + [f"and {len(problems) - MAX_PROBLEMS_SHOWN} more"] * (
+            len(problems) > MAX_PROBLEMS_SHOWN)
+        raise ModelLoadError(f"checkpoint does not fit {type(model).__name__}:\n  " + "\n  ".join(shown))
 
     with tqdm(total=sum(len(v) for v in plan.values()), desc="Loading weights", unit="tensor", disable=None) as bar:
         for file, entries in plan.items():

@@ -105,6 +105,21 @@ def test_the_rendezvous_store_listens_from_its_start_to_its_drop():
         socket.create_connection((host, int(port)), timeout=5)
 
 
+def test_a_rendezvous_address_this_machine_cannot_listen_at_is_one_error():
+    """A port in use, a host that does not resolve or is another machine's: a ValueError naming the flag at once (the
+    store's own errors were a traceback, or retries for the whole timeout)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for addr, reason in [(f"127.0.0.1:{port}", "Address already in use"), ("nohost.invalid:31997", ""),
+                             ("192.0.2.1:31997", "Cannot assign requested address")]:  # TEST-NET-1, nobody's
+            start = time.monotonic()
+            with pytest.raises(ValueError, match=f"cannot listen on {addr} \\(--dist-init-addr\\): .*{reason}"):
+                rendezvous_store(addr, 5)
+            assert reason == "" or time.monotonic() - start < 4  # a name lookup takes what the resolver takes
+
+
 def test_a_rendezvous_at_a_bracketed_ipv6_address():
     """dist_init_addr "[::1]:port", as in a URL: the store listens there and a rank reaches it."""
     try:

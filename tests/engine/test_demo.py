@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from moelora.cli import main
-from moelora.demo import ADAPTERS, ASSETS, NO_EXPERTS, PROMPTS, DemoRun, run
+from moelora.demo import ADAPTERS, ASSETS, NO_EXPERTS, PROMPTS, DemoRun, run, verify
 from tests.support import title_share, upper_share
 
 # Written for the test, none in the corpus (Python's docstrings): sentence openings of the kind it has.
@@ -72,6 +72,21 @@ def test_changed_or_missing_files_are_refused(tmp_path, capsys):
     assert main(["demo", "--dir", str(copy)]) == 1
     err = capsys.readouterr().err
     assert "shout/adapter_model.safetensors (changed), title/adapter_config.json (missing)" in err, err
+
+
+@pytest.mark.parametrize("sums, message", [
+    (b"", "does not list model/config.json, shout/adapter_config.json, title/adapter_config.json: not the demo's "
+          "files"),
+    (b"0123  model/config.json\n", "line 1: expected '<sha256 in hex>  <file>' (sha256sum's format), got "
+                                   "'0123  model/config.json'"),
+    (b"\xff\xfe\x00", "not UTF-8 text"),
+])
+def test_a_sha256sums_that_is_not_the_demos_is_one_error_naming_it(tmp_path, capsys, sums, message):
+    (tmp_path / "SHA256SUMS").write_bytes(sums)
+    assert main(["demo", "--dir", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.startswith(f"moelora demo: error: {tmp_path / 'SHA256SUMS'}")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        verify(tmp_path)
 
 
 def test_the_files_name_no_machine_path():

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from moelora.engine.sampling_params import SamplingParams
-from moelora.engine.step_stats import PHASES, StepStats
+from moelora.engine.step_stats import PHASES, StepStats, StepTrace
 
 FAMILY = "qwen3_moe"
 PROMPTS = [[(5 * i + j) % 90 + 3 for j in range(4 + i)] for i in range(3)]  # 4, 5 and 6 tokens
@@ -62,3 +62,11 @@ def test_the_trace_has_a_line_per_step(make_engine, monkeypatch, tmp_path):
     assert all(line["decode_steps"] == 1 and line["decode_rows"] == len(PROMPTS) for line in lines[1:])
     assert [line["outputs"] for line in lines] == [len(PROMPTS)] * PARAMS.max_tokens
     assert all(line["ms"] >= 0 and line["t_ms"] >= 0 for line in lines) and lines[-1]["running"] == 0
+
+
+@pytest.mark.parametrize("where", ["missing/trace.jsonl", "."])
+def test_a_step_trace_that_cannot_be_written_is_an_error_naming_the_variable(tmp_path, where):
+    """A directory that does not exist, or a directory: one error naming $MOELORA_STEP_TRACE, not an OSError."""
+    with pytest.raises(ValueError, match=r"\$MOELORA_STEP_TRACE: cannot write the step trace to .*: (No such file or "
+                                         r"directory|Is a directory)"):
+        StepTrace(str(tmp_path / where))

@@ -56,6 +56,17 @@ def test_inspect_reports_problems(tmp_path, capsys):
     assert "problems  4" in out and "experts.gate" in out  # the file's modules are still listed
 
 
+def test_inspect_checks_ranks_without_the_model(tmp_path, capsys):
+    """The engine's limit applies to the file alone too: the flag's, else the largest rank an engine serves."""
+    assert main(["inspect", str(partial_per_expert(tmp_path)), "--max-lora-rank", "2"]) == 1
+    assert "experts.gate (layers 1): rank 4 is above the engine's max_lora_rank=2" in capsys.readouterr().out
+    assert main(["inspect", str(partial_per_expert(tmp_path / "big", r=257))]) == 1
+    assert "experts.down (layers 1): rank 257 is above the engine's max_lora_rank=256" in capsys.readouterr().out
+    assert main(["inspect", str(partial_per_expert(tmp_path)), "--max-lora-rank", "300"]) == 1
+    assert capsys.readouterr().err == ("moelora inspect: error: --max-lora-rank must be in 1..256 (the engine's "
+                                       "largest), got 300\n")
+
+
 def test_inspect_missing_adapter(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "nope"), "--json"]) == 1
     assert "nope: does not exist (an adapter directory expected)" in json.loads(capsys.readouterr().out)["problems"][0]

@@ -1,4 +1,6 @@
 """ModelConfig: every family's config.json read into one set of fields."""
+import re
+
 import pytest
 import torch
 
@@ -39,4 +41,28 @@ def test_unknown_family_and_the_moe_backend_option():
     assert {m.backend for m in model.modules() if isinstance(m, Runner)} == {"torch"}
     hf.model_type = "llama"
     with pytest.raises(ValueError, match="model_type 'llama' is not served"):
+        ModelConfig.from_hf(hf)
+
+
+@pytest.mark.parametrize("family, field, value, message", [
+    ("qwen2_moe", "shared_expert_intermediate_size", -5, "shared_expert_intermediate_size must be an int >= 0, got -5"),
+    ("deepseek_v3", "n_shared_experts", -1, "n_shared_experts must be an int >= 0, got -1"),
+    ("deepseek_v3", "qk_rope_head_dim", 3, "qk_rope_head_dim must be even (rotary embedding turns pairs of "
+                                           "dimensions)"),
+    ("deepseek_v2", "routed_scaling_factor", float("nan"),
+     "routed_scaling_factor must be a finite number > 0, got nan"),
+    ("olmoe", "clip_qkv", 0.0, "clip_qkv must be a finite number > 0, got 0.0"),
+])
+def test_family_fields_that_cannot_be_a_model(family, field, value, message):
+    """Each once sized a tensor below zero, failed every request at its first step, or made every logit NaN."""
+    hf = family_config(family)
+    setattr(hf, field, value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ModelConfig.from_hf(hf)
+
+
+def test_yarn_needs_its_original_context_length():
+    hf = family_config("deepseek_v3")
+    hf.rope_parameters = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
+    with pytest.raises(ValueError, match="rope_parameters.original_max_position_embeddings must be an int >= 1"):
         ModelConfig.from_hf(hf)

@@ -72,6 +72,18 @@ def test_unexpected_tensor_is_named(broken):
     assert "unexpected tensor 'model.layers.1.self_attn.q_norm.bias'" in str(err.value)
 
 
+def test_a_checkpoint_of_another_model_lists_its_first_problems(broken):
+    """A quantized or foreign checkpoint has a problem per tensor: the message shows 20 and counts the rest."""
+    def add(t):
+        for i in range(25):
+            t[f"model.layers.0.mlp.extra_{i:02d}.weight_scale_inv"] = torch.zeros(1)
+    with pytest.raises(ModelLoadError) as err:
+        _load(broken(add))
+    lines = str(err.value).splitlines()
+    assert "unexpected tensor 'model.layers.0.mlp.extra_19.weight_scale_inv'" in lines[20], lines
+    assert lines[21:] == ["  and 5 more"], lines
+
+
 def test_shape_mismatch_is_named(broken):
     def grow(t):
         t["model.layers.2.self_attn.v_proj.weight"] = torch.zeros(33, 64)

@@ -127,12 +127,25 @@ def test_server_flags_that_would_mean_nothing_are_usage_errors(capsys):
     """An empty API key (an unset variable's "--api-key $KEY") would turn authentication off; an empty served name
     names no model; a queue of 0 refuses every request, as a body cap of 0 MiB would; a negative stats interval logs at every step."""
     for flag, value, message in [("--api-key", "", "must not be empty"), ("--served-model-name", " ", "must not be empty"),
+                                 # HTTP drops a header's surrounding whitespace: no request could match these
+                                 ("--api-key", "abc ", "must not begin or end with whitespace"),
+                                 ("--api-key", "clé", "must be printable ASCII"),
                                  ("--max-queued-requests", "0", "must be 1 or more"),
                                  ("--max-queued-requests", "-1", "must be 1 or more"),
                                  ("--max-request-mb", "0", "must be 1 or more"),
                                  ("--log-stats-interval", "-1", "must be 0 or more seconds"),
                                  ("--log-stats-interval", "nan", "must be 0 or more seconds")]:
         assert f"argument {flag}: {message}" in usage_error(["serve", "--model-path", "m", flag, value], capsys)
+
+
+@pytest.mark.parametrize("key, message", [("   ", "must not be empty"),
+                                          ("abc\n", "must not begin or end with whitespace")])
+def test_an_api_key_from_the_environment_that_no_request_could_match_is_one_error_naming_it(monkeypatch, capsys, key,
+                                                                                           message):
+    monkeypatch.setenv("MOELORA_API_KEY", key)
+    assert main(["serve", "--model-path", "m"]) == 1
+    assert capsys.readouterr().err.startswith(f"moelora serve: error: $MOELORA_API_KEY (the default of --api-key) "
+                                              f"{message}")
 
 
 def test_inspect_max_lora_rank_below_1_is_a_usage_error(capsys):
@@ -203,6 +216,18 @@ def test_an_unreadable_checkpoint_is_one_error_naming_its_file(demo_dir, tmp_pat
     ({"max_position_embeddings": 0}, "max_position_embeddings must be an int >= 2, got 0"),
     ({"dtype": "int8"}, "dtype (torch_dtype) must name a floating-point torch dtype, got torch.int8"),
     ({"num_experts_per_tok": 9}, "num_experts_per_tok must be in [1, 8] (the routed experts), got 9"),
+    # every logit NaN, the command's exit status 0
+    ({"rope_parameters": {"rope_theta": 0, "rope_type": "default"}},
+     "rope_parameters.rope_theta must be a finite number > 0, got 0"),
+    ({"rms_norm_eps": -1.0}, "rms_norm_eps must be a finite number > 0, got -1.0"),
+    # a traceback
+    ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "linear", "factor": "2"}},
+     "rope_parameters.factor must be a finite number > 0, got '2'"),
+    # fp8 weights cast without their scales
+    ({"quantization_config": {"quant_method": "fp8"}},
+     "quantization_config (quant_method 'fp8'): quantized checkpoints are not served"),
+    ({"architectures": "Qwen3MoeForCausalLM"},
+     "architectures must be a list of class names, got 'Qwen3MoeForCausalLM'"),
 ])
 def test_a_config_json_that_cannot_be_a_model_is_one_error_naming_its_field(demo_dir, tmp_path, capsys, edit,
                                                                             message):
