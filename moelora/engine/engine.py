@@ -163,7 +163,7 @@ class Engine:
                                    self.runner.lora.ready if self.runner.lora.prefetches else None)
         self._seeds = random.Random(self.config.random_seed)  # for requests without a seed
         self.stepper = Stepper(self.scheduler, self.runner, self.config.overlap_schedule)
-        self._aborted: list[StepOutput] = []
+        self._aborted: dict[str, StepOutput] = {}  # by request id: the ends the next step reports
         self._caller = threading.RLock()  # held by the thread inside a call that changes requests or adapters
         self._token_texts: dict[int, str] = {}
         # thread-safe: a server may compile a request's grammar in a worker thread before adding it
@@ -319,12 +319,12 @@ class Engine:
         """Run one step; the new tokens and text of every request in it, and the end of aborted and
         failed ones. With overlap scheduling (the default), the tokens of the step launched by the previous call
         (the first call launches one and returns none of its tokens)."""
-        outputs, self._aborted = self._aborted, []
+        aborted, self._aborted = self._aborted, {}
         try:
             with on_device(self.runner.device):
-                return outputs + self.stepper.step()
+                return [*aborted.values(), *self.stepper.step()]
         except BaseException:  # reported by the next step, with the ends of the requests the failed step ended
-            self._aborted = outputs + self._aborted
+            self._aborted = aborted | self._aborted
             raise
 
     @_one_caller
@@ -343,8 +343,8 @@ class Engine:
         except Exception:  # an engine fault, not the caller's (accounting_error tells what stays held)
             logger.exception("releasing what request %s holds failed", rid)
         finally:  # it ended: the next step reports it, whatever its release raised
-            self._aborted.append(StepOutput(rid, [], "", True, reason, [], len(req.prompt_ids), len(req.output_ids),
-                                            cached_tokens=req.cached_prompt_tokens))
+            self._aborted[rid] = StepOutput(rid, [], "", True, reason, [], len(req.prompt_ids), len(req.output_ids),
+                                            cached_tokens=req.cached_prompt_tokens)
         return True
 
     def has_unfinished(self) -> bool:
@@ -557,7 +557,7 @@ class Engine:
             self.runner.lora.check(lora)
         if rid is not None and self.scheduler.find(rid) is not None:
             raise ValueError(f"request id {rid!r} is already in use")
-        if rid is not None and any(o.rid == rid for o in (*self._aborted, *self.stepper.unreported_ends)):
+        if rid is not None and (rid in self._aborted or any(o.rid == rid for o in self.stepper.unreported_ends)):
             raise ValueError(f"request id {rid!r} is still in use: its end is reported by the next step")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"SamplingParams.stop strings need a tokenizer: {self.missing_tokenizer}")

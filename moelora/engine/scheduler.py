@@ -90,9 +90,11 @@ class Scheduler:
         # between two of them), those it had not put anywhere yet are in no queue, and the caller ends them
         self.taken: list[Req] = []
         self._dropped: list[tuple[Req, Exception]] = []  # requests the last schedule() dropped while planning
+        self._by_rid: dict[str, Req] = {}  # every request added and not removed: an abort finds one at once
 
     def add(self, req: Req) -> None:
         req.arrival_order = next(self._arrivals)
+        self._by_rid[req.rid] = req
         self._queue(req)
 
     def has_unfinished(self) -> bool:
@@ -135,13 +137,16 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if self._by_rid.get(req.rid) is req:
+            del self._by_rid[req.rid]
         self._free(req)
 
     def unfinished(self) -> list[Req]:
         return [*self.waiting, *self._holding()]
 
     def find(self, rid: str) -> Req | None:
-        return next((r for r in (*self.waiting, *self._holding()) if r.rid == rid), None)
+        """The request of id `rid` added and not removed, if any."""
+        return self._by_rid.get(rid)
 
     @property
     def available_slots(self) -> int:
@@ -171,6 +176,9 @@ class Scheduler:
             return f"{len(rows)} requests hold cache, {self.pool.free_rows} of {self.pool.num_rows} rows are free"
         if any(r.row is not None or r.kv_len for r in self.waiting):
             return "a waiting request holds cache"
+        queued = self.unfinished()
+        if len(self._by_rid) != len(queued) or any(self._by_rid.get(r.rid) is not r for r in queued):
+            return f"the requests by id are {len(self._by_rid)}, the queues hold {len(queued)}"
         return None
 
     # --------------------------------------------------------------------------------- internals

@@ -264,3 +264,21 @@ def test_remove_frees_cache_anywhere():
     s.remove(a)
     s.remove(b)
     assert not s.has_unfinished() and s.pool.free_slots == 63 and s.pool.free_rows == 8
+
+
+def test_find_knows_each_request_from_its_add_to_its_remove_wherever_it_is():
+    """By id, not a walk of the queues (an abort storm of thousands of queued requests walked them once per abort);
+    the requests by id are the queued ones at every step, and accounting_error says when they are not."""
+    s = make(num_slots=64, rows=2, chunked_prefill_size=8)
+    reqs = [req("chunked", 20, 2), req("short", 2, 4), req("waits", 3, 2), req("gone", 3, 2)]
+    for r in reqs:
+        s.add(r)
+    s.remove(reqs[3])
+    step(s)  # "chunked" prefills its first 8 tokens, the others wait
+    assert s.chunked is reqs[0] and reqs[1] in s.waiting and reqs[2] in s.waiting
+    assert [s.find(r.rid) for r in reqs] == [*reqs[:3], None] and s.accounting_error() is None
+    while s.has_unfinished():
+        step(s)
+        assert all((s.find(r.rid) is r) == (r in s.unfinished()) for r in reqs) and s.accounting_error() is None
+    s._by_rid["gone"] = reqs[3]
+    assert s.accounting_error() == "the requests by id are 1, the queues hold 0"
