@@ -348,7 +348,7 @@ class OpenAIServing:
         best = choices if per_prompt == body.n else [
             c for p in range(len(prompts))
             for c in sorted(choices[p * per_prompt:(p + 1) * per_prompt], key=lambda c: -c.cumulative_logprob)[:body.n]]
-        return self._json(CompletionResponse(**head, usage=_usage(choices, per_prompt), choices=[
+        return await self._json(lambda: CompletionResponse(**head, usage=_usage(choices, per_prompt), choices=[
             CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                              token_ids=c.token_ids if with_ids else None, prompt_logprobs=c.prompt_logprobs,
                              logprobs=_completion_logprobs(c.logprobs, 0) if body.logprobs is not None else None)
@@ -381,8 +381,8 @@ class OpenAIServing:
             return self._stream(run.rids, run.queue, chunk, roles, usage_chunk if body.include_usage else None)
         await self._collect(request, run.rids, run.queue, choices)
         messages = [out.message(c.text, c.finish_reason) for out, c in zip(outputs, choices)]
-        return self._json(ChatCompletionResponse(**head, usage=_usage(choices, body.n),
-                                                 prompt_logprobs=choices[0].prompt_logprobs, choices=[
+        return await self._json(lambda: ChatCompletionResponse(**head, usage=_usage(choices, body.n),
+                                                               prompt_logprobs=choices[0].prompt_logprobs, choices=[
             ChatChoice(index=i, message=message, finish_reason=reason, stop_reason=c.stop_reason,
                        logprobs=_chat_logprobs(c.logprobs, k) if body.logprobs else None)
             for i, (c, (message, reason)) in enumerate(zip(choices, messages))]))
@@ -567,25 +567,28 @@ class OpenAIServing:
             raise APIError(503, str(e), type="server_error") from e
 
     @staticmethod
-    async def _deltas(queue: asyncio.Queue, count: int) -> AsyncIterator[Delta]:
-        """Deltas of `count` sequences until every one has finished; those that queued up while the
-        consumer was busy come merged, one per sequence."""
+    async def _deltas(queue: asyncio.Queue, count: int) -> AsyncIterator[list[Delta]]:
+        """Deltas of `count` sequences until every one has finished, as they come: those that queued up while the
+        consumer was busy in one list, merged, one per sequence."""
         while count:
             items = [await queue.get()]
             while not queue.empty():
                 items.append(queue.get_nowait())
-            for item in merge_deltas(items):
-                if isinstance(item, Exception):
-                    raise item
-                count -= item.out.finished
-                yield item
+            deltas = merge_deltas(items)
+            error = deltas.pop() if deltas and isinstance(deltas[-1], Exception) else None
+            count -= sum(d.out.finished for d in deltas)
+            if deltas:
+                yield deltas
+            if error is not None:
+                raise error
 
     async def _collect(self, request: Request, rids: list[str], queue: asyncio.Queue, choices: list[_Choice]) -> None:
         """Wait for every sequence, aborting them if the client leaves first or one of them fails (the
         response is then an error: the others' tokens would go nowhere)."""
         async def consume() -> None:
-            async for d in self._deltas(queue, len(rids)):
-                choices[d.index].add(d)
+            async for deltas in self._deltas(queue, len(rids)):
+                for d in deltas:
+                    choices[d.index].add(d)
 
         task, gone = asyncio.ensure_future(consume()), asyncio.ensure_future(_disconnected(request))
         try:
@@ -603,8 +606,10 @@ class OpenAIServing:
             raise APIError(500, str(e), type="server_error") from e
 
     @staticmethod
-    def _json(body: BaseModel) -> JSONResponse:
-        return JSONResponse(body.model_dump(mode="json"))
+    async def _json(build: Callable[[], BaseModel]) -> Response:
+        """The body `build` makes, made and encoded in a worker thread: n sequences with their logprobs are megabytes,
+        whose making held the event loop, and every other client's stream, for seconds."""
+        return Response(await asyncio.to_thread(lambda: build().model_dump_json()), media_type="application/json")
 
     def _stream(self, rids: list[str], queue: asyncio.Queue, chunk: Callable[[Delta], BaseModel | None],
                 first: list[BaseModel], usage: Callable[[], BaseModel] | None) -> StreamingResponse:
@@ -627,13 +632,14 @@ class OpenAIServing:
         async def body() -> AsyncIterator[str]:
             done = False
             try:
-                for e in first:
-                    yield e
-                async for d in self._deltas(queue, len(rids)):
-                    for e in events(d):
-                        yield e
-                for e in last():
-                    yield e
+                # a write per batch of events: one that a reset connection refuses is the last one tried
+                if first:
+                    yield "".join(first)
+                async for deltas in self._deltas(queue, len(rids)):
+                    if text := "".join(e for d in deltas for e in events(d)):
+                        yield text
+                if end := "".join(last()):
+                    yield end
                 done = True
             except EngineError as e:
                 for event in failed(str(e)):

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -20,7 +21,7 @@ from moelora.engine.engine import Engine
 from moelora.engine.sampling_params import SamplingParams
 from moelora.engine.stepper import StepOutput
 from moelora.server import engine_loop
-from moelora.server.app import create_app
+from moelora.server.app import OpenAIServing, create_app
 from moelora.server.engine_loop import Delta, EngineError, Overloaded, Submission, merge_deltas
 from tests.server.conftest import ENGINE_OPTIONS, MODEL_NAME, SERVED, make_engine, serving
 
@@ -223,6 +224,41 @@ def test_outputs_that_queued_up_are_merged_per_sequence_up_to_an_error():
     error = EngineError("the engine failed")
     merged = merge_deltas([delta(0, [1]), delta(0, [2]), error, delta(0, [3])])
     assert [d.out.token_ids for d in merged[:-1]] == [[1, 2]] and merged[-1] is error
+
+
+def test_a_stream_writes_what_queued_up_at_once_in_one_write_up_to_an_error():
+    """Each write of a stream whose client reset the connection logged a warning: the events of what queued up
+    together (n sequences of one step) go out as one write, those before an error too."""
+    async def writes(items: list) -> list[str]:
+        serving = OpenAIServing.__new__(OpenAIServing)
+        serving.loop = SimpleNamespace(abort=lambda rids: None)
+        queue = asyncio.Queue()
+        for item in items:
+            queue.put_nowait(item)
+        response = serving._event_stream(["a", "b"], queue, lambda d: [f"{d.index}:{d.out.text};"], ["first;"],
+                                         lambda: ["last;"], lambda message: [f"failed: {message};"])
+        return [w async for w in response.body_iterator]
+    assert asyncio.run(writes([delta(0, [1]), delta(1, [1]), delta(0, [2], finished=True),
+                               delta(1, [2], finished=True)])) == ["first;", "0:<1><2>;1:<1><2>;", "last;"]
+    assert asyncio.run(writes([delta(0, [1]), delta(1, [1]), EngineError("the engine failed")])) == [
+        "first;", "0:<1>;1:<1>;", "failed: the engine failed;"]
+
+
+def test_a_whole_response_is_made_and_encoded_off_the_event_loop():
+    """n sequences with logprobs make a body of megabytes, whose making held every other client's stream."""
+    from moelora.server.protocol import UsageInfo
+
+    def build() -> UsageInfo:
+        made_on.append(threading.current_thread())
+        return UsageInfo(prompt_tokens=1, completion_tokens=2, total_tokens=3)
+
+    async def respond():
+        return threading.current_thread(), await OpenAIServing._json(build)
+    made_on = []
+    loop_thread, response = asyncio.run(respond())
+    assert made_on[0] is not loop_thread and response.media_type == "application/json"
+    assert json.loads(response.body) == {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3,
+                                         "prompt_tokens_details": None}
 
 
 def test_a_stream_that_falls_behind_gets_what_it_missed_in_one_chunk(server):
