@@ -18,7 +18,7 @@ from moelora.server.version import package_version
 
 
 def inspect(args: argparse.Namespace) -> int:
-    from moelora.engine.config import MAX_LORA_RANK
+    from moelora.engine import MAX_LORA_RANK
     from moelora.lora.report import format_report, inspect_adapter
 
     if args.max_lora_rank is not None and args.max_lora_rank > MAX_LORA_RANK:

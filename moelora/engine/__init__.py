@@ -7,7 +7,7 @@ import importlib
 
 _MODULES = {
     "Engine": "engine", "EngineDead": "engine", "PromptError": "engine", "RequestFailed": "engine",
-    "StepOutput": "stepper", "EngineConfig": "config",
+    "StepOutput": "stepper", "EngineConfig": "config", "MAX_LORA_RANK": "config",
     "SamplingParams": "sampling_params", "StructuredOutput": "sampling_params", "MAX_LOGPROBS": "sampling_params",
     "AdapterNameError": "lora_manager", "LoRAStats": "lora_manager", "RankShare": "lora_slots",
     "IncrementalDetokenizer": "detokenizer",
