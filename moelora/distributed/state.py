@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -101,8 +102,7 @@ def init_parallel(tp_size: int, ep_size: int = 1, rank: int | None = None, init_
         torch.cuda.set_device(device)  # Triton launches on the current device, NCCL binds to it
     init_method = init_method or "env://"
     if init_method.startswith("tcp://"):
-        host, port = host_port(init_method.removeprefix("tcp://"))
-        kwargs["store"] = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+        kwargs["store"] = _store_client(init_method.removeprefix("tcp://"), timeout)
     else:
         kwargs["init_method"] = init_method
     try:
@@ -123,6 +123,28 @@ def init_parallel(tp_size: int, ep_size: int = 1, rank: int | None = None, init_
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
     distributed_c10d._set_pg_timeout(CONTROL_TIMEOUT, control)
     return ParallelState(rank, tp_size, ep_size, moe_dispatch, group, control, timeout)
+
+
+def _store_client(addr: str, timeout: float) -> dist.TCPStore:
+    """A client of the rendezvous store at addr (host:port). TCPStore's first exchange with a store waits for its
+    answer without a limit: at an address that takes connections but is no store (another program's port) the rank
+    would hang for good, whatever its timeout. So the client is made in a thread, given the timeout and a margin."""
+    host, port = host_port(addr)
+    made: dict[str, object] = {}
+
+    def make() -> None:
+        try:
+            made["store"] = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+        except Exception as e:
+            made["error"] = e
+    thread = threading.Thread(target=make, name="rendezvous client", daemon=True)  # a hung one blocks no exit
+    thread.start()
+    thread.join(timeout + 5)
+    if "store" in made:
+        return made["store"]
+    reason = (str(made.get("error", "")).strip() or "no answer").splitlines()[0]
+    raise ValueError(f"{addr} does not answer as the rendezvous store of rank 0 (--dist-init-addr) within {timeout:g} "
+                     f"s: {reason}")
 
 
 def destroy_parallel(abort: bool = False) -> None:

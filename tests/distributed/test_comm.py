@@ -12,7 +12,7 @@ from moelora.distributed import comm
 from moelora.distributed import launch
 from moelora.distributed.launch import LocalRanks, free_port, rendezvous_store
 from moelora.distributed.sharding import even_shard, kv_head_shard
-from moelora.distributed.state import ParallelState, get_parallel, parallel_state
+from moelora.distributed.state import ParallelState, get_parallel, init_parallel, parallel_state
 from tests.distributed.ranks import run_ranks
 
 
@@ -118,6 +118,19 @@ def test_a_rendezvous_address_this_machine_cannot_listen_at_is_one_error():
             with pytest.raises(ValueError, match=f"cannot listen on {addr} \\(--dist-init-addr\\): .*{reason}"):
                 rendezvous_store(addr, 5)
             assert reason == "" or time.monotonic() - start < 4  # a name lookup takes what the resolver takes
+
+
+def test_a_rank_at_an_address_that_takes_connections_but_is_no_store_fails_in_its_timeout():
+    """Another program's port (here one that never answers): TCPStore's first exchange waited for good."""
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        addr = f"127.0.0.1:{mute.getsockname()[1]}"
+        start = time.monotonic()
+        with pytest.raises(ValueError, match=f"{addr} does not answer as the rendezvous store of rank 0 "
+                                             "\\(--dist-init-addr\\) within 2 s"):
+            init_parallel(2, rank=1, init_method=f"tcp://{addr}", timeout=2)
+        assert time.monotonic() - start < 30
 
 
 def test_a_rendezvous_at_a_bracketed_ipv6_address():
