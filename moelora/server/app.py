@@ -273,6 +273,8 @@ class OpenAIServing:
             raise APIError(400, str(e), param="lora_name") from e
         except AdapterError as e:
             raise APIError(400, str(e), param="lora_path", problems=e.problems) from e
+        except (EngineError, EngineDead, WorkerFailure) as e:  # a rank died: the engine's, not the request's
+            raise APIError(503, str(e), type="server_error") from e
         return {"success": True, "message": f"Success: LoRA adapter '{body.lora_name}' added successfully."}
 
     async def unload_lora_adapter(self, body: UnloadLoRARequest) -> dict:
@@ -280,6 +282,8 @@ class OpenAIServing:
             await self.loop.unload_lora(body.lora_name)
         except AdapterError as e:
             raise APIError(404, str(e), param="lora_name", code="model_not_found") from e
+        except (EngineError, EngineDead, WorkerFailure) as e:
+            raise APIError(503, str(e), type="server_error") from e
         return {"success": True, "message": f"Success: LoRA adapter '{body.lora_name}' removed successfully."}
 
     async def start_profile(self, request: Request) -> dict:

@@ -162,6 +162,19 @@ def test_overload_is_503(server, monkeypatch):
     assert error(post(server, "/v1/completions", OK), 503)["code"] == "overloaded"
 
 
+@pytest.mark.parametrize("route, body", [("load_lora_adapter", {"lora_name": "g", "lora_path": "/nowhere"}),
+                                         ("unload_lora_adapter", {"lora_name": "alpha"})])
+def test_an_adapter_route_on_an_engine_whose_rank_died_is_503(server, monkeypatch, route, body):
+    """As the requests' routes: the engine's failure, not the request's (it was a 500 with a traceback logged)."""
+    from moelora.engine import WorkerFailure
+
+    async def rank_died(*args):
+        raise WorkerFailure("rank 1 exited with code -9")
+    monkeypatch.setattr(server.loop, route.removesuffix("_adapter"), rank_died)
+    err = error(post(server, f"/v1/{route}", body), 503)
+    assert err["type"] == "server_error" and "rank 1 exited with code -9" in err["message"]
+
+
 def test_more_sequences_than_may_ever_wait_is_400_naming_n_or_prompt(server, monkeypatch):
     """n x prompts past max_queued_requests could never be admitted: a 400 naming n (or, with n = 1, the prompts),
     not a 503 a client retries."""
