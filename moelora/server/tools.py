@@ -41,6 +41,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 START, END = "<tool_call>", "</tool_call>"
+# a block's head is looked for while streaming in its first this many characters (each try reads the block from its
+# start); a block whose head comes later is parsed whole when it closes, its call sent then
+MAX_HEAD_CHARS = 4096
 # A call's head: its name, then the arguments' opening brace. It matches a prefix of a block exactly
 # when it matches the whole block, so streamed and whole outputs send the same name.
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')
@@ -193,6 +196,7 @@ class _Block:
     space_before: str  # the content's whitespace before it, content again if the block is no call
     dropped: bool      # a call past max_calls
     index: int = -1    # the call's, once its name went out
+    head_tried: int = 0  # how much of the block's text the head was looked for in
     pos: int = 0       # how far the arguments have been read (and sent)
     depth: int = 0     # the arguments' JSON: open brackets, inside a string, after a backslash, complete
     in_string: bool = False
@@ -236,6 +240,7 @@ class ToolCallParser:
         self.max_calls = max_calls
         self.calls = 0
         self._buf = ""          # text not decided yet: a partial START, or the open block's text
+        self._no_end = 0        # how much of the open block's text holds no END
         self._space = ""        # the content's trailing whitespace: dropped if a block follows
         self._after_block = False
         self._block: _Block | None = None
@@ -253,10 +258,11 @@ class ToolCallParser:
                     return out
                 self._content(self._buf[:i], out)
                 self._block = _Block(self._space, dropped=self.max_calls is not None and self.calls >= self.max_calls)
-                self._space, self._buf = "", self._buf[i + len(START):]
+                self._space, self._buf, self._no_end = "", self._buf[i + len(START):], 0
             else:
-                j = self._buf.find(END)
+                j = self._buf.find(END, self._no_end)
                 if j < 0:
+                    self._no_end = max(0, len(self._buf) - len(END) + 1)
                     self._read_block(self._buf, out)
                     return out
                 body, self._buf = self._buf[:j], self._buf[j + len(END):]
@@ -290,6 +296,10 @@ class ToolCallParser:
             return
         text = text[:len(text) - partial_tag(text, END)]  # a partial END is not arguments
         if b.index < 0:
+            # a head that the text before did not complete ends at a "{" of the new text (_HEAD's lookahead)
+            tried, b.head_tried = b.head_tried, len(text)
+            if "{" not in text[tried:] or len(text) > MAX_HEAD_CHARS:
+                return
             head = _head(text)
             if head is None:
                 return

@@ -162,6 +162,21 @@ def test_a_call_streams_its_name_then_its_arguments_and_never_the_tags():
     assert len(args) > 10 and "".join(args) == WEATHER_ARGS[1:]  # a piece at a time, the "{" came with the name
 
 
+def test_a_head_past_the_streamed_search_is_a_call_when_its_block_closes():
+    """The head is looked for while streaming in a block's first MAX_HEAD_CHARS characters (each try reads the
+    block from its start: a name never closed, fed a few characters at a time, took 20 s at 64k characters); a
+    call whose head comes later is still a call, sent whole when its block ends, however the text is split."""
+    from moelora.server.tools import MAX_HEAD_CHARS
+
+    text = "<tool_call>" + " " * MAX_HEAD_CHARS + '{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    for pieces in ([text], list(text), [text[:MAX_HEAD_CHARS], text[MAX_HEAD_CHARS:]], [text[:-12], text[-12:]]):
+        content, calls, deltas = parse(pieces)
+        assert (content, calls) == (None, [("add", '{"a": 1}')])
+        assert sum(bool(d.calls) for d in deltas) == 1  # the name and the arguments together, at the end tag
+    name_never_closed = ['<tool_call>{"name": "'] + ["ab{c"] * (MAX_HEAD_CHARS // 2)
+    assert parse(name_never_closed)[:2] == ("".join(name_never_closed), [])  # not a call: content, as written
+
+
 def test_arguments_that_break_after_the_name_was_sent():
     """Whole, a broken block is content; streamed past its name, it stays a call as written."""
     text = 'ok <tool_call>\n{"name": "add", "arguments": {"a": 1</tool_call>'
