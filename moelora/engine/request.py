@@ -27,6 +27,7 @@ class Req:
     kv_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # host, one per cached token
     finish_reason: str | None = None         # "stop", "length", "abort" or "error"
     error: str | None = None                 # why it failed (finish_reason "error")
+    error_is_input: bool = False             # that failure is its own input's: constraints no token can meet
     num_retractions: int = 0
     overtaken: int = 0                       # requests admitted before it while it waited for an adapter slot
     num_pending: int = 0                     # sampled by a step whose results are not read yet (overlap scheduling)

@@ -62,6 +62,7 @@ class StepOutput:
     completion_tokens: int
     error: str | None = None              # why the request failed (finish_reason "error")
     cumulative_logprob: float = 0.0       # of every output token so far, under the raw logits
+    error_is_input: bool = False          # the failure is the request's input's (a server's 400), not the engine's
     # with params.prompt_logprobs, in the first output: the prompt, and per prompt token its entry (None for the first)
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
@@ -382,22 +383,30 @@ class Stepper:
             req.cumulative_logprob += logprobs[i]
             try:
                 if req.grammar is not None and not req.grammar.accept_token(token):
-                    raise RuntimeError(f"the grammar rejected token {token}: no token it allows could be sampled "
-                                       "(allowed_token_ids, logit_bias or min_tokens may rule them all out)")
+                    raise UnmetConstraints(f"its structured output allows no token after {len(req.output_ids) - 1} "
+                                           "tokens: the grammar (with allowed_token_ids, logit_bias or min_tokens, "
+                                           "if given) cannot be met")
                 text = req.detokenizer.add(token)
                 if req.grammar is not None and req.grammar.is_terminated() and not req.detokenizer.finished:
                     text += req.detokenizer.finish("stop")  # complete (its stop token came under ignore_eos)
                 req.finish_reason = req.detokenizer.finish_reason
+            except UnmetConstraints as e:  # the request's own input: no engine fault, no traceback logged
+                text, req.finish_reason, req.error, req.error_is_input = "", "error", str(e), True
             except Exception as e:  # finished like any other request: _finish releases it
                 logger.exception("appending a token to request %s failed", req.rid)
                 text, req.finish_reason, req.error = "", "error", f"appending its token failed: {_describe(e)}"
             out = StepOutput(req.rid, [token], text, req.finished, req.finish_reason, new_logprobs,
                              len(req.prompt_ids), len(req.output_ids), req.error, req.cumulative_logprob,
-                             stop_reason=req.detokenizer.stop_reason, cached_tokens=req.cached_prompt_tokens)
+                             stop_reason=req.detokenizer.stop_reason, cached_tokens=req.cached_prompt_tokens,
+                             error_is_input=req.error_is_input)
             if req.params.prompt_logprobs is not None and len(req.output_ids) == 1:
                 out.prompt_token_ids, out.prompt_logprobs = list(req.prompt_ids), [None, *req.prompt_logprob_entries]
                 out.prompt_logprob_ranks = [None, *req.prompt_logprob_ranks]
             outputs.append(out)
+
+
+class UnmetConstraints(ValueError):
+    """A request's grammar allows no token where it goes on: sampling drew one it rejects."""
 
 
 def _copy_to_host(tokens: SampleOutput) -> tuple[SampleOutput, torch.cuda.Event | None]:

@@ -37,7 +37,8 @@ from uvicorn.config import STARTUP_FAILURE
 from moelora.engine import AdapterNameError, Engine, EngineDead, PromptError, StructuredOutput, WorkerFailure
 from moelora.lora.errors import AdapterError
 from moelora.server.body_limit import BodyLimit, BodyTooLarge
-from moelora.server.engine_loop import Delta, EngineError, EngineLoop, Overloaded, Submission, merge_deltas
+from moelora.server.engine_loop import (Delta, EngineError, EngineLoop, Overloaded, RequestInputError, Submission,
+                                        merge_deltas)
 from moelora.server.errors import APIError, bad_value, error_response, not_found, validation_error
 from moelora.server.metrics import Metrics
 from moelora.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -347,7 +348,7 @@ class OpenAIServing:
 
         if body.stream:
             return self._stream(rids, queue, chunk, [], usage_chunk if body.include_usage else None)
-        await self._collect(request, rids, queue, choices)
+        await self._collect(request, rids, queue, choices, _grammar_field(body))
         # best_of: the n sequences of each prompt with the highest cumulative logprob; usage counts them all
         best = choices if per_prompt == body.n else [
             c for p in range(len(prompts))
@@ -383,7 +384,7 @@ class OpenAIServing:
                 ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
                 for i in range(len(choices))]
             return self._stream(run.rids, run.queue, chunk, roles, usage_chunk if body.include_usage else None)
-        await self._collect(request, run.rids, run.queue, choices)
+        await self._collect(request, run.rids, run.queue, choices, _grammar_field(body))
         messages = [out.message(c.text, c.finish_reason) for out, c in zip(outputs, choices)]
         return await self._json(lambda: ChatCompletionResponse(**head, usage=_usage(choices, body.n),
                                                                prompt_logprobs=choices[0].prompt_logprobs, choices=[
@@ -394,7 +395,8 @@ class OpenAIServing:
     async def responses(self, body: ResponsesRequest, request: Request) -> Response:
         """OpenAI's Responses API through the chat route (server.responses)."""
         try:
-            run = await self._start_chat(ChatCompletionRequest.model_validate(body.chat_body()))
+            chat = ChatCompletionRequest.model_validate(body.chat_body())
+            run = await self._start_chat(chat)
         except ValidationError as e:  # what the chat route's models check further (a call's arguments: JSON)
             first = e.errors()[0]
             param = str(first["loc"][0]) if first["loc"] else None
@@ -417,7 +419,8 @@ class OpenAIServing:
                 return response.events(delta)
             return self._event_stream(run.rids, run.queue, events, response.start(),
                                       lambda: response.finish(choice.finish_reason, usage()), response.failed)
-        await self._collect(request, run.rids, run.queue, run.choices)
+        await self._collect(request, run.rids, run.queue, run.choices,
+                            CHAT_ALIASES.get(field := _grammar_field(chat), field))
         message, _ = output.message(choice.text, choice.finish_reason)
         response.items(message)
         return JSONResponse(response.response("completed", choice.finish_reason, usage()))
@@ -586,7 +589,8 @@ class OpenAIServing:
             if error is not None:
                 raise error
 
-    async def _collect(self, request: Request, rids: list[str], queue: asyncio.Queue, choices: list[_Choice]) -> None:
+    async def _collect(self, request: Request, rids: list[str], queue: asyncio.Queue, choices: list[_Choice],
+                       grammar_field: str) -> None:
         """Wait for every sequence, aborting them if the client leaves first or one of them fails (the
         response is then an error: the others' tokens would go nowhere)."""
         async def consume() -> None:
@@ -606,6 +610,8 @@ class OpenAIServing:
             raise APIError(499, "the client disconnected", code="client_disconnected")
         try:
             task.result()
+        except RequestInputError as e:  # (`grammar_field`: the request field its grammar came from)
+            raise APIError(400, str(e), param=grammar_field) from e
         except EngineError as e:
             raise APIError(500, str(e), type="server_error") from e
 
@@ -622,17 +628,17 @@ class OpenAIServing:
         def events(d: Delta) -> list[str]:
             return [_sse(c)] if (c := chunk(d)) is not None else []
 
-        def failed(message: str) -> list[str]:
-            return [_sse(ErrorResponse(error=ErrorInfo(message=message, type="server_error"))), _DONE]
+        def failed(message: str, kind: str) -> list[str]:
+            return [_sse(ErrorResponse(error=ErrorInfo(message=message, type=kind))), _DONE]
         return self._event_stream(rids, queue, events, [_sse(c) for c in first],
                                   lambda: ([_sse(usage())] if usage is not None else []) + [_DONE], failed)
 
     def _event_stream(self, rids: list[str], queue: asyncio.Queue, events: Callable[[Delta], list[str]],
-                      first: list[str], last: Callable[[], list[str]], failed: Callable[[str], list[str]]
+                      first: list[str], last: Callable[[], list[str]], failed: Callable[[str, str], list[str]]
                       ) -> StreamingResponse:
-        """SSE: the `first` events, a step output's `events`, the `last` ones; `failed` the events of an error once
-        the stream has begun (it can only go in-band then). A client that leaves, or a failure, aborts the
-        sequences."""
+        """SSE: the `first` events, a step output's `events`, the `last` ones; `failed` the events of an error (its
+        message and type) once the stream has begun (it can only go in-band then). A client that leaves, or a failure,
+        aborts the sequences."""
         async def body() -> AsyncIterator[str]:
             done = False
             try:
@@ -645,12 +651,15 @@ class OpenAIServing:
                 if end := "".join(last()):
                     yield end
                 done = True
+            except RequestInputError as e:
+                for event in failed(str(e), "invalid_request_error"):
+                    yield event
             except EngineError as e:
-                for event in failed(str(e)):
+                for event in failed(str(e), "server_error"):
                     yield event
             except Exception as e:  # the response has started: the error can only go in-band
                 logger.exception("streaming a response failed")
-                for event in failed(f"internal error: {type(e).__name__}: {e}"):
+                for event in failed(f"internal error: {type(e).__name__}: {e}", "server_error"):
                     yield event
             finally:
                 if not done:  # the client left, or the engine failed: free the cache now

@@ -118,6 +118,10 @@ class EngineError(RuntimeError):
     """The engine failed the request (a failed step, or shutdown); put in its queue."""
 
 
+class RequestInputError(EngineError):
+    """The request failed on its own input (its structured output allows no token where it goes on): a 400."""
+
+
 class Overloaded(RuntimeError):
     """More requests wait than max_queued_requests allows."""
 
@@ -489,7 +493,7 @@ class EngineLoop:
         """What the request's queue gets of one output: its text and the text of its logprob tokens."""
         if out.error is not None:
             self.metrics.finished(out.finish_reason)
-            return EngineError(out.error)
+            return (RequestInputError if out.error_is_input else EngineError)(out.error)
         detok = stream.detokenizer
         text = "".join(detok.add(t) for t in out.token_ids)
         if out.finished and out.finish_reason in ("stop", "length") and not detok.finished:

@@ -336,10 +336,11 @@ class ResponseBuilder:
         response = self.response("completed", finish_reason, usage)
         return out + [self._event(f"response.{response['status']}", response=response)]
 
-    def failed(self, message: str) -> list[str]:
-        """In-band, once the stream has begun: the error, then the response failed."""
-        response = {**self.response("failed"), "error": {"code": "server_error", "message": message}}
-        return [self._event("error", code="server_error", message=message, param=None),
+    def failed(self, message: str, kind: str) -> list[str]:
+        """In-band, once the stream has begun: the error (of type `kind`: server_error, invalid_request_error), then
+        the response failed."""
+        response = {**self.response("failed"), "error": {"code": kind, "message": message}}
+        return [self._event("error", code=kind, message=message, param=None),
                 self._event("response.failed", response=response)]
 
     def _text(self, kind: str, text: str) -> list[str]:

@@ -236,12 +236,12 @@ def test_a_stream_writes_what_queued_up_at_once_in_one_write_up_to_an_error():
         for item in items:
             queue.put_nowait(item)
         response = serving._event_stream(["a", "b"], queue, lambda d: [f"{d.index}:{d.out.text};"], ["first;"],
-                                         lambda: ["last;"], lambda message: [f"failed: {message};"])
+                                         lambda: ["last;"], lambda message, kind: [f"{kind}: {message};"])
         return [w async for w in response.body_iterator]
     assert asyncio.run(writes([delta(0, [1]), delta(1, [1]), delta(0, [2], finished=True),
                                delta(1, [2], finished=True)])) == ["first;", "0:<1><2>;1:<1><2>;", "last;"]
     assert asyncio.run(writes([delta(0, [1]), delta(1, [1]), EngineError("the engine failed")])) == [
-        "first;", "0:<1>;1:<1>;", "failed: the engine failed;"]
+        "first;", "0:<1>;1:<1>;", "server_error: the engine failed;"]
 
 
 def test_a_whole_response_is_made_and_encoded_off_the_event_loop():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import threading
 
@@ -333,6 +334,25 @@ def test_a_grammar_that_allows_none_of_allowed_token_ids_first_is_refused(server
     error(httpx.post(f"{server.url}{path}", json=body), field, "allows no first token of allowed_token_ids")
     body["allowed_token_ids"] = None
     assert httpx.post(f"{server.url}{path}", json=body, timeout=60).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_with_no_way_on_after_its_first_token_is_a_400_naming_it(server, caplog, stream):
+    """'<' and then nothing (no character is in [^\\s\\S]): the first token passes the check up front, the second
+    has none to draw. It was a 500 with the engine's traceback logged; it is the request's input, as the check up
+    front's refusal is (streamed: an invalid_request_error in the stream)."""
+    body = {"model": "alpha", "prompt": PROMPT, "max_tokens": 5, "guided_regex": "<[^\\s\\S]", "stream": stream}
+    with caplog.at_level(logging.ERROR):
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    message = "its structured output allows no token after 1 tokens"
+    if stream:
+        errors = [json.loads(line[6:])["error"] for line in r.text.splitlines() if line.startswith('data: {"error"')]
+        assert r.status_code == 200 and errors[0]["type"] == "invalid_request_error" and message in errors[0]["message"]
+    else:
+        error(r, "guided_regex", message)
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+    assert httpx.post(f"{server.url}/v1/completions", json={**body, "guided_regex": "<a", "stream": False},
+                      timeout=60).status_code == 200
 
 
 def test_grammars_compile_in_their_own_threads(server, monkeypatch):
