@@ -10,6 +10,8 @@ from torch import nn
 
 from moelora.kernels.rotary import rotary_embedding
 
+ROPE_TYPES = ("default", "linear", "yarn")  # rope_parameters' rope_type values served
+
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
@@ -24,8 +26,8 @@ def rope_frequencies(head_dim: int, rope_parameters: dict, max_position_embeddin
         return inv_freq, 1.0
     if rope_type == "linear":
         return inv_freq / rope_parameters["factor"], 1.0
-    if rope_type != "yarn":
-        raise ValueError(f"rope_type {rope_type!r} is not supported (default, linear, yarn)")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
 
     original_max = rope_parameters["original_max_position_embeddings"]
     factor = rope_parameters.get("factor") or max_position_embeddings / original_max

@@ -17,6 +17,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from moelora.core import TopKConfig
+from moelora.layers.rotary import ROPE_TYPES
 
 
 @dataclass(frozen=True)
@@ -144,8 +145,8 @@ def _check_rope(rope: Any) -> None:
         raise ValueError(f"rope_parameters must be an object, got {rope!r}")
     _finite(rope.get("rope_theta"), "rope_parameters.rope_theta")
     rope_type = rope.get("rope_type", "default")
-    if rope_type not in ("default", "linear", "yarn"):
-        raise ValueError(f"rope_parameters.rope_type {rope_type!r} is not supported (default, linear, yarn)")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_parameters.rope_type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
     if rope_type == "linear":
         _finite(rope.get("factor"), "rope_parameters.factor")
     if rope_type != "yarn":
