@@ -74,7 +74,8 @@ def serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or Path(os.path.abspath(args.model_path)).name
     try:
         app = create_app(engine, name, args.max_queued_requests, api_key, args.log_stats_interval,
-                         args.max_request_mb << 20, args.watchdog_timeout, args.reasoning_parser)
+                         args.max_request_mb << 20, args.watchdog_timeout, args.reasoning_parser,
+                         args.grammar_compile_timeout)
     except BaseException:
         engine.shutdown()
         raise
@@ -273,6 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds one engine step may take: past it the device is taken to hang, the server ends every "
                         "request with an error, logs where the engine is and exits with status 1, for whatever runs "
                         "it to start it again; 0: never (SGLang's flag; default: 300)")
+    p.add_argument("--grammar-compile-timeout", type=_seconds, default=10.0, metavar="SECONDS",
+                   help="seconds a request's grammar (response_format, guided_*, a forced tool call) may take to "
+                        "compile: each new grammar is compiled first in a worker process, killed past this limit or "
+                        "when its client leaves, and the request gets a 400; 0: no limit and no worker processes "
+                        "(default: 10)")
     p.add_argument("--tool-call-parser", choices=["hermes"],
                    help="vLLM's flag, accepted: moelora parses tool calls in the hermes format (Qwen2.5, Qwen3) "
                         "whenever a chat request has tools, and only that one")

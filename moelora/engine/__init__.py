@@ -10,7 +10,7 @@ _MODULES = {
     "StepOutput": "stepper", "EngineConfig": "config", "MAX_LORA_RANK": "config",
     "SamplingParams": "sampling_params", "StructuredOutput": "sampling_params", "MAX_LOGPROBS": "sampling_params",
     "AdapterNameError": "lora_manager", "LoRAStats": "lora_manager", "RankShare": "lora_slots",
-    "IncrementalDetokenizer": "detokenizer",
+    "IncrementalDetokenizer": "detokenizer", "GrammarTrials": "grammar_trials", "TrialCancelled": "grammar_trials",
     "WorkerFailure": "workers", "node_ranks": "workers", "serves_engine": "workers",
 }
 __all__ = sorted(_MODULES)

@@ -24,7 +24,7 @@ import re
 import threading
 import weakref
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -56,15 +56,16 @@ class GrammarBackend:
         grammar is refused, as grammars are over text."""
         self._tokenizer, self.vocab_size, self._stop_token_ids = tokenizer, vocab_size, stop_token_ids
         self._missing_tokenizer = missing_tokenizer
-        self._compiler = None
+        self._compiler = self._info = None
         self._recent: OrderedDict[StructuredOutput, Any] = OrderedDict()
         self._held: weakref.WeakValueDictionary[StructuredOutput, Any] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
 
-    def compile(self, spec: StructuredOutput) -> Any:
+    def compile(self, spec: StructuredOutput, trial: Callable[[StructuredOutput], None] | None = None) -> Any:
         """The xgrammar CompiledGrammar of the spec's grammar; ValueError naming
         SamplingParams.structured_output when the spec is not valid (a bad schema, regex or grammar),
-        xgrammar is not installed, or there is no tokenizer."""
+        xgrammar is not installed, or there is no tokenizer. `trial`, when the grammar is not compiled yet: called
+        with it first, it raises what keeps it from being compiled here (GrammarTrials.check: one too slow)."""
         spec = spec.grammar
         with self._lock:
             if spec in self._recent:
@@ -72,37 +73,15 @@ class GrammarBackend:
                 return self._recent[spec]
             if (compiled := self._held.get(spec)) is not None:
                 return compiled
-        compiled = self._compile(spec)
+        compiler = self._get_compiler()
+        if trial is not None:
+            trial(spec)
+        compiled = compile_spec(compiler, spec)
         with self._lock:
             self._recent[spec] = self._held[spec] = compiled
             while len(self._recent) > RECENT_GRAMMARS:
                 self._recent.popitem(last=False)
         return compiled
-
-    def _compile(self, spec: StructuredOutput) -> Any:
-        compiler = self._get_compiler()
-        try:
-            if spec.kind == "json_schema":
-                schema = json.loads(spec.spec)
-                if not isinstance(schema, dict):
-                    raise ValueError(f"a JSON schema is an object, got {type(schema).__name__}")
-                if _nesting(schema) > MAX_SCHEMA_NESTING:  # xgrammar's compile time grows steeply with it
-                    raise ValueError(f"it is nested deeper than {MAX_SCHEMA_NESTING} lists and objects")
-                return compiler.compile_json_schema(spec.spec, any_whitespace=False)
-            if spec.kind == "json_object":  # not strict: any properties
-                return compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
-            if spec.kind == "regex":
-                return compiler.compile_regex(spec.spec)
-            if spec.kind == "structural_tag":
-                return compiler.compile_structural_tag(spec.spec)
-            if spec.kind == "choice":
-                return compiler.compile_grammar("root ::= " + " | ".join(_ebnf_literal(c) for c in spec.choices))
-            return compiler.compile_grammar(spec.spec)
-        except (RuntimeError, ValueError) as e:  # xgrammar's parser errors: RuntimeError or a ValueError subclass
-            lines = str(e).strip().splitlines() or [type(e).__name__]
-            reason = re.sub(r"^\[[\d:]+\] \S+: ", "", lines[-1])  # xgrammar's "[time] file.cc:line: " prefix
-            raise ValueError(f"SamplingParams.structured_output: the {spec.kind.replace('_', ' ')} is not valid: "
-                             f"{reason}") from None
 
     def matcher(self, spec: StructuredOutput) -> Any:
         """A new xgrammar GrammarMatcher of the spec's grammar, at the start of the output (after the
@@ -110,6 +89,12 @@ class GrammarBackend:
         import xgrammar
 
         return xgrammar.GrammarMatcher(self.compile(spec))
+
+    def tokenizer_info(self) -> Any:
+        """The xgrammar TokenizerInfo that grammars compile against (ValueError as compile's, without a tokenizer or
+        xgrammar)."""
+        self._get_compiler()
+        return self._info
 
     def _get_compiler(self) -> Any:
         with self._lock:
@@ -121,10 +106,37 @@ class GrammarBackend:
                 except ImportError as e:
                     raise ValueError("SamplingParams.structured_output needs the xgrammar package "
                                      "(pip install xgrammar)") from e
-                info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
-                                                               stop_token_ids=self._stop_token_ids or None)
-                self._compiler = xgrammar.GrammarCompiler(info, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
+                self._info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                                     stop_token_ids=self._stop_token_ids or None)
+                self._compiler = xgrammar.GrammarCompiler(self._info, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
             return self._compiler
+
+
+def compile_spec(compiler: Any, spec: StructuredOutput) -> Any:
+    """The spec's grammar compiled by an xgrammar GrammarCompiler; ValueError naming
+    SamplingParams.structured_output when it is not valid."""
+    try:
+        if spec.kind == "json_schema":
+            schema = json.loads(spec.spec)
+            if not isinstance(schema, dict):
+                raise ValueError(f"a JSON schema is an object, got {type(schema).__name__}")
+            if _nesting(schema) > MAX_SCHEMA_NESTING:  # xgrammar's compile time grows steeply with it
+                raise ValueError(f"it is nested deeper than {MAX_SCHEMA_NESTING} lists and objects")
+            return compiler.compile_json_schema(spec.spec, any_whitespace=False)
+        if spec.kind == "json_object":  # not strict: any properties
+            return compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
+        if spec.kind == "regex":
+            return compiler.compile_regex(spec.spec)
+        if spec.kind == "structural_tag":
+            return compiler.compile_structural_tag(spec.spec)
+        if spec.kind == "choice":
+            return compiler.compile_grammar("root ::= " + " | ".join(_ebnf_literal(c) for c in spec.choices))
+        return compiler.compile_grammar(spec.spec)
+    except (RuntimeError, ValueError) as e:  # xgrammar's parser errors: RuntimeError or a ValueError subclass
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        reason = re.sub(r"^\[[\d:]+\] \S+: ", "", lines[-1])  # xgrammar's "[time] file.cc:line: " prefix
+        raise ValueError(f"SamplingParams.structured_output: the {spec.kind.replace('_', ' ')} is not valid: "
+                         f"{reason}") from None
 
 
 def _nesting(value: Any) -> int:

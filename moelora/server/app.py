@@ -17,6 +17,7 @@ import math
 import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -322,7 +323,7 @@ class OpenAIServing:
         asked = [k for k in (echo_logprobs, body.prompt_logprobs) if k is not None]
         subs = self._submissions(body, prompts, max_tokens, body.logprobs, add_special_tokens=body.add_special_tokens,
                                  sequences=per_prompt, prompt_logprobs=max(asked) if asked else None)
-        grammar = await self._compile_grammar(body, subs)
+        grammar = await self._compile_grammar(body, subs, request)
         echoes = await self._prompt_texts(prompts) if body.echo else [""] * len(prompts)
         rids, queue, prompt_tokens = await self._submit(body, subs)
         del grammar  # held until the engine started the requests' matchers from it (_compile_grammar)
@@ -360,7 +361,7 @@ class OpenAIServing:
             for i, c in enumerate(best)]))
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
-        run = await self._start_chat(body)
+        run = await self._start_chat(body, request)
         choices, outputs, k = run.choices, run.outputs, run.top_logprobs
         head = self._head("chatcmpl", body.model)
 
@@ -396,7 +397,7 @@ class OpenAIServing:
         """OpenAI's Responses API through the chat route (server.responses)."""
         try:
             chat = ChatCompletionRequest.model_validate(body.chat_body())
-            run = await self._start_chat(chat)
+            run = await self._start_chat(chat, request)
         except ValidationError as e:  # what the chat route's models check further (a call's arguments: JSON)
             first = e.errors()[0]
             param = str(first["loc"][0]) if first["loc"] else None
@@ -427,7 +428,7 @@ class OpenAIServing:
 
     # ---------------------------------------------------------------------------- internals
 
-    async def _start_chat(self, body: ChatCompletionRequest) -> _ChatRun:
+    async def _start_chat(self, body: ChatCompletionRequest, request: Request) -> _ChatRun:
         """A chat request's sequences submitted: the messages through the chat template, its tools and reasoning
         parser set up for each choice's output."""
         if body.top_logprobs is not None and not body.logprobs:
@@ -445,7 +446,7 @@ class OpenAIServing:
                                  add_special_tokens=False, aliases=aliases, grammar=tools.grammar,
                                  prompt_logprobs=body.prompt_logprobs,
                                  grammar_gate=self.reasoning.grammar_gate(start) if self.reasoning else None)
-        grammar = await self._compile_grammar(body, subs)
+        grammar = await self._compile_grammar(body, subs, request)
         rids, queue, prompt_tokens = await self._submit(body, subs, aliases)
         del grammar  # held until the engine started the request's matchers from it (_compile_grammar)
         separate = self.reasoning is not None and body.separate_reasoning
@@ -500,15 +501,27 @@ class OpenAIServing:
         return [Submission(p, params.for_sequence(k), lora, add_special_tokens, body.priority)
                 for p in prompts for k in range(sequences)]
 
-    async def _compile_grammar(self, body: SamplingRequest, subs: list[Submission]) -> Any:
+    async def _compile_grammar(self, body: SamplingRequest, subs: list[Submission], request: Request) -> Any:
         """The request's compiled grammar (None without one), compiled in a worker thread (the compiler is
         thread-safe): while the caller holds it, the engine thread finds it ready (GrammarBackend.compile); a bad
-        schema, regex or grammar is a 400 naming its field."""
+        schema, regex or grammar, or one that takes too long to compile, is a 400 naming its field. A client that
+        leaves meanwhile stops its grammar's trial compile (a 499)."""
         spec = subs[0].params.structured_output
         if spec is None:
             return None
+        cancelled = threading.Event()
+        compiled = asyncio.ensure_future(self.loop.compile_grammar(spec, cancelled))
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            return await self.loop.run_compile(lambda: self.loop.engine.grammars.compile(spec))
+            await asyncio.wait({compiled, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not compiled.done():
+            cancelled.set()
+            compiled.add_done_callback(lambda f: f.cancelled() or f.exception())  # (its TrialCancelled: retrieved)
+            raise APIError(499, "the client disconnected", code="client_disconnected")
+        try:
+            return compiled.result()
         except ValueError as e:
             field = _grammar_field(body)
             message = str(e) if field != "tools" else f"tools: the functions' parameters do not compile ({e})"
@@ -716,18 +729,20 @@ class _Route(APIRoute):
 def create_app(engine: Engine, served_model_name: str, max_queued_requests: int | None = None,
                api_key: str | None = None, stats_interval: float = 10.0,
                max_request_bytes: int = MAX_REQUEST_BYTES, watchdog_timeout: float = 300.0,
-               reasoning_parser: str | None = None) -> FastAPI:
+               reasoning_parser: str | None = None, grammar_compile_timeout: float = 10.0) -> FastAPI:
     """The app; its engine thread starts and stops with the app's lifespan, which logs what it serves
     first and shuts the engine down (its other ranks, with tp_size > 1) last. With an api_key, every route but
     /health, /metrics and /version answers 401 unless the request carries 'Authorization: Bearer <key>' (and
     FastAPI's /docs, /redoc and /openapi.json are off). stats_interval:
     seconds between the stats log lines (0: none). A request body past max_request_bytes is a 413 (BodyLimit).
     watchdog_timeout: seconds one engine step may take before the server exits (EngineLoop; 0: never).
-    reasoning_parser: "qwen3" or "deepseek_r1" sends a reasoning model's thinking apart (server.reasoning)."""
+    reasoning_parser: "qwen3" or "deepseek_r1" sends a reasoning model's thinking apart (server.reasoning).
+    grammar_compile_timeout: seconds a request's grammar may take to compile (EngineLoop; 0: no limit)."""
     if served_model_name in engine.config.lora_paths:
         raise ValueError(f"the served model name {served_model_name!r} is also an adapter's name")
     reasoning = Reasoning.of(reasoning_parser, engine.tokenizer) if reasoning_parser is not None else None
-    loop = EngineLoop(engine, Metrics(engine.lora_stats), max_queued_requests, stats_interval, watchdog_timeout)
+    loop = EngineLoop(engine, Metrics(engine.lora_stats), max_queued_requests, stats_interval, watchdog_timeout,
+                      grammar_compile_timeout)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -48,7 +48,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
-from moelora.engine import Engine, IncrementalDetokenizer, RankShare, SamplingParams, StepOutput
+from moelora.engine import (Engine, GrammarTrials, IncrementalDetokenizer, RankShare, SamplingParams, StepOutput,
+                            StructuredOutput)
 from moelora.server.metrics import Metrics
 from moelora.server.stats_log import StatsLog
 
@@ -138,10 +139,13 @@ class _Stream:
 
 class EngineLoop:
     def __init__(self, engine: Engine, metrics: Metrics, max_queued_requests: int | None = None,
-                 stats_interval: float = 10.0, watchdog_timeout: float = 300.0):
+                 stats_interval: float = 10.0, watchdog_timeout: float = 300.0, grammar_compile_timeout: float = 10.0):
         """watchdog_timeout: seconds the engine thread may spend in one step before the watchdog ends the process
-        (the module's docstring); 0: no watchdog."""
+        (the module's docstring); 0: no watchdog. grammar_compile_timeout: seconds a request's grammar may take to
+        compile, tried first in a process that is then killed (GrammarTrials); 0: no limit, and no such process."""
         self.engine, self.metrics, self.max_queued_requests = engine, metrics, max_queued_requests
+        self.grammar_trials = GrammarTrials(engine.grammars, grammar_compile_timeout, GRAMMAR_COMPILE_WORKERS) \
+            if grammar_compile_timeout > 0 else None
         self.watchdog_timeout = watchdog_timeout
         self.stats = StatsLog(stats_interval)
         self.thread_stats = ThreadStats()
@@ -160,8 +164,8 @@ class EngineLoop:
         # truncation state in a call whose options differ from the last); an encode beside the text thread's decodes
         # only reads it
         self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="moelora-tokenize")
-        # grammars compile here, not in asyncio's default executor: a slow compile (a schema of thousands of optional
-        # properties takes a minute, and cannot be cancelled) then holds up other grammars only, not adapter loads
+        # grammars compile here, not in asyncio's default executor: a slow compile (GrammarTrials bounds it) then holds
+        # up other grammars only, not adapter loads
         self._grammars = ThreadPoolExecutor(GRAMMAR_COMPILE_WORKERS, thread_name_prefix="moelora-grammar")
         self._streams: dict[str, _Stream] = {}  # text thread only: requests whose outputs it delivers
         self._rids: set[str] = set()  # engine thread only: requests added and not yet seen finished
@@ -196,6 +200,8 @@ class EngineLoop:
         self._text.shutdown()  # after the engine thread's last deliveries
         self._tokenize.shutdown()
         self._grammars.shutdown(wait=False, cancel_futures=True)
+        if self.grammar_trials is not None:
+            self.grammar_trials.close()
 
     async def drain(self, timeout: float, cut: Callable[[], bool]) -> None:
         """The server shuts down: refuse new requests (/health says 503), wait up to `timeout` seconds for those in
@@ -252,9 +258,12 @@ class EngineLoop:
         """Run fn in the tokenize thread (a request's tokenizer work: chat templates, encoding, echo's decoding)."""
         return await asyncio.wrap_future(self._tokenize.submit(fn))
 
-    async def run_compile(self, fn: Callable[[], T]) -> T:
-        """Run fn (a grammar's compile) in a grammar thread."""
-        return await asyncio.wrap_future(self._grammars.submit(fn))
+    async def compile_grammar(self, spec: StructuredOutput, cancelled: threading.Event) -> Any:
+        """The spec's grammar compiled in a grammar thread, and first tried in a GrammarTrials process (one that takes
+        too long is a ValueError); setting `cancelled` (its request has gone) stops the trial (TrialCancelled)."""
+        trials = self.grammar_trials
+        trial = (lambda s: trials.check(s, cancelled)) if trials is not None else None
+        return await asyncio.wrap_future(self._grammars.submit(self.engine.grammars.compile, spec, trial))
 
     async def submit(self, subs: list[Submission], queue: asyncio.Queue) -> tuple[list[str], list[int]]:
         """Add the sequences (all or none); their Deltas, or an EngineError, go to `queue`. Returns their request

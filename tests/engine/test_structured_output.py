@@ -27,8 +27,9 @@ def test_the_grammars_compiled_last_are_not_compiled_again(monkeypatch):
     backend = structured_output.GrammarBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
     specs = [StructuredOutput("regex", f"y{i}[ab]+") for i in range(structured_output.RECENT_GRAMMARS + 1)]
     compiled = [backend.compile(spec) for spec in specs]
-    calls, real = [], backend._compile
-    monkeypatch.setattr(backend, "_compile", lambda spec: calls.append(spec) or real(spec))
+    calls, real = [], structured_output.compile_spec
+    monkeypatch.setattr(structured_output, "compile_spec",
+                        lambda compiler, spec: calls.append(spec) or real(compiler, spec))
     assert all(backend.compile(spec) is c for spec, c in zip(specs[1:], compiled[1:])) and not calls
     assert backend.compile(specs[0]) is compiled[0] and not calls  # the oldest, pushed out, but still held here
     compiled[0] = None  # and now by nobody

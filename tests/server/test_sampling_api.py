@@ -360,8 +360,8 @@ def test_grammars_compile_in_their_own_threads(server, monkeypatch):
     use): a slow compile holds up other grammars only. It would fail if the compile ran anywhere else first."""
     grammars = server.loop.engine.grammars
     compile_grammar, threads = grammars.compile, []
-    monkeypatch.setattr(grammars, "compile", lambda spec: threads.append(threading.current_thread().name)
-                        or compile_grammar(spec))
+    monkeypatch.setattr(grammars, "compile", lambda spec, trial=None: threads.append(threading.current_thread().name)
+                        or compile_grammar(spec, trial))
     body = {"model": "alpha", "max_tokens": 2, "prompt": PROMPT, "guided_regex": "[ab]+"}
     assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
     # (the engine thread then takes it from the compiler's cache, to start the request's matcher)
@@ -374,10 +374,9 @@ def test_the_engine_thread_never_compiles_a_grammar_the_server_compiled(server, 
     find it whatever other grammars pushed out of the caches meanwhile (here the recent ones hold none)."""
     from moelora.engine import structured_output
     monkeypatch.setattr(structured_output, "RECENT_GRAMMARS", 0)
-    grammars = server.loop.engine.grammars
-    compile_grammar, threads = grammars._compile, []
-    monkeypatch.setattr(grammars, "_compile", lambda spec: threads.append(threading.current_thread().name)
-                        or compile_grammar(spec))
+    compile_spec, threads = structured_output.compile_spec, []
+    monkeypatch.setattr(structured_output, "compile_spec", lambda compiler, spec:
+                        threads.append(threading.current_thread().name) or compile_spec(compiler, spec))
     body = {"model": "alpha", "max_tokens": 2, "guided_regex": f"[ab]+{path[-4:]}", "n": 2,
             **({"prompt": PROMPT} if path == "/v1/completions" else {"messages": MESSAGES})}
     assert httpx.post(f"{server.url}{path}", json=body, timeout=60).status_code == 200
