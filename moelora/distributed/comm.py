@@ -148,3 +148,14 @@ def min_over_ranks(state: ParallelState, values: list[int], timeout: float) -> l
     t = torch.tensor(values, dtype=torch.int64)
     _wait(dist.all_reduce(t, op=dist.ReduceOp.MIN, group=state.control, async_op=True), timedelta(seconds=timeout))
     return t.tolist()
+
+
+def gather_over_ranks(state: ParallelState, values: list[int], timeout: float) -> list[list[int]]:
+    """Every rank's values (int64, as many on every rank), in rank order, over the control group (the digests of
+    what each rank read, for all to see which ranks differ); raises after `timeout` seconds without every rank's."""
+    if state.tp_size == 1:
+        return [values]
+    t = torch.tensor(values, dtype=torch.int64)
+    out = t.new_empty(state.tp_size * len(values))
+    _wait(_all_gather_single(out, t, group=state.control, async_op=True), timedelta(seconds=timeout))
+    return out.view(state.tp_size, len(values)).tolist()

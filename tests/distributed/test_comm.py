@@ -22,6 +22,7 @@ def test_one_rank_collectives_are_the_identity():
     one = get_parallel()
     assert comm.all_reduce(one, x) is x and comm.all_gather(one, x) is x
     assert comm.min_over_ranks(one, [7, 2], timeout=1) == [7, 2]
+    assert comm.gather_over_ranks(one, [7, 2], timeout=1) == [[7, 2]]
     comm.control_barrier(one, timeout=1)
 
 
@@ -59,6 +60,7 @@ def _collectives() -> dict:
                 recv_counts=recv.tolist(), received=comm.all_to_all(state, rows, send, recv.tolist()).flatten().tolist(),
                 obj=comm.broadcast_object(state, {"from": rank} if rank == 0 else None),
                 least=comm.min_over_ranks(state, [5 + rank, 9 - rank], timeout=60),
+                each=comm.gather_over_ranks(state, [5 + rank, -2**63 + rank], timeout=60),
                 # the control-group works' handles outlive their calls: no gloo thread frees their tensors (a
                 # process that ends right after them would abort if one did while the interpreter finalizes)
                 held=len(comm._recent_works))
@@ -69,7 +71,8 @@ def test_two_ranks_collectives():
     for r in (r0, r1):
         assert torch.equal(r["sum"], torch.full((2, 3), 3.0))
         assert r["gathered"].tolist() == [0, 0, 1, 1]
-        assert r["obj"] == {"from": 0} and r["least"] == [5, 8] and r["held"] == 4  # control_barrier, 2 broadcasts, min
+        assert r["obj"] == {"from": 0} and r["least"] == [5, 8] and r["each"] == [[5, -2**63], [6, -2**63 + 1]]
+        assert r["held"] == 5  # control_barrier, 2 broadcasts, min, gather
     assert (r0["recv_counts"], r0["received"]) == ([1, 0], [0.0])
     assert (r1["recv_counts"], r1["received"]) == ([2, 1], [1.0, 2.0, 10.0])
 
