@@ -23,11 +23,13 @@ host memory the same adapters. No step waits for another rank's disk: while the 
 (one loaded at runtime, or read back for prefetch), rank 0's events end with a "poll" of those reads, which every
 rank answers over the control group (how far its reads got); an adapter is `ready` once every rank has read it, and
 only then do the others take it into host memory. A read that failed on another rank fails the adapter's waiting
-requests, as rank 0's own does.
+requests, as rank 0's own does. The adapters given at start every rank reads itself; the ranks compare a digest of
+what each read (start_digests), and the start fails where a rank read other files than rank 0.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import itertools
 import logging
 from collections import Counter, OrderedDict
@@ -39,6 +41,7 @@ import torch
 from torch import nn
 
 from moelora.core import ExpertLoRASlots, LinearLoRASlots
+from moelora.distributed.launch import name_ranks
 from moelora.engine.config import MAX_LORA_RANK, EngineConfig
 from moelora.engine.lora_slots import (RankShare, adapted_layers, allocate_lora_slots, fit_problems, model_modules,
                                        resolve_targets, share_of, slot_buffer_bytes, slot_bytes, slotted_modules,
@@ -371,6 +374,25 @@ class LoRAManager:
                                         AdapterError("a tensor-parallel rank's read failed (its log says why)")))
         self._polled = []
 
+    def start_digests(self) -> list[int]:
+        """A digest of each adapter given at start (by name) as this rank read it, for the ranks to compare
+        (check_start_digests): the one that checks another rank's read of an adapter loaded at runtime (_same_files)."""
+        return [_files_digest(self._version[n], self._rank[n]) for n in sorted(self.config.lora_paths)]
+
+    def check_start_digests(self, digests: list[list[int]]) -> None:
+        """AdapterError naming each adapter given at start that a rank read other files of than rank 0 (`digests`:
+        every rank's start_digests, in rank order). Each rank reads its own disk: one that found other files (another
+        node's, or ones replaced while the ranks started) would have the ranks serve a mix of two adapters."""
+        problems = []
+        for i, name in enumerate(sorted(self.config.lora_paths)):
+            differ = [rank for rank, theirs in enumerate(digests) if theirs[i] != digests[0][i]]
+            if differ:
+                problems.append(f"adapter {name!r} ({self._paths[name]}): {name_ranks(differ)} read other files there "
+                                "than rank 0")
+        if problems:
+            raise AdapterError("; ".join(problems) + " (each rank reads its own disk: the ranks would serve a mix of "
+                               "two adapters); give every rank the same files", problems)
+
     def replay(self, events: list[Event]) -> list[int] | None:
         """Make the same changes as rank 0's manager did (on another rank, in its order); where they end with a poll,
         this rank's answer (READ_* of each polled adapter) for the ranks to exchange."""
@@ -570,12 +592,11 @@ class LoRAManager:
 
     def _same_files(self, name: str, share: RankShare) -> bool:
         """Whether this rank read the adapter's registered files (_host_copy's check), or, its first read of one loaded
-        at runtime, the files rank 0 read: told by the files' sizes alone (the rank tiles follow them), as another
-        node's copy has other modification times."""
+        at runtime, the files rank 0 read (told by _files_digest)."""
         version = self._rank0_version.get(name)
         if version is None:
             return (share.version, share.max_rank) == (self._version[name], self._rank[name])
-        return (_sizes(share.version), share.max_rank) == (_sizes(version), self._rank[name])
+        return _files_digest(share.version, share.max_rank) == _files_digest(version, self._rank[name])
 
     def _start_read(self, name: str) -> None:
         if self._reader is None:
@@ -621,6 +642,9 @@ def _distinct(names: Iterable[str]) -> Iterator[str]:
             yield name
 
 
-def _sizes(version: tuple[tuple[str, int, int], ...]) -> tuple[tuple[str, int], ...]:
-    """(name, size) of each file of an adapter's version (lora.adapter.files_version)."""
-    return tuple((name, size) for name, size, _ in version)
+def _files_digest(version: tuple[tuple[str, int, int], ...], max_rank: int) -> int:
+    """What tells the files one rank read of an adapter from another rank's, as an int64: a digest of the files'
+    names and sizes (of its version, lora.adapter.files_version) and the adapter's LoRA rank (the rank tiles follow
+    it). Not the modification times: another node's copy of the same files has other ones."""
+    key = repr((tuple((name, size) for name, size, _ in version), max_rank)).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little", signed=True)

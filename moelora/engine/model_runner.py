@@ -19,7 +19,8 @@ from typing import NamedTuple, TypeVar
 import torch
 
 from moelora.core import ForwardBatch, KVCache, to_device
-from moelora.distributed.comm import broadcast, broadcast_object, control_barrier, min_over_ranks, wait_event
+from moelora.distributed.comm import (broadcast, broadcast_object, control_barrier, gather_over_ranks, min_over_ranks,
+                                     wait_event)
 from moelora.distributed.state import ParallelState, destroy_parallel, get_parallel, parallel_state
 from moelora.engine.config import CPU_KV_TOKENS, DTYPES, EngineConfig
 from moelora.engine.cuda_graph import CudaGraphs, GraphCapture, PromptGraphs, RankBounds
@@ -176,6 +177,11 @@ class ModelRunner:
         # every rank's cache alike: rank 0 schedules for all
         if self.dist_state.tp_size > 1:
             with self._start_phase("the other ranks' loads waited for"):
+                # each rank read the adapters given at start from its own disk: every rank fails the start where one
+                # read other files than rank 0 (a digest of each, as a runtime load_lora's read is checked)
+                if config.lora_paths:
+                    self.lora.check_start_digests(gather_over_ranks(self.dist_state, self.lora.start_digests(),
+                                                                    config.dist_timeout))
                 tokens, = min_over_ranks(self.dist_state, [tokens], config.dist_timeout)
         # a request alone always fits, with a slot to spare for the scheduler's decode reserve
         self.context_len = min(context, tokens - 1)

@@ -24,6 +24,7 @@ import moelora.engine.lora_manager as lora_manager
 import moelora.engine.model_runner as model_runner
 import moelora.engine.stepper as stepper_module
 import moelora.engine.workers as workers_module
+from moelora.cli import _ranks_in_a_line_each
 from moelora.distributed.launch import free_port
 from moelora.distributed.state import ParallelState
 from moelora.engine.config import EngineConfig
@@ -423,27 +424,54 @@ def _reads_a_rewritten_adapter(self, path):
     return dataclasses.replace(_READ(self, path), version=(("adapter_model.safetensors", 0, 0),))
 
 
-def _reads_another_nodes_copy(self, path):
-    """Reads the adapter as another node's copy of its files: the same bytes, other modification times."""
-    share = _READ(self, path)
+def _reads_another_nodes_copy(self, path, *args, **kwargs):
+    """Reads the adapter (at start or at runtime) as another node's copy of its files: the same bytes, other
+    modification times."""
+    share = _READ_SHARE(self, path, *args, **kwargs)
     return dataclasses.replace(share, version=tuple((name, size, mtime + 1) for name, size, mtime in share.version))
 
 
 def test_another_nodes_copy_of_an_adapter_serves(start_engine, adapters, monkeypatch):
-    """A rank that reads a copy of the files rank 0 read (same sizes, other modification times: another node's)
-    loads it: only files that differ from rank 0's stop the engine."""
-    monkeypatch.setattr(engine_module, "serve_rank", functools.partial(_serve_with, "read", _reads_another_nodes_copy))
+    """A rank that reads a copy of the files rank 0 read (same sizes, other modification times: another node's),
+    the adapters given at start as one loaded at runtime, starts and loads it: only files that differ from rank 0's
+    stop the engine."""
+    monkeypatch.setattr(engine_module, "serve_rank",
+                        functools.partial(_serve_with, "_read_share", _reads_another_nodes_copy))
     many = start_engine("qwen3_moe", tp_size=2, dist_timeout=20)
     many.load_lora("late", str(adapters("qwen3_moe")["partial"].path))
     assert many.generate(PROMPTS[:1], GREEDY, lora="late")[0].token_ids == \
         many.generate(PROMPTS[:1], GREEDY, lora="partial")[0].token_ids
 
 
+def _reads_full_where_partial_is(self, path, *args, **kwargs):
+    """Finds the "full" adapter's files where the "partial" one's are (another node's disk, or files replaced while
+    the ranks start)."""
+    path = Path(path)
+    return _READ_SHARE(self, path.with_name(path.name.replace("-partial", "-full")), *args, **kwargs)
+
+
+def test_a_rank_that_finds_other_files_at_a_start_adapters_path_fails_the_start(start_engine, adapters, monkeypatch):
+    """Rank 1 reads other files than rank 0 at the path lora_paths gives "partial": the start fails with one error
+    naming that adapter, its path and the rank, where the ranks would serve a mix of two adapters under its name;
+    the ranks are stopped."""
+    monkeypatch.setattr(engine_module, "serve_rank",
+                        functools.partial(_serve_with, "_read_share", _reads_full_where_partial_is))
+    with pytest.raises(WorkerFailure) as failed:
+        start_engine("qwen3_moe", tp_size=2, dist_timeout=20)
+    error = str(failed.value)
+    path = adapters("qwen3_moe")["partial"].path
+    assert error.startswith("loading the model failed on the tensor-parallel ranks (AdapterError: adapter 'partial' "
+                            f"({path}): rank 1 read other files there than rank 0"), error
+    line = _ranks_in_a_line_each(error)  # as `moelora serve` prints it
+    assert "\n" not in line and "'full'" not in line  # (the same files on every rank)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("moelora-rank")]
+
+
 def _cannot_drop_adapters(*args, **kwargs) -> None:
     raise RuntimeError("this rank cannot free the adapter's slot")
 
 
-_READ = lora_manager.LoRAManager.read
+_READ, _READ_SHARE = lora_manager.LoRAManager.read, lora_manager.LoRAManager._read_share
 
 
 def _read_if_frozen(self, path):
