@@ -35,7 +35,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from uvicorn.config import STARTUP_FAILURE
 
-from moelora.engine import AdapterNameError, Engine, EngineDead, PromptError, StructuredOutput, WorkerFailure
+from moelora.engine import (AdapterNameError, Engine, EngineDead, PromptError, StructuredOutput, TrialCancelled,
+                            WorkerFailure)
 from moelora.lora.errors import AdapterError
 from moelora.server.body_limit import BodyLimit, BodyTooLarge
 from moelora.server.engine_loop import (Delta, EngineError, EngineLoop, Overloaded, RequestInputError, Submission,
@@ -522,6 +523,8 @@ class OpenAIServing:
             raise APIError(499, "the client disconnected", code="client_disconnected")
         try:
             return compiled.result()
+        except TrialCancelled as e:  # the server shuts down (EngineLoop.drain)
+            raise APIError(503, "the server is shutting down", type="server_error") from e
         except ValueError as e:
             field = _grammar_field(body)
             message = str(e) if field != "tools" else f"tools: the functions' parameters do not compile ({e})"

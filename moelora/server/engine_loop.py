@@ -209,6 +209,8 @@ class EngineLoop:
         (a streamed response ends with that error event, another gets a 500), so that their connections close."""
         with self._cv:
             self._draining = True
+        if self.grammar_trials is not None:  # no request waiting for its grammar could be added any more
+            self.grammar_trials.close()
         deadline = time.monotonic() + timeout
         if self._in_flight():
             logger.info("shutting down: %d requests in flight; %s", self._in_flight(),

@@ -2,8 +2,10 @@
 its field, and a client that leaves while its grammar compiles stops that compile. Before, a slow grammar (a schema
 of thousands of optional properties) held one of the server's compile threads, and a core, for minutes, whoever was
 still waiting for it: four such clients made every other grammar wait."""
+import asyncio
 import json
 import socket
+import threading
 import time
 
 import httpx
@@ -66,3 +68,24 @@ def test_a_client_that_leaves_stops_its_grammars_compile(server):
     assert server.idle()
     body = {"model": "alpha", "max_tokens": 2, "prompt": PROMPT, "guided_choice": ["yes", "no"]}
     assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+
+
+def test_a_shutdown_ends_the_grammars_compiling(demo_dir):
+    """The server's drain stops its grammars' trials: a request whose grammar still compiles gets a 503 at once, not
+    after its compile (past --shutdown-timeout)."""
+    with serving(create_app(make_engine(demo_dir, SERVED), MODEL_NAME, grammar_compile_timeout=600)) as server:
+        trials = server.loop.grammar_trials
+        body = {"model": "alpha", "max_tokens": 2, "prompt": PROMPT, "guided_json": SLOW_SCHEMA}
+        answers = []
+        client = threading.Thread(target=lambda: answers.append(httpx.post(f"{server.url}/v1/completions", json=body,
+                                                                           timeout=120)))
+        client.start()
+        deadline = time.monotonic() + 60
+        while not [w for w in list(trials._busy) if w.ready]:
+            assert time.monotonic() < deadline, "the trial did not start"
+            time.sleep(0.02)
+        asyncio.run(server.loop.drain(0, lambda: False))
+        client.join(timeout=30)
+        assert not client.is_alive() and answers[0].status_code == 503, answers
+        assert answers[0].json()["error"]["message"] == "the server is shutting down"
+        assert not trials._busy and not trials._idle
