@@ -8,6 +8,7 @@ and the engine read one set of fields and never a transformers config.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -76,7 +77,7 @@ class ModelConfig:
         except OSError:
             raise
         except Exception as e:
-            raise ValueError(f"{where}: {e}") from None
+            raise ValueError(f"{where}: {_dtype_problem(where) or e}") from None
         try:
             return cls.from_hf(hf, **options)
         except ValueError as e:
@@ -182,10 +183,30 @@ def _check_experts(config: ModelConfig) -> None:
 
 def _saved_dtype(hf: PretrainedConfig) -> torch.dtype | None:
     saved = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+    return None if saved is None else _floating_dtype(saved)
+
+
+def _floating_dtype(saved: Any) -> torch.dtype:
     dtype = getattr(torch, saved, None) if isinstance(saved, str) else saved
-    if saved is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype (torch_dtype) must name a floating-point torch dtype, got {saved!r}")
     return dtype
+
+
+def _dtype_problem(where: Path) -> str | None:
+    """What is wrong with config.json's dtype, where transformers could not read the file: its error of a dtype
+    torch does not have ("module 'torch' has no attribute 'foo'") names neither the field nor the value."""
+    try:
+        raw = json.loads(where.read_text())
+    except (OSError, ValueError):
+        return None
+    for field in ("dtype", "torch_dtype"):
+        if isinstance(raw, dict) and raw.get(field) is not None:
+            try:
+                _floating_dtype(raw[field])
+            except ValueError as e:
+                return str(e)
+    return None
 
 
 def _qwen_moe(hf: PretrainedConfig) -> dict[str, Any]:

@@ -215,6 +215,8 @@ def test_an_unreadable_checkpoint_is_one_error_naming_its_file(demo_dir, tmp_pat
     ({"hidden_size": -128}, "hidden_size must be an int >= 1, got -128"),
     ({"max_position_embeddings": 0}, "max_position_embeddings must be an int >= 2, got 0"),
     ({"dtype": "int8"}, "dtype (torch_dtype) must name a floating-point torch dtype, got torch.int8"),
+    # transformers' error: "module 'torch' has no attribute 'foo'"
+    ({"dtype": "foo"}, "dtype (torch_dtype) must name a floating-point torch dtype, got 'foo'"),
     ({"num_experts_per_tok": 9}, "num_experts_per_tok must be in [1, 8] (the routed experts), got 9"),
     # every logit NaN, the command's exit status 0
     ({"rope_parameters": {"rope_theta": 0, "rope_type": "default"}},
