@@ -142,11 +142,12 @@ class LocalRanks:
         return {r: self.fate(r) for r, p in self.procs.items() if p.exitcode != 0}
 
     def _read(self, timeout: float) -> None:
-        if self.messages is None:  # stopped: what they sent was read then
+        messages = self.messages  # (once: stop() may drop it meanwhile, from another thread than ended()'s)
+        if messages is None:  # stopped: what they sent was read then
             return
         try:
             while True:
-                rank, text = self.messages.get(timeout=timeout)
+                rank, text = messages.get(timeout=timeout)
                 self._errors[rank] = text
                 timeout = 0
         except queue.Empty:
@@ -155,6 +156,15 @@ class LocalRanks:
     def dead(self) -> dict[int, int]:
         """Ranks whose process has ended -> exit code (negative: killed by that signal)."""
         return {r: p.exitcode for r, p in self.procs.items() if p.exitcode is not None}
+
+    def ended(self) -> dict[int, str]:
+        """Ranks whose process has ended -> what became of them (`fate`), at once: no process is waited for, and what
+        they sent is read only once one has ended. Cheap (a waitpid per rank) and safe from any thread: a server's
+        /health asks at every poll."""
+        dead = self.dead()
+        if dead:
+            self._read(timeout=0)  # the traceback of one that raised: sent before it exited
+        return {r: self.fate(r) for r in dead}
 
     def fate(self, rank: int) -> str:
         """What became of one rank, in a line: "raised <the traceback's last line>", "exited with code N"."""
@@ -224,13 +234,19 @@ def report_failures(addr: str, fates: dict[int, str], timeout: float = 5.0) -> N
 def reported_failures(addr: str, ranks: Iterable[int], wait: float) -> dict[int, str]:
     """What the other machines reported (`report_failures`) of `ranks`: rank -> fate. Waits up to `wait` seconds
     for a first report (the other machine notices a failed rank a moment after rank 0 lost it)."""
-    keys = {rank: _failure_key(rank) for rank in ranks}
-    deadline = time.monotonic() + wait
+    ranks, deadline = list(ranks), time.monotonic() + wait
     with contextlib.suppress(Exception):  # the store is gone (the world was never formed): nothing was reported
         store = _store(addr, wait)
         while True:
-            got = {rank: store.get(key).decode() for rank, key in keys.items() if store.check([key])}
+            got = stored_failures(store, ranks)
             if got or time.monotonic() > deadline:
                 return got
             time.sleep(0.1)
     return {}
+
+
+def stored_failures(store: dist.Store, ranks: Iterable[int]) -> dict[int, str]:
+    """What the other machines reported (`report_failures`) of `ranks` so far, read from `store` (the rendezvous
+    store, or a client of it) at once: rank -> fate."""
+    keys = {rank: _failure_key(rank) for rank in ranks}
+    return {rank: store.get(key).decode() for rank, key in keys.items() if store.check([key])}

@@ -18,10 +18,12 @@ Where the ranks run, three ways, each process constructing the Engine with the s
   nothing is started: rank 0's process is the engine, the others' construction runs serve_rank until rank 0 shuts
   down, then exits the process.
 
-A rank that raises sends its traceback to the process that started it and exits; one killed or hung makes rank
-0's next collective fail at once (a closed connection) or after dist_timeout seconds, while loading as while
-serving. Rank 0 then raises `WorkerFailure` naming the rank and what became of it (of another node's rank, what its
-node reported), stops the ranks it started, and the engine stops taking requests (Engine.fatal).
+A rank that raises sends its traceback to the process that started it and exits. Rank 0 finds a rank of its node
+that ended (raised or was killed) while it joins their world, where the join would wait dist_timeout for it; of
+another node's rank, what its node reported to the rendezvous store. Otherwise a rank that died or hangs makes rank
+0's collective fail at once (a closed connection) or after dist_timeout seconds, while loading as while serving.
+Rank 0 then raises `WorkerFailure` naming the rank and what became of it (of another node's rank, what its node
+reported), stops the ranks it started, and the engine stops taking requests (Engine.fatal).
 """
 from __future__ import annotations
 
@@ -29,17 +31,19 @@ import contextlib
 import dataclasses
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator
 
 import torch
 
 from moelora.distributed.comm import broadcast_object, control_barrier, wait_event
 from moelora.distributed.launch import (LocalRanks, name_ranks, rendezvous_store, report_failures,
-                                       reported_failures)
+                                       reported_failures, stored_failures)
 from moelora.distributed.state import ParallelState, destroy_parallel, init_parallel
 from moelora.engine.config import EngineConfig
 
 _log = logging.getLogger(__name__)
+JOIN_POLL_S = 0.1  # while rank 0 joins the world, how often it looks for a rank that failed meanwhile
 
 
 class WorkerFailure(RuntimeError):
@@ -127,6 +131,9 @@ class _LaunchedRanks:
     def wait_started(self, timeout: float) -> None:
         pass
 
+    def ended(self) -> dict[int, str]:
+        return {}  # not this process's: one that died fails rank 0's next collective
+
     def describe(self, wait: float = 0.0) -> str:
         return "the ranks were started by torchrun: their own output says which one failed and why"
 
@@ -140,14 +147,27 @@ class _NodeRanks:
 
     def __init__(self, local: LocalRanks, remote: range, addr: str):
         self.local, self.remote, self.addr = local, remote, addr
+        # what the other nodes reported while rank 0 joined the world (poll_reports): rank 0 gives up the join by
+        # dropping the store that holds it, before describe() reads it
+        self.reported: dict[int, str] = {}
 
     def wait_started(self, timeout: float) -> None:
         self.local.wait_started(timeout)
 
+    def ended(self) -> dict[int, str]:
+        """This node's ranks that ended (LocalRanks.ended); the other nodes' are in the store (poll_reports)."""
+        return self.local.ended()
+
+    def poll_reports(self, store: torch.distributed.TCPStore) -> None:
+        """Add to `reported` what the other nodes reported so far, read at once from `store`, the rendezvous this
+        process holds."""
+        self.reported |= stored_failures(store, self.remote)
+
     def describe(self, wait: float = 2.0) -> str:
         local = self.local.describe(wait) if self.local.procs else ""
-        # through the rendezvous store, which Workers holds from before the ranks start (gone: none reported)
-        reported = reported_failures(self.addr, self.remote, wait)
+        # through the rendezvous store, which Workers holds from before the ranks start (gone: none reported since
+        # poll_reports)
+        reported = self.reported | reported_failures(self.addr, self.remote, wait)
         remote = "\n".join(f"rank {r} {fate} (on another node: its node's output says why)"
                            for r, fate in reported.items())
         return "\n".join(filter(None, [local, remote or f"{name_ranks(self.remote)} of the other nodes: none "
@@ -181,11 +201,66 @@ class Workers:
         try:
             with self.guard("starting the ranks"):
                 self.ranks.wait_started(config.dist_timeout)
-                self.state = join_world(config, 0, init_method)
+                self.state = self._join(config, init_method)
         except BaseException:  # an interrupt too (the guard stopped them on an error)
             self.ranks.stop(timeout=0)
             self.rendezvous = None  # its port free at once, not once the traceback is dropped
             raise
+
+    def _join(self, config: EngineConfig, init_method: str) -> ParallelState:
+        """join_world, which waits up to dist_timeout for every rank, while this thread watches the ranks: one that
+        ended before it joined (it raised, or was killed) fails the start within a moment, a RuntimeError naming it
+        and what became of it."""
+        # one that ended already fails the start before the join begins: the store dropped (_watch_join) while the
+        # join's client connects to it would have that client retry connecting for dist_timeout
+        failed = self._failed_ranks()
+        if not failed:
+            outcome = self._watch_join(config, init_method)
+            if isinstance(outcome, ParallelState):
+                return outcome  # (a rank that ended since is the next guard's to find)
+            failed = self._failed_ranks()  # one whose end failed the join (or gloo's connection to it, refused)
+            if not failed:
+                raise outcome
+        fates = "; ".join(f"rank {r} {fate}" for r, fate in sorted(failed.items()))
+        raise RuntimeError(f"{name_ranks(failed)} ended before joining the world: {fates}")
+
+    def _watch_join(self, config: EngineConfig, init_method: str) -> ParallelState | BaseException:
+        """join_world's outcome, run in a thread of its own until it ends or a rank failed (_failed_ranks)."""
+        joined: list[ParallelState | BaseException] = []
+
+        def join() -> None:
+            try:
+                joined.append(join_world(config, 0, init_method))
+            except BaseException as e:  # noqa: BLE001  (the caller's to raise)
+                joined.append(e)
+        thread = threading.Thread(target=join, name="moelora-join", daemon=True)
+        thread.start()
+        try:
+            while thread.is_alive() and not self._failed_ranks():
+                thread.join(JOIN_POLL_S)
+        finally:
+            if thread.is_alive():  # given up: a rank failed, or an interrupt
+                # The thread is not left behind: it is inside init_process_group or new_group, which on their way out
+                # set up torch.distributed's world, or reset its count of groups (init_parallel), whenever that is;
+                # done under a later world of this process (a retry), either would spoil it. Dropping the rendezvous
+                # store (Workers holds its only reference) closes its connections, so the thread's waits on it fail
+                # at once, and frees its port for a retry: this join takes a moment. (A wait not on the store ends
+                # within dist_timeout, as the join did before: gloo connecting to a rank that hangs, or the join's
+                # store client connecting, had the rank ended in the moment between _join's look and that.) What
+                # the thread joined, if anything, is left by the guard (_fail's destroy_parallel) once it ended.
+                self.rendezvous = None
+                thread.join()
+        return joined[0]
+
+    def _failed_ranks(self) -> dict[int, str]:
+        """Ranks known to have failed -> what became of them: this node's that ended and, over several nodes, those
+        the other nodes reported to the rendezvous store (a moment's read of it while this process holds it)."""
+        failed = self.ranks.ended()
+        if isinstance(self.ranks, _NodeRanks):
+            if self.rendezvous is not None:
+                self.ranks.poll_reports(self.rendezvous)
+            failed |= {r: f"{fate} (on another node)" for r, fate in self.ranks.reported.items()}
+        return failed
 
     @contextlib.contextmanager
     def guard(self, what: str) -> Iterator[None]:

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +26,7 @@ import moelora.engine.model_runner as model_runner
 import moelora.engine.stepper as stepper_module
 import moelora.engine.workers as workers_module
 from moelora.cli import _ranks_in_a_line_each
-from moelora.distributed.launch import free_port
+from moelora.distributed.launch import free_port, host_port, rendezvous_store, report_failures
 from moelora.distributed.state import ParallelState
 from moelora.engine.config import EngineConfig
 from moelora.engine.engine import Engine, EngineDead, RequestFailed
@@ -354,6 +355,76 @@ def test_a_rank_that_hangs_or_dies_while_loading_fails_the_construction(serve, s
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("moelora-rank")]
     monkeypatch.undo()
     assert start_engine("qwen3_moe", tp_size=2, dist_timeout=20).generate(PROMPTS[:1], GREEDY)[0].token_ids
+
+
+def _raises_before_joining(rank, config, init_method):
+    Path(os.environ["MOELORA_TEST_ENDED"]).touch()
+    raise RuntimeError("this rank has no device")
+
+
+def _killed_before_joining(rank, config, init_method):
+    Path(os.environ["MOELORA_TEST_ENDED"]).touch()
+    _kill()
+
+
+def _assert_start_undone(addr: str) -> None:
+    """After a start that failed: no rank runs, no world is left, no join thread either (one would set up a world, or
+    reset torch's count of groups, under a retry's), and the rendezvous port is free for a retry."""
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("moelora-rank")]
+    assert not torch.distributed.is_initialized()
+    assert not [t for t in threading.enumerate() if t.name == "moelora-join"]
+    rendezvous_store(addr, 5)  # (dropped at once)
+
+
+@pytest.mark.parametrize("serve, fate", [
+    (_raises_before_joining, "rank 1 raised RuntimeError: this rank has no device"),
+    (_killed_before_joining, "rank 1 exited with code -9 (signal 9)"),
+], ids=["raises", "killed"])
+def test_a_rank_that_ends_before_joining_fails_the_start_at_once(serve, fate, tmp_path, monkeypatch):
+    """Rank 0 watches its ranks while it joins their world: rank 1 raising, or killed, before it joined fails the
+    start within moments of its end, not once dist_timeout (120 s here) has passed, naming it and what became of it;
+    the start leaves nothing behind."""
+    ended = tmp_path / "ended"
+    monkeypatch.setenv("MOELORA_TEST_ENDED", str(ended))
+    addr = f"127.0.0.1:{free_port()}"
+    with pytest.raises(WorkerFailure) as failed:
+        Workers(EngineConfig("unused", tp_size=2, device="cpu", dist_timeout=120, dist_init_addr=addr), serve)
+    assert time.time() - ended.stat().st_mtime < 10
+    error = str(failed.value)
+    assert error.startswith("starting the ranks failed on the tensor-parallel ranks (RuntimeError: rank 1 ended "
+                            f"before joining the world: {fate})"), error
+    _assert_start_undone(addr)
+
+
+def test_a_rank_another_node_reports_failed_fails_the_start_at_once():
+    """Over two nodes, rank 1 (node 1's) failing before it joined: its node reports it to the rendezvous store, and
+    rank 0's start fails within moments of the report, naming it and what became of it, not once dist_timeout has
+    passed; the start leaves nothing behind."""
+    addr = f"127.0.0.1:{free_port()}"
+    reported = []
+
+    def node1() -> None:  # what `follow` on node 1 does once its rank failed
+        while True:
+            try:
+                socket.create_connection(host_port(addr), timeout=5).close()  # rank 0 listens
+                break
+            except OSError:
+                time.sleep(0.05)
+        time.sleep(0.5)
+        report_failures(addr, {1: "raised RuntimeError: this node has no GPU"})
+        reported.append(time.monotonic())
+    reporter = threading.Thread(target=node1, daemon=True)
+    reporter.start()
+    config = EngineConfig("unused", tp_size=2, nnodes=2, dist_init_addr=addr, device="cpu", dist_timeout=120)
+    with pytest.raises(WorkerFailure) as failed:
+        Workers(config, serve=None)
+    assert time.monotonic() - reported[0] < 10
+    error = str(failed.value)
+    assert "rank 1 ended before joining the world: rank 1 raised RuntimeError: this node has no GPU (on another " \
+           "node)" in error, error
+    assert "rank 1 raised RuntimeError: this node has no GPU (on another node: its node's output says why)" in error
+    reporter.join()
+    _assert_start_undone(addr)
 
 
 def _interrupted(interrupts: list[float]) -> Callable[..., None]:
