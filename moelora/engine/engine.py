@@ -355,6 +355,25 @@ class Engine:
         """Why the engine cannot run steps any more (a device error, a failed rank, shut down); None while it can."""
         return self.stepper.fatal
 
+    def rank_ended(self) -> bool:
+        """Whether a rank this process started (tp_size > 1) has ended while the engine could serve, which the engine
+        itself finds at its next step or check_ranks: cheap (no collective, no wait) and safe from any thread, for
+        a server's /health."""
+        workers = self.workers  # (once: shutdown drops it, from the engine's thread)
+        return workers is not None and workers.rank_ended()
+
+    @_one_caller
+    def check_ranks(self) -> None:
+        """Fail the engine now if a rank this process started has ended, as its next step would (fatal: requests are
+        refused with EngineDead and those in flight fail at the next step; the other ranks are stopped), rather than
+        at a step that may not come: a server calls it before each command of its engine thread, so that a request
+        that comes once /health saw the rank end (rank_ended) is refused, not added."""
+        if self.workers is not None and self.fatal is None:
+            try:
+                self._on_ranks(self.workers.check)
+            except WorkerFailure as e:
+                logger.error("the engine cannot serve any more: %s", e)
+
     # ------------------------------------------------------------------------------------ text
 
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:

@@ -19,11 +19,12 @@ Where the ranks run, three ways, each process constructing the Engine with the s
   down, then exits the process.
 
 A rank that raises sends its traceback to the process that started it and exits. Rank 0 finds a rank of its node
-that ended (raised or was killed) while it joins their world, where the join would wait dist_timeout for it; of
-another node's rank, what its node reported to the rendezvous store. Otherwise a rank that died or hangs makes rank
-0's collective fail at once (a closed connection) or after dist_timeout seconds, while loading as while serving.
-Rank 0 then raises `WorkerFailure` naming the rank and what became of it (of another node's rank, what its node
-reported), stops the ranks it started, and the engine stops taking requests (Engine.fatal).
+that ended (raised or was killed) before each thing the ranks do together (`Workers.check`, cheap: no collective),
+and while it joins their world, where the join would wait dist_timeout for it; of another node's rank, what its node
+reported to the rendezvous store. Otherwise a rank that died or hangs makes rank 0's collective fail at once (a
+closed connection) or after dist_timeout seconds, while loading as while serving. Rank 0 then raises
+`WorkerFailure` naming the rank and what became of it (of another node's rank, what its node reported), stops the
+ranks it started, and the engine stops taking requests (Engine.fatal).
 """
 from __future__ import annotations
 
@@ -262,13 +263,27 @@ class Workers:
             failed |= {r: f"{fate} (on another node)" for r, fate in self.ranks.reported.items()}
         return failed
 
+    def rank_ended(self) -> bool:
+        """Whether a rank this process started has ended while the engine could serve (the next `check` fails it):
+        a waitpid per rank, no collective and no wait, safe from any thread."""
+        return self.failure is None and bool(self.ranks.ended())
+
+    def check(self, what: str = "serving requests") -> None:
+        """WorkerFailure if the engine cannot go on: it failed, or a rank this process started has ended, found
+        without a collective (which would fail with it, or on GPUs wait dist_timeout for it); the ranks are stopped
+        then. Every guard checks first."""
+        if self.failure is None and (ended := self.ranks.ended()):
+            self._fail(f"{what} failed on the tensor-parallel ranks ({name_ranks(ended)} ended); "
+                       f"{self.ranks.describe()}")
+        if self.failure is not None:
+            raise WorkerFailure(self.failure)
+
     @contextlib.contextmanager
     def guard(self, what: str) -> Iterator[None]:
         """Run `what` (something every rank does together); any error in it -> WorkerFailure, the ranks stopped. An
         interrupt (Ctrl-C) in it stops them too and is raised as it is: the other ranks ran on without this one, or
         wait for it in a collective, out of step with it for good."""
-        if self.failure is not None:
-            raise WorkerFailure(self.failure)
+        self.check(what)
         try:
             yield
         except Exception as e:

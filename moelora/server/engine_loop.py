@@ -20,7 +20,9 @@ run.
 
 A request the engine fails gets an EngineError in its queue; a step that raises past the engine's
 own isolation fails the requests in flight and the thread goes on, unless the engine's books no
-longer balance or its device failed: then `healthy` turns False (and /health says 503).
+longer balance or its device failed: then `healthy` turns False (and /health says 503). So it does once a rank the
+engine started has ended, idle as the engine may be: `healthy` sees it at once, and the engine thread fails the
+engine (Engine.check_ranks) before its next command, so a request that comes then is refused as after a failed step.
 
 The watchdog (SGLang's --watchdog-timeout): when the engine thread has been in one step for longer than
 watchdog_timeout, the device is taken to hang (a kernel that never ends: nothing in the process can stop it, and
@@ -229,7 +231,13 @@ class EngineLoop:
 
     @property
     def healthy(self) -> bool:
-        """The engine thread runs, the engine can serve, and the server is not shutting down."""
+        """The engine thread runs, the engine can serve, and the server is not shutting down. A rank the engine started
+        that has ended is seen here at once (cheaply, as /health is polled often), where the engine finds it only at
+        its next step or command: the engine thread is woken to fail the engine (Engine.check_ranks)."""
+        if self.engine.rank_ended():
+            with self._cv:
+                self._cv.notify()
+            return False
         return self._thread.is_alive() and self.failure is None and self.engine.fatal is None and not self._draining
 
     def call(self, fn: Callable[[], T]) -> Future:
@@ -335,6 +343,7 @@ class EngineLoop:
                     break
                 commands, self._commands = self._commands, []
             start = time.perf_counter()
+            self.engine.check_ranks()  # (the module's docstring: a request that comes once a rank ended is refused)
             for fn, future in commands:
                 if future.set_running_or_notify_cancel():
                     try:

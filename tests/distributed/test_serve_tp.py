@@ -9,10 +9,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import openai
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 import moelora.engine.model_runner as model_runner
@@ -130,6 +132,30 @@ def test_serve_on_a_second_node(demo_dir):  # noqa: F811
     one = Engine(str(demo_dir / "model"), lora_paths={"alpha": str(demo_dir / "alpha")}, **ENGINE_OPTIONS)
     want = one.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.0), lora="alpha")[0].text
     assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == want
+
+
+def test_health_says_503_once_a_rank_died(demo_dir):  # noqa: F811
+    """Rank 1 killed while the server is idle: /health says 503 within moments (no request had to fail first), and
+    the next request is refused at once, a 503 naming the rank; the engine has left the ranks' world."""
+    engine = Engine(str(demo_dir / "model"), lora_paths={"alpha": str(demo_dir / "alpha")}, tp_size=2,
+                    **ENGINE_OPTIONS)
+    try:
+        with TestClient(create_app(engine, "tiny-moe")) as client:
+            assert client.get("/health").status_code == 200
+            os.kill(engine.workers.ranks.procs[1].pid, signal.SIGKILL)
+            killed = time.monotonic()
+            while (health := client.get("/health").status_code) == 200 and time.monotonic() < killed + 5:
+                time.sleep(0.05)
+            assert health == 503
+            reply = client.post("/v1/completions", json={"model": "alpha", "prompt": PROMPT, "max_tokens": 4})
+            assert reply.status_code == 503, reply.text
+            message = reply.json()["error"]["message"]
+            assert message.startswith("the engine cannot run any more: ") and \
+                "rank 1 exited with code -9 (signal 9)" in message, message
+            assert engine.fatal is not None and not torch.distributed.is_initialized()
+            assert client.get("/health").status_code == 503
+    finally:
+        engine.shutdown()
 
 
 def _dies_at_its_second_step(rank: int, config: EngineConfig, init_method: str) -> None:
