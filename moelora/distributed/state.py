@@ -85,10 +85,11 @@ def parallel_state(state: ParallelState) -> Iterator[ParallelState]:
 
 def init_parallel(tp_size: int, ep_size: int = 1, rank: int | None = None, init_method: str | None = None,
                   backend: str | None = None, timeout: float = 300.0, moe_dispatch: str = "all_reduce",
-                  device: torch.device | str = "cpu") -> ParallelState:
+                  device: torch.device | str = "cpu", store: dist.Store | None = None) -> ParallelState:
     """Join a world of tp_size processes; returns its state (build the model under parallel_state(it)). rank and init_method default to the
     environment torchrun sets (RANK, MASTER_ADDR, MASTER_PORT); "tcp://host:port" joins the store that listens there
-    (`launch.rendezvous_store`) as a client, rank 0 too. backend defaults to NCCL on a CUDA device, else gloo.
+    (`launch.rendezvous_store`) as a client, rank 0 too; `store`, a client of it made already (`store_client`), in
+    place of init_method. backend defaults to NCCL on a CUDA device, else gloo.
     timeout (seconds): how long a collective waits for the other ranks before it raises, which is how a rank
     that hangs or died is noticed."""
     rank = int(os.environ["RANK"]) if rank is None else rank
@@ -101,8 +102,10 @@ def init_parallel(tp_size: int, ep_size: int = 1, rank: int | None = None, init_
     if device.type == "cuda":
         torch.cuda.set_device(device)  # Triton launches on the current device, NCCL binds to it
     init_method = init_method or "env://"
-    if init_method.startswith("tcp://"):
-        kwargs["store"] = _store_client(init_method.removeprefix("tcp://"), timeout)
+    if store is not None:
+        kwargs["store"] = store
+    elif init_method.startswith("tcp://"):
+        kwargs["store"] = store_client(init_method.removeprefix("tcp://"), timeout)
     else:
         kwargs["init_method"] = init_method
     try:
@@ -125,7 +128,7 @@ def init_parallel(tp_size: int, ep_size: int = 1, rank: int | None = None, init_
     return ParallelState(rank, tp_size, ep_size, moe_dispatch, group, control, timeout)
 
 
-def _store_client(addr: str, timeout: float) -> dist.TCPStore:
+def store_client(addr: str, timeout: float) -> dist.TCPStore:
     """A client of the rendezvous store at addr (host:port). TCPStore's first exchange with a store waits for its
     answer without a limit: at an address that takes connections but is no store (another program's port) the rank
     would hang for good, whatever its timeout. So the client is made in a thread, given the timeout and a margin."""

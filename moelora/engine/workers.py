@@ -40,7 +40,7 @@ import torch
 from moelora.distributed.comm import broadcast_object, control_barrier, wait_event
 from moelora.distributed.launch import (LocalRanks, name_ranks, rendezvous_store, report_failures,
                                        reported_failures, stored_failures)
-from moelora.distributed.state import ParallelState, destroy_parallel, init_parallel
+from moelora.distributed.state import ParallelState, destroy_parallel, init_parallel, store_client
 from moelora.engine.config import EngineConfig
 
 _log = logging.getLogger(__name__)
@@ -91,9 +91,10 @@ def node_config(config: EngineConfig, rank: int) -> EngineConfig:
     return dataclasses.replace(config, device=f"cuda:{(device.index or 0) + i}")
 
 
-def join_world(config: EngineConfig, rank: int, init_method: str) -> ParallelState:
+def join_world(config: EngineConfig, rank: int, init_method: str,
+               store: torch.distributed.Store | None = None) -> ParallelState:
     return init_parallel(config.tp_size, config.ep_size, rank, init_method, timeout=config.dist_timeout,
-                         moe_dispatch=config.moe_dispatch, device=node_config(config, rank).device)
+                         moe_dispatch=config.moe_dispatch, device=node_config(config, rank).device, store=store)
 
 
 def serves_engine(config: EngineConfig) -> bool:
@@ -212,26 +213,27 @@ class Workers:
         """join_world, which waits up to dist_timeout for every rank, while this thread watches the ranks: one that
         ended before it joined (it raised, or was killed) fails the start within a moment, a RuntimeError naming it
         and what became of it."""
-        # one that ended already fails the start before the join begins: the store dropped (_watch_join) while the
-        # join's client connects to it would have that client retry connecting for dist_timeout
-        failed = self._failed_ranks()
+        outcome = self._watch_join(config, init_method)
+        if isinstance(outcome, ParallelState):
+            return outcome  # (a rank that ended since is the next guard's to find)
+        failed = self._failed_ranks()  # one whose end failed the join (or gloo's connection to it, refused)
         if not failed:
-            outcome = self._watch_join(config, init_method)
-            if isinstance(outcome, ParallelState):
-                return outcome  # (a rank that ended since is the next guard's to find)
-            failed = self._failed_ranks()  # one whose end failed the join (or gloo's connection to it, refused)
-            if not failed:
-                raise outcome
+            raise outcome
         fates = "; ".join(f"rank {r} {fate}" for r, fate in sorted(failed.items()))
         raise RuntimeError(f"{name_ranks(failed)} ended before joining the world: {fates}")
 
     def _watch_join(self, config: EngineConfig, init_method: str) -> ParallelState | BaseException:
         """join_world's outcome, run in a thread of its own until it ends or a rank failed (_failed_ranks)."""
+        # the join's client of the rendezvous store is made here, at once (this process's store answers): the thread
+        # then waits on nothing that dropping the store (below) does not end, where a client still connecting to it
+        # would retry for dist_timeout
+        client = store_client(init_method.removeprefix("tcp://"), config.dist_timeout) \
+            if init_method.startswith("tcp://") else None
         joined: list[ParallelState | BaseException] = []
 
         def join() -> None:
             try:
-                joined.append(join_world(config, 0, init_method))
+                joined.append(join_world(config, 0, init_method, client))
             except BaseException as e:  # noqa: BLE001  (the caller's to raise)
                 joined.append(e)
         thread = threading.Thread(target=join, name="moelora-join", daemon=True)
@@ -245,10 +247,9 @@ class Workers:
                 # set up torch.distributed's world, or reset its count of groups (init_parallel), whenever that is;
                 # done under a later world of this process (a retry), either would spoil it. Dropping the rendezvous
                 # store (Workers holds its only reference) closes its connections, so the thread's waits on it fail
-                # at once, and frees its port for a retry: this join takes a moment. (A wait not on the store ends
-                # within dist_timeout, as the join did before: gloo connecting to a rank that hangs, or the join's
-                # store client connecting, had the rank ended in the moment between _join's look and that.) What
-                # the thread joined, if anything, is left by the guard (_fail's destroy_parallel) once it ended.
+                # at once, and frees its port for a retry: this join takes a moment (a wait not on the store, gloo
+                # connecting to a rank that hangs, ends within dist_timeout, as the join did before). What the
+                # thread joined, if anything, is left by the guard (_fail's destroy_parallel) once it ended.
                 self.rendezvous = None
                 thread.join()
         return joined[0]

@@ -367,6 +367,22 @@ def _killed_before_joining(rank, config, init_method):
     _kill()
 
 
+def _killed_as_rank_0_connects(rank, config, init_method):
+    time.sleep(0.2)  # meanwhile rank 0 starts its join, its client connecting to the rendezvous store (_slow_clients)
+    _killed_before_joining(rank, config, init_method)
+
+
+def _slow_clients(monkeypatch) -> None:
+    """This process's clients of a TCPStore connect half a second late, as on a busy machine."""
+    store = torch.distributed.TCPStore
+
+    def slow(*args, **kwargs):
+        if not kwargs.get("is_master", False):
+            time.sleep(0.5)
+        return store(*args, **kwargs)
+    monkeypatch.setattr(torch.distributed, "TCPStore", slow)
+
+
 def _assert_start_undone(addr: str) -> None:
     """After a start that failed: no rank runs, no world is left, no join thread either (one would set up a world, or
     reset torch's count of groups, under a retry's), and the rendezvous port is free for a retry."""
@@ -376,16 +392,20 @@ def _assert_start_undone(addr: str) -> None:
     rendezvous_store(addr, 5)  # (dropped at once)
 
 
-@pytest.mark.parametrize("serve, fate", [
-    (_raises_before_joining, "rank 1 raised RuntimeError: this rank has no device"),
-    (_killed_before_joining, "rank 1 exited with code -9 (signal 9)"),
-], ids=["raises", "killed"])
-def test_a_rank_that_ends_before_joining_fails_the_start_at_once(serve, fate, tmp_path, monkeypatch):
+@pytest.mark.parametrize("serve, fate, slow_clients", [
+    (_raises_before_joining, "rank 1 raised RuntimeError: this rank has no device", False),
+    (_killed_before_joining, "rank 1 exited with code -9 (signal 9)", False),
+    (_killed_as_rank_0_connects, "rank 1 exited with code -9 (signal 9)", True),
+], ids=["raises", "killed", "killed-as-rank-0-connects"])
+def test_a_rank_that_ends_before_joining_fails_the_start_at_once(serve, fate, slow_clients, tmp_path, monkeypatch):
     """Rank 0 watches its ranks while it joins their world: rank 1 raising, or killed, before it joined fails the
     start within moments of its end, not once dist_timeout (120 s here) has passed, naming it and what became of it;
-    the start leaves nothing behind."""
+    the start leaves nothing behind. Also when rank 1 ends as rank 0's client of the rendezvous store connects (which,
+    the store given up by then, would retry connecting for dist_timeout)."""
     ended = tmp_path / "ended"
     monkeypatch.setenv("MOELORA_TEST_ENDED", str(ended))
+    if slow_clients:
+        _slow_clients(monkeypatch)
     addr = f"127.0.0.1:{free_port()}"
     with pytest.raises(WorkerFailure) as failed:
         Workers(EngineConfig("unused", tp_size=2, device="cpu", dist_timeout=120, dist_init_addr=addr), serve)
