@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("xgrammar")
+
 from moelora.engine import grammar_trials, structured_output
 from moelora.engine.grammar_trials import GrammarTrials, TrialCancelled
 from moelora.engine.sampling_params import StructuredOutput
