@@ -254,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", type=_non_empty,
                    help="the base model's name in the API (default: the model directory's name)")
     p.add_argument("--max-queued-requests", type=_positive_int,
-                   help="refuse requests (503) while this many wait (default: no limit)")
+                   help="refuse requests (503) while this many wait, for the engine or for their grammars' compile "
+                        "(default: no limit)")
     p.add_argument("--max-request-mb", type=_positive_int, default=100,
                    help="refuse (413) a request whose body has more MiB: by its Content-Length before reading it, a chunked "
                         "body once that much has come (default: 100)")

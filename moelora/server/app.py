@@ -525,6 +525,8 @@ class OpenAIServing:
             return compiled.result()
         except TrialCancelled as e:  # the server shuts down (EngineLoop.drain)
             raise APIError(503, "the server is shutting down", type="server_error") from e
+        except Overloaded as e:
+            raise _overloaded(e) from e
         except ValueError as e:
             field = _grammar_field(body)
             message = str(e) if field != "tools" else f"tools: the functions' parameters do not compile ({e})"
@@ -581,7 +583,7 @@ class OpenAIServing:
             rids, prompt_tokens = await self.loop.submit(subs, queue)
             return rids, queue, prompt_tokens
         except Overloaded as e:
-            raise APIError(503, f"the server is overloaded: {e}", type="server_error", code="overloaded") from e
+            raise _overloaded(e) from e
         except AdapterError as e:  # unloaded since _adapter looked
             raise not_found(subs[0].lora or "") from e
         except ValueError as e:
@@ -695,6 +697,10 @@ def _sequences_per_prompt(body: CompletionRequest) -> int:
         raise APIError(400, "best_of > n cannot be streamed: the best sequences are known only at the end",
                        param="best_of")
     return body.best_of
+
+
+def _overloaded(e: Overloaded) -> APIError:
+    return APIError(503, f"the server is overloaded: {e}", type="server_error", code="overloaded")
 
 
 def _grammar_field(body: SamplingRequest) -> str:

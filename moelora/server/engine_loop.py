@@ -173,6 +173,7 @@ class EngineLoop:
         self._rids: set[str] = set()  # engine thread only: requests added and not yet seen finished
         self._commands: list[tuple[Callable[[], Any], Future]] = []
         self._pending = 0  # sequences submitted and not yet added to the engine
+        self._compiling = 0  # requests waiting for their grammar (compile_grammar), not yet submitted
         self._cv = threading.Condition()
         self._draining = False  # the server shuts down: no request is added any more
         self._stopping = False
@@ -270,10 +271,21 @@ class EngineLoop:
 
     async def compile_grammar(self, spec: StructuredOutput, cancelled: threading.Event) -> Any:
         """The spec's grammar compiled in a grammar thread, and first tried in a GrammarTrials process (one that takes
-        too long is a ValueError); setting `cancelled` (its request has gone) stops the trial (TrialCancelled)."""
+        too long is a ValueError); setting `cancelled` (its request has gone) stops the trial (TrialCancelled). A
+        request waiting for its grammar is a queued one for max_queued_requests (Overloaded): the grammar threads
+        take a few at a time, and slow grammars would otherwise queue up behind them without bound."""
+        with self._cv:
+            waiting = self._pending + self.num_waiting + self._compiling
+            if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
+                raise Overloaded(f"{waiting} requests are queued (max_queued_requests={self.max_queued_requests})")
+            self._compiling += 1
         trials = self.grammar_trials
         trial = (lambda s: trials.check(s, cancelled)) if trials is not None else None
-        return await asyncio.wrap_future(self._grammars.submit(self.engine.grammars.compile, spec, trial))
+        try:
+            return await asyncio.wrap_future(self._grammars.submit(self.engine.grammars.compile, spec, trial))
+        finally:
+            with self._cv:
+                self._compiling -= 1
 
     async def submit(self, subs: list[Submission], queue: asyncio.Queue) -> tuple[list[str], list[int]]:
         """Add the sequences (all or none); their Deltas, or an EngineError, go to `queue`. Returns their request
@@ -284,7 +296,7 @@ class EngineLoop:
         with self._cv:
             if self._stopping or self._draining:
                 raise EngineError("the server is shutting down")
-            waiting = self._pending + self.num_waiting
+            waiting = self._pending + self.num_waiting + self._compiling
             if self.max_queued_requests is not None and len(subs) > self.max_queued_requests:  # never admitted
                 raise ValueError(f"SamplingParams.n: the request has {len(subs)} sequences (n x prompts), more than "
                                  f"max_queued_requests={self.max_queued_requests} lets wait at once")

@@ -89,3 +89,38 @@ def test_a_shutdown_ends_the_grammars_compiling(demo_dir):
         assert not client.is_alive() and answers[0].status_code == 503, answers
         assert answers[0].json()["error"]["message"] == "the server is shutting down"
         assert not trials._busy and not trials._idle
+
+
+def test_requests_waiting_for_their_grammars_count_as_queued(demo_dir):
+    """--max-queued-requests bounds the requests waiting for their grammars too: slow grammars queued up behind the
+    grammar threads without bound, every later grammar request waiting behind them."""
+    engine = make_engine(demo_dir, SERVED)
+    with serving(create_app(engine, MODEL_NAME, max_queued_requests=2, grammar_compile_timeout=600)) as server:
+        trials = server.loop.grammar_trials
+        slow = json.dumps({"model": "alpha", "max_tokens": 2, "prompt": PROMPT, "guided_json": SLOW_SCHEMA}).encode()
+        host, port = server.url.removeprefix("http://").split(":")
+        clients = []
+        try:
+            for _ in range(2):
+                client = socket.create_connection((host, int(port)))
+                client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                               b"Content-Length: %d\r\n\r\n%s" % (len(slow), slow))
+                clients.append(client)
+            deadline = time.monotonic() + 60
+            while server.loop._compiling < 2:
+                assert time.monotonic() < deadline, "the slow grammars did not start compiling"
+                time.sleep(0.02)
+            body = {"model": "alpha", "max_tokens": 2, "prompt": PROMPT, "guided_choice": ["yes", "no"]}
+            r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded", r.text
+            plain = {"model": "alpha", "max_tokens": 2, "prompt": PROMPT}  # no grammar: queued behind them as well
+            assert httpx.post(f"{server.url}/v1/completions", json=plain, timeout=60).status_code == 503
+        finally:
+            for client in clients:
+                client.close()
+        deadline = time.monotonic() + 30
+        while server.loop._compiling or trials._busy:
+            assert time.monotonic() < deadline, "the slow grammars' compiles did not end with their clients"
+            time.sleep(0.02)
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+        assert server.idle()
