@@ -16,7 +16,7 @@ from transformers import PretrainedConfig
 
 from moelora.lora.canonical import Adapter, ExpertsLoRA, LayerLoRA, LinearLoRA
 from moelora.lora.config import AdapterConfig
-from moelora.lora.errors import AdapterError
+from moelora.lora.errors import AdapterError, read_json_bytes
 from moelora.lora.experts import ExpertPiece, expert_pieces
 from moelora.lora.formats import Kind, LoRAPair, pair_tensors, read_tensors
 from moelora.lora.model_shapes import FUSED_MODULES, ModelShapes, load_model_shapes
@@ -49,6 +49,10 @@ def read_adapter(path: str | Path) -> AdapterFile:
         tensors, file_name = read_tensors(path)
         problems = []
         added_tokens = _read_added_tokens(path, problems)
+        # files replaced while they were read (an adapter updated in place) would make an adapter of neither version:
+        # the old config's scaling with the new tensors
+        if files_version(path) != version:
+            raise AdapterError(f"{path}: its files changed while they were read; load it again once they are written")
     except OSError as e:
         raise AdapterError(f"{path}: cannot be read: {e.strerror or e}") from None
     left_out: list[str] = []
@@ -135,7 +139,10 @@ def _read_added_tokens(path: Path, problems: list[str]) -> dict[str, int]:
     if not added.is_file():
         return {}
     try:
-        tokens = json.loads(added.read_bytes() or b"{}")
+        tokens = json.loads(read_json_bytes(added) or b"{}")
+    except AdapterError as e:
+        problems.append(str(e))
+        return {}
     except ValueError as e:
         problems.append(f"{added}: not valid JSON ({e})")
         return {}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import regex
 
-from moelora.lora.errors import AdapterError, missing_file
+from moelora.lora.errors import AdapterError, missing_file, read_json_bytes
 
 # PEFT >= this writes target_parameters LoRA on 3D experts as A [E*r, in], B [out, E*r] with in/out
 # the projection's real input/output; older versions took them from the parameter's dims 1 and 2.
@@ -77,7 +77,7 @@ class AdapterConfig:
         if not path.is_file():
             raise missing_file(adapter_dir, "adapter_config.json", "an adapter directory")
         try:
-            raw = json.loads(path.read_bytes())  # bytes: UTF-8, -16 or -32, with or without a BOM
+            raw = json.loads(read_json_bytes(path))  # bytes: UTF-8, -16 or -32, with or without a BOM
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise AdapterError(f"{path}: not valid JSON in UTF-8, UTF-16 or UTF-32 ({e})") from None
         except ValueError as e:  # an integer past Python's 4300 digits

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# an adapter's JSON files (adapter_config.json, added_tokens.json) are kilobytes; one larger is read no further than
+# this: read whole, a file of gigabytes took the server's memory with it
+MAX_JSON_BYTES = 16 << 20
+
 
 class AdapterError(ValueError):
     """An adapter that cannot be served as it is. The message names the adapter, the offending
@@ -21,3 +25,12 @@ def missing_file(directory: Path, name: str, what: str) -> AdapterError:
     if not directory.is_dir():
         return AdapterError(f"{directory}: is a file, not {what}")
     return AdapterError(f"{directory}: no {name}")
+
+
+def read_json_bytes(path: Path) -> bytes:
+    """The bytes of one of an adapter's JSON files; AdapterError past MAX_JSON_BYTES (OSError as reading's)."""
+    with path.open("rb") as f:
+        data = f.read(MAX_JSON_BYTES + 1)
+    if len(data) > MAX_JSON_BYTES:
+        raise AdapterError(f"{path}: more than {MAX_JSON_BYTES >> 20} MiB, not an adapter's JSON file")
+    return data

@@ -10,7 +10,7 @@ in the tokenize thread before their requests are added; outputs are detokenized 
 thread. Each is one worker that takes its jobs in order: a request's stream is registered in the text thread
 before its request is added, so before its first output comes, and its outputs come in order. Two threads, so
 that a long prompt's tokenization (seconds for megabytes of text) never holds up the other requests' outputs.
-Adapter files are read in a worker of their own (read_lora) and only installed between steps. The text thread
+Adapter files are read in workers of their own (read_lora) and only installed between steps. The text thread
 detokenizes each request's tokens (stop strings included:
 one ends the request there, and the engine is told to abort it), and hands each request's outputs
 to its asyncio.Queue with loop.call_soon_threadsafe, one call per step. Threads and not processes:
@@ -58,6 +58,7 @@ from moelora.server.stats_log import StatsLog
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 GRAMMAR_COMPILE_WORKERS = 4
+ADAPTER_READ_WORKERS = 2  # adapter loads read at once; more wait their turn
 WATCHDOG_EXIT_DELAY = 2.0  # seconds between the watchdog's error events and the process's exit
 
 
@@ -169,6 +170,9 @@ class EngineLoop:
         # grammars compile here, not in asyncio's default executor: a slow compile (GrammarTrials bounds it) then holds
         # up other grammars only, not adapter loads
         self._grammars = ThreadPoolExecutor(GRAMMAR_COMPILE_WORKERS, thread_name_prefix="moelora-grammar")
+        # adapter files are read here, not in asyncio's default executor, which encodes the non-streamed responses
+        # (OpenAIServing._json): a few slow reads (gigabytes, a stalled network disk) held every such response up
+        self._adapter_reads = ThreadPoolExecutor(ADAPTER_READ_WORKERS, thread_name_prefix="moelora-adapter-read")
         self._streams: dict[str, _Stream] = {}  # text thread only: requests whose outputs it delivers
         self._rids: set[str] = set()  # engine thread only: requests added and not yet seen finished
         self._commands: list[tuple[Callable[[], Any], Future]] = []
@@ -203,6 +207,7 @@ class EngineLoop:
         self._text.shutdown()  # after the engine thread's last deliveries
         self._tokenize.shutdown()
         self._grammars.shutdown(wait=False, cancel_futures=True)
+        self._adapter_reads.shutdown(wait=False, cancel_futures=True)
         if self.grammar_trials is not None:
             self.grammar_trials.close()
 
@@ -324,9 +329,9 @@ class EngineLoop:
             raise
 
     async def load_lora(self, name: str, path: str) -> None:
-        """Read and validate the adapter (AdapterError lists its problems) outside the engine thread, then
+        """Read and validate the adapter (AdapterError lists its problems) in an adapter-read thread, then
         install it there between steps; it serves from now on."""
-        adapter = await asyncio.to_thread(self.engine.read_lora, path)
+        adapter = await asyncio.wrap_future(self._adapter_reads.submit(self.engine.read_lora, path))
         await self.run(lambda: self._load_lora(name, path, adapter))
 
     async def unload_lora(self, name: str) -> None:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from lora_builders import EXPERTS, HIDDEN, MOE_INTER, tiny_config, write_adapter
-from moelora.lora import AdapterError, config, load_adapter
+from moelora.lora import AdapterError, config, errors, load_adapter
+from moelora.lora import adapter as adapter_module
 from moelora.lora.config import AdapterConfig
 
 LAYER1 = "base_model.model.model.layers.1"
@@ -440,3 +441,35 @@ def test_bin_with_code_is_refused(tmp_path):
     torch.save({Q_A: torch.randn(R, HIDDEN), "payload": NotATensor()}, tmp_path / "adapter_model.bin")
     with pytest.raises(AdapterError, match=r"adapter_model.bin: cannot be read with torch.load\(weights_only=True\)"):
         load_adapter(tmp_path, tiny_config("qwen3_moe"))
+
+
+@pytest.mark.parametrize("name", ["adapter_config.json", "added_tokens.json"])
+def test_a_json_file_past_the_size_limit_is_refused_unread(tmp_path, monkeypatch, name):
+    """Read whole, a config of gigabytes took the server's memory with it."""
+    monkeypatch.setattr(errors, "MAX_JSON_BYTES", 1 << 10)
+    write_adapter(tmp_path, good())
+    if name == "added_tokens.json":
+        (tmp_path / name).write_text(json.dumps({f"<t{i}>": i for i in range(200)}))
+    else:
+        config = json.loads((tmp_path / name).read_text())
+        (tmp_path / name).write_text(json.dumps({**config, "padding": "x" * 2000}))
+    with pytest.raises(AdapterError, match=re.escape(f"{tmp_path / name}: more than 0 MiB, not an adapter's JSON")):
+        load_adapter(tmp_path, tiny_config("qwen3_moe"))
+
+
+def test_files_replaced_while_they_are_read_are_refused(tmp_path, monkeypatch):
+    """An adapter updated in place while it was read would be served as neither version: the old config's scaling
+    with the new tensors."""
+    write_adapter(tmp_path, good())
+    real = adapter_module.read_tensors
+
+    def read_then_replace(path):
+        tensors = real(path)
+        config = json.loads((tmp_path / "adapter_config.json").read_text())
+        (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 2 * config["lora_alpha"]}))
+        return tensors
+    monkeypatch.setattr(adapter_module, "read_tensors", read_then_replace)
+    with pytest.raises(AdapterError, match="its files changed while they were read; load it again"):
+        load_adapter(tmp_path, tiny_config("qwen3_moe"))
+    monkeypatch.setattr(adapter_module, "read_tensors", real)
+    load_adapter(tmp_path, tiny_config("qwen3_moe"))  # written: it loads

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import threading
 import time
 
 import httpx
@@ -230,6 +231,19 @@ def test_load_use_unload_adapter(client, reference, server, demo_dir):
     assert "gamma" not in {m.id for m in client.models.list().data}
     r = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "gamma"})
     assert r.status_code == 404 and "unknown adapter 'gamma'" in r.json()["error"]["message"]
+
+
+def test_adapter_files_are_read_in_threads_of_their_own(server, demo_dir, monkeypatch):
+    """Not in asyncio's default executor, which encodes the non-streamed responses: a few slow reads held up every
+    such response (the default executor has min(32, CPUs + 4) threads)."""
+    engine = server.loop.engine
+    read, threads = engine.read_lora, []
+    monkeypatch.setattr(engine, "read_lora", lambda path: threads.append(threading.current_thread().name) or read(path))
+    body = {"lora_name": "gamma", "lora_path": str(demo_dir / "gamma")}
+    r = httpx.post(f"{server.url}/v1/load_lora_adapter", json=body)
+    assert r.status_code == 200, r.text
+    assert len(threads) == 1 and threads[0].startswith("moelora-adapter-read"), threads
+    assert httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "gamma"}).status_code == 200
 
 
 def test_unloading_an_adapter_lets_its_requests_finish(client, reference, server, demo_dir):
