@@ -226,6 +226,18 @@ def test_outputs_that_queued_up_are_merged_per_sequence_up_to_an_error():
     assert [d.out.token_ids for d in merged[:-1]] == [[1, 2]] and merged[-1] is error
 
 
+def test_a_long_backlog_merges_in_order():
+    """A client that read nothing for thousands of steps (merged pair by pair, each step copied all before it)."""
+    items = [delta(i % 3, [i], prompt=[7, 8] if i == 1 else None) for i in range(3000)]
+    merged = merge_deltas(items)
+    assert [d.index for d in merged] == [0, 1, 2]
+    for d in merged:
+        assert d.out.token_ids == list(range(d.index, 3000, 3)) and d.out.text == "".join(f"<{t}>" for t in
+                                                                                       d.out.token_ids)
+        assert d.out.logprobs == [{t: -1.0} for t in d.out.token_ids] and set(d.pieces) >= set(d.out.token_ids)
+    assert merged[1].out.prompt_token_ids == [7, 8] and merged[0].out.prompt_token_ids is None
+
+
 def test_a_stream_writes_what_queued_up_at_once_in_one_write_up_to_an_error():
     """Each write of a stream whose client reset the connection logged a warning: the events of what queued up
     together (n sequences of one step) go out as one write, those before an error too."""
