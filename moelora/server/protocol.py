@@ -103,7 +103,7 @@ class RequestBody(BaseModel):
         if isinstance(data, dict):
             try:
                 bad = _first_bad_value(data)
-            except (NestingError, TooManyContainers) as e:
+            except (NestingError, TooManyValues) as e:
                 raise PydanticCustomError(e.kind, "{message}", {"message": str(e), "param": str(e.path[0])}) from None
             if bad is not None:
                 path, value = bad
@@ -125,6 +125,9 @@ MAX_NESTING = 128  # lists and objects in a request, one inside another: deeper 
 # lists and objects in a request: walking and validating each costs microseconds on the event loop (a chat message of
 # 3.4M empty content parts, 97 MiB, held it 25 s); a conversation of thousands of messages holds a few tens of thousands
 MAX_CONTAINERS = 65536
+# strings and keys in a request, which the validators, serialisers and chat templates after the walk take one by one
+# (2M empty stop strings, 5.7 MiB, held the event loop 2.2 s): a logit_bias of a 256k vocabulary fits twice
+MAX_STRINGS = 1 << 19
 
 
 class NestingError(ValueError):
@@ -133,9 +136,9 @@ class NestingError(ValueError):
         self.path, self.kind = path, "too_deep"
 
 
-class TooManyContainers(ValueError):
-    def __init__(self, path: tuple):
-        super().__init__(f"the body holds more than {MAX_CONTAINERS} lists and objects (at {_where(path)})")
+class TooManyValues(ValueError):
+    def __init__(self, path: tuple, what: str, limit: int):
+        super().__init__(f"the body holds more than {limit} {what} (at {_where(path)})")
         self.path, self.kind = path, "too_many_values"
 
 
@@ -149,14 +152,18 @@ _SCALARS = frozenset((int, float, bool, type(None)))  # what JSON gives besides 
 def _first_bad_value(value: Any) -> tuple[tuple, Any] | None:
     """Where the first string (or key) that cannot be encoded as UTF-8, or number that is not finite, is, and it;
     None if there is none, in document order. Iterative: nesting deeper than MAX_NESTING is a NestingError, before
-    the validators and serialisers after this one recurse into it (a RecursionError: a 500), and more than
-    MAX_CONTAINERS lists and objects a TooManyContainers. It runs on the event loop, so a list of scalars (a prompt of
-    millions of token ids) is passed over at C speed, its numbers looked at one by one only where a float is among
-    them, and a path is made only for strings, lists and objects."""
-    stack, containers = [((), value)], 0
+    the validators and serialisers after this one recurse into it (a RecursionError: a 500), more than
+    MAX_CONTAINERS lists and objects or MAX_STRINGS strings and keys a TooManyValues. It runs on the event loop, so a
+    list of scalars (a prompt of millions of token ids) or of strings is passed over at C speed, its items looked at
+    one by one only where a float is among them or a string does not encode, and a path is made only for strings,
+    lists and objects."""
+    stack, containers, strings = [((), value)], 0, 0
     while stack:
         path, value = stack.pop()
         if isinstance(value, str):
+            strings += 1
+            if strings > MAX_STRINGS:
+                raise TooManyValues(path, "strings and keys", MAX_STRINGS)
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError:
@@ -170,14 +177,23 @@ def _first_bad_value(value: Any) -> tuple[tuple, Any] | None:
             raise NestingError(path)
         containers += 1
         if containers > MAX_CONTAINERS:
-            raise TooManyContainers(path)
+            raise TooManyValues(path, "lists and objects", MAX_CONTAINERS)
         if isinstance(value, dict):
+            strings += len(value)
+            if strings > MAX_STRINGS:
+                raise TooManyValues(path, "strings and keys", MAX_STRINGS)
             if _plain_scalars(value.values()) and _all_encode(value):  # (a logit_bias of the vocabulary)
                 continue
             stack += reversed([c for key, item in value.items() for c in ((path + ("<key>",), key), (path + (key,), item))])
         else:
             if _plain_scalars(value):
                 continue
+            if set(map(type, value)) == {str}:  # (prompts, stop strings)
+                if strings + len(value) > MAX_STRINGS:
+                    raise TooManyValues(path, "strings and keys", MAX_STRINGS)
+                if _all_encode(value):
+                    strings += len(value)
+                    continue
             stack += reversed([(path + (i,), item) for i, item in enumerate(value)
                                if type(item) not in _SCALARS or type(item) is float])
     return None
@@ -420,7 +436,7 @@ class FunctionCall(BaseModel):
             bad = _first_bad_value(arguments)
         except NestingError:
             raise ValueError(f"the arguments are nested deeper than {MAX_NESTING} lists and objects") from None
-        except TooManyContainers:
+        except TooManyValues:
             raise ValueError(f"the arguments hold more than {MAX_CONTAINERS} lists and objects") from None
         if bad is not None:
             raise ValueError("the arguments are not valid Unicode (an escaped lone surrogate)"

@@ -196,6 +196,24 @@ def test_a_body_of_too_many_lists_and_objects_is_refused_before_it_is_validated(
     assert post(server, "/v1/chat/completions", {**CHAT, "messages": CHAT["messages"] * 10}).status_code == 200
 
 
+@pytest.mark.parametrize("where", ["stop", "keys"])
+def test_a_body_of_too_many_strings_or_keys_is_refused_before_it_is_validated(server, where):
+    """The validators, serialisers and chat template after the walk take each one by one: 2M empty stop strings
+    (5.7 MiB) held every client 2.2 s, 2M extra keys of one message 9 s."""
+    from moelora.server.protocol import MAX_STRINGS
+
+    if where == "stop":
+        body, param = {**CHAT, "stop": [""] * (MAX_STRINGS + 1)}, "stop"
+    else:
+        body, param = {**CHAT, "messages": [{"role": "user", "content": "hi",
+                                             **{f"k{i}": 0 for i in range(MAX_STRINGS)}}]}, "messages"
+    err = error(post(server, "/v1/chat/completions", body), 400, param,
+                f"the body holds more than {MAX_STRINGS} strings and keys (at {param}")
+    assert err["code"] == "invalid_value"
+    logit_bias = {str(i): 0 for i in range(MAX_STRINGS // 2)}  # a 256k vocabulary's: passes the walk
+    assert "strings and keys" not in post(server, "/v1/chat/completions", {**CHAT, "logit_bias": logit_bias}).text
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/responses", {"input": "hi", "max_output_tokens": 2,
                        "text": {"format": {"type": "json_object", "schema": {"x": float("nan")}}}}, "text"),
