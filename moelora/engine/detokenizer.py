@@ -115,20 +115,21 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
 
     def _append(self, piece: str) -> None:
-        """Add decoded text; finish at the earliest stop string, which only the new text can complete.
-        As in vLLM, none can before the output has more than min_tokens tokens (one that begins in their
-        text still can after)."""
+        """Add decoded text; finish at the stop string that completes first in the text (of two completing together,
+        the one that begins first), which only the new text can complete: where the tokens' boundaries fall does
+        not change which one ends the output. As in vLLM, none can before the output has more than min_tokens tokens
+        (one that begins in their text still can after)."""
         start = len(self._text)
         self._text += piece
         for end in self._stop_ends:
             end.feed(piece)
         if self.num_tokens <= self.params.min_tokens:
             return
-        hits = [(i, len(s), s) for s in self.params.stop
+        hits = [(i + len(s), i, s) for s in self.params.stop
                 if (i := self._text.find(s, max(0, start - len(s) + 1))) >= 0]
         if hits:
-            i, n, self.stop_reason = min(hits)  # the earliest; of two starting there, the shorter completed first
-            self._text = self._text[:i + n if self.params.include_stop_str_in_output else i]
+            end, i, self.stop_reason = min(hits)
+            self._text = self._text[:end if self.params.include_stop_str_in_output else i]
             self.finish_reason = "stop"
 
     def _finish(self, reason: Literal["stop", "length"]) -> None:

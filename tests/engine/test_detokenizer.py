@@ -62,6 +62,17 @@ def test_earliest_stop_string_wins(tok, stop, text):
     assert "".join(pieces) == text and det.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_the_stop_string_that_completes_first_wins_wherever_the_tokens_split(tok, include):
+    """"llo" as one token or as three: "l" completes before "éll" in both (it was "éll" for the one token, which
+    begins first)."""
+    one = tok.encode("héllo")
+    three = one[:1] + [tok.convert_tokens_to_ids(c) for c in "llo"]
+    assert tok.decode(one) == tok.decode(three) == "héllo" and len(three) == len(one) + 2
+    outs = [_stream(tok, ids, stop=["éll", "l"], include_stop_str_in_output=include)[0] for ids in (one, three)]
+    assert [(d.text, d.stop_reason) for d in outs] == [("hél" if include else "hé", "l")] * 2
+
+
 @pytest.mark.parametrize("stop,text", [(["wörld", "llo"], "héllo"), (["ld", "wörld"], "héllo wörld"),
                                        (["ö", "wö"], "héllo wö")])
 def test_include_stop_str_in_output_ends_the_text_after_it(tok, stop, text):
