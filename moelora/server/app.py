@@ -610,11 +610,13 @@ class OpenAIServing:
     async def _collect(self, request: Request, rids: list[str], queue: asyncio.Queue, choices: list[_Choice],
                        grammar_field: str) -> None:
         """Wait for every sequence, aborting them if the client leaves first or one of them fails (the
-        response is then an error: the others' tokens would go nowhere)."""
+        response is then an error: the others' tokens would go nowhere). The choices take their outputs at the end,
+        in a worker thread: the entries of a long prompt's prompt_logprobs (70 us a token) held the event loop."""
+        received: list[Delta] = []
+
         async def consume() -> None:
             async for deltas in self._deltas(queue, len(rids)):
-                for d in deltas:
-                    choices[d.index].add(d)
+                received.extend(deltas)
 
         task, gone = asyncio.ensure_future(consume()), asyncio.ensure_future(_disconnected(request))
         try:
@@ -632,6 +634,7 @@ class OpenAIServing:
             raise APIError(400, str(e), param=grammar_field) from e
         except EngineError as e:
             raise APIError(500, str(e), type="server_error") from e
+        await asyncio.to_thread(lambda: [choices[d.index].add(d) for d in received])
 
     @staticmethod
     async def _json(build: Callable[[], BaseModel]) -> Response:

@@ -3,6 +3,8 @@ top prompt_logprobs tokens with ranks 1..k, as the full distribution computed ap
 beside echo with its own logprobs count; refused with stream or out of range."""
 from __future__ import annotations
 
+import threading
+
 import httpx
 import pytest
 
@@ -80,3 +82,19 @@ def test_the_base_model_too(server, reference):
     ids = [5, 6, 7, 8, 9]
     r = post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 2})
     check(r.json()["choices"][0]["prompt_logprobs"], ids, reference.prompt_logprobs([ids])[0], 2, reference.tokenizer)
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": "the quick brown fox jumps", "prompt_logprobs": 3, "echo": True, "logprobs": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "the quick brown fox"}], "prompt_logprobs": 3}),
+])
+def test_a_responses_entries_are_made_off_the_event_loop(server, monkeypatch, route, body):
+    """Each prompt token's entry costs tens of microseconds: a long prompt's held every other client's stream."""
+    from moelora.server import app
+
+    add, threads = app._Choice.add, []
+    monkeypatch.setattr(app._Choice, "add", lambda self, d: threads.append(threading.current_thread().name)
+                        or add(self, d))
+    r = post(server, route, {**body, "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert threads and all(name.startswith("asyncio") for name in threads), threads
