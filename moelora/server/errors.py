@@ -47,7 +47,8 @@ def bad_value(e: ValueError, aliases: dict[str, str] | None = None) -> APIError:
 _VALIDATION_CODES = {"json_invalid": "invalid_json", "missing": "missing_required_parameter",
                      "invalid_unicode": "invalid_value", "not_finite": "invalid_value", "too_short": "invalid_value",
                      "value_error": "invalid_value", "extra_forbidden": "unknown_parameter",
-                     "unsupported_field": "unsupported_parameter", "too_many_values": "invalid_value"}
+                     "unsupported_field": "unsupported_parameter", "too_many_values": "invalid_value",
+                     "metadata_limits": "invalid_value"}
 
 
 def _is_json(content_type: str | None) -> bool:

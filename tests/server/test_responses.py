@@ -217,6 +217,10 @@ def test_forced_calls_are_function_call_items(tool_client, stream):
     ({"input": "hi", "text": {"format": {"type": "json_object", "schema": {"type": "object"}}}}, "text",
      "unsupported_parameter"),  # (the schema was ignored: the output not held to it)
     ({"input": "hi", "temperature": -1}, "temperature", "invalid_value"),
+    # OpenAI's limits: echoed three times in a stream, 60 MiB of it came back as 180 MiB
+    ({"input": "hi", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "invalid_value"),
+    ({"input": "hi", "metadata": {"k": "v" * 513}}, "metadata", "invalid_value"),
+    ({"input": "hi", "metadata": {"k" * 65: "v"}}, "metadata", "invalid_value"),
 ])
 def test_refusals_name_their_field(server, body, param, code):
     r = httpx.post(f"{server.url}/v1/responses", json=body)
