@@ -48,7 +48,7 @@ _VALIDATION_CODES = {"json_invalid": "invalid_json", "missing": "missing_require
                      "invalid_unicode": "invalid_value", "not_finite": "invalid_value", "too_short": "invalid_value",
                      "value_error": "invalid_value", "extra_forbidden": "unknown_parameter",
                      "unsupported_field": "unsupported_parameter", "too_many_values": "invalid_value",
-                     "metadata_limits": "invalid_value"}
+                     "metadata_limits": "invalid_value", "string_too_short": "invalid_value"}
 
 
 def _is_json(content_type: str | None) -> bool:

@@ -73,6 +73,15 @@ def test_wrong_types_name_the_field(server, path, body, param):
     error(post(server, path, body), 400, param)
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/load_lora_adapter", {"lora_name": "", "lora_path": "/x"}, "lora_name"),
+    ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": ""}, "lora_path"),
+    ("/v1/unload_lora_adapter", {"lora_name": ""}, "lora_name"),
+])
+def test_an_empty_name_or_path_is_an_invalid_value(server, path, body, param):
+    assert error(post(server, path, body), 400, param)["code"] == "invalid_value"
+
+
 @pytest.mark.parametrize("field, value", [("max_tokens", -1), ("max_tokens", 0), ("temperature", -0.5), ("top_p", 2.0),
                                           ("top_k", -3), ("seed", 2**70), ("logprobs", 21), ("n", 0),
                                           ("presence_penalty", 2.5)])
