@@ -186,7 +186,8 @@ class EngineConfig:
         self._check(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", ">= 1")
         self._check(self.cuda_graph_max_prefill_tokens >= 0, "cuda_graph_max_prefill_tokens", ">= 0")
         for name in self.lora_paths:
-            self._check(isinstance(name, str) and name != "", "lora_paths", "non-empty adapter names")
+            self._check(adapter_name_problem(name) is None, "lora_paths", f"adapter names of at most "
+                        f"{MAX_ADAPTER_NAME_CHARS} printable characters without surrounding spaces")
         if self.lora_target_modules is not None:
             names = [self.lora_target_modules] if isinstance(self.lora_target_modules, str) else \
                 list(self.lora_target_modules)
@@ -264,3 +265,18 @@ def _writable_dir(path: str) -> bool:
 def _is_host_port(addr: object) -> bool:
     host, _, port = addr.rpartition(":") if isinstance(addr, str) else ("", "", "")
     return host != "" and port.isdigit() and 0 < int(port) < 65536
+
+
+MAX_ADAPTER_NAME_CHARS = 256
+
+
+def adapter_name_problem(name: object) -> str | None:
+    """Why `name` cannot name an adapter (None: it can). A name is what a request's `model` field gives and
+    /v1/models lists: printable, without surrounding spaces, of at most MAX_ADAPTER_NAME_CHARS characters (a name with a
+    newline was listed, and no request could name it)."""
+    if isinstance(name, str) and name and name.isprintable() and name == name.strip() and \
+            len(name) <= MAX_ADAPTER_NAME_CHARS:
+        return None
+    shown = f"{name[:60]!r}..." if isinstance(name, str) and len(name) > 60 else repr(name)
+    return (f"an adapter's name must be a non-empty string of at most {MAX_ADAPTER_NAME_CHARS} printable characters "
+            f"without surrounding spaces, got {shown}")

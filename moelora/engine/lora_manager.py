@@ -42,7 +42,7 @@ from torch import nn
 
 from moelora.core import ExpertLoRASlots, LinearLoRASlots
 from moelora.distributed.launch import name_ranks
-from moelora.engine.config import MAX_LORA_RANK, EngineConfig
+from moelora.engine.config import MAX_LORA_RANK, EngineConfig, adapter_name_problem
 from moelora.engine.lora_slots import (RankShare, adapted_layers, allocate_lora_slots, fit_problems, model_modules,
                                        resolve_targets, share_of, slot_buffer_bytes, slot_bytes, slotted_modules,
                                        staged_share, unslotted_problems, write_share_to_slot)
@@ -221,8 +221,8 @@ class LoRAManager:
 
     def load_lora(self, name: str, path: str | Path, adapter: RankShare | None = None) -> None:
         """Serve the adapter at `path` (`adapter`: what read(path) gave, else it is read here) as `name`."""
-        if not isinstance(name, str) or not name:
-            raise AdapterNameError(f"an adapter's name must be a non-empty string, got {name!r}")
+        if (problem := adapter_name_problem(name)) is not None:
+            raise AdapterNameError(problem)
         if name in self._unloading:
             raise AdapterNameError(f"adapter {name!r} is still being unloaded ({self._in_flight[name]} requests in "
                                    "flight)")

@@ -32,7 +32,8 @@ def test_the_start_warms_up_on_cuda_unless_skipped():
     # of the wrong type (library use): compared, or sizing a tensor, they failed with a TypeError or were taken
     ("max_running_requests", "4"), ("max_running_requests", 4.5), ("context_length", 100.5), ("tp_size", 2.0),
     ("dist_timeout", "3"), ("enable_mixed_chunk", 1), ("random_seed", True), ("profile_dir", 5),
-    ("lora_paths", {"": "/x"}), ("tp_size", 0), ("ep_size", 3), ("moe_dispatch", "deepep"), ("dist_timeout", 0),
+    ("lora_paths", {"": "/x"}), ("lora_paths", {"a\nb": "/x"}), ("lora_paths", {"a ": "/x"}), ("tp_size", 0),
+    ("ep_size", 3), ("moe_dispatch", "deepep"), ("dist_timeout", 0),
     ("scheduling_policy", "lifo"),
     ("lora_target_modules", []), ("lora_target_modules", ["all", "q_proj"]), ("lora_target_modules", ["q_proj", ""]),
     ("nnodes", 0), ("node_rank", -1), ("node_rank", 1), ("dist_init_addr", "node0"), ("dist_init_addr", ":5000"),

@@ -2,6 +2,7 @@
 (not the request) with n > 1, SamplingParams changed after they were made, ids and names that are no ids or names,
 calls from two threads at once, and use after shutdown. Each once raised an internal TypeError, ran on silently
 reinterpreted input, or left cache held for good."""
+import re
 import threading
 
 import numpy as np
@@ -87,8 +88,12 @@ def test_a_field_set_to_none_after_the_params_were_made_means_its_default(engine
 def test_ids_names_and_tokens_that_are_none(engine):
     with pytest.raises(ValueError, match="a request id must be a non-empty string, got ''"):
         engine.add_request([5, 6], GREEDY, rid="")
-    for name in (None, 7, ""):
-        with pytest.raises(AdapterError, match=f"an adapter's name must be a non-empty string, got {name!r}"):
+    odd = [(None, "None"), (7, "7"), ("", "''"), ("a\nb", "'a\\nb'"), (" a", "' a'"), ("x\0y", "'x\\x00y'"),
+           ("n" * 257, repr("n" * 60) + "...")]
+    for name, shown in odd:
+        message = ("an adapter's name must be a non-empty string of at most 256 printable characters without "
+                   f"surrounding spaces, got {shown}")
+        with pytest.raises(AdapterError, match=re.escape(message)):
             engine.load_lora(name, engine.config.lora_paths["full"])
     assert engine.runner.lora.names == ["full", "partial"]
     for token in (-1, 96, "a", True):
