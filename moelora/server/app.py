@@ -512,12 +512,7 @@ class OpenAIServing:
             return None
         cancelled = threading.Event()
         compiled = asyncio.ensure_future(self.loop.compile_grammar(spec, cancelled))
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({compiled, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if not compiled.done():
+        if not await _done_unless_gone(request, compiled):
             cancelled.set()
             compiled.add_done_callback(lambda f: f.cancelled() or f.exception())  # (its TrialCancelled: retrieved)
             raise APIError(499, "the client disconnected", code="client_disconnected")
@@ -618,11 +613,10 @@ class OpenAIServing:
             async for deltas in self._deltas(queue, len(rids)):
                 received.extend(deltas)
 
-        task, gone = asyncio.ensure_future(consume()), asyncio.ensure_future(_disconnected(request))
+        task = asyncio.ensure_future(consume())
         try:
-            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await _done_unless_gone(request, task)
         finally:
-            gone.cancel()
             if not task.done() or task.exception() is not None:  # the client left (or the server stops), or a failure
                 task.cancel()
                 self.loop.abort(rids)
@@ -710,6 +704,17 @@ def _grammar_field(body: SamplingRequest) -> str:
     """The request field a grammar comes from: the structured-output field, else tool_choice's
     forced calls, whose schemas are the tools'."""
     return (body.structured_output_fields or ["tools"])[0]
+
+
+async def _done_unless_gone(request: Request, task: asyncio.Future) -> bool:
+    """Wait until `task` is done or the client has closed the connection, whichever comes first; whether the task is
+    done."""
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    return task.done()
 
 
 async def _disconnected(request: Request) -> None:
