@@ -75,7 +75,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         app = create_app(engine, name, args.max_queued_requests, api_key, args.log_stats_interval,
                          args.max_request_mb << 20, args.watchdog_timeout, args.reasoning_parser,
-                         args.grammar_compile_timeout)
+                         args.grammar_compile_timeout, not args.disable_runtime_lora_updating)
     except BaseException:
         engine.shutdown()
         raise
@@ -280,6 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "compile: each new grammar is compiled first in a worker process, killed past this limit or "
                         "when its client leaves, and the request gets a 400; 0: no limit and no worker processes "
                         "(default: 10)")
+    p.add_argument("--disable-runtime-lora-updating", action="store_true",
+                   help="serve only the adapters of --lora-paths: the load_lora_adapter and unload_lora_adapter routes "
+                        "are off (404), so no client can load a path of this machine or unload an adapter (vLLM's "
+                        "routes are off unless VLLM_ALLOW_RUNTIME_LORA_UPDATING; default: on)")
     p.add_argument("--tool-call-parser", choices=["hermes"],
                    help="vLLM's flag, accepted: moelora parses tool calls in the hermes format (Qwen2.5, Qwen3) "
                         "whenever a chat request has tools, and only that one")

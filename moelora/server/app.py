@@ -746,7 +746,8 @@ class _Route(APIRoute):
 def create_app(engine: Engine, served_model_name: str, max_queued_requests: int | None = None,
                api_key: str | None = None, stats_interval: float = 10.0,
                max_request_bytes: int = MAX_REQUEST_BYTES, watchdog_timeout: float = 300.0,
-               reasoning_parser: str | None = None, grammar_compile_timeout: float = 10.0) -> FastAPI:
+               reasoning_parser: str | None = None, grammar_compile_timeout: float = 10.0,
+               runtime_lora_updating: bool = True) -> FastAPI:
     """The app; its engine thread starts and stops with the app's lifespan, which logs what it serves
     first and shuts the engine down (its other ranks, with tp_size > 1) last. With an api_key, every route but
     /health, /metrics and /version answers 401 unless the request carries 'Authorization: Bearer <key>' (and
@@ -754,7 +755,9 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
     seconds between the stats log lines (0: none). A request body past max_request_bytes is a 413 (BodyLimit).
     watchdog_timeout: seconds one engine step may take before the server exits (EngineLoop; 0: never).
     reasoning_parser: "qwen3" or "deepseek_r1" sends a reasoning model's thinking apart (server.reasoning).
-    grammar_compile_timeout: seconds a request's grammar may take to compile (EngineLoop; 0: no limit)."""
+    grammar_compile_timeout: seconds a request's grammar may take to compile (EngineLoop; 0: no limit).
+    runtime_lora_updating: False leaves out the adapter load and unload routes (404), so that no client can load a
+    server path or unload the operator's adapters."""
     if served_model_name in engine.config.lora_paths:
         raise ValueError(f"the served model name {served_model_name!r} is also an adapter's name")
     reasoning = Reasoning.of(reasoning_parser, engine.tokenizer) if reasoning_parser is not None else None
@@ -763,9 +766,10 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        logger.info("serving %s as %r%s%s", engine.config.model_path, served_model_name,
+        logger.info("serving %s as %r%s%s%s", engine.config.model_path, served_model_name,
                     ", with an API key" if api_key else "",
-                    f", its reasoning parsed ({reasoning.parser})" if reasoning else "")
+                    f", its reasoning parsed ({reasoning.parser})" if reasoning else "",
+                    "" if runtime_lora_updating else ", its adapters fixed (load and unload routes off)")
         for line in engine.summary():
             logger.info("%s", line)
         loop.start()
@@ -800,8 +804,9 @@ def create_app(engine: Engine, served_model_name: str, max_queued_requests: int 
     for prefix in ("/v1", ""):
         app.post(f"{prefix}/tokenize", dependencies=guarded)(serving.tokenize)
         app.post(f"{prefix}/detokenize", dependencies=guarded)(serving.detokenize)
-        app.post(f"{prefix}/load_lora_adapter", dependencies=guarded)(serving.load_lora_adapter)
-        app.post(f"{prefix}/unload_lora_adapter", dependencies=guarded)(serving.unload_lora_adapter)
+        if runtime_lora_updating:
+            app.post(f"{prefix}/load_lora_adapter", dependencies=guarded)(serving.load_lora_adapter)
+            app.post(f"{prefix}/unload_lora_adapter", dependencies=guarded)(serving.unload_lora_adapter)
     if engine.config.profile_dir is not None:  # as vLLM's, only where the operator named the traces' directory
         app.post("/start_profile", dependencies=guarded)(serving.start_profile)
         app.post("/stop_profile", dependencies=guarded)(serving.stop_profile)

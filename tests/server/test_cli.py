@@ -12,6 +12,7 @@ import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
+import httpx
 import openai
 import pytest
 import torch
@@ -370,12 +371,13 @@ def test_the_engine_and_the_cli_need_no_server_packages():
 
 
 def test_serve_starts_a_server(demo_dir, reference, tmp_path):
-    """With vLLM's flag names; the log says what it serves."""
+    """With vLLM's flag names; the log says what it serves. With --disable-runtime-lora-updating no adapter can be
+    loaded or unloaded."""
     port, log = free_port(), tmp_path / "serve.log"
     alpha = json.dumps({"name": "alpha", "path": str(demo_dir / "alpha")})
     proc = start_serve([shutil.which("moelora"), "serve", "--model-path", str(demo_dir / "model"), "--lora-modules",
                         alpha, "--served-model-name", "base", "--max-loras", "1", "--max-model-len", "64",
-                        "--max-num-seqs", "4", "--port", str(port), *CPU], port, log)
+                        "--max-num-seqs", "4", "--disable-runtime-lora-updating", "--port", str(port), *CPU], port, log)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["base", "alpha"]
@@ -386,8 +388,15 @@ def test_serve_starts_a_server(demo_dir, reference, tmp_path):
             client.completions.create(model="alpha", prompt="Hello world", max_tokens=63)
         with pytest.raises(openai.BadRequestError, match="max_running_requests \\(4\\)"):
             client.completions.create(model="alpha", prompt="Hello world", n=5)
+        for route, body in (("load_lora_adapter", {"lora_name": "g", "lora_path": str(demo_dir / "gamma")}),
+                            ("unload_lora_adapter", {"lora_name": "alpha"})):
+            for prefix in ("/v1", ""):
+                r = httpx.post(f"http://127.0.0.1:{port}{prefix}/{route}", json=body, timeout=30)
+                assert r.status_code == 404, (route, r.text)
+        assert [m.id for m in client.models.list().data] == ["base", "alpha"]
         logged = log.read_text()
-        for line in [f"moelora.server.app: model {demo_dir / 'model'}: Qwen3MoeForCausalLM, float32 on cpu",
+        for line in ["as 'base', its adapters fixed (load and unload routes off)",
+                     f"moelora.server.app: model {demo_dir / 'model'}: Qwen3MoeForCausalLM, float32 on cpu",
                      "context 64 tokens; up to 4 running requests", "LoRA: 1 GPU slots of rank 8",
                      "LoRA slots on self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, self_attn.o_proj, "
                      "mlp.experts.gate_proj, mlp.experts.up_proj, mlp.experts.down_proj; none on mlp.gate",
