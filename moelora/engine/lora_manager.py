@@ -491,7 +491,10 @@ class LoRAManager:
         self._cache(name, share)
 
     def _cache(self, name: str, share: RankShare) -> None:
-        self._host[name] = share
+        # names of one path's same files hold one copy between them (a path loaded under many names)
+        files = (share.path, share.version)
+        self._host[name] = next((s for s in self._host.values() if share.version and (s.path, s.version) == files),
+                                share)
         # (another rank replays rank 0's evictions before the adapter each made room for: its memory holds rank 0's)
         while self.config.max_cpu_loras is not None and len(self._host) > self.config.max_cpu_loras:
             evicted = self._host.popitem(last=False)[0]

@@ -121,6 +121,20 @@ def test_load_and_unload_at_runtime(make_engine, adapters, reference, tmp_path):
         engine.unload_lora("broken")
 
 
+def test_names_of_one_adapters_files_share_one_host_copy(make_engine, adapters, reference):
+    """A path loaded under many names costs host memory once; each name serves it and unloads alone."""
+    engine = make_engine(FAMILY, lora_paths={})
+    path = str(adapters(FAMILY)["full"].path)
+    for name in ("one", "two", "three"):
+        engine.load_lora(name, path)
+    host = engine.runner.lora._host
+    assert host["one"] is host["two"] is host["three"]
+    outputs = engine.generate([PROMPTS[0]] * 3, GREEDY, lora=["one", "two", "three"])
+    assert [o.token_ids for o in outputs] == [reference[0, "full"]] * 3
+    engine.unload_lora("one")
+    assert "one" not in host and engine.generate(PROMPTS[1], GREEDY, lora="three")[0].token_ids == reference[1, "full"]
+
+
 def test_an_adapter_rewritten_in_place_is_refused_when_read_again(make_engine, adapters, wide_adapter, reference,
                                                                    tmp_path):
     """An adapter out of host memory is read again from its directory: if its files changed since it was loaded (here
