@@ -177,10 +177,11 @@ class Engine:
         return self.runner.lora.read(path)
 
     @_one_caller
-    def load_lora(self, name: str, path: str, adapter: RankShare | None = None) -> None:
+    def load_lora(self, name: str, path: str, adapter: RankShare | None = None, replace: bool = False) -> None:
         """Serve the adapter at `path` as `name` from now on; `adapter`: what read_lora(path) gave, else
-        the file is read here. Every rank holds the adapter when this returns."""
-        self.runner.lora.load_lora(name, path, adapter)
+        the file is read here. replace: it replaces a loaded adapter of that name no request uses (AdapterError if
+        one does). Every rank holds the adapter when this returns."""
+        self.runner.lora.load_lora(name, path, adapter, replace)
         self.scheduler.forget_prefixes(name)  # (the name's earlier adapter's keys and values are not this one's)
         self._sync_lora()
 

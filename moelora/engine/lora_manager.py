@@ -219,19 +219,26 @@ class LoRAManager:
                                "or with lora_paths)")
         return self._read_share(path, self.max_rank, f"adapter {path}", slotted=True)
 
-    def load_lora(self, name: str, path: str | Path, adapter: RankShare | None = None) -> None:
-        """Serve the adapter at `path` (`adapter`: what read(path) gave, else it is read here) as `name`."""
+    def load_lora(self, name: str, path: str | Path, adapter: RankShare | None = None, replace: bool = False) -> None:
+        """Serve the adapter at `path` (`adapter`: what read(path) gave, else it is read here) as `name`. replace: a
+        loaded adapter of that name is replaced (vLLM's load_inplace), if no request uses it."""
         if (problem := adapter_name_problem(name)) is not None:
             raise AdapterNameError(problem)
         if name in self._unloading:
             raise AdapterNameError(f"adapter {name!r} is still being unloaded ({self._in_flight[name]} requests in "
                                    "flight)")
-        if name in self._paths:
+        if name in self._paths and not replace:
             raise AdapterNameError(f"adapter {name!r} is already loaded from {self._paths[name]}; unload it first")
         if not self.max_rank:
             raise AdapterError(f"cannot load adapter {name!r}: the engine has no LoRA slots "
                                "(start it with max_lora_rank, or with lora_paths)")
-        self._register(name, Path(path), adapter if adapter is not None else self.read(path))
+        share = adapter if adapter is not None else self.read(path)
+        if name in self._paths:
+            if self._in_flight[name]:
+                raise AdapterNameError(f"adapter {name!r} cannot be replaced while {self._in_flight[name]} requests "
+                                       "use it")
+            self._drop(name)
+        self._register(name, Path(path), share)
         self.stats.disk_loads += 1
         self._record("load", name, str(path), self._version[name], self._rank[name])
         self._ask_others(name)

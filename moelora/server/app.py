@@ -267,11 +267,12 @@ class OpenAIServing:
     async def load_lora_adapter(self, body: LoadLoRARequest) -> dict:
         if body.lora_name == self.served_model_name:
             raise APIError(400, f"`{body.lora_name}` is the base model's name", param="lora_name")
-        if body.lora_name in self.loop.adapters:
+        if body.lora_name in self.loop.adapters and not body.load_inplace:
             raise APIError(400, f"an adapter named `{body.lora_name}` is already loaded (from "
-                                f"{self.loop.adapters[body.lora_name]}); unload it first", param="lora_name")
+                                f"{self.loop.adapters[body.lora_name]}); unload it first, or load it with "
+                                "load_inplace", param="lora_name")
         try:
-            await self.loop.load_lora(body.lora_name, body.lora_path)
+            await self.loop.load_lora(body.lora_name, body.lora_path, body.load_inplace)
         except AdapterNameError as e:
             raise APIError(400, str(e), param="lora_name") from e
         except AdapterError as e:

@@ -336,11 +336,11 @@ class EngineLoop:
                                      else self.abort(f.result()))
             raise
 
-    async def load_lora(self, name: str, path: str) -> None:
+    async def load_lora(self, name: str, path: str, replace: bool = False) -> None:
         """Read and validate the adapter (AdapterError lists its problems) in an adapter-read thread, then
-        install it there between steps; it serves from now on."""
+        install it there between steps; it serves from now on. replace: Engine.load_lora's."""
         adapter = await asyncio.wrap_future(self._adapter_reads.submit(self.engine.read_lora, path))
-        await self.run(lambda: self._load_lora(name, path, adapter))
+        await self.run(lambda: self._load_lora(name, path, adapter, replace))
 
     async def unload_lora(self, name: str) -> None:
         """Requests in flight with the adapter finish; new ones are refused (AdapterError if unknown)."""
@@ -440,8 +440,8 @@ class EngineLoop:
         self.thread_stats.add_delay_seconds += len(added) * (time.perf_counter() - arrival)
         return rids
 
-    def _load_lora(self, name: str, path: str, adapter: RankShare) -> None:
-        self.engine.load_lora(name, path, adapter)
+    def _load_lora(self, name: str, path: str, adapter: RankShare, replace: bool) -> None:
+        self.engine.load_lora(name, path, adapter, replace)
         self.adapters = {**self.adapters, name: path}
 
     def _unload_lora(self, name: str) -> None:

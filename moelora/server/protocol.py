@@ -548,12 +548,16 @@ class DetokenizeRequest(RequestBody):
 
 
 class LoadLoRARequest(RequestBody):
+    model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
+    load_inplace: bool = False  # vLLM's: replace a loaded adapter of that name
 
 
 class UnloadLoRARequest(RequestBody):
+    model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's: adapters are named, not numbered; accepted, unread
 
 
 # ---------------------------------------------------------------------------------- responses

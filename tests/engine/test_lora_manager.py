@@ -121,6 +121,24 @@ def test_load_and_unload_at_runtime(make_engine, adapters, reference, tmp_path):
         engine.unload_lora("broken")
 
 
+def test_an_adapter_replaced_in_place_serves_its_new_files_once_no_request_uses_it(make_engine, adapters, reference):
+    engine = make_engine(FAMILY, lora_paths={})
+    full, partial = (str(adapters(FAMILY)[name].path) for name in ("full", "partial"))
+    engine.load_lora("mine", full)
+    assert engine.generate(PROMPTS[0], GREEDY, lora="mine")[0].token_ids == reference[0, "full"]
+    rid = engine.add_request(PROMPTS[1], GREEDY, lora="mine")
+    engine.step()
+    with pytest.raises(AdapterError, match="'mine' cannot be replaced while 1 requests use it"):
+        engine.load_lora("mine", partial, replace=True)
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [t for o in engine.step() if o.rid == rid for t in o.token_ids]
+    assert reference[1, "full"][-len(tokens):] == tokens  # (the first step's tokens, if any, were not kept)
+    engine.load_lora("mine", partial, replace=True)
+    assert engine.generate(PROMPTS, GREEDY, lora="mine")[1].token_ids == reference[1, "partial"]
+    assert_released(engine)
+
+
 def test_names_of_one_adapters_files_share_one_host_copy(make_engine, adapters, reference):
     """A path loaded under many names costs host memory once; each name serves it and unloads alone."""
     engine = make_engine(FAMILY, lora_paths={})

@@ -233,6 +233,27 @@ def test_load_use_unload_adapter(client, reference, server, demo_dir):
     assert r.status_code == 404 and "unknown adapter 'gamma'" in r.json()["error"]["message"]
 
 
+def test_load_inplace_replaces_an_adapter_and_unknown_fields_are_refused(client, reference, server, demo_dir):
+    """vLLM's load_inplace: the name serves the new files; without it the name is taken. Other fields (a typo, or
+    SGLang's pinned) are a 400 naming them, not ignored."""
+    load = f"{server.url}/v1/load_lora_adapter"
+    assert httpx.post(load, json={"lora_name": "gamma", "lora_path": str(demo_dir / "gamma")}).status_code == 200
+    try:
+        again = httpx.post(load, json={"lora_name": "gamma", "lora_path": str(demo_dir / "alpha")})
+        assert again.status_code == 400 and "load_inplace" in again.json()["error"]["message"], again.text
+        for extra in ({"pinned": True}, {"load_in_place": True}):
+            r = httpx.post(load, json={"lora_name": "gamma", "lora_path": str(demo_dir / "alpha"), **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra)), r.text
+        r = httpx.post(load, json={"lora_name": "gamma", "lora_path": str(demo_dir / "alpha"), "load_inplace": True})
+        assert r.status_code == 200, r.text
+        out = client.completions.create(model="gamma", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
+        assert out.choices[0].text == alone(reference, PROMPTS[0], "alpha").text
+        assert next(m.root for m in client.models.list().data if m.id == "gamma") == str(demo_dir / "alpha")
+    finally:
+        r = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "gamma", "lora_int_id": 3})
+        assert r.status_code == 200, r.text
+
+
 def test_adapter_files_are_read_in_threads_of_their_own(server, demo_dir, monkeypatch):
     """Not in asyncio's default executor, which encodes the non-streamed responses: a few slow reads held up every
     such response (the default executor has min(32, CPUs + 4) threads)."""
