@@ -155,6 +155,11 @@ def test_load_and_unload_with_requests_in_flight(start_engine, adapters):
     partial = str(adapters("qwen3_moe")["partial"].path)
     assert drive_load_and_unload(many, partial) == drive_load_and_unload(one, partial)
     assert many.lora_stats.slot_evictions == one.lora_stats.slot_evictions > 0
+    before = many.generate(PROMPTS[:1], GREEDY, lora="late")[0].token_ids
+    for engine in (one, many):  # every rank serves the new files under the name
+        engine.load_lora("late", str(adapters("qwen3_moe")["full"].path), replace=True)
+    after = many.generate(PROMPTS[:1], GREEDY, lora="late")[0].token_ids
+    assert after == one.generate(PROMPTS[:1], GREEDY, lora="late")[0].token_ids != before
 
 
 def test_every_rank_writes_its_profile(start_engine, tmp_path, monkeypatch):
