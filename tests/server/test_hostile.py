@@ -23,7 +23,7 @@ from moelora.engine.sampling_params import SamplingParams
 CANARY = {"model": "alpha", "prompt": "the quick brown fox", "max_tokens": 6, "temperature": 0}
 OK = {"model": "alpha", "prompt": "Hello world", "max_tokens": 2}
 CHAT = {"model": "beta", "messages": [{"role": "user", "content": "Hello world"}], "max_tokens": 2}
-FUZZ_EXAMPLES = int(os.environ.get("MOELORA_FUZZ_EXAMPLES", "1725"))
+FUZZ_EXAMPLES = int(os.environ.get("MOELORA_FUZZ_EXAMPLES", "1000"))  # more: MOELORA_FUZZ_RANDOM=1 and this
 
 
 def post(server, path: str, body=None, **kwargs) -> httpx.Response:
