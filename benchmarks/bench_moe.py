@@ -6,7 +6,8 @@ round-robin) it reports, all measured in one run on one device:
             read (distinct experts touched) / measured copy bandwidth
   lora      extra time with LoRA on (each on its own tile table: what turning LoRA on costs), and % of
             its floor: bytes of A and B of every touched (adapter, expert) pair / measured copy bandwidth
-            (--rank-cases times both on the LoRA table: the LoRA work alone)
+            (--rank-cases times both on the LoRA table: the LoRA work alone, every case on the same tokens
+            and routing, drawn from one seed in every run)
   block     (router GEMM + top-k + fused_moe) with LoRA over without, both under a CUDA graph
   TFLOP/s   of the base MoE at T >= 512 against the measured bf16 matmul rate
 Timings are CUDA-graph replays over several layer copies, so weights come from HBM, not L2; the two sides of a
@@ -296,8 +297,12 @@ def _ratio(a: float, b: float) -> str:
 def rank_cases_of_shape(args, shape_name: str, device, dtype, bw: float) -> dict[tuple[str, int], float]:
     """rank_cases' rows of one shape; returns the LoRA delta in us by (case, T)."""
     hidden, inter, experts, _ = shape = SHAPES[shape_name]
+    torch.manual_seed(0)  # the same weights, tokens and coverage in every run: runs (and A/Bs) differ by timing alone
     copies = layer_copies(shape, dtype, device)
     layers = Layers(shape, copies, dtype, device)
+    # the same tokens, so the same routing, in every case: the cases' ratios compare their LoRA work alone
+    inputs = {tokens: torch.randn(tokens, hidden, device=device, dtype=dtype)
+              for tokens in map(int, args.tokens.split(","))}
     deltas = {}
     for case, (slot_ranks, coverage, whole_experts, first_slot_only) in RANK_CASES.items():
         layers.lora = [random_expert_lora(SLOTS, experts, hidden, inter, slot_ranks, dtype, device,
@@ -307,8 +312,7 @@ def rank_cases_of_shape(args, shape_name: str, device, dtype, bw: float) -> dict
         batch_rank = slot_ranks[0] if first_slot_only else max(slot_ranks)
         for lora in layers.lora:
             lora.max_rank_in_use = step_rank_bound(batch_rank, MAX_RANK)
-        for tokens in map(int, args.tokens.split(",")):
-            x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+        for tokens, x in inputs.items():
             topk = select_experts(x @ layers.router[0].T, layers.topk_config)
             slots = torch.zeros(tokens, dtype=torch.int32, device=device) if first_slot_only else \
                 (torch.arange(tokens, device=device) % SLOTS).to(torch.int32)
