@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import PackageNotFoundError, version
 
 import httpx
@@ -310,44 +311,50 @@ def other_model_adapter(tmp_path_factory):
 
 def test_cli_errors_are_one_message_and_exit_status_1(demo_dir, other_model_adapter, tmp_path):
     model = ["--model-path", str(demo_dir / "model")]
-    one_error(moelora("generate", "--model-path", str(tmp_path / "nope"), "--prompt", "x", *CPU), "generate",
-              "not a local model directory")
-    one_error(moelora("generate", "--model-path", "Qwen/Qwen3-30B-A3B", "--prompt", "x", *CPU), "generate",
-              "EngineConfig.model_path (--model-path) 'Qwen/Qwen3-30B-A3B'", "not Hub ids")
-    one_error(moelora("generate", *model, "--tokenizer-path", "Qwen/Qwen3-8B", "--prompt", "x", *CPU), "generate",
-              "EngineConfig.tokenizer_path (--tokenizer-path) 'Qwen/Qwen3-8B' is not a local directory")
-    one_error(moelora("serve", *model, "--lora-paths", f"x={tmp_path / 'nope'}", *CPU), "serve",
-              "nope: does not exist (an adapter directory expected)")
-    one_error(moelora("serve", *model, "--lora-paths", f"x={demo_dir / 'model' / 'config.json'}", *CPU), "serve",
-              "config.json: is a file, not an adapter directory")
-    one_error(moelora("serve", *model, "--lora-target-modules", "q_proj", "w1", *CPU), "serve",
-              "EngineConfig.lora_target_modules (--lora-target-modules): the model has no module 'w1'")
-    one_error(moelora("serve", *model, "--tensor-parallel-size", "3", "--ep-size", "2", *CPU), "serve",
-              "EngineConfig.ep_size (--ep-size, --expert-parallel-size, --ep) must be a divisor of tp_size (3)")
-    # the ranks raise while loading: each in a line of the message, not its traceback
-    one_error(moelora("generate", *model, "--prompt", "x", "--tp-size", "3", *CPU), "generate",
-              "loading the model failed on the tensor-parallel ranks (ValueError: the vocabulary (",
-              "does not split evenly over 3 ranks); rank 1 raised ValueError: the vocabulary (",
-              "; rank 2 raised ValueError: the vocabulary (")
-    one_error(moelora("serve", *model, "--chat-template", "nope.jinja", *CPU), "serve",
-              "EngineConfig.chat_template (--chat-template) 'nope.jinja' is neither a readable file")
+    bare = tmp_path / "bare"  # the model without its tokenizer
+    shutil.copytree(demo_dir / "model", bare, ignore=shutil.ignore_patterns("tokenizer*", "chat_template*"))
     with socket.socket() as taken:  # another process's port; a host that is nowhere: found before the model loads
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        one_error(moelora("serve", *model, "--port", str(port), *CPU), "serve",
-                  f"cannot listen on 127.0.0.1:{port} (--host, --port): Address already in use")
-    one_error(moelora("serve", *model, "--host", "999.1.1.1", *CPU), "serve", "cannot listen on 999.1.1.1:30000")
-    one_error(moelora("serve", *model, "--context-length", "100000", *CPU), "serve",
-              "EngineConfig.context_length (--context-length, --max-model-len) 100000 is longer than the model's "
+        cases = [  # (argv, parts of the one error line)
+            (("generate", "--model-path", str(tmp_path / "nope"), "--prompt", "x", *CPU),
+             ("not a local model directory",)),
+            (("generate", "--model-path", "Qwen/Qwen3-30B-A3B", "--prompt", "x", *CPU),
+             ("EngineConfig.model_path (--model-path) 'Qwen/Qwen3-30B-A3B'", "not Hub ids")),
+            (("generate", *model, "--tokenizer-path", "Qwen/Qwen3-8B", "--prompt", "x", *CPU),
+             ("EngineConfig.tokenizer_path (--tokenizer-path) 'Qwen/Qwen3-8B' is not a local directory",)),
+            (("serve", *model, "--lora-paths", f"x={tmp_path / 'nope'}", *CPU),
+             ("nope: does not exist (an adapter directory expected)",)),
+            (("serve", *model, "--lora-paths", f"x={demo_dir / 'model' / 'config.json'}", *CPU),
+             ("config.json: is a file, not an adapter directory",)),
+            (("serve", *model, "--lora-target-modules", "q_proj", "w1", *CPU),
+             ("EngineConfig.lora_target_modules (--lora-target-modules): the model has no module 'w1'",)),
+            (("serve", *model, "--tensor-parallel-size", "3", "--ep-size", "2", *CPU),
+             ("EngineConfig.ep_size (--ep-size, --expert-parallel-size, --ep) must be a divisor of tp_size (3)",)),
+            # the ranks raise while loading: each in a line of the message, not its traceback
+            (("generate", *model, "--prompt", "x", "--tp-size", "3", *CPU),
+             ("loading the model failed on the tensor-parallel ranks (ValueError: the vocabulary (",
+              "does not split evenly over 3 ranks); rank 1 raised ValueError: the vocabulary (",
+              "; rank 2 raised ValueError: the vocabulary (")),
+            (("serve", *model, "--chat-template", "nope.jinja", *CPU),
+             ("EngineConfig.chat_template (--chat-template) 'nope.jinja' is neither a readable file",)),
+            (("serve", *model, "--port", str(port), *CPU),
+             (f"cannot listen on 127.0.0.1:{port} (--host, --port): Address already in use",)),
+            (("serve", *model, "--host", "999.1.1.1", *CPU), ("cannot listen on 999.1.1.1:30000",)),
+            (("serve", *model, "--context-length", "100000", *CPU),
+             ("EngineConfig.context_length (--context-length, --max-model-len) 100000 is longer than the model's "
               "positions, 512 by its config.json (max_position_embeddings, rope_scaling)",
-              "set MOELORA_ALLOW_LONG_CONTEXT_LENGTH=1 to serve it all the same")
-    one_error(moelora("generate", *model, "--prompt", "x", "--device", "cuda:x", "--dtype", "float32"), "generate",
-              "EngineConfig.device (--device) must be 'cuda', 'cuda:N' or 'cpu', got 'cuda:x'")
-    bare = tmp_path / "bare"  # the model without its tokenizer
-    shutil.copytree(demo_dir / "model", bare, ignore=shutil.ignore_patterns("tokenizer*", "chat_template*"))
-    one_error(moelora("generate", "--model-path", str(bare), "--prompt", "x", *CPU), "generate",
-              "a text prompt needs a tokenizer", "has no tokenizer files (none of tokenizer.json")
+              "set MOELORA_ALLOW_LONG_CONTEXT_LENGTH=1 to serve it all the same")),
+            (("generate", *model, "--prompt", "x", "--device", "cuda:x", "--dtype", "float32"),
+             ("EngineConfig.device (--device) must be 'cuda', 'cuda:N' or 'cpu', got 'cuda:x'",)),
+            (("generate", "--model-path", str(bare), "--prompt", "x", *CPU),
+             ("a text prompt needs a tokenizer", "has no tokenizer files (none of tokenizer.json")),
+        ]
+        with ThreadPoolExecutor(4) as pool:  # (each run is mostly its imports: side by side)
+            runs = list(pool.map(lambda case: moelora(*case[0]), cases))
+    for (argv, parts), run in zip(cases, runs):
+        one_error(run, argv[0], *parts)
 
 
 def test_an_adapter_of_another_model_lists_its_problems(demo_dir, other_model_adapter):
