@@ -157,10 +157,15 @@ class LoRAManager:
         self._unloading: set[str] = set()
         self.pool = LoRASlotPool(config.max_loras_per_batch)
         # the adapters given at start, each cut to this rank's share as soon as it is read (one whole adapter in
-        # memory at a time); without max_lora_rank the slots take the largest rank among them, up to the kernels' limit
-        initial = {name: self._read_share(path, config.max_lora_rank or MAX_LORA_RANK, f"adapter {name!r} ({path})")
-                   for name, path in config.lora_paths.items()}
-        self.stats.disk_loads += len(initial)
+        # memory at a time), a path given under several names read once (its names share the copy, as _cache's do);
+        # without max_lora_rank the slots take the largest rank among them, up to the kernels' limit
+        shares: dict[Path, RankShare] = {}
+        for name, path in config.lora_paths.items():
+            if Path(path) not in shares:
+                shares[Path(path)] = self._read_share(path, config.max_lora_rank or MAX_LORA_RANK,
+                                                      f"adapter {name!r} ({path})")
+        initial = {name: shares[Path(path)] for name, path in config.lora_paths.items()}
+        self.stats.disk_loads += len(shares)
         self.max_rank = config.max_lora_rank or max((a.max_rank for a in initial.values()), default=0)
         targets = resolve_targets(config.lora_target_modules, model, [a.modules for a in initial.values()])
         if self.max_rank:

@@ -244,6 +244,19 @@ def test_the_start_holds_one_whole_adapter_at_a_time(make_engine, monkeypatch):
     assert sorted(engine.runner.lora._host) == ["full", "partial"]
 
 
+def test_a_path_given_at_start_under_many_names_is_read_once(make_engine, adapters, monkeypatch):
+    """lora_paths naming one path under several names: one read from disk and one host copy, not a copy per name
+    held at once until the start had read them all (1000 names of one adapter read it 1000 times)."""
+    path = str(adapters(FAMILY)["full"].path)
+    read = []
+    real = lora_manager.load_adapter
+    monkeypatch.setattr(lora_manager, "load_adapter", lambda path, *args: read.append(path) or real(path, *args))
+    engine = make_engine(FAMILY, lora_paths={"one": path, "two": path, "three": path})
+    host = engine.runner.lora._host
+    assert host["one"] is host["two"] is host["three"]
+    assert read == [path] and engine.runner.lora.stats.disk_loads == 1
+
+
 def exchange(lead: LoRAManager, follower: LoRAManager, wait: float = 0.0, rounds: int = 1000) -> None:
     """Rank 0's events replayed by another rank, and its polls answered (ModelRunner._send, _serve_commands), until
     no poll is left or `rounds` polls went unanswered by a finished read."""
@@ -354,7 +367,7 @@ def test_another_ranks_host_memory_follows_rank_0s(make_engine, adapters):
     prefetch("full")  # taken in, "partial" out
     prefetch("again", "partial")  # read ...
     prefetch("again", "partial")  # ... taken in: "full" out, not "again" (used last by rank 0's prefetch alone)
-    assert set(lead._host) == {"again", "partial"} and lead.stats.disk_loads == 5
+    assert set(lead._host) == {"again", "partial"} and lead.stats.disk_loads == 4  # (full and again: one read at start)
     prefetch("full")  # read ...
     prefetch()  # ... for a request gone since: dropped, host memory being full
     assert not lead._reading and not follower._reading and set(lead._host) == {"again", "partial"}
