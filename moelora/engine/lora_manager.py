@@ -644,6 +644,8 @@ class LoRAManager:
         self._unloading.discard(name)
         self._host.pop(name, None)
         self._rank0_version.pop(name, None)
+        # (another rank's failed read of this adapter: not one of a later adapter of the name, loaded in place or anew)
+        self._others_failed = [f for f in self._others_failed if f[0] != name]
         self._discard(name)
         self.pool.release(name)
 

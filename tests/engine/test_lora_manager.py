@@ -317,6 +317,30 @@ def test_no_slot_write_before_the_other_ranks_have_read_the_adapter(make_engine,
         assert lead.pool.peek("full") is not None
 
 
+def test_another_ranks_failed_read_of_an_adapter_replaced_since_fails_no_request_of_the_new_one(make_engine, adapters):
+    """Another rank's read of an adapter loaded at runtime failed (a poll told rank 0, whose next prefetch fails the
+    adapter's waiting requests); before that prefetch, the adapter is replaced in place (or unloaded and loaded
+    again): the new adapter's requests do not fail for the old one's read."""
+    paths = {n: str(a.path) for n, a in adapters(FAMILY).items()}
+    lead, follower = tensor_parallel_pair(make_engine(FAMILY, max_cpu_loras=3))
+    real, fails = follower.read, [True]
+
+    def read(path):
+        if fails[0]:
+            raise OSError("no such adapter on this rank's node")
+        return real(path)
+
+    follower.read = read
+    lead.load_lora("x", paths["partial"], adapter=lead.read(paths["partial"]))
+    exchange(lead, follower, wait=30)
+    assert [name for name, _, _ in lead._others_failed] == ["x"]
+    fails[0] = False
+    lead.load_lora("x", paths["full"], adapter=lead.read(paths["full"]), replace=True)
+    exchange(lead, follower, wait=30)
+    assert lead.ready("x") and "x" in follower._host
+    assert lead.prefetch(["x"], set()) == []
+
+
 def test_another_ranks_changed_files_fail_the_adapter_not_the_rank(make_engine, adapters, tmp_path):
     """Another rank reads an adapter back from disk (host memory for 2 adapters) and finds its files changed since it
     was loaded (another modification time): its answer to rank 0's poll says so, and the adapter's waiting requests
