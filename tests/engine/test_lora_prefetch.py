@@ -402,7 +402,7 @@ def test_an_adapter_read_back_from_disk_keeps_no_one_waiting_but_its_requests(ma
     run(engine, outputs)
     for rid, expected in zip((first, waiting, later), alone(make_engine, adapters, ["partial", "full", None])):
         assert same(outputs[rid], expected), rid
-    assert lora.stats.disk_loads == 4 and list(lora._host) == ["partial", "full"]  # 3 at start, "full" read back
+    assert lora.stats.disk_loads == 3 and list(lora._host) == ["partial", "full"]  # 2 at start, "full" back
     assert_released(engine)
 
 
@@ -514,7 +514,7 @@ def test_a_read_finished_for_an_aborted_request_evicts_no_adapter_a_waiting_requ
     run(engine, outputs)
     assert same(outputs[late], alone(make_engine, adapters, ["full", "full", "partial"])[2])
     assert outputs[base][-1].finish_reason == "length" and list(lora._host) == ["partial"]
-    assert lora.stats.disk_loads == 4  # 3 at start, "partial" read once
+    assert lora.stats.disk_loads == 3  # 2 at start (full and again: one read), "partial" read once
     assert_released(engine)
 
 
@@ -538,5 +538,5 @@ def test_the_reads_of_aborted_requests_not_started_yet_are_called_off(make_engin
     run(engine, outputs)
     assert same(outputs[late], alone(make_engine, adapters, ["full", "full", "partial"])[2])
     assert outputs[base][-1].finish_reason == "length" and list(lora._host) == ["partial"]
-    assert lora.stats.disk_loads == 4 and not lora._reading  # 3 at start, "partial" once
+    assert lora.stats.disk_loads == 3 and not lora._reading  # 2 at start (full and again: one read), "partial" once
     assert_released(engine)
