@@ -117,6 +117,7 @@ class TextConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     format: TextFormat = TextFormat(type="text")
 
+
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits of a response's metadata
 
 
@@ -159,12 +160,12 @@ class ResponsesRequest(RequestBody):
     @classmethod
     def _metadata_within_the_apis_limits(cls, value: dict[str, str] | None) -> dict[str, str] | None:
         # OpenAI's: the response echoes it in three events of a stream, so 60 MiB of it came back as 180 MiB
-        if value is not None and (len(value) > METADATA_PAIRS or any(len(k) > METADATA_KEY_CHARS or
-                                                                     len(v) > METADATA_VALUE_CHARS
-                                                                     for k, v in value.items())):
+        too_long = value is not None and any(len(k) > METADATA_KEY_CHARS or len(v) > METADATA_VALUE_CHARS
+                                             for k, v in value.items())
+        if value is not None and (len(value) > METADATA_PAIRS or too_long):
+            limits = {"pairs": METADATA_PAIRS, "k": METADATA_KEY_CHARS, "v": METADATA_VALUE_CHARS, "param": "metadata"}
             raise PydanticCustomError("metadata_limits", "metadata holds at most {pairs} pairs, keys of at most {k} "
-                                      "characters and values of at most {v}", {"pairs": METADATA_PAIRS,
-                                      "k": METADATA_KEY_CHARS, "v": METADATA_VALUE_CHARS, "param": "metadata"})
+                                      "characters and values of at most {v}", limits)
         return value
 
     @field_validator("input", mode="before")
