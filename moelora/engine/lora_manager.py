@@ -234,14 +234,13 @@ class LoRAManager:
                                    "flight)")
         if name in self._paths and not replace:
             raise AdapterNameError(f"adapter {name!r} is already loaded from {self._paths[name]}; unload it first")
+        if self._in_flight[name]:
+            raise AdapterNameError(f"adapter {name!r} cannot be replaced while {self._in_flight[name]} requests use it")
         if not self.max_rank:
             raise AdapterError(f"cannot load adapter {name!r}: the engine has no LoRA slots "
                                "(start it with max_lora_rank, or with lora_paths)")
-        share = adapter if adapter is not None else self.read(path)
+        share = adapter if adapter is not None else self.read(path)  # (a bad one leaves the loaded one serving)
         if name in self._paths:
-            if self._in_flight[name]:
-                raise AdapterNameError(f"adapter {name!r} cannot be replaced while {self._in_flight[name]} requests "
-                                       "use it")
             self._drop(name)
         self._register(name, Path(path), share)
         self.stats.disk_loads += 1
