@@ -205,6 +205,8 @@ def main():
     p.add_argument("--sweep-tokens", default="", help="T values at which to also time other tile configs (tuning aid)")
     p.add_argument("--rank-cases", action="store_true",
                    help="instead: the LoRA delta of 8 adapters of mixed ranks and coverage in rank-64 slot buffers")
+    p.add_argument("--pairs", type=int, default=20,
+                   help="--rank-cases: alternating (base, LoRA) replays per delta; more narrows its spread")
     args = p.parse_args()
     device, dtype, name, mm, bw = machine()
     torch.manual_seed(0)
@@ -319,7 +321,8 @@ def rank_cases_of_shape(args, shape_name: str, device, dtype, bw: float) -> dict
             # both on the LoRA tile table: the delta is the LoRA work, not also the base table's other tiles
             cfg = default_config(tokens, layers.top_k, experts, dtype, lora=True)
             t_base, t_lora = (t / copies for t in measure_pair(lambda: layers.moe(x, topk, slots, False, cfg),
-                                                               lambda: layers.moe(x, topk, slots, True, cfg)))
+                                                               lambda: layers.moe(x, topk, slots, True, cfg),
+                                                               args.pairs))
             ranks = layers.lora[0].ranks.long()  # [3, S, E]
             pairs = torch.unique(slots.long().repeat_interleave(layers.top_k) * experts + topk.ids.flatten().long())
             rank_sum = ranks[:, pairs // experts, pairs % experts].sum().item()

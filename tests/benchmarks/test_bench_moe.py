@@ -65,7 +65,7 @@ def test_each_rank_case_draws_its_coverage_as_it_says(monkeypatch):
             drawn.append((kwargs["coverage"], kwargs["whole_experts"]))
         return random_expert_lora(*args, **kwargs)
     monkeypatch.setattr(bench_moe, "random_expert_lora", recording)
-    bench_moe.rank_cases_of_shape(argparse.Namespace(tokens="4"), "tiny", "cpu", torch.float32, 1e12)
+    bench_moe.rank_cases_of_shape(argparse.Namespace(tokens="4", pairs=3), "tiny", "cpu", torch.float32, 1e12)
     assert drawn == [(coverage, whole) for _, coverage, whole, _ in RANK_CASES.values()]
     assert drawn[3] == (0.25, True) and drawn[4] == (0.25, False)
 
