@@ -232,6 +232,10 @@ def test_an_epilogue_chunks_slots_only_where_one_dot_would_not_fit():
     assert (decode.block_n, medium.block_n, prefill.block_n) == (32, 128, 256)
     plan = linear_module.lora_epilogue_plan
     assert plan(decode, LoRAEpilogue(8, 64, SHRINK)) == (8, True)  # 512 rows
+    # B loaded early is held twice but on 32-row tiles (Triton 3.6, the 16 x 64 decode tile: 294912 B for 1024 rows)
+    fits = linear_module._lora_epilogue_fits
+    assert not fits(replace(decode, block_n=64), 1024, True) and fits(decode, 1024, False)
+    assert fits(replace(decode, block_m=32, block_n=64), 1024, True)
     assert plan(decode, LoRAEpilogue(8, 128, SHRINK)) == (4, False)
     assert plan(medium, LoRAEpilogue(8, 16, SHRINK)) == (8, True)
     assert plan(medium, LoRAEpilogue(8, 64, SHRINK)) == (2, False)
