@@ -8,6 +8,7 @@ from moelora.core import ExpertLoRASlots, TopKOutput
 from moelora.kernels import gemm_tiles
 from moelora.kernels.fused_moe import gemm, launcher
 from moelora.kernels.fused_moe import MoEKernelConfig, default_config, fused_moe
+from moelora.kernels.fused_moe.config import down_sum_parts
 from moelora.kernels.pdl import pdl_launch
 from tests.support import assert_rows_close, random_expert_lora, random_moe_weights, random_topk, rel_tolerance
 
@@ -227,6 +228,29 @@ def test_down_shrink_launch_equals_down_shrink_in_gate_up(dtype, slot_ranks, shr
         else:
             assert torch.equal(launch, other)
     assert_rows_close(launch, fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(dtype, device))
+
+
+@pytest.mark.parametrize("dtype", DTYPES[:1])
+@pytest.mark.parametrize("slot_ranks", [SMALL_RANKS, SLOT_RANKS])
+def test_many_down_shrink_parts_a_round_give_the_bits_of_a_sum_per_row(dtype, slot_ranks, device, poison):
+    """Past SUM_PARTS down-shrink parts (I of 20 parts here, the last one partly past it) the down epilogue loads
+    more of them a round (32 at rank tile 16, 16 at 32, 8 at 64, config.down_sum_parts): the bits of the parts summed
+    once per row (reduce_partials) and of the down shrink's launch."""
+    assert [down_sum_parts(16, 20), down_sum_parts(32, 20), down_sum_parts(16, 224), down_sum_parts(64, 20),
+            down_sum_parts(16, 4)] == [32, 16, 32, 8, 8]
+    x, w13, w2, topk, lora, slots = _case(9, 32, 20 * 64 - 24, 4, 2, dtype, device, slot_ranks=slot_ranks)
+    cfg = default_config(9, 2, 4, dtype, lora=True)
+    assert cfg.block_m == 16 and not cfg.pair_blocks
+    per_program, summed_once, launch = (
+        fused_moe(x, w13, w2, topk, lora, slots, impl="triton", config=dataclasses.replace(cfg, **changes))
+        for changes in (dict(reduce_partials_min_pairs=10**9), dict(reduce_partials_min_pairs=0),
+                        dict(pair_shrink_max_pairs=0, down_shrink_launch=True)))
+    for other in (summed_once, launch):  # (past rank 16 the interpreter rounds by the dots' shapes: see above)
+        if os.environ.get("TRITON_INTERPRET") == "1" and max(slot_ranks) > 16:
+            assert_rows_close(per_program, other, rel_tolerance(dtype, device))
+        else:
+            assert torch.equal(per_program, other)
+    assert_rows_close(per_program, fused_moe(x, w13, w2, topk, lora, slots, impl="torch"), rel_tolerance(dtype, device))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

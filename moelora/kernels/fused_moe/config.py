@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import triton
 
 from moelora.kernels.gemm_tiles import gemm_block_k, stages_that_fit
 from moelora.kernels.lora_tiles import LORA_RANK_CHUNK
@@ -20,6 +21,10 @@ from moelora.kernels.lora_tiles import LORA_RANK_CHUNK
 DOWN_SHRINK_PART = 64
 SHRINK_SPLIT_K = 512
 SUM_PARTS = 8  # partial sums (shrink splits, down-shrink parts) read per load in the LoRA epilogues
+# the down epilogue's sum of the down-shrink parts (a part per DOWN_SHRINK_PART columns of I: 224 of them for Mixtral's
+# 14336) loads this many partial elements (rows x rank tile x parts) per round, at least SUM_PARTS parts: each round
+# is a round trip to L2 that the program's tail waits for; 64 registers a thread on 4 warps
+DOWN_SUM_ELEMENTS = 8192
 REDUCE_PROGRAMS = 512  # about this many programs sum the partials once per row (reduction.reduce_partials)
 # Up to this many tokens every (token, expert) pair is its own block (pair_blocks): no alignment launch, but
 # an expert picked by several tokens is read once per pair.
@@ -172,6 +177,13 @@ def for_rank_tile(cfg: MoEKernelConfig, block_r: int) -> MoEKernelConfig:
     return replace(cfg, slot_stages=max(1, min(cfg.slot_stages, SLOT_PIPELINE_ROWS // block_r)),
                    shrink_num_stages=stages_that_fit(cfg.shrink_rows + 2 * block_r, cfg.block_k,
                                                      cfg.shrink_num_stages))
+
+
+def down_sum_parts(block_m: int, num_hd_parts: int) -> int:
+    """The down-shrink parts the down epilogue loads per round at rank tile 16 (gemm._down_lora halves it per
+    doubling of the tile, down to SUM_PARTS): DOWN_SUM_ELEMENTS over a block's rows, no more than the parts there
+    are. The parts are added one after the other whatever the number per round: the bits stay."""
+    return max(SUM_PARTS, min(DOWN_SUM_ELEMENTS // (block_m * 16), triton.next_power_of_2(num_hd_parts)))
 
 
 def serial_shrink(cfg: MoEKernelConfig, num_pairs: int, block_r: int) -> bool:

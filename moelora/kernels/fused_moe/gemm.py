@@ -6,6 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moelora.kernels.fused_moe.config import SUM_PARTS
 from moelora.kernels.fused_moe.reduction import prepare_topk_sum, sum_topk_if_last
 from moelora.kernels.fused_moe.shrink import shrink_one_pair
 from moelora.kernels.fused_moe.tiles import (adapter_slots, at_most_half_full, block_info, block_rows, lora_expand,
@@ -17,6 +18,7 @@ from moelora.kernels.gemm_tiles import arrive, gemm_loop, gemm_loop_tma, wait_ar
 from moelora.kernels.pdl import launch_next_kernel, wait_for_previous_kernel
 
 RC = tl.constexpr(LORA_RANK_CHUNK)  # the ranks of a step of the LoRA epilogues' loops with CHUNKS
+SP = tl.constexpr(SUM_PARTS)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_tokens", "tokens_per_program"])  # row counts: kernels/__init__.py
@@ -407,12 +409,14 @@ def _down_lora(acc, pair, slot, start, s0, num_runs, e, offs_n, n_mask, row_rank
                BLOCK_R: tl.constexpr, PARTS: tl.constexpr, SLOT_STAGES: tl.constexpr):
     """acc + the down delta (the sum of the down-shrink parts) @ B_d^T of each row's slot (row_rank_d: each row's
     rank), on rank tile C (tiles.takes_rank_tile), over the block's runs with down LoRA (start, s0, num_runs:
-    tiles.slot_runs); the parts are BLOCK_R columns apart."""
+    tiles.slot_runs); the parts are BLOCK_R columns apart, PARTS a round at rank tile 16 (config.down_sum_parts),
+    as many elements a round on larger tiles."""
     R: tl.constexpr = BLOCK_R if C == RANK_TILES - 1 else 16 << C
+    P: tl.constexpr = PARTS * 16 // R if PARTS * 16 // R > SP else SP
     first = slot == s0
     rank_d = slot_rank(row_rank_d, first)
     bd = lora_tile(b_ptr, s0, e, num_experts, stride_be, stride_br, offs_n, n_mask, rank_d, R)  # overlaps hd's loads
-    hd = sum_partials(hd_ptr, pair, slot >= 0, R, num_hd_parts * BLOCK_R, num_hd_parts, R, BLOCK_R, PARTS, "")
+    hd = sum_partials(hd_ptr, pair, slot >= 0, R, num_hd_parts * BLOCK_R, num_hd_parts, R, BLOCK_R, P, "")
     if num_runs > 0:
         acc = lora_expand(acc, hd, first, rank_d, bd)
     if num_runs > 1:

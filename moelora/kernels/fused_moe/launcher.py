@@ -7,7 +7,7 @@ import triton
 
 from moelora.core import ExpertLoRASlots, TopKOutput
 from moelora.kernels.fused_moe.config import (DOWN_SHRINK_PART, SHRINK_SPLIT_K, SUM_PARTS, MoEKernelConfig,
-                                              default_config, for_rank_tile, serial_shrink)
+                                              default_config, down_sum_parts, for_rank_tile, serial_shrink)
 from moelora.kernels.fused_moe.gemm import down_kernel, gate_up_kernel
 from moelora.kernels.fused_moe.reduction import moe_sum_kernel, reduce_partials
 from moelora.kernels.fused_moe.shrink import down_shrink_kernel, pair_shrink_kernel, shrink_kernel
@@ -161,7 +161,7 @@ def fused_moe_triton(
         num_pairs, top_k, hidden, inter, num_slots, num_experts, num_hd_parts,
         h.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *bd_strides, y.stride(0),
         BLOCK_N=cfg.block_n_down, BLOCK_R=block_r, RANK_TILES=rank_tiles, CHUNKS=chunks_down, TMA=w2_desc is not None,
-        **common, **({} if chunks_down else regs),
+        **(common | {"PARTS": down_sum_parts(cfg.block_m, num_hd_parts)}), **({} if chunks_down else regs),
     )
     if not cfg.pair_blocks:
         block_h = min(1024, triton.next_power_of_2(hidden))

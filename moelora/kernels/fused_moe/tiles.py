@@ -177,8 +177,11 @@ def sum_partials(part_ptr, pair, rows, cols, row_stride, num_parts, R: tl.conste
     base = part_ptr + (pair.to(tl.int64) * row_stride)[:, None] + offs_r[None, :]
     acc = tl.zeros((pair.shape[0], R), dtype=tl.float32)
     for i0 in range(0, num_parts, PARTS):
+        loaded = ()  # all PARTS loads issued before the first add waits for one
         for i in tl.static_range(PARTS):
             part_ok = rows & (tl.zeros_like(pair) + (i0 + i) < num_parts)
-            acc += tl.load(base + (i0 + i) * STRIDE_R, mask=part_ok[:, None] & (offs_r[None, :] < cols), other=0.0,
-                           cache_modifier=CACHE)
+            loaded = loaded + (tl.load(base + (i0 + i) * STRIDE_R, mask=part_ok[:, None] & (offs_r[None, :] < cols),
+                                       other=0.0, cache_modifier=CACHE),)
+        for i in tl.static_range(PARTS):
+            acc += loaded[i]
     return acc
