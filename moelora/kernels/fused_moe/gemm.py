@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.fused_moe.config import SUM_PARTS
-from moelora.kernels.fused_moe.reduction import prepare_topk_sum, sum_topk_if_last
+from moelora.kernels.fused_moe.reduction import prepare_topk_sum, sum_topk_if_last, token_experts
 from moelora.kernels.fused_moe.shrink import shrink_one_pair
 from moelora.kernels.fused_moe.tiles import (adapter_slots, at_most_half_full, block_info, block_rows, lora_expand,
                                              lora_tile, next_chunk_step, next_run_slot, one_part, previous_row_slots,
@@ -373,6 +373,8 @@ def _down_block(
     offs_k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_ht + offs_k[None, :]
     weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)  # loads in flight during the GEMM
+    if PAIR_BLOCKS:  # the top-k sum's expert ids (sum_topk_if_last)
+        ids = token_experts(topk_ids_ptr, pair // top_k, row_ok, top_k, TOP_K_P)
     if HAS_LORA:
         token_slot = tl.load(token_slots_ptr + pair // top_k, mask=row_ok, other=-1)
         prev_slot = previous_row_slots(sorted_ids_ptr, token_slots_ptr, pid_m, num_pairs, top_k, num_slots, BLOCK_M,
@@ -399,8 +401,8 @@ def _down_block(
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_mask[None, :])
     if PAIR_BLOCKS:
-        sum_topk_if_last(out_ptr, y_ptr, counter_ptr, topk_ids_ptr, pair, row_ok, pid_n, tl.cdiv(H, BLOCK_N),
-                          offs_n, n_mask, top_k, num_experts, stride_ot, stride_yt, TOP_K_P)
+        sum_topk_if_last(out_ptr, y_ptr, counter_ptr, ids, pair, row_ok, pid_n, tl.cdiv(H, BLOCK_N), offs_n, n_mask,
+                         top_k, num_experts, stride_ot, stride_yt, TOP_K_P)
 
 
 @triton.jit

@@ -14,12 +14,23 @@ from moelora.kernels.pdl import pdl_launch, wait_for_previous_kernel
 
 
 @triton.jit
-def num_valid_experts(topk_ids_ptr, tok, tok_ok, top_k, num_experts, TOP_K_P: tl.constexpr):
-    """How many of each token's top-k experts are in [0, E) (the others live on other ranks)."""
-    j = tl.arange(0, TOP_K_P)
-    ids = tl.load(topk_ids_ptr + tok[:, None] * top_k + j[None, :], mask=tok_ok[:, None] & (j < top_k)[None, :],
-                  other=-1)
-    return tl.sum(((ids >= 0) & (ids < num_experts)).to(tl.int32), axis=1)
+def token_experts(topk_ids_ptr, tok, tok_ok, top_k, TOP_K_P: tl.constexpr):
+    """Each token's top-k expert ids, a tuple of TOP_K_P tensors shaped as tok (-1 past top_k and for tokens not in
+    tok_ok): the loads in flight together, and each j's ids a tensor of its own (no column to pick out)."""
+    ids = ()
+    for j in tl.static_range(TOP_K_P):
+        j_ok = tok_ok & (tl.zeros_like(tok) + j < top_k)
+        ids = ids + (tl.load(topk_ids_ptr + tok * top_k + j, mask=j_ok, other=-1),)
+    return ids
+
+
+@triton.jit
+def num_valid_experts(ids, num_experts, TOP_K_P: tl.constexpr):
+    """How many of each token's top-k experts (token_experts) are in [0, E) (the others live on other ranks)."""
+    count = tl.zeros_like(ids[0])
+    for j in tl.static_range(TOP_K_P):
+        count += ((ids[j] >= 0) & (ids[j] < num_experts)).to(tl.int32)
+    return count
 
 
 @triton.jit
@@ -38,7 +49,8 @@ def prepare_topk_sum(pid, topk_ids_ptr, counter_ptr, y_ptr, num_tokens, top_k, n
             offs = n0 + tl.arange(0, BLOCK)
             tl.store(counter_ptr + tok[:, None] * num_n_down + offs[None, :], tl.zeros((BLOCK_T, BLOCK), tl.int32),
                      mask=tok_ok[:, None] & (offs < num_n_down)[None, :])
-        empty = tok_ok & (num_valid_experts(topk_ids_ptr, tok, tok_ok, top_k, num_experts, TOP_K_P) == 0)
+        ids = token_experts(topk_ids_ptr, tok, tok_ok, top_k, TOP_K_P)
+        empty = tok_ok & (num_valid_experts(ids, num_experts, TOP_K_P) == 0)
         if tl.max(empty.to(tl.int32), axis=0) > 0:
             for h0 in range(0, H, BLOCK):
                 offs = h0 + tl.arange(0, BLOCK)
@@ -47,31 +59,30 @@ def prepare_topk_sum(pid, topk_ids_ptr, counter_ptr, y_ptr, num_tokens, top_k, n
 
 
 @triton.jit
-def sum_topk(out_ptr, topk_ids_ptr, tok, tok_ok, offs_n, n_mask, top_k, num_experts, stride_ot,
-              TOP_K_P: tl.constexpr, CACHE: tl.constexpr):
-    """sum_j o[t*k+j, offs_n] over each token's valid experts, in j order from an fp32 zero: the one top-k
-    sum of both paths (sum_topk_if_last, moe_sum_kernel), so they give the same bits. Unrolled: the k
+def sum_topk(out_ptr, ids, tok, tok_ok, offs_n, n_mask, top_k, num_experts, stride_ot,
+             TOP_K_P: tl.constexpr, CACHE: tl.constexpr):
+    """sum_j o[t*k+j, offs_n] over each token's valid experts (ids: token_experts), in j order from an fp32 zero: the
+    one top-k sum of both paths (sum_topk_if_last, moe_sum_kernel), so they give the same bits. Unrolled: the k
     loads are in flight together."""
     total = tl.zeros((tok.shape[0], offs_n.shape[0]), dtype=tl.float32)
     for j in tl.static_range(TOP_K_P):
-        e = tl.load(topk_ids_ptr + tok * top_k + j, mask=tok_ok & (tl.zeros_like(tok) + j < top_k), other=-1)
-        ok = tok_ok & (e >= 0) & (e < num_experts)
+        ok = tok_ok & (ids[j] >= 0) & (ids[j] < num_experts)
         o_ptrs = out_ptr + (tok * top_k + j).to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
         total += tl.load(o_ptrs, mask=ok[:, None] & n_mask[None, :], other=0.0, cache_modifier=CACHE).to(tl.float32)
     return total
 
 
 @triton.jit
-def sum_topk_if_last(out_ptr, y_ptr, counter_ptr, topk_ids_ptr, pair, row_ok, pid_n, num_n, offs_n, n_mask,
-                      top_k, num_experts, stride_ot, stride_yt, TOP_K_P: tl.constexpr):
+def sum_topk_if_last(out_ptr, y_ptr, counter_ptr, ids, pair, row_ok, pid_n, num_n, offs_n, n_mask,
+                     top_k, num_experts, stride_ot, stride_yt, TOP_K_P: tl.constexpr):
     """After this program stored its rows of o: y[t, n-tile] = the top-k sum, for the tokens t whose last
-    pair on this n-tile this program finished (a counter per (token, n-tile) counts the pairs done)."""
+    pair on this n-tile this program finished (a counter per (token, n-tile) counts the pairs done). ids: the rows'
+    tokens' token_experts, loaded before (their round trip off the chain that ends the layer)."""
     tok = pair // top_k
-    num_valid = num_valid_experts(topk_ids_ptr, tok, row_ok, top_k, num_experts, TOP_K_P)
+    num_valid = num_valid_experts(ids, num_experts, TOP_K_P)
     last = row_ok & (arrive(counter_ptr + tok * num_n + pid_n, row_ok) == num_valid - 1)
     if tl.max(last.to(tl.int32), axis=0) > 0:
-        total = sum_topk(out_ptr, topk_ids_ptr, tok, last, offs_n, n_mask, top_k, num_experts, stride_ot, TOP_K_P,
-                          ".cg")
+        total = sum_topk(out_ptr, ids, tok, last, offs_n, n_mask, top_k, num_experts, stride_ot, TOP_K_P, ".cg")
         y_ptrs = y_ptr + tok.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
         tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=last[:, None] & n_mask[None, :])
 
@@ -84,7 +95,8 @@ def moe_sum_kernel(out_ptr, topk_ids_ptr, y_ptr, H, top_k, num_experts, stride_o
     tok = tl.program_id(0) + tl.zeros((1,), dtype=tl.int32)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
-    total = sum_topk(out_ptr, topk_ids_ptr, tok, tok >= 0, offs, mask, top_k, num_experts, stride_ot, TOP_K_P, "")
+    ids = token_experts(topk_ids_ptr, tok, tok >= 0, top_k, TOP_K_P)
+    total = sum_topk(out_ptr, ids, tok, tok >= 0, offs, mask, top_k, num_experts, stride_ot, TOP_K_P, "")
     tl.store(y_ptr + tok.to(tl.int64)[:, None] * stride_yt + offs[None, :], total.to(y_ptr.dtype.element_ty),
              mask=mask[None, :])
 
