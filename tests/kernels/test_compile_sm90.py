@@ -341,6 +341,31 @@ def test_down_shrink_parts_are_dots_from_zero(compiled):
         assert set(accumulators) <= zeros, f"{r['shrink_rows']} rows: accumulators {accumulators}, zeros {zeros}"
 
 
+def compile_down_sum_loads() -> dict:
+    """The down kernel on the decode tile with LoRA (Mixtral's 32 tokens: 16-row blocks) and the parts a round of
+    Mixtral's 224 down-shrink parts (config.down_sum_parts): the longest run of partial loads in its PTX with no
+    add between them."""
+    cfg = fm_config.default_config(32, 2, 8, torch.bfloat16, lora=True)
+    parts = fm_config.down_sum_parts(cfg.block_m, 14336 // fm_config.DOWN_SHRINK_PART)
+    constexprs = {**moe_gemm_constexprs(cfg, True, cfg.block_n_down, LORA_RANK_CHUNK, 1, chunks=False), "PARTS": parts}
+    constexprs = {k: v for k, v in constexprs.items() if k in fm_gemm.down_kernel.arg_names}
+    ptx = compile_sm90(fm_gemm.down_kernel, constexprs, "bf16", cfg.num_warps, cfg.num_stages,
+                       moe_weight_types(cfg, cfg.block_n_down, "bf16")).asm["ptx"]
+    run = longest = 0
+    for op in re.findall(r"\b(ld\.global|add\.f32)\b", ptx):
+        run = run + 1 if op == "ld.global" else 0
+        longest = max(longest, run)
+    return dict(parts=parts, longest_load_run=longest)
+
+
+def test_the_down_epilogue_issues_a_rounds_partial_loads_before_adding():
+    """The down epilogue sums the down-shrink parts in order, a round of `parts` at a time: each round's loads all
+    go out before the first add waits for one (sum_partials), so a round costs one trip to L2, not one a few
+    parts (written as load-then-add per part, the PTX alternates and ptxas keeps about four in flight)."""
+    r = compiled_in_subprocess("compile_down_sum_loads")
+    assert r["parts"] == 32 and r["longest_load_run"] >= r["parts"], r
+
+
 def test_pair_blocks_shrink_in_gate_up_synchronises(compiled):
     """With pair blocks and LoRA the gate/up shrink runs in the gate_up launch: its programs signal with a
     gpu-scope acq_rel add (gemm_tiles.arrive), the GEMM programs spin on a gpu-scope acquire (a barrier behind
