@@ -76,7 +76,7 @@ def rows(tokens: int, shape: tuple[int, int, int, int], lora: bool, maxnreg: int
     default tile table: without LoRA, or with LoRA on tiles up to each of `largest_rank_tiles` (16: the rank-16 tile
     alone; the segment shrink then, where the config says so, a launch per tile), as the launcher runs that tile
     (`for_rank_tile`: its pipelines cut to shared memory)."""
-    _, _, experts, top_k = shape
+    _, inter, experts, top_k = shape
     table_cfg = fm_config.default_config(tokens, top_k, experts, torch.bfloat16, lora=lora)
     segment_shrink = lora and not table_cfg.pair_blocks and tokens * top_k > table_cfg.pair_shrink_max_pairs
     for block_r in largest_rank_tiles if lora else (LORA_RANK_CHUNK,):
@@ -90,7 +90,9 @@ def rows(tokens: int, shape: tuple[int, int, int, int], lora: bool, maxnreg: int
         yield "gate_up_kernel", rank_tiles, resources(fm_gemm.gate_up_kernel, constexprs(cfg.block_n_gate_up),
                                                       cfg.num_warps, cfg.num_stages, cap,
                                                       moe_weight_types(cfg, cfg.block_n_gate_up, "bf16"))
-        yield "down_kernel", rank_tiles, resources(fm_gemm.down_kernel, constexprs(cfg.block_n_down),
+        down_parts = fm_config.down_sum_parts(cfg.block_m, triton.cdiv(inter, fm_config.DOWN_SHRINK_PART))
+        yield "down_kernel", rank_tiles, resources(fm_gemm.down_kernel, {**constexprs(cfg.block_n_down),
+                                                                         "PARTS": down_parts},
                                                    cfg.num_warps, cfg.num_stages, cap,
                                                    moe_weight_types(cfg, cfg.block_n_down, "bf16"))
         for tile in (range(rank_tiles) if cfg.shrink_per_rank_tile else (-1,)) if segment_shrink else ():

@@ -49,6 +49,8 @@ NOT_DIVISIBLE = {"num_pairs", "top_k", "num_slots", "num_experts", "max_rows", "
                  "qk_scale", "num_tokens", "num_splits", "num_hd_parts", "num_k_heads", "stride_lt", "scale",
                  "rows_per_token", "num_parts", "num_n_down", "tokens_per_program", "routed_scaling_factor", "num_heads", "eps", "M",
                  "num_kv_heads", "q_eps", "k_eps", "max_segs"}
+# Mixtral-8x7B's I = 14336 in parts of the down shrink: the down epilogue's most parts a round (config.down_sum_parts)
+MOST_DOWN_SHRINK_PARTS = 14336 // fm_config.DOWN_SHRINK_PART
 ATTENTION_HEADS = ((128, 128, 8), (192, 128, 1), (64, 64, 4))  # Dk, Dv, q heads per kv head: Qwen3, MLA, small
 LORA_LINEARS = ((2048, (4096, 512, 512), 16), (2048, (4096, 512, 512), 64), (4096, (2048,), 16))  # Qwen3-30B-A3B
 #                 qkv and o: in features, out sizes, rank tile
@@ -145,7 +147,8 @@ def compile_moe_gemms(cfg, has_lora: bool, dtype: str, rank_tiles: int | None = 
                                   dict(SPLIT_K=fm_config.SHRINK_SPLIT_K, PART_N=fm_config.DOWN_SHRINK_PART,
                                        A_ALIGNED=has_lora, SHRINK_ROWS=cfg.shrink_rows,
                                        DOWN_SHRINK=not cfg.down_shrink_launch)),
-                                 (fm_gemm.down_kernel, cfg.block_n_down, {})):
+                                 (fm_gemm.down_kernel, cfg.block_n_down,
+                                  dict(PARTS=fm_config.down_sum_parts(cfg.block_m, MOST_DOWN_SHRINK_PARTS)))):
         constexprs = moe_gemm_constexprs(cfg, has_lora, block_n, LORA_RANK_CHUNK << (rank_tiles - 1), rank_tiles)
         compiled = compile_sm90(kernel, {**constexprs, **own}, dtype, cfg.num_warps, cfg.num_stages,
                                 moe_weight_types(cfg, block_n, dtype))
@@ -346,7 +349,7 @@ def compile_down_sum_loads() -> dict:
     Mixtral's 224 down-shrink parts (config.down_sum_parts): the longest run of partial loads in its PTX with no
     add between them."""
     cfg = fm_config.default_config(32, 2, 8, torch.bfloat16, lora=True)
-    parts = fm_config.down_sum_parts(cfg.block_m, 14336 // fm_config.DOWN_SHRINK_PART)
+    parts = fm_config.down_sum_parts(cfg.block_m, MOST_DOWN_SHRINK_PARTS)
     constexprs = {**moe_gemm_constexprs(cfg, True, cfg.block_n_down, LORA_RANK_CHUNK, 1, chunks=False), "PARTS": parts}
     constexprs = {k: v for k, v in constexprs.items() if k in fm_gemm.down_kernel.arg_names}
     ptx = compile_sm90(fm_gemm.down_kernel, constexprs, "bf16", cfg.num_warps, cfg.num_stages,

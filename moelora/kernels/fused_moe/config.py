@@ -20,7 +20,7 @@ from moelora.kernels.lora_tiles import LORA_RANK_CHUNK
 # program per segment all of them). BLOCK_K is fixed per dtype (gemm_block_k). The tiles follow the batch.
 DOWN_SHRINK_PART = 64
 SHRINK_SPLIT_K = 512
-SUM_PARTS = 8  # partial sums (shrink splits, down-shrink parts) read per load in the LoRA epilogues
+SUM_PARTS = 8  # partial sums (shrink splits, down-shrink parts) read a round in the LoRA epilogues (tiles.sum_partials)
 # the down epilogue's sum of the down-shrink parts (a part per DOWN_SHRINK_PART columns of I: 224 of them for Mixtral's
 # 14336) loads this many partial elements (rows x rank tile x parts) per round, at least SUM_PARTS parts: each round
 # is a round trip to L2 that the program's tail waits for; 64 registers a thread on 4 warps
