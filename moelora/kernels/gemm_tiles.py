@@ -16,6 +16,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 SMEM_BYTES = 232448  # shared memory one program may take on an H100 / H200 (Triton's "Hardware limit")
+# A round of sum_loads_in_order loads at most this many fp32 elements a program: 64 registers a thread on 4 warps
+# (32 partials of a 16 x 16 tile). Each round is a round trip to L2 that the program waits for.
+SUM_ROUND_ELEMENTS = 8192
 TMA_ALIGN_BYTES = 16  # the copy engine's alignment of a tensor's start and of its strides but the last
 
 
@@ -111,6 +114,32 @@ def gemm_loop_tma(in_ptrs, row_ok, K, w_desc, e, n1, n2, DUAL: tl.constexpr,
         if DUAL:
             acc2 += tl.dot(xt, tl.reshape(w_desc.load([e, n2, k0]), (BLOCK_N, BLOCK_K)).T)
     return acc1, acc2
+
+
+@triton.constexpr_function
+def loads_a_round(n: int, tile_elements: int) -> int:
+    """How many of n partials of tile_elements each sum_loads_in_order loads a round: SUM_ROUND_ELEMENTS' worth,
+    at least one, no more than n."""
+    return max(1, min(n, SUM_ROUND_ELEMENTS // tile_elements))
+
+
+@triton.jit
+def sum_loads_in_order(ptrs, stride, mask, n, ROUND: tl.constexpr, CACHE: tl.constexpr = ""):
+    """0 + load(ptrs) + load(ptrs + stride) + ... + load(ptrs + (n - 1) * stride) in fp32, added in that order (an
+    order no tiling can change, so every kernel that sums the same partials gets the same bits); masked elements
+    are 0. A round's ROUND loads all go out before its first add waits for one: written as a load then an add per
+    partial, the PTX alternates the two and ptxas keeps about four loads in flight, a round trip to L2 every four.
+    CACHE ".cg": partials that other programs of the launch wrote, read from L2 (never a stale L1 line)."""
+    acc = tl.zeros(ptrs.shape, dtype=tl.float32)
+    index = tl.zeros(ptrs.shape, dtype=tl.int32)  # of the partial, as a tensor: the interpreter masks with tensors
+    for i0 in range(0, n, ROUND):
+        loaded = ()
+        for i in tl.static_range(ROUND):
+            loaded = loaded + (tl.load(ptrs + (i0 + i) * stride, mask=mask & (index + i0 + i < n), other=0.0,
+                                       cache_modifier=CACHE),)
+        for i in tl.static_range(ROUND):
+            acc += loaded[i]
+    return acc
 
 
 @triton.jit

@@ -43,8 +43,9 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from moelora.kernels.gemm_tiles import (SMEM_BYTES, arrive, gemm_block_k, gemm_loop, grouped_tile,
-                                       stages_that_fit, tma_descriptor, wait_arrivals, zeroed_counters)
+from moelora.kernels.gemm_tiles import (SMEM_BYTES, arrive, gemm_block_k, gemm_loop, grouped_tile, loads_a_round,
+                                       stages_that_fit, sum_loads_in_order, tma_descriptor, wait_arrivals,
+                                       zeroed_counters)
 from moelora.kernels.lora_tiles import add_linear_lora, linear_lora_rows, load_linear_lora_b, shrink_linear_block
 from moelora.kernels.pdl import pdl_launch, wait_for_previous_kernel
 
@@ -291,9 +292,8 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, x_desc, w_de
         last = arrive(count_ptr + tile) == SPLITS - 1
         if last:
             tl.store(count_ptr + tile, 0)  # no other program touches it in this launch: zero for the next
-            for s in tl.static_range(SPLITS):
-                acc += tl.load(part_ptr + (rows + s * M)[:, None] * N + offs_n[None, :], mask=out_mask,
-                               cache_modifier=".cg")
+            acc = sum_loads_in_order(part_ptr + rows[:, None] * N + offs_n[None, :], M * N, out_mask, SPLITS,
+                                     loads_a_round(SPLITS, BLOCK_M * BLOCK_N), ".cg")
     if last:
         if HAS_LORA:
             if not SLOTS_FIRST:  # beside the K splits' partials

@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moelora.kernels.gemm_tiles import arrive
+from moelora.kernels.gemm_tiles import arrive, loads_a_round, sum_loads_in_order
 
 LORA_RANK_CHUNK = 16  # tl.dot needs >= 16: the smallest rank tile
 
@@ -100,9 +100,8 @@ def shrink_linear_block(pid, x_ptr, a_ptr, ranks_ptr, part_ptr, xa_ptr, count_pt
                 finished = arrive(counter) == SPLITS - 1
                 if finished:
                     tl.store(counter, 0)  # no other program touches it in this launch: zero for the next
-                    xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                    for s in tl.static_range(SPLITS):
-                        xa += tl.load(part_ptrs + s * BLOCK_R, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+                    xa = sum_loads_in_order(part_ptrs, BLOCK_R, row_ok[:, None], SPLITS,
+                                            loads_a_round(SPLITS, BLOCK_M * BLOCK_R), ".cg")
                     tl.store(out_ptrs, xa.to(xa_ptr.dtype.element_ty), mask=row_ok[:, None])
     return finished
 

@@ -369,6 +369,29 @@ def test_the_down_epilogue_issues_a_rounds_partial_loads_before_adding():
     assert r["parts"] == 32 and r["longest_load_run"] >= r["parts"], r
 
 
+def compile_o_proj_sum_loads() -> dict:
+    """o_proj of Qwen3-30B-A3B with its LoRA at one row, as lora_linear launches it (the shrink's K splits in the
+    GEMM's first programs): the longest run of L2 loads (.cg: partials other programs wrote) in its PTX with no add
+    between them."""
+    m, n, k, parts = LORA_EPILOGUES[2]
+    splits, _ = li.k_splits(n, k, torch.bfloat16)
+    cfg = li.default_config(m, n, splits, li.LoRAEpilogue(8, 16, shrink_tile(m)))
+    compiled, constexprs = compile_linear_kernel(m, n, k, "bf16", cfg, False, parts)
+    run = longest = 0
+    for op in re.findall(r"\b(ld\.global\.cg|add\.f32)\b", compiled.asm["ptx"]):
+        run = run + 1 if op == "ld.global.cg" else 0
+        longest = max(longest, run)
+    return dict(shrink_splits=constexprs["SHRINK_SPLITS"], longest_load_run=longest)
+
+
+def test_the_dense_shrink_issues_its_partial_loads_before_adding():
+    """o_proj's LoRA shrink at decode sums its 16 K splits' partials in order (gemm_tiles.sum_loads_in_order), in
+    the chain that each output tile's epilogue waits for: all 16 loads go out before the first add (written as a
+    load then an add per split, the PTX alternated them)."""
+    r = compiled_in_subprocess("compile_o_proj_sum_loads")
+    assert r["shrink_splits"] == 16 and r["longest_load_run"] >= r["shrink_splits"], r
+
+
 def test_pair_blocks_shrink_in_gate_up_synchronises(compiled):
     """With pair blocks and LoRA the gate/up shrink runs in the gate_up launch: its programs signal with a
     gpu-scope acq_rel add (gemm_tiles.arrive), the GEMM programs spin on a gpu-scope acquire (a barrier behind

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
-from moelora.kernels.gemm_tiles import gemm_block_k, stages_that_fit
+from moelora.kernels.gemm_tiles import SUM_ROUND_ELEMENTS, gemm_block_k, stages_that_fit
 from moelora.kernels.lora_tiles import LORA_RANK_CHUNK
 
 # A row's result must not depend on what it is batched with, so everything that sets the order of
@@ -21,10 +21,6 @@ from moelora.kernels.lora_tiles import LORA_RANK_CHUNK
 DOWN_SHRINK_PART = 64
 SHRINK_SPLIT_K = 512
 SUM_PARTS = 8  # partial sums (shrink splits, down-shrink parts) read a round in the LoRA epilogues (tiles.sum_partials)
-# the down epilogue's sum of the down-shrink parts (a part per DOWN_SHRINK_PART columns of I: 224 of them for Mixtral's
-# 14336) loads this many partial elements (rows x rank tile x parts) per round, at least SUM_PARTS parts: each round
-# is a round trip to L2 that the program's tail waits for; 64 registers a thread on 4 warps
-DOWN_SUM_ELEMENTS = 8192
 REDUCE_PROGRAMS = 512  # about this many programs sum the partials once per row (reduction.reduce_partials)
 # Up to this many tokens every (token, expert) pair is its own block (pair_blocks): no alignment launch, but
 # an expert picked by several tokens is read once per pair.
@@ -181,9 +177,10 @@ def for_rank_tile(cfg: MoEKernelConfig, block_r: int) -> MoEKernelConfig:
 
 def down_sum_parts(block_m: int, num_hd_parts: int) -> int:
     """The down-shrink parts the down epilogue loads per round at rank tile 16 (gemm._down_lora halves it per
-    doubling of the tile, down to SUM_PARTS): DOWN_SUM_ELEMENTS over a block's rows, no more than the parts there
-    are. The parts are added one after the other whatever the number per round: the bits stay."""
-    return max(SUM_PARTS, min(DOWN_SUM_ELEMENTS // (block_m * 16), triton.next_power_of_2(num_hd_parts)))
+    doubling of the tile, down to SUM_PARTS): gemm_tiles.SUM_ROUND_ELEMENTS over a block's rows (Mixtral's 14336
+    columns of I are 224 parts), no more than the parts there are. The parts are added one after the other whatever
+    the number per round: the bits stay."""
+    return max(SUM_PARTS, min(SUM_ROUND_ELEMENTS // (block_m * 16), triton.next_power_of_2(num_hd_parts)))
 
 
 def serial_shrink(cfg: MoEKernelConfig, num_pairs: int, block_r: int) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moelora.kernels.gemm_tiles import grouped_tile
+from moelora.kernels.gemm_tiles import grouped_tile, sum_loads_in_order
 
 
 @triton.jit
@@ -170,18 +170,7 @@ def sum_partials(part_ptr, pair, rows, cols, row_stride, num_parts, R: tl.conste
                   PARTS: tl.constexpr, CACHE: tl.constexpr):
     """sum over i < num_parts of part[pair, i, :R] (parts STRIDE_R apart) for the rows in `rows`, in the columns
     below `cols` (R, or each row's rank as a [rows, 1] tensor: the others are neither read nor 0), added one part
-    after the other (an order no layout can change, so every kernel that sums the same parts gets the same
-    bits); the loads go PARTS at a time, so their latencies overlap instead of forming a chain. CACHE ".cg": parts
-    written by other programs of this launch, read from L2 (never a stale L1 line)."""
+    after the other, PARTS loads a round (gemm_tiles.sum_loads_in_order)."""
     offs_r = tl.arange(0, R)
     base = part_ptr + (pair.to(tl.int64) * row_stride)[:, None] + offs_r[None, :]
-    acc = tl.zeros((pair.shape[0], R), dtype=tl.float32)
-    for i0 in range(0, num_parts, PARTS):
-        loaded = ()  # all PARTS loads issued before the first add waits for one
-        for i in tl.static_range(PARTS):
-            part_ok = rows & (tl.zeros_like(pair) + (i0 + i) < num_parts)
-            loaded = loaded + (tl.load(base + (i0 + i) * STRIDE_R, mask=part_ok[:, None] & (offs_r[None, :] < cols),
-                                       other=0.0, cache_modifier=CACHE),)
-        for i in tl.static_range(PARTS):
-            acc += loaded[i]
-    return acc
+    return sum_loads_in_order(base, STRIDE_R, rows[:, None] & (offs_r[None, :] < cols), num_parts, PARTS, CACHE)
