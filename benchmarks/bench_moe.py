@@ -323,9 +323,10 @@ def rank_cases_of_shape(args, shape_name: str, device, dtype, bw: float) -> dict
             t_base, t_lora = (t / copies for t in measure_pair(lambda: layers.moe(x, topk, slots, False, cfg),
                                                                lambda: layers.moe(x, topk, slots, True, cfg),
                                                                args.pairs))
-            ranks = layers.lora[0].ranks.long()  # [3, S, E]
             pairs = torch.unique(slots.long().repeat_interleave(layers.top_k) * experts + topk.ids.flatten().long())
-            rank_sum = ranks[:, pairs // experts, pairs % experts].sum().item()
+            # each copy draws its own coverage, as a model's layers do: the floor is the copies' mean
+            rank_sum = statistics.mean(lora.ranks.long()[:, pairs // experts, pairs % experts].sum().item()
+                                       for lora in layers.lora)
             floor = rank_sum * (hidden + inter) * dtype.itemsize / bw  # A and B of each touched pair, real rank
             deltas[case, tokens] = (t_lora - t_base) * 1e6
             print(f"| {shape_name} | {tokens} | {case} | {t_base * 1e6:.1f} | {deltas[case, tokens]:.1f} "
