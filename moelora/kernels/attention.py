@@ -34,6 +34,9 @@ import triton.language as tl
 from moelora.kernels.pdl import pdl_launch, wait_for_previous_kernel
 
 DEFAULT_MAX_KV_SPLITS = 32  # decode: fixed per engine so CUDA graphs can be reused across lengths
+# decode splits the reduce loads before combining them: up to 512 keys in one round trip (8 registers a split and
+# thread of its one warp at 128-wide heads)
+REDUCE_SPLITS_A_ROUND = 8
 
 
 @dataclass(frozen=True)
@@ -187,6 +190,9 @@ def _decode_partial_kernel(
     wait_for_previous_kernel(PDL)
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    # beside seq_len's load, not after it: one round trip for the three
+    token = tl.load(extend_starts_ptr + seq).to(tl.int64)
+    tok_ptr = req_to_token_ptr + tl.load(req_pool_ptr + seq).to(tl.int64) * stride_req
     split_len = _split_len(seq_len, max_splits, BLOCK_N)
     start = split * split_len
     if start >= seq_len:
@@ -195,9 +201,7 @@ def _decode_partial_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     h_ok = offs_h < group
     heads = kv_head * group + offs_h
-    token = tl.load(extend_starts_ptr + seq).to(tl.int64)
     q, q_pe = _load_q(q_ptr + token * stride_qt + heads[:, None] * stride_qh, h_ok, DK, BLOCK_D, BLOCK_DPE)
-    tok_ptr = req_to_token_ptr + tl.load(req_pool_ptr + seq).to(tl.int64) * stride_req
     acc = tl.zeros((BLOCK_H, BLOCK_DV), dtype=tl.float32)
     m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -215,29 +219,38 @@ def _decode_partial_kernel(
 @triton.jit
 def _decode_reduce_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr, seq_lens_ptr, extend_starts_ptr, num_q_heads, max_splits, stride_ot, stride_oh,
-    DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, ROUND: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """out = the splits' outputs weighted by their share of the softmax sum, splits in order."""
+    """out = the splits' outputs weighted by their share of the softmax sum, splits in order. The splits' partials
+    load ROUND at a time before the round's first combine (a split past the sequence's loads -inf and zeros, which
+    leave the sums as they were): a round trip to L2 a round, not one a split."""
     wait_for_previous_kernel(PDL)
     seq, head = tl.program_id(0), tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    token = tl.load(extend_starts_ptr + seq).to(tl.int64)  # beside seq_len's load: no round trip of its own
     num_splits = tl.cdiv(seq_len, _split_len(seq_len, max_splits, BLOCK_N))
     offs = tl.arange(0, BLOCK_DV)
     mid = (seq * num_q_heads + head).to(tl.int64) * max_splits
     acc = tl.zeros((BLOCK_DV,), dtype=tl.float32)
     m = tl.full((1,), float("-inf"), dtype=tl.float32)
     total = tl.zeros((1,), dtype=tl.float32)
-    for split in range(0, num_splits):
-        lse = tl.load(mid_lse_ptr + mid + split + tl.zeros((1,), dtype=tl.int32))
-        o = tl.load(mid_o_ptr + (mid + split) * DV + offs, mask=offs < DV, other=0.0)
-        m_new = tl.maximum(m, lse)
-        alpha, weight = tl.exp2(m - m_new), tl.exp2(lse - m_new)
-        acc = acc * alpha + weight * o
-        total = total * alpha + weight
-        m = m_new
+    one = tl.zeros((1,), dtype=tl.int32)  # the split index as a tensor: the interpreter masks with tensors
+    for s0 in range(0, num_splits, ROUND):
+        lses, outs = (), ()
+        for i in tl.static_range(ROUND):
+            split = s0 + i
+            lses = lses + (tl.load(mid_lse_ptr + mid + split + one, mask=one + split < num_splits,
+                                   other=float("-inf")),)
+            outs = outs + (tl.load(mid_o_ptr + (mid + split) * DV + offs,
+                                   mask=(offs < DV) & (offs * 0 + split < num_splits), other=0.0),)
+        for i in tl.static_range(ROUND):
+            m_new = tl.maximum(m, lses[i])
+            alpha, weight = tl.exp2(m - m_new), tl.exp2(lses[i] - m_new)
+            acc = acc * alpha + weight * outs[i]
+            total = total * alpha + weight
+            m = m_new
     out = acc / tl.maximum(total, 1e-30)  # an empty sequence (padding row of a CUDA graph) gives 0
-    token = tl.load(extend_starts_ptr + seq).to(tl.int64)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs, out.to(out_ptr.dtype.element_ty), mask=offs < DV)
 
 
@@ -313,7 +326,8 @@ def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     )
     _decode_reduce_kernel[(num_seqs, num_q_heads)](
         mid_o, mid_lse, out, seq_lens, extend_starts, num_q_heads, max_kv_splits, *out.stride()[:2],
-        DV=common["DV"], BLOCK_N=cfg.decode_block_n, BLOCK_DV=common["BLOCK_DV"], num_warps=1, **pdl,
+        DV=common["DV"], BLOCK_N=cfg.decode_block_n, BLOCK_DV=common["BLOCK_DV"],
+        ROUND=min(REDUCE_SPLITS_A_ROUND, triton.next_power_of_2(max_kv_splits)), num_warps=1, **pdl,
     )
     return out
 

@@ -120,6 +120,14 @@ def test_decode_with_default_tiles_and_splits(device, poison):
     _check(case, _run(case, "triton", is_decode=True), dtype, device)
 
 
+def test_decode_combines_more_splits_than_a_round(device, poison):
+    """22 splits of 32 keys (the reduce loads 8 a round: two full rounds and a part of one) beside sequences of
+    one split and of five."""
+    dtype = DTYPES[0]
+    case = random_paged_attention([699, 0, 129], [1, 1, 1], 2, 1, 16, 16, dtype, device)
+    _check(case, _run(case, "triton", is_decode=True, max_kv_splits=32, config=SMALL), dtype, device)
+
+
 def test_decode_result_does_not_depend_on_batch(device, poison):
     """A sequence's split size follows its own length only: alone or batched, the same bits."""
     dtype = DTYPES[0]

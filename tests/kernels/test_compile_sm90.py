@@ -250,7 +250,7 @@ def compile_attention() -> list[dict]:
             results.append(dict(kernel=kernel.fn.__name__, dtype="bf16", k_dim=k_dim,
                                 block_m=constexprs.get("BLOCK_M", 0), shared=compiled.metadata.shared,
                                 ttgir=compiled.asm["ttgir"]))
-    compiled = compile_sm90(at._decode_reduce_kernel, dict(DV=128, BLOCK_N=64, BLOCK_DV=128), "bf16", 1, 1)
+    compiled = compile_sm90(at._decode_reduce_kernel, dict(DV=128, BLOCK_N=64, BLOCK_DV=128, ROUND=8), "bf16", 1, 1)
     results.append(dict(kernel="_decode_reduce_kernel", shared=compiled.metadata.shared, ttgir=""))
     return results
 
@@ -390,6 +390,31 @@ def test_the_dense_shrink_issues_its_partial_loads_before_adding():
     load then an add per split, the PTX alternated them)."""
     r = compiled_in_subprocess("compile_o_proj_sum_loads")
     assert r["shrink_splits"] == 16 and r["longest_load_run"] >= r["shrink_splits"], r
+
+
+def compile_decode_attention_loads() -> dict:
+    """Decode attention for Qwen3's heads: the partial kernel's loads before its first branch (the early return of a
+    split past the sequence), and the reduce's longest run of loads with no exp2 between them."""
+    cfg = at.default_config(128, torch.bfloat16)
+    partial = compile_sm90(at._decode_partial_kernel, dict(BLOCK_N=cfg.decode_block_n, BLOCK_H=16, DK=128, DV=128,
+                                                           BLOCK_D=128, BLOCK_DPE=0, BLOCK_DV=128),
+                           "bf16", cfg.decode_num_warps, cfg.decode_num_stages).asm["ptx"]
+    ops = re.findall(r"\b(ld\.global|bra)\b", partial)
+    reduce_constexprs = dict(DV=128, BLOCK_N=64, BLOCK_DV=128, ROUND=at.REDUCE_SPLITS_A_ROUND)
+    reduce = compile_sm90(at._decode_reduce_kernel, reduce_constexprs, "bf16", 1, 1).asm["ptx"]
+    run = longest = 0
+    for op in re.findall(r"\b(ld\.global|ex2)\b", reduce):
+        run = run + 1 if op == "ld.global" else 0
+        longest = max(longest, run)
+    return dict(loads_before_branch=ops.index("bra"), reduce_load_run=longest, round=at.REDUCE_SPLITS_A_ROUND)
+
+
+def test_decode_attention_loads_go_out_together():
+    """A decode step's attention is a chain of round trips to memory: the partial kernel loads the sequence's
+    length, first token and page-table row together before it branches on the length, and the reduce loads a round
+    of splits (each split's log-sum-exp and output) before combining them."""
+    r = compiled_in_subprocess("compile_decode_attention_loads")
+    assert r["loads_before_branch"] >= 3 and r["reduce_load_run"] >= 2 * r["round"], r
 
 
 def test_pair_blocks_shrink_in_gate_up_synchronises(compiled):
