@@ -1,5 +1,7 @@
-"""Prefill attention benchmark (kernels only, not a test): moelora's paged extend kernel against torch's
+"""Attention benchmark (kernels only, not a test). Prefill: moelora's paged extend kernel against torch's
 scaled_dot_product_attention (FlashAttention on a GPU) on the same queries, keys and values laid out contiguously.
+Decode (--decode): the split kernel and its reduce for one new token a sequence, against the bytes floor (the
+sequences' keys and values read once at the measured copy bandwidth).
 
 For each case (sequences x new tokens after a cached prefix, the heads of a model) it reports, in one run on one
 device: ours us, TFLOP/s and % of the measured bf16 matmul rate (causal FLOPs: 2 (Dk + Dv) Hq per visible
@@ -9,6 +11,7 @@ is aligned top-left). Cache slots are a random permutation, as tests/support.py'
     python3 benchmarks/bench_attention.py                     # default cases
     python3 benchmarks/bench_attention.py --sweep             # also time candidate tiles per case
     python3 benchmarks/bench_attention.py --tiny              # CPU-sized smoke run (the torch path)
+    python3 benchmarks/bench_attention.py --decode            # decode instead (with --tiny: CPU-sized)
 """
 from __future__ import annotations
 
@@ -62,6 +65,22 @@ def torch_sdpa(case: Case, q, k_cache, v_cache, req_to_token, rows, seq_lens):
     return lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True)
 
 
+def decode_table(cases: list[tuple[str, int, int]], device: str, dtype: torch.dtype, bw: float) -> None:
+    """One decode step's attention per case (heads, sequences, keys a sequence attends to, the new one included)."""
+    print("| heads | sequences x keys | ours us | bytes floor us | % of floor |")
+    print("|---|---|---|---|---|")
+    for heads, seqs, keys in cases:
+        hq, hkv, dk, dv = HEADS[heads]
+        gen = torch.Generator().manual_seed(0)
+        q, k, v, req_to_token, rows, lens, ext, starts, scale = random_paged_attention(
+            [keys - 1] * seqs, [1] * seqs, hq, hkv, dk, dv, dtype, device, generator=gen)
+        impl = "triton" if device == "cuda" else "torch"
+        t = measure(lambda: attention(q, k, v, req_to_token, rows, lens, ext, starts, scale, is_decode=True,
+                                      impl=impl))
+        floor = seqs * keys * hkv * (dk + dv) * dtype.itemsize / bw
+        print(f"| {heads} | {seqs}x{keys} | {t * 1e6:.1f} | {floor * 1e6:.2f} | {100 * floor / t:.0f}% |", flush=True)
+
+
 def candidates(dk: int) -> list[AttentionConfig]:
     base = default_config(dk, torch.bfloat16)
     tiles = [AttentionConfig(m, n, base.decode_block_n, w, s)
@@ -73,8 +92,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--sweep", action="store_true", help="time every candidate tile, best five listed per case")
+    p.add_argument("--decode", action="store_true", help="decode steps instead of prefill")
     args = p.parse_args()
-    device, dtype, name, mm, _ = machine()
+    device, dtype, name, mm, bw = machine()
+    if args.decode:
+        print(f"# decode attention, {name}, {datetime.date.today()}, torch {torch.__version__}, {dtype}; copy "
+              f"{bw / 1e12:.2f} TB/s\n")
+        decode_table([("tiny", 2, 40), ("tiny", 1, 300)] if args.tiny else
+                     [("qwen3-30b-a3b", 1, 256), ("qwen3-30b-a3b", 1, 4096), ("qwen3-30b-a3b", 32, 1024),
+                      ("qwen3-30b-a3b", 128, 1024), ("deepseek-v2-lite-mla", 32, 1024)], device, dtype, bw)
+        return
     if args.tiny:
         cases = [Case("tiny", 2, 0, 64), Case("tiny", 1, 32, 16)]
     else:
