@@ -269,8 +269,8 @@ def rank_cases(args, device, dtype, name, bw) -> None:
     print(f"# moelora MoE LoRA cost by rank, {name}, {datetime.date.today()}, torch {torch.__version__}, {dtype}")
     print(f"measured copy bandwidth {bw / 1e12:.2f} TB/s; {SLOTS} adapters in slot buffers of rank {MAX_RANK}, "
           "tokens round-robin over them unless the case says otherwise\n")
-    print("| shape | T | case | base us (LoRA tiles) | LoRA delta us | LoRA floor us |")
-    print("|---|---|---|---|---|---|")
+    print("| shape | T | case | base us (LoRA tiles) | LoRA delta us | LoRA floor us | covered pairs, each copy |")
+    print("|---|---|---|---|---|---|---|")
     deltas = {}
     for shape_name in args.shapes.split(","):
         deltas[shape_name] = rank_cases_of_shape(args, shape_name, device, dtype, bw)
@@ -324,13 +324,15 @@ def rank_cases_of_shape(args, shape_name: str, device, dtype, bw: float) -> dict
                                                                lambda: layers.moe(x, topk, slots, True, cfg),
                                                                args.pairs))
             pairs = torch.unique(slots.long().repeat_interleave(layers.top_k) * experts + topk.ids.flatten().long())
-            # each copy draws its own coverage, as a model's layers do: the floor is the copies' mean
-            rank_sum = statistics.mean(lora.ranks.long()[:, pairs // experts, pairs % experts].sum().item()
-                                       for lora in layers.lora)
-            floor = rank_sum * (hidden + inter) * dtype.itemsize / bw  # A and B of each touched pair, real rank
+            # each copy draws its own coverage, as a model's layers do: the floor is the copies' mean. At a few
+            # tokens a covered pair's LoRA is a chain of round trips, whether one pair of a token is covered or all:
+            # the delta then follows the copies with any covered pair
+            touched = [lora.ranks.long()[:, pairs // experts, pairs % experts] for lora in layers.lora]  # [3, pairs]
+            floor = statistics.mean(r.sum().item() for r in touched) * (hidden + inter) * dtype.itemsize / bw
+            covered = ", ".join(str(int((r.amax(0) > 0).sum())) for r in touched)
             deltas[case, tokens] = (t_lora - t_base) * 1e6
             print(f"| {shape_name} | {tokens} | {case} | {t_base * 1e6:.1f} | {deltas[case, tokens]:.1f} "
-                  f"| {floor * 1e6:.1f} |", flush=True)
+                  f"| {floor * 1e6:.1f} | {covered} |", flush=True)
     return deltas
 
 

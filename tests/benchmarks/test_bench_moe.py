@@ -35,7 +35,7 @@ def test_tiny_moe_benchmark_reports_each_batch_and_adapter_count():
 
 def test_tiny_moe_benchmark_reports_every_rank_case():
     rows = _run("--rank-cases", "--tokens", "8,40")
-    cases, ratios = [r for r in rows if len(r) == 6], [r for r in rows if len(r) == 5]
+    cases, ratios = [r for r in rows if len(r) == 7], [r for r in rows if len(r) == 5]
     assert [(r[2], r[1]) for r in cases] == [(case, t) for case in RANK_CASES for t in ("8", "40")]
     delta = {(r[2], r[1]): float(r[4]) for r in cases}
     # issue 21's three ratios per T, from the rows above: "a / b = a/b"
@@ -50,6 +50,9 @@ def test_tiny_moe_benchmark_reports_every_rank_case():
             assert abs(shown_a - a) <= 0.051 and abs(shown_b - b) <= 0.1, (cell, a, b)  # the rows' rounding
     floors = {r[2]: float(r[5]) for r in cases if r[1] == "40"}
     assert floors["rank 16 on no expert"] == 0 and floors["rank 64"] > floors["rank 16"] > 0
+    covered = {r[2]: int(r[6]) for r in cases if r[1] == "40"}  # (pairs with any LoRA: one copy on a CPU)
+    assert covered["rank 16 on no expert"] == 0 and covered["rank 16"] == covered["rank 64"] > 0
+    assert 0 < covered["rank 16 on 25% of experts"] < covered["rank 16"]
     # a quarter of the experts with all three projections, or a quarter drawn per projection: both well under
     # full coverage
     assert 0 < floors["rank 16 on 25% of experts"] < floors["rank 16"] / 2
