@@ -344,6 +344,16 @@ def test_down_shrink_parts_are_dots_from_zero(compiled):
         assert set(accumulators) <= zeros, f"{r['shrink_rows']} rows: accumulators {accumulators}, zeros {zeros}"
 
 
+def longest_load_run(ptx: str, load: str, use: str) -> int:
+    """The most `load` instructions (a regex) in a row in ptx with no `use` (the arithmetic that waits on them) between
+    them: how many loads a sum has in flight at once."""
+    run = longest = 0
+    for op in re.findall(rf"\b({load}|{use})\b", ptx):
+        run = run + 1 if re.fullmatch(load, op) else 0
+        longest = max(longest, run)
+    return longest
+
+
 def compile_down_sum_loads() -> dict:
     """The down kernel on the decode tile with LoRA (Mixtral's 32 tokens: 16-row blocks) and the parts a round of
     Mixtral's 224 down-shrink parts (config.down_sum_parts): the longest run of partial loads in its PTX with no
@@ -354,11 +364,7 @@ def compile_down_sum_loads() -> dict:
     constexprs = {k: v for k, v in constexprs.items() if k in fm_gemm.down_kernel.arg_names}
     ptx = compile_sm90(fm_gemm.down_kernel, constexprs, "bf16", cfg.num_warps, cfg.num_stages,
                        moe_weight_types(cfg, cfg.block_n_down, "bf16")).asm["ptx"]
-    run = longest = 0
-    for op in re.findall(r"\b(ld\.global|add\.f32)\b", ptx):
-        run = run + 1 if op == "ld.global" else 0
-        longest = max(longest, run)
-    return dict(parts=parts, longest_load_run=longest)
+    return dict(parts=parts, longest_load_run=longest_load_run(ptx, r"ld\.global", r"add\.f32"))
 
 
 def test_the_down_epilogue_issues_a_rounds_partial_loads_before_adding():
@@ -377,11 +383,8 @@ def compile_o_proj_sum_loads() -> dict:
     splits, _ = li.k_splits(n, k, torch.bfloat16)
     cfg = li.default_config(m, n, splits, li.LoRAEpilogue(8, 16, shrink_tile(m)))
     compiled, constexprs = compile_linear_kernel(m, n, k, "bf16", cfg, False, parts)
-    run = longest = 0
-    for op in re.findall(r"\b(ld\.global\.cg|add\.f32)\b", compiled.asm["ptx"]):
-        run = run + 1 if op == "ld.global.cg" else 0
-        longest = max(longest, run)
-    return dict(shrink_splits=constexprs["SHRINK_SPLITS"], longest_load_run=longest)
+    return dict(shrink_splits=constexprs["SHRINK_SPLITS"],
+                longest_load_run=longest_load_run(compiled.asm["ptx"], r"ld\.global\.cg", r"add\.f32"))
 
 
 def test_the_dense_shrink_issues_its_partial_loads_before_adding():
@@ -402,11 +405,8 @@ def compile_decode_attention_loads() -> dict:
     ops = re.findall(r"\b(ld\.global|bra)\b", partial)
     reduce_constexprs = dict(DV=128, BLOCK_N=64, BLOCK_DV=128, ROUND=at.REDUCE_SPLITS_A_ROUND)
     reduce = compile_sm90(at._decode_reduce_kernel, reduce_constexprs, "bf16", 1, 1).asm["ptx"]
-    run = longest = 0
-    for op in re.findall(r"\b(ld\.global|ex2)\b", reduce):
-        run = run + 1 if op == "ld.global" else 0
-        longest = max(longest, run)
-    return dict(loads_before_branch=ops.index("bra"), reduce_load_run=longest, round=at.REDUCE_SPLITS_A_ROUND)
+    return dict(loads_before_branch=ops.index("bra"), reduce_load_run=longest_load_run(reduce, r"ld\.global", r"ex2"),
+                round=at.REDUCE_SPLITS_A_ROUND)
 
 
 def test_decode_attention_loads_go_out_together():

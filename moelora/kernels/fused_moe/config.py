@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
-from moelora.kernels.gemm_tiles import SUM_ROUND_ELEMENTS, gemm_block_k, stages_that_fit
+from moelora.kernels.gemm_tiles import gemm_block_k, loads_a_round, stages_that_fit
 from moelora.kernels.lora_tiles import LORA_RANK_CHUNK
 
 # A row's result must not depend on what it is batched with, so everything that sets the order of
@@ -177,10 +177,9 @@ def for_rank_tile(cfg: MoEKernelConfig, block_r: int) -> MoEKernelConfig:
 
 def down_sum_parts(block_m: int, num_hd_parts: int) -> int:
     """The down-shrink parts the down epilogue loads per round at rank tile 16 (gemm._down_lora halves it per
-    doubling of the tile, down to SUM_PARTS): gemm_tiles.SUM_ROUND_ELEMENTS over a block's rows (Mixtral's 14336
-    columns of I are 224 parts), no more than the parts there are. The parts are added one after the other whatever
-    the number per round: the bits stay."""
-    return max(SUM_PARTS, min(SUM_ROUND_ELEMENTS // (block_m * 16), triton.next_power_of_2(num_hd_parts)))
+    doubling of the tile, down to SUM_PARTS): gemm_tiles.loads_a_round of a block's rows (Mixtral's 14336 columns
+    of I are 224 parts). The parts are added one after the other whatever the number per round: the bits stay."""
+    return max(SUM_PARTS, loads_a_round(triton.next_power_of_2(num_hd_parts), block_m * LORA_RANK_CHUNK))
 
 
 def serial_shrink(cfg: MoEKernelConfig, num_pairs: int, block_r: int) -> bool:
