@@ -501,13 +501,14 @@ class LoRAManager:
         self._rank[name], self._version[name] = share.max_rank, share.version
         self._cache(name, share)
 
-    def _cache(self, name: str, share: RankShare) -> None:
+    def _cache(self, name: str, share: RankShare, make_room: bool = True) -> None:
         # names of one path's same files hold one copy between them (a path loaded under many names)
         files = (share.path, share.version)
         self._host[name] = next((s for s in self._host.values() if share.version and (s.path, s.version) == files),
                                 share)
-        # (another rank replays rank 0's evictions before the adapter each made room for: its memory holds rank 0's)
-        while self.config.max_cpu_loras is not None and len(self._host) > self.config.max_cpu_loras:
+        # (another rank replays rank 0's evictions before the adapter each made room for, or, where one name takes
+        # another's copy, after: its memory holds rank 0's)
+        while make_room and self.config.max_cpu_loras is not None and len(self._host) > self.config.max_cpu_loras:
             evicted = self._host.popitem(last=False)[0]
             self._record("evict", evicted)
             if evicted in self._others_reading:  # the others drop their read of it too
@@ -533,6 +534,9 @@ class LoRAManager:
         failure added to `failed`)."""
         if name in self._host:
             return name not in self._others_reading  # (the other ranks' copies: no slot write waits for them)
+        if self._held_by_another_name(name) is not None:
+            self._host_copy(name)
+            return True
         if name not in self._reading:
             self._start_read(name)
             self._record("read", name)
@@ -624,6 +628,17 @@ class LoRAManager:
             self._host.move_to_end(name)
             return self._host[name]
         read = self._reading.pop(name, None)
+        share = self._held_by_another_name(name)
+        if share is not None:
+            if read is not None:
+                read.cancel()
+            # rank 0 records the take before the evictions that make room for it, which the other ranks replay after
+            # taking their copy (they would evict the name holding it first, then read it from disk)
+            self._record("take", name)
+            if self._rank0_version.pop(name, None) is not None:
+                self._version[name] = share.version
+            self._cache(name, share, make_room=self._events is not None or self.config.tp_size == 1)
+            return share
         share = read.result() if read is not None else self.read(self._paths[name])
         self.stats.disk_loads += 1
         # the registered adapter or nothing: the one rewritten in place may be another (its rank past the rank
@@ -636,6 +651,20 @@ class LoRAManager:
             self._version[name] = share.version
         self._cache(name, share)
         return share
+
+    def _held_by_another_name(self, name: str) -> RankShare | None:
+        """The host copy of the adapter's files that another name of them holds (a path loaded under several names),
+        if any; on another rank before its first read of an adapter loaded at runtime, a copy of the files rank 0 read
+        (the read is checked against those). Not one the other ranks are still reading: theirs holds it once read."""
+        path, version, rank0 = self._paths[name], self._version[name], self._rank0_version.get(name)
+
+        def same_files(other: str) -> bool:
+            if self._paths[other] != path or other in self._others_reading:
+                return False
+            if rank0 is None:
+                return self._version[other] == version
+            return _files_digest(self._version[other], self._rank[other]) == _files_digest(rank0, self._rank[name])
+        return next((share for other, share in self._host.items() if version and same_files(other)), None)
 
     def _drop(self, name: str) -> None:
         self._record("drop", name)

@@ -8,6 +8,7 @@ import gc
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -670,14 +671,16 @@ def test_no_step_waits_for_another_ranks_read_of_an_adapter(start_engine, adapte
     (_cannot_read_adapters, "no such adapter"),
     (_reads_a_rewritten_adapter, "not those rank 0 read"),
 ], ids=["raises", "rewritten"])
-def test_a_ranks_failed_read_fails_the_adapters_requests(failure, why, start_engine, adapters, monkeypatch, caplog):
+def test_a_ranks_failed_read_fails_the_adapters_requests(failure, why, start_engine, adapters, monkeypatch, caplog,
+                                                         tmp_path):
     """Rank 1 cannot read an adapter loaded at runtime (as on a node without its files), or reads files that changed
     since rank 0 read them (the ranks would serve two adapters under one name): the adapter's requests fail, each
     saying so (rank 1's log says why), the others are served, and a request naming it later reads it again."""
     monkeypatch.setattr(engine_module, "serve_rank", functools.partial(_serve_with, "read", failure))
     many = start_engine("qwen3_moe", tp_size=2, dist_timeout=20)
     expected = many.generate(PROMPTS[1:2], GREEDY, lora="full")[0].token_ids
-    many.load_lora("late", str(adapters("qwen3_moe")["partial"].path))
+    # (files of its own: names of the files the start loaded as "partial" would share its copy, read by every rank)
+    many.load_lora("late", str(shutil.copytree(adapters("qwen3_moe")["partial"].path, tmp_path / "late")))
     for _ in range(2):
         rids = [many.add_request(PROMPTS[0], GREEDY, lora="late"), many.add_request(PROMPTS[1], GREEDY, lora="full")]
         outputs = _steps(many, 200)

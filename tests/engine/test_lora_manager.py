@@ -153,6 +153,25 @@ def test_names_of_one_adapters_files_share_one_host_copy(make_engine, adapters, 
     assert "one" not in host and engine.generate(PROMPTS[1], GREEDY, lora="three")[0].token_ids == reference[1, "full"]
 
 
+def test_a_name_out_of_host_memory_is_served_from_the_copy_another_name_holds(make_engine, adapters, reference,
+                                                                              tmp_path):
+    """Host memory for 2 adapters: "one" and "two" share a copy, "p" taken in evicts "one" alone. Its copy is still
+    in host memory (under "two"): "one" serves from it, without a read from disk, even with its files rewritten (a
+    read would refuse them)."""
+    path = tmp_path / "mine"
+    shutil.copytree(adapters(FAMILY)["full"].path, path)
+    engine = make_engine(FAMILY, lora_paths={}, max_cpu_loras=2, max_loras_per_batch=1)
+    for name, where in (("one", path), ("two", path), ("p", adapters(FAMILY)["partial"].path)):
+        engine.load_lora(name, str(where))
+    host, stats = engine.runner.lora._host, engine.runner.lora.stats
+    assert "one" not in host and "two" in host
+    for f in path.iterdir():
+        os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
+    loads = stats.disk_loads
+    assert engine.generate(PROMPTS[0], GREEDY, lora="one")[0].token_ids == reference[0, "full"]
+    assert stats.disk_loads == loads and "one" in host
+
+
 def test_an_adapter_rewritten_in_place_is_refused_when_read_again(make_engine, adapters, wide_adapter, reference,
                                                                    tmp_path):
     """An adapter out of host memory is read again from its directory: if its files changed since it was loaded (here
@@ -274,6 +293,40 @@ def tensor_parallel_pair(engine, **options) -> tuple[LoRAManager, LoRAManager]:
             LoRAManager(dataclasses.replace(config, tp_size=2), engine.runner.model))
 
 
+def test_every_rank_serves_a_name_out_of_host_memory_from_the_copy_another_name_holds(make_engine, adapters):
+    """Tensor parallel, host memory for 2 adapters: "one" and "two" name one path, "p" taken in evicts "one". Rank 0
+    takes "one" back from the copy "two" holds; the other rank, replaying it, does the same: no rank reads it again."""
+    paths = {n: str(a.path) for n, a in adapters(FAMILY).items()}
+    lead, follower = tensor_parallel_pair(make_engine(FAMILY, lora_paths={}), max_cpu_loras=2)
+    for name, path in (("one", paths["full"]), ("two", paths["full"]), ("p", paths["partial"])):
+        lead.load_lora(name, path, adapter=lead.read(path))
+        exchange(lead, follower, wait=30)
+    assert [sorted(m._host) for m in (lead, follower)] == [["p", "two"]] * 2
+    loads = [m.stats.disk_loads for m in (lead, follower)]
+    assert lead.prefetch(["one"], set()) == [] and lead.ready("one")
+    exchange(lead, follower, wait=30)
+    assert [m.stats.disk_loads for m in (lead, follower)] == loads and not lead._reading and not follower._reading
+    assert [sorted(m._host) for m in (lead, follower)] == [["one", "p"]] * 2
+
+
+def test_another_rank_whose_read_of_a_name_failed_takes_the_copy_another_name_holds(make_engine, adapters):
+    """Tensor parallel: a second name of the files "full" was loaded from at start, loaded at runtime; the other rank
+    cannot read it (its first requests fail). A later request: rank 0 takes the copy "full" holds, and so does the
+    other rank (rank 0's files, checked at start), not a read inside the step that would fail there again."""
+    path = str(adapters(FAMILY)["full"].path)
+    lead, follower = tensor_parallel_pair(make_engine(FAMILY, lora_paths={"full": path}), max_cpu_loras=3)
+
+    def read(path):
+        raise OSError("no such adapter on this rank's node")
+    follower.read = read
+    lead.load_lora("again", path, adapter=lead.read(path))
+    exchange(lead, follower, wait=30)
+    assert [name for name, _, _ in lead.prefetch(["again"], set())] == ["again"] and "again" not in follower._host
+    assert lead.prefetch(["again"], set()) == [] and lead.ready("again")
+    exchange(lead, follower, wait=30)
+    assert follower._host["again"] is follower._host["full"] and not follower._reading
+
+
 @pytest.mark.parametrize("fails", [False, True], ids=["slow", "fails"])
 def test_no_slot_write_before_the_other_ranks_have_read_the_adapter(make_engine, adapters, fails):
     """Overlap loading, host memory for 2 adapters: rank 0 has read an adapter back from disk but another rank is
@@ -367,12 +420,13 @@ def test_another_ranks_changed_files_fail_the_adapter_not_the_rank(make_engine, 
     assert "full" not in lead._host and "full" not in follower._host and not lead._others_reading
 
 
-def test_another_ranks_host_memory_follows_rank_0s(make_engine, adapters):
+def test_another_ranks_host_memory_follows_rank_0s(make_engine, adapters, tmp_path):
     """Under tensor parallelism (max_cpu_loras 2 of 3 adapters) rank 0's manager decides which adapters stay in host
     memory, and another rank's follows its events: reads from disk started, taken in, dropped and evicted as rank 0's
     were, whatever order its own reads finish in, so a slot write it replays finds the adapter in its memory."""
     paths = {n: str(a.path) for n, a in adapters(FAMILY).items()}
-    engine = make_engine(FAMILY, max_cpu_loras=2, lora_paths={**paths, "again": paths["full"]})
+    again = shutil.copytree(paths["full"], tmp_path / "again")  # (other files: no name shares a copy with another)
+    engine = make_engine(FAMILY, max_cpu_loras=2, lora_paths={**paths, "again": str(again)})
     lead = LoRAManager(engine.config, engine.runner.model, record_events=True)
     follower = LoRAManager(dataclasses.replace(engine.config, tp_size=2), engine.runner.model)
 
@@ -391,7 +445,7 @@ def test_another_ranks_host_memory_follows_rank_0s(make_engine, adapters):
     prefetch("full")  # taken in, "partial" out
     prefetch("again", "partial")  # read ...
     prefetch("again", "partial")  # ... taken in: "full" out, not "again" (used last by rank 0's prefetch alone)
-    assert set(lead._host) == {"again", "partial"} and lead.stats.disk_loads == 4  # (full and again: one read at start)
+    assert set(lead._host) == {"again", "partial"} and lead.stats.disk_loads == 5
     prefetch("full")  # read ...
     prefetch()  # ... for a request gone since: dropped, host memory being full
     assert not lead._reading and not follower._reading and set(lead._host) == {"again", "partial"}

@@ -6,7 +6,9 @@ running is stood in for by an event the test completes (`copies`), as a read sti
 (`reads`)."""
 import concurrent.futures
 import random
+import shutil
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,7 +92,7 @@ def reads(monkeypatch) -> dict[str, Reading]:
 
 @pytest.fixture
 def make(make_engine, adapters):
-    """An engine with 2 GPU slots and 3 adapters ("again": "full" under another name); `copy_stream`: with a copy
+    """An engine with 2 GPU slots and 3 adapters (three_adapters); `copy_stream`: with a copy
     stream, whose writes go to `copies`."""
     def make(copy_stream: bool = False, **kwargs):
         engine = make_engine(FAMILY, **{"enable_lora_overlap_loading": True, "lora_paths": three_adapters(adapters),
@@ -106,8 +108,13 @@ def prompt(i: int) -> list[int]:
 
 
 def three_adapters(adapters) -> dict[str, str]:
+    """"full", "partial" and "again": full's weights in files of its own (another adapter to read from disk: names of
+    one path's files share a copy in host memory)."""
     paths = {n: str(a.path) for n, a in adapters(FAMILY).items()}
-    return {**paths, "again": paths["full"]}
+    again = Path(paths["full"] + "-again")
+    if not again.exists():
+        shutil.copytree(paths["full"], again)
+    return {**paths, "again": str(again)}
 
 
 def alone(make_engine, adapters, loras: list[str | None]) -> list:
@@ -402,7 +409,7 @@ def test_an_adapter_read_back_from_disk_keeps_no_one_waiting_but_its_requests(ma
     run(engine, outputs)
     for rid, expected in zip((first, waiting, later), alone(make_engine, adapters, ["partial", "full", None])):
         assert same(outputs[rid], expected), rid
-    assert lora.stats.disk_loads == 3 and list(lora._host) == ["partial", "full"]  # 2 at start, "full" back
+    assert lora.stats.disk_loads == 4 and list(lora._host) == ["partial", "full"]  # 3 at start, "full" back
     assert_released(engine)
 
 
@@ -514,7 +521,7 @@ def test_a_read_finished_for_an_aborted_request_evicts_no_adapter_a_waiting_requ
     run(engine, outputs)
     assert same(outputs[late], alone(make_engine, adapters, ["full", "full", "partial"])[2])
     assert outputs[base][-1].finish_reason == "length" and list(lora._host) == ["partial"]
-    assert lora.stats.disk_loads == 3  # 2 at start (full and again: one read), "partial" read once
+    assert lora.stats.disk_loads == 4  # 3 at start, "partial" read once
     assert_released(engine)
 
 
@@ -538,5 +545,5 @@ def test_the_reads_of_aborted_requests_not_started_yet_are_called_off(make_engin
     run(engine, outputs)
     assert same(outputs[late], alone(make_engine, adapters, ["full", "full", "partial"])[2])
     assert outputs[base][-1].finish_reason == "length" and list(lora._host) == ["partial"]
-    assert lora.stats.disk_loads == 3 and not lora._reading  # 2 at start (full and again: one read), "partial" once
+    assert lora.stats.disk_loads == 4 and not lora._reading  # 3 at start, "partial" read once
     assert_released(engine)
