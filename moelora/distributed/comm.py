@@ -7,6 +7,7 @@ from __future__ import annotations
 import pickle
 import time
 from collections import deque
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -18,6 +19,11 @@ from moelora.distributed.state import ParallelState
 
 SPIN_SECONDS = 0.005  # wait_event spins this long before it sleeps between polls
 POLL_SECONDS = 2e-4  # then notices the end at most this late, a few thousand cheap polls a second
+GIVE_UP_POLL_SECONDS = 0.05  # and asks wait_event's give_up this often (a waitpid per rank)
+
+
+class PeerFailed(RuntimeError):
+    """wait_event gave up: a peer the device work waits for is known to have failed."""
 
 
 def all_reduce(state: ParallelState, x: torch.Tensor) -> torch.Tensor:
@@ -72,16 +78,22 @@ def all_to_all(state: ParallelState, x: torch.Tensor, send_counts: list[int], re
     return out
 
 
-def wait_event(event: torch.cuda.Event, timeout: float) -> None:
-    """Returns once the device work before `event` is done; TimeoutError after `timeout` seconds. A collective whose
-    peer died or hangs never ends, and the event's own synchronize (or a read of a tensor) would wait for good. Polled:
-    spinning the first milliseconds (a step's usual wait, on the token's critical path), then every POLL_SECONDS."""
+def wait_event(event: torch.cuda.Event, timeout: float, give_up: Callable[[], str | None] | None = None) -> None:
+    """Returns once the device work before `event` is done; TimeoutError after `timeout` seconds, or PeerFailed as soon
+    as `give_up` (asked every GIVE_UP_POLL_SECONDS) names a reason, such as a peer that died: its collectives never
+    end, and the event's own synchronize (or a read of a tensor) would wait for good. Polled: spinning the first
+    milliseconds (a step's usual wait, on the token's critical path), then every POLL_SECONDS."""
     start = time.monotonic()
+    asked = start
     while not event.query():
-        waited = time.monotonic() - start
-        if waited > timeout:
+        now = time.monotonic()
+        if now - start > timeout:
             raise TimeoutError(f"it did not end within dist_timeout ({timeout:g} s)")
-        time.sleep(0 if waited < SPIN_SECONDS else POLL_SECONDS)
+        if give_up is not None and now - asked > GIVE_UP_POLL_SECONDS:
+            asked = now
+            if (reason := give_up()) is not None:
+                raise PeerFailed(reason)
+        time.sleep(0 if now - start < SPIN_SECONDS else POLL_SECONDS)
 
 
 def host_values(state: ParallelState, x: torch.Tensor) -> list:

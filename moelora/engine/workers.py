@@ -21,8 +21,9 @@ Where the ranks run, three ways, each process constructing the Engine with the s
 A rank that raises sends its traceback to the process that started it and exits. Rank 0 finds a rank of its node
 that ended (raised or was killed) before each thing the ranks do together (`Workers.check`, cheap: no collective),
 and while it joins their world, where the join would wait dist_timeout for it; of another node's rank, what its node
-reported to the rendezvous store. Otherwise a rank that died or hangs makes rank 0's collective fail at once (a
-closed connection) or after dist_timeout seconds, while loading as while serving. Rank 0 then raises
+reported to the rendezvous store; and while it waits for a step's device work (on GPUs the collectives of a dead
+rank's peers never end). Otherwise a rank that died or hangs makes rank 0's collective fail at once (a closed
+connection) or after dist_timeout seconds, while loading as while serving. Rank 0 then raises
 `WorkerFailure` naming the rank and what became of it (of another node's rank, what its node reported), stops the
 ranks it started, and the engine stops taking requests (Engine.fatal).
 """
@@ -37,7 +38,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from moelora.distributed.comm import broadcast_object, control_barrier, wait_event
+from moelora.distributed.comm import PeerFailed, broadcast_object, control_barrier, wait_event
 from moelora.distributed.launch import (LocalRanks, name_ranks, rendezvous_store, report_failures,
                                        reported_failures, stored_failures)
 from moelora.distributed.state import ParallelState, destroy_parallel, init_parallel, store_client
@@ -304,12 +305,15 @@ class Workers:
         broadcast_object(self.state, command, self.timeout)
 
     def wait_for(self, event: torch.cuda.Event) -> None:
-        """The host waits for a step's device work (`event`) at most dist_timeout, then WorkerFailure: a rank that
-        died or hangs holds the step's collectives forever (NCCL's watchdog does not see those a CUDA graph
-        replays), where the event's own synchronize would never return (comm.wait_event)."""
+        """The host waits for a step's device work (`event`) until a rank is known to have failed, at most
+        dist_timeout, then WorkerFailure: a rank that died or hangs holds the step's collectives forever (NCCL's
+        watchdog does not see those a CUDA graph replays), where the event's own synchronize would never return
+        (comm.wait_event)."""
+        def failed() -> str | None:
+            return f"{name_ranks(ranks)} failed" if (ranks := self._failed_ranks()) else None
         try:
-            wait_event(event, self.timeout)
-        except TimeoutError as e:
+            wait_event(event, self.timeout, give_up=failed)
+        except (TimeoutError, PeerFailed) as e:
             with self.guard("a step's device work"):
                 raise e
 

@@ -212,6 +212,22 @@ def test_a_host_read_of_the_device_waits_at_most_the_timeout(monkeypatch):
     assert comm.host_values(state, torch.tensor([2, 0])) == [2, 0]  # on a CPU: at once
 
 
+def test_a_wait_for_the_device_gives_up_once_told_why():
+    """wait_event asks `give_up` now and then while the work runs: the first reason it names ends the wait (a peer
+    known dead), long before the timeout; work that ends first is waited for."""
+    asked = []
+
+    def give_up() -> str | None:
+        asked.append(time.monotonic())
+        return "rank 1 failed" if len(asked) == 3 else None
+    start = time.monotonic()
+    with pytest.raises(comm.PeerFailed, match="rank 1 failed"):
+        comm.wait_event(_Ends(None), 60, give_up)
+    assert len(asked) == 3 and time.monotonic() - start < 5
+    assert all(b - a >= comm.GIVE_UP_POLL_SECONDS for a, b in zip([start, *asked], asked))
+    comm.wait_event(_Ends(50), 60, lambda: None)
+
+
 def _fail(rank: int) -> None:
     if rank == 1:
         raise RuntimeError("rank one gives up")

@@ -240,6 +240,30 @@ def test_a_step_that_never_ends_stops_the_engine_within_the_timeout(start_engine
     assert_released(many)
 
 
+class _PeerDiesMidStep(_NeverDone):
+    """A step's device work that never ends because rank 1 dies while rank 0 waits for it."""
+    def __init__(self, rank1: multiprocessing.Process):
+        self.rank1 = rank1
+
+    def query(self) -> bool:
+        if self.rank1.is_alive():
+            os.kill(self.rank1.pid, signal.SIGKILL)
+        return False
+
+
+def test_a_step_waiting_on_a_rank_that_died_stops_the_engine_at_once(start_engine, monkeypatch):
+    """On a GPU a rank that dies mid-step leaves the others' collectives waiting for good: rank 0's wait for the
+    step's device work ends once it finds the rank ended (a waitpid), not after dist_timeout."""
+    many = start_engine("qwen3_moe", tp_size=2, dist_timeout=120)
+    many.generate(PROMPTS[:1], GREEDY)
+    rank1 = many.workers.ranks.procs[1]
+    monkeypatch.setattr(stepper_module, "_copy_to_host", lambda tokens: (tokens, _PeerDiesMidStep(rank1)))
+    error = _wait_failed(many, 20)
+    assert "a step's device work failed on the tensor-parallel ranks (rank 1 ended)" in error
+    assert "rank 1 exited with code -9" in error
+    assert_released(many)
+
+
 def test_shutdown_ends_the_ranks_together(start_engine):
     """Every rank meets rank 0 at shutdown's barrier, then leaves the world and ends with 0."""
     many = start_engine("qwen3_moe", tp_size=2)
