@@ -15,10 +15,12 @@ if TYPE_CHECKING:
 # text it has after the prompt.
 PROMPT_CONTEXT_TOKENS = 5
 # A character split over tokens waits for its last bytes, the tokens since the last complete one decoded again
-# with each new token; past this many tokens the text is final, U+FFFD included. Well-formed UTF-8 completes a
-# character within a few tokens; output that never does (bytes a client forces with logit_bias or
-# allowed_token_ids) would otherwise cost the streaming thread the square of its length.
+# with each new token; past this many tokens the text is final, U+FFFD included, but for the last few tokens where
+# they may be a character's first bytes (TAIL_TOKENS). Well-formed UTF-8 completes a character within a few tokens;
+# output that never does (bytes a client forces with logit_bias or allowed_token_ids) would otherwise cost the
+# streaming thread the square of its length.
 MAX_PENDING_TOKENS = 16
+TAIL_TOKENS = 3  # the most tokens an incomplete UTF-8 character (4 bytes at most) spans, a byte or more a token
 
 
 class IncrementalDetokenizer:
@@ -30,9 +32,9 @@ class IncrementalDetokenizer:
     strings unless include_stop_str_in_output; stop strings count only in the text of the tokens after
     the first min_tokens. Once finished, the text released is decode(generated tokens,
     skip_special_tokens) cut where the stop string that completed first begins (or ends) (exactly so
-    for byte-level BPE tokenizers, unless a character waits for its bytes over more than MAX_PENDING_TOKENS
-    tokens, which needs tokens that add no bytes, such as skipped special tokens, inside it), and `stop_reason`
-    says which stop ended it, as vLLM's does.
+    for byte-level BPE tokenizers, unless past MAX_PENDING_TOKENS tokens ending inside characters a character's
+    bytes span more than TAIL_TOKENS tokens, which needs tokens that add no bytes, such as skipped special tokens,
+    inside it), and `stop_reason` says which stop ended it, as vLLM's does.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, prompt_ids: Sequence[int], params: SamplingParams,
@@ -97,17 +99,35 @@ class IncrementalDetokenizer:
 
     def _decode_new(self, flush: bool) -> str:
         """Text of the tokens past _read that is final: a character still missing bytes (a U+FFFD at
-        the end) waits for them, unless flushing or past MAX_PENDING_TOKENS; the text before it is released
-        already."""
+        the end) waits for them, unless flushing or past MAX_PENDING_TOKENS (_final_before_tail); the text before
+        it is released already."""
         prefix_text = self._decode(self._ids[self._prefix:self._read])
         new_text = self._decode(self._ids[self._prefix:])[len(prefix_text):]
-        final = new_text if flush or len(self._ids) - self._read > MAX_PENDING_TOKENS else new_text.rstrip("\ufffd")
+        final, read = new_text, len(self._ids)  # read: where the final text ends, on a character boundary
+        if not flush and new_text.endswith("\ufffd"):
+            if len(self._ids) - self._read > MAX_PENDING_TOKENS:
+                final, read = self._final_before_tail(prefix_text, new_text)
+            else:
+                final, read = new_text.rstrip("\ufffd"), None
         piece = final[self._partial:]
-        if final == new_text:  # ends on a character boundary: later tokens decode after it
-            self._prefix, self._read, self._partial = self._read, len(self._ids), 0
+        if read is not None:  # later tokens decode after it
+            self._prefix, self._read, self._partial = self._read, read, 0
         else:
             self._partial = len(final)
         return piece
+
+    def _final_before_tail(self, prefix_text: str, new_text: str) -> tuple[str, int]:
+        """Past MAX_PENDING_TOKENS: the text that is final and the tokens it ends at. The last TAIL_TOKENS tokens (or
+        fewer) stay pending where they decode to U+FFFD alone and the text splits cleanly before them (no character
+        spans the split): they may be the first bytes of a character still to complete. The rest is final, the bytes
+        that never completed a character included."""
+        for kept in range(TAIL_TOKENS, 0, -1):
+            cut = len(self._ids) - kept
+            head = self._decode(self._ids[self._prefix:cut])[len(prefix_text):]
+            tail = self._decode(self._ids[cut:])
+            if set(tail) == {"\ufffd"} and head + tail == new_text and len(head) >= self._partial:
+                return head, cut
+        return new_text, len(self._ids)
 
     def _decode(self, ids: list[int]) -> str:
         if self._tokenizer is None:

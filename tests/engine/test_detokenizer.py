@@ -187,3 +187,29 @@ def test_bytes_that_never_complete_a_character_are_released_after_max_pending_to
     assert "".join(pieces) == det.text == tok.decode([byte] * (3 * MAX_PENDING_TOKENS))
     released = [n for n, p in enumerate(pieces, 1) if p]
     assert released and released[0] == MAX_PENDING_TOKENS + 1
+
+
+def test_a_character_that_begins_past_max_pending_tokens_is_not_split(tok):
+    """Lone continuation bytes (never a character) then well-formed text: however many bytes come first, the
+    characters after them stream whole, the first among them beginning just as MAX_PENDING_TOKENS tokens wait (the
+    text up to it final then, the character's first tokens kept back)."""
+    byte = next(t for t in range(len(tok)) if tok.decode([t]) == "\ufffd" and tok.decode([t, t]) == "\ufffd" * 2)
+    for text in ("你好", "🙂🎉"):  # characters of 3 and 4 bytes
+        for lone in range(MAX_PENDING_TOKENS - 4, MAX_PENDING_TOKENS + 8):
+            ids = [byte] * lone + tok.encode(text)
+            det, pieces, _ = _stream(tok, ids, ignore_eos=True)
+            assert "".join(pieces) == det.text == tok.decode(ids) == "\ufffd" * lone + text, (text, lone)
+
+
+def test_random_bytes_and_characters_stream_to_the_one_shot_decode(tok):
+    """Runs of lone bytes past MAX_PENDING_TOKENS between characters of 1-4 bytes, each a token or split over several:
+    the streamed text is the one-shot decode."""
+    rng = random.Random(1)
+    lone = [t for t in range(len(tok)) if tok.decode([t]) == "\ufffd" and tok.decode([t, t]) == "\ufffd" * 2]
+    for _ in range(40):
+        ids = []
+        while len(ids) < 120:
+            ids += rng.choices(lone, k=rng.randrange(0, 2 * MAX_PENDING_TOKENS)) if rng.random() < 0.5 else []
+            ids += tok.encode(rng.choice(TEXT))
+        det, pieces, _ = _stream(tok, ids, ignore_eos=True)
+        assert "".join(pieces) == det.text == tok.decode(ids), ids
