@@ -119,8 +119,9 @@ class LoRAStats:
 
 
 # ("load", name, path, files' version) | ("drop", name) | ("read", name: from disk, in the reader thread) | ("take",
-# name: the read into host memory) | ("discard", name: the read dropped) | ("evict", name: out of host memory) |
-# ("write", name, slot, on the copy stream) | ("use", slot: a step waits for its copies) | ("rank", rank tile)
+# name: the read into host memory) | ("take", name, other: the copy of the same files `other` holds) | ("discard",
+# name: the read dropped) | ("evict", name: out of host memory) | ("write", name, slot, on the copy stream) | ("use",
+# slot: a step waits for its copies) | ("rank", rank tile)
 Event = tuple
 
 
@@ -137,6 +138,7 @@ class LoRAManager:
             if config.enable_lora_overlap_loading and self._staged else None
         self._loading: dict[int, torch.cuda.Event] = {}  # slot -> the end of its copies, until a step waits for it
         self._events: list[Event] | None = [] if record_events else None
+        self._follows_rank0 = config.tp_size > 1 and not record_events  # (another rank: it replays rank 0's events)
         self.shapes = load_model_shapes(config.model_path, config.tokenizer_path)  # what adapters are checked against
         self.stats = LoRAStats()
         self._paths: dict[str, Path] = {}
@@ -421,7 +423,7 @@ class LoRAManager:
                 if args[0] not in self._host and args[0] not in self._reading:
                     self._start_read(args[0])
             elif kind == "take":
-                self._host_copy(args[0])
+                self._take_copy(*args) if len(args) == 2 else self._host_copy(args[0])
             elif kind == "discard":
                 self._discard(args[0])
             elif kind == "evict":
@@ -501,14 +503,16 @@ class LoRAManager:
         self._rank[name], self._version[name] = share.max_rank, share.version
         self._cache(name, share)
 
-    def _cache(self, name: str, share: RankShare, make_room: bool = True) -> None:
+    def _cache(self, name: str, share: RankShare) -> None:
         # names of one path's same files hold one copy between them (a path loaded under many names)
         files = (share.path, share.version)
         self._host[name] = next((s for s in self._host.values() if share.version and (s.path, s.version) == files),
                                 share)
-        # (another rank replays rank 0's evictions before the adapter each made room for, or, where one name takes
-        # another's copy, after: its memory holds rank 0's)
-        while make_room and self.config.max_cpu_loras is not None and len(self._host) > self.config.max_cpu_loras:
+        # (another rank replays rank 0's evictions before the adapter each made room for: its memory holds rank 0's)
+        self._make_room()
+
+    def _make_room(self) -> None:
+        while self.config.max_cpu_loras is not None and len(self._host) > self.config.max_cpu_loras:
             evicted = self._host.popitem(last=False)[0]
             self._record("evict", evicted)
             if evicted in self._others_reading:  # the others drop their read of it too
@@ -534,8 +538,8 @@ class LoRAManager:
         failure added to `failed`)."""
         if name in self._host:
             return name not in self._others_reading  # (the other ranks' copies: no slot write waits for them)
-        if self._held_by_another_name(name) is not None:
-            self._host_copy(name)
+        if (other := self._held_by_another_name(name)) is not None:
+            self._take_copy(name, other)
             return True
         if name not in self._reading:
             self._start_read(name)
@@ -627,18 +631,9 @@ class LoRAManager:
         if name in self._host:
             self._host.move_to_end(name)
             return self._host[name]
+        if (other := self._held_by_another_name(name)) is not None:
+            return self._take_copy(name, other)
         read = self._reading.pop(name, None)
-        share = self._held_by_another_name(name)
-        if share is not None:
-            if read is not None:
-                read.cancel()
-            # rank 0 records the take before the evictions that make room for it, which the other ranks replay after
-            # taking their copy (they would evict the name holding it first, then read it from disk)
-            self._record("take", name)
-            if self._rank0_version.pop(name, None) is not None:
-                self._version[name] = share.version
-            self._cache(name, share, make_room=self._events is not None or self.config.tp_size == 1)
-            return share
         share = read.result() if read is not None else self.read(self._paths[name])
         self.stats.disk_loads += 1
         # the registered adapter or nothing: the one rewritten in place may be another (its rank past the rank
@@ -652,19 +647,29 @@ class LoRAManager:
         self._cache(name, share)
         return share
 
-    def _held_by_another_name(self, name: str) -> RankShare | None:
-        """The host copy of the adapter's files that another name of them holds (a path loaded under several names),
-        if any; on another rank before its first read of an adapter loaded at runtime, a copy of the files rank 0 read
-        (the read is checked against those). Not one the other ranks are still reading: theirs holds it once read."""
-        path, version, rank0 = self._paths[name], self._version[name], self._rank0_version.get(name)
+    def _held_by_another_name(self, name: str) -> str | None:
+        """Rank 0 (or the only rank): another name whose host copy is of the adapter's files (the same path, and the
+        same files' version: a path loaded under several names), not one the other ranks are still reading. Another
+        rank takes the copy rank 0 names (its "take" event), never one of its own finding: its versions of the files,
+        read from its own disk, may group them otherwise."""
+        files = (self._paths[name], self._version[name])
+        if self._follows_rank0 or not files[1]:
+            return None
+        return next((other for other in self._host if other not in self._others_reading
+                     and (self._paths[other], self._version[other]) == files), None)
 
-        def same_files(other: str) -> bool:
-            if self._paths[other] != path or other in self._others_reading:
-                return False
-            if rank0 is None:
-                return self._version[other] == version
-            return _files_digest(self._version[other], self._rank[other]) == _files_digest(rank0, self._rank[name])
-        return next((share for other, share in self._host.items() if version and same_files(other)), None)
+    def _take_copy(self, name: str, other: str) -> RankShare:
+        """The host copy `other` holds, under `name` too (marked used); a read of it called off, on every rank. Rank
+        0 records the take before the evictions that make room for it: another rank replays those after taking the
+        copy (before, one might evict the name holding it)."""
+        self._discard(name)
+        self._record("take", name, other)
+        if self._rank0_version.pop(name, None) is not None:  # another rank's first copy of one loaded at runtime
+            self._version[name] = self._version[other]  # (the files rank 0 read: `other`'s, checked so)
+        share = self._host[name] = self._host[other]
+        if not self._follows_rank0:
+            self._make_room()
+        return share
 
     def _drop(self, name: str) -> None:
         self._record("drop", name)

@@ -8,6 +8,7 @@ import time
 import weakref
 
 import pytest
+import torch
 from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 
@@ -325,6 +326,48 @@ def test_another_rank_whose_read_of_a_name_failed_takes_the_copy_another_name_ho
     assert lead.prefetch(["again"], set()) == [] and lead.ready("again")
     exchange(lead, follower, wait=30)
     assert follower._host["again"] is follower._host["full"] and not follower._reading
+
+
+def test_a_name_of_files_retrained_since_another_name_took_them_holds_a_copy_of_its_own(make_engine, adapters,
+                                                                                      tmp_path):
+    """Tensor parallel: "old" from the start at a path whose weights are retrained in place since (the files' sizes as
+    they were), "new" loaded from it at runtime: every rank holds the new weights under "new" and the old under "old".
+    (Another rank checks its read of an adapter loaded at runtime by the files' names and sizes, which are the same.)"""
+    path = shutil.copytree(adapters(FAMILY)["full"].path, tmp_path / "p")
+    lead, follower = tensor_parallel_pair(make_engine(FAMILY, lora_paths={"old": str(path)}))
+    file = path / "adapter_model.safetensors"
+    size = file.stat().st_size
+    save_file({k: 2 * t for k, t in load_file(file).items()}, file, metadata={"format": "pt"})
+    assert file.stat().st_size == size
+    lead.load_lora("new", str(path), adapter=lead.read(str(path)))
+    exchange(lead, follower, wait=30)
+    for manager in (lead, follower):
+        old, new = (manager._host[n] for n in ("old", "new"))
+        assert all(torch.equal(b, 2 * a) for a, b in zip(_tensors(old), _tensors(new)))
+
+
+def test_ranks_that_read_a_path_at_other_times_take_the_copy_rank_0_names(make_engine, adapters, tmp_path):
+    """Tensor parallel, host memory for 2 adapters: "a" from the start; "b" loaded from the same path, which rank 0
+    read before the files' times changed (the same bytes) and the other rank after, and "a" evicted. Rank 0 takes
+    "a" back from the copy "b" holds (its versions of the files equal); so does the other rank, though its versions
+    differ: no read in its replay, which would refuse the files as changed and stop the rank."""
+    path = shutil.copytree(adapters(FAMILY)["full"].path, tmp_path / "p")
+    engine = make_engine(FAMILY, lora_paths={"a": str(path), "q": str(adapters(FAMILY)["partial"].path)})
+    lead, follower = tensor_parallel_pair(engine, max_cpu_loras=2)
+    share = lead.read(str(path))
+    for f in path.iterdir():
+        os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
+    lead.load_lora("b", str(path), adapter=share)
+    exchange(lead, follower, wait=30)
+    assert set(lead._host) == set(follower._host) == {"q", "b"}
+    assert lead.prefetch(["a"], set()) == [] and lead.ready("a")
+    exchange(lead, follower, wait=30)
+    assert follower._host["a"] is follower._host["b"] and set(follower._host) == set(lead._host) == {"b", "a"}
+
+
+def _tensors(share) -> list[torch.Tensor]:
+    modules = [m for layer in share.layers.values() for m in {**layer.experts, **layer.modules}.values()]
+    return [t for m in modules for t in (m.a, m.b)]
 
 
 @pytest.mark.parametrize("fails", [False, True], ids=["slow", "fails"])
