@@ -103,31 +103,32 @@ class IncrementalDetokenizer:
         it is released already."""
         prefix_text = self._decode(self._ids[self._prefix:self._read])
         new_text = self._decode(self._ids[self._prefix:])[len(prefix_text):]
-        final, read = new_text, len(self._ids)  # read: where the final text ends, on a character boundary
+        # read: where the final text ends, on a character boundary; handed: chars of the text after it handed out
+        final, read, handed = new_text, len(self._ids), 0
         if not flush and new_text.endswith("\ufffd"):
             if len(self._ids) - self._read > MAX_PENDING_TOKENS:
-                final, read = self._final_before_tail(prefix_text, new_text)
+                final, read, handed = self._final_before_tail(prefix_text, new_text)
             else:
                 final, read = new_text.rstrip("\ufffd"), None
         piece = final[self._partial:]
         if read is not None:  # later tokens decode after it
-            self._prefix, self._read, self._partial = self._read, read, 0
+            self._prefix, self._read, self._partial = self._read, read, handed
         else:
             self._partial = len(final)
         return piece
 
-    def _final_before_tail(self, prefix_text: str, new_text: str) -> tuple[str, int]:
-        """Past MAX_PENDING_TOKENS: the text that is final and the tokens it ends at. The last TAIL_TOKENS tokens (or
-        fewer) stay pending where they decode to U+FFFD alone and the text splits cleanly before them (no character
-        spans the split): they may be the first bytes of a character still to complete. The rest is final, the bytes
+    def _final_before_tail(self, prefix_text: str, new_text: str) -> tuple[str, int, int]:
+        """Past MAX_PENDING_TOKENS: the text that is final, the tokens it ends at, and the chars of the text after them
+        handed out already. The last TAIL_TOKENS tokens (or fewer) stay pending where the text splits cleanly before
+        them (no character spans the split): they hold the first bytes of the character still to complete (after
+        text of their own, as a token of a character and the next one's first byte may). The rest is final, the bytes
         that never completed a character included."""
         for kept in range(TAIL_TOKENS, 0, -1):
             cut = len(self._ids) - kept
             head = self._decode(self._ids[self._prefix:cut])[len(prefix_text):]
-            tail = self._decode(self._ids[cut:])
-            if set(tail) == {"\ufffd"} and head + tail == new_text and len(head) >= self._partial:
-                return head, cut
-        return new_text, len(self._ids)
+            if head + self._decode(self._ids[cut:]) == new_text:
+                return head, cut, max(0, self._partial - len(head))
+        return new_text, len(self._ids), 0
 
     def _decode(self, ids: list[int]) -> str:
         if self._tokenizer is None:

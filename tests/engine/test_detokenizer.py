@@ -194,22 +194,35 @@ def test_a_character_that_begins_past_max_pending_tokens_is_not_split(tok):
     characters after them stream whole, the first among them beginning just as MAX_PENDING_TOKENS tokens wait (the
     text up to it final then, the character's first tokens kept back)."""
     byte = next(t for t in range(len(tok)) if tok.decode([t]) == "\ufffd" and tok.decode([t, t]) == "\ufffd" * 2)
-    for text in ("你好", "🙂🎉"):  # characters of 3 and 4 bytes
-        for lone in range(MAX_PENDING_TOKENS - 4, MAX_PENDING_TOKENS + 8):
+    assert tok.decode(tok.encode("naïve")[:1]) == "na\ufffd"
+    for text in ("你好", "🙂🎉", "naïve"):  # characters of 3 and 4 bytes; a token of "na" and the first byte of "ï"
+        for lone in range(MAX_PENDING_TOKENS - 4, 4 * MAX_PENDING_TOKENS):
             ids = [byte] * lone + tok.encode(text)
             det, pieces, _ = _stream(tok, ids, ignore_eos=True)
             assert "".join(pieces) == det.text == tok.decode(ids) == "\ufffd" * lone + text, (text, lone)
 
 
 def test_random_bytes_and_characters_stream_to_the_one_shot_decode(tok):
-    """Runs of lone bytes past MAX_PENDING_TOKENS between characters of 1-4 bytes, each a token or split over several:
-    the streamed text is the one-shot decode."""
+    """Runs of lone bytes past MAX_PENDING_TOKENS between pieces of text (characters of 1-4 bytes, each a token or
+    split over several, tokens that end in the next character's first bytes): the streamed text is the one-shot
+    decode."""
     rng = random.Random(1)
     lone = [t for t in range(len(tok)) if tok.decode([t]) == "\ufffd" and tok.decode([t, t]) == "\ufffd" * 2]
     for _ in range(40):
         ids = []
         while len(ids) < 120:
             ids += rng.choices(lone, k=rng.randrange(0, 2 * MAX_PENDING_TOKENS)) if rng.random() < 0.5 else []
-            ids += tok.encode(rng.choice(TEXT))
+            start = rng.randrange(len(TEXT))
+            ids += tok.encode(TEXT[start:start + rng.randrange(1, 8)])  # (tokens of characters and a next one's bytes)
         det, pieces, _ = _stream(tok, ids, ignore_eos=True)
         assert "".join(pieces) == det.text == tok.decode(ids), ids
+
+
+def test_a_stop_string_after_max_pending_tokens_of_lone_bytes_is_found(tok):
+    """The stop string's first token ends in the first byte of its next character, just past MAX_PENDING_TOKENS
+    tokens of lone bytes: the character is kept whole, and the stop string found."""
+    byte = next(t for t in range(len(tok)) if tok.decode([t]) == "\ufffd" and tok.decode([t, t]) == "\ufffd" * 2)
+    ids = [byte] * MAX_PENDING_TOKENS + tok.encode("naïve and more")
+    det, pieces, _ = _stream(tok, ids, ignore_eos=True, stop=["naïve"])
+    assert det.finish_reason == "stop" and det.stop_reason == "naïve"
+    assert "".join(pieces) == det.text == "\ufffd" * MAX_PENDING_TOKENS
