@@ -305,12 +305,16 @@ class Workers:
         broadcast_object(self.state, command, self.timeout)
 
     def wait_for(self, event: torch.cuda.Event) -> None:
-        """The host waits for a step's device work (`event`) until a rank is known to have failed, at most
-        dist_timeout, then WorkerFailure: a rank that died or hangs holds the step's collectives forever (NCCL's
-        watchdog does not see those a CUDA graph replays), where the event's own synchronize would never return
-        (comm.wait_event)."""
+        """The host waits for a step's device work (`event`) until a rank is known to have failed (of ranks this
+        process or another node started; not under torchrun), at most dist_timeout, then WorkerFailure: a rank that
+        died or hangs holds the step's collectives forever (NCCL's watchdog does not see those a CUDA graph replays),
+        where the event's own synchronize would never return (comm.wait_event)."""
         def failed() -> str | None:
-            return f"{name_ranks(ranks)} failed" if (ranks := self._failed_ranks()) else None
+            try:
+                ranks = self._failed_ranks()
+            except Exception as e:  # (another node's reports unreadable: the ranks cannot be watched, the engine fails)
+                return f"looking for failed ranks raised {type(e).__name__}: {e}"
+            return f"{name_ranks(ranks)} failed" if ranks else None
         try:
             wait_event(event, self.timeout, give_up=failed)
         except (TimeoutError, PeerFailed) as e:

@@ -264,6 +264,21 @@ def test_a_step_waiting_on_a_rank_that_died_stops_the_engine_at_once(start_engin
     assert_released(many)
 
 
+def test_a_failure_looking_for_failed_ranks_mid_step_stops_the_engine(start_engine, monkeypatch):
+    """Rank 0 cannot tell whether a rank failed while a step waits (another node's reports unreadable): the engine
+    fails with that reason, its ranks stopped, not a step's error alone with the ranks out of step."""
+    many = start_engine("qwen3_moe", tp_size=2, dist_timeout=120)
+    many.generate(PROMPTS[:1], GREEDY)
+
+    def unreadable() -> dict[int, str]:
+        raise OSError("the rendezvous store is gone")
+    monkeypatch.setattr(many.workers, "_failed_ranks", unreadable)
+    monkeypatch.setattr(stepper_module, "_copy_to_host", lambda tokens: (tokens, _NeverDone()))
+    error = _wait_failed(many, 20)
+    assert "looking for failed ranks raised OSError: the rendezvous store is gone" in error
+    assert not many.workers.ranks.procs[1].is_alive()
+
+
 def test_shutdown_ends_the_ranks_together(start_engine):
     """Every rank meets rank 0 at shutdown's barrier, then leaves the world and ends with 0."""
     many = start_engine("qwen3_moe", tp_size=2)
