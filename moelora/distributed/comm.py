@@ -98,11 +98,11 @@ def wait_event(event: torch.cuda.Event, timeout: float, give_up: Callable[[], st
 
 def host_values(state: ParallelState, x: torch.Tensor) -> list:
     """x.tolist(), the host waiting for the work so far on x's device (its current stream) at most the world's
-    timeout (wait_event)."""
+    timeout, or until state.peers_failed names a reason (wait_event)."""
     if x.is_cuda:
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(x.device))
-        wait_event(done, state.timeout)
+        wait_event(done, state.timeout, state.peers_failed)
     return x.tolist()
 
 

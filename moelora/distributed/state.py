@@ -15,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -41,6 +41,9 @@ class ParallelState:
     group: dist.ProcessGroup | None = None    # the model's collectives (NCCL on GPUs, gloo on CPUs)
     control: dist.ProcessGroup | None = None  # gloo: commands from rank 0 to the others, no timeout to speak of
     timeout: float = 300.0  # seconds a rank waits for the others (dist_timeout), the host's reads of the device too
+    # rank 0 of an engine: why a rank is known to have failed, or None; the host's reads of the device give up then
+    # (comm.wait_event's give_up), not after `timeout`
+    peers_failed: Callable[[], str | None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.ep_size < 1 or self.tp_size % self.ep_size:

@@ -204,7 +204,8 @@ class Workers:
         try:
             with self.guard("starting the ranks"):
                 self.ranks.wait_started(config.dist_timeout)
-                self.state = self._join(config, init_method)
+                # the model's host reads of the device mid-step (comm.host_values) give up as wait_for does
+                self.state = dataclasses.replace(self._join(config, init_method), peers_failed=self._peers_failed)
         except BaseException:  # an interrupt too (the guard stopped them on an error)
             self.ranks.stop(timeout=0)
             self.rendezvous = None  # its port free at once, not once the traceback is dropped
@@ -265,6 +266,14 @@ class Workers:
             failed |= {r: f"{fate} (on another node)" for r, fate in self.ranks.reported.items()}
         return failed
 
+    def _peers_failed(self) -> str | None:
+        """Why a rank is known to have failed (_failed_ranks), or None: a wait for the device's work gives up then."""
+        try:
+            ranks = self._failed_ranks()
+        except Exception as e:  # (another node's reports unreadable: the ranks cannot be watched, the engine fails)
+            return f"looking for failed ranks raised {type(e).__name__}: {e}"
+        return f"{name_ranks(ranks)} failed" if ranks else None
+
     def rank_ended(self) -> bool:
         """Whether a rank this process started has ended while the engine could serve (the next `check` fails it):
         a waitpid per rank, no collective and no wait, safe from any thread."""
@@ -309,14 +318,8 @@ class Workers:
         process or another node started; not under torchrun), at most dist_timeout, then WorkerFailure: a rank that
         died or hangs holds the step's collectives forever (NCCL's watchdog does not see those a CUDA graph replays),
         where the event's own synchronize would never return (comm.wait_event)."""
-        def failed() -> str | None:
-            try:
-                ranks = self._failed_ranks()
-            except Exception as e:  # (another node's reports unreadable: the ranks cannot be watched, the engine fails)
-                return f"looking for failed ranks raised {type(e).__name__}: {e}"
-            return f"{name_ranks(ranks)} failed" if ranks else None
         try:
-            wait_event(event, self.timeout, give_up=failed)
+            wait_event(event, self.timeout, give_up=self._peers_failed)
         except (TimeoutError, PeerFailed) as e:
             with self.guard("a step's device work"):
                 raise e

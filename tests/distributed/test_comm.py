@@ -228,6 +228,19 @@ def test_a_wait_for_the_device_gives_up_once_told_why():
     comm.wait_event(_Ends(50), 60, lambda: None)
 
 
+def test_a_host_read_of_the_device_gives_up_once_a_peer_is_known_to_have_failed(monkeypatch):
+    """Rank 0's model reads the all-to-all's counts mid-step: where its state knows a peer failed (Workers'
+    peers_failed), the read raises at once rather than after the world's timeout."""
+    never = _Ends(None)
+    monkeypatch.setattr(comm.torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(comm.torch.cuda, "Event", lambda: never)
+    state = ParallelState(timeout=60, peers_failed=lambda: "rank 1 failed")
+    start = time.monotonic()
+    with pytest.raises(comm.PeerFailed, match="rank 1 failed"):
+        comm.host_values(state, _DeviceCounts(never))
+    assert time.monotonic() - start < 5
+
+
 def _fail(rank: int) -> None:
     if rank == 1:
         raise RuntimeError("rank one gives up")

@@ -256,6 +256,8 @@ def test_a_step_waiting_on_a_rank_that_died_stops_the_engine_at_once(start_engin
     step's device work ends once it finds the rank ended (a waitpid), not after dist_timeout."""
     many = start_engine("qwen3_moe", tp_size=2, dist_timeout=120)
     many.generate(PROMPTS[:1], GREEDY)
+    states = [m.dist_state for m in many.runner.model.modules() if hasattr(m, "dist_state")]
+    assert states and all(s.peers_failed == many.workers._peers_failed for s in states)  # (comm.host_values')
     rank1 = many.workers.ranks.procs[1]
     monkeypatch.setattr(stepper_module, "_copy_to_host", lambda tokens: (tokens, _PeerDiesMidStep(rank1)))
     error = _wait_failed(many, 20)
