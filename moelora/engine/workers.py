@@ -22,8 +22,8 @@ A rank that raises sends its traceback to the process that started it and exits.
 that ended (raised or was killed) before each thing the ranks do together (`Workers.check`, cheap: no collective),
 and while it joins their world, where the join would wait dist_timeout for it; of another node's rank, what its node
 reported to the rendezvous store; and while it waits for a step's device work, or reads the device mid-step (on
-GPUs the collectives of a dead rank's peers never end). Otherwise a rank that died or hangs makes rank 0's collective fail at once (a closed
-connection) or after dist_timeout seconds, while loading as while serving. Rank 0 then raises
+GPUs the collectives of a dead rank's peers never end). Otherwise a rank that died or hangs makes rank 0's collective
+fail at once (a closed connection) or after dist_timeout seconds, while loading as while serving. Rank 0 then raises
 `WorkerFailure` naming the rank and what became of it (of another node's rank, what its node reported), stops the
 ranks it started, and the engine stops taking requests (Engine.fatal).
 """

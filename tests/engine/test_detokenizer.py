@@ -14,6 +14,12 @@ def tok():
     return tiny_tokenizer()
 
 
+@pytest.fixture(scope="module")
+def lone_bytes(tok) -> list[int]:
+    """Tokens of one byte that never makes a character (a continuation byte), alone or repeated."""
+    return [t for t in range(len(tok)) if tok.decode([t]) == "\ufffd" and tok.decode([t, t]) == "\ufffd" * 2]
+
+
 def _stream(tok, ids, prompt="Say: ", **params):
     """Feed ids until the detokenizer finishes; returns (detokenizer, pieces, tokens taken)."""
     det = IncrementalDetokenizer(tok, tok.encode(prompt), SamplingParams(**{"max_tokens": len(ids), **params}))
@@ -178,22 +184,22 @@ def test_stop_string_end_is_the_longest_end_that_starts_a_stop_string():
             assert end.matched == max((k for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
 
 
-def test_bytes_that_never_complete_a_character_are_released_after_max_pending_tokens(tok):
+def test_bytes_that_never_complete_a_character_are_released_after_max_pending_tokens(tok, lone_bytes):
     """Output that keeps ending inside a character (a lone continuation byte, again and again: what logit_bias can
     force) is released as U+FFFD once MAX_PENDING_TOKENS tokens wait, instead of being decoded again with every
     token; the whole text is still the one-shot decode."""
-    byte = next(t for t in range(len(tok)) if tok.decode([t]) == "\ufffd" and tok.decode([t, t]) == "\ufffd" * 2)
+    byte = lone_bytes[0]
     det, pieces, _ = _stream(tok, [byte] * (3 * MAX_PENDING_TOKENS), ignore_eos=True)
     assert "".join(pieces) == det.text == tok.decode([byte] * (3 * MAX_PENDING_TOKENS))
     released = [n for n, p in enumerate(pieces, 1) if p]
     assert released and released[0] == MAX_PENDING_TOKENS + 1
 
 
-def test_a_character_that_begins_past_max_pending_tokens_is_not_split(tok):
+def test_a_character_that_begins_past_max_pending_tokens_is_not_split(tok, lone_bytes):
     """Lone continuation bytes (never a character) then well-formed text: however many bytes come first, the
     characters after them stream whole, the first among them beginning just as MAX_PENDING_TOKENS tokens wait (the
     text up to it final then, the character's first tokens kept back)."""
-    byte = next(t for t in range(len(tok)) if tok.decode([t]) == "\ufffd" and tok.decode([t, t]) == "\ufffd" * 2)
+    byte = lone_bytes[0]
     assert tok.decode(tok.encode("naïve")[:1]) == "na\ufffd"
     for text in ("你好", "🙂🎉", "naïve"):  # characters of 3 and 4 bytes; a token of "na" and the first byte of "ï"
         for lone in range(MAX_PENDING_TOKENS - 4, 4 * MAX_PENDING_TOKENS):
@@ -202,26 +208,25 @@ def test_a_character_that_begins_past_max_pending_tokens_is_not_split(tok):
             assert "".join(pieces) == det.text == tok.decode(ids) == "\ufffd" * lone + text, (text, lone)
 
 
-def test_random_bytes_and_characters_stream_to_the_one_shot_decode(tok):
+def test_random_bytes_and_characters_stream_to_the_one_shot_decode(tok, lone_bytes):
     """Runs of lone bytes past MAX_PENDING_TOKENS between pieces of text (characters of 1-4 bytes, each a token or
     split over several, tokens that end in the next character's first bytes): the streamed text is the one-shot
     decode."""
     rng = random.Random(1)
-    lone = [t for t in range(len(tok)) if tok.decode([t]) == "\ufffd" and tok.decode([t, t]) == "\ufffd" * 2]
     for _ in range(40):
         ids = []
         while len(ids) < 120:
-            ids += rng.choices(lone, k=rng.randrange(0, 2 * MAX_PENDING_TOKENS)) if rng.random() < 0.5 else []
+            ids += rng.choices(lone_bytes, k=rng.randrange(0, 2 * MAX_PENDING_TOKENS)) if rng.random() < 0.5 else []
             start = rng.randrange(len(TEXT))
             ids += tok.encode(TEXT[start:start + rng.randrange(1, 8)])  # (tokens of characters and a next one's bytes)
         det, pieces, _ = _stream(tok, ids, ignore_eos=True)
         assert "".join(pieces) == det.text == tok.decode(ids), ids
 
 
-def test_a_stop_string_after_max_pending_tokens_of_lone_bytes_is_found(tok):
+def test_a_stop_string_after_max_pending_tokens_of_lone_bytes_is_found(tok, lone_bytes):
     """The stop string's first token ends in the first byte of its next character, just past MAX_PENDING_TOKENS
     tokens of lone bytes: the character is kept whole, and the stop string found."""
-    byte = next(t for t in range(len(tok)) if tok.decode([t]) == "\ufffd" and tok.decode([t, t]) == "\ufffd" * 2)
+    byte = lone_bytes[0]
     ids = [byte] * MAX_PENDING_TOKENS + tok.encode("naïve and more")
     det, pieces, _ = _stream(tok, ids, ignore_eos=True, stop=["naïve"])
     assert det.finish_reason == "stop" and det.stop_reason == "naïve"

@@ -166,8 +166,7 @@ def test_a_name_out_of_host_memory_is_served_from_the_copy_another_name_holds(ma
         engine.load_lora(name, str(where))
     host, stats = engine.runner.lora._host, engine.runner.lora.stats
     assert "one" not in host and "two" in host
-    for f in path.iterdir():
-        os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
+    _touch(path)
     loads = stats.disk_loads
     assert engine.generate(PROMPTS[0], GREEDY, lora="one")[0].token_ids == reference[0, "full"]
     assert stats.disk_loads == loads and "one" in host
@@ -355,8 +354,7 @@ def test_ranks_that_read_a_path_at_other_times_take_the_copy_rank_0_names(make_e
     engine = make_engine(FAMILY, lora_paths={"a": str(path), "q": str(adapters(FAMILY)["partial"].path)})
     lead, follower = tensor_parallel_pair(engine, max_cpu_loras=2)
     share = lead.read(str(path))
-    for f in path.iterdir():
-        os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
+    _touch(path)
     lead.load_lora("b", str(path), adapter=share)
     exchange(lead, follower, wait=30)
     assert set(lead._host) == set(follower._host) == {"q", "b"}
@@ -452,8 +450,7 @@ def test_another_ranks_changed_files_fail_the_adapter_not_the_rank(make_engine, 
     lead.load_lora("x", paths["partial"])  # "full" out of host memory on both
     exchange(lead, follower, wait=30)
     assert "full" not in follower._host
-    for f in mine.iterdir():
-        os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
+    _touch(mine)
     lead.prefetch(["full"], set())
     lead.wait_for_prefetch(30)
     exchange(lead, follower, wait=30)
@@ -495,3 +492,9 @@ def test_another_ranks_host_memory_follows_rank_0s(make_engine, adapters, tmp_pa
     lead.prepare(["full"], {"full"})  # a synchronous read and slot write
     follower.replay(lead.take_events())
     assert set(follower._host) == set(lead._host) == {"partial", "full"}
+
+
+def _touch(path) -> None:
+    """The adapter's files a second later, their bytes unchanged (as another copy of them, or a rewrite, would be)."""
+    for f in path.iterdir():
+        os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
